@@ -1,0 +1,27 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch 2.13.0 is what CI and the developers' machines have; on a GPU machine
+# override it, e.g. `make test TORCH=torch`, or install torch first: an installed torch is kept.
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test lint
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev,kernels]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/deltazip demo
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .

@@ -1,0 +1,115 @@
+"""Calibration data: local json/jsonl/txt/parquet files (or a hub dataset) -> token windows.
+
+Records are read with ``datasets``; a record's text is its ``text`` field, or its chat ``messages``
+rendered with the tokenizer's chat template, or ``prompt`` + ``completion``/``answer``/``response``.
+Documents are joined with EOS into one token stream from which ``nsamples`` windows of ``seqlen``
+tokens are drawn with a seeded generator (non-overlapping when the stream is long enough).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deltazip.formats.errors import InputError
+
+_LOADERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
+MIN_TOKENS = 8
+
+
+@dataclass
+class CalibrationSet:
+    """Token windows ``input_ids`` int64 ``[nsamples, seqlen]`` plus a summary for the manifest."""
+
+    input_ids: torch.Tensor
+    summary: dict
+
+
+def _record_text(rec: dict, tokenizer) -> str | None:
+    if isinstance(rec.get("text"), str):
+        return rec["text"]
+    msgs = rec.get("messages")
+    if isinstance(msgs, list) and msgs:
+        if getattr(tokenizer, "chat_template", None):
+            return tokenizer.apply_chat_template(msgs, tokenize=False)
+        return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in msgs if isinstance(m, dict))
+    if isinstance(rec.get("prompt"), str):
+        for k in ("completion", "answer", "response", "output"):
+            if isinstance(rec.get(k), str):
+                return rec["prompt"] + rec[k]
+        return rec["prompt"]
+    return None
+
+
+def _load_records(source: str):
+    import datasets
+
+    datasets.disable_progress_bars()
+    p = Path(source).expanduser()
+    try:
+        if p.exists():
+            kind = _LOADERS.get(p.suffix.lower())
+            if kind is None:
+                raise InputError(f"calibration file {p} has an unsupported extension; use .jsonl, .json, .txt "
+                                 f"or .parquet")
+            if p.stat().st_size == 0:
+                raise InputError(f"calibration file {p} is empty")
+            kwargs = {"sample_by": "paragraph"} if kind == "text" else {}
+            return datasets.load_dataset(kind, data_files=str(p), split="train", **kwargs), _sha256(p)
+        if source.count("/") != 1:
+            raise InputError(f"calibration data {source} does not exist; pass a local file or a hub dataset id")
+        return datasets.load_dataset(source, split="train"), None
+    except InputError:
+        raise
+    except Exception as e:  # datasets raises many types for unreadable files or unreachable hubs
+        raise InputError(f"calibration data {source} could not be read ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from e
+
+
+def _sha256(p: Path) -> str:
+    return "sha256:" + hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def load_calibration(source: str, tokenizer, nsamples: int, seqlen: int, seed: int) -> CalibrationSet:
+    """Tokenize a calibration source and draw windows.
+
+    Args:
+        source: local file path or hub dataset id.
+        tokenizer: a transformers tokenizer.
+        nsamples: windows to draw.
+        seqlen: tokens per window; truncated to the stream length when the data is shorter.
+        seed: seed of the window sampler.
+    """
+    ds, digest = _load_records(source)
+    eos = tokenizer.eos_token_id
+    stream: list[int] = []
+    docs = 0
+    for rec in ds:
+        text = _record_text(rec, tokenizer)
+        if not text or not text.strip():
+            continue
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        stream.extend(ids)
+        if eos is not None:
+            stream.append(eos)
+        docs += 1
+    if docs == 0:
+        raise InputError(f"calibration data {source} has no usable records (need a 'text' or 'messages' field)")
+    if len(stream) < MIN_TOKENS:
+        raise InputError(f"calibration data {source} is too short: {len(stream)} tokens, need at least "
+                         f"{MIN_TOKENS}; add more text")
+    seqlen = min(seqlen, len(stream))
+    data = torch.tensor(stream, dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    n_windows = len(stream) // seqlen
+    if n_windows >= nsamples:
+        starts = torch.randperm(n_windows, generator=g)[:nsamples] * seqlen
+    else:
+        starts = torch.randint(0, len(stream) - seqlen + 1, (nsamples,), generator=g)
+    windows = torch.stack([data[s:s + seqlen] for s in starts.tolist()])
+    summary = {"source": str(source), "sha256": digest, "documents": docs, "stream_tokens": len(stream),
+               "nsamples": nsamples, "seqlen": seqlen, "tokens": nsamples * seqlen, "seed": seed}
+    return CalibrationSet(windows, summary)

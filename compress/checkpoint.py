@@ -1,0 +1,150 @@
+"""Lazy access to a Hugging Face checkpoint: one tensor at a time, safetensors only.
+
+A checkpoint is a local directory (``config.json`` + ``model.safetensors`` or sharded safetensors
+with ``model.safetensors.index.json``) or a hub id, downloaded only when the hub is reachable.
+Pickle checkpoints (``*.bin``, ``*.pt``) are refused: loading them can run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from deltazip.formats.checksum import Fingerprint
+from deltazip.formats.errors import InputError
+from deltazip.formats.safetensors_raw import RawFile, TensorEntry, read_table
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+_PICKLE_GLOBS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.bin")
+# Side files worth keeping with an artifact so that a merged model is complete.
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
+                 "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def resolve_model_dir(spec: str | Path, role: str) -> Path:
+    """A local model directory for ``spec`` (a path, or a hub id fetched when the hub answers)."""
+    p = Path(spec).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise InputError(f"{role} {p} is not a directory; pass a Hugging Face model directory")
+        return p
+    s = str(spec)
+    looks_like_hub_id = s.count("/") == 1 and not s.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise InputError(f"{role} {p} does not exist; pass a model directory or a hub id like org/name")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(s, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    except Exception as e:  # network, auth or missing repo: all end the same way for the user
+        raise InputError(f"{role} {s!r} is not a local directory and could not be downloaded from the hub "
+                         f"({type(e).__name__}); pass a local model directory") from e
+    return Path(local)
+
+
+class Checkpoint:
+    """Tensor table of a checkpoint plus lazy, validated tensor reads.
+
+    Args:
+        spec: model directory or hub id.
+        role: word used in error messages ("base", "fine-tuned").
+    """
+
+    def __init__(self, spec: str | Path, role: str = "model"):
+        self.spec = str(spec)
+        self.role = role
+        self.path = resolve_model_dir(spec, role)
+        if not (self.path / "config.json").is_file():
+            raise InputError(f"{role} {self.path} is not a model directory (no config.json)")
+        self.files = self._weight_files()
+        self.table: dict[str, TensorEntry] = {}
+        self.file_of: dict[str, Path] = {}
+        for f in self.files:
+            entries, _ = read_table(f)
+            for name, e in entries.items():
+                if name in self.table:
+                    raise InputError(f"{role} {self.path}: tensor {name!r} appears in two weight files")
+                self.table[name] = e
+                self.file_of[name] = f
+        if not self.table:
+            raise InputError(f"{role} {self.path}: the safetensors files hold no tensors")
+        self._handles: dict[Path, object] = {}
+
+    def _weight_files(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise InputError(f"{index}: corrupt safetensors index ({e})") from e
+            files = sorted({self.path / f for f in weight_map.values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise InputError(f"{self.role} {self.path}: shard {missing[0]} named in the index is missing")
+            return files
+        files = sorted(self.path.glob("*.safetensors"))
+        if files:
+            return files
+        if any(any(self.path.glob(g)) for g in _PICKLE_GLOBS):
+            raise InputError(f"{self.role} {self.path} has only pickle weights (.bin/.pt), which deltazip does not "
+                             f"load; convert it to safetensors (e.g. save_pretrained(..., safe_serialization=True))")
+        raise InputError(f"{self.role} {self.path}: no safetensors weights found")
+
+    # -- table ----------------------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        return list(self.table)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.table[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        st = self.table[name].dtype
+        if st not in _ST_DTYPES:
+            raise InputError(f"{self.role} {self.path}: tensor {name} has dtype {st}, which deltazip does not handle")
+        return _ST_DTYPES[st]
+
+    def nbytes(self) -> int:
+        """Bytes of all tensors in their stored dtypes."""
+        return sum(e.nbytes for e in self.table.values())
+
+    def config_dict(self) -> dict:
+        try:
+            return json.loads((self.path / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise InputError(f"{self.path / 'config.json'}: invalid JSON ({e})") from e
+
+    # -- reads ----------------------------------------------------------------------------------
+    def get(self, name: str, check_finite: bool = True) -> torch.Tensor:
+        """Load one tensor (CPU, stored dtype); NaN/Inf in a float tensor is an InputError."""
+        f = self.file_of.get(name)
+        if f is None:
+            raise InputError(f"{self.role} {self.path}: no tensor {name!r}")
+        h = self._handles.get(f)
+        if h is None:
+            h = self._handles[f] = safe_open(str(f), framework="pt")
+        t = h.get_tensor(name)
+        if check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise InputError(f"{self.role} {self.path}: tensor {name} contains NaN or Inf values")
+        return t
+
+    def fingerprint(self) -> str:
+        """xxh3-128 fingerprint over every tensor's raw bytes (see formats.checksum.Fingerprint)."""
+        fp = Fingerprint()
+        for f in self.files:
+            with RawFile(f) as raw:
+                for name, e in raw.entries.items():
+                    v = raw.view(name)
+                    fp.add(name, e.dtype, e.shape, v)
+                    v.release()
+        return fp.hexdigest()
+
+    def side_files(self) -> list[Path]:
+        """Config and tokenizer files present in the directory."""
+        return [self.path / n for n in HF_SIDE_FILES if (self.path / n).is_file()]

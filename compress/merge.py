@@ -1,0 +1,86 @@
+"""Rebuild the fine-tuned model from base + artifact, in memory or as a plain HF checkpoint."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from huggingface_hub import save_torch_state_dict
+
+from deltazip.compress.checkpoint import Checkpoint
+from deltazip.formats.artifact import Artifact
+from deltazip.formats.errors import InputError
+
+
+def open_base(art: Artifact, base_spec: str | Path | None, check_fingerprint: bool = True) -> Checkpoint:
+    """The base checkpoint of an artifact: ``base_spec`` or the lineage's, fingerprint-checked."""
+    spec = base_spec or art.lineage.get("base")
+    if not spec:
+        raise InputError(f"{art.path}: the artifact names no base model; pass --base")
+    base = Checkpoint(spec, "base")
+    want = art.lineage.get("base_fingerprint")
+    if check_fingerprint and want and base.fingerprint() != want:
+        raise InputError(f"base {base.path} is not the model this artifact was compressed against "
+                         f"(fingerprint differs); pass the right --base")
+    return base
+
+
+def reconstruct_state_dict(art: Artifact, base: Checkpoint,
+                           progress: Callable[[str, int, int], None] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the fine-tuned model, rebuilt as the compressor produced it (CPU, stored dtypes)."""
+    out = {}
+    names = list(art.tensors)
+    for i, name in enumerate(names):
+        kind = art.tensors[name]["kind"]
+        needs_base = kind in ("same", "dense_delta") or (kind == "packed" and art.tensors[name]["additive"])
+        out[name] = art.reconstruct(name, base.get(name) if needs_base else None)
+        if progress:
+            progress("rebuilding tensors", i + 1, len(names))
+    return out
+
+
+def merge_to_dir(art: Artifact, base: Checkpoint, out_dir: str | Path, overwrite: bool = False,
+                 max_shard_size: str = "2GB", progress=None) -> Path:
+    """Write ``base + delta`` as a standard HF checkpoint (config, tokenizer, sharded safetensors).
+
+    The write goes to a temporary sibling directory renamed into place at the end.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise InputError(f"output directory {out_dir} already exists; pass --overwrite to replace it")
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir(parents=True)
+    try:
+        sd = reconstruct_state_dict(art, base, progress)
+        save_torch_state_dict(sd, tmp, max_shard_size=max_shard_size)
+        side = art.hf_dir()
+        src = side if side.is_dir() else base.path
+        for f in sorted(src.iterdir()):
+            if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.copyfile(f, tmp / f.name)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def load_merged_model(art: Artifact, base: Checkpoint, dtype: torch.dtype | None = None):
+    """A transformers model of the fine-tune rebuilt in memory (no files written)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg_dir = art.hf_dir() if (art.hf_dir() / "config.json").is_file() else base.path
+    config = AutoConfig.from_pretrained(cfg_dir)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    sd = reconstruct_state_dict(art, base)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    unexpected = [u for u in unexpected if u]
+    if unexpected:
+        raise InputError(f"{art.path}: tensors {unexpected[:3]} do not belong to {type(model).__name__}")
+    model.tie_weights()
+    return model.eval()

@@ -1,0 +1,159 @@
+"""The OBS solver: joint 2:4 pruning + GPTQ quantization of one matrix from its Hessian.
+
+Columns are processed left to right (SparseGPT/GPTQ). Every 4 columns the 2:4 mask is chosen from
+``w**2 / diag(Hinv)**2``; each column is quantized on its group's grid, pruned entries are set to
+exactly zero, and the rounding error is spread onto the not-yet-processed columns through the
+Cholesky factor of ``H**-1``. Work is done in lazy blocks of one quantization group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deltazip.compress.quantizer import dequantize_codes, find_params, quantize_codes
+from deltazip.formats.errors import CompressionError
+
+_MAX_DAMP_TRIES = 6
+
+
+@dataclass
+class SolveResult:
+    """Solver output for a ``[R, C]`` matrix with ``G`` groups.
+
+    ``codes`` int64 ``[R, C]`` (values at pruned positions are irrelevant), ``scales`` fp32 ``[R, G]``
+    (fp16-exact), ``zeros`` fp32 ``[R, G]`` (integers), ``mask`` bool ``[R, C]`` keep-mask or None,
+    ``values`` fp32 ``[R, C]`` the compressed matrix ``Q ⊙ M`` exactly as stored.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    mask: torch.Tensor | None
+    values: torch.Tensor
+    stats: dict = field(default_factory=dict)
+
+
+def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float, int]:
+    """Upper Cholesky factor of ``(H + λI)**-1``, retrying with 10x more damping on failure.
+
+    Returns (factor, relative damping used, retries).
+    """
+    mean_diag = float(torch.mean(torch.diag(H)))
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    d = damp
+    for attempt in range(_MAX_DAMP_TRIES):
+        Hd = H + (d * mean_diag) * eye
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if int(info) == 0:
+            Hinv = torch.cholesky_inverse(L)
+            U, info2 = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if int(info2) == 0 and bool(torch.isfinite(U).all()):
+                return U, d, attempt
+        d *= 10
+    raise CompressionError(f"Hessian stays singular after damping up to {d / 10:g} x mean(diag); the "
+                           f"calibration data may be too small or degenerate: add more samples")
+
+
+def obs_compress(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    bits: int,
+    sym: bool,
+    group_size: int,
+    sparse24: bool,
+    damp: float = 0.01,
+) -> SolveResult:
+    """Compress ``W`` minimising ``||(W - Q⊙M) X||²`` where ``H = 2 X Xᵀ / n``.
+
+    Args:
+        W: fp32 ``[R, C]`` matrix (the delta, or full weights for the SparseGPT baseline).
+        H: fp32 ``[C, C]`` Hessian of the layer input.
+        bits, sym, group_size: grid (``group_size`` -1 = one group per row).
+        sparse24: choose a 2:4 mask along the columns.
+        damp: dampening relative to ``mean(diag(H))``.
+    """
+    R, C = W.shape
+    gs = C if group_size == -1 else group_size
+    assert C % gs == 0, f"columns {C} not divisible by group size {gs}"
+    assert not sparse24 or gs % 4 == 0, "2:4 needs a group size divisible by 4"
+    W = W.clone().float()
+    H = H.clone().float()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    Hinv, damp_used, retries = _inverse_cholesky(H, damp)
+
+    G = C // gs
+    scales = torch.zeros(R, G, device=W.device)
+    zeros = torch.zeros(R, G, device=W.device)
+    codes = torch.zeros(R, C, dtype=torch.int64, device=W.device)
+    values = torch.zeros(R, C, device=W.device)
+    keep = torch.ones(R, C, dtype=torch.bool, device=W.device) if sparse24 else None
+    rows = torch.arange(R, device=W.device)
+
+    block = gs  # one group per lazy block: group params always see fully updated columns
+    for i1 in range(0, C, block):
+        i2 = i1 + block
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        scale, zero = find_params(W1, bits, sym)
+        scales[:, i1 // gs], zeros[:, i1 // gs] = scale, zero
+        if sparse24:
+            pruned1 = torch.zeros_like(W1, dtype=torch.bool)
+        for i in range(block):
+            w = W1[:, i]
+            d = Hinv1[i, i]
+            if sparse24 and i % 4 == 0:
+                score = W1[:, i:i + 4] ** 2 / torch.diag(Hinv1)[i:i + 4].unsqueeze(0) ** 2
+                drop = torch.topk(score, 2, dim=1, largest=False).indices
+                pruned1[rows.unsqueeze(1), i + drop] = True
+            c = quantize_codes(w.unsqueeze(1), scale.unsqueeze(1), zero.unsqueeze(1), bits).squeeze(1)
+            q = dequantize_codes(c, scale, zero)
+            if sparse24:
+                q = torch.where(pruned1[:, i], torch.zeros_like(q), q)
+            codes[:, i1 + i] = c.long()
+            values[:, i1 + i] = q
+            err = (w - q) / d
+            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
+            Err1[:, i] = err
+        if sparse24:
+            keep[:, i1:i2] = ~pruned1
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+
+    stats = {"damp": damp_used, "damp_retries": retries, "dead_columns": int(dead.sum())}
+    return SolveResult(codes, scales, zeros, keep, values, stats)
+
+
+def rtn_compress(W: torch.Tensor, bits: int, sym: bool, group_size: int, sparse24: bool) -> SolveResult:
+    """Round-to-nearest baseline: magnitude 2:4 mask, then per-group min/max grid, no calibration.
+
+    Args/returns as ``obs_compress`` (no Hessian).
+    """
+    R, C = W.shape
+    gs = C if group_size == -1 else group_size
+    W = W.float()
+    keep = None
+    if sparse24:
+        top = torch.topk(W.abs().reshape(R, C // 4, 4), 2, dim=-1).indices
+        keep = torch.zeros(R, C // 4, 4, dtype=torch.bool, device=W.device)
+        keep.scatter_(-1, top, True)
+        keep = keep.reshape(R, C)
+        W = torch.where(keep, W, torch.zeros_like(W))
+    Wg = W.reshape(R * (C // gs), gs)
+    scale, zero = find_params(Wg, bits, sym)
+    codes = quantize_codes(Wg, scale, zero, bits)
+    values = dequantize_codes(codes, scale, zero).reshape(R, C)
+    if keep is not None:
+        values = torch.where(keep, values, torch.zeros_like(values))
+    return SolveResult(codes.reshape(R, C).long(), scale.reshape(R, C // gs), zero.reshape(R, C // gs), keep,
+                       values, {})
+
+
+def output_error(E: torch.Tensor, W: torch.Tensor, H: torch.Tensor) -> float:
+    """Relative output error ``tr(E H Eᵀ) / tr(W H Wᵀ)`` = ``||E X||² / ||W X||²`` on the calibration inputs."""
+    num = float(torch.sum((E @ H) * E))
+    den = float(torch.sum((W @ H) * W))
+    return num / den if den > 0 else 0.0

@@ -1,0 +1,328 @@
+"""ΔCompress, layer by layer (paper Algorithm 1; DESIGN.md "ΔCompress in one paragraph").
+
+For each decoder layer: load that layer's base and fine-tuned tensors only; for each true-sequential
+group of linears, accumulate the Hessian of their input on the calibration activations, compress
+``Δ = W_ft - W_base`` with the OBS solver and put ``W_base + Q⊙M`` back into the layer, so that later
+groups and the next layer see the reconstructed fine-tuned model; then run the layer to produce the
+next layer's inputs. Non-linear tensors are stored as "same", a dense delta, or in full.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from deltazip.compress.calibration import load_calibration
+from deltazip.compress.checkpoint import Checkpoint
+from deltazip.compress.config import CompressConfig
+from deltazip.compress.model_walk import (
+    Catcher,
+    StopForward,
+    decoder_layers,
+    empty_model,
+    layer_linears,
+    sequential_groups,
+    set_param,
+)
+from deltazip.compress.obs import SolveResult, obs_compress, output_error, rtn_compress
+from deltazip.formats.artifact import Artifact, ArtifactWriter
+from deltazip.formats.errors import InputError
+from deltazip.formats.packing import pack_delta
+
+Progress = Callable[[str, int, int], None]
+
+
+def check_pair(base: Checkpoint, ft: Checkpoint) -> None:
+    """Base and fine-tune must share architecture, tensor names and shapes."""
+    bc, fc = base.config_dict(), ft.config_dict()
+    for key in ("model_type", "architectures"):
+        if bc.get(key) != fc.get(key):
+            raise InputError(f"base and fine-tuned differ in {key}: {bc.get(key)} vs {fc.get(key)}; "
+                             f"a delta needs the fine-tune's own base model")
+    only_ft = sorted(set(ft.names) - set(base.names))
+    only_base = sorted(set(base.names) - set(ft.names))
+    if only_ft or only_base:
+        which = f"{only_ft[0]!r} only in the fine-tune" if only_ft else f"{only_base[0]!r} only in the base"
+        raise InputError(f"base and fine-tuned have different tensor names ({len(only_ft) + len(only_base)} "
+                         f"differ, e.g. {which}); pass the fine-tune's own base model")
+    for n in ft.names:
+        if base.shape(n) != ft.shape(n):
+            raise InputError(f"tensor {n} has shape {list(base.shape(n))} in the base but {list(ft.shape(n))} "
+                             f"in the fine-tune; pass the fine-tune's own base model")
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def record_other(writer: ArtifactWriter, name: str, b: torch.Tensor, f: torch.Tensor, stats: dict) -> torch.Tensor:
+    """Store a non-linear tensor in its smallest faithful form; returns its reconstruction.
+
+    "same" when bit-identical; an fp16 delta when the fine-tune is 4-byte (half the bytes) or when the
+    fp16 delta rebuilds a 2-byte tensor bit-exactly (same bytes, but mostly zeros, which lossless
+    packing shrinks); otherwise the tensor in full.
+    """
+    if _bitwise_equal(b, f):
+        writer.add_same(name, tuple(f.shape), f.dtype)
+        stats["same"] += 1
+        return f
+    if f.is_floating_point():
+        d16 = (f.float() - b.float()).half()
+        if bool(torch.isfinite(d16).all()):
+            rec = (b.float() + d16.float()).to(f.dtype)
+            if f.element_size() >= 4 or _bitwise_equal(rec, f):
+                writer.add_dense_delta(name, d16, f.dtype)
+                stats["dense_delta"] += 1
+                stats["dense_delta_max_abs_err"] = max(stats["dense_delta_max_abs_err"],
+                                                       float((rec.float() - f.float()).abs().max()))
+                return rec
+    writer.add_full(name, f)
+    stats["full"] += 1
+    return f
+
+
+def _linear_names(model, lname: str, layers) -> list[dict[str, str]]:
+    """Per layer: checkpoint weight name -> linear module name (relative to the layer)."""
+    out = []
+    for i, layer in enumerate(layers):
+        out.append({f"{lname}.{i}.{ln}.weight": ln for ln in layer_linears(layer)})
+    return out
+
+
+def _check_shapes(ft: Checkpoint, linears: list[dict[str, str]], cfg: CompressConfig) -> None:
+    for per_layer in linears:
+        for n in per_layer:
+            if n not in ft.table:
+                raise InputError(f"tensor {n} of the model class is not in the checkpoint; the checkpoint's "
+                                 f"tensor names do not follow transformers' layout")
+            in_f = ft.shape(n)[1]
+            if cfg.sparse24 and in_f % 4:
+                raise InputError(f"tensor {n} has {in_f} input features, not divisible by 4: use --sparsity none")
+            if cfg.group_size != -1 and in_f % cfg.group_size:
+                raise InputError(f"tensor {n} has {in_f} input features, not divisible by --group-size "
+                                 f"{cfg.group_size}: pick a divisor or -1")
+
+
+def _solve(target: torch.Tensor, H: torch.Tensor | None, cfg: CompressConfig) -> SolveResult:
+    if H is None:
+        return rtn_compress(target, cfg.bits, cfg.sym, cfg.group_size, cfg.sparse24)
+    return obs_compress(target, H, cfg.bits, cfg.sym, cfg.group_size, cfg.sparse24, cfg.damp)
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class _Run:
+    """State of one compression run (keeps compress_delta readable)."""
+
+    def __init__(self, base: Checkpoint, ft: Checkpoint, cfg: CompressConfig, writer: ArtifactWriter,
+                 progress: Progress):
+        self.base, self.ft, self.cfg, self.writer, self.progress = base, ft, cfg, writer, progress
+        self.device = cfg.torch_device()
+        first = next(n for n in ft.names if ft.dtype(n).is_floating_point)
+        self.cdtype = cfg.compute_dtype(self.device, ft.dtype(first))
+        self.model = empty_model(ft.path, self.cdtype)
+        self.lname, self.layers = decoder_layers(self.model)
+        self.linears = _linear_names(self.model, self.lname, self.layers)
+        _check_shapes(ft, self.linears, cfg)
+        self.other_stats = {"same": 0, "dense_delta": 0, "full": 0, "dense_delta_max_abs_err": 0.0}
+        self.layer_stats: list[dict] = []
+        self.base_view = cfg.calib_activations == "base"
+
+    def layer_prefix(self, i: int) -> str:
+        return f"{self.lname}.{i}."
+
+    # -- non-layer tensors ----------------------------------------------------------------------
+    def outside_layers(self) -> None:
+        """Record embeddings, final norm, lm_head...; load them into the skeleton for the forward."""
+        params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        params |= {n for n, _ in self.model.named_buffers()}
+        for n in self.ft.names:
+            if n.startswith(self.lname + "."):
+                continue
+            b, f = self.base.get(n), self.ft.get(n)
+            rec = record_other(self.writer, n, b, f, self.other_stats)
+            if n in params and self.cfg.method != "rtn":
+                set_param(self.model, n, (b if self.base_view else rec).to(self.cdtype), self.device)
+
+    # -- calibration ----------------------------------------------------------------------------
+    def first_inputs(self, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
+        """Run the model up to layer 0 and capture its inputs, one entry per batch."""
+        catcher = Catcher(self.layers[0])
+        self.layers[0] = catcher
+        try:
+            with torch.no_grad():
+                for s in range(0, input_ids.shape[0], self.cfg.batch_size):
+                    try:
+                        self.model(input_ids=input_ids[s:s + self.cfg.batch_size].to(self.device), use_cache=False)
+                    except StopForward:
+                        pass
+        finally:
+            self.layers[0] = catcher.inner
+        return catcher.captured
+
+    @staticmethod
+    def run_layer(layer, h: torch.Tensor, kw: dict) -> torch.Tensor:
+        kw = dict(kw)
+        args = kw.pop("__args__", ())
+        out = layer(h, *args, **kw)
+        return out[0] if isinstance(out, tuple) else out
+
+    def hessians(self, layer, group: list[str], batches) -> dict[str, torch.Tensor]:
+        """``H = 2 XᵀX / n`` (fp32) of each linear's input over all calibration tokens."""
+        mods = layer_linears(layer)
+        sums = {ln: torch.zeros(mods[ln].in_features, mods[ln].in_features, device=self.device) for ln in group}
+        counts = dict.fromkeys(group, 0)
+
+        def hook(ln):
+            def fn(_m, args):
+                x = args[0].reshape(-1, args[0].shape[-1]).float()
+                sums[ln].addmm_(x.t(), x)
+                counts[ln] += x.shape[0]
+            return fn
+
+        handles = [mods[ln].register_forward_pre_hook(hook(ln)) for ln in group]
+        try:
+            with torch.no_grad():
+                for h, kw in batches:
+                    self.run_layer(layer, h, kw)
+        finally:
+            for hd in handles:
+                hd.remove()
+        return {ln: 2 * sums[ln] / max(counts[ln], 1) for ln in group}
+
+    # -- one layer ------------------------------------------------------------------------------
+    def layer(self, i: int, batches) -> list[tuple[torch.Tensor, dict]]:
+        """Compress layer ``i``; returns the next layer's inputs (unchanged list when uncalibrated)."""
+        cfg, prefix, layer = self.cfg, self.layer_prefix(i), self.layers[i]
+        lin = self.linears[i]
+        calibrated = cfg.method != "rtn"
+        names = [n for n in self.ft.names if n.startswith(prefix)]
+        for n in names:
+            if n in lin:
+                continue
+            b, f = self.base.get(n), self.ft.get(n)
+            rec = record_other(self.writer, n, b, f, self.other_stats)
+            if calibrated:
+                set_param(layer, n[len(prefix):], (b if self.base_view else rec).to(self.cdtype), self.device)
+        stats = {"index": i, "tensors": {}}
+        if not calibrated:
+            for n in lin:
+                self._compress_linear(n, None, stats)
+            self.layer_stats.append(stats)
+            return batches
+        for n, ln in lin.items():
+            w = self.base.get(n) if self.base_view else self.ft.get(n)
+            set_param(layer, f"{ln}.weight", w.to(self.cdtype), self.device)
+        with torch.no_grad():
+            ys_ft = [self.run_layer(layer, h, kw) for h, kw in batches]
+        groups = sequential_groups(layer, lambda: self.run_layer(layer, *batches[0]))
+        for group in groups:
+            H = self.hessians(layer, group, batches)
+            for ln in group:
+                n = f"{prefix}{ln}.weight"
+                rec = self._compress_linear(n, H[ln], stats)
+                if not self.base_view:
+                    set_param(layer, f"{ln}.weight", rec.to(self.cdtype), self.device)
+        with torch.no_grad():
+            outs = [(self.run_layer(layer, h, kw), kw) for h, kw in batches]
+        num = sum(float((y - yf).float().pow(2).sum()) for (y, _), yf in zip(outs, ys_ft))
+        den_y = sum(float(yf.float().pow(2).sum()) for yf in ys_ft)
+        den_d = sum(float((yf - h).float().pow(2).sum()) for yf, (h, _) in zip(ys_ft, batches))
+        stats["rel_out_err"] = (num / den_y) ** 0.5 if den_y else 0.0
+        stats["rel_update_err"] = (num / den_d) ** 0.5 if den_d else 0.0
+        for n, _ in layer.named_parameters():
+            set_param(layer, n, None)
+        self.layer_stats.append(stats)
+        return outs
+
+    def _compress_linear(self, n: str, H: torch.Tensor | None, stats: dict) -> torch.Tensor:
+        cfg = self.cfg
+        wf = self.ft.get(n).float().to(self.device)
+        wb = self.base.get(n).float().to(self.device)
+        target = wf - wb if cfg.additive else wf
+        res = _solve(target, H, cfg)
+        packed = pack_delta(res.codes.cpu(), res.scales.cpu(), None if cfg.sym else res.zeros.cpu(),
+                            None if res.mask is None else res.mask.cpu(), cfg.bits, cfg.group_size)
+        self.writer.add_packed(n, packed, self.ft.dtype(n), additive=cfg.additive, sym=cfg.sym)
+        rec = wb + res.values if cfg.additive else res.values
+        err = target - res.values
+        t = {"rel_weight_err": float(err.norm() / target.norm()) if float(target.norm()) else 0.0,
+             "delta_rel_norm": float((wf - wb).norm() / wb.norm()) if float(wb.norm()) else 0.0, **res.stats}
+        if H is not None:
+            t["rel_out_err"] = output_error(err, target, H)
+        stats["tensors"][n] = t
+        return rec
+
+
+def compress_delta(
+    base_spec: str | Path,
+    ft_spec: str | Path,
+    calib: str | None,
+    out_dir: str | Path,
+    cfg: CompressConfig,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> dict:
+    """Compress a fine-tune against its base into an artifact at ``out_dir``.
+
+    Args:
+        base_spec, ft_spec: model directories or hub ids.
+        calib: calibration data (file or hub dataset id); unused (may be None) for ``rtn``.
+        out_dir: artifact directory to create (atomically).
+        cfg: compression options.
+        overwrite: replace an existing ``out_dir``.
+        progress: optional ``progress(description, done, total)`` callback.
+    Returns:
+        A report dict (also stored in the manifest's ``stats``).
+    """
+    progress = progress or (lambda *a: None)
+    t0 = time.time()
+    torch.manual_seed(cfg.seed)
+    base, ft = Checkpoint(base_spec, "base"), Checkpoint(ft_spec, "fine-tuned")
+    check_pair(base, ft)
+    if cfg.method != "rtn" and not calib:
+        raise InputError(f"--calib is required for --method {cfg.method}; pass a .jsonl/.json/.txt/.parquet file")
+    with ArtifactWriter(out_dir, overwrite=overwrite) as writer:
+        run = _Run(base, ft, cfg, writer, progress)
+        calib_summary = None
+        if cfg.method != "rtn":
+            from transformers import AutoTokenizer
+
+            try:
+                tok = AutoTokenizer.from_pretrained(ft.path)
+            except Exception as e:
+                raise InputError(f"fine-tuned {ft.path}: no usable tokenizer for the calibration data ({e})") from e
+            cal = load_calibration(calib, tok, cfg.nsamples, cfg.seqlen, cfg.seed)
+            calib_summary = cal.summary
+        run.outside_layers()
+        batches = run.first_inputs(cal.input_ids) if cfg.method != "rtn" else []
+        n_layers = len(run.layers)
+        for i in range(n_layers):
+            batches = run.layer(i, batches)
+            progress("compressing layers", i + 1, n_layers)
+        for f in ft.side_files():
+            writer.add_file(f, f.name)
+        elapsed = time.time() - t0
+        stats = {"seconds": round(elapsed, 3), "peak_rss_mib": round(_peak_rss_mib(), 1),
+                 "device": str(run.device), "compute_dtype": str(run.cdtype).removeprefix("torch."),
+                 "other_tensors": run.other_stats}
+        if run.device.type == "cuda":
+            stats["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        lineage = {"base": str(base_spec), "finetuned": str(ft_spec), "base_fingerprint": base.fingerprint(),
+                   "finetuned_fingerprint": ft.fingerprint(),
+                   "architectures": ft.config_dict().get("architectures"),
+                   "model_type": ft.config_dict().get("model_type"), "finetuned_bytes": ft.nbytes(),
+                   "layers_path": run.lname, "num_layers": n_layers}
+        path = writer.finalize(lineage=lineage, config=cfg.to_dict(), calibration=calib_summary,
+                               layers=run.layer_stats, stats=stats)
+    from deltazip.formats.report import summarize
+
+    return summarize(Artifact(path))

@@ -1,0 +1,62 @@
+"""``inspect --plot``: delta vs weight magnitudes (paper Figure 3) and per-layer error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from deltazip.compress.merge import open_base
+from deltazip.formats.artifact import Artifact
+from deltazip.kernels.reference import delta_weight
+
+_MAX_VALUES = 2_000_000
+
+
+def plot_artifact(art: Artifact, base_spec: str | None, out: str | Path) -> Path:
+    """Write a two-panel PNG: log10 |w| histograms of base weights and stored deltas; layer errors."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = open_base(art, base_spec, check_fingerprint=False)
+    g = torch.Generator().manual_seed(0)
+    w_vals, d_vals = [], []
+    packed = [n for n, e in art.tensors.items() if e["kind"] == "packed"]
+    per = max(1, _MAX_VALUES // max(1, len(packed)))
+    for n in packed:
+        d = delta_weight(art.packed(n)).flatten()
+        d = d[d != 0]
+        w = base.get(n).float().flatten()
+        d_vals.append(d[torch.randint(0, d.numel(), (min(per, d.numel()),), generator=g)] if d.numel() else d)
+        w_vals.append(w[torch.randint(0, w.numel(), (min(per, w.numel()),), generator=g)])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    ax = axes[0]
+    for vals, label in ((torch.cat(w_vals), "base weights"), (torch.cat(d_vals), "compressed delta (kept)")):
+        v = vals.abs()
+        v = v[v > 0]
+        ax.hist(torch.log10(v).numpy(), bins=120, alpha=0.6, label=label, density=True)
+    ax.set_xlabel("log10 |value|")
+    ax.set_ylabel("density")
+    ax.set_title("magnitudes: base weights vs delta")
+    ax.legend()
+    ax = axes[1]
+    layers = art.manifest.get("layers") or []
+    xs = [L["index"] for L in layers if L.get("rel_out_err") is not None]
+    if xs:
+        ax.plot(xs, [L["rel_out_err"] for L in layers if L.get("rel_out_err") is not None], "o-",
+                label="layer output")
+        ax.plot(xs, [L["rel_update_err"] for L in layers if L.get("rel_update_err") is not None], "s-",
+                label="layer update (output - input)")
+        ax.set_yscale("log")
+        ax.legend()
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("relative error vs fine-tuned")
+    ax.set_title("per-layer error on calibration data")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

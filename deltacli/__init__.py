@@ -1,0 +1,1 @@
+"""deltazip command-line interface: parsing and rendering only, no algorithms."""

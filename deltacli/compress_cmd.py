@@ -1,0 +1,53 @@
+"""``deltazip compress``: ΔCompress a fine-tune against its base into an artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from deltazip.deltacli.common import JsonOpt, OverwriteOpt, print_json, progress_bar
+from deltazip.deltacli.render import render_summary
+
+
+def compress(
+    base: Annotated[str, typer.Option("--base", help="Base model: local HF directory or hub id.", show_default=False)],
+    finetuned: Annotated[str, typer.Option("--finetuned", help="Fine-tuned model: local HF directory or hub id.",
+                                           show_default=False)],
+    out: Annotated[Path, typer.Option("--out", help="Artifact directory to create.", show_default=False)],
+    calib: Annotated[str, typer.Option("--calib", help="Calibration data: .jsonl/.json/.txt/.parquet or a hub "
+                                       "dataset id (not needed for --method rtn).")] = "",
+    bits: Annotated[int, typer.Option(help="Bits per kept delta value: 2, 3, 4 or 8.")] = 4,
+    sparsity: Annotated[str, typer.Option(help="'2:4' (structured, only kept values stored) or 'none'.")] = "2:4",
+    group_size: Annotated[int, typer.Option(help="Input columns per quantization group; -1 = one per row.")] = 128,
+    sym: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric grid or asymmetric with zero points.")] = True,
+    nsamples: Annotated[int, typer.Option(help="Calibration windows.")] = 256,
+    seqlen: Annotated[int, typer.Option(help="Tokens per window (truncated to what the data has).")] = 2048,
+    damp: Annotated[float, typer.Option(help="Hessian dampening relative to its mean diagonal.")] = 0.01,
+    method: Annotated[str, typer.Option(help="deltazip (delta + reconstructed calibration), sparsegpt (solver on "
+                                        "full weights) or rtn (round-to-nearest delta).")] = "deltazip",
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="Dtype of layer forwards: auto, float32, float16, bfloat16.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed of the calibration sampler.")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Calibration windows per layer forward.")] = 8,
+    overwrite: OverwriteOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Compress the delta between FINETUNED and BASE (2:4 prune + GPTQ quantize, layer by layer)."""
+    from deltazip.compress.config import CompressConfig
+    from deltazip.compress.pipeline import compress_delta
+
+    cfg = CompressConfig(bits=bits, sparsity=sparsity, group_size=group_size, sym=sym, nsamples=nsamples,
+                         seqlen=seqlen, damp=damp, method=method, device=device, dtype=dtype, seed=seed,
+                         batch_size=batch_size)
+    with progress_bar(json_out) as report:
+        summary = compress_delta(base, finetuned, calib or None, out, cfg, overwrite=overwrite, progress=report)
+    if json_out:
+        print_json(summary)
+    else:
+        render_summary(summary, title=f"compressed {finetuned} -> {out}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("compress", no_args_is_help=True)(compress)

@@ -1,0 +1,40 @@
+"""``deltazip inspect``: lineage, config, sizes, ratio and per-layer error of an artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from deltazip.deltacli.common import ArtifactArg, JsonOpt, print_json
+from deltazip.deltacli.render import render_summary
+
+
+def inspect(
+    artifact: ArtifactArg,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG: delta vs base weight magnitudes and "
+                                              "per-layer error (needs the base model).")] = None,
+    base: Annotated[str | None, typer.Option("--base", help="Base model for --plot (default: the lineage's).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Show what an artifact holds: sizes by kind, compression ratio, per-layer error."""
+    from deltazip.formats.artifact import Artifact
+    from deltazip.formats.report import summarize
+
+    art = Artifact(artifact)
+    summary = summarize(art)
+    if plot is not None:
+        from deltazip.compress.plots import plot_artifact
+
+        summary["plot"] = str(plot_artifact(art, base, plot))
+    if json_out:
+        print_json(summary)
+    else:
+        render_summary(summary, title=f"artifact {artifact}")
+        if plot is not None:
+            typer.echo(f"plot written to {summary['plot']}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("inspect", no_args_is_help=True)(inspect)

@@ -1,0 +1,37 @@
+"""``deltazip merge``: base + artifact -> a plain Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from deltazip.deltacli.common import ArtifactArg, JsonOpt, OverwriteOpt, print_json, progress_bar
+
+
+def merge(
+    artifact: ArtifactArg,
+    out: Annotated[Path, typer.Option("--out", help="Directory of the merged checkpoint.", show_default=False)],
+    base: Annotated[str | None, typer.Option("--base", help="Base model (default: the lineage's).")] = None,
+    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard, e.g. 2GB.")] = "2GB",
+    overwrite: OverwriteOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write BASE + the artifact's delta as a checkpoint that AutoModelForCausalLM loads."""
+    from deltazip.compress.merge import merge_to_dir, open_base
+    from deltazip.formats.artifact import Artifact
+
+    art = Artifact(artifact)
+    b = open_base(art, base)
+    with progress_bar(json_out) as report:
+        path = merge_to_dir(art, b, out, overwrite=overwrite, max_shard_size=max_shard_size, progress=report)
+    files = sorted(p.name for p in path.iterdir())
+    if json_out:
+        print_json({"merged": str(path), "base": str(b.path), "artifact": str(artifact), "files": files})
+    else:
+        typer.echo(f"merged {artifact} onto {b.path} -> {path} ({len(files)} files)")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("merge", no_args_is_help=True)(merge)

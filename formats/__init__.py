@@ -1,0 +1,1 @@
+"""The deltazip artifact: manifest, safetensors containers, bit packing, checksums."""

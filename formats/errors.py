@@ -1,0 +1,21 @@
+"""Errors a user can act on.
+
+Every exception here carries a one-line message that names the problem and the fix; the CLI's
+``main()`` prints it to stderr and exits 1. Anything else is a bug and keeps its traceback.
+"""
+
+
+class DeltazipError(Exception):
+    """Base class of the errors that the CLI reports as one line (exit code 1)."""
+
+
+class InputError(DeltazipError):
+    """A path, checkpoint, calibration file or option that cannot be used as given."""
+
+
+class ArtifactError(DeltazipError):
+    """An artifact that is missing, corrupt, of an unknown version or inconsistent."""
+
+
+class CompressionError(DeltazipError):
+    """The solver could not compress a tensor (e.g. the Hessian stays singular)."""

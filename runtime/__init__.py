@@ -1,0 +1,1 @@
+"""Runtime pieces: model building, the demo model pair and task evaluation."""

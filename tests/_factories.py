@@ -1,0 +1,95 @@
+"""Tiny models, tokenizers and calibration files built in code for tests (nothing from a hub)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+ALPHABET = list("abcdefghijklmnopqrstuvwxyz0123456789 .,:;=+-?!\n")
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+
+
+def tiny_tokenizer(save_dir: Path | None = None) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer (vocab 52) that AutoTokenizer can load back."""
+    vocab = {t: i for i, t in enumerate(SPECIALS + ALPHABET)}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                  unk_token="<unk>")
+    if save_dir is not None:
+        tok.save_pretrained(save_dir)
+    return tok
+
+
+ARCH_CONFIGS = {
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128),
+    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128),
+    "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, sliding_window=None),
+    "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                     num_hidden_layers=2, max_position_embeddings=128, rotary_pct=0.5),
+    "gemma": dict(model_type="gemma", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128),
+}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32, **overrides):
+    cfg = dict(ARCH_CONFIGS[arch])
+    model_type = cfg.pop("model_type")
+    cfg.update(vocab_size=len(SPECIALS) + len(ALPHABET), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg.update(overrides)
+    config = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def perturb(model, scale: float = 0.05, seed: int = 1, skip=("norm",)):
+    """A fake 'full fine-tune': every weight moved by scale * std(weight) * noise with some low-rank
+    structure (real fine-tune deltas are far from white noise)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(s in name for s in skip):
+                continue
+            std = float(p.float().std()) or 1.0
+            noise = torch.randn(p.shape, generator=g)
+            if p.dim() == 2:
+                r = max(1, min(p.shape) // 8)
+                noise = noise * 0.5 + (torch.randn(p.shape[0], r, generator=g) @ torch.randn(r, p.shape[1],
+                                                                                             generator=g)) / r**0.5
+            p.add_((scale * std * noise).to(p.dtype))
+    return model
+
+
+def save_model(model, path: Path, tokenizer=True) -> Path:
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer:
+        tiny_tokenizer(path)
+    return path
+
+
+def make_pair(tmp: Path, arch: str = "llama", dtype=torch.float32, scale: float = 0.05, **overrides):
+    """(base_dir, ft_dir) of a tiny model and a perturbed copy."""
+    base = tiny_model(arch, dtype=dtype, **overrides)
+    bdir = save_model(base, tmp / f"{arch}-base")
+    ft = perturb(base, scale=scale)
+    fdir = save_model(ft, tmp / f"{arch}-ft")
+    return bdir, fdir
+
+
+def calib_file(tmp: Path, n: int = 64, seed: int = 0) -> Path:
+    """A .jsonl of short random 'sentences' over the tiny alphabet."""
+    rnd = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "zip", "model", "base", "tune", "12", "345", "=", "+"]
+    p = tmp / "calib.jsonl"
+    with open(p, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"text": " ".join(rnd.choice(words) for _ in range(rnd.randint(6, 14)))}) + "\n")
+    return p

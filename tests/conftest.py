@@ -1,0 +1,25 @@
+"""Shared pytest setup: the ``gpu`` marker skips without CUDA and fails under ``--require-gpu``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption("--require-gpu", action="store_true", help="fail (not skip) gpu tests without CUDA")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    if config.getoption("--require-gpu"):
+        return  # pytest_runtest_setup fails them instead
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+def pytest_runtest_setup(item):
+    if "gpu" in item.keywords and not torch.cuda.is_available() and item.config.getoption("--require-gpu"):
+        pytest.fail("gpu test run with --require-gpu but no CUDA device is available", pytrace=False)
