@@ -71,16 +71,16 @@ def merge_to_dir(art: Artifact, base: Checkpoint, out_dir: str | Path, overwrite
 
 
 def load_merged_model(art: Artifact, base: Checkpoint, dtype: torch.dtype | None = None):
-    """A transformers model of the fine-tune rebuilt in memory (no files written)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A transformers model of the fine-tune rebuilt from base + artifact.
 
-    cfg_dir = art.hf_dir() if (art.hf_dir() / "config.json").is_file() else base.path
-    config = AutoConfig.from_pretrained(cfg_dir)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
-    sd = reconstruct_state_dict(art, base)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    unexpected = [u for u in unexpected if u]
-    if unexpected:
-        raise InputError(f"{art.path}: tensors {unexpected[:3]} do not belong to {type(model).__name__}")
-    model.tie_weights()
+    Goes through a temporary merged checkpoint so that transformers' own loader applies its
+    checkpoint-key conventions (names on disk and module names differ for some architectures).
+    """
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="deltazip-merge-") as tmp:
+        path = merge_to_dir(art, base, Path(tmp) / "model")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
     return model.eval()

@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "deltazip.deltacli.inspect_cmd",
     "deltazip.deltacli.merge_cmd",
     "deltazip.deltacli.demo_cmd",
+    "deltazip.deltacli.dedup_cmd",
 )
 
 
@@ -55,9 +56,23 @@ for _mod in COMMAND_MODULES:
     importlib.import_module(_mod).register(app)
 
 
+def _quiet_libraries() -> None:
+    """Our own progress bars and messages only: the libraries' bars would clutter stderr."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
 def main() -> None:
     """Console entry point: known errors become one line on stderr and exit code 1."""
     debug = os.environ.get("DELTAZIP_DEBUG") == "1"
+    _quiet_libraries()
     try:
         app(standalone_mode=True)
     except DeltazipError as e:

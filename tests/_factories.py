@@ -88,6 +88,7 @@ def calib_file(tmp: Path, n: int = 64, seed: int = 0) -> Path:
     """A .jsonl of short random 'sentences' over the tiny alphabet."""
     rnd = random.Random(seed)
     words = ["alpha", "beta", "gamma", "delta", "zip", "model", "base", "tune", "12", "345", "=", "+"]
+    tmp.mkdir(parents=True, exist_ok=True)
     p = tmp / "calib.jsonl"
     with open(p, "w") as f:
         for _ in range(n):

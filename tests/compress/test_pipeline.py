@@ -1,0 +1,135 @@
+"""ΔCompress end to end on tiny models of several architectures."""
+
+import json
+
+import pytest
+import torch
+from _factories import calib_file, make_pair
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from deltazip.compress.checkpoint import Checkpoint
+from deltazip.compress.config import CompressConfig
+from deltazip.compress.merge import load_merged_model, merge_to_dir, reconstruct_state_dict
+from deltazip.compress.pipeline import compress_delta
+from deltazip.formats.artifact import Artifact
+from deltazip.kernels.reference import delta_weight, unpack_int32
+
+CFG = dict(group_size=32, nsamples=16, seqlen=48, batch_size=4)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("llama")
+    base, ft = make_pair(tmp)
+    calib = calib_file(tmp)
+    art = tmp / "art"
+    compress_delta(base, ft, str(calib), art, CompressConfig(**CFG))
+    return tmp, base, ft, calib, art
+
+
+def test_artifact_invariants(llama):
+    _, base, ft, _, art_dir = llama
+    art = Artifact(art_dir)
+    packed = [n for n, e in art.tensors.items() if e["kind"] == "packed"]
+    assert len(packed) == 14  # 7 linears x 2 layers
+    ckpt = Checkpoint(ft)
+    assert set(art.tensors) == set(ckpt.names), "every tensor recorded, none dropped"
+    for n in packed:
+        d = art.packed(n)
+        dense = delta_weight(d)
+        nz = (dense.reshape(d.out_features, -1, 4) != 0).sum(-1)
+        assert int(nz.max()) <= 2, f"{n} breaks 2:4"
+        pos = unpack_int32(d.positions, 2, d.kept_per_row).reshape(d.out_features, -1, 2)
+        assert bool((pos[..., 0] < pos[..., 1]).all())
+        codes = unpack_int32(d.qweight, 4, d.kept_per_row)
+        assert int(codes.max()) < 16
+        assert d.qweight.numel() * 4 == d.out_features * d.in_features // 2 // 8 * 4  # only kept values stored
+    kinds = {e["kind"] for e in art.tensors.values()}
+    assert "same" in kinds  # norms were not perturbed: bit-identical, nothing stored
+
+
+def test_compressed_is_closer_to_finetune_than_base(llama):
+    _, base, ft, _, art_dir = llama
+    ids = torch.randint(4, 51, (4, 40), generator=torch.Generator().manual_seed(5))
+    m_base = AutoModelForCausalLM.from_pretrained(base).eval()
+    m_ft = AutoModelForCausalLM.from_pretrained(ft).eval()
+    m_c = load_merged_model(Artifact(art_dir), Checkpoint(base))
+    lb, lf, lc = _logits(m_base, ids), _logits(m_ft, ids), _logits(m_c, ids)
+    assert (lc - lf).norm() < 0.5 * (lb - lf).norm()
+
+
+def test_merge_loads_in_transformers_and_matches_reconstruction(llama):
+    tmp, base, ft, _, art_dir = llama
+    art = Artifact(art_dir)
+    out = merge_to_dir(art, Checkpoint(base), tmp / "merged")
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    sd = reconstruct_state_dict(art, Checkpoint(base))
+    msd = merged.state_dict()
+    for n, t in sd.items():
+        assert torch.equal(msd[n], t), n
+    assert not list(tmp.glob(".merged.tmp-*"))
+
+
+def test_rtn_is_worse_than_deltazip(llama):
+    tmp, base, ft, calib, art_dir = llama
+    rtn = tmp / "rtn"
+    compress_delta(base, ft, None, rtn, CompressConfig(**{**CFG, "method": "rtn"}))
+    # Held-out text from the calibration distribution: the solver fits that distribution.
+    tok = AutoTokenizer.from_pretrained(ft)
+    texts = [json.loads(x)["text"] for x in calib_file(tmp / "heldout", n=8, seed=99).read_text().splitlines()]
+    ids = tok(texts, return_tensors="pt", padding=True)["input_ids"]
+    lf = _logits(AutoModelForCausalLM.from_pretrained(ft).eval(), ids)
+    err = {}
+    assert ids.shape[0] == 8
+    for name, d in (("deltazip", art_dir), ("rtn", rtn)):
+        err[name] = float((_logits(load_merged_model(Artifact(d), Checkpoint(base)), ids) - lf).norm())
+    assert err["deltazip"] < err["rtn"], err
+
+
+def test_sparsegpt_stores_full_weights(llama):
+    tmp, base, ft, calib, _ = llama
+    out = tmp / "sgpt"
+    compress_delta(base, ft, str(calib), out, CompressConfig(**{**CFG, "method": "sparsegpt"}))
+    art = Artifact(out)
+    e = next(e for e in art.tensors.values() if e["kind"] == "packed")
+    assert e["additive"] is False
+    n = next(n for n, e in art.tensors.items() if e["kind"] == "packed")
+    w = art.reconstruct(n, None)
+    assert float((w - Checkpoint(ft).get(n)).norm() / Checkpoint(ft).get(n).norm()) < 0.6
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gpt_neox", "gemma"])
+def test_other_architectures(tmp_path, arch):
+    base, ft = make_pair(tmp_path, arch)
+    calib = calib_file(tmp_path)
+    art = tmp_path / "art"
+    s = compress_delta(base, ft, str(calib), art, CompressConfig(**CFG))
+    assert s["linear_ratio"] > 5
+    assert len(s["layers"]) == 2 and all(L["rel_out_err"] < 0.05 for L in s["layers"])
+    ids = torch.randint(4, 51, (2, 32), generator=torch.Generator().manual_seed(1))
+    lb = _logits(AutoModelForCausalLM.from_pretrained(base).eval(), ids)
+    lf = _logits(AutoModelForCausalLM.from_pretrained(ft).eval(), ids)
+    lc = _logits(load_merged_model(Artifact(art), Checkpoint(base)), ids)
+    assert (lc - lf).norm() < 0.5 * (lb - lf).norm()
+
+
+def test_bf16_stays_bf16(tmp_path):
+    base, ft = make_pair(tmp_path, "llama", dtype=torch.bfloat16)
+    calib = calib_file(tmp_path)
+    art_dir = tmp_path / "art"
+    compress_delta(base, ft, str(calib), art_dir, CompressConfig(**CFG))
+    art = Artifact(art_dir)
+    assert {e["dtype"] for e in art.tensors.values()} == {"bfloat16"}
+    sd = reconstruct_state_dict(art, Checkpoint(base))
+    assert {t.dtype for t in sd.values()} == {torch.bfloat16}
+    # Non-linear tensors of a bf16 fine-tune come back bit-exact.
+    ftc = Checkpoint(ft)
+    for n, e in art.tensors.items():
+        if e["kind"] != "packed":
+            assert torch.equal(sd[n].view(torch.int16), ftc.get(n).view(torch.int16)), n
