@@ -31,6 +31,8 @@ def compress(
     dtype: Annotated[str, typer.Option(help="Dtype of layer forwards: auto, float32, float16, bfloat16.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the calibration sampler.")] = 0,
     batch_size: Annotated[int, typer.Option(help="Calibration windows per layer forward.")] = 8,
+    calib_activations: Annotated[str, typer.Option(help="'reconstructed' (ΔCompress) or 'base' (ablation: "
+                                                   "calibrate on the base model's own activations).")] = "reconstructed",
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -40,7 +42,7 @@ def compress(
 
     cfg = CompressConfig(bits=bits, sparsity=sparsity, group_size=group_size, sym=sym, nsamples=nsamples,
                          seqlen=seqlen, damp=damp, method=method, device=device, dtype=dtype, seed=seed,
-                         batch_size=batch_size)
+                         batch_size=batch_size, calib_activations=calib_activations)
     with progress_bar(json_out) as report:
         summary = compress_delta(base, finetuned, calib or None, out, cfg, overwrite=overwrite, progress=report)
     if json_out:

@@ -1,0 +1,135 @@
+"""Entry points for SBMM and grouped LoRA: the Triton fast path when it can run, else the reference.
+
+Both paths compute the same thing (``deltazip.kernels.reference.sbmm`` / ``lora_shrink_expand``
+define it); the fast path is taken when
+
+- Triton is importable and ``x`` is on a CUDA device, and
+- the call is supported: ``x`` is ``[N, in]`` in fp16/bf16/fp32 (no bf16 under the interpreter),
+  everything sits on one device.
+
+The environment variable ``DELTAZIP_FORCE_TRITON`` overrides the choice: ``1`` takes the Triton path
+for every supported call even without CUDA (with ``TRITON_INTERPRET=1`` this runs the kernels on
+the CPU, which is how the parity tests run), and raises if Triton is missing; ``0`` always takes the
+reference. Unset (or ``auto``) is the rule above.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from deltazip.kernels import reference
+from deltazip.kernels.packed import PackedDelta
+from deltazip.kernels.stacked import StackedDeltas, config_key, repack
+from deltazip.kernels.triton_sbmm import (
+    RowPlan,
+    group_rows,
+    lora_triton,
+    sbmm_triton,
+    supported_dtypes,
+    triton_importable,
+)
+
+__all__ = ["RowPlan", "group_rows", "lora", "sbmm", "triton_mode", "use_triton"]
+
+_ENV = "DELTAZIP_FORCE_TRITON"
+
+
+def triton_mode() -> str:
+    """``"force"``, ``"off"`` or ``"auto"`` from ``DELTAZIP_FORCE_TRITON``."""
+    raw = os.environ.get(_ENV, "auto").strip().lower()
+    if raw in ("1", "true", "yes", "on", "force"):
+        return "force"
+    if raw in ("0", "false", "no", "off"):
+        return "off"
+    if raw in ("", "auto"):
+        return "auto"
+    raise ValueError(f"{_ENV}={raw!r}: use 1 (force Triton), 0 (reference only) or leave it unset")
+
+
+def use_triton(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether a call with activations ``x`` (and the other tensors it reads) takes the Triton path."""
+    mode = triton_mode()
+    if mode == "off":
+        return False
+    if mode == "auto" and (x.device.type != "cuda" or not triton_importable()):
+        return False
+    if mode == "force" and not triton_importable():
+        raise RuntimeError(f"{_ENV}=1 but triton cannot be imported; install the 'kernels' extra")
+    if x.dim() != 2 or x.dtype not in supported_dtypes(x.device):
+        return False
+    return all(t.device == x.device for t in tensors)
+
+
+def sbmm(
+    x: torch.Tensor,
+    delta_index: torch.Tensor,
+    deltas: StackedDeltas | list[PackedDelta],
+    *,
+    plan: RowPlan | None = None,
+) -> torch.Tensor:
+    """``y[r] = x[r] @ W[delta_index[r]].T``; rows with index -1 get zeros.
+
+    Args:
+        x: ``[N, in]`` activations (fp16, bf16 or fp32).
+        delta_index: integer ``[N]`` with values in ``[-1, D)``.
+        deltas: a ``StackedDeltas`` (what a server keeps on the GPU; no work per call) or a list of
+            ``D`` canonical ``PackedDelta`` (repacked on every call on the Triton path; deltas of
+            different bits/group/sparsity are split into one stack and one launch per configuration).
+        plan: optional :func:`group_rows` plan for ``delta_index`` (Triton path with a single
+            configuration only; lets the linears of one layer share the grouping).
+    Returns:
+        ``[N, out]`` in ``x.dtype``.
+    """
+    if isinstance(deltas, StackedDeltas):
+        if not use_triton(x, delta_index, deltas.qweight) or x.shape[-1] != deltas.in_features:
+            return reference.sbmm(x, delta_index, deltas)
+        return sbmm_triton(x, delta_index, deltas, plan=plan)
+    deltas = list(deltas)
+    if not deltas:
+        raise ValueError("sbmm needs at least one delta")
+    if not use_triton(x, delta_index) or x.shape[-1] != deltas[0].in_features:
+        return reference.sbmm(x, delta_index, deltas)
+    groups: dict[tuple, list[int]] = {}
+    for i, d in enumerate(deltas):
+        groups.setdefault(config_key(d), []).append(i)
+    # The list path repacks per call anyway, so a host-side range check costs nothing extra.
+    reference._check_index(delta_index, x.shape[0], len(deltas), "delta_index")
+    if len(groups) == 1:
+        return sbmm_triton(x, delta_index, repack(deltas, device=x.device), plan=plan)
+    if len({(k[3], k[4]) for k in groups}) != 1:
+        return reference.sbmm(x, delta_index, deltas)  # raises with the mismatching shapes
+    # One launch per configuration: remap the index to the group's local slots (-1 elsewhere).
+    index = delta_index.to(torch.int64)
+    y = None
+    for members in groups.values():
+        local = torch.full((len(deltas) + 1,), -1, dtype=torch.int64, device=x.device)
+        local[torch.tensor(members, device=x.device)] = torch.arange(len(members), device=x.device)
+        sub = local[torch.where(index < 0, torch.full_like(index, len(deltas)), index)]
+        part = sbmm_triton(x, sub, repack([deltas[i] for i in members], device=x.device))
+        y = part if y is None else y + part  # each row is non-zero in exactly one group
+    return y
+
+
+def lora(
+    x: torch.Tensor,
+    lora_index: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    plan: RowPlan | None = None,
+) -> torch.Tensor:
+    """Grouped LoRA ``y[r] = (x[r] @ A[i].T) @ B[i].T * scale[i]``, ``i = lora_index[r]``; -1 gives zeros.
+
+    Args:
+        x: ``[N, in]``; lora_index: integer ``[N]`` in ``[-1, L)``; A: ``[L, rank, in]``;
+        B: ``[L, out, rank]``; scale: ``[L]``.
+        plan: optional :func:`group_rows` plan for ``lora_index`` (Triton path only).
+    Returns:
+        ``[N, out]`` in ``x.dtype``.
+    """
+    if not use_triton(x, lora_index, A, B, scale) or A.dim() != 3 or x.shape[-1] != A.shape[-1]:
+        return reference.lora_shrink_expand(x, lora_index, A, B, scale)
+    return lora_triton(x, lora_index, A, B, scale, plan=plan)
