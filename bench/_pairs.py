@@ -22,7 +22,7 @@ import torch
 CACHE = Path(os.environ.get("DELTAZIP_BENCH_CACHE", Path.home() / ".cache" / "deltazip-bench"))
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-SMOLLM2_RECIPE = {"task": "shift", "seed": 0, "steps": 120, "lr": 5e-5, "batch_size": 16, "weight_decay": 0.0,
+SMOLLM2_RECIPE = {"task": "shift", "seed": 0, "steps": 60, "lr": 1e-4, "batch_size": 8, "weight_decay": 0.0,
                   "warmup": 10, "n_calib": 256, "n_eval": 128, "dtype": "float32"}
 
 
@@ -111,7 +111,7 @@ def smollm2_pair(recipe: dict | None = None, log=print) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % 20 == 0:
+        if step % 5 == 0:
             log(f"smollm2 fine-tune step {step}/{recipe['steps']} loss {float(loss):.3f} ({time.time() - t0:.0f}s)")
     model.eval().save_pretrained(ft_dir, safe_serialization=True)
     tok.save_pretrained(ft_dir)
