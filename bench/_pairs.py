@@ -22,7 +22,7 @@ import torch
 CACHE = Path(os.environ.get("DELTAZIP_BENCH_CACHE", Path.home() / ".cache" / "deltazip-bench"))
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-SMOLLM2_RECIPE = {"task": "shift", "seed": 0, "steps": 60, "lr": 1e-4, "batch_size": 8, "weight_decay": 0.0,
+SMOLLM2_RECIPE = {"task": "shift", "seed": 0, "steps": 24, "lr": 1e-4, "batch_size": 8, "weight_decay": 0.0,
                   "warmup": 10, "n_calib": 256, "n_eval": 128, "dtype": "float32"}
 
 

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
+
+# Without CUDA, Triton kernels run in its interpreter; the variable must be set before anything
+# (transformers, torch extensions) imports triton, so it is set here, before test modules load.
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser):
