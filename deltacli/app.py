@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "deltazip.deltacli.merge_cmd",
     "deltazip.deltacli.demo_cmd",
     "deltazip.deltacli.dedup_cmd",
+    "deltazip.deltacli.serve_cmd",
 )
 
 

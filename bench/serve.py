@@ -1,0 +1,399 @@
+"""Serving bench: `deltazip serve` (base + compressed deltas) against `--mode swap` (whole models).
+
+    python bench/serve.py [--quick] [--out DIR] [--pair demo|smollm2] [--variants 32] [--rate R]
+
+Builds (and caches under ~/.cache/deltazip-bench) a base model and ``--variants`` fine-tunes of it
+compressed into artifacts: on CPU the demo pair (tiny Llama, `deltazip demo`), on a GPU the SmolLM2-135M
+pair; variant 0 is the real fine-tune, the others are that fine-tune plus a small seeded
+perturbation (so every variant is a distinct delta of the same size and format).
+
+For each popularity distribution over the variants — ``uniform``, ``zipf-1.5`` and ``azure-like`` (a
+synthetic bursty trace: time is cut into windows, in each a few variants are hot with lognormal
+weights, the way per-function load looks in the Azure Functions traces; the real trace is not
+downloaded) — it generates one open-loop trace with Poisson arrivals at ``--rate`` requests/s for
+``--duration`` seconds, then replays the same trace against two servers started as subprocesses on
+the same machine: ``deltazip serve --mode delta`` and ``deltazip serve --mode swap`` (same device
+slots, same host cache). The client streams every request (SSE) and records time to first token
+(TTFT) and end-to-end latency (E2E).
+
+Per (mode, distribution): requests completed / refused, throughput (requests/s and tokens/s over
+the makespan), TTFT and E2E mean / p50 / p99, and SLO attainment (share of requests within
+``--slo-scale`` x the unloaded latency of the delta server, the same thresholds for both modes).
+Prints ONE JSON document ``{"bench": "serve", "machine", "config", "results"}`` on stdout (progress on
+stderr) and, with ``--out``, writes ``DIR/serve.json`` and ``DIR/serve.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _pairs import CACHE, demo_pair, smollm2_pair  # noqa: E402
+
+DISTS = ("uniform", "zipf-1.5", "azure-like")
+
+
+def log(msg: str) -> None:
+    print(f"[bench/serve] {msg}", file=sys.stderr, flush=True)
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+# ----------------------------------------------------------------------------------- variants
+
+
+def build_variants(pair: dict, n: int, method: str, log=log) -> Path:
+    """``n`` compressed variants of ``pair``'s base, cached by recipe; returns the artifacts folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from deltazip.compress.config import CompressConfig
+    from deltazip.compress.pipeline import compress_delta
+
+    recipe = {"pair": pair["base"], "n": n, "method": method, "noise": 0.02, "group": pair["group_size"]}
+    d = CACHE / f"serve-{pair['name']}-{hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]}"
+    arts = d / "artifacts"
+    done = d / "done.json"
+    if done.is_file():
+        return arts
+    d.mkdir(parents=True, exist_ok=True)
+    from deltazip.compress.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(pair["finetuned"])
+    dtype = ckpt.dtype(next(n for n in ckpt.names if ckpt.dtype(n).is_floating_point))  # saved dtype of the variants
+    ft = AutoModelForCausalLM.from_pretrained(pair["finetuned"], dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(pair["finetuned"])
+    original = {k: v.clone() for k, v in ft.state_dict().items()}
+    cfg = CompressConfig(method=method, bits=4, group_size=pair["group_size"], nsamples=32, seqlen=64, device="auto")
+    t0 = time.time()
+    for i in range(n):
+        name = f"v{i:02d}"
+        if (arts / name / "manifest.json").is_file():
+            continue
+        src = Path(pair["finetuned"])
+        if i:
+            g = torch.Generator().manual_seed(i)
+            with torch.no_grad():
+                for k, p in ft.state_dict().items():
+                    base = original[k]
+                    std = float(base.std()) if base.numel() > 1 else 0.0
+                    p.copy_(base + recipe["noise"] * std * torch.randn(base.shape, generator=g))
+            src = d / "ft-tmp"
+            ft.to(dtype).save_pretrained(src, safe_serialization=True)
+            ft.float()
+            tok.save_pretrained(src)
+        compress_delta(pair["base"], src, pair["calib"], arts / name, cfg, overwrite=True)
+        log(f"variant {name} compressed ({time.time() - t0:.0f}s so far)")
+    import shutil
+
+    shutil.rmtree(d / "ft-tmp", ignore_errors=True)
+    done.write_text(json.dumps(recipe))
+    return arts
+
+
+# ----------------------------------------------------------------------------------- traces
+
+
+def popularity(dist: str, n: int, t: float, rng_state: dict) -> list[float]:
+    """Variant weights at time ``t`` for a distribution."""
+    if dist == "uniform":
+        return [1.0] * n
+    if dist == "zipf-1.5":
+        return [1.0 / (i + 1) ** 1.5 for i in range(n)]
+    if dist == "azure-like":
+        window = int(t // rng_state["window"])
+        if window not in rng_state["cache"]:
+            r = random.Random(1000 + window)
+            hot = r.sample(range(n), k=max(1, n // 8))
+            w = [0.02] * n  # a trickle for everyone, bursts for a few
+            for h in hot:
+                w[h] = math.exp(r.gauss(0.0, 1.0)) * 4
+            rng_state["cache"][window] = w
+        return rng_state["cache"][window]
+    raise ValueError(dist)
+
+
+def make_trace(dist: str, names: list[str], rate: float, duration: float, prompts: list[str], seed: int) -> list[dict]:
+    """Poisson arrivals; each request picks a variant by the distribution's weights at its time."""
+    rng = random.Random(seed)
+    state = {"window": max(duration / 6, 1.0), "cache": {}}
+    t, out = 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration:
+            break
+        w = popularity(dist, len(names), t, state)
+        v = rng.choices(range(len(names)), weights=w)[0]
+        out.append({"at": t, "model": names[v], "prompt": rng.choice(prompts)})
+    return out
+
+
+# ----------------------------------------------------------------------------------- server + client
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`deltazip serve` in a subprocess (its own process group, ended by pid at exit)."""
+
+    def __init__(self, arts: Path, base: str, mode: str, args: argparse.Namespace, logdir: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "deltazip.deltacli.app", "serve", str(arts), "--base", base, "--port",
+               str(self.port), "--mode", mode, "--max-deltas", str(args.max_deltas), "--max-cpu-deltas",
+               str(args.max_cpu_deltas), "--max-num-seqs", str(args.max_num_seqs), "--max-queue", "100000"]
+        if args.cpu_threads:
+            cmd += ["--cpu-threads", str(args.cpu_threads)]
+        self.log_path = logdir / f"server-{mode}.log"
+        env = dict(os.environ, DELTAZIP_LOG_LEVEL="warning")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "w"), env=env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        import httpx
+
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server exited: {self.log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit("server did not become ready")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+async def one_request(http, req: dict, t_start: float, max_tokens: int) -> dict:
+    await asyncio.sleep(max(0.0, t_start + req["at"] - time.perf_counter()))
+    sent = time.perf_counter()
+    body = {"model": req["model"], "prompt": req["prompt"], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    ttft, tokens, status = None, 0, 0
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            status = r.status_code
+            if status != 200:
+                await r.aread()
+            else:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and chunk["choices"][0].get("text") and ttft is None:
+                        ttft = time.perf_counter() - sent
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+    except Exception as e:  # a transport failure counts as a failed request, the bench goes on
+        return {"status": -1, "error": type(e).__name__, "sent": sent}
+    end = time.perf_counter()
+    return {"status": status, "sent": sent, "end": end, "ttft": ttft if ttft is not None else end - sent,
+            "e2e": end - sent, "tokens": tokens}
+
+
+async def replay(url: str, trace: list[dict], max_tokens: int) -> tuple[list[dict], float]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=10000, max_keepalive_connections=1000)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as http:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one_request(http, r, t0, max_tokens) for r in trace))
+    return res, t0
+
+
+def pct(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(p / 100 * len(xs)) - 1))]
+
+
+def summarize(res: list[dict], t0: float, slo: dict) -> dict:
+    ok = [r for r in res if r["status"] == 200]
+    span = (max(r["end"] for r in ok) - t0) if ok else float("nan")
+    ttft = [r["ttft"] for r in ok]
+    e2e = [r["e2e"] for r in ok]
+
+    def stats(xs):
+        return {"mean": round(statistics.fmean(xs), 4) if xs else None, "p50": round(pct(xs, 50), 4) if xs else None,
+                "p99": round(pct(xs, 99), 4) if xs else None}
+
+    n = len(res)
+    return {"requests": n, "completed": len(ok), "refused_or_failed": n - len(ok),
+            "makespan_s": round(span, 3), "throughput_rps": round(len(ok) / span, 3) if ok else 0.0,
+            "tokens_per_s": round(sum(r["tokens"] for r in ok) / span, 2) if ok else 0.0,
+            "ttft_s": stats(ttft), "e2e_s": stats(e2e),
+            "slo_attainment": {"ttft": round(sum(t <= slo["ttft"] for t in ttft) / n, 4),
+                               "e2e": round(sum(t <= slo["e2e"] for t in e2e) / n, 4),
+                               "both": round(sum(a <= slo["ttft"] and b <= slo["e2e"] for a, b in zip(ttft, e2e)) / n, 4)}}
+
+
+def unloaded_latency(url: str, prompts: list[str], max_tokens: int, models: list[str]) -> dict:
+    """Median TTFT / E2E of single requests on an idle server (after a warm-up of each model)."""
+    trace = [{"at": 0.0, "model": m, "prompt": prompts[0]} for m in models]
+    for r in trace:  # warm-up: loads the variants, runs the first forwards
+        asyncio.run(replay(url, [r], max_tokens))
+    res = []
+    for i in range(5):
+        out, _ = asyncio.run(replay(url, [{"at": 0.0, "model": models[i % len(models)], "prompt": prompts[i % len(prompts)]}],
+                                    max_tokens))
+        res += out
+    return {"ttft": statistics.median(r["ttft"] for r in res), "e2e": statistics.median(r["e2e"] for r in res)}
+
+
+# ----------------------------------------------------------------------------------- plot
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    x = range(len(DISTS))
+    for k, mode in enumerate(("delta", "swap")):
+        rows = {r["dist"]: r for r in results if r["mode"] == mode}
+        off = [i + (k - 0.5) * 0.38 for i in x]
+        axes[0].bar(off, [rows[d]["throughput_rps"] for d in DISTS], 0.38, label=mode)
+        axes[1].bar(off, [rows[d]["ttft_s"]["p50"] or 0 for d in DISTS], 0.38, label=f"{mode} p50")
+        axes[1].scatter(off, [rows[d]["ttft_s"]["p99"] or 0 for d in DISTS], marker="_", s=300, color="k")
+        axes[2].bar(off, [rows[d]["e2e_s"]["p50"] or 0 for d in DISTS], 0.38, label=f"{mode} p50")
+        axes[2].scatter(off, [rows[d]["e2e_s"]["p99"] or 0 for d in DISTS], marker="_", s=300, color="k")
+    for ax, title in zip(axes, ("throughput (requests/s)", "TTFT (s), bar p50, tick p99", "E2E latency (s)")):
+        ax.set_xticks(list(x), DISTS)
+        ax.set_title(title)
+        ax.legend()
+    axes[1].set_yscale("log")
+    axes[2].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ----------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="short traces and RTN-compressed variants (a few minutes)")
+    ap.add_argument("--out", type=Path, default=None, help="directory for serve.json and serve.png")
+    ap.add_argument("--pair", choices=("demo", "smollm2"), default=None,
+                    help="model pair (default: demo on CPU, smollm2 on a GPU)")
+    ap.add_argument("--variants", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=None, help="arrivals per second (default: 6 CPU, 20 GPU)")
+    ap.add_argument("--duration", type=float, default=None, help="trace length in seconds (default 20 quick, 60)")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-deltas", type=int, default=8, help="device slots, both modes")
+    ap.add_argument("--max-cpu-deltas", type=int, default=16, help="host cache entries, both modes")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--cpu-threads", type=int, default=None, help="server torch threads (default 1 on CPU)")
+    ap.add_argument("--slo-scale", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--artifacts", type=Path, default=None,
+                    help="serve these artifacts instead of building variants (needs --base)")
+    ap.add_argument("--base", default=None, help="base model of --artifacts")
+    a = ap.parse_args()
+    gpu = torch.cuda.is_available()
+    a.pair = a.pair or ("smollm2" if gpu else "demo")
+    a.rate = a.rate or (20.0 if gpu else 6.0)
+    a.duration = a.duration or (20.0 if a.quick else 60.0)
+    a.cpu_threads = a.cpu_threads or (None if gpu else 1)
+    method = "rtn" if a.quick else "deltazip"
+
+    if a.artifacts is not None:
+        if not a.base:
+            raise SystemExit("--artifacts needs --base")
+        from deltazip.runtime.model import discover_artifacts
+
+        arts, base = a.artifacts, a.base
+        names = [v.name for v in discover_artifacts(arts)]
+        prompts = ["alpha beta", "zip model tune", "12 + 345 =", "delta gamma"]
+        a.pair, method = f"given: {arts}", "as given"
+    else:
+        log(f"building/loading pair {a.pair}")
+        pair = demo_pair() if a.pair == "demo" else smollm2_pair(log=log)
+        log(f"building/loading {a.variants} variants ({method})")
+        arts, base = build_variants(pair, a.variants, method), pair["base"]
+        names = [f"v{i:02d}" for i in range(a.variants)]
+        rows = [json.loads(x) for x in Path(pair["eval"]).read_text().splitlines() if x.strip()]
+        prompts = [r["prompt"] for r in rows][:64]
+    a.variants = len(names)
+    traces = {d: make_trace(d, names, a.rate, a.duration, prompts, a.seed + i) for i, d in enumerate(DISTS)}
+    results, slo, unloaded = [], None, {}
+    with tempfile.TemporaryDirectory(prefix="deltazip-bench-serve-") as tmp:
+        logdir = a.out or Path(tmp)
+        logdir.mkdir(parents=True, exist_ok=True)
+        for mode in ("delta", "swap"):
+            log(f"starting deltazip serve --mode {mode}")
+            srv = Server(arts, base, mode, a, logdir)
+            try:
+                srv.wait_ready()
+                unloaded[mode] = unloaded_latency(srv.url, prompts, a.max_tokens, names[:2])
+                if slo is None:  # thresholds from the delta server, used for both modes
+                    slo = {k: a.slo_scale * v for k, v in unloaded[mode].items()}
+                for dist in DISTS:
+                    log(f"{mode} / {dist}: {len(traces[dist])} requests over {a.duration:.0f}s")
+                    res, t0 = asyncio.run(replay(srv.url, traces[dist], a.max_tokens))
+                    row = {"mode": mode, "dist": dist, **summarize(res, t0, slo)}
+                    results.append(row)
+                    log(json.dumps(row))
+            finally:
+                srv.stop()
+        for dist in DISTS:
+            d = next(r for r in results if r["mode"] == "delta" and r["dist"] == dist)
+            s = next(r for r in results if r["mode"] == "swap" and r["dist"] == dist)
+            results.append({"mode": "delta/swap", "dist": dist,
+                            "throughput_delta_over_swap": round(d["throughput_rps"] / s["throughput_rps"], 3)
+                            if s["throughput_rps"] else None,
+                            "ttft_p50_swap_over_delta": round(s["ttft_s"]["p50"] / d["ttft_s"]["p50"], 3)
+                            if d["ttft_s"]["p50"] else None})
+        doc = {"bench": "serve", "machine": machine(),
+               "config": {"quick": a.quick, "pair": a.pair, "variants": a.variants, "compression": method if a.artifacts else f"{method} 4-bit 2:4",
+                          "rate_rps": a.rate, "duration_s": a.duration, "max_tokens": a.max_tokens,
+                          "max_deltas": a.max_deltas, "max_cpu_deltas": a.max_cpu_deltas,
+                          "max_num_seqs": a.max_num_seqs, "cpu_threads": a.cpu_threads,
+                          "slo": {k: round(v, 4) for k, v in slo.items()}, "slo_scale": a.slo_scale,
+                          "unloaded_latency_s": {m: {k: round(v, 4) for k, v in u.items()} for m, u in unloaded.items()},
+                          "trace_requests": {d: len(t) for d, t in traces.items()}},
+               "results": results}
+        if a.out:
+            (a.out / "serve.json").write_text(json.dumps(doc, indent=1))
+            plot([r for r in results if r["mode"] in ("delta", "swap")], a.out / "serve.png")
+    print(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()

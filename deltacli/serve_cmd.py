@@ -1,0 +1,63 @@
+"""``deltazip serve``: an OpenAI-compatible server for a base model plus many compressed deltas."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from deltazip.deltacli.common import JsonOpt, err_console, print_json
+
+
+def serve(
+    artifacts: Annotated[Path, typer.Argument(help="Directory holding the artifacts to serve (one per variant; "
+                                                   "the variant name is the artifact's directory name).",
+                                              show_default=False)],
+    base: Annotated[str | None, typer.Option("--base", help="Base model (default: the artifacts' lineage base).")] = None,
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default; 0.0.0.0 exposes it).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="DELTAZIP_API_KEY", show_envvar=True,
+                                                help="Require 'Authorization: Bearer KEY' on /v1/*.")] = None,
+    mode: Annotated[str, typer.Option(help="delta: base + compressed deltas batched together; swap: whole merged "
+                                           "models swapped in, one model per batch (baseline).")] = "delta",
+    max_deltas: Annotated[int, typer.Option(help="Device slots: variants resident at once (swap: whole models).")] = 4,
+    max_cpu_deltas: Annotated[int, typer.Option(help="Variants kept decoded in host memory (LRU).")] = 16,
+    max_batch_tokens: Annotated[int, typer.Option(help="Tokens per engine step (prompts + one per sequence).")] = 2048,
+    max_num_seqs: Annotated[int, typer.Option(help="Sequences per engine step.")] = 32,
+    max_queue: Annotated[int, typer.Option(help="Waiting requests before new ones get 429.")] = 256,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, the checkpoint's half dtype on CUDA), float32, "
+                                            "float16, bfloat16.")] = "auto",
+    delta_compute: Annotated[str, typer.Option(help="auto, packed (SBMM on stacked low-bit deltas) or dequantized "
+                                                    "(dense deltas per slot; auto picks it on CPU).")] = "auto",
+    cpu_threads: Annotated[int | None, typer.Option(help="torch intra-op threads (default: torch's choice).")] = None,
+    no_preemption: Annotated[bool, typer.Option("--no-preemption", help="Never preempt line-skipping requests "
+                                                                        "(for experiments; can starve requests).")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Serve the base model and every artifact under ARTIFACTS with an OpenAI-compatible API."""
+    from deltazip.runtime.server import Metrics, ServeConfig, build_runtime, serve_forever
+
+    cfg = ServeConfig(artifacts=artifacts, base=base, host=host, port=port, api_key=api_key, mode=mode,
+                      max_deltas=max_deltas, max_cpu_deltas=max_cpu_deltas, max_batch_tokens=max_batch_tokens,
+                      max_num_seqs=max_num_seqs, max_queue=max_queue, device=device, dtype=dtype,
+                      delta_compute=delta_compute, cpu_threads=cpu_threads, preemption=not no_preemption)
+    if not json_out:
+        # The library logs one line per variant at start-up; show them (and uvicorn's) on stderr.
+        logging.basicConfig(level=os.environ.get("DELTAZIP_LOG_LEVEL", "INFO").upper(),
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    metrics = Metrics()
+    rt = build_runtime(cfg, observer=metrics)
+    if json_out:
+        print_json({"serving": f"http://{host}:{port}", "mode": mode, "models": rt.report})
+    else:  # the per-model lines were logged by build_runtime
+        err_console.print(f"serving {len(rt.variants)} variants of {rt.base_name} on http://{host}:{port} "
+                          f"(mode {mode})")
+    serve_forever(cfg, runtime=rt, metrics=metrics)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve", no_args_is_help=True)(serve)

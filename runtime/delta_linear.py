@@ -1,0 +1,449 @@
+"""Decoupled base + delta modules: one batch, many variants, the base weights read once.
+
+Paper §5.1: ``Y = X W_ftᵀ = X W_baseᵀ + X Δᵀ``. Every row of a batch belongs to one variant (a device
+*slot* ``0..N-1``) or to the base model (slot ``-1``). A :class:`DeltaLinear` computes the base GEMM for
+all rows together and adds each row's compressed delta with SBMM (``deltazip.kernels.dispatch.sbmm``:
+Triton on CUDA, the pure-torch reference elsewhere). Tensors a variant changes outside the
+compressed linears (embeddings, lm_head, norms, biases) are handled per row by replacement: the row
+reads its variant's own copy of the tensor, so the result is the fine-tuned model's, not an
+approximation of it. A variant whose tensor is "same as base" maps its slot to the base copy: it
+costs no memory and no work beyond the gather that the module does anyway.
+
+The per-row slot index travels in one :class:`DeltaContext` that every decoupled module of a model
+holds a reference to; the engine sets it once per forward (``DeltaContext.bind``). No module loops
+over variants in Python: a linear makes one SBMM call per delta *configuration* (bits, group,
+sparsity — usually one), embeddings and norms one gather.
+
+Shapes: activations ``[..., in]`` flatten to ``[M, in]``; ``ctx.row_slot`` is ``[B]`` (one slot per
+sequence) and a module's input has leading dims ``[B, t]``, so the per-token index is ``row_slot``
+repeated ``t`` times (``t`` is the step's token count, or 1 for ``lm_head`` on the last position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltazip.kernels import dispatch
+from deltazip.kernels.packed import PackedDelta
+from deltazip.kernels.reference import delta_weight
+from deltazip.kernels.stacked import StackedDeltas, config_key
+
+
+class DeltaContext:
+    """Per-forward routing shared by all decoupled modules of one model.
+
+    Args:
+        num_slots: ``N``, device slots (``--max-deltas``): every stack in the model has ``N`` slots.
+        dequantize: keep each resident packed delta dequantized (dense, model dtype) instead of
+            stacked for SBMM. For devices without a fast low-bit kernel (CPU), where the reference
+            SBMM would dequantize every delta in every forward; it trades memory (a dense delta per
+            slot) for speed, with the same numbers as the reference.
+    """
+
+    def __init__(self, num_slots: int, dequantize: bool = False):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self.dequantize = dequantize
+        self.row_slot: torch.Tensor | None = None
+        self.active: frozenset[int] = frozenset()
+        self._token_index: dict[int, torch.Tensor] = {}
+        self._plans: dict[int, object] = {}
+
+    def bind(self, row_slots: list[int], device: torch.device | str) -> None:
+        """Set the batch's slots: one per sequence row, ``-1`` for base rows, else in ``[0, N)``.
+
+        Taken as a host list so that modules can skip work for slots absent from the batch without
+        ever synchronising with the device.
+        """
+        bad = [s for s in row_slots if not -1 <= s < self.num_slots]
+        if bad:
+            raise ValueError(f"slot {bad[0]} outside [-1, {self.num_slots})")
+        self.row_slot = torch.tensor(row_slots, dtype=torch.int64, device=device)
+        self.active = frozenset(s for s in row_slots if s >= 0)
+        self._token_index.clear()
+        self._plans.clear()
+
+    def unbind(self) -> None:
+        self.row_slot = None
+        self.active = frozenset()
+        self._token_index.clear()
+        self._plans.clear()
+
+    def token_index(self, x: torch.Tensor) -> torch.Tensor:
+        """Slot of every row of ``x.reshape(-1, x.shape[-1])``: int64 ``[B * t]`` for ``x`` of ``[B, t, ...]``."""
+        if self.row_slot is None:
+            raise RuntimeError("a decoupled module ran outside DeltaContext.bind(): the engine must bind "
+                               "the batch's slots before every forward")
+        b = self.row_slot.shape[0]
+        if x.dim() < 2 or x.shape[0] != b:
+            raise ValueError(f"decoupled module input {tuple(x.shape)} does not start with the batch size {b}")
+        t = x[0].numel() // x.shape[-1] if x.dim() > 2 else 1
+        idx = self._token_index.get(t)
+        if idx is None:
+            idx = self.row_slot.repeat_interleave(t) if t > 1 else self.row_slot
+            self._token_index[t] = idx
+        return idx
+
+    def plan(self, idx: torch.Tensor):
+        """The Triton row plan for ``idx`` (built once per token count, shared by every linear)."""
+        key = idx.shape[0]
+        plan = self._plans.get(key)
+        if plan is None:
+            from deltazip.kernels.triton_sbmm import default_block_m
+
+            plan = dispatch.group_rows(idx, self.num_slots, default_block_m(key))
+            self._plans[key] = plan
+        return plan
+
+
+def _slot_lookup(num_slots: int, device) -> torch.Tensor:
+    """An ``[N + 1]`` table indexed by ``slot + 1`` (entry 0 is the base rows' entry)."""
+    return torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+
+
+@dataclass
+class _PackedGroup:
+    """The slots of one linear whose deltas share a configuration (one stack, one SBMM call)."""
+
+    stack: StackedDeltas
+    present: torch.Tensor  # bool [N + 1], indexed by slot + 1: slot holds a delta of this group
+    slots: set[int] = field(default_factory=set)
+
+
+class DeltaLinear(nn.Module):
+    """``y = x W_baseᵀ (+ b) + SBMM(x, slot per row, deltas)``, with per-slot replacements.
+
+    Per slot ``s`` the variant's version of this linear is one of:
+
+    - a packed additive delta (ΔCompress, RTN): ``y = x W_baseᵀ + x Δ̂_sᵀ``;
+    - a packed non-additive weight (SparseGPT on full weights): ``y = x Ŵ_sᵀ`` (base term dropped);
+    - a dense replacement ``W_s`` (a tensor stored ``dense_delta``/``full``, e.g. a changed lm_head):
+      ``y = x W_sᵀ``, exactly as the merged model computes it;
+    - nothing (``same``): ``y = x W_baseᵀ``, no work.
+
+    A changed bias is a per-slot bias row. The base ``weight``/``bias`` parameters are the original
+    module's own (tied embeddings stay tied).
+
+    Args:
+        base: the base model's ``nn.Linear``.
+        ctx: the model's :class:`DeltaContext`.
+    """
+
+    def __init__(self, base: nn.Linear, ctx: DeltaContext):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.ctx = ctx
+        n = ctx.num_slots
+        dev = base.weight.device
+        self.groups: dict[tuple, _PackedGroup] = {}
+        self._replace = torch.zeros(n + 1, dtype=torch.bool, device=dev)  # base term dropped for slot
+        self._replace_slots: set[int] = set()
+        self._dense: torch.Tensor | None = None  # [N, out, in] replacement weights, allocated on first use
+        self._dense_slots: set[int] = set()
+        self._dq: torch.Tensor | None = None  # [N, out, in] dequantized deltas (ctx.dequantize)
+        self._dq_slots: set[int] = set()
+        # With a base bias, decoupled forwards add the bias per row from this table (row 0 = base),
+        # because rows whose base term is dropped (non-additive, dense) still need their bias.
+        self._bias_table: torch.Tensor | None = None
+        if base.bias is not None:
+            self._bias_table = base.bias.detach().unsqueeze(0).repeat(n + 1, 1)
+        self._bias_row = _slot_lookup(n, dev)  # slot + 1 -> row of _bias_table (0 = base)
+        self._bias_slots: set[int] = set()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, slots={self.ctx.num_slots}, "
+                f"configs={len(self.groups)}")
+
+    # -- slot management (engine thread, between forwards) ---------------------------------------
+    def _group_for(self, delta: PackedDelta, asymmetric: bool) -> _PackedGroup:
+        key = config_key(delta)
+        g = self.groups.get(key)
+        if g is not None and asymmetric and not g.stack.asymmetric:
+            # A symmetric stack cannot hold explicit zero points: rebuild it asymmetric, keeping slots.
+            old = g.stack
+            new = StackedDeltas.allocate(self.ctx.num_slots, bits=old.bits, group_size=old.group_size,
+                                         in_features=old.in_features, out_features=old.out_features,
+                                         sparse=old.sparse, asymmetric=True, device=old.device)
+            for s in g.slots:
+                new.write(s, old.unstack(s))
+            g.stack = new
+        if g is None:
+            stack = StackedDeltas.allocate(self.ctx.num_slots, bits=delta.bits, group_size=delta.group_size,
+                                           in_features=delta.in_features, out_features=delta.out_features,
+                                           sparse=delta.sparse, asymmetric=asymmetric, device=self.weight.device)
+            g = _PackedGroup(stack, torch.zeros(self.ctx.num_slots + 1, dtype=torch.bool, device=self.weight.device))
+            self.groups[key] = g
+        return g
+
+    def clear_slot(self, slot: int) -> None:
+        """Forget slot ``slot`` (its rows fall back to the base weights until it is loaded again)."""
+        for g in self.groups.values():
+            if slot in g.slots:
+                g.slots.discard(slot)
+                g.present[slot + 1] = False
+        self._replace[slot + 1] = False
+        self._replace_slots.discard(slot)
+        self._dense_slots.discard(slot)
+        self._dq_slots.discard(slot)
+        self._bias_row[slot + 1] = 0
+        self._bias_slots.discard(slot)
+
+    def load_slot(self, slot: int, *, packed: PackedDelta | None = None, additive: bool = True,
+                  dense: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+        """Put one variant's version of this linear into ``slot``.
+
+        Args:
+            packed: compressed delta (``[out, in]`` canonical layout), or None.
+            additive: ``packed`` is a delta on the base (True) or the whole weight (False).
+            dense: a replacement weight ``[out, in]`` (mutually exclusive with ``packed``).
+            bias: the variant's bias ``[out]`` when it differs from the base's.
+        """
+        if packed is not None and dense is not None:
+            raise ValueError("a slot holds either a packed delta or a dense weight, not both")
+        self.clear_slot(slot)
+        if packed is not None:
+            if (packed.out_features, packed.in_features) != (self.out_features, self.in_features):
+                raise ValueError(f"packed delta is [{packed.out_features}, {packed.in_features}], the linear is "
+                                 f"[{self.out_features}, {self.in_features}]")
+            if self.ctx.dequantize:
+                if self._dq is None:
+                    self._dq = torch.zeros(self.ctx.num_slots, self.out_features, self.in_features,
+                                           dtype=self.weight.dtype, device=self.weight.device)
+                self._dq[slot].copy_(delta_weight(packed.to(self.weight.device)))
+                self._dq_slots.add(slot)
+            else:
+                g = self._group_for(packed, packed.zeros is not None)
+                g.stack.write(slot, packed)
+                g.present[slot + 1] = True
+                g.slots.add(slot)
+            if not additive:
+                self._replace[slot + 1] = True
+                self._replace_slots.add(slot)
+        if dense is not None:
+            if tuple(dense.shape) != (self.out_features, self.in_features):
+                raise ValueError(f"dense weight {tuple(dense.shape)} != [{self.out_features}, {self.in_features}]")
+            if self._dense is None:
+                self._dense = torch.zeros(self.ctx.num_slots, self.out_features, self.in_features,
+                                          dtype=self.weight.dtype, device=self.weight.device)
+            self._dense[slot].copy_(dense)
+            self._dense_slots.add(slot)
+            self._replace[slot + 1] = True
+            self._replace_slots.add(slot)
+        if bias is not None:
+            if self._bias_table is None:
+                raise ValueError("the base linear has no bias; a variant cannot add one per row")
+            self._bias_table[slot + 1].copy_(bias)
+            self._bias_row[slot + 1] = slot + 1
+            self._bias_slots.add(slot)
+
+    def resident_bytes(self, slot: int) -> int:
+        """Device bytes that slot ``slot`` of this linear occupies (its share of the stacks)."""
+        total = 0
+        for g in self.groups.values():
+            if slot in g.slots:
+                total += g.stack.nbytes() // g.stack.num_deltas
+        if slot in self._dense_slots and self._dense is not None:
+            total += self._dense[slot].numel() * self._dense.element_size()
+        if slot in self._dq_slots and self._dq is not None:
+            total += self._dq[slot].numel() * self._dq.element_size()
+        if slot in self._bias_slots:
+            total += self._bias_table[0].numel() * self._bias_table.element_size()
+        return total
+
+    # -- forward --------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, t, in]`` -> ``[B, t, out]`` (any leading dims whose first is the batch)."""
+        ctx = self.ctx
+        lead = x.shape[:-1]
+        active = ctx.active
+        if not active:  # a batch of base rows only: the plain linear
+            return F.linear(x, self.weight, self.bias)
+        idx = ctx.token_index(x)
+        x2 = x.reshape(-1, self.in_features)
+        y = F.linear(x2, self.weight)
+        if self._replace_slots & active:
+            y = y.masked_fill(self._replace[idx + 1].unsqueeze(1), 0)
+        for g in self.groups.values():
+            if not (g.slots & active):
+                continue
+            if g.slots >= active:  # every row with a slot has a delta here: the shared plan applies
+                local = idx
+                plan = ctx.plan(idx) if dispatch.use_triton(x2, idx, g.stack.qweight) else None
+            else:
+                local = torch.where(g.present[idx + 1], idx, torch.full_like(idx, -1))
+                plan = None
+            y = y + dispatch.sbmm(x2, local, g.stack, plan=plan)
+        if self._dq_slots & active:
+            y = y + _dense_rows(x2, idx, self._dq, self._dq_slots & active)
+        if self._dense_slots & active:
+            y = y + _dense_rows(x2, idx, self._dense, self._dense_slots & active)
+        if self._bias_table is not None:
+            y = y + self._bias_table[self._bias_row[idx + 1]]
+        return y.reshape(*lead, self.out_features)
+
+
+# Below this many multiply-adds, one GEMM against every slot's weights at once beats a GEMM per
+# slot: for small batches and models the per-slot launches (index, matmul, scatter; tens of µs)
+# dominate. Above it the N-fold extra work of the stacked GEMM costs more than the launches.
+_ALL_SLOTS_GEMM_MACS = 1 << 20
+
+
+def _dense_rows(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, slots: set[int]) -> torch.Tensor:
+    """``y[r] = x[r] @ weights[idx[r]].T`` for rows whose slot is in ``slots``, zeros elsewhere.
+
+    The dense counterpart of SBMM (for dequantized deltas and dense replacements), computed in the
+    weights' dtype. Small problems run as one GEMM against all ``N`` slots stacked (``[N * out, in]``)
+    and keep each row's own block; larger ones run one GEMM per distinct slot present.
+
+    Args:
+        x: ``[M, in]``; idx: int64 ``[M]`` slot per row (``-1`` base); weights: ``[N, out, in]``.
+    Returns:
+        ``[M, out]`` in ``x.dtype``.
+    """
+    m, n, out_f, in_f = x.shape[0], weights.shape[0], weights.shape[1], weights.shape[2]
+    wanted = torch.zeros(n + 1, dtype=torch.bool, device=x.device)
+    wanted[[s + 1 for s in slots]] = True
+    keep = wanted[idx + 1].unsqueeze(1)
+    if len(slots) == 1:
+        (s,) = slots
+        return torch.where(keep, F.linear(x, weights[s]), 0.0).to(x.dtype)
+    if m * n * out_f * in_f <= _ALL_SLOTS_GEMM_MACS:
+        y_all = F.linear(x, weights.view(n * out_f, in_f)).view(m, n, out_f)
+        own = y_all.gather(1, idx.clamp(min=0).view(m, 1, 1).expand(m, 1, out_f)).squeeze(1)
+        return torch.where(keep, own, 0.0).to(x.dtype)
+    y = torch.zeros(m, out_f, dtype=x.dtype, device=x.device)
+    for s in sorted(slots):
+        rows = (idx == s).nonzero(as_tuple=True)[0]
+        if rows.numel():
+            y[rows] = F.linear(x[rows], weights[s])
+    return y
+
+
+class DeltaEmbedding(nn.Module):
+    """Token embedding whose rows of a changed variant read that variant's table.
+
+    ``out[b, t] = table_s[ids[b, t]]`` for a slot ``s`` that changed the embedding, else the base
+    table's row: one gather and one ``where`` per forward, whatever the number of variants.
+    """
+
+    def __init__(self, base: nn.Embedding, ctx: DeltaContext):
+        super().__init__()
+        self.weight = base.weight
+        self.padding_idx = base.padding_idx
+        self.num_embeddings, self.embedding_dim = base.num_embeddings, base.embedding_dim
+        self.ctx = ctx
+        self._table: torch.Tensor | None = None  # [N, V, H], allocated when a variant first needs it
+        self._present = torch.zeros(ctx.num_slots + 1, dtype=torch.bool, device=base.weight.device)
+        self._slots: set[int] = set()
+
+    def clear_slot(self, slot: int) -> None:
+        self._present[slot + 1] = False
+        self._slots.discard(slot)
+
+    def load_slot(self, slot: int, weight: torch.Tensor) -> None:
+        """The variant's embedding table ``[V, H]`` for ``slot``."""
+        if tuple(weight.shape) != tuple(self.weight.shape):
+            raise ValueError(f"embedding {tuple(weight.shape)} != base {tuple(self.weight.shape)}")
+        if self._table is None:
+            self._table = torch.zeros(self.ctx.num_slots, *self.weight.shape, dtype=self.weight.dtype,
+                                      device=self.weight.device)
+        self._table[slot].copy_(weight)
+        self._present[slot + 1] = True
+        self._slots.add(slot)
+
+    def resident_bytes(self, slot: int) -> int:
+        return 0 if slot not in self._slots else self.weight.numel() * self.weight.element_size()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [B, T]`` -> ``[B, T, H]``."""
+        out = F.embedding(ids, self.weight, self.padding_idx)
+        if not (self._slots & self.ctx.active):
+            return out
+        idx = self.ctx.token_index(ids.unsqueeze(-1))
+        flat = ids.reshape(-1)
+        own = self._table[idx.clamp(min=0), flat]  # [M, H]; base rows read slot 0 and are masked below
+        sel = self._present[idx + 1].unsqueeze(1)
+        return torch.where(sel, own, out.reshape(-1, self.embedding_dim)).reshape(out.shape)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama-family RMSNorm (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm``) with a weight
+    that may be per row: normalise in fp32, cast back, scale. ``weight`` is ``[H]`` or broadcastable."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def norm_eps(module: nn.Module) -> float | None:
+    """Epsilon of a Llama-family RMSNorm module, or None when it is not one."""
+    for attr in ("variance_epsilon", "eps"):
+        v = getattr(module, attr, None)
+        if isinstance(v, float):
+            return v
+    return None
+
+
+def is_llama_rmsnorm(module: nn.Module) -> bool:
+    """True when ``module`` computes exactly :func:`rms_norm_reference` with its own weight.
+
+    Checked by running it, not by class name: norms that look alike but differ (Gemma's
+    ``(1 + w)``, LayerNorm's mean subtraction) fail the probe and are not decoupled.
+    """
+    w = getattr(module, "weight", None)
+    eps = norm_eps(module)
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or eps is None or getattr(module, "bias", None) is not None:
+        return False
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(2, 3, w.shape[0], generator=g).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        try:
+            got = module(x)
+        except Exception:  # an unexpected signature is as good as "not this kind of norm"
+            return False
+        return isinstance(got, torch.Tensor) and torch.equal(got, rms_norm_reference(x, w, eps))
+
+
+class DeltaRMSNorm(nn.Module):
+    """Llama-family RMSNorm with a per-row weight: row ``r`` is scaled by its slot's weight.
+
+    The weight table is ``[N + 1, H]`` with row 0 the base weight; a slot whose variant keeps the
+    norm "same" points at row 0.
+    """
+
+    def __init__(self, base: nn.Module, ctx: DeltaContext):
+        super().__init__()
+        self.weight = base.weight
+        self.eps = norm_eps(base)
+        self.ctx = ctx
+        self._table = base.weight.detach().unsqueeze(0).repeat(ctx.num_slots + 1, 1)
+        self._row = _slot_lookup(ctx.num_slots, base.weight.device)
+        self._slots: set[int] = set()
+
+    def clear_slot(self, slot: int) -> None:
+        self._row[slot + 1] = 0
+        self._slots.discard(slot)
+
+    def load_slot(self, slot: int, weight: torch.Tensor) -> None:
+        if tuple(weight.shape) != tuple(self.weight.shape):
+            raise ValueError(f"norm weight {tuple(weight.shape)} != base {tuple(self.weight.shape)}")
+        self._table[slot + 1].copy_(weight)
+        self._row[slot + 1] = slot + 1
+        self._slots.add(slot)
+
+    def resident_bytes(self, slot: int) -> int:
+        return 0 if slot not in self._slots else self.weight.numel() * self.weight.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self._slots & self.ctx.active):
+            return rms_norm_reference(x, self.weight, self.eps)
+        idx = self.ctx.token_index(x)
+        w = self._table[self._row[idx + 1]].reshape(*x.shape[:-1], x.shape[-1])
+        return rms_norm_reference(x, w, self.eps)

@@ -1,0 +1,117 @@
+"""A tiny base model and three compressed variants for the serving tests, built once per session.
+
+- base: a 2-layer Llama (hidden 64, vocab 128) with the demo's character tokenizer (decodes by
+  concatenation) plus a small chat template;
+- ``alpha``: ΔCompress 4-bit 2:4, group 32 (every tensor changed: dense-delta norms/embeddings/lm_head);
+- ``beta``: RTN 2-bit dense asymmetric, group 32, norms untouched (stored "same");
+- ``gamma``: SparseGPT 4-bit 2:4 on the full weights (non-additive: the base term is replaced).
+
+``expected(name, prompt, n)`` is the merged model's greedy ``generate`` text for a variant, the
+correctness anchor of every serving test.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from _factories import calib_file, perturb, tiny_model
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+VARIANTS = {
+    "alpha": dict(method="deltazip", bits=4, sparsity="2:4", sym=True, seed=11, scale=0.3, skip=()),
+    "beta": dict(method="rtn", bits=2, sparsity="none", sym=False, seed=12, scale=0.3, skip=("norm",)),
+    "gamma": dict(method="sparsegpt", bits=4, sparsity="2:4", sym=True, seed=13, scale=0.3, skip=()),
+}
+PROMPTS = ["alpha beta", "zip model tune", "12 + 345 =", "delta delta gamma zip", "base"]
+
+
+@dataclass(eq=False)  # hashed by identity: its methods are cached
+class ServedSet:
+    root: Path
+    base_dir: Path
+    artifacts: Path
+
+    def variant_dir(self, name: str) -> Path:
+        return self.artifacts / name
+
+    @functools.cache  # noqa: B019
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.base_dir)
+
+    @functools.cache  # noqa: B019 - one ServedSet per session; the cache is the point
+    def model(self, name: str):
+        """The reference model of ``name``: the base itself, or the merged fine-tune (fp32)."""
+        from transformers import AutoModelForCausalLM
+
+        from deltazip.compress.checkpoint import Checkpoint
+        from deltazip.compress.merge import load_merged_model
+        from deltazip.formats.artifact import Artifact
+
+        if name == "base":
+            return AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32).eval()
+        return load_merged_model(Artifact(self.variant_dir(name)), Checkpoint(self.base_dir))
+
+    def expected(self, name: str, prompt: str, max_tokens: int) -> str:
+        return self.expected_ids(name, tuple(self.tokenizer()(prompt)["input_ids"]), max_tokens)
+
+    @functools.cache  # noqa: B019
+    def expected_ids(self, name: str, prompt_ids: tuple[int, ...], max_tokens: int) -> str:
+        tok = self.tokenizer()
+        ids = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            out = self.model(name).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                            do_sample=False, pad_token_id=tok.pad_token_id)
+        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+_BUILT: dict[str, ServedSet] = {}
+
+
+def served_set(tmp_root: Path) -> ServedSet:
+    """Build (once per process) the base and its variants under ``tmp_root``."""
+    if "set" in _BUILT:
+        return _BUILT["set"]
+    from deltazip.compress.config import CompressConfig
+    from deltazip.compress.pipeline import compress_delta
+    from deltazip.runtime.toy import build_char_tokenizer
+
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    # The demo's character tokenizer: <s>=0, </s>=1, <pad>=2; the model config must agree.
+    ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    base = tiny_model("llama", **ids)
+    base_dir = tmp_root / "tiny-base"
+    base.save_pretrained(base_dir, safe_serialization=True)
+    tok = build_char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(base_dir)
+    calib = calib_file(tmp_root / "calib")
+    arts = tmp_root / "artifacts"
+    for name, spec in VARIANTS.items():
+        ft = perturb(tiny_model("llama", **ids), scale=spec["scale"], seed=spec["seed"], skip=spec["skip"])
+        ft_dir = tmp_root / f"ft-{name}"
+        ft.save_pretrained(ft_dir, safe_serialization=True)
+        tok.save_pretrained(ft_dir)
+        cfg = CompressConfig(method=spec["method"], bits=spec["bits"], sparsity=spec["sparsity"], sym=spec["sym"],
+                             group_size=32, nsamples=8, seqlen=32, device="cpu")
+        compress_delta(base_dir, ft_dir, str(calib), arts / name, cfg)
+    _BUILT["set"] = ServedSet(tmp_root, base_dir, arts)
+    return _BUILT["set"]
+
+
+class single_thread:
+    """Context manager: torch on one intra-op thread (tiny models on a shared 2-core machine run
+    several times faster without OpenMP threads spinning against other processes)."""
+
+    def __enter__(self):
+        self.prev = torch.get_num_threads()
+        torch.set_num_threads(1)
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.prev)
