@@ -91,37 +91,42 @@ def obs_compress(
     codes = torch.zeros(R, C, dtype=torch.int64, device=W.device)
     values = torch.zeros(R, C, device=W.device)
     keep = torch.ones(R, C, dtype=torch.bool, device=W.device) if sparse24 else None
-    rows = torch.arange(R, device=W.device)
 
     block = gs  # one group per lazy block: group params always see fully updated columns
     for i1 in range(0, C, block):
         i2 = i1 + block
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
+        # The block is walked column by column: keep it transposed ([block, R]) so that each column
+        # and each rank-1 error update touches contiguous memory.
+        W1t = W[:, i1:i2].t().contiguous()
+        Err1t = torch.zeros_like(W1t)
+        Q1t = torch.zeros_like(W1t)
+        C1t = torch.zeros_like(W1t)
         Hinv1 = Hinv[i1:i2, i1:i2]
-        scale, zero = find_params(W1, bits, sym)
+        hdiag = torch.diag(Hinv1)
+        scale, zero = find_params(W1t.t(), bits, sym)
         scales[:, i1 // gs], zeros[:, i1 // gs] = scale, zero
         if sparse24:
-            pruned1 = torch.zeros_like(W1, dtype=torch.bool)
+            pruned1t = torch.zeros_like(W1t, dtype=torch.bool)
         for i in range(block):
-            w = W1[:, i]
-            d = Hinv1[i, i]
+            w = W1t[i]
             if sparse24 and i % 4 == 0:
-                score = W1[:, i:i + 4] ** 2 / torch.diag(Hinv1)[i:i + 4].unsqueeze(0) ** 2
-                drop = torch.topk(score, 2, dim=1, largest=False).indices
-                pruned1[rows.unsqueeze(1), i + drop] = True
-            c = quantize_codes(w.unsqueeze(1), scale.unsqueeze(1), zero.unsqueeze(1), bits).squeeze(1)
+                score = W1t[i:i + 4] ** 2 / hdiag[i:i + 4].unsqueeze(1) ** 2
+                drop = torch.topk(score, 2, dim=0, largest=False).indices
+                pruned1t[i:i + 4].scatter_(0, drop, True)
+            c = quantize_codes(w, scale, zero, bits)
             q = dequantize_codes(c, scale, zero)
             if sparse24:
-                q = torch.where(pruned1[:, i], torch.zeros_like(q), q)
-            codes[:, i1 + i] = c.long()
-            values[:, i1 + i] = q
-            err = (w - q) / d
-            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
+                q = q.masked_fill(pruned1t[i], 0.0)
+            C1t[i] = c
+            Q1t[i] = q
+            err = (w - q) / Hinv1[i, i]
+            W1t[i:].addr_(Hinv1[i, i:], err, alpha=-1.0)
+            Err1t[i] = err
+        codes[:, i1:i2] = C1t.t().long()
+        values[:, i1:i2] = Q1t.t()
         if sparse24:
-            keep[:, i1:i2] = ~pruned1
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+            keep[:, i1:i2] = ~pruned1t.t()
+        W[:, i2:] -= Err1t.t() @ Hinv[i1:i2, i2:]
 
     stats = {"damp": damp_used, "damp_retries": retries, "dead_columns": int(dead.sum())}
     return SolveResult(codes, scales, zeros, keep, values, stats)
