@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
-import torch
+# On a loaded machine OpenMP's spin-waiting threads slow small torch ops by 10x or more; it must be
+# set before torch starts its thread pool.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without CUDA, Triton kernels run in its interpreter; the variable must be set before anything
 # (transformers, torch extensions) imports triton, so it is set here, before test modules load.
