@@ -31,6 +31,7 @@ from deltazip.compress.model_walk import (
 from deltazip.compress.obs import SolveResult, obs_compress, output_error, rtn_compress
 from deltazip.formats.artifact import Artifact, ArtifactWriter
 from deltazip.formats.errors import InputError
+from deltazip.formats.gdeflate import DEFAULT_LEVEL
 from deltazip.formats.packing import pack_delta
 
 Progress = Callable[[str, int, int], None]
@@ -270,6 +271,8 @@ def compress_delta(
     cfg: CompressConfig,
     overwrite: bool = False,
     progress: Progress | None = None,
+    lossless: str = "none",
+    lossless_level: int = DEFAULT_LEVEL,
 ) -> dict:
     """Compress a fine-tune against its base into an artifact at ``out_dir``.
 
@@ -280,6 +283,8 @@ def compress_delta(
         cfg: compression options.
         overwrite: replace an existing ``out_dir``.
         progress: optional ``progress(description, done, total)`` callback.
+        lossless: ``"none"`` or ``"gdeflate"``: store parts as chunked GDeflate containers where
+            that pays (see formats/artifact.py); ``lossless_level`` is its level 0..12.
     Returns:
         A report dict (also stored in the manifest's ``stats``).
     """
@@ -290,7 +295,7 @@ def compress_delta(
     check_pair(base, ft)
     if cfg.method != "rtn" and not calib:
         raise InputError(f"--calib is required for --method {cfg.method}; pass a .jsonl/.json/.txt/.parquet file")
-    with ArtifactWriter(out_dir, overwrite=overwrite) as writer:
+    with ArtifactWriter(out_dir, overwrite=overwrite, lossless=lossless, lossless_level=lossless_level) as writer:
         run = _Run(base, ft, cfg, writer, progress)
         calib_summary = None
         if cfg.method != "rtn":

@@ -27,6 +27,8 @@ COMMAND_MODULES = (
     "deltazip.deltacli.merge_cmd",
     "deltazip.deltacli.demo_cmd",
     "deltazip.deltacli.dedup_cmd",
+    "deltazip.deltacli.verify_cmd",
+    "deltazip.deltacli.pack_cmd",
     "deltazip.deltacli.serve_cmd",
 )
 

@@ -9,6 +9,7 @@ import typer
 
 from deltazip.deltacli.common import JsonOpt, OverwriteOpt, print_json, progress_bar
 from deltazip.deltacli.render import render_summary
+from deltazip.formats.gdeflate import DEFAULT_LEVEL, MAX_LEVEL, MIN_LEVEL
 
 
 def compress(
@@ -33,6 +34,10 @@ def compress(
     batch_size: Annotated[int, typer.Option(help="Calibration windows per layer forward.")] = 8,
     calib_activations: Annotated[str, typer.Option(help="'reconstructed' (ΔCompress) or 'base' (ablation: "
                                                    "calibrate on the base model's own activations).")] = "reconstructed",
+    lossless: Annotated[str, typer.Option("--lossless", help="Lossless stage after packing: 'none' or 'gdeflate' "
+                                          "(chunked GDeflate, decodable by nvCOMP on a GPU).")] = "none",
+    lossless_level: Annotated[int, typer.Option("--lossless-level", min=MIN_LEVEL, max=MAX_LEVEL,
+                                                help="GDeflate level (0 fastest .. 12 smallest).")] = DEFAULT_LEVEL,
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -44,7 +49,8 @@ def compress(
                          seqlen=seqlen, damp=damp, method=method, device=device, dtype=dtype, seed=seed,
                          batch_size=batch_size, calib_activations=calib_activations)
     with progress_bar(json_out) as report:
-        summary = compress_delta(base, finetuned, calib or None, out, cfg, overwrite=overwrite, progress=report)
+        summary = compress_delta(base, finetuned, calib or None, out, cfg, overwrite=overwrite, progress=report,
+                                 lossless=lossless, lossless_level=lossless_level)
     if json_out:
         print_json(summary)
     else:

@@ -10,12 +10,22 @@ manifest entry whose ``kind`` says how to rebuild it from the base:
 - ``dense_delta``: ``base + delta`` with the delta stored densely (fp16 unless the tensor is wider).
 - ``full``: the fine-tuned tensor stored as it is (a tensor the base lacks or a changed shape).
 
+Optionally, a lossless stage stores parts as chunked GDeflate containers (``deltazip.formats.chunked``):
+the entry then has ``codec: "gdeflate"`` and a ``lossless`` object with each compressed part's chunk
+table; the reader decompresses transparently (CPU library on CPU, nvCOMP on a CUDA device).
+
+Integrity: ``manifest.sha256`` holds the sha256 of ``manifest.json``'s bytes; ``files`` in the
+manifest holds the size and sha256 of every other file. The reader checks the manifest on open and,
+with ``check_tensors`` (default), each container file's size, sha256 and tensor list when it is first
+opened, and the side files when ``hf_dir`` is asked for.
+
 Writes go to a temporary sibling directory that is renamed into place at the end, so a half-written
 artifact never looks valid.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -29,6 +39,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from deltazip.formats import chunked, gdeflate
 from deltazip.formats.checksum import sha256_file, sha256_tensors
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.kernels.packed import PackedDelta
@@ -37,7 +48,14 @@ from deltazip.kernels.reference import delta_weight
 FORMAT_NAME = "deltazip"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+MANIFEST_SUM = "manifest.sha256"
 KINDS = ("packed", "same", "dense_delta", "full")
+LOSSLESS = ("none", "gdeflate")
+CODECS = ("gdeflate",)
+LOSSLESS_SUFFIX = ".gdeflate"
+# A part is stored compressed only when that (container + its chunk table in the manifest) saves at
+# least this fraction of its bytes: below it, decoding costs time on every load for next to nothing.
+MIN_SAVING = 0.03
 PACKED_PARTS = ("qweight", "positions", "scales", "zeros")
 _SHARD_BYTES = 1 << 30
 
@@ -61,9 +79,30 @@ def parse_dtype(name: str) -> torch.dtype:
     return dt
 
 
-def container_key(name: str, part: str) -> str:
-    """Name of one stored part of a tensor inside a safetensors container."""
-    return f"{name}::{part}"
+def container_key(name: str, part: str, codec: str | None = None) -> str:
+    """Name of one stored part of a tensor inside a safetensors container.
+
+    ``NAME::PART`` for a part stored as it is; ``NAME::PART.gdeflate`` (a uint8 chunked container)
+    for a part stored through the lossless stage. The distinct name makes a reader that does not
+    know the ``codec`` field fail on a missing tensor instead of returning compressed bytes.
+    """
+    return f"{name}::{part}" + (f".{codec}" if codec else "")
+
+
+def expected_keys(entry: dict[str, Any], name: str) -> dict[str, str]:
+    """Container tensor name -> part name for one manifest entry."""
+    lossless = entry.get("lossless") or {}
+    return {container_key(name, p, entry.get("codec") if p in lossless else None): p for p in entry.get("parts") or []}
+
+
+def default_filter(t: torch.Tensor) -> str:
+    """The byte filter the writer uses for a part (measured in bench/lossless.py).
+
+    Floating-point parts (scales, dense deltas, full tensors) get ``bytegroup``: their exponent
+    bytes are far more repetitive than their mantissa bytes. Packed integer codes do not gain from
+    it (every byte holds the same kind of code), so they get ``none``.
+    """
+    return "bytegroup" if t.dtype.is_floating_point and t.element_size() > 1 else "none"
 
 
 class ArtifactWriter:
@@ -71,9 +110,27 @@ class ArtifactWriter:
 
     Use as a context manager; leaving it without ``finalize`` (or by an exception) removes
     everything written.
+
+    Args:
+        out_dir: artifact directory to create.
+        overwrite: replace an existing ``out_dir`` (atomically, at ``finalize``).
+        shard_bytes: start a new container file once this many stored bytes are pending.
+        lossless: ``"none"`` or ``"gdeflate"`` (parts stored as chunked GDeflate containers when
+            that saves at least ``MIN_SAVING`` of their bytes).
+        lossless_level: GDeflate level 0..12.
     """
 
-    def __init__(self, out_dir: str | Path, overwrite: bool = False, shard_bytes: int = _SHARD_BYTES):
+    def __init__(self, out_dir: str | Path, overwrite: bool = False, shard_bytes: int = _SHARD_BYTES,
+                 lossless: str = "none", lossless_level: int = gdeflate.DEFAULT_LEVEL):
+        if lossless not in LOSSLESS:
+            raise InputError(f"unknown lossless stage {lossless!r}; use one of {', '.join(LOSSLESS)}")
+        try:
+            gdeflate.check_level(lossless_level)
+        except ValueError as e:
+            raise InputError(f"--lossless-level: {e}") from e
+        if lossless == "gdeflate":
+            gdeflate.cpu_library()  # fail now, not after hours of compression
+        self.lossless, self.lossless_level = lossless, lossless_level
         self.out_dir = Path(out_dir)
         if self.out_dir.exists() and not overwrite:
             raise InputError(f"output directory {self.out_dir} already exists; pass --overwrite to replace it")
@@ -124,20 +181,50 @@ class ArtifactWriter:
         entry = {"kind": "full", "shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype)}
         self._add(name, entry, {"data": tensor})
 
+    def add_entry(self, name: str, entry: dict[str, Any], parts: dict[str, torch.Tensor]) -> None:
+        """Re-add an entry read from another artifact (``pack``/``unpack``): ``entry`` is its manifest
+        entry, ``parts`` its decoded parts. Storage fields are recomputed; the checksum must match."""
+        entry = {k: v for k, v in entry.items() if k not in ("file", "parts", "checksum", "stored_bytes", "codec",
+                                                              "lossless")}
+        if entry["kind"] == "same":
+            self.entries[name] = {**entry, "stored_bytes": 0}
+            return
+        self._add(name, entry, parts)
+
     def _add(self, name: str, entry: dict[str, Any], parts: dict[str, torch.Tensor]) -> None:
         if name in self.entries:
             raise ValueError(f"tensor {name} added twice")
         parts = {k: v.detach().contiguous().cpu() for k, v in parts.items()}
         entry["parts"] = list(parts)
         entry["checksum"] = sha256_tensors(*parts.values())
-        entry["stored_bytes"] = sum(t.numel() * t.element_size() for t in parts.values())
+        stored = self._store(entry, parts)
+        entry["stored_bytes"] = sum(t.numel() * t.element_size() for t in stored.values())
         self.entries[name] = entry
-        for part, t in parts.items():
-            self._pending[container_key(name, part)] = t
+        for key, t in stored.items():
+            self._pending[container_key(name, *key)] = t
         self._pending_names.append(name)
         self._pending_bytes += entry["stored_bytes"]
         if self._pending_bytes >= self.shard_bytes:
             self._flush()
+
+    def _store(self, entry: dict[str, Any], parts: dict[str, torch.Tensor]) -> dict[tuple, torch.Tensor]:
+        """What goes into the container for each part: ``(part,)`` raw or ``(part, codec)`` compressed."""
+        stored: dict[tuple, torch.Tensor] = {}
+        meta: dict[str, Any] = {}
+        for part, t in parts.items():
+            raw = t.numel() * t.element_size()
+            if self.lossless == "gdeflate" and raw:
+                blob, m = chunked.encode(t, self.lossless_level, default_filter(t))
+                # Count the chunk table the manifest gains too: tiny parts do not pay for it.
+                if blob.size + len(json.dumps(m)) <= raw * (1 - MIN_SAVING):
+                    stored[(part, "gdeflate")] = torch.from_numpy(blob)
+                    meta[part] = m
+                    continue
+            stored[(part,)] = t
+        if meta:
+            entry["codec"] = "gdeflate"
+            entry["lossless"] = meta
+        return stored
 
     def _flush(self) -> None:
         if not self._pending:
@@ -166,11 +253,12 @@ class ArtifactWriter:
             "files": files,
             "tensors": self.entries,
         }
-        mpath = self.tmp / MANIFEST
-        with open(mpath, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=False)
-            f.flush()
-            os.fsync(f.fileno())
+        text = json.dumps(manifest, indent=1, sort_keys=False).encode()
+        for fname, data in ((MANIFEST, text), (MANIFEST_SUM, f"sha256:{hashlib.sha256(text).hexdigest()}\n".encode())):
+            with open(self.tmp / fname, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
         old = None
         if self.out_dir.exists():
             old = self.out_dir.parent / f".{self.out_dir.name}.old-{os.getpid()}-{time.monotonic_ns()}"
@@ -214,20 +302,32 @@ class EntryView:
 
 
 class Artifact:
-    """Read side of an artifact: validated manifest, checksummed lazy tensor access.
+    """Read side of an artifact: validated manifest, integrity-checked lazy tensor access.
 
     Args:
         path: artifact directory.
-        check_tensors: verify each tensor's checksum when it is read (default on: a corrupt
-            artifact must never yield wrong weights).
+        check_tensors: check integrity as data is read (default on: a corrupt artifact must never
+            yield wrong weights): each container file's size and sha256 against the manifest when it
+            is first opened, and the side files' when ``hf_dir`` is called. The tensor list of every
+            opened container is always compared with the manifest, and lossless containers always
+            check their compressed bytes before decoding and (on CPU) their decoded bytes.
+        device: default target of ``parts``/``packed``: None (CPU) or a CUDA device, where
+            lossless parts are decoded by nvCOMP straight into device memory.
     """
 
-    def __init__(self, path: str | Path, check_tensors: bool = True):
+    def __init__(self, path: str | Path, check_tensors: bool = True, device: torch.device | str | None = None):
         self.path = Path(path)
         self.check_tensors = check_tensors
+        self.device = torch.device(device) if device is not None else None
         self.manifest = load_manifest(self.path)
         self.tensors: dict[str, dict[str, Any]] = self.manifest["tensors"]
         self._handles: dict[str, Any] = {}
+        self._hf_checked = False
+        self._keys: dict[str, dict[str, tuple[str, str]]] = {}
+        for name, e in self.tensors.items():
+            if e["kind"] != "same":
+                for key, part in expected_keys(e, name).items():
+                    self._keys.setdefault(e["file"], {})[key] = (name, part)
 
     # -- metadata -------------------------------------------------------------------------------
     @property
@@ -237,6 +337,11 @@ class Artifact:
     @property
     def lineage(self) -> dict[str, Any]:
         return self.manifest.get("lineage", {})
+
+    @property
+    def lossless(self) -> str:
+        """``"gdeflate"`` when any tensor is stored through the lossless stage, else ``"none"``."""
+        return "gdeflate" if any(e.get("codec") for e in self.tensors.values()) else "none"
 
     def entry(self, name: str) -> EntryView:
         if name not in self.tensors:
@@ -248,8 +353,25 @@ class Artifact:
         return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
 
     def hf_dir(self) -> Path:
-        """Folder of the fine-tuned model's config and tokenizer files kept with the artifact."""
-        return self.path / "hf"
+        """Folder of the fine-tuned model's config and tokenizer files kept with the artifact.
+
+        With ``check_tensors``, the first call checks every listed side file's size and sha256 and
+        that no unlisted file sits there.
+        """
+        d = self.path / "hf"
+        if self.check_tensors and not self._hf_checked:
+            files = self.manifest["files"]
+            for rel, info in files.items():
+                if rel.startswith("hf/"):
+                    problem = file_problem(self.path, rel, info)
+                    if problem:
+                        raise ArtifactError(f"{self.path / rel}: {problem}; the artifact is corrupt (run `deltazip verify`)")
+            if d.is_dir():
+                for p in sorted(d.rglob("*")):
+                    if p.is_file() and p.relative_to(self.path).as_posix() not in files:
+                        raise ArtifactError(f"{p}: file not listed in the manifest; the artifact was altered")
+            self._hf_checked = True
+        return d
 
     # -- tensor access --------------------------------------------------------------------------
     def _handle(self, fname: str):
@@ -257,36 +379,75 @@ class Artifact:
             fpath = self.path / fname
             if not fpath.is_file():
                 raise ArtifactError(f"{self.path}: container file {fname} is missing; the artifact is incomplete")
+            if self.check_tensors:
+                problem = file_problem(self.path, fname, self.manifest["files"].get(fname))
+                if problem:
+                    raise ArtifactError(f"{fpath}: {problem}; the artifact is corrupt (run `deltazip verify`)")
             try:
-                self._handles[fname] = safe_open(str(fpath), framework="pt")
+                h = safe_open(str(fpath), framework="pt")
+                keys = set(h.keys())
             except Exception as e:  # safetensors raises its own error types for corrupt headers
                 raise ArtifactError(f"{fpath}: cannot open container ({e}); run `deltazip verify`") from e
+            want = self._keys.get(fname, {})
+            missing = sorted(k for k in want if k not in keys)
+            if missing:
+                name, part = want[missing[0]]
+                raise ArtifactError(f"{fpath}: the manifest lists tensor {name!r} (part {part!r}, stored as "
+                                    f"{missing[0]!r}) but the container lacks it"
+                                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            extra = sorted(keys - set(want))
+            if extra:
+                raise ArtifactError(f"{fpath}: the container holds tensor {extra[0]!r}, which the manifest does not "
+                                    "list" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+            self._handles[fname] = h
         return self._handles[fname]
 
-    def parts(self, name: str) -> dict[str, torch.Tensor]:
-        """Stored tensors of one entry, checksum-verified."""
+    def parts(self, name: str, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """Stored tensors of one entry, decoded and integrity-checked, on ``device``.
+
+        Args:
+            name: tensor name.
+            device: target (default: the Artifact's ``device``, else CPU). Lossless parts decode
+                with the CPU library on CPU and with nvCOMP on a CUDA device.
+        Returns:
+            part name -> tensor in its stored dtype and shape (see docs/format.md).
+        """
         e = self.entry(name).raw
         if not e.get("parts"):
             return {}
+        dev = torch.device(device) if device is not None else self.device
+        cuda = dev is not None and dev.type == "cuda"
+        fpath = self.path / e["file"]
         h = self._handle(e["file"])
+        lossless = e.get("lossless") or {}
         out = {}
         for part in e["parts"]:
-            key = container_key(name, part)
+            codec = e.get("codec") if part in lossless else None
+            key = container_key(name, part, codec)
             try:
-                out[part] = h.get_tensor(key)
+                t = h.get_tensor(key)
             except Exception as err:
-                raise ArtifactError(f"{self.path / e['file']}: tensor {key!r} cannot be read ({err})") from err
-        if self.check_tensors and sha256_tensors(*out.values()) != e["checksum"]:
-            raise ArtifactError(f"{self.path / e['file']}: checksum mismatch for tensor {name!r}; the artifact "
-                                f"is corrupt (run `deltazip verify`)")
+                raise ArtifactError(f"{fpath}: tensor {key!r} cannot be read ({err})") from err
+            if codec:
+                try:
+                    # On a GPU the decoded bytes stay there; their integrity rests on the compressed
+                    # bytes' checksum (checked before decoding) and the file's sha256.
+                    t = chunked.decode(lossless[part], t, device=dev if cuda else None, verify=not cuda)
+                except chunked.ContainerError as err:
+                    raise ArtifactError(f"{fpath}: tensor {name!r} part {part!r}: {err}; run `deltazip verify`") from err
+                except gdeflate.CodecUnavailableError as err:
+                    raise ArtifactError(f"{fpath}: tensor {name!r} is GDeflate-compressed: {err}") from err
+            if cuda:
+                t = t.to(dev)
+            out[part] = t
         return out
 
-    def packed(self, name: str) -> PackedDelta:
-        """The PackedDelta of a ``packed`` entry."""
+    def packed(self, name: str, device: torch.device | str | None = None) -> PackedDelta:
+        """The PackedDelta of a ``packed`` entry (on ``device``, see ``parts``)."""
         ev = self.entry(name)
         if ev.kind != "packed":
             raise ArtifactError(f"tensor {name!r} is {ev.kind}, not packed")
-        p = self.parts(name)
+        p = self.parts(name, device)
         e = ev.raw
         d = PackedDelta(qweight=p["qweight"], scales=p["scales"], zeros=p.get("zeros"),
                         positions=p.get("positions"), bits=e["bits"], group_size=e["group_size"],
@@ -303,13 +464,15 @@ class Artifact:
         Args:
             name: tensor name.
             base: the base model's tensor of that name (unused for ``full`` and non-additive entries).
+                The result is on ``base``'s device (else the Artifact's ``device``, else CPU).
         """
         ev = self.entry(name)
         kind, dtype = ev.kind, ev.dtype
+        dev = base.device if base is not None else self.device
         if kind == "full":
-            return self.parts(name)["data"]
+            return self.parts(name, dev)["data"]
         if kind == "packed" and not ev.raw["additive"]:
-            return delta_weight(self.packed(name)).to(dtype)
+            return delta_weight(self.packed(name, dev)).to(dtype)
         if base is None:
             raise ArtifactError(f"tensor {name!r} is stored relative to the base, but no base tensor was given")
         if tuple(base.shape) != ev.shape:
@@ -318,23 +481,54 @@ class Artifact:
         if kind == "same":
             return base.to(dtype)
         if kind == "packed":
-            delta = delta_weight(self.packed(name))
+            delta = delta_weight(self.packed(name, dev))
         elif kind == "dense_delta":
-            delta = self.parts(name)["delta"].float()
+            delta = self.parts(name, dev)["delta"].float()
         else:
             raise ArtifactError(f"tensor {name!r} has unknown kind {kind!r}")
         return (base.float() + delta.to(base.device)).to(dtype)
 
 
+def file_problem(root: Path, rel: str, info: Any) -> str | None:
+    """Why file ``rel`` of an artifact does not match its ``files`` entry (None when it does)."""
+    p = root / rel
+    if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or not isinstance(info.get("sha256"), str):
+        return "not listed in the manifest's 'files' (or listed without bytes/sha256)"
+    if not p.is_file():
+        return "missing"
+    size = p.stat().st_size
+    if size != info["bytes"]:
+        return f"is {size} bytes, the manifest says {info['bytes']} (truncated or altered)"
+    if sha256_file(p) != info["sha256"]:
+        return "sha256 differs from the manifest"
+    return None
+
+
+def manifest_sum_problem(path: Path, raw: bytes) -> str | None:
+    """Why ``manifest.json``'s bytes do not match ``manifest.sha256`` (None when they do or when the
+    artifact predates the sidecar)."""
+    spath = path / MANIFEST_SUM
+    if not spath.exists():
+        return None
+    want = spath.read_bytes().decode("ascii", errors="replace").strip()
+    if want != f"sha256:{hashlib.sha256(raw).hexdigest()}":
+        return f"{MANIFEST} does not match {MANIFEST_SUM} (corrupt or edited manifest)"
+    return None
+
+
 def load_manifest(path: Path) -> dict[str, Any]:
-    """Read and validate ``manifest.json``: format name, version, required fields and types."""
+    """Read and validate ``manifest.json``: its checksum, format name, version, fields and types."""
     if not path.exists():
         raise InputError(f"{path}: no such artifact directory")
     mpath = path / MANIFEST
     if not mpath.is_file():
         raise ArtifactError(f"{path}: not a deltazip artifact (no {MANIFEST})")
+    raw = mpath.read_bytes()
+    problem = manifest_sum_problem(path, raw)
+    if problem:
+        raise ArtifactError(f"{path}: {problem}")
     try:
-        m = json.loads(mpath.read_text())
+        m = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{mpath}: corrupt manifest (invalid JSON: {e})") from e
     problems = manifest_problems(m)
@@ -345,34 +539,124 @@ def load_manifest(path: Path) -> dict[str, Any]:
 
 def manifest_problems(m: Any) -> list[str]:
     """Schema problems of a manifest dict (empty when it is sound)."""
+    out = header_problems(m)
+    if out:
+        return out
+    for name, e in m["tensors"].items():
+        out += entry_problems(name, e, m["files"])
+    return out
+
+
+def header_problems(m: Any) -> list[str]:
+    """Problems of the manifest's format, version and top-level fields; any one makes the rest
+    of the manifest unreadable."""
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         return ["not a deltazip manifest (field 'format' is not 'deltazip')"]
     v = m.get("format_version")
-    if not isinstance(v, int):
+    if not isinstance(v, int) or isinstance(v, bool):
         return ["manifest has no integer 'format_version'"]
     if v > FORMAT_VERSION:
         return [f"format version {v} is newer than this deltazip understands ({FORMAT_VERSION}); upgrade deltazip"]
     if v < 1:
         return [f"unknown format version {v}"]
+    return [f"manifest field {key!r} missing or not a {typ.__name__}"
+            for key, typ in (("files", dict), ("tensors", dict), ("lineage", dict), ("config", dict))
+            if not isinstance(m.get(key), typ)]
+
+
+def entry_problems(name: str, e: Any, files: dict[str, Any]) -> list[str]:
+    """Problems of one tensor entry (empty when it is sound)."""
+    if not isinstance(e, dict) or e.get("kind") not in KINDS:
+        return [f"tensor {name!r}: unknown kind {e.get('kind') if isinstance(e, dict) else e!r}"]
     out = []
-    for key, typ in (("files", dict), ("tensors", dict), ("lineage", dict), ("config", dict)):
-        if not isinstance(m.get(key), typ):
-            out.append(f"manifest field {key!r} missing or not a {typ.__name__}")
-    if out:
-        return out
-    for name, e in m["tensors"].items():
-        if not isinstance(e, dict) or e.get("kind") not in KINDS:
-            out.append(f"tensor {name!r}: unknown kind {e.get('kind') if isinstance(e, dict) else e!r}")
+    if (not isinstance(e.get("shape"), list) or not all(isinstance(s, int) and s >= 0 for s in e["shape"])
+            or not isinstance(e.get("dtype"), str)):
+        out.append(f"tensor {name!r}: missing or invalid shape or dtype")
+    elif not isinstance(getattr(torch, e["dtype"], None), torch.dtype):
+        out.append(f"tensor {name!r}: unknown dtype {e['dtype']!r}")
+    if e["kind"] != "same":
+        if e.get("file") not in files:
+            out.append(f"tensor {name!r}: container file {e.get('file')!r} is not listed in 'files'")
+        if (not isinstance(e.get("parts"), list) or not all(isinstance(p, str) for p in e["parts"])
+                or not isinstance(e.get("checksum"), str)):
+            return out + [f"tensor {name!r}: missing parts or checksum"]
+    if e["kind"] == "packed":
+        for key in ("bits", "group_size", "sparsity", "additive", "sym"):
+            if key not in e:
+                out.append(f"tensor {name!r}: packed entry lacks {key!r}")
+    return out + _codec_problems(name, e)
+
+
+def _codec_problems(name: str, e: dict[str, Any]) -> list[str]:
+    """Problems of an entry's lossless fields (``codec``, ``lossless``)."""
+    if "codec" not in e and "lossless" not in e:
+        return []
+    codec = e.get("codec")
+    if codec not in CODECS:
+        return [f"tensor {name!r}: codec {codec!r} is unknown to this deltazip (it knows {', '.join(CODECS)}); "
+                "upgrade deltazip"]
+    table = e.get("lossless")
+    if e["kind"] == "same" or not isinstance(table, dict) or not table:
+        return [f"tensor {name!r}: codec {codec!r} without a 'lossless' table of its compressed parts"]
+    out = []
+    for part, meta in table.items():
+        if part not in e["parts"]:
+            out.append(f"tensor {name!r}: lossless part {part!r} is not one of its parts")
             continue
-        if not isinstance(e.get("shape"), list) or not isinstance(e.get("dtype"), str):
-            out.append(f"tensor {name!r}: missing shape or dtype")
-        if e["kind"] != "same":
-            if e.get("file") not in m["files"]:
-                out.append(f"tensor {name!r}: container file {e.get('file')!r} is not listed in 'files'")
-            if not isinstance(e.get("parts"), list) or not isinstance(e.get("checksum"), str):
-                out.append(f"tensor {name!r}: missing parts or checksum")
-        if e["kind"] == "packed":
-            for key in ("bits", "group_size", "sparsity", "additive", "sym"):
-                if key not in e:
-                    out.append(f"tensor {name!r}: packed entry lacks {key!r}")
+        try:
+            chunked.Container.from_json(meta)
+        except chunked.ContainerError as err:
+            out.append(f"tensor {name!r} part {part!r}: {err}")
     return out
+
+
+def repack(src: str | Path, dst: str | Path | None = None, lossless: str = "gdeflate",
+           level: int = gdeflate.DEFAULT_LEVEL, overwrite: bool = False, progress=None) -> dict[str, Any]:
+    """Add (``lossless="gdeflate"``) or remove (``"none"``) the lossless stage of an artifact.
+
+    Every tensor is read (decoded and integrity-checked), then written again through an
+    ``ArtifactWriter``; nothing is recompressed lossily, so every entry keeps its checksum (checked).
+    The result replaces ``dst`` atomically; ``dst`` defaults to ``src`` (in place).
+
+    Args:
+        src: artifact to read.
+        dst: artifact to write (default: ``src``).
+        lossless: "gdeflate" or "none".
+        level: GDeflate level 0..12.
+        overwrite: allow replacing an existing ``dst`` other than ``src``.
+        progress: optional ``progress(description, done, total)`` callback.
+    Returns:
+        ``{"artifact", "source", "lossless", "level", "bytes_before", "bytes_after", "tensors",
+        "lossless_parts", "seconds", "changed"}``.
+    """
+    t0 = time.time()
+    src = Path(src)
+    art = Artifact(src)
+    same_dir = dst is None or Path(dst).resolve() == src.resolve()
+    dst = src if dst is None else Path(dst)
+    before = art.nbytes()
+    report = {"artifact": str(dst), "source": str(src), "lossless": lossless,
+              "level": level if lossless != "none" else None, "bytes_before": before, "tensors": len(art.tensors)}
+    if same_dir and lossless == "none" and art.lossless == "none":
+        return {**report, "bytes_after": before, "lossless_parts": 0, "seconds": round(time.time() - t0, 3),
+                "changed": False}
+    names = list(art.tensors)
+    with ArtifactWriter(dst, overwrite=overwrite or same_dir, lossless=lossless, lossless_level=level) as w:
+        for i, name in enumerate(names):
+            e = art.tensors[name]
+            w.add_entry(name, e, art.parts(name) if e["kind"] != "same" else {})
+            if e["kind"] != "same" and w.entries[name]["checksum"] != e["checksum"]:
+                raise ArtifactError(f"{src / e['file']}: tensor {name!r} decodes to bytes whose checksum differs "
+                                    "from the manifest; the artifact is corrupt (run `deltazip verify`)")
+            if progress:
+                progress("repacking tensors", i + 1, len(names))
+        hf = art.hf_dir()
+        if hf.is_dir():
+            for f in sorted(p for p in hf.rglob("*") if p.is_file()):
+                w.add_file(f, f.relative_to(hf).as_posix())
+        n_lossless = sum(len(e.get("lossless") or {}) for e in w.entries.values())
+        fields = {k: v for k, v in art.manifest.items()
+                  if k not in ("format", "format_version", "tool_version", "created", "files", "tensors")}
+        out = w.finalize(**fields)
+    return {**report, "bytes_after": Artifact(out).nbytes(), "lossless_parts": n_lossless,
+            "seconds": round(time.time() - t0, 3), "changed": True}

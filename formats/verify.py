@@ -1,0 +1,309 @@
+"""Every integrity check of an artifact, reporting all problems (``deltazip verify``).
+
+Checks, in order (a later check is skipped only where an earlier failure makes it meaningless):
+
+1. ``manifest.json``: its bytes against ``manifest.sha256``, valid JSON, schema and format version,
+   the lossless tables of its entries (``deltazip.formats.artifact.manifest_problems``).
+2. Files: every file listed in ``files`` exists with the listed size and sha256; no unlisted file.
+3. Containers: every safetensors header parses; the tensors it holds are exactly those the manifest
+   expects (no missing one, no extra one).
+4. Tensors: every part reads; lossless parts pass their container checks (table, compressed-bytes
+   checksum, every chunk decodes, decoded-bytes checksum); the entry checksum (sha256 of the
+   decoded parts) matches; every part has the dtype and shape its entry implies; packed layouts
+   hold their invariants (padding codes and unused
+   bits zero; under 2:4 the two kept positions of every group distinct and ascending; zero points
+   within ``[0, 2**bits)``; finite scales).
+5. With a base fingerprint (the CLI computes it from ``--base``): it equals ``lineage.base_fingerprint``.
+
+This module reads the files itself instead of going through ``Artifact`` so that one problem does
+not hide the next.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from deltazip.formats import chunked
+from deltazip.formats.artifact import (
+    MANIFEST,
+    MANIFEST_SUM,
+    entry_problems,
+    expected_keys,
+    file_problem,
+    header_problems,
+    manifest_sum_problem,
+)
+from deltazip.formats.checksum import sha256_tensors
+from deltazip.formats.errors import DeltazipError
+from deltazip.formats.safetensors_raw import read_table
+from deltazip.kernels.packed import PackedDelta, codes_per_word, packed_words
+from deltazip.kernels.reference import unpack_int32
+
+Progress = Callable[[str, int, int], None]
+
+
+def verify_artifact(path: str | Path, base_fingerprint: str | None = None,
+                    progress: Progress | None = None) -> dict[str, Any]:
+    """Run every check and collect every problem.
+
+    Args:
+        path: artifact directory.
+        base_fingerprint: ``"xxh3-128:<hex>"`` of the base model to check the lineage against
+            (``deltazip.compress.checkpoint.Checkpoint(base).fingerprint()``), or None to skip.
+        progress: optional ``progress(description, done, total)`` callback.
+    Returns:
+        ``{"artifact", "ok", "problems": [str], "warnings": [str], "checked": {...}}``; ``ok`` is
+        True when ``problems`` is empty. Each problem is one line naming the file and tensor.
+    """
+    path = Path(path)
+    v = _Verifier(path, progress or (lambda *a: None))
+    v.run(base_fingerprint)
+    return {"artifact": str(path), "ok": not v.problems, "problems": v.problems, "warnings": v.warnings,
+            "checked": v.checked}
+
+
+class _Verifier:
+    def __init__(self, path: Path, progress: Progress):
+        self.path, self.progress = path, progress
+        self.problems: list[str] = []
+        self.warnings: list[str] = []
+        self.checked = {"files": 0, "containers": 0, "tensors": 0, "parts": 0, "lossless_parts": 0, "chunks": 0}
+
+    def bad(self, where: str | Path, msg: str) -> None:
+        self.problems.append(f"{where}: {msg}")
+
+    # -- 1. manifest --------------------------------------------------------------------------------
+    def run(self, base_fingerprint: str | None) -> None:
+        path = self.path
+        if not path.is_dir():
+            self.bad(path, "no such artifact directory")
+            return
+        mpath = path / MANIFEST
+        if not mpath.is_file():
+            self.bad(path, f"not a deltazip artifact (no {MANIFEST})")
+            return
+        raw = mpath.read_bytes()
+        problem = manifest_sum_problem(path, raw)
+        if problem:
+            self.bad(path / MANIFEST_SUM, problem)
+        elif not (path / MANIFEST_SUM).exists():
+            self.warnings.append(f"{path}: no {MANIFEST_SUM} (artifact written before it existed): the manifest's "
+                                 "own bytes are not covered by a checksum")
+        try:
+            m = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            self.bad(mpath, f"corrupt manifest (invalid JSON: {e})")
+            return
+        problems = header_problems(m)
+        for p in problems:
+            self.bad(mpath, p)
+        if problems:
+            return
+        self.manifest = m
+        broken = set()
+        for name, e in m["tensors"].items():
+            problems = entry_problems(name, e, m["files"])
+            for p in problems:
+                self.bad(mpath, p)
+            if problems:
+                broken.add(name)
+        self.check_files(m["files"])
+        self.check_tensors(m["tensors"], broken)
+        if base_fingerprint is not None:
+            want = m["lineage"].get("base_fingerprint")
+            if not want:
+                self.bad(mpath, "lineage has no base_fingerprint to check the base against")
+            elif want != base_fingerprint:
+                self.bad(mpath, f"the given base is not the one this artifact was made against (its fingerprint "
+                                f"{base_fingerprint} differs from the lineage's {want})")
+
+    # -- 2. files -----------------------------------------------------------------------------------
+    def check_files(self, files: dict[str, Any]) -> None:
+        for i, (rel, info) in enumerate(sorted(files.items())):
+            problem = file_problem(self.path, rel, info)
+            if problem:
+                self.bad(self.path / rel, problem)
+            self.checked["files"] += 1
+            self.progress("checking files", i + 1, len(files))
+        for p in sorted(self.path.rglob("*")):
+            rel = p.relative_to(self.path).as_posix()
+            if p.is_file() and rel not in files and rel not in (MANIFEST, MANIFEST_SUM):
+                self.bad(p, "file not listed in the manifest")
+
+    # -- 3./4. containers and tensors ---------------------------------------------------------------
+    def check_tensors(self, tensors: dict[str, Any], broken: set[str]) -> None:
+        by_file: dict[str, dict[str, tuple[str, str]]] = {}
+        for name, e in tensors.items():
+            if name in broken or e["kind"] == "same":
+                continue
+            for key, part in expected_keys(e, name).items():
+                by_file.setdefault(e["file"], {})[key] = (name, part)
+        containers = set(by_file) | {f for f in self.manifest["files"] if f.endswith(".safetensors")}
+        tables: dict[str, dict] = {}
+        for fname in sorted(containers):
+            fpath = self.path / fname
+            if not fpath.is_file():
+                continue  # reported by check_files
+            try:
+                tables[fname], _ = read_table(fpath)
+            except DeltazipError as e:
+                self.bad(fpath, f"container header unreadable ({e})")
+                continue
+            self.checked["containers"] += 1
+            want = by_file.get(fname, {})
+            for key in sorted(set(want) - set(tables[fname])):
+                name, part = want[key]
+                self.bad(fpath, f"the manifest lists tensor {name!r} part {part!r} (stored as {key!r}) but the "
+                                "container lacks it")
+            for key in sorted(set(tables[fname]) - set(want)):
+                self.bad(fpath, f"the container holds tensor {key!r}, which the manifest does not list")
+        handles: dict[str, Any] = {}
+        names = [n for n in tensors if n not in broken]
+        for i, name in enumerate(names):
+            self.check_tensor(name, tensors[name], tables, handles)
+            self.checked["tensors"] += 1
+            self.progress("checking tensors", i + 1, len(names))
+
+    def check_tensor(self, name: str, e: dict[str, Any], tables: dict[str, dict], handles: dict[str, Any]) -> None:
+        if e["kind"] == "same":
+            return
+        fname = e["file"]
+        fpath = self.path / fname
+        table = tables.get(fname)
+        if table is None:
+            self.bad(fpath, f"tensor {name!r} cannot be checked: its container is missing or unreadable")
+            return
+        lossless = e.get("lossless") or {}
+        parts: dict[str, torch.Tensor] = {}
+        complete = True
+        for key, part in expected_keys(e, name).items():
+            if key not in table:
+                complete = False  # reported with the container
+                continue
+            t = self.read(fpath, fname, key, handles, name)
+            if t is None:
+                complete = False
+                continue
+            self.checked["parts"] += 1
+            if part in lossless:
+                t = self.decode(fpath, name, part, lossless[part], t)
+                if t is None:
+                    complete = False
+                    continue
+            parts[part] = t
+        if not complete:
+            return
+        ordered = [parts[p] for p in e["parts"]]
+        if sha256_tensors(*ordered) != e["checksum"]:
+            self.bad(fpath, f"tensor {name!r}: checksum mismatch of its parts (corrupt data)")
+        for msg in layout_problems(e, parts):
+            self.bad(fpath, f"tensor {name!r}: {msg}")
+
+    def read(self, fpath: Path, fname: str, key: str, handles: dict[str, Any], name: str) -> torch.Tensor | None:
+        try:
+            if fname not in handles:
+                handles[fname] = safe_open(str(fpath), framework="pt")
+            return handles[fname].get_tensor(key)
+        except Exception as err:  # safetensors' own error types
+            self.bad(fpath, f"tensor {name!r}: {key!r} cannot be read ({err})")
+            return None
+
+    def decode(self, fpath: Path, name: str, part: str, meta: dict, stored: torch.Tensor) -> torch.Tensor | None:
+        self.checked["lossless_parts"] += 1
+        try:
+            c = chunked.Container.from_json(meta)
+            t = chunked.decode(c, stored)
+        except chunked.ContainerError as err:
+            self.bad(fpath, f"tensor {name!r} part {part!r}: {err}")
+            return None
+        except DeltazipError as err:  # codec library missing
+            self.bad(fpath, f"tensor {name!r} part {part!r} cannot be decoded: {err}")
+            return None
+        self.checked["chunks"] += len(c.sizes)
+        return t
+
+
+# -- layout invariants ----------------------------------------------------------------------------
+
+def layout_problems(e: dict[str, Any], parts: dict[str, torch.Tensor]) -> list[str]:
+    """Shape/dtype/packing problems of one entry's decoded parts (empty when sound)."""
+    kind, shape = e["kind"], e["shape"]
+    if kind == "full":
+        t = parts.get("data")
+        if t is None:
+            return ["full entry without a 'data' part"]
+        if list(t.shape) != shape or str(t.dtype).removeprefix("torch.") != e["dtype"]:
+            return [f"data is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, the entry says {e['dtype']} {shape}"]
+        return []
+    if kind == "dense_delta":
+        t = parts.get("delta")
+        if t is None:
+            return ["dense_delta entry without a 'delta' part"]
+        want = e.get("delta_dtype")
+        if list(t.shape) != shape or str(t.dtype).removeprefix("torch.") != want:
+            return [f"delta is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, the entry says {want} {shape}"]
+        return []
+    if kind != "packed":
+        return []
+    if len(shape) != 2 or not all(isinstance(s, int) for s in shape):
+        return [f"packed entry with shape {shape}, expected [out, in]"]
+    sparse = e["sparsity"] == "2:4"
+    if sparse != ("positions" in parts):
+        return [f"sparsity {e['sparsity']!r} but positions {'absent' if sparse else 'present'}"]
+    if e["sym"] == ("zeros" in parts):
+        return [f"sym={e['sym']} but zero points {'present' if e['sym'] else 'absent'}"]
+    try:
+        d = PackedDelta(qweight=parts["qweight"], scales=parts["scales"], zeros=parts.get("zeros"),
+                        positions=parts.get("positions"), bits=e["bits"], group_size=e["group_size"],
+                        in_features=shape[1], out_features=shape[0])
+        d.validate()
+    except (KeyError, ValueError, ZeroDivisionError) as err:
+        return [f"invalid packed layout ({err})"]
+    return packed_problems(d)
+
+
+def _unused_bits(words: torch.Tensor, bits: int, n: int) -> int:
+    """Rows of int32 ``words`` (codes of ``bits`` bits, ``n`` per row) with a set bit outside any code."""
+    per = codes_per_word(bits)
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    full = (1 << (per * bits)) - 1
+    last = (1 << ((n - (packed_words(n, bits) - 1) * per) * bits)) - 1
+    allowed = torch.full((w.shape[1],), full, dtype=torch.int64)
+    if w.shape[1]:
+        allowed[-1] = last
+    return int(((w & ~allowed) != 0).any(dim=1).sum())
+
+
+def packed_problems(d: PackedDelta) -> list[str]:
+    """Invariants of a packed delta beyond its shapes (see docs/format.md, packed layout)."""
+    out = []
+    k = d.kept_per_row
+    rows = _unused_bits(d.qweight, d.bits, k)
+    if rows:
+        out.append(f"qweight: {rows} rows with padding codes or unused bits not zero")
+    if d.sparse:
+        rows = _unused_bits(d.positions, 2, k)
+        if rows:
+            out.append(f"positions: {rows} rows with padding codes not zero")
+        pos = unpack_int32(d.positions, 2, k).reshape(d.out_features, k // 2, 2)
+        bad = pos[..., 0] >= pos[..., 1]
+        if bool(bad.any()):
+            r, g = (int(x) for x in bad.nonzero()[0])
+            out.append(f"positions: {int(bad.sum())} groups of 4 whose two kept positions are not distinct and "
+                       f"ascending (first: row {r}, group {g})")
+    if d.zeros is not None:
+        over = int((d.zeros.int() >= 2 ** d.bits).sum())
+        if over:
+            out.append(f"zeros: {over} zero points outside [0, {2 ** d.bits})")
+    finite = torch.isfinite(d.scales.float())
+    if not bool(finite.all()):
+        out.append(f"scales: {int((~finite).sum())} of {math.prod(d.scales.shape)} are not finite")
+    return out
+
