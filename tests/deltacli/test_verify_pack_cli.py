@@ -6,26 +6,12 @@ import sys
 
 import pytest
 import torch
+from _cli import run_cli
 from _factories import calib_file, make_pair
 from safetensors.torch import load_file
 
 from deltazip.deltacli.app import main
 from deltazip.formats.artifact import Artifact
-
-
-def run_cli(capsys, monkeypatch, *args):
-    """Run ``deltazip ARGS`` through main() in-process; returns (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    monkeypatch.setattr(sys, "argv", ["deltazip", *map(str, args)])
-    monkeypatch.delenv("DELTAZIP_DEBUG", raising=False)
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
-
 
 FAST = ["--bits", "2", "--group-size", "32", "--nsamples", "4", "--seqlen", "32"]
 
