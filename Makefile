@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,kernels,serve]"
+	$(PY) -m pip install -q -e ".[dev,kernels,serve,eval]"
 	touch $@
 
 install: $(VENV)/.installed

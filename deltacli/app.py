@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     "deltazip.deltacli.verify_cmd",
     "deltazip.deltacli.pack_cmd",
     "deltazip.deltacli.serve_cmd",
+    "deltazip.deltacli.eval_cmd",
 )
 
 

@@ -1,0 +1,71 @@
+"""lm-eval model type ``deltazip``: a compressed variant evaluated through the serving path.
+
+Importing this module registers the model type with lm-eval's registry::
+
+    import deltazip.runtime.lm_eval_model  # noqa: F401  (registers "deltazip")
+    lm_eval.simple_evaluate(model="deltazip", model_args="artifact=art/,base=base/", tasks=[...])
+
+From the shell, lm-eval's own CLI with the type registered::
+
+    python -m deltazip.runtime.lm_eval_model run --model deltazip \\
+        --model_args artifact=art/,base=base/ --tasks deltazip_shift --include_path ...
+
+``artifact`` may also be ``base`` (the base model through the same decoupled model) or a plain HF
+model directory. Everything else (batching, loglikelihood, ``generate_until``) is lm-eval's ``HFLM``
+on the model object that :class:`deltazip.runtime.eval_model.EvalBank` builds.
+"""
+
+from __future__ import annotations
+
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from deltazip.runtime.eval_model import EvalBank, parse_targets
+
+
+@register_model("deltazip")
+class DeltazipLM(HFLM):
+    """``HFLM`` over a deltazip target.
+
+    Args:
+        artifact: artifact directory, HF model directory, or ``base``.
+        base: the base model (default: the artifact's lineage base).
+        device: ``auto``, ``cpu``, ``cuda``, ``cuda:N``.
+        dtype: ``auto``, ``float32``, ``float16``, ``bfloat16``.
+        bank: an existing :class:`EvalBank` holding the target (used by ``deltazip eval`` so that
+            one base model serves every target of a run); ``artifact`` then names the target label.
+        **kwargs: passed to ``HFLM`` (``batch_size``, ``max_length``, ...).
+    """
+
+    def __init__(self, artifact: str, base: str | None = None, device: str = "auto", dtype: str = "auto",
+                 bank: EvalBank | None = None, **kwargs):
+        if bank is None:
+            (target,) = parse_targets([str(artifact)])
+            bank = EvalBank([target], base, device=device, dtype=dtype)
+        else:
+            target = next(t for t in bank.targets if t.label == artifact)
+        self.bank, self.target = bank, target
+        model = bank.model_for(target)
+        tokenizer = bank.tokenizer_for(target)
+        kwargs.pop("pretrained", None)
+        super().__init__(pretrained=model, tokenizer=tokenizer, backend="causal", **kwargs)
+
+    def _model_call(self, inps, attn_mask=None, labels=None):
+        # Re-select this target's slot: another DeltazipLM on the same bank may have run in between.
+        self.bank.model_for(self.target)
+        return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+
+    def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        self.bank.model_for(self.target)
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+
+def main() -> None:
+    """lm-eval's command line with the ``deltazip`` model type registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
