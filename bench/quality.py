@@ -304,14 +304,22 @@ def main() -> None:
         rows += study("demo", "shift", p["base"], {"finetuned": p["finetuned"], "calib": p["calib"],
                                                    "heldout": str(heldout)}, p["group_size"], args.quick, arts,
                       ppl_window=32)
+    cmd = "python bench/quality.py" + (" --quick" if args.quick else "") + \
+        (f" --pairs {args.pairs}" if args.pairs != "smollm2,demo" else "") + \
+        (f" --tasks {args.tasks}" if args.tasks != "palindrome,ticket,addition" else "")
+
+    def write() -> None:  # after every (pair, task), so a long run leaves its finished part behind
+        (out / "quality.md").write_text(_markdown(rows, cmd))
+        (out / "quality.json").write_text(json.dumps(rows, indent=2))
+        _plot(rows, out / "quality.png")
+
+    if rows:
+        write()
     if "smollm2" in pairs:
         base = smollm2_base()
         for task in [t.strip() for t in args.tasks.split(",") if t.strip()]:
             rows += study("smollm2", task, str(base), finetunes(base, task), 64, args.quick, arts)
-    cmd = "python bench/quality.py" + (" --quick" if args.quick else "") + \
-        (f" --pairs {args.pairs}" if args.pairs != "smollm2,demo" else "")
-    (out / "quality.md").write_text(_markdown(rows, cmd))
-    _plot(rows, out / "quality.png")
+            write()
     print(json.dumps({"bench": "quality", "machine": machine(),
                       "config": {"quick": args.quick, "finetune": FT_RECIPE, "lora": LORA_RECIPE,
                                  "methods": [m[0] for m in METHODS], "seconds": round(time.time() - t0, 1)},

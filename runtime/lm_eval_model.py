@@ -10,6 +10,10 @@ From the shell, lm-eval's own CLI with the type registered::
     python -m deltazip.runtime.lm_eval_model run --model deltazip \\
         --model_args artifact=art/,base=base/ --tasks deltazip_shift --include_path ...
 
+(``--device`` goes on lm-eval's command line, not in ``--model_args``: lm-eval passes it itself.)
+
+(``--device`` goes on lm-eval's command line, not in ``--model_args``: lm-eval passes it itself.)
+
 ``artifact`` may also be ``base`` (the base model through the same decoupled model) or a plain HF
 model directory. Everything else (batching, loglikelihood, ``generate_until``) is lm-eval's ``HFLM``
 on the model object that :class:`deltazip.runtime.eval_model.EvalBank` builds.
@@ -17,10 +21,15 @@ on the model object that :class:`deltazip.runtime.eval_model.EvalBank` builds.
 
 from __future__ import annotations
 
+import logging
+
+import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from deltazip.runtime.eval_model import EvalBank, parse_targets
+
+eval_logger = logging.getLogger(__name__)
 
 
 @register_model("deltazip")
@@ -37,9 +46,14 @@ class DeltazipLM(HFLM):
         **kwargs: passed to ``HFLM`` (``batch_size``, ``max_length``, ...).
     """
 
-    def __init__(self, artifact: str, base: str | None = None, device: str = "auto", dtype: str = "auto",
+    def __init__(self, artifact: str, base: str | None = None, device: str | None = "auto", dtype: str = "auto",
                  bank: EvalBank | None = None, **kwargs):
         if bank is None:
+            device = device or "auto"
+            if device.startswith("cuda") and not torch.cuda.is_available():
+                # lm-eval's CLI fills in a CUDA device by default; its own hf type falls back to CPU too.
+                eval_logger.warning("no CUDA device is available; evaluating on the CPU")
+                device = "cpu"
             (target,) = parse_targets([str(artifact)])
             bank = EvalBank([target], base, device=device, dtype=dtype)
         else:

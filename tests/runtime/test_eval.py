@@ -257,3 +257,21 @@ def test_bad_input_is_one_line_exit_1(served, tasks_dir, tmp_path, capsys, monke
     assert "no such file or directory" in msg
     msg = _bad(capsys, monkeypatch, alpha)
     assert "nothing to evaluate" in msg
+
+
+def test_lm_eval_command_line_runs_the_deltazip_model_type(served, tasks_dir, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "lm-eval-out"
+    r = subprocess.run([sys.executable, "-m", "deltazip.runtime.lm_eval_model", "run", "--model", "deltazip",
+                        "--model_args", f"artifact={served.variant_dir('alpha')},base={served.base_dir}",
+                        "--tasks", "tiny_mc", "--include_path", str(tasks_dir), "--batch_size", "4",
+                        "--output_path", str(out)],
+                       capture_output=True, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    (res_file,) = out.rglob("results*.json")
+    acc = json.loads(res_file.read_text())["results"]["tiny_mc"]["acc,none"]
+    ours = _evaluate(DeltazipLM(str(served.variant_dir("alpha")), base=str(served.base_dir), device="cpu",
+                                batch_size=4), tasks_dir)
+    assert acc == ours["results"]["tiny_mc"]["acc,none"]
