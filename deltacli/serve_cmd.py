@@ -36,6 +36,8 @@ def serve(
     cpu_threads: Annotated[int | None, typer.Option(help="torch intra-op threads (default: torch's choice).")] = None,
     no_preemption: Annotated[bool, typer.Option("--no-preemption", help="Never preempt line-skipping requests "
                                                                         "(for experiments; can starve requests).")] = False,
+    workers: Annotated[int, typer.Option(help="Engine processes behind one HTTP front, sharing one copy of the "
+                                              "base weights (1: a single process, no front).")] = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Serve the base model and every artifact under ARTIFACTS with an OpenAI-compatible API."""
@@ -44,11 +46,26 @@ def serve(
     cfg = ServeConfig(artifacts=artifacts, base=base, host=host, port=port, api_key=api_key, mode=mode,
                       max_deltas=max_deltas, max_cpu_deltas=max_cpu_deltas, max_batch_tokens=max_batch_tokens,
                       max_num_seqs=max_num_seqs, max_queue=max_queue, device=device, dtype=dtype,
-                      delta_compute=delta_compute, cpu_threads=cpu_threads, preemption=not no_preemption)
+                      delta_compute=delta_compute, cpu_threads=cpu_threads, preemption=not no_preemption,
+                      workers=workers)
     if not json_out:
         # The library logs one line per variant at start-up; show them (and uvicorn's) on stderr.
         logging.basicConfig(level=os.environ.get("DELTAZIP_LOG_LEVEL", "INFO").upper(),
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if cfg.workers > 1:
+        from deltazip.runtime.workers import serve_workers
+
+        def ready(pool) -> None:
+            if json_out:
+                print_json({"serving": f"http://{host}:{port}", "mode": mode, "workers": pool.health()["workers"],
+                            "shared_bytes": pool.owner_report.get("nbytes")})
+            else:
+                err_console.print(f"serving with {cfg.workers} workers sharing one copy of the base weights "
+                                  f"({pool.owner_report.get('nbytes', 0) / 2**20:.1f} MiB) on http://{host}:{port} "
+                                  f"(mode {mode})")
+
+        serve_workers(cfg, on_ready=ready)
+        return
     metrics = Metrics()
     rt = build_runtime(cfg, observer=metrics)
     if json_out:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import inspect
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -270,17 +271,24 @@ class TensorDedupRegistry:
         verify_bytes: on a fingerprint hit, compare the bytes before sharing (copies a device
             tensor back to the host for the check); a mismatch is a counted collision and the
             new tensor is kept separately.
+        weak: hold tensors by weak reference: a tensor stays shareable while some model still
+            references it and is freed (and forgotten) when the last one drops it. For a server
+            whose variants come and go (host LRU evictions, unloads); the default keeps strong
+            references until :meth:`clear`.
     """
 
-    def __init__(self, hash_algorithm: str = "xxh3", min_tensor_bytes: int = 0, verify_bytes: bool = False):
+    def __init__(self, hash_algorithm: str = "xxh3", min_tensor_bytes: int = 0, verify_bytes: bool = False,
+                 weak: bool = False):
         hash_name(hash_algorithm)  # validates
         if min_tensor_bytes < 0:
             raise InputError(f"min_tensor_bytes must be >= 0, got {min_tensor_bytes}")
         self.hash_algorithm = hash_algorithm
         self.min_tensor_bytes = int(min_tensor_bytes)
         self.verify_bytes = bool(verify_bytes)
+        self.weak = bool(weak)
         self._lock = threading.Lock()
-        self._store: dict[tuple[torch.device, Fingerprint], list[ReadOnlyTensor]] = {}
+        # Entries are tensors, or weakref.ref to tensors in weak mode (see _live).
+        self._store: dict[tuple[torch.device, Fingerprint], list] = {}
         self._stats = DedupStats()
 
     # ---- fingerprints
@@ -370,8 +378,8 @@ class TensorDedupRegistry:
     def _lookup_or_insert(self, dev: torch.device, fp: Fingerprint, build, nbytes: int) -> tuple[ReadOnlyTensor, bool]:
         key = (dev, fp)
         with self._lock:
-            held = self._store.get(key)
-        if held is not None:
+            held = self._live(key)
+        if held:
             hit = self._match(held, build) if self.verify_bytes else held[0]
             if hit is not None:
                 with self._lock:
@@ -383,7 +391,7 @@ class TensorDedupRegistry:
             on_dev = host if host.device == dev else host.to(dev, non_blocking=False)
         new = read_only(on_dev)
         with self._lock:
-            held = self._store.setdefault(key, [])
+            held = self._live(key)
             if held and not self.verify_bytes:
                 # Lost a race against another thread building the same tensor: use the winner's.
                 self._stats.reused += 1
@@ -396,10 +404,25 @@ class TensorDedupRegistry:
                         self._stats.bytes_saved += nbytes
                         return t, True
                 self._stats.collisions += 1
-            held.append(new)
+            self._store.setdefault(key, []).append(weakref.ref(new) if self.weak else new)
             self._stats.registered += 1
             self._stats.bytes_registered += nbytes
         return new, False
+
+    def _live(self, key) -> list[ReadOnlyTensor]:
+        """Held tensors of ``key`` (caller holds the lock); in weak mode dead entries are dropped."""
+        entries = self._store.get(key)
+        if not entries:
+            return []
+        if not self.weak:
+            return entries
+        live = [t for t in (r() for r in entries) if t is not None]
+        if len(live) != len(entries):
+            if live:
+                self._store[key] = [weakref.ref(t) for t in live]
+            else:
+                del self._store[key]
+        return live
 
     def _match(self, held: list[ReadOnlyTensor], build) -> ReadOnlyTensor | None:
         host = build()
@@ -417,7 +440,12 @@ class TensorDedupRegistry:
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(len(v) for v in self._store.values())
+            return sum(len(self._live(k)) for k in list(self._store))
+
+    def held_bytes(self) -> int:
+        """Bytes of the tensors held now (in weak mode only those some model still references)."""
+        with self._lock:
+            return sum(t.numel() * t.element_size() for k in list(self._store) for t in self._live(k))
 
     def clear(self) -> None:
         """Forget every held tensor and reset the counters (models keep what they reference)."""

@@ -71,6 +71,7 @@ class TieredCache:
         self._lock = threading.Lock()
         self._host: OrderedDict[str, Any] = OrderedDict()
         self._pending: dict[str, Future] = {}
+        self._dropped: set[str] = set()  # evicted while a load was pending: that load is not kept
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltazip-delta-loader")
         self.slots: list[str | None] = [None] * num_slots
         self._slot_of: dict[str, int] = {}
@@ -98,6 +99,9 @@ class TieredCache:
         with self._lock:
             # Leaving "pending" and entering the LRU under one lock: no reader sees neither.
             self._pending.pop(name, None)
+            if name in self._dropped:  # the variant was unloaded meanwhile
+                self._dropped.discard(name)
+                return obj
             st = self._stat(name)
             st.disk_loads += 1
             st.disk_seconds_last = dt
@@ -198,6 +202,33 @@ class TieredCache:
             st.device_seconds_total += dt
             out[n] = s
         return out
+
+    def evict(self, name: str) -> None:
+        """Drop ``name`` from every tier (engine thread): its device slot is cleared, its host copy
+        forgotten, and a load in flight is discarded when it lands. Its load stats go too."""
+        s = self._slot_of.pop(name, None)
+        if s is not None:
+            self.slots[s] = None
+            self._clear_device(s)
+        with self._lock:
+            self._host.pop(name, None)
+            if name in self._pending:
+                self._dropped.add(name)
+            self.stats.pop(name, None)
+
+    def state(self, name: str) -> str:
+        """Where ``name`` is: ``device``, ``host``, ``loading`` (disk to host in flight) or ``disk``."""
+        if name in self._slot_of:
+            return "device"
+        with self._lock:
+            if name in self._host:
+                return "host"
+            return "loading" if name in self._pending else "disk"
+
+    def host_object(self, name: str) -> Any:
+        """The host tier's object of ``name`` without touching the LRU order (None when not there)."""
+        with self._lock:
+            return self._host.get(name)
 
     def resident(self) -> list[str]:
         """Variants in device slots, by slot."""

@@ -122,8 +122,14 @@ class DeltaLinear(nn.Module):
 
     - a packed additive delta (ΔCompress, RTN): ``y = x W_baseᵀ + x Δ̂_sᵀ``;
     - a packed non-additive weight (SparseGPT on full weights): ``y = x Ŵ_sᵀ`` (base term dropped);
-    - a dense replacement ``W_s`` (a tensor stored ``dense_delta``/``full``, e.g. a changed lm_head):
-      ``y = x W_sᵀ``, exactly as the merged model computes it;
+    - a dense replacement ``W_s`` (a tensor stored ``dense_delta``/``full``, e.g. a changed lm_head,
+      or a changed linear of a full-checkpoint variant): ``y = x W_sᵀ``, exactly as the merged
+      model computes it. The slot *references* the tensor it is given (no copy), so two slots
+      holding the same deduplicated tensor share its memory;
+    - a LoRA adapter ``(A_s [r, in], B_s [out, r], scale_s)``: ``y = x W_baseᵀ + scale_s (x A_sᵀ) B_sᵀ``,
+      all LoRA rows of a forward in one grouped call (``dispatch.lora``); adapters of different
+      ranks share one ``[N, R, in]`` / ``[N, out, R]`` stack zero-padded to the largest rank ``R``
+      (zero rows/columns add exact zeros);
     - nothing (``same``): ``y = x W_baseᵀ``, no work.
 
     A changed bias is a per-slot bias row. The base ``weight``/``bias`` parameters are the original
@@ -145,8 +151,12 @@ class DeltaLinear(nn.Module):
         self.groups: dict[tuple, _PackedGroup] = {}
         self._replace = torch.zeros(n + 1, dtype=torch.bool, device=dev)  # base term dropped for slot
         self._replace_slots: set[int] = set()
-        self._dense: torch.Tensor | None = None  # [N, out, in] replacement weights, allocated on first use
-        self._dense_slots: set[int] = set()
+        self._dense: dict[int, torch.Tensor] = {}  # slot -> [out, in] replacement weight (a reference)
+        self._lora_A: torch.Tensor | None = None  # [N, R, in], allocated when a LoRA slot first needs it
+        self._lora_B: torch.Tensor | None = None  # [N, out, R]
+        self._lora_scale = torch.zeros(n, dtype=torch.float32, device=dev)  # [N]
+        self._lora_present = torch.zeros(n + 1, dtype=torch.bool, device=dev)  # indexed by slot + 1
+        self._lora_rank: dict[int, int] = {}  # slot -> its adapter's own rank
         self._dq: torch.Tensor | None = None  # [N, out, in] dequantized deltas (ctx.dequantize)
         self._dq_slots: set[int] = set()
         # With a base bias, decoupled forwards add the bias per row from this table (row 0 = base),
@@ -190,23 +200,30 @@ class DeltaLinear(nn.Module):
                 g.present[slot + 1] = False
         self._replace[slot + 1] = False
         self._replace_slots.discard(slot)
-        self._dense_slots.discard(slot)
+        self._dense.pop(slot, None)
+        self._lora_present[slot + 1] = False
+        self._lora_rank.pop(slot, None)
         self._dq_slots.discard(slot)
         self._bias_row[slot + 1] = 0
         self._bias_slots.discard(slot)
 
     def load_slot(self, slot: int, *, packed: PackedDelta | None = None, additive: bool = True,
-                  dense: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+                  dense: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                  lora_a: torch.Tensor | None = None, lora_b: torch.Tensor | None = None,
+                  lora_scale: float = 1.0) -> None:
         """Put one variant's version of this linear into ``slot``.
 
         Args:
             packed: compressed delta (``[out, in]`` canonical layout), or None.
             additive: ``packed`` is a delta on the base (True) or the whole weight (False).
-            dense: a replacement weight ``[out, in]`` (mutually exclusive with ``packed``).
+            dense: a replacement weight ``[out, in]`` (mutually exclusive with ``packed``), kept by
+                reference when it is already on this device in this dtype (it must not be written
+                afterwards: the server hands in read-only deduplicated tensors).
             bias: the variant's bias ``[out]`` when it differs from the base's.
+            lora_a, lora_b, lora_scale: a LoRA adapter, ``A [r, in]``, ``B [out, r]`` and its scale.
         """
-        if packed is not None and dense is not None:
-            raise ValueError("a slot holds either a packed delta or a dense weight, not both")
+        if sum(x is not None for x in (packed, dense, lora_a)) > 1:
+            raise ValueError("a slot holds one of a packed delta, a dense weight or a LoRA adapter")
         self.clear_slot(slot)
         if packed is not None:
             if (packed.out_features, packed.in_features) != (self.out_features, self.in_features):
@@ -229,13 +246,11 @@ class DeltaLinear(nn.Module):
         if dense is not None:
             if tuple(dense.shape) != (self.out_features, self.in_features):
                 raise ValueError(f"dense weight {tuple(dense.shape)} != [{self.out_features}, {self.in_features}]")
-            if self._dense is None:
-                self._dense = torch.zeros(self.ctx.num_slots, self.out_features, self.in_features,
-                                          dtype=self.weight.dtype, device=self.weight.device)
-            self._dense[slot].copy_(dense)
-            self._dense_slots.add(slot)
+            self._dense[slot] = dense.to(device=self.weight.device, dtype=self.weight.dtype)
             self._replace[slot + 1] = True
             self._replace_slots.add(slot)
+        if lora_a is not None:
+            self._load_lora(slot, lora_a, lora_b, lora_scale)
         if bias is not None:
             if self._bias_table is None:
                 raise ValueError("the base linear has no bias; a variant cannot add one per row")
@@ -243,14 +258,39 @@ class DeltaLinear(nn.Module):
             self._bias_row[slot + 1] = slot + 1
             self._bias_slots.add(slot)
 
+    def _load_lora(self, slot: int, a: torch.Tensor, b: torch.Tensor | None, scale: float) -> None:
+        r = a.shape[0]
+        if b is None or a.dim() != 2 or b.dim() != 2 or a.shape[1] != self.in_features \
+                or b.shape != (self.out_features, r):
+            raise ValueError(f"LoRA factors A {tuple(a.shape)} and B {None if b is None else tuple(b.shape)} do not "
+                             f"fit [{self.out_features}, {self.in_features}] (A [r, in], B [out, r])")
+        n, dev, dt = self.ctx.num_slots, self.weight.device, self.weight.dtype
+        have = 0 if self._lora_A is None else self._lora_A.shape[1]
+        if r > have:  # grow the stacks to the new largest rank, keeping what the other slots hold
+            new_a = torch.zeros(n, r, self.in_features, dtype=dt, device=dev)
+            new_b = torch.zeros(n, self.out_features, r, dtype=dt, device=dev)
+            if self._lora_A is not None:
+                new_a[:, :have].copy_(self._lora_A)
+                new_b[:, :, :have].copy_(self._lora_B)
+            self._lora_A, self._lora_B = new_a, new_b
+        self._lora_A[slot].zero_()
+        self._lora_B[slot].zero_()
+        self._lora_A[slot, :r].copy_(a)
+        self._lora_B[slot, :, :r].copy_(b)
+        self._lora_scale[slot] = float(scale)
+        self._lora_present[slot + 1] = True
+        self._lora_rank[slot] = r
+
     def resident_bytes(self, slot: int) -> int:
         """Device bytes that slot ``slot`` of this linear occupies (its share of the stacks)."""
         total = 0
         for g in self.groups.values():
             if slot in g.slots:
                 total += g.stack.nbytes() // g.stack.num_deltas
-        if slot in self._dense_slots and self._dense is not None:
-            total += self._dense[slot].numel() * self._dense.element_size()
+        if slot in self._dense:
+            total += self._dense[slot].numel() * self._dense[slot].element_size()
+        if slot in self._lora_rank:  # its padded rows of the stacks
+            total += (self._lora_A[slot].numel() + self._lora_B[slot].numel()) * self._lora_A.element_size()
         if slot in self._dq_slots and self._dq is not None:
             total += self._dq[slot].numel() * self._dq.element_size()
         if slot in self._bias_slots:
@@ -282,8 +322,11 @@ class DeltaLinear(nn.Module):
             y = y + dispatch.sbmm(x2, local, g.stack, plan=plan)
         if self._dq_slots & active:
             y = y + _dense_rows(x2, idx, self._dq, self._dq_slots & active)
-        if self._dense_slots & active:
-            y = y + _dense_rows(x2, idx, self._dense, self._dense_slots & active)
+        if self._dense.keys() & active:
+            y = y + _ref_rows(x2, idx, self._dense, self._dense.keys() & active)
+        if self._lora_rank.keys() & active:
+            local = torch.where(self._lora_present[idx + 1], idx, torch.full_like(idx, -1))
+            y = y + dispatch.lora(x2, local, self._lora_A, self._lora_B, self._lora_scale)
         if self._bias_table is not None:
             y = y + self._bias_table[self._bias_row[idx + 1]]
         return y.reshape(*lead, self.out_features)
@@ -326,11 +369,37 @@ def _dense_rows(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, slots
     return y
 
 
+def _ref_rows(x: torch.Tensor, idx: torch.Tensor, weights: dict[int, torch.Tensor], slots) -> torch.Tensor:
+    """``y[r] = x[r] @ weights[idx[r]].T`` for rows whose slot is in ``slots``, zeros elsewhere.
+
+    Like :func:`_dense_rows`, for per-slot weights held as separate (possibly shared) tensors:
+    one GEMM per distinct slot present.
+
+    Args:
+        x: ``[M, in]``; idx: int64 ``[M]``; weights: slot -> ``[out, in]``.
+    Returns:
+        ``[M, out]`` in ``x.dtype``.
+    """
+    slots = sorted(slots)
+    if len(slots) == 1:
+        (s,) = slots
+        return torch.where((idx == s).unsqueeze(1), F.linear(x, weights[s]), 0.0).to(x.dtype)
+    out_f = weights[slots[0]].shape[0]
+    y = torch.zeros(x.shape[0], out_f, dtype=x.dtype, device=x.device)
+    for s in slots:
+        rows = (idx == s).nonzero(as_tuple=True)[0]
+        if rows.numel():
+            y[rows] = F.linear(x[rows], weights[s])
+    return y
+
+
 class DeltaEmbedding(nn.Module):
     """Token embedding whose rows of a changed variant read that variant's table.
 
     ``out[b, t] = table_s[ids[b, t]]`` for a slot ``s`` that changed the embedding, else the base
-    table's row: one gather and one ``where`` per forward, whatever the number of variants.
+    table's row: one gather and one ``where`` per slot present in the batch that changed it. A slot
+    references the ``[V, H]`` table it is given (no copy; slots with the same deduplicated table
+    share it).
     """
 
     def __init__(self, base: nn.Embedding, ctx: DeltaContext):
@@ -339,38 +408,34 @@ class DeltaEmbedding(nn.Module):
         self.padding_idx = base.padding_idx
         self.num_embeddings, self.embedding_dim = base.num_embeddings, base.embedding_dim
         self.ctx = ctx
-        self._table: torch.Tensor | None = None  # [N, V, H], allocated when a variant first needs it
-        self._present = torch.zeros(ctx.num_slots + 1, dtype=torch.bool, device=base.weight.device)
-        self._slots: set[int] = set()
+        self._tables: dict[int, torch.Tensor] = {}  # slot -> [V, H] (a reference)
+
+    @property
+    def _slots(self) -> set[int]:
+        return set(self._tables)
 
     def clear_slot(self, slot: int) -> None:
-        self._present[slot + 1] = False
-        self._slots.discard(slot)
+        self._tables.pop(slot, None)
 
     def load_slot(self, slot: int, weight: torch.Tensor) -> None:
-        """The variant's embedding table ``[V, H]`` for ``slot``."""
+        """The variant's embedding table ``[V, H]`` for ``slot`` (referenced, not copied)."""
         if tuple(weight.shape) != tuple(self.weight.shape):
             raise ValueError(f"embedding {tuple(weight.shape)} != base {tuple(self.weight.shape)}")
-        if self._table is None:
-            self._table = torch.zeros(self.ctx.num_slots, *self.weight.shape, dtype=self.weight.dtype,
-                                      device=self.weight.device)
-        self._table[slot].copy_(weight)
-        self._present[slot + 1] = True
-        self._slots.add(slot)
+        self._tables[slot] = weight.to(device=self.weight.device, dtype=self.weight.dtype)
 
     def resident_bytes(self, slot: int) -> int:
-        return 0 if slot not in self._slots else self.weight.numel() * self.weight.element_size()
+        return 0 if slot not in self._tables else self.weight.numel() * self.weight.element_size()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [B, T]`` -> ``[B, T, H]``."""
         out = F.embedding(ids, self.weight, self.padding_idx)
-        if not (self._slots & self.ctx.active):
+        present = self._tables.keys() & self.ctx.active
+        if not present:
             return out
-        idx = self.ctx.token_index(ids.unsqueeze(-1))
-        flat = ids.reshape(-1)
-        own = self._table[idx.clamp(min=0), flat]  # [M, H]; base rows read slot 0 and are masked below
-        sel = self._present[idx + 1].unsqueeze(1)
-        return torch.where(sel, own, out.reshape(-1, self.embedding_dim)).reshape(out.shape)
+        idx = self.ctx.token_index(ids.unsqueeze(-1)).view(ids.shape).unsqueeze(-1)  # [B, T, 1]
+        for s in sorted(present):
+            out = torch.where(idx == s, F.embedding(ids, self._tables[s], self.padding_idx), out)
+        return out
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

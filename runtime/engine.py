@@ -29,6 +29,11 @@ rotary embeddings and SDPA attention are transformers' own. Per step:
    line-skippers may be preempted (their KV cache moves to host memory until they resume).
 
 A request that is cancelled (client gone) is dropped at the next step and its KV cache freed.
+
+Variants come and go while serving: :meth:`Engine.run_on_engine` runs a function on the engine
+thread between two steps (adding a variant may decouple modules of the model, which must not happen
+under a forward), and :meth:`Engine.remove_model` stops accepting requests for a variant at once,
+lets the ones already accepted finish, then unloads it from every tier.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -398,6 +404,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._broken: dict[str, str] = {}
+        self._commands: list[tuple[Callable[[], Any], Future]] = []
+        self._removing: dict[str, tuple[Future, Callable[[], None] | None]] = {}
+        self.last_used: dict[str, float] = {}  # model -> wall time of its latest request
         self._token_times: deque[tuple[float, int]] = deque()
         self.counters = {"requests": 0, "finished": 0, "cancelled": 0, "errors": 0, "generated_tokens": 0,
                          "prompt_tokens": 0, "steps": 0, "preempted": 0}
@@ -456,6 +465,9 @@ class Engine:
         with self._lock:
             if self._stop:
                 raise EngineError("the server is shutting down")
+            if model in self._removing or model not in self.served:
+                raise UnknownModel(f"The model `{model}` does not exist.", "model")
+            self.last_used[model] = time.time()
             if len(self._inbox) + self.scheduler.num_waiting() >= self.config.max_queue:
                 raise QueueFull(f"the request queue is full ({self.config.max_queue} waiting); retry later")
             rid = f"r{self._next_id}"
@@ -473,6 +485,67 @@ class Engine:
         with self._lock:
             self._cancels.append(rid)
             self._lock.notify_all()
+
+    # -- live variant management (any thread) ---------------------------------------------------
+    def run_on_engine(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the engine thread between two steps; its result or exception lands in the
+        returned future. Runs at once in the caller's thread when the engine is not running."""
+        fut: Future = Future()
+        with self._lock:
+            running = self._thread is not None and not self._stop
+            if running:
+                self._commands.append((fn, fut))
+                self._lock.notify_all()
+        if not running:
+            _settle(fut, fn)
+        return fut
+
+    def remove_model(self, name: str, unload: Callable[[], None] | None = None) -> Future:
+        """Stop accepting requests for variant ``name``, let accepted ones finish, then drop it from
+        every tier and call ``unload`` (engine thread). The future resolves when it is gone.
+
+        Raises:
+            UnknownModel: not a served variant (the base cannot be removed).
+        """
+        with self._lock:
+            if name == self.base_name or name not in self.served or name in self._removing:
+                raise UnknownModel(f"The model `{name}` does not exist.", "model")
+            fut: Future = Future()
+            self._removing[name] = (fut, unload)
+            running = self._thread is not None and not self._stop
+            self._lock.notify_all()
+        if not running:
+            self._finish_removals()
+        return fut
+
+    def _finish_removals(self) -> None:
+        """Unload every variant being removed that has no request left (engine thread)."""
+        with self._lock:
+            pending = dict(self._removing)
+            queued = {s.model for s in self._inbox}
+        live = {s.model for s in self._seqs.values()} | queued
+        for name, (fut, unload) in pending.items():
+            if name in live:
+                continue
+            try:
+                self.cache.evict(name)
+                self._broken.pop(name, None)
+                if unload is not None:
+                    unload()
+            except Exception as e:  # keep serving the others; the caller hears what went wrong
+                log.error("unloading %s failed:\n%s", name, traceback.format_exc())
+                fut.set_exception(e)
+            else:
+                fut.set_result(None)
+            finally:
+                with self._lock:
+                    self.served.pop(name, None)
+                    self._removing.pop(name, None)
+                    self.last_used.pop(name, None)
+
+    def removing(self) -> set[str]:
+        with self._lock:
+            return set(self._removing)
 
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -499,12 +572,16 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and not self._inbox and not self._cancels and not self.scheduler.has_work():
+                while not self._stop and not self._inbox and not self._cancels and not self._commands \
+                        and not self._removing and not self.scheduler.has_work():
                     self._lock.wait(timeout=0.5)
                 if self._stop:
                     break
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
+                commands, self._commands = self._commands, []
+            for fn, fut in commands:  # between steps: no forward is running
+                _settle(fut, fn)
             for seq in inbox:
                 self._seqs[seq.rid] = seq
                 self.scheduler.add(SchedRequest(seq.rid, seq.key, len(seq.prompt_ids)))
@@ -513,6 +590,8 @@ class Engine:
                 if seq is not None and not seq.finished:
                     seq.cancelled = True
                     self._finish(seq, "cancelled")
+            if self._removing:
+                self._finish_removals()
             if not self.scheduler.has_work():
                 continue
             try:
@@ -526,6 +605,11 @@ class Engine:
         for seq in list(self._seqs.values()):
             if not seq.finished:
                 self._finish(seq, "error", error="the server shut down")
+        with self._lock:
+            left, self._commands = self._commands, []
+            removals, self._removing = self._removing, {}
+        for fut in [f for _, f in left] + [f for f, _ in removals.values()]:
+            fut.set_exception(EngineError("the server shut down"))
 
     def _step(self) -> None:
         out = self.scheduler.schedule()
@@ -657,6 +741,13 @@ class Engine:
             self._emit(seq, TokenEvent(final, -1))
         self._emit(seq, FinishEvent(reason, seq.detok.text if reason in ("stop", "length") else "",
                                     len(seq.prompt_ids), len(seq.output_ids), error))
+
+
+def _settle(fut: Future, fn: Callable[[], Any]) -> None:
+    try:
+        fut.set_result(fn())
+    except BaseException as e:  # handed to the waiting caller, who reports it
+        fut.set_exception(e)
 
 
 def _max_len(config) -> int:

@@ -34,6 +34,14 @@ from deltazip.compress.checkpoint import Checkpoint
 from deltazip.formats.artifact import MANIFEST, Artifact
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.kernels.packed import PackedDelta
+from deltazip.runtime.dedup_registry import TensorDedupRegistry
+from deltazip.runtime.dedup_serving import (
+    DedupLedger,
+    LoadTally,
+    new_serving_registry,
+    share_parameters,
+    share_tensor,
+)
 from deltazip.runtime.delta_linear import (
     DeltaContext,
     DeltaEmbedding,
@@ -53,17 +61,26 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 @dataclass
 class VariantInfo:
-    """One artifact found under the served directory (manifest only; nothing decoded)."""
+    """One variant found under the served directory (manifest or config only; nothing decoded).
+
+    ``kind``: ``artifact`` (deltazip artifact), ``full`` (plain HF checkpoint; ``tensors`` filled by
+    ``deltazip.runtime.variant_sources.compare_full_checkpoint``) or ``lora`` (PEFT adapter;
+    ``tensors`` empty, its factors are described by a ``deltazip.runtime.lora_variant.LoraSpec``).
+    """
 
     name: str
     path: Path
     tensors: dict[str, dict[str, Any]]
     lineage: dict[str, Any]
     disk_bytes: int
+    kind: str = "artifact"
+    same_as_base_bytes: int = 0  # full checkpoints: bytes (served dtype) of tensors equal to the base's
+    fingerprints: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def hf_dir(self) -> Path:
-        return self.path / "hf"
+        """Where the variant's config/tokenizer/generation files live (an artifact keeps them in hf/)."""
+        return self.path / "hf" if self.kind == "artifact" else self.path
 
     def tokenizer_dir(self, base_dir: Path) -> Path:
         """The artifact's own tokenizer files when it kept them, else the base's."""
@@ -109,11 +126,15 @@ def discover_artifacts(root: str | Path) -> list[VariantInfo]:
 def open_served_base(variants: list[VariantInfo], base_spec: str | None) -> Checkpoint:
     """The base to serve: ``base_spec`` or the artifacts' lineage base, fingerprint-checked.
 
+    Only artifacts carry a lineage with a fingerprint; LoRA adapters and full checkpoints are checked
+    against the base when the model is built (names, shapes, ``base_model_name_or_path``).
+
     Raises:
         InputError: no base named anywhere, lineages disagree, or an artifact was compressed
             against another base (the message names the artifact).
     """
     spec = base_spec
+    variants = [v for v in variants if v.kind == "artifact"]
     if spec is None:
         named = {str(v.lineage.get("base")) for v in variants if v.lineage.get("base")}
         if not named:
@@ -165,8 +186,13 @@ def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) 
     """The base causal LM through transformers' loader, with SDPA attention, in eval mode."""
     from transformers import AutoModelForCausalLM
 
+    from deltazip.runtime.weight_share import attached_model
+
+    # A worker of `deltazip serve --workers K` builds the model over the weight owner's mapped tensors.
+    model = attached_model(base.path, dtype, device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype=dtype, attn_implementation="sdpa")
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype=dtype, attn_implementation="sdpa")
     except Exception as e:  # unknown architecture, no SDPA support, broken weights
         raise InputError(f"base {base.path} cannot be loaded as a causal LM with SDPA attention "
                          f"({type(e).__name__}: {e})") from e
@@ -235,6 +261,35 @@ class HostDelta:
         return total
 
 
+def load_checkpoint_tensors(v: VariantInfo, names: list[str], dtype: torch.dtype, tally: LoadTally
+                            ) -> dict[str, torch.Tensor]:
+    """Tensors ``names`` of a full-checkpoint variant in ``dtype``, each through the dedup registry.
+
+    Stored in ``dtype`` already: looked up from the file bytes, so a tensor the registry holds is
+    never copied out of the file (no transient memory for an A/B copy). Otherwise read, converted
+    and then looked up.
+    """
+    from deltazip.formats.safetensors_raw import RawFile
+    from deltazip.runtime.dedup_registry import TORCH_TO_ST
+
+    ck = Checkpoint(v.path, f"checkpoint {v.name}")
+    want = TORCH_TO_ST[dtype]
+    pin = torch.cuda.is_available()
+    by_file: dict[Path, list[str]] = {}
+    for n in names:
+        by_file.setdefault(ck.file_of[n], []).append(n)
+    out: dict[str, torch.Tensor] = {}
+    for f, group in by_file.items():
+        with RawFile(f) as raw:
+            for n in group:
+                e = raw.entries[n]
+                if e.dtype == want:
+                    out[n] = tally.share_raw(raw.view(n), e.dtype, e.shape, pin_memory=pin)
+                else:
+                    out[n] = tally.share(_pin(ck.get(n).to(dtype)))
+    return out
+
+
 def _pin(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory() if torch.cuda.is_available() and t.device.type == "cpu" else t
 
@@ -254,19 +309,31 @@ class UnsupportedVariant(InputError):
 class DeltaModel:
     """Base model with decoupled modules for every tensor some variant changes (paper §5.1).
 
+    Every tensor it keeps goes through ``registry`` (see ``deltazip.runtime.dedup_serving``): the
+    base's parameters, each variant's decoded tensors on the host, and, on a GPU, the tensors a
+    device slot references. Variants can be added and removed while serving
+    (:meth:`prepare_variant` in any thread, :meth:`commit_variant` / :meth:`remove_variant` on the
+    engine thread between forwards): a variant that changes a module not decoupled yet gets it
+    decoupled then.
+
     Args:
         base: the served base checkpoint (already fingerprint-checked against the variants).
-        variants: the artifacts to serve.
+        variants: the variants to serve (artifacts, full checkpoints compared with the base, LoRA
+            adapters).
         num_slots: device slots ``N`` (``--max-deltas``).
         device, dtype: where and in what precision the model runs.
+        registry, ledger: the dedup registry and the ledger of its savings (new ones by default).
     """
 
     mode = "delta"
 
     def __init__(self, base: Checkpoint, variants: list[VariantInfo], num_slots: int, device: torch.device,
-                 dtype: torch.dtype, delta_compute: str = "auto"):
+                 dtype: torch.dtype, delta_compute: str = "auto", registry: TensorDedupRegistry | None = None,
+                 ledger: DedupLedger | None = None):
         self.base, self.device, self.dtype = base, device, dtype
-        self.variants = {v.name: v for v in variants}
+        self.registry = registry if registry is not None else new_serving_registry()
+        self.ledger = ledger if ledger is not None else DedupLedger()
+        self.variants: dict[str, VariantInfo] = {}
         self.num_slots = num_slots
         if delta_compute not in ("auto", "packed", "dequantized"):
             raise InputError(f"--delta-compute {delta_compute!r} is unknown; use auto, packed or dequantized")
@@ -275,24 +342,79 @@ class DeltaModel:
         self.delta_compute = ("packed" if device.type == "cuda" else "dequantized") if delta_compute == "auto" \
             else delta_compute
         self.model = load_base_model(base, dtype, device)
+        # The base goes through the registry first: later variant tensors identical to a base
+        # tensor are answered with it. Its own memory is kept (no copy).
+        self._base_held, new, reused = share_parameters(self.model, self.registry)
+        self.ledger.base_new_bytes, self.ledger.base_reused_bytes = new, reused
         self.config = self.model.config
         self.ctx = DeltaContext(num_slots, dequantize=self.delta_compute == "dequantized")
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
         # Parameters that share storage (tied embeddings): a change to one is a change to all names
         # that the checkpoint does not store separately.
         by_obj: dict[int, list[str]] = {}
-        for n, p in params.items():
+        for n, p in self._params.items():
             by_obj.setdefault(id(p), []).append(n)
-        self._aliases = {n: [m for m in by_obj[id(p)] if m != n] for n, p in params.items()}
+        self._aliases = {n: [m for m in by_obj[id(p)] if m != n] for n, p in self._params.items()}
+        # Linear shapes of the base (LoRA checks), taken before any module is decoupled.
+        self._linears = {n: (m.out_features, m.in_features) for n, m in self.model.named_modules()
+                         if isinstance(m, nn.Linear)}
         self._targets: dict[str, dict[str, list[tuple[str, str]]]] = {}  # variant -> tensor -> [(module, attr)]
-        wanted: dict[str, str] = {}  # module name -> decoupled kind
-        for v in variants:
-            self._targets[v.name] = self._plan_variant(v, params, wanted)
+        self._lora: dict[str, Any] = {}  # LoRA variant -> LoraSpec
         self.modules: dict[str, nn.Module] = {}
+        wanted: dict[str, str] = {}  # module name -> decoupled kind
+        plans = [(v, self.prepare_variant(v, wanted)) for v in variants]
         for mname, kind in sorted(wanted.items()):
             self.modules[mname] = self._replace(mname, kind)
+        for v, plan in plans:
+            self._register(v, plan)
 
     # -- building -------------------------------------------------------------------------------
+    def prepare_variant(self, v: VariantInfo, wanted: dict[str, str] | None = None):
+        """Check a variant against the model and plan which modules it needs; changes nothing.
+
+        Adds ``module -> kind`` to ``wanted`` for the modules it needs decoupled. Safe to call from
+        any thread (it only reads the model).
+
+        Raises:
+            UnsupportedVariant / InputError: something the decoupled runtime cannot serve (named).
+        """
+        wanted = {} if wanted is None else wanted
+        if v.kind == "lora":
+            from deltazip.runtime.lora_variant import read_lora_spec
+
+            spec = read_lora_spec(v.path, self._linears, type(self.model).__name__)
+            for mname in spec.modules:
+                wanted[mname] = "linear"
+            return spec
+        return self._plan_variant(v, self._params, wanted)
+
+    def commit_variant(self, v: VariantInfo, plan, wanted: dict[str, str] | None = None) -> None:
+        """Serve a prepared variant (engine thread, between forwards): decouple the modules it needs
+        that are not decoupled yet (``wanted`` as filled by :meth:`prepare_variant`), then register it."""
+        if wanted is None:
+            wanted = {}
+            self.prepare_variant(v, wanted)
+        for mname, kind in sorted(wanted.items()):
+            if mname not in self.modules:
+                self.modules[mname] = self._replace(mname, kind)
+        self._register(v, plan)
+
+    def _register(self, v: VariantInfo, plan) -> None:
+        self.variants[v.name] = v
+        if v.kind == "lora":
+            self._lora[v.name] = plan
+        else:
+            self._targets[v.name] = plan
+        self.ledger.set_same_as_base(v.name, v.same_as_base_bytes)
+
+    def remove_variant(self, name: str) -> None:
+        """Forget a variant (engine thread; its slot must have been cleared). Decoupled modules stay:
+        with no slot using them they cost nothing per forward beyond a set check."""
+        self.variants.pop(name, None)
+        self._targets.pop(name, None)
+        self._lora.pop(name, None)
+        self.ledger.forget(name)
+
     def _plan_variant(self, v: VariantInfo, params: dict[str, nn.Parameter],
                       wanted: dict[str, str]) -> dict[str, list[tuple[str, str]]]:
         plan: dict[str, list[tuple[str, str]]] = {}
@@ -312,11 +434,11 @@ class DeltaModel:
             for t in targets:
                 mname, attr = t.rsplit(".", 1)
                 mod = self.model.get_submodule(mname)
-                if isinstance(mod, nn.Linear) and attr in ("weight", "bias"):
+                if isinstance(mod, (nn.Linear, DeltaLinear)) and attr in ("weight", "bias"):
                     kind = "linear"
-                elif isinstance(mod, nn.Embedding) and attr == "weight":
+                elif isinstance(mod, (nn.Embedding, DeltaEmbedding)) and attr == "weight":
                     kind = "embedding"
-                elif attr == "weight" and is_llama_rmsnorm(mod):
+                elif attr == "weight" and (isinstance(mod, DeltaRMSNorm) or is_llama_rmsnorm(mod)):
                     kind = "norm"
                 else:
                     raise UnsupportedVariant(
@@ -338,39 +460,74 @@ class DeltaModel:
 
     # -- variants: disk -> host -> device -------------------------------------------------------
     def load_host(self, name: str) -> HostDelta:
-        """Read and decode variant ``name`` (checksums verified) into host memory."""
+        """Read and decode variant ``name`` (checksums verified) into host memory.
+
+        Every decoded tensor goes through the dedup registry: one bit-identical to a tensor already
+        held (the base's, another variant's) is not stored again.
+        """
         v = self.variants[name]
+        tally = LoadTally(self.registry)
+        host = HostDelta(name)
+        if v.kind == "lora":
+            from deltazip.runtime.lora_variant import load_lora_factors
+
+            for mname, f in load_lora_factors(self._lora[name], self.dtype).items():
+                host.modules[mname] = {"lora_a": tally.share(_pin(f.A)), "lora_b": tally.share(_pin(f.B)),
+                                       "lora_scale": f.scale}
+        elif v.kind == "full":
+            for tname, t in load_checkpoint_tensors(v, list(self._targets[name]), self.dtype, tally).items():
+                self._put_dense(host, self._targets[name][tname], t)
+        else:
+            self._load_artifact(v, host, tally)
+        self.ledger.record_load(name, tally.shared, tally.added)
+        return host
+
+    def _load_artifact(self, v: VariantInfo, host: HostDelta, tally: LoadTally) -> None:
         art = Artifact(v.path)
         # Lossless-packed parts decode on the GPU when serving on one (nvCOMP), then land in
         # pinned host memory, which is what the host tier holds.
         decode_on = self.device if self.device.type == "cuda" and art.lossless != "none" else None
-        host = HostDelta(name)
-        for tname, targets in self._targets[name].items():
+        for tname, targets in self._targets[v.name].items():
             e = art.tensors[tname]
             if e["kind"] == "packed":
-                delta = _pin_packed(art.packed(tname, device=decode_on).to("cpu"))
+                d = _pin_packed(art.packed(tname, device=decode_on).to("cpu"))
+
+                def share(t):
+                    return None if t is None else tally.share(t)
+
+                delta = PackedDelta(share(d.qweight), share(d.scales), share(d.zeros), share(d.positions), d.bits,
+                                    d.group_size, d.in_features, d.out_features)
                 for mname, _ in targets:
                     host.modules.setdefault(mname, {}).update(packed=delta, additive=bool(e["additive"]))
                 continue
             needs_base = e["kind"] == "dense_delta"
             tensor = art.reconstruct(tname, self.base.get(tname) if needs_base else None)
-            tensor = _pin(tensor.to(self.dtype))
-            for mname, attr in targets:
-                kw = host.modules.setdefault(mname, {})
-                if isinstance(self.modules[mname], DeltaLinear):
-                    kw["dense" if attr == "weight" else "bias"] = tensor
-                else:
-                    kw["weight"] = tensor
-        return host
+            self._put_dense(host, targets, tally.share(_pin(tensor.to(self.dtype))))
+
+    def _put_dense(self, host: HostDelta, targets: list[tuple[str, str]], tensor: torch.Tensor) -> None:
+        for mname, attr in targets:
+            kw = host.modules.setdefault(mname, {})
+            if isinstance(self.modules[mname], DeltaLinear):
+                kw["dense" if attr == "weight" else "bias"] = tensor
+            else:
+                kw["weight"] = tensor
 
     def write_slot(self, slot: int, name: str, host: HostDelta) -> None:
-        """Copy a decoded variant into device slot ``slot`` (engine thread, between forwards)."""
+        """Put a decoded variant into device slot ``slot`` (engine thread, between forwards).
+
+        Dense replacements (linears, embeddings) are referenced by the slot, not copied: on the
+        host device they are the host tier's tensors; on a GPU the registry's device copy, which
+        slots holding identical tensors share.
+        """
         for mname, mod in self.modules.items():
             kw = host.modules.get(mname)
             if kw is None:
                 mod.clear_slot(slot)
-            else:
-                mod.load_slot(slot, **kw)
+                continue
+            if self.device.type != "cpu":
+                kw = {k: share_tensor(self.registry, t, self.device)[0] if k in ("dense", "weight") else t
+                      for k, t in kw.items()}
+            mod.load_slot(slot, **kw)
 
     def clear_slot(self, slot: int) -> None:
         for mod in self.modules.values():
@@ -385,6 +542,9 @@ class DeltaModel:
         v = self.variants[name]
         total = 0
         esize = torch.tensor([], dtype=self.dtype).element_size()
+        if v.kind == "lora":
+            spec = self._lora[name]
+            return sum((a[0] * a[1] + b[0] * b[1]) * esize for a, b in spec.shapes.values())
         for tname, targets in self._targets[name].items():
             e = v.tensors[tname]
             numel = 1
@@ -432,43 +592,96 @@ class SwapModels:
     """``N`` whole models on the device; a slot is refilled with a merged fine-tune on a miss.
 
     The host object of a variant is its full merged state dict in the model dtype (the base's own
-    tensors for the base), which is what swapping a whole model moves.
+    tensors for the base; for a LoRA adapter the base with ``W + scale · B A`` merged into the adapted
+    linears; a full checkpoint as stored), which is what swapping a whole model moves. Host state
+    dicts go through the dedup registry, so tensors equal across them (and to the base's) are held
+    once on the host; a device slot is a whole private model, as in the baseline being modelled.
     """
 
     mode = "swap"
 
     def __init__(self, base: Checkpoint, variants: list[VariantInfo], num_slots: int, device: torch.device,
-                 dtype: torch.dtype, base_name: str):
+                 dtype: torch.dtype, base_name: str, registry: TensorDedupRegistry | None = None,
+                 ledger: DedupLedger | None = None):
         self.base, self.device, self.dtype, self.base_name = base, device, dtype, base_name
-        self.variants = {v.name: v for v in variants}
+        self.registry = registry if registry is not None else new_serving_registry()
+        self.ledger = ledger if ledger is not None else DedupLedger()
         self.num_slots = num_slots
         template = load_base_model(base, dtype, device)
+        self._base_held, new, reused = share_parameters(template, self.registry)
+        self.ledger.base_new_bytes, self.ledger.base_reused_bytes = new, reused
         self.config = template.config
         keys = set(template.state_dict())
         # Fast path: checkpoint names are the module names (Llama family); otherwise go through
         # transformers' loader, which applies the architecture's key renames.
         self._names_match = set(base.names) <= keys
         self._template = template
+        self._linears = {n: (m.out_features, m.in_features) for n, m in template.named_modules()
+                         if isinstance(m, nn.Linear)}
+        self.variants: dict[str, VariantInfo] = {}
+        self._lora: dict[str, Any] = {}
+        for v in variants:
+            self.commit_variant(v, self.prepare_variant(v))
         self.models: list[nn.Module | None] = [None] * num_slots
         self._slot_variant: list[str | None] = [None] * num_slots
+
+    def prepare_variant(self, v: VariantInfo, wanted: dict[str, str] | None = None):
+        """Check a variant (LoRA: against the base's linears); nothing else is needed to swap it in."""
+        if v.kind == "lora":
+            from deltazip.runtime.lora_variant import read_lora_spec
+
+            return read_lora_spec(v.path, self._linears, type(self._template).__name__)
+        return None
+
+    def commit_variant(self, v: VariantInfo, plan, wanted: dict[str, str] | None = None) -> None:
+        self.variants[v.name] = v
+        if v.kind == "lora":
+            self._lora[v.name] = plan
+        self.ledger.set_same_as_base(v.name, v.same_as_base_bytes)
+
+    def remove_variant(self, name: str) -> None:
+        self.variants.pop(name, None)
+        self._lora.pop(name, None)
+        self.ledger.forget(name)
+
+    def _state_dict_of(self, path: Path, ck: Checkpoint) -> dict[str, torch.Tensor]:
+        if self._names_match:
+            return {n: ck.get(n) for n in ck.names}
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype).state_dict()
 
     def load_host(self, name: str) -> dict[str, torch.Tensor]:
         from deltazip.compress.merge import load_merged_model, reconstruct_state_dict
 
+        v = self.variants.get(name)
         if name == self.base_name:
-            if self._names_match:
-                sd = {n: self.base.get(n) for n in self.base.names}
-            else:
-                from transformers import AutoModelForCausalLM
+            sd = self._state_dict_of(self.base.path, self.base)
+        elif v.kind == "full" and self._names_match:
+            # Read through the registry from the file bytes: tensors equal to the base's are never copied.
+            tally = LoadTally(self.registry)
+            host = _SwapHost(load_checkpoint_tensors(v, list(v.tensors), self.dtype, tally))
+            self.ledger.record_load(name, tally.shared, tally.added)
+            return host
+        elif v.kind == "full":
+            sd = self._state_dict_of(v.path, Checkpoint(v.path, f"checkpoint {v.name}"))
+        elif v.kind == "lora":
+            from deltazip.runtime.lora_variant import load_lora_factors, merged_weight
 
-                sd = AutoModelForCausalLM.from_pretrained(str(self.base.path), dtype=self.dtype).state_dict()
+            sd = {n: t.to(self.dtype) for n, t in self._state_dict_of(self.base.path, self.base).items()}
+            for mname, f in load_lora_factors(self._lora[name], self.dtype).items():
+                sd[f"{mname}.weight"] = merged_weight(sd[f"{mname}.weight"], f)
         else:
-            art = Artifact(self.variants[name].path)
+            art = Artifact(v.path)
             if self._names_match:
                 sd = reconstruct_state_dict(art, self.base)
             else:
                 sd = load_merged_model(art, self.base, dtype=self.dtype).state_dict()
-        return _SwapHost({n: _pin(t.to(self.dtype)) for n, t in sd.items()})
+        tally = LoadTally(self.registry)
+        host = _SwapHost({n: tally.share(_pin(t.to(self.dtype))) for n, t in sd.items()})
+        if name != self.base_name:
+            self.ledger.record_load(name, tally.shared, tally.added)
+        return host
 
     def write_slot(self, slot: int, name: str, host: dict[str, torch.Tensor]) -> None:
         model = self.models[slot]

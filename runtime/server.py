@@ -6,6 +6,13 @@ the model's tokenizer), both with SSE streaming (``data: {...}`` chunks ending i
 ``GET /health`` and ``GET /metrics`` (Prometheus text). ``/v1/*`` needs ``Authorization: Bearer KEY``
 when a key is configured; ``/health`` and ``/metrics`` stay open for probes and scrapers.
 
+Variants are artifacts, PEFT LoRA adapters and plain full checkpoints under the served directory
+(``deltazip.runtime.variant_sources``); every tensor goes through one dedup registry and the bytes
+it saves are logged at start-up and exported as ``deltazip_dedup_*`` metrics. Live management:
+``GET /v1/variants`` (kind, tier, bytes per tier, last use, load times), ``POST /v1/variants``
+(``{"path": ..., "name": ...}``, a directory inside the served one) and ``DELETE /v1/variants/{name}``
+(drains the variant's requests, then unloads it from every tier).
+
 Errors use OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``: unknown model 404,
 invalid parameters 400, prompt longer than the context 400 (``context_length_exceeded``), wrong or
 missing key 401, full queue 429 (``--max-queue``). Bad input never yields a 500. A client that
@@ -30,7 +37,8 @@ from typing import Any, Literal
 import torch
 from starlette.requests import Request  # at module level: FastAPI resolves endpoint annotations here
 
-from deltazip.formats.errors import InputError
+from deltazip.formats.errors import DeltazipError, InputError
+from deltazip.runtime.dedup_serving import DedupLedger, new_serving_registry
 from deltazip.runtime.engine import (
     Engine,
     EngineConfig,
@@ -44,11 +52,18 @@ from deltazip.runtime.model import (
     DeltaModel,
     SwapModels,
     VariantInfo,
-    discover_artifacts,
     eos_token_ids,
     load_tokenizer,
     open_served_base,
     resolve_dtype,
+)
+from deltazip.runtime.variant_sources import (
+    BaseTensorIndex,
+    check_variant_name,
+    compare_full_checkpoint,
+    discover_variants,
+    inspect_variant,
+    resolve_inside,
 )
 
 log = logging.getLogger("deltazip.serve")
@@ -80,6 +95,7 @@ class ServeConfig:
     delta_compute: str = "auto"
     cpu_threads: int | None = None
     preemption: bool = True
+    workers: int = 1  # >1: engine processes sharing one weight owner (deltazip.runtime.workers)
 
     def __post_init__(self) -> None:
         self.artifacts = Path(self.artifacts)
@@ -96,6 +112,8 @@ class ServeConfig:
             raise InputError(f"--device {self.device!r} is unknown; use auto, cpu or cuda[:N]")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise InputError(f"--device {self.device} was asked for but no CUDA device is available")
+        if self.workers < 1:
+            raise InputError(f"--workers must be >= 1, got {self.workers}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise InputError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if self.api_key == "":
@@ -117,36 +135,132 @@ class Runtime:
     variants: list[VariantInfo]
     created: int
     report: list[dict[str, Any]] = field(default_factory=list)
+    tokenizers: Any = None
+    base_index: BaseTensorIndex | None = None
+    admin_lock: threading.Lock = field(default_factory=threading.Lock)
+    _base_fp: str | None = None
+
+    @property
+    def backend(self):
+        return self.engine.backend
+
+    def base_fingerprint(self) -> str:
+        if self._base_fp is None:
+            self._base_fp = self.backend.base.fingerprint()
+        return self._base_fp
+
+    def variant(self, name: str) -> VariantInfo | None:
+        return next((v for v in self.variants if v.name == name), None)
+
+
+def check_against_base(v: VariantInfo, base, index: BaseTensorIndex, itemsize: int, base_fp) -> None:
+    """The base checks a variant needs before planning: an artifact's lineage fingerprint, a full
+    checkpoint's tensor-by-tensor comparison, a LoRA adapter's ``base_model_name_or_path``.
+
+    Args:
+        base_fp: ``() -> str``, the served base's fingerprint (computed only when needed).
+    """
+    if v.kind == "artifact":
+        want = v.lineage.get("base_fingerprint")
+        if not want or want != base_fp():
+            raise InputError(f"artifact {v.name} ({v.path}) was compressed against a different base than {base.path} "
+                             f"(base fingerprint differs or is missing); serve it with its own base")
+    elif v.kind == "full":
+        compare_full_checkpoint(v, index, itemsize)
+    else:
+        from deltazip.runtime.lora_variant import check_lora_base
+
+        check_lora_base(v.path, v.lineage.get("base"), base.path, base_fp)
+
+
+def _served_entry(tokenizers, v: VariantInfo, base_path: Path, model_config, base_name: str) -> ServedVariant:
+    dec, enc = tokenizers.get(v.tokenizer_dir(base_path))
+    vocab = model_config.vocab_size
+    if len(dec) > vocab:
+        raise InputError(f"variant {v.name}: its tokenizer has {len(dec)} tokens but the base model only "
+                         f"{vocab} embeddings")
+    return ServedVariant(v.name, dec, eos_token_ids(v.hf_dir, dec, model_config), base_name, enc)
+
+
+def _variant_costs(v: VariantInfo, backend, seen: dict) -> dict[str, Any]:
+    """Start-up figures of one variant: resident bytes, and dedup savings predicted from fingerprints
+    (``seen``: fingerprint -> bytes of changed full-checkpoint tensors of earlier variants)."""
+    out = {"kind": v.kind, "bytes_on_disk": v.disk_bytes, "bytes_resident": backend.resident_estimate(v.name),
+           "dedup_same_as_base_bytes": v.same_as_base_bytes, "dedup_shared_bytes": 0}
+    if v.kind == "full":
+        itemsize = torch.tensor([], dtype=backend.dtype).element_size()
+        changed = [n for n, e in v.tensors.items() if e["kind"] != "same"]
+        for n in changed:
+            numel = 1
+            for d in v.tensors[n]["shape"]:
+                numel *= d
+            fp = v.fingerprints[n]
+            if fp in seen:
+                out["dedup_shared_bytes"] += numel * itemsize
+            seen[fp] = numel * itemsize
+        out.update(tensors=len(v.tensors), changed_tensors=len(changed))
+    return out
+
+
+def _log_variant(v: VariantInfo, c: dict[str, Any], mode: str) -> None:
+    if v.kind == "full":
+        saved = c["dedup_same_as_base_bytes"] + c["dedup_shared_bytes"]
+        # Delta mode: the changed tensors are dense per-row replacements, held once on the host
+        # (identical copies share them) and referenced by the device slot (no copy on CPU; on a GPU
+        # one device copy, shared by slots holding identical tensors).
+        cost = "a whole model per device slot (swap mode)" if mode == "swap" else \
+            f"{_human(c['bytes_resident'])} of dense per-row replacements, held on the host and in its device slot"
+        log.info("variant %s (full checkpoint): %s on disk; %d of %d tensors equal the base's, %d changed; dedup saves "
+                 "%s (%s same as base, %s shared with other variants); %s", v.name, _human(v.disk_bytes),
+                 c["tensors"] - c["changed_tensors"], c["tensors"], c["changed_tensors"], _human(saved),
+                 _human(c["dedup_same_as_base_bytes"]), _human(c["dedup_shared_bytes"]), cost)
+    else:
+        what = "LoRA adapter" if v.kind == "lora" else "artifact"
+        log.info("variant %s (%s): %s on disk, %s resident per device slot", v.name, what, _human(v.disk_bytes),
+                 _human(c["bytes_resident"]))
 
 
 def build_runtime(cfg: ServeConfig, observer: Any = None) -> Runtime:
-    """Discover artifacts, check them against the base, build the model and the engine.
+    """Discover variants, check them against the base, build the model and the engine.
 
-    Logs one line per variant (name, bytes on disk, bytes it occupies in a device slot).
+    Logs one line per variant (name, kind, bytes on disk, bytes it occupies in a device slot, and for
+    full checkpoints what dedup saves) and one dedup summary line.
     """
     if cfg.cpu_threads is not None:
         torch.set_num_threads(cfg.cpu_threads)
-    variants = discover_artifacts(cfg.artifacts)
+    variants = discover_variants(cfg.artifacts, allow_empty=cfg.base is not None)
     base = open_served_base(variants, cfg.base)
+    # The base's own directory may sit among its variants: it is the base, not a full-checkpoint copy of it.
+    variants = [v for v in variants if not (v.kind == "full" and v.path.resolve() == base.path.resolve())]
     base_name = Path(base.spec.rstrip("/")).name
     if base_name in {v.name for v in variants}:
-        raise InputError(f"variant name {base_name!r} is also the base model's name; rename the artifact directory")
+        raise InputError(f"variant name {base_name!r} is also the base model's name; rename the variant directory")
     device = cfg.torch_device()
     dtype = resolve_dtype(cfg.dtype, device, base)
+    registry, ledger = new_serving_registry(), DedupLedger()
+    index = BaseTensorIndex(base, registry.fingerprint_bytes)
+    fp_cache: list[str] = []
+
+    def base_fp() -> str:
+        if not fp_cache:
+            fp_cache.append(base.fingerprint())
+        return fp_cache[0]
+
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    for v in variants:
+        if v.kind != "artifact":  # artifacts were checked by open_served_base
+            check_against_base(v, base, index, itemsize, base_fp)
     if cfg.mode == "delta":
-        backend = DeltaModel(base, variants, cfg.max_deltas, device, dtype, delta_compute=cfg.delta_compute)
+        backend = DeltaModel(base, variants, cfg.max_deltas, device, dtype, delta_compute=cfg.delta_compute,
+                             registry=registry, ledger=ledger)
     else:
-        backend = SwapModels(base, variants, cfg.max_deltas, device, dtype, base_name)
+        backend = SwapModels(base, variants, cfg.max_deltas, device, dtype, base_name, registry=registry,
+                             ledger=ledger)
     tokenizers = _TokenizerPool()
     dec, enc = tokenizers.get(base.path)
     served = {base_name: ServedVariant(base_name, dec, eos_token_ids(base.path, dec, backend.config), None, enc)}
-    vocab = backend.config.vocab_size
     for v in variants:
-        dec, enc = tokenizers.get(v.tokenizer_dir(base.path))
-        if len(dec) > vocab:
-            raise InputError(f"artifact {v.name}: its tokenizer has {len(dec)} tokens but the base model only "
-                             f"{vocab} embeddings")
-        served[v.name] = ServedVariant(v.name, dec, eos_token_ids(v.hf_dir, dec, backend.config), base_name, enc)
+        served[v.name] = _served_entry(tokenizers, v, base.path, backend.config, base_name)
     engine = Engine(backend, served, base_name, EngineConfig(
         max_deltas=cfg.max_deltas, max_cpu_deltas=cfg.max_cpu_deltas, max_batch_tokens=cfg.max_batch_tokens,
         max_num_seqs=cfg.max_num_seqs, max_queue=cfg.max_queue, preemption=cfg.preemption), observer=observer)
@@ -154,14 +268,69 @@ def build_runtime(cfg: ServeConfig, observer: Any = None) -> Runtime:
                "bytes_resident": backend.base_bytes()}]
     log.info("base %s: %s on disk, %s resident (%s, %s, mode %s)", base_name, _human(base.nbytes()),
              _human(backend.base_bytes()), device, str(dtype).removeprefix("torch."), cfg.mode)
+    seen: dict = {}
     for v in variants:
-        resident = backend.resident_estimate(v.name)
-        report.append({"model": v.name, "role": "variant", "path": str(v.path), "bytes_on_disk": v.disk_bytes,
-                       "bytes_resident": resident})
-        log.info("variant %s: %s on disk, %s resident per device slot", v.name, _human(v.disk_bytes), _human(resident))
+        c = _variant_costs(v, backend, seen)
+        report.append({"model": v.name, "role": "variant", "path": str(v.path), **c})
+        _log_variant(v, c, cfg.mode)
+    same = sum(r.get("dedup_same_as_base_bytes", 0) for r in report)
+    shared = sum(r.get("dedup_shared_bytes", 0) for r in report)
+    log.info("dedup: %s not stored (%s of variant tensors equal to the base's, %s shared between variants, %s of "
+             "duplicate tensors inside the base); every load goes through the registry, /metrics has the live "
+             "figures", _human(same + shared + ledger.base_reused_bytes), _human(same), _human(shared),
+             _human(ledger.base_reused_bytes))
     # Warm the host tier with as many variants as it holds, in the background.
     engine.cache.prefetch(([base_name] if cfg.mode == "swap" else []) + [v.name for v in variants])
-    return Runtime(engine, cfg, base_name, variants, int(time.time()), report)
+    rt = Runtime(engine, cfg, base_name, variants, int(time.time()), report, tokenizers, index)
+    if fp_cache:
+        rt._base_fp = fp_cache[0]
+    return rt
+
+
+class VariantConflict(InputError):
+    """A variant of that name is already served."""
+
+
+def register_variant(rt: Runtime, path: str, name: str | None = None, timeout: float = 600.0) -> VariantInfo:
+    """Add the variant at ``path`` (inside the served directory) to a running server.
+
+    Checks run in the calling thread; the model changes (decoupling modules the variant needs) run
+    on the engine thread between steps. Its host load starts in the background.
+
+    Raises:
+        InputError: bad path (outside the served directory, not a variant), bad name, a variant the
+            base cannot serve; VariantConflict: the name is taken.
+    """
+    root = rt.config.artifacts
+    real = resolve_inside(root, path)
+    if real == rt.backend.base.path.resolve():
+        raise InputError(f"path {path!r} is the served base itself; it is already served as {rt.base_name!r}")
+    name = name if name is not None else real.name
+    if not isinstance(name, str):
+        raise InputError("name must be a string")
+    check_variant_name(name)
+    engine, backend = rt.engine, rt.backend
+    with rt.admin_lock:  # one registration at a time: the name check and the commit go together
+        if name == rt.base_name or name in engine.served or name in engine.removing():
+            raise VariantConflict(f"a model named {name!r} is already served; pass another \"name\" or delete it first")
+        v = inspect_variant(real, name)
+        itemsize = torch.tensor([], dtype=backend.dtype).element_size()
+        check_against_base(v, backend.base, rt.base_index, itemsize, rt.base_fingerprint)
+        wanted: dict[str, str] = {}
+        plan = backend.prepare_variant(v, wanted)
+        sv = _served_entry(rt.tokenizers, v, backend.base.path, backend.config, rt.base_name)
+
+        def commit() -> None:
+            backend.commit_variant(v, plan, wanted)
+            rt.variants.append(v)
+            engine.served[name] = sv  # last: requests can only arrive once the model can serve them
+
+        engine.run_on_engine(commit).result(timeout=timeout)
+    c = _variant_costs(v, backend, {})
+    rt.report.append({"model": v.name, "role": "variant", "path": str(v.path), **c})
+    _log_variant(v, c, rt.config.mode)
+    engine.cache.prefetch([name])
+    return v
 
 
 class _TokenizerPool:
@@ -221,6 +390,7 @@ class Metrics:
         self.http_c = Counter("deltazip_http_requests", "HTTP requests by path and status", ["path", "status"],
                               registry=self.registry)
         self.engine: Engine | None = None
+        self.runtime: Runtime | None = None
         self.registry.register(_EngineCollector(self))
 
     # Engine observer interface (engine thread).
@@ -284,6 +454,26 @@ class _EngineCollector:
         yield last
         yield total
         yield count
+        rt = self.metrics.runtime
+        if rt is None:
+            return
+        ledger, reg = rt.backend.ledger, rt.backend.registry
+        per = ledger.snapshot()
+        for name, doc, value in (
+            ("deltazip_dedup_bytes_saved", "Bytes not stored thanks to tensor dedup (same as base + registry hits)",
+             ledger.bytes_saved()),
+            ("deltazip_dedup_same_as_base_bytes", "Bytes of variant tensors equal to the base's, served from it",
+             sum(d.same_as_base for d in per.values())),
+            ("deltazip_dedup_shared_bytes", "Bytes of variant loads answered with an already held tensor",
+             sum(d.shared for d in per.values()) + ledger.base_reused_bytes),
+            ("deltazip_dedup_held_bytes", "Bytes of the tensors the dedup registry holds now", reg.held_bytes()),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        by_variant = GaugeMetricFamily("deltazip_variant_dedup_bytes_saved", "Bytes a variant does not store thanks "
+                                       "to dedup", labels=["variant"])
+        for name, d in sorted(per.items()):
+            by_variant.add_metric([name], d.saved)
+        yield by_variant
 
 
 # --------------------------------------------------------------------------------------------------
@@ -410,6 +600,7 @@ def create_app(rt: Runtime, metrics: Metrics | None = None):
     api_key = rt.config.api_key
     metrics = metrics or Metrics()
     metrics.engine = engine
+    metrics.runtime = rt
 
     from contextlib import asynccontextmanager
 
@@ -492,12 +683,58 @@ def create_app(rt: Runtime, metrics: Metrics | None = None):
         return model_card(model_id)
 
     # -- generation -----------------------------------------------------------------------------
+    def served_entry(name: str) -> ServedVariant:
+        # A variant can be deleted between check_model and here: still a 404, never a KeyError.
+        sv = engine.served.get(name)
+        if sv is None:
+            raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return sv
+
+    # -- live variant management --------------------------------------------------------------
+    @app.get("/v1/variants")
+    async def list_variants():
+        rows = await asyncio.wrap_future(engine.run_on_engine(lambda: variant_table(rt)))
+        return {"object": "list", "data": rows}
+
+    @app.post("/v1/variants")
+    async def add_variant(request: Request):
+        body = await _json_body(request)
+        path, name = body.get("path"), body.get("name")
+        if not isinstance(path, str) or not path:
+            raise ApiError(400, "path must be a non-empty string: a variant directory inside the served directory",
+                           param="path")
+        if name is not None and not isinstance(name, str):
+            raise ApiError(400, "name must be a string", param="name")
+        try:
+            v = await asyncio.to_thread(register_variant, rt, path, name)
+        except VariantConflict as e:
+            raise ApiError(409, str(e), param="name", code="variant_exists") from e
+        except DeltazipError as e:
+            param = "name" if str(e).startswith("variant name") else "path"
+            raise ApiError(400, str(e).splitlines()[0], param=param, code="invalid_variant") from e
+        row = await asyncio.wrap_future(engine.run_on_engine(lambda: variant_table(rt, only=v.name)))
+        return JSONResponse(row[0] if row else {"id": v.name, "object": "variant"}, status_code=201)
+
+    @app.delete("/v1/variants/{name:path}")
+    async def delete_variant(name: str):
+        def unload() -> None:  # engine thread, once the variant's requests are done
+            rt.backend.remove_variant(name)
+            rt.variants[:] = [v for v in rt.variants if v.name != name]
+
+        try:
+            fut = engine.remove_model(name, unload)
+        except EngineError as e:
+            raise ApiError(404, f"No variant named `{name}` is served (the base cannot be deleted).", param="name",
+                           code="model_not_found") from e
+        await asyncio.wrap_future(fut)
+        return {"id": name, "object": "model", "deleted": True}
+
     def check_model(name: str) -> None:
         if name not in engine.served:
             raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def encode_prompts(name: str, prompt) -> list[list[int]]:
-        tok = engine.served[name].encoder
+        tok = served_entry(name).encoder
         if isinstance(prompt, str):
             return [tok(prompt)["input_ids"]]
         if not prompt:
@@ -511,7 +748,7 @@ def create_app(rt: Runtime, metrics: Metrics | None = None):
         raise ApiError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
 
     def encode_chat(name: str, messages) -> list[int]:
-        tok = engine.served[name].encoder
+        tok = served_entry(name).encoder
         if not getattr(tok, "chat_template", None):
             raise ApiError(400, f"model `{name}` has no chat template; use /v1/completions", param="messages")
         msgs = []
@@ -688,6 +925,43 @@ def create_app(rt: Runtime, metrics: Metrics | None = None):
                              "logprobs": None, "finish_reason": ev.reason}], "usage": usage([ev])}
 
     return app
+
+
+def variant_table(rt: Runtime, only: str | None = None) -> list[dict[str, Any]]:
+    """``GET /v1/variants`` rows (run on the engine thread, so slots and tiers do not move meanwhile).
+
+    Per variant: kind, tier (``device``/``host``/``loading``/``disk``, or ``draining`` while a delete
+    waits for its requests), bytes on disk, in the host tier (tensors its host object references,
+    shared ones included), in its device slot, bytes dedup saves it, last request (unix time) and
+    the latest disk->host and host->device load times (seconds).
+    """
+    eng, be = rt.engine, rt.backend
+    removing = eng.removing()
+    root = Path(rt.config.artifacts).resolve()
+    rows = []
+    for v in list(rt.variants):
+        if only is not None and v.name != only:
+            continue
+        slot = eng.cache.slot_of(v.name)
+        host = eng.cache.host_object(v.name)
+        st = eng.cache.stats.get(v.name)
+        try:
+            rel = str(Path(v.path).resolve().relative_to(root))
+        except ValueError:
+            rel = str(v.path)
+        rows.append({
+            "id": v.name, "object": "variant", "kind": v.kind, "path": rel,
+            "state": "draining" if v.name in removing else eng.cache.state(v.name),
+            "bytes_on_disk": v.disk_bytes,
+            "bytes_host": host.nbytes() if host is not None and hasattr(host, "nbytes") else 0,
+            "bytes_device": be.slot_bytes(slot) if slot is not None else 0,
+            "bytes_device_estimate": be.resident_estimate(v.name),
+            "bytes_dedup_saved": be.ledger.get(v.name).saved,
+            "last_used": eng.last_used.get(v.name),
+            "load_seconds": {"disk": st.disk_seconds_last if st and st.disk_loads else None,
+                             "device": st.device_seconds_last if st and st.device_loads else None},
+        })
+    return rows
 
 
 async def _json_body(request) -> Any:
