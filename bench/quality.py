@@ -217,9 +217,10 @@ def study(pair: str, task: str, base: str, ft: dict, group: int, quick: bool, ou
         rows.append({"model": label, "target": c["artifact"], "bytes": c["bytes"], "ratio": round(c["ratio"], 3),
                      "linear_ratio": round(c["linear_ratio"], 3), "compress_seconds": c["compress_seconds"]})
         log(f"{pair}/{task}: {label} {c}")
-    if ft.get("lora_merged"):
+    if ft.get("lora_adapter"):
+        # The adapter itself is the target: it runs through the serving model's grouped LoRA path.
         adapter = Path(ft["lora_adapter"]) / "adapter_model.safetensors"
-        rows.append({"model": f"LoRA r={LORA_RECIPE['r']}", "target": ft["lora_merged"],
+        rows.append({"model": f"LoRA r={LORA_RECIPE['r']}", "target": ft["lora_adapter"],
                      "bytes": adapter.stat().st_size, "ratio": round(ft_bytes / adapter.stat().st_size, 3),
                      "train_seconds": ft["lora_seconds"]})
     limit = 100 if quick else None

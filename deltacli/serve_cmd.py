@@ -13,8 +13,9 @@ from deltazip.deltacli.common import JsonOpt, err_console, print_json
 
 
 def serve(
-    artifacts: Annotated[Path, typer.Argument(help="Directory holding the artifacts to serve (one per variant; "
-                                                   "the variant name is the artifact's directory name).",
+    artifacts: Annotated[Path, typer.Argument(help="Directory holding the variants to serve: deltazip artifacts, "
+                                                   "full HF checkpoints, PEFT LoRA adapters (one per directory; the "
+                                                   "variant name is the directory name).",
                                               show_default=False)],
     base: Annotated[str | None, typer.Option("--base", help="Base model (default: the artifacts' lineage base).")] = None,
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default; 0.0.0.0 exposes it).")] = "127.0.0.1",

@@ -5,6 +5,8 @@ A *target* is one of:
 - a deltazip artifact directory: evaluated through :class:`deltazip.runtime.model.DeltaModel`, the
   decoupled base + delta model of ``deltazip serve`` (same modules, same ``kernels.dispatch`` path),
   with every row of every batch routed to the variant's device slot;
+- a PEFT LoRA adapter directory: the same decoupled model with the adapter in the slot (grouped
+  LoRA shrink/expand, as ``serve`` runs it);
 - the word ``base``: the same decoupled model with every row on the base (slot ``-1``), which is how
   the server answers requests for the base model;
 - a plain Hugging Face model directory (e.g. the uncompressed fine-tune, or a merged copy): loaded by
@@ -28,6 +30,7 @@ from torch import nn
 from deltazip.compress.checkpoint import Checkpoint
 from deltazip.formats.artifact import MANIFEST
 from deltazip.formats.errors import InputError
+from deltazip.runtime.lora_variant import ADAPTER_CONFIG, check_lora_base
 from deltazip.runtime.model import (
     BASE_SLOT,
     DeltaModel,
@@ -47,10 +50,10 @@ class Target:
 
     Attributes:
         spec: what the user typed (a path or ``base``).
-        kind: ``artifact``, ``base`` or ``hf``.
+        kind: ``artifact``, ``lora``, ``base`` or ``hf``.
         label: column title; unique within a run.
         path: the directory (``None`` for ``base``).
-        variant: the artifact's manifest view (artifacts only).
+        variant: the artifact's manifest view or the adapter's description (artifact, lora).
     """
 
     spec: str
@@ -81,11 +84,15 @@ def parse_targets(specs: list[str]) -> list[Target]:
             if (path / MANIFEST).is_file():
                 (variant,) = discover_artifacts(path)
                 t = Target(spec, "artifact", path.resolve().name, path, variant)
+            elif (path / ADAPTER_CONFIG).is_file():
+                from deltazip.runtime.variant_sources import inspect_variant
+
+                t = Target(spec, "lora", path.resolve().name, path, inspect_variant(path))
             elif (path / "config.json").is_file():
                 t = Target(spec, "hf", path.resolve().name, path)
             else:
-                raise InputError(f"{spec}: neither a deltazip artifact (no {MANIFEST}) nor a Hugging Face model "
-                                 f"directory (no config.json)")
+                raise InputError(f"{spec}: not a deltazip artifact ({MANIFEST}), a PEFT adapter ({ADAPTER_CONFIG}) "
+                                 f"or a Hugging Face model directory (config.json)")
         n = seen.get(t.label, 0) + 1
         seen[t.label] = n
         if n > 1:
@@ -130,25 +137,36 @@ class EvalBank:
         self.device = torch.device(device)
         self._dtype_name = dtype
         self._hf: tuple[str, nn.Module] | None = None
-        artifacts = [t.variant for t in targets if t.variant is not None]
+        variants = [t.variant for t in targets if t.variant is not None]
+        arts = [v for v in variants if v.kind == "artifact"]
+        loras = [v for v in variants if v.kind == "lora"]
         self.base: Checkpoint | None = None
         self.delta_model: DeltaModel | None = None
-        if artifacts or any(t.kind == "base" for t in targets):
-            if artifacts:
-                self.base = open_served_base(artifacts, base)
-            elif base is None:
-                raise InputError("target 'base' needs --base (no artifact among the targets names one)")
-            else:
-                self.base = Checkpoint(base, "base")
+        if variants or any(t.kind == "base" for t in targets):
+            if base is None and not arts:
+                # An adapter that names a local base directory is enough, as it is for peft.
+                named = {v.lineage.get("base") for v in loras} - {None}
+                local = [n for n in named if Path(n).expanduser().is_dir()]
+                if len(named) != 1 or not local:
+                    raise InputError("no artifact among the targets names its base; pass --base")
+                base = local[0]
+            self.base = open_served_base(arts, base) if arts else Checkpoint(base, "base")
+            for v in loras:
+                check_lora_base(v.path, v.lineage.get("base"), self.base.path, self._base_fingerprint)
             self.dtype = resolve_dtype(dtype, self.device, self.base)
             # One slot: targets are evaluated one after another and take turns in it.
-            self.delta_model = DeltaModel(self.base, artifacts, 1, self.device, self.dtype)
+            self.delta_model = DeltaModel(self.base, variants, 1, self.device, self.dtype)
             self._slot = BASE_SLOT
             self._loaded: str | None = None
             self.delta_model.model.register_forward_pre_hook(
                 _route_all_rows(self.delta_model.ctx, lambda: self._slot, self.device), with_kwargs=True)
         else:
             self.dtype = None
+
+    def _base_fingerprint(self) -> str:
+        if not hasattr(self, "_fp"):
+            self._fp = self.base.fingerprint()
+        return self._fp
 
     @property
     def base_path(self) -> Path | None:

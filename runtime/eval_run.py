@@ -5,9 +5,10 @@ For each target (see :mod:`deltazip.runtime.eval_model`) this runs ``lm_eval.sim
 perplexity protocol of :mod:`deltazip.runtime.perplexity`, and gathers one summary:
 
 - ``targets``: label, kind, path, bytes on disk, seconds taken;
-- ``metrics``: one row per (task, metric) with the value of every target, and for every artifact the
-  recovery ``100 * artifact / reference`` where the reference is the uncompressed fine-tune (a target
-  whose directory is the artifact's lineage ``finetuned``, or ``--reference``);
+- ``metrics``: one row per (task, metric) with the value of every target, and for every artifact (and
+  LoRA adapter, with ``--reference``) the recovery ``100 * value / reference`` where the reference is
+  the uncompressed fine-tune (a target whose directory is the artifact's lineage ``finetuned``, or
+  ``--reference``);
 - ``perplexity``: per target.
 
 The project's own task definitions (``eval_tasks/``: the demo pair's tasks and the quality study's)
@@ -114,10 +115,12 @@ def task_manager(tasks: list[str], include_path: list[Path]):
 
 
 def _reference_for(target: Target, targets: list[Target], reference: Target | None) -> Target | None:
-    if target.kind != "artifact":
+    if target.kind not in ("artifact", "lora"):
         return None
     if reference is not None:
         return reference
+    if target.kind == "lora":  # an adapter records no full fine-tune to compare with
+        return None
     ft = target.variant.lineage.get("finetuned")
     if not ft:
         return None

@@ -275,3 +275,38 @@ def test_lm_eval_command_line_runs_the_deltazip_model_type(served, tasks_dir, tm
     ours = _evaluate(DeltazipLM(str(served.variant_dir("alpha")), base=str(served.base_dir), device="cpu",
                                 batch_size=4), tasks_dir)
     assert acc == ours["results"]["tiny_mc"]["acc,none"]
+
+
+def test_lora_adapter_target_runs_through_the_serving_lora_path(served, tasks_dir, tmp_path):
+    pytest.importorskip("peft")
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with single_thread():
+        model = AutoModelForCausalLM.from_pretrained(served.base_dir, dtype=torch.float32)
+        pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                              target_modules=["q_proj", "v_proj", "down_proj"]))
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_" in n:  # PEFT starts B at zero: make the adapter change the outputs
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        adapter = tmp_path / "my-lora"
+        pm.save_pretrained(adapter, safe_serialization=True)
+        merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(served.base_dir, dtype=torch.float32),
+                                           adapter).merge_and_unload()
+        merged.save_pretrained(tmp_path / "lora-merged", safe_serialization=True)
+        served.tokenizer().save_pretrained(tmp_path / "lora-merged")
+
+        (target,) = parse_targets([str(adapter)])
+        assert target.kind == "lora"
+        lm = DeltazipLM(str(adapter), base=str(served.base_dir), device="cpu", batch_size=4)
+    ours = _evaluate(lm, tasks_dir)
+    ref = _evaluate("hf", tasks_dir, model_args=f"pretrained={tmp_path / 'lora-merged'},device=cpu,dtype=float32,"
+                                                "batch_size=4")
+    a, b = torch.tensor(_loglikelihoods(ours)), torch.tensor(_loglikelihoods(ref))
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-5), (a - b).abs().max()
+    base_ll = torch.tensor(_loglikelihoods(_evaluate(
+        "hf", tasks_dir, model_args=f"pretrained={served.base_dir},device=cpu,dtype=float32,batch_size=4")))
+    assert (a - base_ll).abs().max() > 1e-2  # the adapter is really applied
+    assert _generations(ours) == _generations(ref)
