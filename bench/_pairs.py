@@ -52,17 +52,10 @@ def smollm2_dir() -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def smollm2_pair(recipe: dict | None = None, log=print) -> dict:
-    """SmolLM2-135M-Instruct base + a full fine-tune on a generated task, cached by recipe."""
+def load_smollm2():
+    """SmolLM2-135M-Instruct from the GGUF file as a plain fp32 transformers model, and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from deltazip.runtime.tasks import get_task
-
-    recipe = recipe or SMOLLM2_RECIPE
-    d = CACHE / f"smollm2-{_key(recipe)}"
-    done = d / "pair.json"
-    if done.is_file():
-        return json.loads(done.read_text())
     src = smollm2_dir()
     tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
     if tok.pad_token_id is None:
@@ -75,8 +68,20 @@ def smollm2_pair(recipe: dict | None = None, log=print) -> dict:
     base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     base.load_state_dict(gguf_model.state_dict())
     base.tie_weights()
-    del gguf_model
+    return base, tok
+
+
+def smollm2_pair(recipe: dict | None = None, log=print) -> dict:
+    """SmolLM2-135M-Instruct base + a full fine-tune on a generated task, cached by recipe."""
+    from deltazip.runtime.tasks import get_task
+
+    recipe = recipe or SMOLLM2_RECIPE
+    d = CACHE / f"smollm2-{_key(recipe)}"
+    done = d / "pair.json"
+    if done.is_file():
+        return json.loads(done.read_text())
     base_dir, ft_dir = d / "base", d / "finetuned"
+    base, tok = load_smollm2()
     base.save_pretrained(base_dir, safe_serialization=True)
     tok.save_pretrained(base_dir)
 

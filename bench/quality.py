@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import CACHE, GGUF, demo_pair, smollm2_dir  # noqa: E402
+from _pairs import CACHE, demo_pair, load_smollm2  # noqa: E402
 
 FT_RECIPE = {"seed": 0, "lr": 1e-4, "batch_size": 8, "warmup": 10, "weight_decay": 0.0, "n_train": 4000,
              "n_calib": 128, "steps": {"palindrome": 100, "ticket": 40, "addition": 100}}
@@ -70,22 +70,10 @@ def machine() -> dict:
 
 def smollm2_base() -> Path:
     """SmolLM2-135M-Instruct as a plain fp32 HF checkpoint (GGUF weights dequantized), cached."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     d = QDIR / "smollm2-base"
     if (d / "config.json").is_file():
         return d
-    src = smollm2_dir()
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    g = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32)
-    cfg = g.config
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    base = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    base.load_state_dict(g.state_dict())
-    base.tie_weights()
+    base, tok = load_smollm2()
     tmp = d.with_name(d.name + ".tmp")
     base.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)

@@ -106,7 +106,7 @@ def load_model(path: str | Path, *, registry: TensorDedupRegistry | None = None,
     nthreads = max(1, threads if threads is not None else min(8, 2 * (os.cpu_count() or 1)))
     reg = (registry if registry is not None else get_registry()) if dedup else None
     report = LoadReport(str(path), str(dev))
-    slots = _slots(model)
+    slots = state_slots(model)
     ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
 
     for wf in ck.files:
@@ -187,7 +187,7 @@ def _model_class(transformers, config):
     return transformers.AutoModelForCausalLM
 
 
-def _slots(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, torch.Tensor]]:
+def state_slots(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, torch.Tensor]]:
     """state-dict name -> (owning module, attribute, current tensor), tied aliases included."""
     out = {}
     for mname, mod in model.named_modules(remove_duplicate=False):

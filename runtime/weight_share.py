@@ -444,7 +444,9 @@ class SharedWeights:
         config = AutoConfig.from_pretrained(self.base)
         with init_empty_weights(include_buffers=False), _no_init_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        slots = _slots(model)
+        from deltazip.runtime.dedup_loader import state_slots  # torch-side; the owner never imports it
+
+        slots = state_slots(model)
         for name, t in self.tensors.items():
             slot = slots.get(name)
             if slot is None:
@@ -479,20 +481,6 @@ def _no_init_weights():
         except ImportError:
             return contextlib.nullcontext()
     return no_init_weights()
-
-
-def _slots(model) -> dict[str, tuple[Any, str, Any]]:
-    """state-dict name -> (module, attribute, tensor) for parameters and persistent buffers."""
-    out = {}
-    for mname, mod in model.named_modules(remove_duplicate=False):
-        prefix = f"{mname}." if mname else ""
-        for pname, p in mod._parameters.items():
-            if p is not None:
-                out[prefix + pname] = (mod, pname, p)
-        for bname, b in mod._buffers.items():
-            if b is not None and bname not in mod._non_persistent_buffers_set:
-                out[prefix + bname] = (mod, bname, b)
-    return out
 
 
 def request_export(address: str, timeout: float = 30.0) -> tuple[ExportMeta, int | None]:
