@@ -220,11 +220,13 @@ def study(pair: str, task: str, base: str, ft: dict, group: int, quick: bool, ou
     by_label = {tg["label"]: tg for tg in res["targets"]}
     labels = [tg["label"] for tg in res["targets"]]
     (metric,) = [m for m in res["metrics"] if m["filter"] in ("none", "strip")][:1]
+    n_examples = limit or (200 if pair == "smollm2" else 64)  # default: the task YAMLs' n
     out_rows = []
     for r, label in zip(rows, labels):
         acc = metric["values"].get(label)
         ref = metric["values"].get(labels[1])
         out_rows.append({"pair": pair, "task": task, "model": r["model"], "metric": metric["metric"],
+                         "n_examples": n_examples,
                          "accuracy": acc, "recovery_pct": None if not ref or acc is None else round(100 * acc / ref, 2),
                          "heldout_ppl": round(res["perplexity"][label]["perplexity"], 4),
                          "bytes": r.get("bytes"), "ratio": r.get("ratio"), "linear_ratio": r.get("linear_ratio"),
@@ -235,14 +237,25 @@ def study(pair: str, task: str, base: str, ft: dict, group: int, quick: bool, ou
 
 
 def _markdown(rows: list[dict], cmd: str) -> str:
+    """The study table. ``±`` is the binomial standard error of an accuracy over the task's examples;
+    ``Δppl`` is the held-out perplexity's distance from the uncompressed fine-tune's (0 = same model)."""
     lines = [f"Produced by `{cmd}`.", "",
-             "| pair | task | model | accuracy | recovery % | held-out ppl | bytes | ratio | compress s | eval s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| pair | task | model | accuracy | recovery % | held-out ppl | Δppl vs fine-tune | bytes | ratio | "
+             "compress / train s | eval s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ft_ppl = {(r["pair"], r["task"]): r["heldout_ppl"] for r in rows if r["model"] == "fine-tuned"}
+
+    def f(v, fmt="{}"):
+        return "" if v is None else fmt.format(v)
+
     for r in rows:
-        def f(v, fmt="{}"):
-            return "" if v is None else fmt.format(v)
-        lines.append(f"| {r['pair']} | {r['task']} | {r['model']} | {f(r['accuracy'], '{:.3f}')} | "
-                     f"{f(r['recovery_pct'], '{:.1f}')} | {f(r['heldout_ppl'], '{:.3f}')} | "
+        acc = r["accuracy"]
+        n = r.get("n_examples")
+        se = "" if acc is None or not n else f" ± {(acc * (1 - acc) / n) ** 0.5:.3f}"
+        ref = ft_ppl.get((r["pair"], r["task"]))
+        dppl = None if ref is None or r["heldout_ppl"] is None else abs(r["heldout_ppl"] - ref)
+        lines.append(f"| {r['pair']} | {r['task']} | {r['model']} | {f(acc, '{:.3f}')}{se} | "
+                     f"{f(r['recovery_pct'], '{:.1f}')} | {f(r['heldout_ppl'], '{:.3f}')} | {f(dppl, '{:.3f}')} | "
                      f"{f(r['bytes'] and round(r['bytes'] / 1e6, 1), '{} MB')} | {f(r['ratio'], '{:.2f}×')} | "
                      f"{f(r['compress_seconds'] or r['train_seconds'])} | {f(r['eval_seconds'])} |")
     return "\n".join(lines) + "\n"
@@ -276,9 +289,20 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="directory for quality.md / quality.png / artifacts")
     ap.add_argument("--pairs", default="smollm2,demo", help="comma list of: smollm2, demo")
     ap.add_argument("--tasks", default="palindrome,ticket,addition", help="smollm2 tasks (text_tasks names)")
+    ap.add_argument("--render", type=Path, default=None,
+                    help="only redraw quality.md/png in --out from an earlier run's quality.json")
+    ap.add_argument("--n-examples", type=int, default=None, help="with --render: examples per task, for ±")
     args = ap.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="deltazip-quality-"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.render is not None:
+        rows = json.loads(args.render.read_text())
+        for r in rows:
+            r.setdefault("n_examples", args.n_examples)
+        cmd = "python bench/quality.py" + (" --quick" if args.quick else "") + f" --pairs {args.pairs}"
+        (out / "quality.md").write_text(_markdown(rows, cmd))
+        _plot(rows, out / "quality.png")
+        return
     arts = QDIR / "artifacts"
     arts.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []

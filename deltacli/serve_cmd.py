@@ -41,7 +41,7 @@ def serve(
                                               "base weights (1: a single process, no front).")] = 1,
     json_out: JsonOpt = False,
 ) -> None:
-    """Serve the base model and every artifact under ARTIFACTS with an OpenAI-compatible API."""
+    """Serve the base model and every variant under ARTIFACTS (artifacts, full checkpoints, LoRA adapters) with an OpenAI-compatible API."""
     from deltazip.runtime.server import Metrics, ServeConfig, build_runtime, serve_forever
 
     cfg = ServeConfig(artifacts=artifacts, base=base, host=host, port=port, api_key=api_key, mode=mode,
