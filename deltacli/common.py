@@ -19,6 +19,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from deltazip.formats.report import human_bytes  # noqa: F401  (re-exported for the commands)
+
 # Logs, tables meant for people and progress go to stderr; stdout carries only --json output
 # (or the human report when --json is off).
 err_console = Console(stderr=True)
@@ -69,12 +71,3 @@ def progress_bar(json_out: bool):
             prog.update(tasks[desc], completed=done, total=total)
 
         yield report
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"

@@ -38,6 +38,7 @@ import torch
 from starlette.requests import Request  # at module level: FastAPI resolves endpoint annotations here
 
 from deltazip.formats.errors import DeltazipError, InputError
+from deltazip.formats.report import human_bytes
 from deltazip.runtime.dedup_serving import DedupLedger, new_serving_registry
 from deltazip.runtime.engine import (
     Engine,
@@ -209,15 +210,15 @@ def _log_variant(v: VariantInfo, c: dict[str, Any], mode: str) -> None:
         # (identical copies share them) and referenced by the device slot (no copy on CPU; on a GPU
         # one device copy, shared by slots holding identical tensors).
         cost = "a whole model per device slot (swap mode)" if mode == "swap" else \
-            f"{_human(c['bytes_resident'])} of dense per-row replacements, held on the host and in its device slot"
+            f"{human_bytes(c['bytes_resident'])} of dense per-row replacements, held on the host and in its device slot"
         log.info("variant %s (full checkpoint): %s on disk; %d of %d tensors equal the base's, %d changed; dedup saves "
-                 "%s (%s same as base, %s shared with other variants); %s", v.name, _human(v.disk_bytes),
-                 c["tensors"] - c["changed_tensors"], c["tensors"], c["changed_tensors"], _human(saved),
-                 _human(c["dedup_same_as_base_bytes"]), _human(c["dedup_shared_bytes"]), cost)
+                 "%s (%s same as base, %s shared with other variants); %s", v.name, human_bytes(v.disk_bytes),
+                 c["tensors"] - c["changed_tensors"], c["tensors"], c["changed_tensors"], human_bytes(saved),
+                 human_bytes(c["dedup_same_as_base_bytes"]), human_bytes(c["dedup_shared_bytes"]), cost)
     else:
         what = "LoRA adapter" if v.kind == "lora" else "artifact"
-        log.info("variant %s (%s): %s on disk, %s resident per device slot", v.name, what, _human(v.disk_bytes),
-                 _human(c["bytes_resident"]))
+        log.info("variant %s (%s): %s on disk, %s resident per device slot", v.name, what, human_bytes(v.disk_bytes),
+                 human_bytes(c["bytes_resident"]))
 
 
 def build_runtime(cfg: ServeConfig, observer: Any = None) -> Runtime:
@@ -266,8 +267,8 @@ def build_runtime(cfg: ServeConfig, observer: Any = None) -> Runtime:
         max_num_seqs=cfg.max_num_seqs, max_queue=cfg.max_queue, preemption=cfg.preemption), observer=observer)
     report = [{"model": base_name, "role": "base", "path": str(base.path), "bytes_on_disk": base.nbytes(),
                "bytes_resident": backend.base_bytes()}]
-    log.info("base %s: %s on disk, %s resident (%s, %s, mode %s)", base_name, _human(base.nbytes()),
-             _human(backend.base_bytes()), device, str(dtype).removeprefix("torch."), cfg.mode)
+    log.info("base %s: %s on disk, %s resident (%s, %s, mode %s)", base_name, human_bytes(base.nbytes()),
+             human_bytes(backend.base_bytes()), device, str(dtype).removeprefix("torch."), cfg.mode)
     seen: dict = {}
     for v in variants:
         c = _variant_costs(v, backend, seen)
@@ -277,8 +278,8 @@ def build_runtime(cfg: ServeConfig, observer: Any = None) -> Runtime:
     shared = sum(r.get("dedup_shared_bytes", 0) for r in report)
     log.info("dedup: %s not stored (%s of variant tensors equal to the base's, %s shared between variants, %s of "
              "duplicate tensors inside the base); every load goes through the registry, /metrics has the live "
-             "figures", _human(same + shared + ledger.base_reused_bytes), _human(same), _human(shared),
-             _human(ledger.base_reused_bytes))
+             "figures", human_bytes(same + shared + ledger.base_reused_bytes), human_bytes(same), human_bytes(shared),
+             human_bytes(ledger.base_reused_bytes))
     # Warm the host tier with as many variants as it holds, in the background.
     engine.cache.prefetch(([base_name] if cfg.mode == "swap" else []) + [v.name for v in variants])
     rt = Runtime(engine, cfg, base_name, variants, int(time.time()), report, tokenizers, index)
@@ -358,14 +359,6 @@ class _TokenizerPool:
         if key not in self._by_hash:
             self._by_hash[key] = (load_tokenizer(Path(path)), load_tokenizer(Path(path)))
         return self._by_hash[key]
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 # --------------------------------------------------------------------------------------------------

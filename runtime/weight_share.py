@@ -442,6 +442,8 @@ class SharedWeights:
             raise WeightShareError(f"the weight owner exported {self.meta.dtype} on {self.meta.device}, this worker "
                                    f"serves {st_dtype(dtype)} on {device}")
         config = AutoConfig.from_pretrained(self.base)
+        from deltazip.runtime.dedup_loader import _no_init_weights
+
         with init_empty_weights(include_buffers=False), _no_init_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         from deltazip.runtime.dedup_loader import state_slots  # torch-side; the owner never imports it
@@ -470,17 +472,6 @@ class SharedWeights:
                 if b is not None and b.device != device:
                     mod._buffers[bname] = b.to(device)
         return model.eval()
-
-
-def _no_init_weights():
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:
-        try:
-            from transformers.modeling_utils import no_init_weights
-        except ImportError:
-            return contextlib.nullcontext()
-    return no_init_weights()
 
 
 def request_export(address: str, timeout: float = 30.0) -> tuple[ExportMeta, int | None]:
