@@ -12,8 +12,10 @@ synthetic bursty trace: time is cut into windows, in each a few variants are hot
 weights, the way per-function load looks in the Azure Functions traces; the real trace is not
 downloaded) — it generates one open-loop trace with Poisson arrivals at ``--rate`` requests/s for
 ``--duration`` seconds, then replays the same trace against two servers started as subprocesses on
-the same machine: ``deltazip serve --mode delta`` and ``deltazip serve --mode swap`` (same device
-slots, same host cache). The client streams every request (SSE) and records time to first token
+the same machine: ``deltazip serve --mode delta`` and ``deltazip serve --mode swap`` (same host
+cache; the swap server gets as many whole-model slots as fit in the weight memory the delta server
+used, read from its ``deltazip_device_weight_bytes`` gauge — ``--swap-slots same-count`` gives it
+``--max-deltas`` instead). The client streams every request (SSE) and records time to first token
 (TTFT) and end-to-end latency (E2E).
 
 Per (mode, distribution): requests completed / refused, throughput (requests/s and tokens/s over
@@ -156,14 +158,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def scrape(url: str, name: str) -> float:
+    """One un-labelled gauge or counter from the server's Prometheus /metrics."""
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise SystemExit(f"/metrics has no {name}")
+
+
 class Server:
     """`deltazip serve` in a subprocess (its own process group, ended by pid at exit)."""
 
-    def __init__(self, arts: Path, base: str, mode: str, args: argparse.Namespace, logdir: Path):
+    def __init__(self, arts: Path, base: str, mode: str, args: argparse.Namespace, logdir: Path, slots: int):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "deltazip.deltacli.app", "serve", str(arts), "--base", base, "--port",
-               str(self.port), "--mode", mode, "--max-deltas", str(args.max_deltas), "--max-cpu-deltas",
+               str(self.port), "--mode", mode, "--max-deltas", str(slots), "--max-cpu-deltas",
                str(args.max_cpu_deltas), "--max-num-seqs", str(args.max_num_seqs), "--max-queue", "100000"]
         if args.cpu_threads:
             cmd += ["--cpu-threads", str(args.cpu_threads)]
@@ -316,7 +328,10 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=None, help="arrivals per second (default: 6 CPU, 20 GPU)")
     ap.add_argument("--duration", type=float, default=None, help="trace length in seconds (default 20 quick, 60)")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--max-deltas", type=int, default=8, help="device slots, both modes")
+    ap.add_argument("--max-deltas", type=int, default=8, help="device slots of the delta server")
+    ap.add_argument("--swap-slots", choices=("equal-memory", "same-count"), default="equal-memory",
+                    help="swap server's slots: as many whole models as fit in the delta server's weight memory "
+                         "(default), or the same count as --max-deltas")
     ap.add_argument("--max-cpu-deltas", type=int, default=16, help="host cache entries, both modes")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--cpu-threads", type=int, default=None, help="server torch threads (default 1 on CPU)")
@@ -356,11 +371,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="deltazip-bench-serve-") as tmp:
         logdir = a.out or Path(tmp)
         logdir.mkdir(parents=True, exist_ok=True)
+        memory: dict = {}
         for mode in ("delta", "swap"):
-            log(f"starting deltazip serve --mode {mode}")
-            srv = Server(arts, base, mode, a, logdir)
+            slots = a.max_deltas
+            if mode == "swap" and a.swap_slots == "equal-memory":
+                # The baseline keeps as many whole models as fit in the weight memory the delta
+                # server used (base + its filled slots), as in the paper's comparison.
+                slots = max(1, int(memory["delta_device_weight_bytes"] // memory["model_bytes"]))
+            memory[f"{mode}_slots"] = slots
+            log(f"starting deltazip serve --mode {mode} --max-deltas {slots}")
+            srv = Server(arts, base, mode, a, logdir, slots)
             try:
                 srv.wait_ready()
+                if mode == "delta":
+                    memory["model_bytes"] = scrape(srv.url, "deltazip_device_weight_bytes")  # the base alone
                 unloaded[mode] = unloaded_latency(srv.url, prompts, a.max_tokens, names[:2])
                 if slo is None:  # thresholds from the delta server, used for both modes
                     slo = {k: a.slo_scale * v for k, v in unloaded[mode].items()}
@@ -370,6 +394,7 @@ def main() -> None:
                     row = {"mode": mode, "dist": dist, **summarize(res, t0, slo)}
                     results.append(row)
                     log(json.dumps(row))
+                memory[f"{mode}_device_weight_bytes"] = scrape(srv.url, "deltazip_device_weight_bytes")
             finally:
                 srv.stop()
         for dist in DISTS:
@@ -383,7 +408,8 @@ def main() -> None:
         doc = {"bench": "serve", "machine": machine(),
                "config": {"quick": a.quick, "pair": a.pair, "variants": a.variants, "compression": method if a.artifacts else f"{method} 4-bit 2:4",
                           "rate_rps": a.rate, "duration_s": a.duration, "max_tokens": a.max_tokens,
-                          "max_deltas": a.max_deltas, "max_cpu_deltas": a.max_cpu_deltas,
+                          "max_deltas": a.max_deltas, "swap_slots": a.swap_slots, "memory": memory,
+                          "max_cpu_deltas": a.max_cpu_deltas,
                           "max_num_seqs": a.max_num_seqs, "cpu_threads": a.cpu_threads,
                           "slo": {k: round(v, 4) for k, v in slo.items()}, "slo_scale": a.slo_scale,
                           "unloaded_latency_s": {m: {k: round(v, 4) for k, v in u.items()} for m, u in unloaded.items()},

@@ -53,6 +53,8 @@ class DeltaContext:
         self.active: frozenset[int] = frozenset()
         self._token_index: dict[int, torch.Tensor] = {}
         self._plans: dict[int, object] = {}
+        self._row_slot_host: torch.Tensor | None = None
+        self._segments: dict[tuple[int, frozenset[int]], SlotSegments | None] = {}
 
     def bind(self, row_slots: list[int], device: torch.device | str) -> None:
         """Set the batch's slots: one per sequence row, ``-1`` for base rows, else in ``[0, N)``.
@@ -64,15 +66,19 @@ class DeltaContext:
         if bad:
             raise ValueError(f"slot {bad[0]} outside [-1, {self.num_slots})")
         self.row_slot = torch.tensor(row_slots, dtype=torch.int64, device=device)
+        self._row_slot_host = torch.tensor(row_slots, dtype=torch.int64)
         self.active = frozenset(s for s in row_slots if s >= 0)
         self._token_index.clear()
         self._plans.clear()
+        self._segments.clear()
 
     def unbind(self) -> None:
         self.row_slot = None
+        self._row_slot_host = None
         self.active = frozenset()
         self._token_index.clear()
         self._plans.clear()
+        self._segments.clear()
 
     def token_index(self, x: torch.Tensor) -> torch.Tensor:
         """Slot of every row of ``x.reshape(-1, x.shape[-1])``: int64 ``[B * t]`` for ``x`` of ``[B, t, ...]``."""
@@ -89,6 +95,15 @@ class DeltaContext:
             self._token_index[t] = idx
         return idx
 
+    def segments(self, rows: int, slots: frozenset[int]) -> SlotSegments | None:
+        """The padded per-slot layout of the ``rows`` token rows whose slot is in ``slots`` (built once
+        per forward from the host copy of the slots, shared by every linear; see :class:`SlotSegments`).
+        None when padding would more than double the work (a skewed batch)."""
+        key = (rows, slots)
+        if key not in self._segments:
+            self._segments[key] = SlotSegments.build(self._row_slot_host, rows, slots, self.row_slot.device)
+        return self._segments[key]
+
     def plan(self, idx: torch.Tensor):
         """The Triton row plan for ``idx`` (built once per token count, shared by every linear)."""
         key = idx.shape[0]
@@ -99,6 +114,75 @@ class DeltaContext:
             plan = dispatch.group_rows(idx, self.num_slots, default_block_m(key))
             self._plans[key] = plan
         return plan
+
+
+@dataclass
+class SlotSegments:
+    """Rows of a batch regrouped by slot into a padded ``[S, R]`` block, for one batched GEMM.
+
+    The slots in the set span the contiguous range ``lo .. lo + S - 1`` (slots of the range that have no
+    row get only padding), so a ``[N, out, in]`` stack is read through the view ``[lo : lo + S]`` with no
+    copy; ``R`` is the most rows any one slot has.
+
+    Attributes:
+        lo, span, width: ``lo``, ``S`` and ``R``.
+        gather: int64 ``[S * R]``: the token row that fills each padded position (0 for padding).
+        scatter: int64 ``[M]``: each token row's padded position (0 for rows outside the set).
+        keep: bool ``[M, 1]``: the row's slot is in the set.
+    """
+
+    lo: int
+    span: int
+    width: int
+    gather: torch.Tensor
+    scatter: torch.Tensor
+    keep: torch.Tensor
+
+    # Padding may at most double the multiply-adds of the rows themselves; past that (one slot
+    # holding most of the batch) a GEMM per slot does less work.
+    MAX_PADDING = 2.0
+
+    @classmethod
+    def build(cls, row_slot: torch.Tensor, rows: int, slots: frozenset[int], device) -> SlotSegments | None:
+        """Layout for ``rows`` token rows (``row_slot`` ``[B]`` host int64, each repeated ``rows / B``)."""
+        t = rows // row_slot.shape[0]
+        idx = row_slot.repeat_interleave(t) if t > 1 else row_slot
+        lo, hi = min(slots), max(slots)
+        span = hi - lo + 1
+        inside = torch.zeros(span + 1, dtype=torch.bool)  # indexed by slot - lo (+ 1 out-of-range sentinel)
+        inside[[s - lo for s in slots]] = True
+        local = torch.where((idx >= lo) & (idx <= hi), idx - lo, torch.full_like(idx, span))
+        keep = inside[local]
+        members = keep.nonzero(as_tuple=True)[0]
+        if not members.numel():
+            return None
+        which = local[members]
+        order = torch.sort(which, stable=True).indices
+        members, which = members[order], which[order]
+        counts = torch.bincount(which, minlength=span)
+        width = int(counts.max())
+        if span * width > cls.MAX_PADDING * members.numel():
+            return None
+        starts = torch.cumsum(counts, 0) - counts
+        flat = which * width + (torch.arange(members.numel()) - starts[which])
+        gather = torch.zeros(span * width, dtype=torch.int64)
+        gather[flat] = members
+        scatter = torch.zeros(idx.shape[0], dtype=torch.int64)
+        scatter[members] = flat
+        return cls(lo, span, width, gather.to(device), scatter.to(device), keep.unsqueeze(1).to(device))
+
+    def matmul(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``y[r] = x[r] @ weights[slot(r)].T`` for rows in the set, zeros elsewhere.
+
+        Args:
+            x: ``[M, in]``; weights: ``[N, out, in]`` (read through a view of ``S`` slots).
+        Returns:
+            ``[M, out]`` in ``weights.dtype``.
+        """
+        xs = x.index_select(0, self.gather).view(self.span, self.width, x.shape[1])
+        w = weights[self.lo:self.lo + self.span]
+        ys = torch.bmm(xs, w.transpose(1, 2)).view(self.span * self.width, w.shape[1])
+        return torch.where(self.keep, ys.index_select(0, self.scatter), 0.0)
 
 
 def _slot_lookup(num_slots: int, device) -> torch.Tensor:
@@ -321,7 +405,7 @@ class DeltaLinear(nn.Module):
                 plan = None
             y = y + dispatch.sbmm(x2, local, g.stack, plan=plan)
         if self._dq_slots & active:
-            y = y + _dense_rows(x2, idx, self._dq, self._dq_slots & active)
+            y = y + _dense_rows(x2, idx, self._dq, self._dq_slots & active, ctx)
         if self._dense.keys() & active:
             y = y + _ref_rows(x2, idx, self._dense, self._dense.keys() & active)
         if self._lora_rank.keys() & active:
@@ -338,29 +422,41 @@ class DeltaLinear(nn.Module):
 _ALL_SLOTS_GEMM_MACS = 1 << 20
 
 
-def _dense_rows(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, slots: set[int]) -> torch.Tensor:
+def _dense_rows(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, slots: set[int],
+                ctx: DeltaContext | None = None) -> torch.Tensor:
     """``y[r] = x[r] @ weights[idx[r]].T`` for rows whose slot is in ``slots``, zeros elsewhere.
 
     The dense counterpart of SBMM (for dequantized deltas and dense replacements), computed in the
-    weights' dtype. Small problems run as one GEMM against all ``N`` slots stacked (``[N * out, in]``)
-    and keep each row's own block; larger ones run one GEMM per distinct slot present.
+    weights' dtype. Which way it runs is about launches, not arithmetic: on CPU each extra op costs
+    tens of µs, more than the multiply-adds of a small model.
+
+    - one slot: one GEMM, masked;
+    - small problems: one GEMM against all ``N`` slots stacked (``[N * out, in]``), each row keeps
+      its own block;
+    - rows spread over several slots: one batched GEMM over the rows regrouped per slot
+      (:class:`SlotSegments`, layout shared by all linears of the forward through ``ctx``);
+    - a skewed batch (padding would double the work): one GEMM per distinct slot.
 
     Args:
         x: ``[M, in]``; idx: int64 ``[M]`` slot per row (``-1`` base); weights: ``[N, out, in]``.
+        ctx: the model's context (enables the batched-GEMM path).
     Returns:
         ``[M, out]`` in ``x.dtype``.
     """
     m, n, out_f, in_f = x.shape[0], weights.shape[0], weights.shape[1], weights.shape[2]
+    if len(slots) == 1:
+        (s,) = slots
+        return torch.where((idx == s).unsqueeze(1), F.linear(x, weights[s]), 0.0).to(x.dtype)
     wanted = torch.zeros(n + 1, dtype=torch.bool, device=x.device)
     wanted[[s + 1 for s in slots]] = True
     keep = wanted[idx + 1].unsqueeze(1)
-    if len(slots) == 1:
-        (s,) = slots
-        return torch.where(keep, F.linear(x, weights[s]), 0.0).to(x.dtype)
     if m * n * out_f * in_f <= _ALL_SLOTS_GEMM_MACS:
         y_all = F.linear(x, weights.view(n * out_f, in_f)).view(m, n, out_f)
         own = y_all.gather(1, idx.clamp(min=0).view(m, 1, 1).expand(m, 1, out_f)).squeeze(1)
         return torch.where(keep, own, 0.0).to(x.dtype)
+    seg = ctx.segments(m, frozenset(slots)) if ctx is not None and ctx.row_slot is not None else None
+    if seg is not None:
+        return seg.matmul(x.to(weights.dtype), weights).to(x.dtype)
     y = torch.zeros(m, out_f, dtype=x.dtype, device=x.device)
     for s in sorted(slots):
         rows = (idx == s).nonzero(as_tuple=True)[0]
@@ -512,3 +608,59 @@ class DeltaRMSNorm(nn.Module):
         idx = self.ctx.token_index(x)
         w = self._table[self._row[idx + 1]].reshape(*x.shape[:-1], x.shape[-1])
         return rms_norm_reference(x, w, self.eps)
+
+
+class DeltaLayerNorm(nn.Module):
+    """``nn.LayerNorm`` (GPT-NeoX, OPT, Phi, Falcon, ...) with a per-row weight and bias.
+
+    Tables ``[N + 1, H]`` with row 0 the base's; a slot whose variant keeps the norm "same" points at
+    row 0. A batch with no changed norm runs the original ``F.layer_norm``; otherwise every row is
+    normalised once and scaled and shifted by its own row of the tables (one gather, whatever the
+    number of variants).
+    """
+
+    def __init__(self, base: nn.LayerNorm, ctx: DeltaContext):
+        super().__init__()
+        if len(base.normalized_shape) != 1 or base.weight is None:
+            raise ValueError("only LayerNorm over the last dimension with a weight can be decoupled")
+        self.weight, self.bias = base.weight, base.bias
+        self.normalized_shape, self.eps = tuple(base.normalized_shape), base.eps
+        self.ctx = ctx
+        n = ctx.num_slots
+        self._w_table = base.weight.detach().unsqueeze(0).repeat(n + 1, 1)
+        self._b_table = None if base.bias is None else base.bias.detach().unsqueeze(0).repeat(n + 1, 1)
+        self._row = _slot_lookup(n, base.weight.device)
+        self._slots: set[int] = set()
+
+    def clear_slot(self, slot: int) -> None:
+        self._row[slot + 1] = 0
+        self._slots.discard(slot)
+
+    def load_slot(self, slot: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+        """The variant's ``weight`` and/or ``bias`` ``[H]`` (the one not given stays the base's)."""
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is not None and tuple(t.shape) != self.normalized_shape:
+                raise ValueError(f"layer norm {name} {tuple(t.shape)} != base {self.normalized_shape}")
+        if bias is not None and self._b_table is None:
+            raise ValueError("the base layer norm has no bias; a variant cannot add one per row")
+        self._w_table[slot + 1].copy_(self.weight if weight is None else weight)
+        if self._b_table is not None:
+            self._b_table[slot + 1].copy_(self.bias if bias is None else bias)
+        self._row[slot + 1] = slot + 1
+        self._slots.add(slot)
+
+    def resident_bytes(self, slot: int) -> int:
+        if slot not in self._slots:
+            return 0
+        per = self.weight.numel() * self.weight.element_size()
+        return per * (1 if self._b_table is None else 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self._slots & self.ctx.active):
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        rows = self._row[self.ctx.token_index(x) + 1]
+        y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+        y = y * self._w_table[rows].reshape(x.shape)
+        if self._b_table is not None:
+            y = y + self._b_table[rows].reshape(x.shape)
+        return y

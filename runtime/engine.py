@@ -13,10 +13,11 @@ prefill-first scheduler, CUDA graphs). We evaluated it and built our own small e
   seed and stop strings;
 - it is marked as evolving API (the module changed shape between releases).
 
-The engine here keeps one KV cache per sequence (``SeqKV``: per layer ``[H_kv, capacity, D]``,
-grown by doubling) and at every step assembles a padded batch for the transformers model through a
-small cache object (``StepKV``) plus an explicit 4-D attention mask, so the model classes,
-rotary embeddings and SDPA attention are transformers' own. Per step:
+The engine here keeps the KV caches of all sequences in one pool (``KVPool``: per layer
+``[rows, H_kv, capacity, D]``, a row per sequence) and at every step hands the transformers model a
+padded view of its rows through a small cache object (``StepKV``: one gather and one indexed store
+per layer) plus an explicit 4-D attention mask, so the model classes, rotary embeddings and SDPA
+attention are transformers' own. Per step:
 
 1. new requests and cancellations are taken in; the :class:`~deltazip.runtime.scheduler.Scheduler`
    admits requests (at most ``max_deltas`` variants, ``max_num_seqs``, ``max_batch_tokens``);
@@ -190,67 +191,164 @@ class IncrementalDetokenizer:
 # --------------------------------------------------------------------------------------------------
 
 
-class SeqKV:
-    """One sequence's KV cache: per layer ``[H_kv, capacity, D]`` keys and values, grown by doubling."""
+class KVPool:
+    """Keys and values of every sequence in the batch, in one tensor per layer.
+
+    Per layer ``k`` and ``v`` are ``[R, H_kv, C, D]``: ``R`` rows (one per sequence holding a cache),
+    ``C`` positions (the longest sequence so far, grown by doubling). With all sequences in one
+    tensor a step gathers its rows' past with one ``index_select`` and writes its new tokens with one
+    indexed store per layer, whatever the batch size — per-sequence buffers cost a copy per row per
+    layer, which dominated decode steps of large batches. The price is padding: every row is ``C``
+    long. When no sequence holds a row any more the tensors are dropped, so an idle server holds no
+    KV memory. Layers are created on first write (their ``H_kv``, ``D`` and dtype come from the model).
+    """
 
     def __init__(self):
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
-        self.length = 0
+        self.rows = 0
+        self.capacity = 0
+        self._free: list[int] = []
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, at: int) -> None:
-        """Store ``k, v`` ``[H_kv, t, D]`` at positions ``[at, at + t)`` of ``layer``."""
-        while len(self.k) <= layer:
-            self.k.append(None)
-            self.v.append(None)
-        t = k.shape[1]
-        buf = self.k[layer]
-        if buf is None or buf.shape[1] < at + t:
-            cap = max(16, at + t, 2 * (buf.shape[1] if buf is not None else 0))
-            nk = k.new_empty(k.shape[0], cap, k.shape[2])
-            nv = v.new_empty(v.shape[0], cap, v.shape[2])
-            if buf is not None and at:
-                nk[:, :at] = buf[:, :at]
-                nv[:, :at] = self.v[layer][:, :at]
-            self.k[layer], self.v[layer] = nk, nv
-        self.k[layer][:, at:at + t] = k
-        self.v[layer][:, at:at + t] = v
+    def alloc(self) -> int:
+        """A free row (the pool grows by doubling when none is left)."""
+        if not self._free:
+            grow = max(8, self.rows)
+            self._resize(self.rows + grow, self.capacity)
+            self._free = list(range(self.rows - 1, self.rows - grow - 1, -1))
+        return self._free.pop()
 
-    def to(self, device: torch.device | str) -> None:
-        """Move the cache (preempted sequences go to host memory, resumed ones come back)."""
-        self.k = [None if t is None else t[:, :self.length].to(device) for t in self.k]
-        self.v = [None if t is None else t[:, :self.length].to(device) for t in self.v]
+    def release(self, row: int) -> None:
+        self._free.append(row)
+        if len(self._free) == self.rows:  # nothing cached: give the memory back
+            self.k, self.v, self.rows, self.capacity, self._free = [], [], 0, 0, []
+
+    def ensure_length(self, n: int) -> None:
+        """Make every row hold at least ``n`` positions."""
+        if n > self.capacity:
+            self._resize(self.rows, max(16, n, 2 * self.capacity))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
 
+    def _resize(self, rows: int, capacity: int) -> None:
+        def grown(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            # Zeros, not empty: masked positions are multiplied by 0 in attention, and 0 * NaN is NaN.
+            out = t.new_zeros(rows, t.shape[1], capacity, t.shape[3])
+            out[: t.shape[0], :, : t.shape[2]] = t
+            return out
+
+        self.k = [grown(t) for t in self.k]
+        self.v = [grown(t) for t in self.v]
+        self.rows, self.capacity = rows, capacity
+
+    def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``idx``'s ``(k, v)``, created shaped after ``like`` ``[B, H_kv, T, D]`` if new."""
+        while len(self.k) <= idx:
+            self.k.append(None)
+            self.v.append(None)
+        if self.k[idx] is None:
+            shape = (self.rows, like.shape[1], self.capacity, like.shape[3])
+            self.k[idx] = like.new_zeros(shape)
+            self.v[idx] = like.new_zeros(shape)
+        return self.k[idx], self.v[idx]
+
+
+class SeqKV:
+    """One sequence's KV cache: a row of a :class:`KVPool` (or, while preempted, host copies)."""
+
+    def __init__(self):
+        self.pool: KVPool | None = None
+        self.row: int | None = None
+        self.length = 0
+        self.host: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def attach(self, pool: KVPool) -> None:
+        """Take a row of ``pool``; a cache moved to the host comes back into it."""
+        if self.row is not None:
+            return
+        self.pool, self.row = pool, pool.alloc()
+        if self.host is not None:
+            pool.ensure_length(self.length)
+            for i, (k, v) in enumerate(self.host):
+                pk, pv = pool.layer(i, k.unsqueeze(0))
+                pk[self.row, :, : self.length] = k.to(pk.device)
+                pv[self.row, :, : self.length] = v.to(pv.device)
+            self.host = None
+
+    def offload(self) -> None:
+        """Copy the cache to host memory and give the row back (a preempted sequence)."""
+        if self.row is None:
+            return
+        n = self.length
+        # copy=True: on a CPU server .to("cpu") would return a view of the row it is about to give away.
+        self.host = [(k[self.row, :, :n].to("cpu", copy=True), v[self.row, :, :n].to("cpu", copy=True))
+                     for k, v in zip(self.pool.k, self.pool.v) if k is not None]
+        self.free()
+
+    def free(self) -> None:
+        if self.row is not None:
+            self.pool.release(self.row)
+        self.pool, self.row = None, None
+
+    def nbytes(self) -> int:
+        if self.host is not None:
+            return sum(k.numel() * k.element_size() * 2 for k, _ in self.host)
+        if self.row is None:
+            return 0
+        return sum(k[0].numel() * k.element_size() * 2 for k in self.pool.k if k is not None)
+
 
 class StepKV:
-    """The ``past_key_values`` object of one forward: a padded view over the rows' own caches.
+    """The ``past_key_values`` object of one forward: a padded view over the rows' pooled caches.
 
     Row ``b`` has ``P_b`` cached tokens and ``T_b`` new ones. Keys of the batch are laid out as
-    ``[past (P_b) | zeros (Lp - P_b) | zeros (Tm - T_b) | new (T_b)]`` with ``Lp = max P`` and
+    ``[past (P_b) | stale (Lp - P_b) | padding (Tm - T_b) | new (T_b)]`` with ``Lp = max P`` and
     ``Tm = max T``; :func:`step_mask` lets each real query see exactly its own past and the new
     tokens up to itself, and each padding query only itself (so no softmax row is empty). The new
-    keys/values are written straight into each sequence's :class:`SeqKV`.
+    keys/values are written into each sequence's pool row (all rows of a layer in one store).
+
+    Args:
+        pool: the engine's :class:`KVPool`; caches without a row get one.
+        caches: one :class:`SeqKV` per batch row.
+        past, new: ``P_b`` and ``T_b`` per row.
     """
 
-    def __init__(self, caches: list[SeqKV], past: list[int], new: list[int]):
-        self.caches, self.past, self.new = caches, past, new
+    def __init__(self, pool: KVPool, caches: list[SeqKV], past: list[int], new: list[int]):
+        self.pool, self.past, self.new = pool, past, new
         self.lp, self.tm = max(past), max(new)
+        for c in caches:
+            c.attach(pool)
+        pool.ensure_length(max(p + n for p, n in zip(past, new)))
+        self._rows = [c.row for c in caches]
+        self._index: tuple[torch.Tensor, ...] | None = None
+
+    def _indices(self, device) -> tuple[torch.Tensor, ...]:
+        """Where every real new token goes: (batch row, token index, pool row, position), on ``device``."""
+        if self._index is None:
+            b, t, row, pos = [], [], [], []
+            for i, (r, p, n) in enumerate(zip(self._rows, self.past, self.new)):
+                b += [i] * n
+                t += range(self.tm - n, self.tm)
+                row += [r] * n
+                pos += range(p, p + n)
+            self._index = tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (b, t, row, pos))
+        return self._index
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """``[B, H_kv, Tm, D]`` new keys/values -> ``[B, H_kv, Lp + Tm, D]`` keys/values to attend."""
-        b, h, tm, d = key_states.shape
-        keys = key_states.new_zeros(b, h, self.lp + tm, d)
-        values = value_states.new_zeros(b, h, self.lp + tm, d)
-        keys[:, :, self.lp:] = key_states
-        values[:, :, self.lp:] = value_states
-        for i, (c, p, t) in enumerate(zip(self.caches, self.past, self.new)):
-            if p:
-                keys[i, :, :p] = c.k[layer_idx][:, :p]
-                values[i, :, :p] = c.v[layer_idx][:, :p]
-            c.write(layer_idx, key_states[i, :, tm - t:], value_states[i, :, tm - t:], p)
+        pk, pv = self.pool.layer(layer_idx, key_states)
+        b, t, row, pos = self._indices(key_states.device)
+        if self.lp:
+            rows = row.new_tensor(self._rows)
+            keys = torch.cat([pk[:, :, : self.lp].index_select(0, rows), key_states], dim=2)
+            values = torch.cat([pv[:, :, : self.lp].index_select(0, rows), value_states], dim=2)
+        else:
+            keys, values = key_states, value_states
+        pk[row, :, pos] = key_states[b, :, t]
+        pv[row, :, pos] = value_states[b, :, t]
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -387,6 +485,10 @@ class Engine:
         self.device = backend.device
         self.max_len = _max_len(backend.config)
         self.swap = backend.mode == "swap"
+        self.kv_pool = KVPool()
+        # Device memory, refreshed by the engine thread (readers never walk the model themselves).
+        self._memory = {"device_weight_bytes": backend.base_bytes(), "kv_cache_bytes": 0}
+        self._resident_seen: tuple = ()
         self.scheduler = Scheduler(
             max_deltas=1 if self.swap else config.max_deltas,
             max_num_seqs=config.max_num_seqs,
@@ -564,6 +666,7 @@ class Engine:
             "host_deltas": self.cache.on_host(),
             "tokens_per_second": window / max(span, 1.0) if window else 0.0,
             "load_stats": {k: vars(v).copy() for k, v in self.cache.stats.items()},
+            **self._memory,
             **self.counters,
             "preempted": self.scheduler.preempted_total,
         }
@@ -628,7 +731,7 @@ class Engine:
                 prefill.append(seq)
                 continue
             if seq.kv_on_host:  # preempted earlier, resumed now: its KV cache comes back
-                seq.kv.to(self.device)
+                seq.kv.attach(self.kv_pool)
                 seq.kv_on_host = False
             decode.append(seq)
 
@@ -644,6 +747,7 @@ class Engine:
         now = time.perf_counter()
         with self._lock:
             self._token_times.append((now, len(results)))
+        self._memory = {**self._memory, "kv_cache_bytes": self.kv_pool.nbytes()}
         for seq, tok in results:
             self._accept(seq, tok, now)
 
@@ -665,6 +769,11 @@ class Engine:
                         if r.variant == bad]:
                 self._finish(self._seqs[rid], "error", error=f"model {self._cache_name(bad)} cannot be loaded: {msg}")
             return None
+        resident = tuple(self.cache.slots)
+        if resident != self._resident_seen:
+            self._resident_seen = resident
+            self._memory = {**self._memory, "device_weight_bytes": self.backend.base_bytes() + sum(
+                self.backend.slot_bytes(i) for i, name in enumerate(resident) if name is not None)}
         return {k: by_name[self._cache_name(k)] for k in keys}
 
     def _forward(self, group: list[Sequence], row_slots: list[int], prefill: bool) -> list[tuple[Sequence, int]]:
@@ -681,7 +790,7 @@ class Engine:
         for i, toks in enumerate(new_tokens):
             ids[i, tm - len(toks):] = torch.tensor(toks, dtype=torch.long)
         mask, pos = step_mask(past, new, dev)
-        kv = StepKV([s.kv for s in group], past, new)
+        kv = StepKV(self.kv_pool, [s.kv for s in group], past, new)
         with torch.inference_mode():
             logits = self.backend.forward(row_slots, ids.to(dev), pos, mask, kv)
         for s, n in zip(group, new):
@@ -726,9 +835,9 @@ class Engine:
         seq.finished = True
         for r in self.scheduler.finish(seq.rid):
             child = self._seqs[r.rid]
-            child.kv.to("cpu")
+            child.kv.offload()
             child.kv_on_host = True
-        seq.kv = SeqKV()  # free the cache now, not when the last reference goes
+        seq.kv.free()  # its pool row goes to the next sequence now
         self._seqs.pop(seq.rid, None)
         key = {"cancelled": "cancelled", "error": "errors"}.get(reason, "finished")
         self.counters[key] += 1

@@ -13,10 +13,12 @@ Both expose the same small interface to the engine (``load_host``, ``write_slot`
 ``forward``) and are driven through a :class:`deltazip.runtime.delta_cache.TieredCache`.
 
 Tensor names: artifacts name tensors as the checkpoint does. The decoupled model needs those names
-to be module parameter names, which holds for the Llama family (Llama, Mistral, Qwen2, ...); a
-variant that changes a tensor the runtime cannot apply per row (or whose name is not a parameter
-name) is refused with a message naming the tensor and pointing at ``--mode swap``, which goes
-through transformers' own loader and so serves any causal LM it can load.
+to be module parameter names, which holds for most decoder-only families (Llama, Mistral, Qwen2,
+GPT-NeoX, ...). Per row it applies changed ``nn.Linear`` weights and biases, plain ``nn.Embedding``
+tables, Llama-style RMSNorm weights and ``nn.LayerNorm`` weights and biases. A variant that changes
+a tensor the runtime cannot apply per row (or whose name is not a parameter name) is refused with a
+message naming the tensor and pointing at ``--mode swap``, which goes through transformers' own
+loader and so serves any causal LM it can load.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from deltazip.runtime.dedup_serving import (
 from deltazip.runtime.delta_linear import (
     DeltaContext,
     DeltaEmbedding,
+    DeltaLayerNorm,
     DeltaLinear,
     DeltaRMSNorm,
     is_llama_rmsnorm,
@@ -425,7 +428,7 @@ class DeltaModel:
                 raise UnsupportedVariant(
                     f"variant {v.name}: tensor {name!r} is not a parameter of {type(self.model).__name__} (the "
                     f"checkpoint names differ from the module names for this architecture); the decoupled runtime "
-                    f"supports Llama-family models — serve this one with --mode swap")
+                    f"needs them equal — serve this one with --mode swap")
             if list(params[name].shape) != list(e["shape"]):
                 raise UnsupportedVariant(f"variant {v.name}: tensor {name} has shape {e['shape']}, the base has "
                                          f"{list(params[name].shape)}; it cannot share the base model")
@@ -436,10 +439,14 @@ class DeltaModel:
                 mod = self.model.get_submodule(mname)
                 if isinstance(mod, (nn.Linear, DeltaLinear)) and attr in ("weight", "bias"):
                     kind = "linear"
-                elif isinstance(mod, (nn.Embedding, DeltaEmbedding)) and attr == "weight":
+                elif type(mod) in (nn.Embedding, DeltaEmbedding) and attr == "weight":
+                    # Exact type: subclasses (OPT's learned positions, scaled embeddings) change forward().
                     kind = "embedding"
                 elif attr == "weight" and (isinstance(mod, DeltaRMSNorm) or is_llama_rmsnorm(mod)):
                     kind = "norm"
+                elif attr in ("weight", "bias") and (type(mod) is DeltaLayerNorm or (
+                        type(mod) is nn.LayerNorm and mod.weight is not None and len(mod.normalized_shape) == 1)):
+                    kind = "layernorm"
                 else:
                     raise UnsupportedVariant(
                         f"variant {v.name}: it changes {t} ({type(mod).__name__}.{attr}), which the decoupled runtime "
@@ -454,7 +461,8 @@ class DeltaModel:
         parent_name, _, child = mname.rpartition(".")
         parent = self.model.get_submodule(parent_name) if parent_name else self.model
         old = getattr(parent, child)
-        new = {"linear": DeltaLinear, "embedding": DeltaEmbedding, "norm": DeltaRMSNorm}[kind](old, self.ctx)
+        new = {"linear": DeltaLinear, "embedding": DeltaEmbedding, "norm": DeltaRMSNorm,
+               "layernorm": DeltaLayerNorm}[kind](old, self.ctx)
         setattr(parent, child, new)
         return new
 
@@ -507,8 +515,11 @@ class DeltaModel:
     def _put_dense(self, host: HostDelta, targets: list[tuple[str, str]], tensor: torch.Tensor) -> None:
         for mname, attr in targets:
             kw = host.modules.setdefault(mname, {})
-            if isinstance(self.modules[mname], DeltaLinear):
+            mod = self.modules[mname]
+            if isinstance(mod, DeltaLinear):
                 kw["dense" if attr == "weight" else "bias"] = tensor
+            elif isinstance(mod, DeltaLayerNorm):
+                kw[attr] = tensor
             else:
                 kw["weight"] = tensor
 

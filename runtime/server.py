@@ -424,6 +424,10 @@ class _EngineCollector:
             ("deltazip_resident_deltas", "Variants in device slots", len(st["resident_deltas"])),
             ("deltazip_host_deltas", "Variants decoded in host memory", len(st["host_deltas"])),
             ("deltazip_tokens_per_second", "Generated tokens per second over the last 10 s", st["tokens_per_second"]),
+            ("deltazip_device_weight_bytes", "Bytes of model weights on the device: the base plus every filled slot "
+             "(swap mode: the whole models in its slots)", st["device_weight_bytes"]),
+            ("deltazip_kv_cache_bytes", "Bytes of the KV cache pool (one row per sequence, as long as the longest)",
+             st["kv_cache_bytes"]),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         for name, doc, key in (

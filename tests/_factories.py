@@ -35,6 +35,8 @@ ARCH_CONFIGS = {
                     num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, sliding_window=None),
     "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                      num_hidden_layers=2, max_position_embeddings=128, rotary_pct=0.5),
+    "phi": dict(model_type="phi", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_hidden_layers=2, max_position_embeddings=128, partial_rotary_factor=0.5),
     "gemma": dict(model_type="gemma", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128),
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -73,6 +74,37 @@ def test_delta_linear_rows_follow_their_slot(dequantize):
         y2 = lin(x)
     torch.testing.assert_close(y2[1], want[-1](x[1]), rtol=1e-5, atol=1e-5)
     assert lin.resident_bytes(0) == 0
+    ctx.unbind()
+
+
+@pytest.mark.parametrize("slots,t", [
+    ([0, 1, 2, 3, 0, 1, 2, 3], 1),          # spread evenly: one batched GEMM over slots 0..3
+    ([1, 3, 1, 3, -1, 3, 1, -1], 3),        # a gap (slot 2 padding only), base rows, 3 tokens per row
+    ([5, 5, 5, 5, 5, 5, 2, -1], 1),         # skewed: padding would be > 2x, one GEMM per slot
+    ([4, -1, 6, 4, 6, 4], 2),               # non-zero first slot: the stack is read through a view
+])
+def test_dense_rows_regrouped_per_slot_match_each_rows_own_weight(slots, t):
+    from deltazip.runtime.delta_linear import SlotSegments, _dense_rows
+
+    torch.manual_seed(0)
+    n, out_f, in_f = 8, 96, 160  # above the all-slots-GEMM size, so the regrouped path is exercised
+    weights = torch.randn(n, out_f, in_f)
+    ctx = DeltaContext(num_slots=n, dequantize=True)
+    ctx.bind(slots, "cpu")
+    x = torch.randn(len(slots), t, in_f)
+    idx = ctx.token_index(x)
+    present = {s for s in slots if s >= 0}
+    y = _dense_rows(x.reshape(-1, in_f), idx, weights, present, ctx)
+    want = torch.stack([torch.zeros(out_f) if s < 0 else x[r, j] @ weights[s].T
+                        for r, s in enumerate(slots) for j in range(t)])
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    seg = ctx.segments(len(slots) * t, frozenset(present))
+    rows_in = sum(s >= 0 for s in slots) * t
+    if seg is None:  # refused only when padding would more than double the rows
+        counts = {s: slots.count(s) * t for s in present}
+        assert (max(present) - min(present) + 1) * max(counts.values()) > SlotSegments.MAX_PADDING * rows_in
+    else:
+        assert seg.span == max(present) - min(present) + 1 and seg.span * seg.width <= 2 * rows_in
     ctx.unbind()
 
 
@@ -184,7 +216,7 @@ def served(tmp_path_factory):
 def test_mixed_batch_logits_match_each_merged_model(served, compute):
     """One forward over rows of the base and all three variants = each row's merged model."""
     from deltazip.compress.checkpoint import Checkpoint
-    from deltazip.runtime.engine import SeqKV, StepKV, step_mask
+    from deltazip.runtime.engine import KVPool, SeqKV, StepKV, step_mask
     from deltazip.runtime.model import DeltaModel, discover_artifacts
 
     with single_thread():
@@ -209,7 +241,7 @@ def test_mixed_batch_logits_match_each_merged_model(served, compute):
             x[i, tm - len(ids):] = torch.tensor(ids)
         mask, pos = step_mask([0] * len(rows), new, "cpu")
         with torch.no_grad():
-            logits = dm.forward([slot_of[n] for n, _ in rows], x, pos, mask, StepKV([SeqKV() for _ in rows],
+            logits = dm.forward([slot_of[n] for n, _ in rows], x, pos, mask, StepKV(KVPool(), [SeqKV() for _ in rows],
                                                                                    [0] * len(rows), new))
             for i, (n, ids) in enumerate(rows):
                 ref = served.model(n)(torch.tensor([ids])).logits[0, -1]
@@ -228,3 +260,51 @@ def test_unsupported_changes_are_refused_with_the_tensor_name(served):
     bogus = VariantInfo("odd", served.root, {"model.rotary.weight": {"kind": "full", "shape": [4]}}, {}, 0)
     with single_thread(), pytest.raises(UnsupportedVariant, match="model.rotary.weight.*--mode swap"):
         DeltaModel(Checkpoint(served.base_dir), [bogus], num_slots=1, device=torch.device("cpu"), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("compute", ["packed", "dequantized"])
+def test_phi_variant_with_changed_layernorms_matches_its_merged_model(tmp_path, compute):
+    """A non-Llama family: Phi (LayerNorm with bias, biased linears and lm_head, partial rotary).
+    The fine-tune changes every tensor, norms and biases included; one forward over base and variant
+    rows equals each row's own model."""
+    from _factories import perturb, save_model, tiny_model
+
+    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.compress.config import CompressConfig
+    from deltazip.compress.merge import load_merged_model
+    from deltazip.compress.pipeline import compress_delta
+    from deltazip.formats.artifact import Artifact
+    from deltazip.runtime.delta_linear import DeltaLayerNorm
+    from deltazip.runtime.engine import KVPool, SeqKV, StepKV, step_mask
+    from deltazip.runtime.model import DeltaModel, discover_artifacts
+
+    with single_thread():
+        base = tiny_model("phi")
+        save_model(base, tmp_path / "base")
+        save_model(perturb(tiny_model("phi"), scale=0.2, seed=3, skip=()), tmp_path / "ft")
+        calib = tmp_path / "calib.jsonl"
+        calib.write_text("".join(json.dumps({"text": ("abc def ghi jkl " * 6)[i:i + 60]}) + "\n" for i in range(8)))
+        cfg = CompressConfig(method="deltazip", bits=4, group_size=32, nsamples=4, seqlen=32, device="cpu")
+        compress_delta(tmp_path / "base", tmp_path / "ft", str(calib), tmp_path / "arts" / "phi", cfg)
+        (v,) = discover_artifacts(tmp_path / "arts")
+        ck = Checkpoint(tmp_path / "base")
+        merged = load_merged_model(Artifact(v.path), ck).eval()
+        dm = DeltaModel(ck, [v], num_slots=2, device=torch.device("cpu"), dtype=torch.float32, delta_compute=compute)
+        kinds = {type(m).__name__ for m in dm.modules.values()}
+        assert "DeltaLayerNorm" in kinds and "DeltaEmbedding" in kinds  # norms and embeddings really changed
+        dm.write_slot(1, v.name, dm.load_host(v.name))
+        ln = next(m for m in dm.modules.values() if isinstance(m, DeltaLayerNorm))
+        assert ln.resident_bytes(1) > 0 and ln.resident_bytes(0) == 0
+        ids = [[5, 9, 13, 4, 22, 30, 7], [8, 8, 17, 40], [5, 9, 13, 4, 22, 30, 7], [8, 8, 17, 40]]
+        slots = [-1, -1, 1, 1]
+        new = [len(i) for i in ids]
+        x = torch.zeros(len(ids), max(new), dtype=torch.long)
+        for r, i in enumerate(ids):
+            x[r, max(new) - len(i):] = torch.tensor(i)
+        mask, pos = step_mask([0] * len(ids), new, "cpu")
+        with torch.no_grad():
+            logits = dm.forward(slots, x, pos, mask, StepKV(KVPool(), [SeqKV() for _ in ids], [0] * len(ids), new))
+            for r, (i, s) in enumerate(zip(ids, slots)):
+                ref = (merged if s >= 0 else base)(torch.tensor([i])).logits[0, -1]
+                torch.testing.assert_close(logits[r], ref, rtol=1e-4, atol=1e-4)
+            assert (logits[2] - logits[0]).abs().max() > 1e-2  # the variant's rows differ from the base's

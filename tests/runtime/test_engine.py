@@ -113,6 +113,10 @@ def test_greedy_outputs_equal_the_merged_models_with_slot_and_host_churn(served)
         assert set(loads) == set(VARIANTS)
         assert sum(v["device_loads"] for v in loads.values()) > len(VARIANTS)  # slots were reused
         assert all(v["disk_seconds_last"] > 0 for v in loads.values())
+        # Memory gauges: the base plus the two filled slots; the KV pool is empty once all finished.
+        be = eng.backend
+        assert st["device_weight_bytes"] == be.base_bytes() + be.slot_bytes(0) + be.slot_bytes(1) > be.base_bytes()
+        assert eng.kv_pool.nbytes() == 0 and eng.kv_pool.rows == 0
 
 
 def test_preempted_line_skippers_resume_with_identical_output(served):
@@ -309,3 +313,83 @@ def test_a_variant_that_fails_to_load_fails_only_its_requests(served, tmp_path):
     assert col.final("beta").reason == "error" and "corrupt" in col.final("beta").error
     for m in ("alpha", "gamma"):
         assert col.final(m).text == served.expected(m, PROMPTS[0], 5)
+
+
+def test_kv_pool_rows_grow_offload_restores_and_idle_pool_holds_nothing():
+    from deltazip.runtime.engine import KVPool, SeqKV, StepKV
+
+    torch.manual_seed(0)
+    pool = KVPool()
+    seqs = [SeqKV() for _ in range(10)]  # more than the first allocation of 8 rows: the pool grows
+    past, new = [0] * 10, [3, 5, 1, 2, 4, 3, 5, 1, 2, 4]
+    step = StepKV(pool, seqs, past, new)
+    k = torch.randn(10, 2, 5, 4)
+    v = torch.randn(10, 2, 5, 4)
+    keys, values = step.update(k, v, 0)
+    assert keys.shape == (10, 2, 5, 4) and pool.rows >= 10 and pool.capacity >= 5
+    for s, n in zip(seqs, new):
+        s.length = n
+    # Each row holds exactly its real (right-aligned) new tokens.
+    for i, (s, n) in enumerate(zip(seqs, new)):
+        torch.testing.assert_close(pool.k[0][s.row, :, :n], k[i, :, 5 - n:])
+    # A decode step gathers every row's past in front of the new token (rows in any order).
+    order = [3, 0, 7]
+    step2 = StepKV(pool, [seqs[i] for i in order], [new[i] for i in order], [1, 1, 1])
+    k2 = torch.randn(3, 2, 1, 4)
+    keys2, _ = step2.update(k2, k2, 0)
+    assert keys2.shape == (3, 2, max(new[i] for i in order) + 1, 4)
+    for j, i in enumerate(order):
+        torch.testing.assert_close(keys2[j, :, :new[i]], k[i, :, 5 - new[i]:])
+        torch.testing.assert_close(keys2[j, :, -1], k2[j, :, 0])
+        seqs[i].length += 1
+    # Preemption: the cache goes to the host and comes back bit for bit into another row.
+    before = pool.k[0][seqs[3].row, :, :seqs[3].length].clone()
+    seqs[3].offload()
+    assert seqs[3].row is None and seqs[3].nbytes() == before.numel() * 4 * 2
+    seqs[3].attach(pool)
+    assert torch.equal(pool.k[0][seqs[3].row, :, :seqs[3].length], before)
+    for s in seqs:
+        s.free()
+    assert pool.rows == 0 and pool.k == []  # idle: no KV memory held
+
+
+def test_kv_pool_against_per_sequence_lists_under_random_churn():
+    """Sequences join, finish and are preempted (KV to host and back) at random while the pool
+    grows in rows and length: every step's gathered past equals what each sequence wrote."""
+    import random
+
+    from deltazip.runtime.engine import KVPool, SeqKV, StepKV
+
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    pool, ref, seqs = KVPool(), {}, {}
+    for _ in range(300):
+        if rng.random() < 0.3 or not seqs:
+            sid = len(ref)
+            seqs[sid], ref[sid] = SeqKV(), []
+        if rng.random() < 0.15 and len(seqs) > 1:
+            sid = rng.choice(list(seqs))
+            seqs.pop(sid).free()
+        if rng.random() < 0.1:
+            seqs[rng.choice(list(seqs))].offload()
+        batch = rng.sample(list(seqs), k=rng.randint(1, len(seqs)))
+        past = [seqs[s].length for s in batch]
+        new = [rng.randint(1, 3) if p == 0 else 1 for p in past]
+        tm = max(new)
+        step = StepKV(pool, [seqs[s] for s in batch], past, new)
+        for layer in range(2):
+            ks = torch.randn(len(batch), 2, tm, 4)
+            keys, values = step.update(ks, -ks, layer)
+            for i, s in enumerate(batch):
+                got = keys[i, :, :past[i]].transpose(0, 1)
+                want = torch.stack([t[layer] for t in ref[s]]) if past[i] else got
+                assert torch.equal(got, want) and torch.equal(values[i, :, :past[i]].transpose(0, 1), -want)
+                assert torch.equal(keys[i, :, -new[i]:], ks[i, :, tm - new[i]:])
+            if layer == 0:
+                new_tokens = [[ks[i, :, tm - n + j].clone() for j in range(n)] for i, n in enumerate(new)]
+            else:
+                for i, s in enumerate(batch):
+                    ref[s] += [(a, ks[i, :, tm - new[i] + j].clone()) for j, a in enumerate(new_tokens[i])]
+        for s, n in zip(batch, new):
+            seqs[s].length += n
+    assert pool.rows >= 8 and pool.capacity >= max(s.length for s in seqs.values())

@@ -239,6 +239,8 @@ def test_metrics_expose_queue_latency_and_load_times(server, client):
                  'deltazip_delta_loads_total{tier="device",variant="alpha"}'):
         assert name in text, name
     assert metric(server, "deltazip_time_to_first_token_seconds_count") > 0
+    assert metric(server, "deltazip_device_weight_bytes") > 0  # exact figures: tests/runtime/test_engine.py
+    assert metric(server, "deltazip_kv_cache_bytes") >= 0
 
 
 def test_queue_full_is_429_and_startup_logs_each_variant(served, caplog):

@@ -166,7 +166,7 @@ def test_every_kind_serves_its_merged_models_greedy_output(fleet, server):
 def test_lora_and_delta_rows_in_one_forward_equal_each_alone(fleet, server):
     """One forward over rows of the LoRA adapter, the compressed artifact, a full checkpoint and
     the base: every row's logits equal a forward of that row alone (and its reference model)."""
-    from deltazip.runtime.engine import SeqKV, StepKV, step_mask
+    from deltazip.runtime.engine import KVPool, SeqKV, StepKV, step_mask
 
     _, rt = server
     backend = rt.backend
@@ -184,7 +184,7 @@ def test_lora_and_delta_rows_in_one_forward_equal_each_alone(fleet, server):
         mask, pos = step_mask([0] * len(rows), new, "cpu")
         with torch.inference_mode():
             return backend.forward([slot_of[n] for n, _ in rows], x, pos, mask,
-                                   StepKV([SeqKV() for _ in rows], [0] * len(rows), new))
+                                   StepKV(KVPool(), [SeqKV() for _ in rows], [0] * len(rows), new))
 
     def in_slots():
         return rt.engine.cache.ensure(["lora", "alpha", "frozen"]) | {"base": -1}

@@ -1,0 +1,127 @@
+"""One engine step, measured without HTTP: serving B rows of k variants in one delta step against the
+k whole-model steps that swap mode needs for the same rows.
+
+    python bench/step.py [--pair demo|smollm2] [--rows 8 32 64] [--variants 1 4 8] [--repeats 15]
+
+Builds the models the serving engine builds (``DeltaModel`` with ``k`` filled slots, ``SwapModels``
+with ``k`` whole merged models) over the cached variants of ``bench/serve.py`` and times decode steps
+through the engine's own KV pool, step mask and forward:
+
+- ``delta``: one forward over all ``B`` rows, ``B / k`` per variant;
+- ``swap``: ``k`` forwards of ``B / k`` rows, each on its own merged model (what the swap baseline
+  runs for the same rows, before counting any model load);
+- ``base``: one forward over ``B`` rows of the base alone (the floor: no delta work).
+
+Every row has a ``--context``-token past. Prints ONE JSON document with the median and p90 step times
+(ms) of each, measured interleaved in one run, and the ratio ``swap / delta`` (> 1: the delta step
+serves the same rows faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _pairs import demo_pair, smollm2_pair  # noqa: E402
+from serve import build_variants, log, machine  # noqa: E402
+
+
+def decode_timer(model, slots: list[int], context: int):
+    """A callable running one decode step of ``len(slots)`` rows (each with ``context`` past tokens)."""
+    from deltazip.runtime.engine import KVPool, SeqKV, StepKV, step_mask
+
+    pool, kvs = KVPool(), [SeqKV() for _ in slots]
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (len(slots), context), generator=g)
+    mask, pos = step_mask([0] * len(slots), [context] * len(slots), model.device)
+    with torch.inference_mode():
+        model.forward(slots, ids.to(model.device), pos, mask,
+                      StepKV(pool, kvs, [0] * len(slots), [context] * len(slots)))
+    for k in kvs:
+        k.length = context
+    tok = torch.randint(0, vocab, (len(slots), 1), generator=g).to(model.device)
+
+    def step() -> None:
+        past = [k.length for k in kvs]
+        mask, pos = step_mask(past, [1] * len(slots), model.device)
+        with torch.inference_mode():
+            model.forward(slots, tok, pos, mask, StepKV(pool, kvs, past, [1] * len(slots)))
+        for k in kvs:  # keep the past fixed: every timed step sees the same context length
+            k.length = past[0]
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", choices=("demo", "smollm2"), default="demo")
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64])
+    ap.add_argument("--variants", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--context", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.runtime.model import DeltaModel, SwapModels, discover_artifacts
+
+    pair = demo_pair() if a.pair == "demo" else smollm2_pair(log=log)
+    arts = build_variants(pair, max(a.variants), "rtn")
+    variants = discover_artifacts(arts)[: max(a.variants)]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    base = Checkpoint(pair["base"])
+    k_max = max(a.variants)
+    dm = DeltaModel(base, variants, k_max, device, torch.float32)
+    sw = SwapModels(base, variants, k_max, device, torch.float32, "base")
+    for i, v in enumerate(variants):
+        dm.write_slot(i, v.name, dm.load_host(v.name))
+        sw.write_slot(i, v.name, sw.load_host(v.name))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    results = []
+    for rows in a.rows:
+        for k in a.variants:
+            if rows % k:
+                continue
+            per = rows // k
+            runs = {
+                "delta": [decode_timer(dm, [i // per for i in range(rows)], a.context)],
+                "swap": [decode_timer(sw, [s] * per, a.context) for s in range(k)],
+                "base": [decode_timer(dm, [-1] * rows, a.context)],
+            }
+            times: dict[str, list[float]] = {m: [] for m in runs}
+            for _ in range(2):  # warm-up
+                for fns in runs.values():
+                    for f in fns:
+                        f()
+            for _ in range(a.repeats):  # interleaved, so drift hits every mode alike
+                for m, fns in runs.items():
+                    sync()
+                    t0 = time.perf_counter()
+                    for f in fns:
+                        f()
+                    sync()
+                    times[m].append((time.perf_counter() - t0) * 1e3)
+            row = {"rows": rows, "variants": k}
+            for m, ts in times.items():
+                ts.sort()
+                row[f"{m}_ms"] = {"p50": round(statistics.median(ts), 3), "p90": round(ts[int(0.9 * (len(ts) - 1))], 3)}
+            row["swap_over_delta"] = round(row["swap_ms"]["p50"] / row["delta_ms"]["p50"], 3)
+            row["delta_over_base"] = round(row["delta_ms"]["p50"] / row["base_ms"]["p50"], 3)
+            results.append(row)
+            log(json.dumps(row))
+    print(json.dumps({"bench": "step", "machine": machine(),
+                      "config": {"pair": a.pair, "context": a.context, "repeats": a.repeats, "threads": a.threads,
+                                 "delta_compute": dm.delta_compute, "device": str(device)},
+                      "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
