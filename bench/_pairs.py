@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import platform
 import random
 import time
 from pathlib import Path
@@ -24,6 +25,12 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 SMOLLM2_RECIPE = {"task": "shift", "seed": 0, "steps": 24, "lr": 1e-4, "batch_size": 8, "weight_decay": 0.0,
                   "warmup": 10, "n_calib": 256, "n_eval": 128, "dtype": "float32"}
+
+
+def machine() -> dict:
+    """What a bench ran on (its JSON's ``machine``)."""
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def _key(recipe: dict) -> str:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -23,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import demo_pair, smollm2_pair  # noqa: E402
+from _pairs import demo_pair, machine, smollm2_pair  # noqa: E402
 
 # (label, extra CLI args)
 METHODS = (
@@ -38,11 +36,6 @@ METHODS = (
 
 def log(msg: str) -> None:
     print(f"[bench/compress] {msg}", file=sys.stderr, flush=True)
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpus": os.cpu_count(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def score(model_dir_or_model, tok, eval_rows: list[dict]) -> dict:

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import platform
 import random
 import subprocess
 import sys
@@ -33,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import CACHE, demo_pair, load_smollm2  # noqa: E402
+from _pairs import CACHE, demo_pair, load_smollm2, machine  # noqa: E402
 
 FT_RECIPE = {"seed": 0, "lr": 1e-4, "batch_size": 8, "warmup": 10, "weight_decay": 0.0, "n_train": 4000,
              "n_calib": 128, "steps": {"palindrome": 100, "ticket": 40, "addition": 100}}
@@ -56,11 +54,6 @@ def log(msg: str) -> None:
 
 def _key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:10]
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpus": os.cpu_count(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -33,7 +33,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import random
 import signal
 import socket
@@ -47,18 +46,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import CACHE, demo_pair, smollm2_pair  # noqa: E402
+from _pairs import CACHE, demo_pair, machine, smollm2_pair  # noqa: E402
 
 DISTS = ("uniform", "zipf-1.5", "azure-like")
 
 
 def log(msg: str) -> None:
     print(f"[bench/serve] {msg}", file=sys.stderr, flush=True)
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpus": os.cpu_count(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 # ----------------------------------------------------------------------------------- variants

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -40,29 +38,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import CACHE, demo_pair  # noqa: E402
+from _pairs import CACHE, demo_pair, machine  # noqa: E402
+
+from deltazip.runtime.weight_share import smaps_rollup  # noqa: E402
 
 MIB = 2**20
 
 
 def log(msg: str) -> None:
     print(f"[bench/share] {msg}", file=sys.stderr, flush=True)
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpus": os.cpu_count(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-
-
-def rollup(pid: int) -> dict[str, int]:
-    """Bytes from /proc/PID/smaps_rollup; USS = Private_Clean + Private_Dirty."""
-    out = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        parts = line.split()
-        if len(parts) >= 3 and parts[-1] == "kB":
-            out[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    out["USS"] = out["Private_Clean"] + out["Private_Dirty"]
-    return out
 
 
 # ----------------------------------------------------------------------------------- model pairs
@@ -132,8 +116,8 @@ def run_deployment(arts: Path, base: str, k: int, share: bool, threads: int) -> 
                            json={"model": variant, "prompt": "12 + 345 =", "max_tokens": 4, "temperature": 0})
             r.raise_for_status()
         pids = pool.pids()
-        workers = [rollup(p) for p in pids["workers"]]
-        owner = rollup(pids["owner"]) if share else None
+        workers = [smaps_rollup(p) for p in pids["workers"]]
+        owner = smaps_rollup(pids["owner"]) if share else None
         reports = [dict(w.report) for w in pool.workers]
         owner_report = dict(pool.owner_report)
     procs = workers + ([owner] if owner else [])

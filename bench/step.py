@@ -29,24 +29,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import demo_pair, smollm2_pair  # noqa: E402
-from serve import build_variants, log, machine  # noqa: E402
+from _pairs import demo_pair, machine, smollm2_pair  # noqa: E402
+from serve import build_variants, log  # noqa: E402
 
 
 def decode_timer(model, slots: list[int], context: int):
     """A callable running one decode step of ``len(slots)`` rows (each with ``context`` past tokens)."""
-    from deltazip.runtime.engine import KVPool, SeqKV, StepKV, step_mask
+    from deltazip.runtime.engine import KVPool, SeqKV, StepKV, prefill_logits, step_mask
 
     pool, kvs = KVPool(), [SeqKV() for _ in slots]
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (len(slots), context), generator=g)
-    mask, pos = step_mask([0] * len(slots), [context] * len(slots), model.device)
-    with torch.inference_mode():
-        model.forward(slots, ids.to(model.device), pos, mask,
-                      StepKV(pool, kvs, [0] * len(slots), [context] * len(slots)))
-    for k in kvs:
-        k.length = context
+    prefill_logits(model, slots, torch.randint(0, vocab, (len(slots), context), generator=g).tolist(), kvs, pool)
     tok = torch.randint(0, vocab, (len(slots), 1), generator=g).to(model.device)
 
     def step() -> None:

@@ -447,10 +447,10 @@ def _dense_rows(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, slots
     if len(slots) == 1:
         (s,) = slots
         return torch.where((idx == s).unsqueeze(1), F.linear(x, weights[s]), 0.0).to(x.dtype)
-    wanted = torch.zeros(n + 1, dtype=torch.bool, device=x.device)
-    wanted[[s + 1 for s in slots]] = True
-    keep = wanted[idx + 1].unsqueeze(1)
     if m * n * out_f * in_f <= _ALL_SLOTS_GEMM_MACS:
+        wanted = torch.zeros(n + 1, dtype=torch.bool, device=x.device)
+        wanted[[s + 1 for s in slots]] = True
+        keep = wanted[idx + 1].unsqueeze(1)
         y_all = F.linear(x, weights.view(n * out_f, in_f)).view(m, n, out_f)
         own = y_all.gather(1, idx.clamp(min=0).view(m, 1, 1).expand(m, 1, out_f)).squeeze(1)
         return torch.where(keep, own, 0.0).to(x.dtype)

@@ -326,7 +326,8 @@ class StepKV:
         self._index: tuple[torch.Tensor, ...] | None = None
 
     def _indices(self, device) -> tuple[torch.Tensor, ...]:
-        """Where every real new token goes: (batch row, token index, pool row, position), on ``device``."""
+        """The step's pool rows, and where every real new token goes (batch row, token index, pool
+        row, position), on ``device``; built once per step, shared by every layer."""
         if self._index is None:
             b, t, row, pos = [], [], [], []
             for i, (r, p, n) in enumerate(zip(self._rows, self.past, self.new)):
@@ -334,15 +335,15 @@ class StepKV:
                 t += range(self.tm - n, self.tm)
                 row += [r] * n
                 pos += range(p, p + n)
-            self._index = tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (b, t, row, pos))
+            self._index = tuple(torch.tensor(x, dtype=torch.int64, device=device)
+                                for x in (self._rows, b, t, row, pos))
         return self._index
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """``[B, H_kv, Tm, D]`` new keys/values -> ``[B, H_kv, Lp + Tm, D]`` keys/values to attend."""
         pk, pv = self.pool.layer(layer_idx, key_states)
-        b, t, row, pos = self._indices(key_states.device)
+        rows, b, t, row, pos = self._indices(key_states.device)
         if self.lp:
-            rows = row.new_tensor(self._rows)
             keys = torch.cat([pk[:, :, : self.lp].index_select(0, rows), key_states], dim=2)
             values = torch.cat([pv[:, :, : self.lp].index_select(0, rows), value_states], dim=2)
         else:
@@ -353,6 +354,36 @@ class StepKV:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lp
+
+
+def left_pad(tokens: list[list[int]], pad_id: int) -> torch.Tensor:
+    """Token lists as one int64 ``[B, max len]`` batch, each row right-aligned (the layout of
+    :class:`StepKV` and :func:`step_mask`)."""
+    tm = max(len(t) for t in tokens)
+    ids = torch.full((len(tokens), tm), pad_id, dtype=torch.long)
+    for i, toks in enumerate(tokens):
+        ids[i, tm - len(toks):] = torch.tensor(toks, dtype=torch.long)
+    return ids
+
+
+def prefill_logits(backend, row_slots: list[int], tokens: list[list[int]], caches: list[SeqKV] | None = None,
+                   pool: KVPool | None = None, pad_id: int = 0) -> torch.Tensor:
+    """One prefill forward of ``tokens`` (a prompt per row, row ``b`` in slot ``row_slots[b]``) through
+    ``backend`` (``DeltaModel`` or ``SwapModels``), as the engine runs it; last-position logits ``[B, V]``.
+
+    ``caches`` (empty :class:`SeqKV`, one per row) and their ``pool`` receive the prompts' keys and
+    values and come back with ``length`` set; fresh ones are used when not given.
+    """
+    pool = pool if pool is not None else KVPool()
+    caches = caches if caches is not None else [SeqKV() for _ in tokens]
+    new = [len(t) for t in tokens]
+    mask, pos = step_mask([0] * len(tokens), new, backend.device)
+    with torch.inference_mode():
+        logits = backend.forward(row_slots, left_pad(tokens, pad_id).to(backend.device), pos, mask,
+                                 StepKV(pool, caches, [0] * len(tokens), new))
+    for c, n in zip(caches, new):
+        c.length = n
+    return logits
 
 
 def step_mask(past: list[int], new: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -785,10 +816,7 @@ class Engine:
             past = [s.kv.length for s in group]
             new_tokens = [[s.output_ids[-1]] for s in group]
         new = [len(t) for t in new_tokens]
-        tm = max(new)
-        ids = torch.full((len(group), tm), self.pad_id, dtype=torch.long)
-        for i, toks in enumerate(new_tokens):
-            ids[i, tm - len(toks):] = torch.tensor(toks, dtype=torch.long)
+        ids = left_pad(new_tokens, self.pad_id)
         mask, pos = step_mask(past, new, dev)
         kv = StepKV(self.kv_pool, [s.kv for s in group], past, new)
         with torch.inference_mode():

@@ -278,6 +278,18 @@ def _seal(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
 
 
+def smaps_rollup(pid: int) -> dict[str, int]:
+    """Memory of a process in bytes, from ``/proc/PID/smaps_rollup`` (``Rss``, ``Pss``, ...), plus
+    ``USS`` = private clean + private dirty: how benches and tests show what sharing saves."""
+    out = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[-1] == "kB":
+            out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    out["USS"] = out["Private_Clean"] + out["Private_Dirty"]
+    return out
+
+
 def seals(fd: int) -> set[str]:
     """Names of the seals on a memfd (empty where sealing is not supported)."""
     import fcntl

@@ -216,7 +216,7 @@ def served(tmp_path_factory):
 def test_mixed_batch_logits_match_each_merged_model(served, compute):
     """One forward over rows of the base and all three variants = each row's merged model."""
     from deltazip.compress.checkpoint import Checkpoint
-    from deltazip.runtime.engine import KVPool, SeqKV, StepKV, step_mask
+    from deltazip.runtime.engine import prefill_logits
     from deltazip.runtime.model import DeltaModel, discover_artifacts
 
     with single_thread():
@@ -234,15 +234,8 @@ def test_mixed_batch_logits_match_each_merged_model(served, compute):
         slot_of = {"base": -1, **{v.name: i for i, v in enumerate(variants)}}
         prompt_ids = [tok(p)["input_ids"] for p in PROMPTS[:4]]
         rows = [(n, ids) for n in names for ids in prompt_ids]
-        new = [len(ids) for _, ids in rows]
-        tm = max(new)
-        x = torch.full((len(rows), tm), 2, dtype=torch.long)
-        for i, (_, ids) in enumerate(rows):
-            x[i, tm - len(ids):] = torch.tensor(ids)
-        mask, pos = step_mask([0] * len(rows), new, "cpu")
+        logits = prefill_logits(dm, [slot_of[n] for n, _ in rows], [ids for _, ids in rows], pad_id=2)
         with torch.no_grad():
-            logits = dm.forward([slot_of[n] for n, _ in rows], x, pos, mask, StepKV(KVPool(), [SeqKV() for _ in rows],
-                                                                                   [0] * len(rows), new))
             for i, (n, ids) in enumerate(rows):
                 ref = served.model(n)(torch.tensor([ids])).logits[0, -1]
                 torch.testing.assert_close(logits[i], ref, rtol=1e-4, atol=1e-4)
@@ -275,7 +268,7 @@ def test_phi_variant_with_changed_layernorms_matches_its_merged_model(tmp_path, 
     from deltazip.compress.pipeline import compress_delta
     from deltazip.formats.artifact import Artifact
     from deltazip.runtime.delta_linear import DeltaLayerNorm
-    from deltazip.runtime.engine import KVPool, SeqKV, StepKV, step_mask
+    from deltazip.runtime.engine import prefill_logits
     from deltazip.runtime.model import DeltaModel, discover_artifacts
 
     with single_thread():
@@ -297,13 +290,8 @@ def test_phi_variant_with_changed_layernorms_matches_its_merged_model(tmp_path, 
         assert ln.resident_bytes(1) > 0 and ln.resident_bytes(0) == 0
         ids = [[5, 9, 13, 4, 22, 30, 7], [8, 8, 17, 40], [5, 9, 13, 4, 22, 30, 7], [8, 8, 17, 40]]
         slots = [-1, -1, 1, 1]
-        new = [len(i) for i in ids]
-        x = torch.zeros(len(ids), max(new), dtype=torch.long)
-        for r, i in enumerate(ids):
-            x[r, max(new) - len(i):] = torch.tensor(i)
-        mask, pos = step_mask([0] * len(ids), new, "cpu")
+        logits = prefill_logits(dm, slots, ids)
         with torch.no_grad():
-            logits = dm.forward(slots, x, pos, mask, StepKV(KVPool(), [SeqKV() for _ in ids], [0] * len(ids), new))
             for r, (i, s) in enumerate(zip(ids, slots)):
                 ref = (merged if s >= 0 else base)(torch.tensor([i])).logits[0, -1]
                 torch.testing.assert_close(logits[r], ref, rtol=1e-4, atol=1e-4)

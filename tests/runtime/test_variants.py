@@ -166,7 +166,7 @@ def test_every_kind_serves_its_merged_models_greedy_output(fleet, server):
 def test_lora_and_delta_rows_in_one_forward_equal_each_alone(fleet, server):
     """One forward over rows of the LoRA adapter, the compressed artifact, a full checkpoint and
     the base: every row's logits equal a forward of that row alone (and its reference model)."""
-    from deltazip.runtime.engine import KVPool, SeqKV, StepKV, step_mask
+    from deltazip.runtime.engine import prefill_logits
 
     _, rt = server
     backend = rt.backend
@@ -176,15 +176,7 @@ def test_lora_and_delta_rows_in_one_forward_equal_each_alone(fleet, server):
     rows = [(n, i) for n in names for i in ids]
 
     def forward(rows, slot_of):
-        new = [len(i) for _, i in rows]
-        tm = max(new)
-        x = torch.full((len(rows), tm), 2, dtype=torch.long)
-        for r, (_, i) in enumerate(rows):
-            x[r, tm - len(i):] = torch.tensor(i)
-        mask, pos = step_mask([0] * len(rows), new, "cpu")
-        with torch.inference_mode():
-            return backend.forward([slot_of[n] for n, _ in rows], x, pos, mask,
-                                   StepKV(KVPool(), [SeqKV() for _ in rows], [0] * len(rows), new))
+        return prefill_logits(backend, [slot_of[n] for n, _ in rows], [i for _, i in rows], pad_id=2)
 
     def in_slots():
         return rt.engine.cache.ensure(["lora", "alpha", "frozen"]) | {"base": -1}

@@ -42,17 +42,6 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def rollup(pid: int) -> dict[str, int]:
-    """Bytes from /proc/PID/smaps_rollup, plus USS = private clean + private dirty."""
-    out = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        parts = line.split()
-        if len(parts) >= 3 and parts[-1] == "kB":
-            out[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    out["USS"] = out["Private_Clean"] + out["Private_Dirty"]
-    return out
-
-
 def gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -306,9 +295,9 @@ def test_sharing_workers_use_far_less_memory_than_independent_servers(big):
             texts[share] = [complete(w.url, m, "alpha beta", 6).json()["choices"][0]["text"]
                             for w in p.workers for m in ("base", "v1")]
             pids = p.pids()
-            procs = {f"worker{i}": rollup(pid) for i, pid in enumerate(pids["workers"])}
+            procs = {f"worker{i}": ws.smaps_rollup(pid) for i, pid in enumerate(pids["workers"])}
             if share:
-                procs["owner"] = rollup(pids["owner"])
+                procs["owner"] = ws.smaps_rollup(pids["owner"])
             measured[share] = procs
     assert texts[True] == texts[False]  # mapped fp32 (converted by the owner) == from_pretrained's
     uss = {s: sum(v["USS"] for k, v in m.items() if k != "owner") for s, m in measured.items()}
