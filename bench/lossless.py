@@ -77,7 +77,7 @@ def part_classes(art) -> dict[str, list[torch.Tensor]]:
     """Every stored part of the artifact, by class (raw tensors as the writer would compress them)."""
     out: dict[str, list[torch.Tensor]] = {}
     for name, e in art.tensors.items():
-        if e["kind"] == "same":
+        if e["kind"] in ("same", "alias"):
             continue
         for part, t in art.parts(name).items():
             cls = part if e["kind"] == "packed" else e["kind"]

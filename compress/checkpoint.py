@@ -1,5 +1,10 @@
 """Lazy access to a Hugging Face checkpoint: one tensor at a time, safetensors only.
 
+Tensors are read with plain file reads, not memory maps: a mapped page that was read stays in the
+process's resident set until the map goes, so reading every tensor of two mapped checkpoints once
+would hold both whole checkpoints in RSS for the length of a compression (the page cache keeps the
+bytes either way, outside the process).
+
 A checkpoint is a local directory (``config.json`` + ``model.safetensors`` or sharded safetensors
 with ``model.safetensors.index.json``) or a hub id, downloaded only when the hub is reachable.
 Pickle checkpoints (``*.bin``, ``*.pt``) are refused: loading them can run arbitrary code.
@@ -8,20 +13,22 @@ Pickle checkpoints (``*.bin``, ``*.pt``) are refused: loading them can run arbit
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+import xxhash
 
 from deltazip.formats.checksum import Fingerprint
 from deltazip.formats.errors import InputError
-from deltazip.formats.safetensors_raw import RawFile, TensorEntry, read_table
+from deltazip.formats.safetensors_raw import TensorEntry, read_table
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool}
 _PICKLE_GLOBS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.bin")
 # Side files worth keeping with an artifact so that a merged model is complete.
+_READ_CHUNK = 64 << 20
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
                  "added_tokens.json", "chat_template.jinja", "chat_template.json")
@@ -74,7 +81,7 @@ class Checkpoint:
                 self.file_of[name] = f
         if not self.table:
             raise InputError(f"{role} {self.path}: the safetensors files hold no tensors")
-        self._handles: dict[Path, object] = {}
+        self._fds: dict[Path, int] = {}
 
     def _weight_files(self) -> list[Path]:
         index = self.path / "model.safetensors.index.json"
@@ -126,24 +133,54 @@ class Checkpoint:
         f = self.file_of.get(name)
         if f is None:
             raise InputError(f"{self.role} {self.path}: no tensor {name!r}")
-        h = self._handles.get(f)
-        if h is None:
-            h = self._handles[f] = safe_open(str(f), framework="pt")
-        t = h.get_tensor(name)
+        e = self.table[name]
+        buf = bytearray(self._read(f, e.start, e.nbytes))
+        t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+        t = t.view(self.dtype(name)).reshape(e.shape)
         if check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise InputError(f"{self.role} {self.path}: tensor {name} contains NaN or Inf values")
         return t
 
+    def _read(self, f: Path, start: int, n: int) -> bytes:
+        fd = self._fds.get(f)
+        if fd is None:
+            try:
+                fd = self._fds[f] = os.open(f, os.O_RDONLY)
+            except OSError as err:
+                raise InputError(f"{self.role} {f}: cannot read ({err.strerror or err})") from err
+        chunks, done = [], 0
+        while done < n:
+            c = os.pread(fd, min(n - done, _READ_CHUNK), start + done)
+            if not c:
+                raise InputError(f"{self.role} {f}: file ends inside a tensor (truncated?)")
+            chunks.append(c)
+            done += len(c)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
     def fingerprint(self) -> str:
-        """xxh3-128 fingerprint over every tensor's raw bytes (see formats.checksum.Fingerprint)."""
+        """xxh3-128 fingerprint over every tensor's raw bytes (see formats.checksum.Fingerprint),
+        hashed from file reads in chunks, so it holds at most one chunk in memory."""
         fp = Fingerprint()
         for f in self.files:
-            with RawFile(f) as raw:
-                for name, e in raw.entries.items():
-                    v = raw.view(name)
-                    fp.add(name, e.dtype, e.shape, v)
-                    v.release()
+            entries, _ = read_table(f)
+            for name, e in entries.items():
+                h = xxhash.xxh3_128()
+                for s in range(e.start, e.end, _READ_CHUNK):
+                    h.update(self._read(f, s, min(_READ_CHUNK, e.end - s)))
+                fp.add_digest(name, e.dtype, e.shape, h.hexdigest())
         return fp.hexdigest()
+
+    def close(self) -> None:
+        """Close the open file descriptors (reads reopen them)."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
 
     def side_files(self) -> list[Path]:
         """Config and tokenizer files present in the directory."""

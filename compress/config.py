@@ -19,6 +19,10 @@ CALIB_ACTIVATIONS = ("reconstructed", "base")
 class CompressConfig:
     """Options of ``deltazip compress`` (see docs/compress.md).
 
+    ``embed_bits`` / ``embed_group_size``: code width and hidden columns per group of the row-wise
+    embedding deltas (0 = the same as ``bits`` / ``group_size``; a group that does not divide the
+    hidden size becomes the whole row).
+
     ``calib_activations``: "reconstructed" (ΔCompress: every layer is calibrated on the inputs that
     the base + compressed-delta model produces) or "base" (ablation: the base model's own
     activations, which the paper shows to be worse).
@@ -37,6 +41,8 @@ class CompressConfig:
     seed: int = 0
     calib_activations: str = "reconstructed"
     batch_size: int = 8
+    embed_bits: int = 0
+    embed_group_size: int = 0
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -63,6 +69,22 @@ class CompressConfig:
             raise InputError(f"calib_activations must be one of {CALIB_ACTIVATIONS}")
         if self.batch_size < 1:
             raise InputError("batch size must be >= 1")
+        if self.embed_bits and self.embed_bits not in SUPPORTED_BITS:
+            raise InputError(f"--embed-bits {self.embed_bits} is not supported; use 0 (same as --bits) or one of "
+                             f"{', '.join(map(str, SUPPORTED_BITS))}")
+        if self.embed_group_size < -1:
+            raise InputError(f"--embed-group-size {self.embed_group_size} must be positive, 0 (same as "
+                             "--group-size) or -1 (one group per row)")
+
+    @property
+    def row_bits(self) -> int:
+        """Code width of embedding rows."""
+        return self.embed_bits or self.bits
+
+    @property
+    def row_group(self) -> int:
+        """Hidden columns per group of embedding rows (-1: whole row)."""
+        return self.embed_group_size or self.group_size
 
     @property
     def sparse24(self) -> bool:

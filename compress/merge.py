@@ -12,7 +12,7 @@ import torch
 from huggingface_hub import save_torch_state_dict
 
 from deltazip.compress.checkpoint import Checkpoint
-from deltazip.formats.artifact import Artifact
+from deltazip.formats.artifact import Artifact, needs_base
 from deltazip.formats.errors import InputError
 
 
@@ -35,9 +35,7 @@ def reconstruct_state_dict(art: Artifact, base: Checkpoint,
     out = {}
     names = list(art.tensors)
     for i, name in enumerate(names):
-        kind = art.tensors[name]["kind"]
-        needs_base = kind in ("same", "dense_delta") or (kind == "packed" and art.tensors[name]["additive"])
-        out[name] = art.reconstruct(name, base.get(name) if needs_base else None)
+        out[name] = art.reconstruct(name, base.get(name) if needs_base(art.tensors[name]) else None)
         if progress:
             progress("rebuilding tensors", i + 1, len(names))
     return out

@@ -4,7 +4,9 @@ For each decoder layer: load that layer's base and fine-tuned tensors only; for 
 group of linears, accumulate the Hessian of their input on the calibration activations, compress
 ``Δ = W_ft - W_base`` with the OBS solver and put ``W_base + Q⊙M`` back into the layer, so that later
 groups and the next layer see the reconstructed fine-tuned model; then run the layer to produce the
-next layer's inputs. Non-linear tensors are stored as "same", a dense delta, or in full.
+next layer's inputs. After the last layer an untied ``lm_head`` is compressed the same way, its
+Hessian taken from the final hidden states after the final norm. Embeddings are stored row by row
+and every other tensor exactly (compress/others.py).
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from deltazip.compress.model_walk import (
     set_param,
 )
 from deltazip.compress.obs import SolveResult, obs_compress, output_error, rtn_compress
+from deltazip.compress.others import embedding_weight_names, new_stats, record_embedding, record_exact
 from deltazip.formats.artifact import Artifact, ArtifactWriter
 from deltazip.formats.errors import InputError
+from deltazip.formats.exact import bitwise_equal
 from deltazip.formats.gdeflate import DEFAULT_LEVEL
 from deltazip.formats.packing import pack_delta
 
@@ -54,38 +58,6 @@ def check_pair(base: Checkpoint, ft: Checkpoint) -> None:
         if base.shape(n) != ft.shape(n):
             raise InputError(f"tensor {n} has shape {list(base.shape(n))} in the base but {list(ft.shape(n))} "
                              f"in the fine-tune; pass the fine-tune's own base model")
-
-
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-def record_other(writer: ArtifactWriter, name: str, b: torch.Tensor, f: torch.Tensor, stats: dict) -> torch.Tensor:
-    """Store a non-linear tensor in its smallest faithful form; returns its reconstruction.
-
-    "same" when bit-identical; an fp16 delta when the fine-tune is 4-byte (half the bytes) or when the
-    fp16 delta rebuilds a 2-byte tensor bit-exactly (same bytes, but mostly zeros, which lossless
-    packing shrinks); otherwise the tensor in full.
-    """
-    if _bitwise_equal(b, f):
-        writer.add_same(name, tuple(f.shape), f.dtype)
-        stats["same"] += 1
-        return f
-    if f.is_floating_point():
-        d16 = (f.float() - b.float()).half()
-        if bool(torch.isfinite(d16).all()):
-            rec = (b.float() + d16.float()).to(f.dtype)
-            if f.element_size() >= 4 or _bitwise_equal(rec, f):
-                writer.add_dense_delta(name, d16, f.dtype)
-                stats["dense_delta"] += 1
-                stats["dense_delta_max_abs_err"] = max(stats["dense_delta_max_abs_err"],
-                                                       float((rec.float() - f.float()).abs().max()))
-                return rec
-    writer.add_full(name, f)
-    stats["full"] += 1
-    return f
 
 
 def _linear_names(model, lname: str, layers) -> list[dict[str, str]]:
@@ -120,6 +92,25 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class _Replay(torch.nn.Module):
+    """Stands in for a decoder layer in ``head_hessian``: hands back the recorded output of batch
+    ``batch`` (the last layer) or its input unchanged (every other layer)."""
+
+    def __init__(self, inner: torch.nn.Module, batches, as_tuple: bool):
+        super().__init__()
+        self.inner, self.batches, self.as_tuple, self.batch = inner, batches, as_tuple, 0
+
+    def __getattr__(self, name):  # models read attributes such as attention_type off their layers
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("inner"), name)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        out = hidden_states if self.batches is None else self.batches[self.batch][0]
+        return (out,) if self.as_tuple else out
+
+
 class _Run:
     """State of one compression run (keeps compress_delta readable)."""
 
@@ -132,26 +123,102 @@ class _Run:
         self.model = empty_model(ft.path, self.cdtype)
         self.lname, self.layers = decoder_layers(self.model)
         self.linears = _linear_names(self.model, self.lname, self.layers)
-        _check_shapes(ft, self.linears, cfg)
-        self.other_stats = {"same": 0, "dense_delta": 0, "full": 0, "dense_delta_max_abs_err": 0.0}
+        self.head, self.head_alias_of = self._find_head()
+        _check_shapes(ft, self.linears + ([{self.head: "lm_head"}] if self.head else []), cfg)
+        self.embeddings = embedding_weight_names(self.model)
+        self.other_stats = new_stats()
         self.layer_stats: list[dict] = []
+        self.head_stats: dict | None = None
+        self.layer_returns_tuple = False
         self.base_view = cfg.calib_activations == "base"
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.lname}.{i}."
 
     # -- non-layer tensors ----------------------------------------------------------------------
+    def _find_head(self) -> tuple[str | None, str | None]:
+        """``(lm_head weight name, None)`` when the output projection is an untied linear stored in the
+        checkpoint (compressed as a linear after the layers); ``(None, embedding name)`` when the
+        checkpoint stores it as a bit-identical copy of the input embedding in both models (stored
+        once, as an alias); ``(None, None)`` otherwise (tied and not stored, or not a linear)."""
+        out = self.model.get_output_embeddings()
+        if not isinstance(out, torch.nn.Linear):
+            return None, None
+        name = next((f"{n}.weight" for n, m in self.model.named_modules() if m is out), None)
+        if name is None or name not in self.ft.table:
+            return None, None
+        emb = self.model.get_input_embeddings()
+        ename = next((f"{n}.weight" for n, m in self.model.named_modules() if m is emb), None)
+        if ename in self.ft.table and ename != name and self.ft.shape(ename) == self.ft.shape(name):
+            same_ft = bitwise_equal(self.ft.get(ename), self.ft.get(name))
+            if same_ft and bitwise_equal(self.base.get(ename), self.base.get(name)):
+                return None, ename
+        return name, None
+
     def outside_layers(self) -> None:
-        """Record embeddings, final norm, lm_head...; load them into the skeleton for the forward."""
+        """Record embeddings, final norm...; load them into the skeleton for the forward. The untied
+        lm_head waits for the final hidden states (``compress_head``)."""
         params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         params |= {n for n, _ in self.model.named_buffers()}
+        head_alias = self.model.get_output_embeddings()
+        head_alias = next((f"{n}.weight" for n, m in self.model.named_modules() if m is head_alias), None)
         for n in self.ft.names:
-            if n.startswith(self.lname + "."):
+            if n.startswith(self.lname + ".") or n == self.head:
+                continue
+            if self.head_alias_of and n == head_alias:
+                self.writer.add_alias(n, self.head_alias_of, self.ft.shape(n), self.ft.dtype(n))
+                self.other_stats["alias"] += 1
                 continue
             b, f = self.base.get(n), self.ft.get(n)
-            rec = record_other(self.writer, n, b, f, self.other_stats)
+            if n in self.embeddings and f.dim() == 2 and f.is_floating_point():
+                rec = record_embedding(self.writer, n, b, f, self.cfg.row_bits, self.cfg.row_group, self.other_stats)
+            else:
+                rec = record_exact(self.writer, n, b, f, self.other_stats)
             if n in params and self.cfg.method != "rtn":
                 set_param(self.model, n, (b if self.base_view else rec).to(self.cdtype), self.device)
+
+    def compress_head(self, input_ids: torch.Tensor | None, batches) -> None:
+        """Compress the untied lm_head like a linear, its Hessian from what it reads: the last layer's
+        outputs through whatever the model runs after its layers (the final norm)."""
+        if self.head is None:
+            return
+        H = self.head_hessian(input_ids, batches) if self.cfg.method != "rtn" else None
+        stats = {"tensors": {}}
+        self._compress_linear(self.head, H, stats)
+        self.head_stats = stats["tensors"][self.head]
+
+    def head_hessian(self, input_ids: torch.Tensor, batches) -> torch.Tensor:
+        """``H = 2 XᵀX / n`` of the lm_head input, replaying the last layer's outputs through the model
+        (every decoder layer replaced by a module that hands back the recorded output of its batch)."""
+        head = self.model.get_output_embeddings()
+        d = head.in_features
+        acc = {"sum": torch.zeros(d, d, device=self.device), "n": 0}
+
+        def hook(_m, args):
+            x = args[0].reshape(-1, d).float()
+            acc["sum"].addmm_(x.t(), x)
+            acc["n"] += x.shape[0]
+            raise StopForward
+
+        last = len(self.layers) - 1
+        originals = list(self.layers)
+        replay = [_Replay(m, batches if i == last else None, self.layer_returns_tuple) for i, m in enumerate(originals)]
+        handle = head.register_forward_pre_hook(hook)
+        try:
+            for i, r in enumerate(replay):
+                self.layers[i] = r
+            with torch.no_grad():
+                for k, s in enumerate(range(0, input_ids.shape[0], self.cfg.batch_size)):
+                    replay[last].batch = k
+                    try:
+                        self.model(input_ids=input_ids[s:s + self.cfg.batch_size].to(self.device), use_cache=False)
+                    except StopForward:
+                        pass
+        finally:
+            handle.remove()
+            for i, m in enumerate(originals):
+                self.layers[i] = m
+        return 2 * acc["sum"] / max(acc["n"], 1)
 
     # -- calibration ----------------------------------------------------------------------------
     def first_inputs(self, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
@@ -175,6 +242,14 @@ class _Run:
         args = kw.pop("__args__", ())
         out = layer(h, *args, **kw)
         return out[0] if isinstance(out, tuple) else out
+
+    def run_layer_checked(self, layer, h: torch.Tensor, kw: dict) -> torch.Tensor:
+        """``run_layer`` that also notes whether layers return tuples (for ``head_hessian``'s replay)."""
+        kw = dict(kw)
+        args = kw.pop("__args__", ())
+        out = layer(h, *args, **kw)
+        self.layer_returns_tuple = isinstance(out, tuple)
+        return out[0] if self.layer_returns_tuple else out
 
     def hessians(self, layer, group: list[str], batches) -> dict[str, torch.Tensor]:
         """``H = 2 XᵀX / n`` (fp32) of each linear's input over all calibration tokens."""
@@ -210,7 +285,7 @@ class _Run:
             if n in lin:
                 continue
             b, f = self.base.get(n), self.ft.get(n)
-            rec = record_other(self.writer, n, b, f, self.other_stats)
+            rec = record_exact(self.writer, n, b, f, self.other_stats)
             if calibrated:
                 set_param(layer, n[len(prefix):], (b if self.base_view else rec).to(self.cdtype), self.device)
         stats = {"index": i, "tensors": {}}
@@ -233,7 +308,7 @@ class _Run:
                 if not self.base_view:
                     set_param(layer, f"{ln}.weight", rec.to(self.cdtype), self.device)
         with torch.no_grad():
-            outs = [(self.run_layer(layer, h, kw), kw) for h, kw in batches]
+            outs = [(self.run_layer_checked(layer, h, kw), kw) for h, kw in batches]
         num = sum(float((y - yf).float().pow(2).sum()) for (y, _), yf in zip(outs, ys_ft))
         den_y = sum(float(yf.float().pow(2).sum()) for yf in ys_ft)
         den_d = sum(float((yf - h).float().pow(2).sum()) for yf, (h, _) in zip(ys_ft, batches))
@@ -313,6 +388,7 @@ def compress_delta(
         for i in range(n_layers):
             batches = run.layer(i, batches)
             progress("compressing layers", i + 1, n_layers)
+        run.compress_head(cal.input_ids if cfg.method != "rtn" else None, batches)
         for f in ft.side_files():
             writer.add_file(f, f.name)
         elapsed = time.time() - t0
@@ -327,7 +403,7 @@ def compress_delta(
                    "model_type": ft.config_dict().get("model_type"), "finetuned_bytes": ft.nbytes(),
                    "layers_path": run.lname, "num_layers": n_layers}
         path = writer.finalize(lineage=lineage, config=cfg.to_dict(), calibration=calib_summary,
-                               layers=run.layer_stats, stats=stats)
+                               layers=run.layer_stats, head=run.head_stats, stats=stats)
     from deltazip.formats.report import summarize
 
     return summarize(Artifact(path))

@@ -22,6 +22,10 @@ def compress(
     bits: Annotated[int, typer.Option(help="Bits per kept delta value: 2, 3, 4 or 8.")] = 4,
     sparsity: Annotated[str, typer.Option(help="'2:4' (structured, only kept values stored) or 'none'.")] = "2:4",
     group_size: Annotated[int, typer.Option(help="Input columns per quantization group; -1 = one per row.")] = 128,
+    embed_bits: Annotated[int, typer.Option(help="Bits per changed embedding value (rows stored row by row); "
+                                            "0 = same as --bits.")] = 0,
+    embed_group_size: Annotated[int, typer.Option(help="Hidden columns per group of embedding rows; 0 = same as "
+                                                  "--group-size, -1 = one per row.")] = 0,
     sym: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric grid or asymmetric with zero points.")] = True,
     nsamples: Annotated[int, typer.Option(help="Calibration windows.")] = 256,
     seqlen: Annotated[int, typer.Option(help="Tokens per window (truncated to what the data has).")] = 2048,
@@ -47,7 +51,8 @@ def compress(
 
     cfg = CompressConfig(bits=bits, sparsity=sparsity, group_size=group_size, sym=sym, nsamples=nsamples,
                          seqlen=seqlen, damp=damp, method=method, device=device, dtype=dtype, seed=seed,
-                         batch_size=batch_size, calib_activations=calib_activations)
+                         batch_size=batch_size, calib_activations=calib_activations, embed_bits=embed_bits,
+                         embed_group_size=embed_group_size)
     with progress_bar(json_out) as report:
         summary = compress_delta(base, finetuned, calib or None, out, cfg, overwrite=overwrite, progress=report,
                                  lossless=lossless, lossless_level=lossless_level)

@@ -1,4 +1,4 @@
-"""The deltazip artifact (format version 1): ``manifest.json`` + safetensors containers.
+"""The deltazip artifact (format version 2): ``manifest.json`` + safetensors containers.
 
 See docs/format.md for the full description. In short, each tensor of the fine-tuned model has one
 manifest entry whose ``kind`` says how to rebuild it from the base:
@@ -9,6 +9,12 @@ manifest entry whose ``kind`` says how to rebuild it from the base:
 - ``same``: bit-identical to the base tensor; nothing stored.
 - ``dense_delta``: ``base + delta`` with the delta stored densely (fp16 unless the tensor is wider).
 - ``full``: the fine-tuned tensor stored as it is (a tensor the base lacks or a changed shape).
+- ``rows`` (v2): an embedding delta row by row: a bitmap of changed rows, and the changed rows
+  group-quantized along the hidden dimension (``deltazip.formats.rows``).
+- ``xor`` (v2): the exact XOR of the raw bits of fine-tune and base (``deltazip.formats.exact``).
+- ``alias`` (v2): the same tensor as entry ``of`` (tied weights stored once).
+
+Readers read format version 1 too (it lacks the v2 kinds).
 
 Optionally, a lossless stage stores parts as chunked GDeflate containers (``deltazip.formats.chunked``):
 the entry then has ``codec: "gdeflate"`` and a ``lossless`` object with each compressed part's chunk
@@ -42,14 +48,20 @@ from safetensors.torch import save_file
 from deltazip.formats import chunked, gdeflate
 from deltazip.formats.checksum import sha256_file, sha256_tensors
 from deltazip.formats.errors import ArtifactError, InputError
+from deltazip.formats.exact import apply_xor
+from deltazip.formats.rows import dequantize_rows
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
 
 FORMAT_NAME = "deltazip"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 MANIFEST_SUM = "manifest.sha256"
-KINDS = ("packed", "same", "dense_delta", "full")
+KINDS = ("packed", "same", "dense_delta", "full", "rows", "xor", "alias")
+# Kinds rebuilt from the base tensor of the same name (``packed`` too when ``additive``).
+_BASE_KINDS = ("same", "dense_delta", "rows", "xor")
+# Kinds that store no bytes (no ``file``, ``parts`` or ``checksum``).
+STORELESS = ("same", "alias")
 LOSSLESS = ("none", "gdeflate")
 CODECS = ("gdeflate",)
 LOSSLESS_SUFFIX = ".gdeflate"
@@ -58,6 +70,13 @@ LOSSLESS_SUFFIX = ".gdeflate"
 MIN_SAVING = 0.03
 PACKED_PARTS = ("qweight", "positions", "scales", "zeros")
 _SHARD_BYTES = 1 << 30
+
+
+def needs_base(entry: dict[str, Any]) -> bool:
+    """Whether rebuilding an entry reads the base tensor of its name (for ``alias``: of ``entry['of']``,
+    which the writer only emits when the base's two tensors are bit-identical too)."""
+    kind = entry["kind"]
+    return kind in _BASE_KINDS or kind == "alias" or (kind == "packed" and bool(entry.get("additive")))
 
 
 def tool_version() -> str:
@@ -181,12 +200,37 @@ class ArtifactWriter:
         entry = {"kind": "full", "shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype)}
         self._add(name, entry, {"data": tensor})
 
+    def add_rows(self, name: str, parts: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype,
+                 bits: int, group_size: int, max_abs_err: float) -> None:
+        """An embedding delta row by row (``deltazip.formats.rows`` parts); ``max_abs_err`` is the
+        largest element error the encoder measured against the exact float32 delta."""
+        entry = {"kind": "rows", "shape": list(shape), "dtype": dtype_name(dtype), "bits": bits,
+                 "group_size": group_size, "changed_rows": int(parts["qweight"].shape[0]),
+                 "max_abs_err": max_abs_err}
+        self._add(name, entry, parts)
+
+    def add_xor(self, name: str, xor: torch.Tensor, dtype: torch.dtype) -> None:
+        """``bits(ft) ^ bits(base)`` (``deltazip.formats.exact``): exact in any dtype."""
+        entry = {"kind": "xor", "shape": list(xor.shape), "dtype": dtype_name(dtype)}
+        self._add(name, entry, {"xor": xor})
+
+    def add_alias(self, name: str, of: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """A tensor equal to entry ``of`` (tied weights): no bytes stored."""
+        self.entries[name] = {"kind": "alias", "of": of, "shape": list(shape), "dtype": dtype_name(dtype),
+                              "stored_bytes": 0}
+
+    def stored_size(self, parts: dict[str, torch.Tensor]) -> int:
+        """Bytes ``parts`` would take in a container (after the lossless stage), without storing them:
+        used to pick the smallest of several exact encodings."""
+        parts = {k: v.detach().contiguous().cpu() for k, v in parts.items()}
+        return sum(t.numel() * t.element_size() for t in self._store({}, parts).values())
+
     def add_entry(self, name: str, entry: dict[str, Any], parts: dict[str, torch.Tensor]) -> None:
         """Re-add an entry read from another artifact (``pack``/``unpack``): ``entry`` is its manifest
         entry, ``parts`` its decoded parts. Storage fields are recomputed; the checksum must match."""
         entry = {k: v for k, v in entry.items() if k not in ("file", "parts", "checksum", "stored_bytes", "codec",
                                                               "lossless")}
-        if entry["kind"] == "same":
+        if entry["kind"] in ("same", "alias"):
             self.entries[name] = {**entry, "stored_bytes": 0}
             return
         self._add(name, entry, parts)
@@ -325,7 +369,7 @@ class Artifact:
         self._hf_checked = False
         self._keys: dict[str, dict[str, tuple[str, str]]] = {}
         for name, e in self.tensors.items():
-            if e["kind"] != "same":
+            if e["kind"] not in STORELESS:
                 for key, part in expected_keys(e, name).items():
                     self._keys.setdefault(e["file"], {})[key] = (name, part)
 
@@ -469,6 +513,8 @@ class Artifact:
         ev = self.entry(name)
         kind, dtype = ev.kind, ev.dtype
         dev = base.device if base is not None else self.device
+        if kind == "alias":
+            return self.reconstruct(ev.raw["of"], base)
         if kind == "full":
             return self.parts(name, dev)["data"]
         if kind == "packed" and not ev.raw["additive"]:
@@ -480,10 +526,14 @@ class Artifact:
                              f"{list(ev.shape)}: wrong base model?")
         if kind == "same":
             return base.to(dtype)
+        if kind == "xor":
+            return apply_xor(base.to(dtype), self.parts(name, dev)["xor"], dtype)
         if kind == "packed":
             delta = delta_weight(self.packed(name, dev))
         elif kind == "dense_delta":
             delta = self.parts(name, dev)["delta"].float()
+        elif kind == "rows":
+            delta = dequantize_rows(self.parts(name, dev), ev.shape, ev.raw["bits"], ev.raw["group_size"])
         else:
             raise ArtifactError(f"tensor {name!r} has unknown kind {kind!r}")
         return (base.float() + delta.to(base.device)).to(dtype)
@@ -574,6 +624,10 @@ def entry_problems(name: str, e: Any, files: dict[str, Any]) -> list[str]:
         out.append(f"tensor {name!r}: missing or invalid shape or dtype")
     elif not isinstance(getattr(torch, e["dtype"], None), torch.dtype):
         out.append(f"tensor {name!r}: unknown dtype {e['dtype']!r}")
+    if e["kind"] == "alias":
+        if not isinstance(e.get("of"), str) or e["of"] == name:
+            out.append(f"tensor {name!r}: alias entry without the name of another tensor in 'of'")
+        return out
     if e["kind"] != "same":
         if e.get("file") not in files:
             out.append(f"tensor {name!r}: container file {e.get('file')!r} is not listed in 'files'")
@@ -584,6 +638,10 @@ def entry_problems(name: str, e: Any, files: dict[str, Any]) -> list[str]:
         for key in ("bits", "group_size", "sparsity", "additive", "sym"):
             if key not in e:
                 out.append(f"tensor {name!r}: packed entry lacks {key!r}")
+    if e["kind"] == "rows":
+        for key in ("bits", "group_size"):
+            if not isinstance(e.get(key), int):
+                out.append(f"tensor {name!r}: rows entry lacks integer {key!r}")
     return out + _codec_problems(name, e)
 
 
@@ -596,7 +654,7 @@ def _codec_problems(name: str, e: dict[str, Any]) -> list[str]:
         return [f"tensor {name!r}: codec {codec!r} is unknown to this deltazip (it knows {', '.join(CODECS)}); "
                 "upgrade deltazip"]
     table = e.get("lossless")
-    if e["kind"] == "same" or not isinstance(table, dict) or not table:
+    if e["kind"] in STORELESS or not isinstance(table, dict) or not table:
         return [f"tensor {name!r}: codec {codec!r} without a 'lossless' table of its compressed parts"]
     out = []
     for part, meta in table.items():
@@ -644,8 +702,8 @@ def repack(src: str | Path, dst: str | Path | None = None, lossless: str = "gdef
     with ArtifactWriter(dst, overwrite=overwrite or same_dir, lossless=lossless, lossless_level=level) as w:
         for i, name in enumerate(names):
             e = art.tensors[name]
-            w.add_entry(name, e, art.parts(name) if e["kind"] != "same" else {})
-            if e["kind"] != "same" and w.entries[name]["checksum"] != e["checksum"]:
+            w.add_entry(name, e, art.parts(name) if e["kind"] not in STORELESS else {})
+            if e["kind"] not in STORELESS and w.entries[name]["checksum"] != e["checksum"]:
                 raise ArtifactError(f"{src / e['file']}: tensor {name!r} decodes to bytes whose checksum differs "
                                     "from the manifest; the artifact is corrupt (run `deltazip verify`)")
             if progress:

@@ -48,7 +48,11 @@ class Fingerprint:
         self._items: dict[str, str] = {}
 
     def add(self, name: str, dtype: str, shape: tuple[int, ...], data: memoryview | bytes) -> None:
-        self._items[name] = f"{dtype}|{','.join(map(str, shape))}|{xxhash.xxh3_128_hexdigest(data)}"
+        self.add_digest(name, dtype, shape, xxhash.xxh3_128_hexdigest(data))
+
+    def add_digest(self, name: str, dtype: str, shape: tuple[int, ...], hexdigest: str) -> None:
+        """``add`` with the tensor bytes' xxh3-128 hex digest computed by the caller (streamed)."""
+        self._items[name] = f"{dtype}|{','.join(map(str, shape))}|{hexdigest}"
 
     def hexdigest(self) -> str:
         h = xxhash.xxh3_128()

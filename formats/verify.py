@@ -34,6 +34,7 @@ from deltazip.formats import chunked
 from deltazip.formats.artifact import (
     MANIFEST,
     MANIFEST_SUM,
+    STORELESS,
     entry_problems,
     expected_keys,
     file_problem,
@@ -42,6 +43,8 @@ from deltazip.formats.artifact import (
 )
 from deltazip.formats.checksum import sha256_tensors
 from deltazip.formats.errors import DeltazipError
+from deltazip.formats.exact import int_view
+from deltazip.formats.rows import layout_problems as rows_layout_problems
 from deltazip.formats.safetensors_raw import read_table
 from deltazip.kernels.packed import PackedDelta, codes_per_word, packed_words
 from deltazip.kernels.reference import unpack_int32
@@ -141,7 +144,7 @@ class _Verifier:
     def check_tensors(self, tensors: dict[str, Any], broken: set[str]) -> None:
         by_file: dict[str, dict[str, tuple[str, str]]] = {}
         for name, e in tensors.items():
-            if name in broken or e["kind"] == "same":
+            if name in broken or e["kind"] in STORELESS:
                 continue
             for key, part in expected_keys(e, name).items():
                 by_file.setdefault(e["file"], {})[key] = (name, part)
@@ -172,6 +175,12 @@ class _Verifier:
             self.progress("checking tensors", i + 1, len(names))
 
     def check_tensor(self, name: str, e: dict[str, Any], tables: dict[str, dict], handles: dict[str, Any]) -> None:
+        if e["kind"] == "alias":
+            target = self.manifest["tensors"].get(e["of"])
+            if target is None or target["kind"] == "alias" or target["shape"] != e["shape"]:
+                self.bad(self.path / MANIFEST, f"tensor {name!r}: alias of {e['of']!r}, which is not a non-alias "
+                                               "entry of the same shape")
+            return
         if e["kind"] == "same":
             return
         fname = e["file"]
@@ -250,6 +259,17 @@ def layout_problems(e: dict[str, Any], parts: dict[str, torch.Tensor]) -> list[s
         if list(t.shape) != shape or str(t.dtype).removeprefix("torch.") != want:
             return [f"delta is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, the entry says {want} {shape}"]
         return []
+    if kind == "xor":
+        t = parts.get("xor")
+        if t is None:
+            return ["xor entry without an 'xor' part"]
+        width = torch.empty((), dtype=getattr(torch, e["dtype"])).element_size()
+        if list(t.shape) != shape or t.dtype != int_view(torch.empty(0, dtype=getattr(torch, e["dtype"]))).dtype:
+            return [f"xor is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, want the {width}-byte integer "
+                    f"type of {e['dtype']} and shape {shape}"]
+        return []
+    if kind == "rows":
+        return rows_layout_problems(e, parts)
     if kind != "packed":
         return []
     if len(shape) != 2 or not all(isinstance(s, int) for s in shape):

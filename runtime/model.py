@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from deltazip.compress.checkpoint import Checkpoint
-from deltazip.formats.artifact import MANIFEST, Artifact
+from deltazip.formats.artifact import MANIFEST, Artifact, needs_base
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.kernels.packed import PackedDelta
 from deltazip.runtime.dedup_registry import TensorDedupRegistry
@@ -508,8 +508,7 @@ class DeltaModel:
                 for mname, _ in targets:
                     host.modules.setdefault(mname, {}).update(packed=delta, additive=bool(e["additive"]))
                 continue
-            needs_base = e["kind"] == "dense_delta"
-            tensor = art.reconstruct(tname, self.base.get(tname) if needs_base else None)
+            tensor = art.reconstruct(tname, self.base.get(tname) if needs_base(e) else None)
             self._put_dense(host, targets, tally.share(_pin(tensor.to(self.dtype))))
 
     def _put_dense(self, host: HostDelta, targets: list[tuple[str, str]], tensor: torch.Tensor) -> None:

@@ -39,6 +39,8 @@ ARCH_CONFIGS = {
                 num_hidden_layers=2, max_position_embeddings=128, partial_rotary_factor=0.5),
     "gemma": dict(model_type="gemma", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128),
+    "opt": dict(model_type="opt", hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=2,
+                max_position_embeddings=128, word_embed_proj_dim=64),
 }
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.pipeline import compress_delta
-from deltazip.formats.artifact import MANIFEST, MANIFEST_SUM, Artifact, ArtifactWriter, repack
+from deltazip.formats.artifact import FORMAT_VERSION, MANIFEST, MANIFEST_SUM, Artifact, ArtifactWriter, repack
 from deltazip.formats.checksum import sha256_file
 from deltazip.formats.errors import ArtifactError, DeltazipError
 from deltazip.formats.packing import pack_int32
@@ -142,7 +142,7 @@ def test_manifest_lists_tensor_not_in_container_and_the_reverse(arts, tmp_path):
 
 def test_unknown_version_and_codec(arts, tmp_path):
     a = _copy(arts[2], tmp_path)
-    _rewrite_manifest(a, lambda m: m.update(format_version=2))
+    _rewrite_manifest(a, lambda m: m.update(format_version=FORMAT_VERSION + 1))
     r = verify_artifact(a)
     assert not r["ok"] and "newer than this deltazip" in r["problems"][0]
     with pytest.raises(ArtifactError, match="upgrade deltazip"):
