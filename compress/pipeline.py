@@ -346,7 +346,7 @@ def compress_delta(
     cfg: CompressConfig,
     overwrite: bool = False,
     progress: Progress | None = None,
-    lossless: str = "none",
+    lossless: str = "auto",
     lossless_level: int = DEFAULT_LEVEL,
 ) -> dict:
     """Compress a fine-tune against its base into an artifact at ``out_dir``.
@@ -358,7 +358,8 @@ def compress_delta(
         cfg: compression options.
         overwrite: replace an existing ``out_dir``.
         progress: optional ``progress(description, done, total)`` callback.
-        lossless: ``"none"`` or ``"gdeflate"``: store parts as chunked GDeflate containers where
+        lossless: ``"auto"`` (default: GDeflate where its library loads), ``"none"`` or
+            ``"gdeflate"``: store parts as chunked GDeflate containers where
             that pays (see formats/artifact.py); ``lossless_level`` is its level 0..12.
     Returns:
         A report dict (also stored in the manifest's ``stats``).

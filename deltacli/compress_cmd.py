@@ -38,8 +38,9 @@ def compress(
     batch_size: Annotated[int, typer.Option(help="Calibration windows per layer forward.")] = 8,
     calib_activations: Annotated[str, typer.Option(help="'reconstructed' (ΔCompress) or 'base' (ablation: "
                                                    "calibrate on the base model's own activations).")] = "reconstructed",
-    lossless: Annotated[str, typer.Option("--lossless", help="Lossless stage after packing: 'none' or 'gdeflate' "
-                                          "(chunked GDeflate, decodable by nvCOMP on a GPU).")] = "none",
+    lossless: Annotated[str, typer.Option("--lossless", help="Lossless stage after packing: 'auto' (GDeflate where "
+                                          "nvCOMP's CPU library loads, else none), 'gdeflate' (chunked, decodable by "
+                                          "nvCOMP on a GPU) or 'none'.")] = "auto",
     lossless_level: Annotated[int, typer.Option("--lossless-level", min=MIN_LEVEL, max=MAX_LEVEL,
                                                 help="GDeflate level (0 fastest .. 12 smallest).")] = DEFAULT_LEVEL,
     overwrite: OverwriteOpt = False,
