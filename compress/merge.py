@@ -14,6 +14,7 @@ from huggingface_hub import save_torch_state_dict
 from deltazip.compress.checkpoint import Checkpoint
 from deltazip.formats.artifact import Artifact, needs_base
 from deltazip.formats.errors import InputError
+from deltazip.formats.side_files import materialize_side_files
 
 
 def open_base(art: Artifact, base_spec: str | Path | None, check_fingerprint: bool = True) -> Checkpoint:
@@ -45,7 +46,8 @@ def merge_to_dir(art: Artifact, base: Checkpoint, out_dir: str | Path, overwrite
                  max_shard_size: str = "2GB", progress=None) -> Path:
     """Write ``base + delta`` as a standard HF checkpoint (config, tokenizer, sharded safetensors).
 
-    The write goes to a temporary sibling directory renamed into place at the end.
+    The side files come first (a base whose referenced side files differ fails before any tensor is
+    rebuilt). The write goes to a temporary sibling directory renamed into place at the end.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
@@ -53,13 +55,17 @@ def merge_to_dir(art: Artifact, base: Checkpoint, out_dir: str | Path, overwrite
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
     tmp.mkdir(parents=True)
     try:
+        if "side_files" in art.manifest:
+            # The fine-tune's config/tokenizer files: copied ones from hf/, referenced ones from the base (checked).
+            materialize_side_files(art, base.path, tmp)
+        else:  # an artifact that predates side_files: hf/ holds them all (without hf/, take the base's)
+            side = art.hf_dir()
+            src = side if side.is_dir() else base.path
+            for f in sorted(src.iterdir()):
+                if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+                    shutil.copyfile(f, tmp / f.name)
         sd = reconstruct_state_dict(art, base, progress)
         save_torch_state_dict(sd, tmp, max_shard_size=max_shard_size)
-        side = art.hf_dir()
-        src = side if side.is_dir() else base.path
-        for f in sorted(src.iterdir()):
-            if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
-                shutil.copyfile(f, tmp / f.name)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.rename(tmp, out_dir)

@@ -390,8 +390,8 @@ def compress_delta(
             batches = run.layer(i, batches)
             progress("compressing layers", i + 1, n_layers)
         run.compress_head(cal.input_ids if cfg.method != "rtn" else None, batches)
-        for f in ft.side_files():
-            writer.add_file(f, f.name)
+        for f in ft.side_files():  # byte-identical to the base's: kept by reference, not copied
+            writer.add_file(f, f.name, base_dir=base.path)
         elapsed = time.time() - t0
         stats = {"seconds": round(elapsed, 3), "peak_rss_mib": round(_peak_rss_mib(), 1),
                  "device": str(run.device), "compute_dtype": str(run.cdtype).removeprefix("torch."),

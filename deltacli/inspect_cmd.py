@@ -1,4 +1,5 @@
-"""``deltazip inspect``: lineage, config, sizes, ratio and per-layer error of an artifact."""
+"""``deltazip inspect``: lineage, config, sizes, bits per weight, ratios, side files and per-layer error of an
+artifact."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def inspect(
     base: Annotated[str | None, typer.Option("--base", help="Base model for --plot (default: the lineage's).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Show what an artifact holds: sizes by kind, compression ratio, per-layer error."""
+    """Show what an artifact holds: sizes and bits per weight by tensor kind, compression ratios against
+    the fine-tune's stored dtype, side files (copied vs referenced from the base), per-layer error."""
     from deltazip.formats.artifact import Artifact
     from deltazip.formats.report import summarize
 

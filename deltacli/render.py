@@ -16,17 +16,30 @@ def render_summary(s: dict, title: str) -> None:
     c.print(f"base: {lin.get('base')}   fine-tuned: {lin.get('finetuned')}")
     c.print(f"method: {cfg.get('method')}  bits: {cfg.get('bits')}  sparsity: {cfg.get('sparsity')}  "
             f"group: {cfg.get('group_size')}  {'sym' if cfg.get('sym') else 'asym'}")
-    t = Table(title="bytes by tensor kind")
-    for col in ("kind", "tensors", "original", "stored"):
+    ft_dtype = s.get("finetuned_dtype") or "?"
+    t = Table(title=f"bytes by tensor kind (ratio vs the {ft_dtype} fine-tune)")
+    for col in ("kind", "tensors", "weights", "original", "stored", "bits/weight", "ratio"):
         t.add_column(col, justify="right" if col != "kind" else "left")
     for kind, k in s["by_kind"].items():
-        t.add_row(kind, str(k["tensors"]), human_bytes(k["original_bytes"]), human_bytes(k["stored_bytes"]))
+        bpw, r = k.get("bits_per_weight"), k.get("ratio")
+        t.add_row(kind, str(k["tensors"]), f"{k.get('weights', 0):,}", human_bytes(k["original_bytes"]),
+                  human_bytes(k["stored_bytes"]), "-" if bpw is None else f"{bpw:.3f}",
+                  "-" if r is None else f"{r:.2f}x")
     c.print(t)
     ratio = s.get("ratio")
     lr = s.get("linear_ratio")
+    bpw = s.get("bits_per_weight")
+    mixed = [d for d in s.get("finetuned_dtypes", {}) if d != ft_dtype]
+    what = f"{ft_dtype} fine-tune" + (f" (also {', '.join(mixed)} tensors)" if mixed else "")
     c.print(f"fine-tuned checkpoint {human_bytes(s['finetuned_bytes'])} -> artifact "
-            f"{human_bytes(s['artifact_bytes'])}: ratio [bold]{ratio:.2f}x[/bold]"
+            f"{human_bytes(s['artifact_bytes'])}: ratio [bold]{ratio:.2f}x[/bold] vs {what}"
+            + (f", {bpw:.3f} bits per weight" if bpw else "")
             + (f", linear layers {lr:.2f}x" if lr else ""))
+    side = s.get("side_files")
+    if side:
+        cp, ref = side["copied"], side["referenced"]
+        c.print(f"side files: {cp['files']} copied ({human_bytes(cp['bytes'])}, in the artifact), "
+                f"{ref['files']} referenced from the base ({human_bytes(ref['bytes'])}, not stored)")
     layers = s.get("layers") or []
     if layers:
         lt = Table(title="per-layer error (calibration data)")

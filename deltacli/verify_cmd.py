@@ -12,25 +12,28 @@ from deltazip.deltacli.common import ArtifactArg, JsonOpt, out_console, print_js
 def verify(
     artifact: ArtifactArg,
     base: Annotated[str | None, typer.Option("--base", help="Also check that this base model (directory or hub "
-                                             "id) is the one the artifact was made against.")] = None,
+                                             "id) is the one the artifact was made against, and that it "
+                                             "holds the side files the artifact references.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Check manifest, checksums of every file and tensor, packing invariants, lossless chunks and
-    (with --base) the base fingerprint. Exit 0 when sound, 1 listing every problem."""
+    (with --base) the base fingerprint and the side files kept by reference to the base. Exit 0 when sound, 1 listing every problem."""
     from deltazip.formats.errors import DeltazipError
     from deltazip.formats.verify import verify_artifact
 
-    fingerprint, base_problems = None, []
+    fingerprint, base_dir, base_problems = None, None, []
     if base is not None:
         # compress/ computes the fingerprint; formats/ (below it) only compares it with the lineage.
         from deltazip.compress.checkpoint import Checkpoint
 
         try:
-            fingerprint = Checkpoint(base, "base").fingerprint()
+            ck = Checkpoint(base, "base")
+            base_dir = ck.path
+            fingerprint = ck.fingerprint()
         except DeltazipError as e:
             base_problems.append(f"{base}: cannot fingerprint the base model ({e})")
     with progress_bar(json_out) as report:
-        result = verify_artifact(artifact, fingerprint, progress=report)
+        result = verify_artifact(artifact, fingerprint, progress=report, base_dir=base_dir)
     result["problems"] += base_problems
     result["ok"] = not result["problems"]
     result["base"] = base
@@ -43,7 +46,8 @@ def verify(
             out_console.print(f"problem: {p}", markup=False, highlight=False, soft_wrap=True)
         c = result["checked"]
         what = (f"{c['files']} files, {c['containers']} containers, {c['tensors']} tensors "
-                f"({c['lossless_parts']} lossless parts, {c['chunks']} chunks)")
+                f"({c['lossless_parts']} lossless parts, {c['chunks']} chunks)"
+                + (f", {c['side_files_referenced']} side files in the base" if c.get("side_files_referenced") else ""))
         if result["ok"]:
             out_console.print(f"{artifact}: sound ({what} checked"
                               + (", base fingerprint matches" if base else "") + ")",

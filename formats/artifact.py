@@ -50,6 +50,14 @@ from deltazip.formats.checksum import sha256_file, sha256_tensors
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.formats.exact import apply_xor
 from deltazip.formats.rows import dequantize_rows
+from deltazip.formats.side_files import (
+    SIDE_DIR,
+    plain_name,
+    side_file_dir,
+    side_file_problems,
+    side_file_record,
+    side_file_table,
+)
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
 
@@ -183,6 +191,7 @@ class ArtifactWriter:
         self._pending_bytes = 0
         self._shards = 0
         self._done = False
+        self.side_files: dict[str, dict[str, Any]] = {}  # name -> sha256, bytes, source (docs/format.md)
 
     # -- adding tensors -------------------------------------------------------------------------
     def add_packed(self, name: str, delta: PackedDelta, dtype: torch.dtype, additive: bool, sym: bool) -> None:
@@ -197,11 +206,37 @@ class ArtifactWriter:
         }
         self._add(name, entry, {k: v for k, v in parts.items() if v is not None})
 
-    def add_file(self, src: str | Path, arcname: str) -> None:
-        """Copy a small side file (config, tokenizer) into the artifact under ``hf/``."""
-        dst = self.tmp / "hf" / arcname
+    def add_file(self, src: str | Path, arcname: str, base_dir: str | Path | None = None) -> None:
+        """Keep a small side file (config, tokenizer) with the artifact.
+
+        Args:
+            src: the fine-tune's file.
+            arcname: its name among the side files (relative POSIX path).
+            base_dir: the base model's directory. When it holds a file ``arcname`` byte-identical to
+                ``src``, nothing is copied: the manifest's ``side_files`` records the file as
+                ``source: "base"`` and readers take it from the base (checked). Otherwise (or
+                without ``base_dir``) the file is copied under ``hf/`` (``source: "artifact"``).
+        """
+        if not plain_name(arcname):
+            raise ValueError(f"side file name {arcname!r} is not a relative path")
+        if arcname in self.side_files:
+            raise ValueError(f"side file {arcname} added twice")
+        data = Path(src).read_bytes()
+        ref = Path(base_dir) / arcname if base_dir is not None else None
+        if ref is not None and ref.is_file() and ref.stat().st_size == len(data) and ref.read_bytes() == data:
+            self.side_files[arcname] = side_file_record(data, "base")
+            return
+        dst = self.tmp / SIDE_DIR / arcname
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, dst)
+        dst.write_bytes(data)
+        self.side_files[arcname] = side_file_record(data, "artifact")
+
+    def add_file_reference(self, arcname: str, info: dict[str, Any]) -> None:
+        """Record a side file kept by reference to the base (``info``: its ``side_files`` entry from
+        another artifact, for ``pack``/``unpack``)."""
+        if not plain_name(arcname) or arcname in self.side_files:
+            raise ValueError(f"side file {arcname!r} is not a relative path or was added twice")
+        self.side_files[arcname] = {"sha256": info["sha256"], "bytes": info["bytes"], "source": "base"}
 
     def add_same(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """A tensor bit-identical to the base's: no bytes stored."""
@@ -312,6 +347,7 @@ class ArtifactWriter:
             "tool_version": tool_version(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **fields,
+            **({"side_files": dict(sorted(self.side_files.items()))} if self.side_files else {}),
             "files": files,
             "tensors": self.entries,
         }
@@ -415,12 +451,13 @@ class Artifact:
         return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
 
     def hf_dir(self) -> Path:
-        """Folder of the fine-tuned model's config and tokenizer files kept with the artifact.
+        """Folder of the fine-tuned model's config and tokenizer files copied into the artifact.
 
-        With ``check_tensors``, the first call checks every listed side file's size and sha256 and
-        that no unlisted file sits there.
+        Side files kept by reference to the base are not there: readers that need every side file
+        use :meth:`side_file_dir`. With ``check_tensors``, the first call checks every listed side
+        file's size and sha256 and that no unlisted file sits there.
         """
-        d = self.path / "hf"
+        d = self.path / SIDE_DIR
         if self.check_tensors and not self._hf_checked:
             files = self.manifest["files"]
             for rel, info in files.items():
@@ -434,6 +471,21 @@ class Artifact:
                         raise ArtifactError(f"{p}: file not listed in the manifest; the artifact was altered")
             self._hf_checked = True
         return d
+
+    @property
+    def side_files(self) -> dict[str, dict[str, Any]]:
+        """Every side file: name -> ``sha256``, ``bytes``, ``source`` (``"artifact"``: copied under
+        ``hf/``; ``"base"``: kept by reference to the base model's file of that name)."""
+        return side_file_table(self.manifest)
+
+    def side_file_dir(self, base_dir: str | Path | None) -> Path:
+        """A directory holding every side file (``hf/`` itself when nothing is referenced); the
+        referenced ones come from ``base_dir``, checked (``deltazip.formats.side_files``).
+
+        Raises:
+            InputError: a referenced file is missing from ``base_dir`` or differs (pass the right --base).
+        """
+        return side_file_dir(self, base_dir)
 
     # -- tensor access --------------------------------------------------------------------------
     def _handle(self, fname: str):
@@ -612,7 +664,7 @@ def manifest_problems(m: Any) -> list[str]:
         return out
     for name, e in m["tensors"].items():
         out += entry_problems(name, e, m["files"])
-    return out
+    return out + side_file_problems(m)
 
 
 def header_problems(m: Any) -> list[str]:
@@ -730,9 +782,12 @@ def repack(src: str | Path, dst: str | Path | None = None, lossless: str = "gdef
         if hf.is_dir():
             for f in sorted(p for p in hf.rglob("*") if p.is_file()):
                 w.add_file(f, f.relative_to(hf).as_posix())
+        for name, info in art.side_files.items():
+            if info["source"] == "base":  # stays a reference: the base is not needed to repack
+                w.add_file_reference(name, info)
         n_lossless = sum(len(e.get("lossless") or {}) for e in w.entries.values())
         fields = {k: v for k, v in art.manifest.items()
-                  if k not in ("format", "format_version", "tool_version", "created", "files", "tensors")}
+                  if k not in ("format", "format_version", "tool_version", "created", "files", "tensors", "side_files")}
         out = w.finalize(**fields)
     return {**report, "bytes_after": Artifact(out).nbytes(), "lossless_parts": n_lossless,
             "seconds": round(time.time() - t0, 3), "changed": True}

@@ -17,22 +17,46 @@ def summarize(art: Artifact) -> dict:
     """Sizes by tensor kind, compression ratios and per-layer error of an artifact.
 
     ``ratio`` = bytes of the fine-tuned checkpoint in its stored dtype / bytes of the artifact
-    directory (every file). ``linear_ratio`` = bytes of the compressed linears in the fine-tuned
-    dtype / their stored bytes.
+    directory (every file); ``finetuned_dtype`` names that dtype (the one holding most of the
+    weights; ``finetuned_dtypes`` has the bytes of each when they are mixed). ``bits_per_weight`` =
+    artifact bytes × 8 / weights of the fine-tune. ``linear_ratio`` = bytes of the compressed linears
+    in the fine-tuned dtype / their stored bytes.
+
+    ``by_kind[kind]`` (every kind the manifest holds, whatever it is): ``tensors``, ``weights``
+    (elements), ``original_bytes`` (in the fine-tune's stored dtype), ``stored_bytes``,
+    ``bits_per_weight`` (stored bytes × 8 / weights) and ``ratio`` (original / stored bytes; None
+    when nothing is stored). ``side_files``: the config/tokenizer files, ``copied`` into the
+    artifact (counted in ``artifact_bytes``) and ``referenced`` from the base (not stored), each
+    ``{"files", "bytes"}``.
     """
-    by_kind: dict[str, dict[str, int]] = {}
+    by_kind: dict[str, dict] = {}
+    dtypes: dict[str, dict[str, int]] = {}
     lin_orig = lin_stored = 0
     for e in art.tensors.values():
-        k = by_kind.setdefault(e["kind"], {"tensors": 0, "stored_bytes": 0, "original_bytes": 0})
-        orig = _numel(e["shape"]) * torch.empty((), dtype=parse_dtype(e["dtype"])).element_size()
+        k = by_kind.setdefault(e["kind"], {"tensors": 0, "weights": 0, "stored_bytes": 0, "original_bytes": 0})
+        n = _numel(e["shape"])
+        orig = n * torch.empty((), dtype=parse_dtype(e["dtype"])).element_size()
         k["tensors"] += 1
+        k["weights"] += n
         k["stored_bytes"] += e.get("stored_bytes", 0)
         k["original_bytes"] += orig
+        d = dtypes.setdefault(e["dtype"], {"weights": 0, "bytes": 0})
+        d["weights"] += n
+        d["bytes"] += orig
         if e["kind"] == "packed":
             lin_orig += orig
             lin_stored += e["stored_bytes"]
+    for k in by_kind.values():
+        k["bits_per_weight"] = k["stored_bytes"] * 8 / k["weights"] if k["weights"] else None
+        k["ratio"] = k["original_bytes"] / k["stored_bytes"] if k["stored_bytes"] else None
+    weights = sum(k["weights"] for k in by_kind.values())
     art_bytes = art.nbytes()
     ft_bytes = art.lineage.get("finetuned_bytes") or sum(k["original_bytes"] for k in by_kind.values())
+    side: dict[str, dict[str, int]] = {"copied": {"files": 0, "bytes": 0}, "referenced": {"files": 0, "bytes": 0}}
+    for info in art.side_files.values():
+        bucket = side["referenced" if info["source"] == "base" else "copied"]
+        bucket["files"] += 1
+        bucket["bytes"] += info.get("bytes") or 0
     layers = art.manifest.get("layers") or []
     per_layer = []
     for L in layers:
@@ -49,10 +73,14 @@ def summarize(art: Artifact) -> dict:
         "config": art.config,
         "calibration": art.manifest.get("calibration"),
         "finetuned_bytes": ft_bytes,
+        "finetuned_dtype": max(dtypes, key=lambda d: dtypes[d]["weights"]) if dtypes else None,
+        "finetuned_dtypes": {d: v["bytes"] for d, v in sorted(dtypes.items(), key=lambda kv: -kv[1]["bytes"])},
         "artifact_bytes": art_bytes,
         "ratio": ft_bytes / art_bytes if art_bytes else None,
+        "bits_per_weight": art_bytes * 8 / weights if weights else None,
         "linear_ratio": lin_orig / lin_stored if lin_stored else None,
         "by_kind": by_kind,
+        "side_files": side,
         "layers": per_layer,
         "stats": art.manifest.get("stats", {}),
     }

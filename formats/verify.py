@@ -14,6 +14,9 @@ Checks, in order (a later check is skipped only where an earlier failure makes i
    bits zero; under 2:4 the two kept positions of every group distinct and ascending; zero points
    within ``[0, 2**bits)``; finite scales).
 5. With a base fingerprint (the CLI computes it from ``--base``): it equals ``lineage.base_fingerprint``.
+6. Side files: ``side_files`` is sound and agrees with ``files``; with a base directory, every side
+   file kept by reference is there with the recorded size and sha256 (without one, a warning says
+   that they were not checked).
 
 This module reads the files itself instead of going through ``Artifact`` so that one problem does
 not hide the next.
@@ -46,6 +49,7 @@ from deltazip.formats.errors import DeltazipError
 from deltazip.formats.exact import int_view
 from deltazip.formats.rows import layout_problems as rows_layout_problems
 from deltazip.formats.safetensors_raw import read_table
+from deltazip.formats.side_files import base_copy_problem, side_file_problems, side_file_table
 from deltazip.kernels.packed import PackedDelta, codes_per_word, packed_words
 from deltazip.kernels.reference import unpack_int32
 
@@ -53,7 +57,7 @@ Progress = Callable[[str, int, int], None]
 
 
 def verify_artifact(path: str | Path, base_fingerprint: str | None = None,
-                    progress: Progress | None = None) -> dict[str, Any]:
+                    progress: Progress | None = None, base_dir: str | Path | None = None) -> dict[str, Any]:
     """Run every check and collect every problem.
 
     Args:
@@ -61,13 +65,15 @@ def verify_artifact(path: str | Path, base_fingerprint: str | None = None,
         base_fingerprint: ``"xxh3-128:<hex>"`` of the base model to check the lineage against
             (``deltazip.compress.checkpoint.Checkpoint(base).fingerprint()``), or None to skip.
         progress: optional ``progress(description, done, total)`` callback.
+        base_dir: the base model directory, to check the side files kept by reference to it; None
+            to skip (a warning then names them).
     Returns:
         ``{"artifact", "ok", "problems": [str], "warnings": [str], "checked": {...}}``; ``ok`` is
         True when ``problems`` is empty. Each problem is one line naming the file and tensor.
     """
     path = Path(path)
     v = _Verifier(path, progress or (lambda *a: None))
-    v.run(base_fingerprint)
+    v.run(base_fingerprint, None if base_dir is None else Path(base_dir))
     return {"artifact": str(path), "ok": not v.problems, "problems": v.problems, "warnings": v.warnings,
             "checked": v.checked}
 
@@ -77,13 +83,14 @@ class _Verifier:
         self.path, self.progress = path, progress
         self.problems: list[str] = []
         self.warnings: list[str] = []
-        self.checked = {"files": 0, "containers": 0, "tensors": 0, "parts": 0, "lossless_parts": 0, "chunks": 0}
+        self.checked = {"files": 0, "containers": 0, "tensors": 0, "parts": 0, "lossless_parts": 0, "chunks": 0,
+                        "side_files_referenced": 0}
 
     def bad(self, where: str | Path, msg: str) -> None:
         self.problems.append(f"{where}: {msg}")
 
     # -- 1. manifest --------------------------------------------------------------------------------
-    def run(self, base_fingerprint: str | None) -> None:
+    def run(self, base_fingerprint: str | None, base_dir: Path | None = None) -> None:
         path = self.path
         if not path.is_dir():
             self.bad(path, "no such artifact directory")
@@ -117,8 +124,11 @@ class _Verifier:
                 self.bad(mpath, p)
             if problems:
                 broken.add(name)
+        for p in side_file_problems(m):
+            self.bad(mpath, p)
         self.check_files(m["files"])
         self.check_tensors(m["tensors"], broken)
+        self.check_side_references(m, base_dir)
         if base_fingerprint is not None:
             want = m["lineage"].get("base_fingerprint")
             if not want:
@@ -139,6 +149,28 @@ class _Verifier:
             rel = p.relative_to(self.path).as_posix()
             if p.is_file() and rel not in files and rel not in (MANIFEST, MANIFEST_SUM):
                 self.bad(p, "file not listed in the manifest")
+
+    # -- 6. side files kept by reference to the base ------------------------------------------------
+    def check_side_references(self, m: dict[str, Any], base_dir: Path | None) -> None:
+        if not isinstance(m.get("side_files"), dict):
+            return  # absent (older artifact) or reported by side_file_problems
+        refs = {n: i for n, i in side_file_table(m).items() if isinstance(i, dict) and i.get("source") == "base"}
+        if not refs:
+            return
+        if base_dir is None:
+            self.warnings.append(f"{self.path}: side files {', '.join(sorted(refs))} are kept by reference to the base "
+                                 "model and were not checked; pass --base to check them")
+            return
+        for name, info in sorted(refs.items()):
+            p = base_dir / name
+            try:
+                problem = base_copy_problem(info, p.read_bytes() if p.is_file() else None)
+            except (KeyError, TypeError):
+                continue  # malformed entry: reported by side_file_problems
+            if problem:
+                self.bad(p, f"side file {name} is kept by reference to the base, and this base's copy {problem}; "
+                            "pass the right --base")
+            self.checked["side_files_referenced"] += 1
 
     # -- 3./4. containers and tensors ---------------------------------------------------------------
     def check_tensors(self, tensors: dict[str, Any], broken: set[str]) -> None:

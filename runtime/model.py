@@ -80,15 +80,28 @@ class VariantInfo:
     same_as_base_bytes: int = 0  # full checkpoints: bytes (served dtype) of tensors equal to the base's
     fingerprints: dict[str, Any] = field(default_factory=dict, repr=False)
 
-    @property
-    def hf_dir(self) -> Path:
-        """Where the variant's config/tokenizer/generation files live (an artifact keeps them in hf/)."""
-        return self.path / "hf" if self.kind == "artifact" else self.path
+    _side_dirs: dict[Path, Path] = field(default_factory=dict, repr=False, compare=False)
+
+    def side_dir(self, base_dir: Path) -> Path:
+        """Where the variant's config/tokenizer/generation files live: for an artifact, every side file
+        (those it copied into hf/ and those it keeps by reference to ``base_dir``, checked; see
+        ``Artifact.side_file_dir``); for other kinds, the variant's own directory.
+
+        Raises:
+            InputError: a side file the artifact references differs in ``base_dir`` (wrong base).
+        """
+        if self.kind != "artifact":
+            return self.path
+        key = Path(base_dir).resolve()
+        if key not in self._side_dirs:
+            self._side_dirs[key] = Artifact(self.path).side_file_dir(base_dir)
+        return self._side_dirs[key]
 
     def tokenizer_dir(self, base_dir: Path) -> Path:
-        """The artifact's own tokenizer files when it kept them, else the base's."""
-        if any((self.hf_dir / f).is_file() for f in _TOKENIZER_FILES):
-            return self.hf_dir
+        """The variant's own tokenizer files when it has them, else the base's."""
+        side = self.side_dir(base_dir)
+        if any((side / f).is_file() for f in _TOKENIZER_FILES):
+            return side
         return base_dir
 
 

@@ -180,7 +180,7 @@ def _served_entry(tokenizers, v: VariantInfo, base_path: Path, model_config, bas
     if len(dec) > vocab:
         raise InputError(f"variant {v.name}: its tokenizer has {len(dec)} tokens but the base model only "
                          f"{vocab} embeddings")
-    return ServedVariant(v.name, dec, eos_token_ids(v.hf_dir, dec, model_config), base_name, enc)
+    return ServedVariant(v.name, dec, eos_token_ids(v.side_dir(base_path), dec, model_config), base_name, enc)
 
 
 def _variant_costs(v: VariantInfo, backend, seen: dict) -> dict[str, Any]:

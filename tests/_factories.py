@@ -98,3 +98,12 @@ def calib_file(tmp: Path, n: int = 64, seed: int = 0) -> Path:
         for _ in range(n):
             f.write(json.dumps({"text": " ".join(rnd.choice(words) for _ in range(rnd.randint(6, 14)))}) + "\n")
     return p
+
+
+def edit_json(path: Path, **updates) -> Path:
+    """Rewrite a JSON side file (e.g. a fine-tune's config.json) with some keys set: a side file that
+    is no longer byte-identical to the base's."""
+    data = json.loads(path.read_text())
+    data.update(updates)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 from _cli import run_cli
-from _factories import calib_file, make_pair
+from _factories import calib_file, edit_json, make_pair
 from safetensors.torch import load_file
 
 from deltazip.deltacli.app import main
@@ -22,6 +22,7 @@ def made(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vp")
     # Wide enough that the lossless stage pays for some parts (tiny parts are stored raw).
     base, ft = make_pair(tmp, hidden_size=128, intermediate_size=256)
+    edit_json(ft / "config.json", finetuning_task="tiny")  # stored in hf/; the tokenizer is referenced
     art = tmp / "art"
     mp = pytest.MonkeyPatch()
     mp.setattr(sys, "argv", ["deltazip", "compress", "--base", str(base), "--finetuned", str(ft), "--calib",

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from _factories import calib_file, make_pair
+from _factories import calib_file, edit_json, make_pair
 from safetensors.torch import load_file, save_file
 
 from deltazip.compress.checkpoint import Checkpoint
@@ -27,6 +27,7 @@ def arts(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verify")
     # Wide enough that the lossless stage pays for some parts (tiny parts are stored raw).
     base, ft = make_pair(tmp, hidden_size=128, intermediate_size=256)
+    edit_json(ft / "config.json", finetuning_task="tiny")  # stored in hf/; the tokenizer is referenced
     cfg = CompressConfig(bits=2, group_size=32, nsamples=8, seqlen=32)
     plain, packed = tmp / "plain", tmp / "packed"
     compress_delta(base, ft, calib_file(tmp), plain, cfg, lossless="none")
