@@ -60,7 +60,7 @@ def test_inspect_json_bits_per_weight_and_ratios(capsys, monkeypatch, made):
     assert code == 0, err
     doc = json.loads(out)
     m, kinds = _by_hand(art)
-    assert {"packed", "dense_delta", "same"} <= set(kinds) and set(doc["by_kind"]) == set(kinds)
+    assert {"packed", "rows", "same"} <= set(kinds) and set(doc["by_kind"]) == set(kinds)
     for kind, k in kinds.items():
         got = doc["by_kind"][kind]
         assert got["tensors"] == k["tensors"] and got["weights"] == k["weights"]
