@@ -5,6 +5,10 @@ group of linears, accumulate the Hessian of their input on the calibration activ
 ``Δ = W_ft - W_base`` with the OBS solver and put ``W_base + Q⊙M`` back into the layer, so that later
 groups and the next layer see the reconstructed fine-tuned model; then run the layer to produce the
 next layer's inputs. Non-linear tensors are stored as "same", a dense delta, or in full.
+
+Linears are ``nn.Linear``, GPT-2's ``Conv1D`` (stored ``[in, out]``, solved transposed) and
+mixture-of-experts weights, whose every expert is solved with the Hessian of the tokens routed to it
+(compress/experts.py); checkpoint names are mapped to the layer's parameters by compress/layer_map.py.
 """
 
 from __future__ import annotations
@@ -19,20 +23,20 @@ import torch
 from deltazip.compress.calibration import load_calibration
 from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
+from deltazip.compress.experts import Hessians, collect_hessians, solve_target
+from deltazip.compress.layer_map import LayerMap, Target, map_layer
 from deltazip.compress.model_walk import (
     Catcher,
     StopForward,
     decoder_layers,
     empty_model,
-    layer_linears,
     sequential_groups,
     set_param,
 )
-from deltazip.compress.obs import SolveResult, obs_compress, output_error, rtn_compress
+from deltazip.compress.obs import SolveResult, obs_compress, rtn_compress
 from deltazip.formats.artifact import Artifact, ArtifactWriter
 from deltazip.formats.errors import InputError
 from deltazip.formats.gdeflate import DEFAULT_LEVEL
-from deltazip.formats.packing import pack_delta
 
 Progress = Callable[[str, int, int], None]
 
@@ -88,21 +92,20 @@ def record_other(writer: ArtifactWriter, name: str, b: torch.Tensor, f: torch.Te
     return f
 
 
-def _linear_names(model, lname: str, layers) -> list[dict[str, str]]:
-    """Per layer: checkpoint weight name -> linear module name (relative to the layer)."""
-    out = []
+def _layer_maps(model, lname: str, layers, ft: Checkpoint) -> list[LayerMap]:
+    """Per layer: its checkpoint tensors mapped to its parameters, and the linears among them."""
+    maps = []
     for i, layer in enumerate(layers):
-        out.append({f"{lname}.{i}.{ln}.weight": ln for ln in layer_linears(layer)})
-    return out
+        m = map_layer(model, f"{lname}.{i}.", layer, ft.names, ft.shape)
+        m.check_sites_covered()
+        maps.append(m)
+    return maps
 
 
-def _check_shapes(ft: Checkpoint, linears: list[dict[str, str]], cfg: CompressConfig) -> None:
-    for per_layer in linears:
-        for n in per_layer:
-            if n not in ft.table:
-                raise InputError(f"tensor {n} of the model class is not in the checkpoint; the checkpoint's "
-                                 f"tensor names do not follow transformers' layout")
-            in_f = ft.shape(n)[1]
+def _check_shapes(maps: list[LayerMap], cfg: CompressConfig) -> None:
+    for m in maps:
+        for n, t in m.targets.items():
+            in_f = t.in_features
             if cfg.sparse24 and in_f % 4:
                 raise InputError(f"tensor {n} has {in_f} input features, not divisible by 4: use --sparsity none")
             if cfg.group_size != -1 and in_f % cfg.group_size:
@@ -131,8 +134,8 @@ class _Run:
         self.cdtype = cfg.compute_dtype(self.device, ft.dtype(first))
         self.model = empty_model(ft.path, self.cdtype)
         self.lname, self.layers = decoder_layers(self.model)
-        self.linears = _linear_names(self.model, self.lname, self.layers)
-        _check_shapes(ft, self.linears, cfg)
+        self.maps = _layer_maps(self.model, self.lname, self.layers, ft)
+        _check_shapes(self.maps, cfg)
         self.other_stats = {"same": 0, "dense_delta": 0, "full": 0, "dense_delta_max_abs_err": 0.0}
         self.layer_stats: list[dict] = []
         self.base_view = cfg.calib_activations == "base"
@@ -176,34 +179,23 @@ class _Run:
         out = layer(h, *args, **kw)
         return out[0] if isinstance(out, tuple) else out
 
-    def hessians(self, layer, group: list[str], batches) -> dict[str, torch.Tensor]:
-        """``H = 2 XᵀX / n`` (fp32) of each linear's input over all calibration tokens."""
-        mods = layer_linears(layer)
-        sums = {ln: torch.zeros(mods[ln].in_features, mods[ln].in_features, device=self.device) for ln in group}
-        counts = dict.fromkeys(group, 0)
+    def hessians(self, layer, sites, group: list[str], batches) -> Hessians:
+        """``H = 2 XᵀX / n`` (fp32) of each site's input over all calibration tokens (per expert:
+        over the tokens routed to it)."""
 
-        def hook(ln):
-            def fn(_m, args):
-                x = args[0].reshape(-1, args[0].shape[-1]).float()
-                sums[ln].addmm_(x.t(), x)
-                counts[ln] += x.shape[0]
-            return fn
-
-        handles = [mods[ln].register_forward_pre_hook(hook(ln)) for ln in group]
-        try:
+        def run():
             with torch.no_grad():
                 for h, kw in batches:
                     self.run_layer(layer, h, kw)
-        finally:
-            for hd in handles:
-                hd.remove()
-        return {ln: 2 * sums[ln] / max(counts[ln], 1) for ln in group}
+
+        return collect_hessians(layer, sites, group, run)
 
     # -- one layer ------------------------------------------------------------------------------
     def layer(self, i: int, batches) -> list[tuple[torch.Tensor, dict]]:
         """Compress layer ``i``; returns the next layer's inputs (unchanged list when uncalibrated)."""
         cfg, prefix, layer = self.cfg, self.layer_prefix(i), self.layers[i]
-        lin = self.linears[i]
+        lmap = self.maps[i]
+        lin = lmap.targets
         calibrated = cfg.method != "rtn"
         names = [n for n in self.ft.names if n.startswith(prefix)]
         for n in names:
@@ -212,26 +204,26 @@ class _Run:
             b, f = self.base.get(n), self.ft.get(n)
             rec = record_other(self.writer, n, b, f, self.other_stats)
             if calibrated:
-                set_param(layer, n[len(prefix):], (b if self.base_view else rec).to(self.cdtype), self.device)
+                lmap.put(layer, n, b if self.base_view else rec, self.cdtype, self.device)
         stats = {"index": i, "tensors": {}}
         if not calibrated:
-            for n in lin:
-                self._compress_linear(n, None, stats)
+            for t in lin.values():
+                self._compress_linear(t, None, stats)
             self.layer_stats.append(stats)
             return batches
-        for n, ln in lin.items():
-            w = self.base.get(n) if self.base_view else self.ft.get(n)
-            set_param(layer, f"{ln}.weight", w.to(self.cdtype), self.device)
+        for n in lin:
+            lmap.put(layer, n, self.base.get(n) if self.base_view else self.ft.get(n), self.cdtype, self.device)
+        lmap.finish()
         with torch.no_grad():
             ys_ft = [self.run_layer(layer, h, kw) for h, kw in batches]
-        groups = sequential_groups(layer, lambda: self.run_layer(layer, *batches[0]))
+        groups = sequential_groups(layer, lambda: self.run_layer(layer, *batches[0]), lmap.sites)
         for group in groups:
-            H = self.hessians(layer, group, batches)
-            for ln in group:
-                n = f"{prefix}{ln}.weight"
-                rec = self._compress_linear(n, H[ln], stats)
+            hs = self.hessians(layer, lmap.sites, group, batches)
+            for t in lmap.targets_of(group):
+                rec = self._compress_linear(t, hs, stats)
                 if not self.base_view:
-                    set_param(layer, f"{ln}.weight", rec.to(self.cdtype), self.device)
+                    lmap.store(layer, t, rec.to(self.cdtype))
+            del hs
         with torch.no_grad():
             outs = [(self.run_layer(layer, h, kw), kw) for h, kw in batches]
         num = sum(float((y - yf).float().pow(2).sum()) for (y, _), yf in zip(outs, ys_ft))
@@ -244,22 +236,20 @@ class _Run:
         self.layer_stats.append(stats)
         return outs
 
-    def _compress_linear(self, n: str, H: torch.Tensor | None, stats: dict) -> torch.Tensor:
-        cfg = self.cfg
+    def _compress_linear(self, t: Target, hs: Hessians | None, stats: dict) -> torch.Tensor:
+        """Compress one linear / expert tensor; returns its reconstruction in the checkpoint's shape."""
+        cfg, n = self.cfg, t.name
         wf = self.ft.get(n).float().to(self.device)
         wb = self.base.get(n).float().to(self.device)
         target = wf - wb if cfg.additive else wf
-        res = _solve(target, H, cfg)
-        packed = pack_delta(res.codes.cpu(), res.scales.cpu(), None if cfg.sym else res.zeros.cpu(),
-                            None if res.mask is None else res.mask.cpu(), cfg.bits, cfg.group_size)
-        self.writer.add_packed(n, packed, self.ft.dtype(n), additive=cfg.additive, sym=cfg.sym)
+        res = solve_target(t, target, hs, lambda m, H: _solve(m, H, cfg), cfg.bits, cfg.group_size, cfg.sym)
+        self.writer.add_packed(n, res.packed, self.ft.dtype(n), additive=cfg.additive, sym=cfg.sym,
+                               transposed=t.transposed, experts=t.experts)
         rec = wb + res.values if cfg.additive else res.values
         err = target - res.values
-        t = {"rel_weight_err": float(err.norm() / target.norm()) if float(target.norm()) else 0.0,
-             "delta_rel_norm": float((wf - wb).norm() / wb.norm()) if float(wb.norm()) else 0.0, **res.stats}
-        if H is not None:
-            t["rel_out_err"] = output_error(err, target, H)
-        stats["tensors"][n] = t
+        st = {"rel_weight_err": float(err.norm() / target.norm()) if float(target.norm()) else 0.0,
+              "delta_rel_norm": float((wf - wb).norm() / wb.norm()) if float(wb.norm()) else 0.0, **res.stats}
+        stats["tensors"][n] = st
         return rec
 
 
