@@ -94,12 +94,29 @@ def is_experts_module(mod: nn.Module) -> bool:
             and any(p.dim() == 3 and p.shape[0] == n for p in mod.parameters(recurse=False)))
 
 
+def _num_experts(mod: nn.Module | None) -> int:
+    """E of a mixture-of-experts block's ``experts`` child (a ModuleList or a fused experts module)."""
+    experts = getattr(mod, "experts", None)
+    if isinstance(experts, nn.ModuleList):
+        return len(experts)
+    return getattr(experts, "num_experts", 0) if isinstance(experts, nn.Module) and is_experts_module(experts) else 0
+
+
+def is_router(layer: nn.Module, name: str, m: nn.Module) -> bool:
+    """An ``nn.Linear`` router: its ``out_features`` is the E of a sibling ``experts``. Routers are stored
+    exactly, not compressed (their top-k is discrete and they are E x H values), as transformers 5's
+    own router modules, which are not ``nn.Linear``, are."""
+    parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+    return isinstance(m, nn.Linear) and parent is not m and m.out_features == _num_experts(parent) > 0
+
+
 def layer_sites(layer: nn.Module) -> dict[str, Site]:
     """Compressible weights of one layer by site key (see ``Site``), in module order."""
     sites: dict[str, Site] = {}
     for name, m in layer.named_modules():
         if isinstance(m, nn.Linear):
-            sites[name] = Site(name, "linear", f"{name}.weight")
+            if not is_router(layer, name, m):
+                sites[name] = Site(name, "linear", f"{name}.weight")
         elif Conv1D is not None and isinstance(m, Conv1D):
             sites[name] = Site(name, "conv1d", f"{name}.weight")
         elif is_experts_module(m):
