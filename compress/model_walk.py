@@ -143,18 +143,25 @@ def sequential_groups(layer: nn.Module, run, sites: dict[str, Site] | None = Non
 
     Args:
         layer: decoder layer with real weights.
-        run: callable that runs the layer forward once on some input.
+        run: callable that runs the layer forward once on some input, or a sequence of such callables
+            (one per calibration batch): later ones run only while some site has not been called yet
+            (an expert no token of the first batch was routed to).
         sites: the layer's sites (default ``layer_sites(layer)``).
     """
-    from deltazip.compress.experts import ExpertTap
+    from deltazip.compress.experts import tap_experts
 
+    runs = [run] if callable(run) else list(run)
     sites = layer_sites(layer) if sites is None else sites
     linears = {k: layer.get_submodule(k) for k, s in sites.items() if s.kind != "experts"}
     fused = {k: layer.get_parameter(s.param) for k, s in sites.items() if s.kind == "experts"}
     seen: list[tuple[torch.Tensor | None, list[str]]] = []
+    done: set[str] = set()
 
     def hook(name):
         def fn(_mod, args):
+            if name in done:  # a site is placed at its first call
+                return
+            done.add(name)
             x = args[0]
             for t, names in seen:
                 if t is not None and (t is x or (t.shape == x.shape and t.data_ptr() == x.data_ptr())):
@@ -164,19 +171,23 @@ def sequential_groups(layer: nn.Module, run, sites: dict[str, Site] | None = Non
         return fn
 
     def expert_used(key, _expert, _x):
-        if not any(key in names for _, names in seen):
+        if key not in done:
+            done.add(key)
             seen.append((None, [key]))  # a fused expert parameter is a group of its own
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
     try:
-        with ExpertTap(fused, expert_used):
-            run()
+        with torch.no_grad(), tap_experts(fused, expert_used):
+            for r in runs:
+                r()
+                if len(done) == len(sites):
+                    break
     finally:
         for h in handles:
             h.remove()
     groups = [names for _, names in seen]
-    missing = set(sites) - {n for g in groups for n in g}
-    if missing:  # sites the forward never called (unused heads): compress them last, on their own
+    missing = set(sites) - done
+    if missing:  # sites the forward never called (unused heads, experts never routed to): last, on their own
         groups.append(sorted(missing))
     return groups
 

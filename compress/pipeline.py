@@ -216,7 +216,7 @@ class _Run:
         lmap.finish()
         with torch.no_grad():
             ys_ft = [self.run_layer(layer, h, kw) for h, kw in batches]
-        groups = sequential_groups(layer, lambda: self.run_layer(layer, *batches[0]), lmap.sites)
+        groups = sequential_groups(layer, [lambda b=b: self.run_layer(layer, *b) for b in batches], lmap.sites)
         for group in groups:
             hs = self.hessians(layer, lmap.sites, group, batches)
             for t in lmap.targets_of(group):
