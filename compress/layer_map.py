@@ -95,13 +95,6 @@ class Target:
             return None
         return self.piece.row0 // self.param_shape[1]
 
-    @property
-    def packed_shape(self) -> list[int]:
-        """``shape`` of the manifest entry: ``[out, in]``, or ``[E, out, in]`` for fused experts."""
-        if self.transposed:
-            return [self.shape[1], self.shape[0]]
-        return list(self.shape)
-
     def matrices(self, t: torch.Tensor) -> list[torch.Tensor]:
         """The ``[out, in]`` matrices the solver works on, from a tensor of the checkpoint's shape."""
         if self.transposed:
