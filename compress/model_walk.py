@@ -1,12 +1,18 @@
 """Find the parts of a decoder-only transformers model generically (no per-model table).
 
 The decoder layers are the ``nn.ModuleList`` with ``config.num_hidden_layers`` children of one
-class; the compressible linears are the ``nn.Linear`` modules inside a layer; their true-sequential
-groups are found by running the layer once and grouping linears that read the same input tensor
-(q/k/v, then o, then gate/up, then down for Llama; the same rule yields GPT-NeoX's order).
+class. The compressible weights of a layer are its *sites* (``layer_sites``): ``nn.Linear`` modules,
+transformers' ``Conv1D`` (GPT-2; weight stored ``[in, out]``), and the fused 3-D parameters
+``[E, out, in]`` of a mixture-of-experts module (Mixtral, Qwen2-MoE in transformers 5), whose expert
+``e`` is ``F.linear(x_e, param[e])`` on the tokens routed to it. Their true-sequential groups are
+found by running the layer once and grouping linears that read the same input tensor (q/k/v, then
+o, then gate/up, then down for Llama; the same rule yields GPT-NeoX's and GPT-2's order); a fused
+expert parameter is a group of its own at its first use (router, then experts' gate/up, then down).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from accelerate import init_empty_weights
@@ -15,6 +21,11 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from deltazip.formats.errors import InputError
+
+try:  # GPT-2-style linears: weight stored [in, out], forward x @ W + b
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # pragma: no cover - transformers without it
+    Conv1D = None
 
 
 def empty_model(model_dir, dtype: torch.dtype) -> nn.Module:
@@ -25,7 +36,9 @@ def empty_model(model_dir, dtype: torch.dtype) -> nn.Module:
         raise InputError(f"{model_dir}: config.json cannot be read by transformers ({e})") from e
     with init_empty_weights(include_buffers=False):
         try:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            # Eager experts: each expert runs as F.linear on its own tokens, which is what
+            # deltazip.compress.experts taps to build per-expert Hessians (grouped_mm would hide it).
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="eager")
         except ValueError as e:
             raise InputError(f"{model_dir}: not a causal language model transformers knows ({e})") from e
     model.eval()
@@ -47,9 +60,74 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return best
 
 
-def layer_linears(layer: nn.Module) -> dict[str, nn.Linear]:
-    """Linear modules of one layer by their name relative to the layer."""
-    return {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+@dataclass(frozen=True)
+class Site:
+    """A place in a decoder layer where a weight matrix multiplies activations (names relative to it).
+
+    kind ``"linear"``: ``nn.Linear``, weight ``[out, in]``; ``"conv1d"``: transformers' ``Conv1D``,
+    weight stored ``[in, out]``; ``"experts"``: fused parameter ``[E, out, in]`` of an experts module,
+    expert ``e`` applied as ``F.linear(x_e, param[e])`` to the tokens routed to it.
+
+    Attributes:
+        key: the module's name (linear, conv1d) or the parameter's name (experts); Hessians and
+            groups are keyed by it.
+        kind: see above.
+        param: the weight parameter's name.
+        experts: E for ``"experts"``, else 0.
+    """
+
+    key: str
+    kind: str
+    param: str
+    experts: int = 0
+
+    @property
+    def module(self) -> str:
+        """Name of the module that runs the site (the experts module for fused experts)."""
+        return self.key if self.kind != "experts" else self.param.rpartition(".")[0]
+
+
+def is_experts_module(mod: nn.Module) -> bool:
+    """A transformers 5 fused-experts module: an int ``num_experts`` and 3-D ``[E, ., .]`` parameters."""
+    n = getattr(mod, "num_experts", None)
+    return (isinstance(n, int) and not isinstance(n, bool) and n > 0
+            and any(p.dim() == 3 and p.shape[0] == n for p in mod.parameters(recurse=False)))
+
+
+def _num_experts(mod: nn.Module | None) -> int:
+    """E of a mixture-of-experts block's ``experts`` child (a ModuleList or a fused experts module)."""
+    experts = getattr(mod, "experts", None)
+    if isinstance(experts, nn.ModuleList):
+        return len(experts)
+    return getattr(experts, "num_experts", 0) if isinstance(experts, nn.Module) and is_experts_module(experts) else 0
+
+
+def is_router(layer: nn.Module, name: str, m: nn.Module) -> bool:
+    """An ``nn.Linear`` router: its ``out_features`` is the E of a sibling ``experts``. Routers are stored
+    exactly, not compressed (their top-k is discrete and they are E x H values), as transformers 5's
+    own router modules, which are not ``nn.Linear``, are."""
+    parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+    return isinstance(m, nn.Linear) and parent is not m and m.out_features == _num_experts(parent) > 0
+
+
+def layer_sites(layer: nn.Module) -> dict[str, Site]:
+    """Compressible weights of one layer by site key (see ``Site``), in module order."""
+    sites: dict[str, Site] = {}
+    for name, m in layer.named_modules():
+        if isinstance(m, nn.Linear):
+            if not is_router(layer, name, m):
+                sites[name] = Site(name, "linear", f"{name}.weight")
+        elif Conv1D is not None and isinstance(m, Conv1D):
+            sites[name] = Site(name, "conv1d", f"{name}.weight")
+        elif is_experts_module(m):
+            if getattr(m, "is_transposed", False):
+                raise InputError(f"{type(m).__name__} ({name}) stores its experts as [E, in, out] (is_transposed); "
+                                 "ΔCompress handles fused experts stored [E, out, in] only")
+            for pn, p in m.named_parameters(recurse=False):
+                if p.dim() == 3 and p.shape[0] == m.num_experts:
+                    key = f"{name}.{pn}"
+                    sites[key] = Site(key, "experts", key, m.num_experts)
+    return sites
 
 
 def set_param(module: nn.Module, name: str, value: torch.Tensor | None, device="cpu") -> None:
@@ -60,35 +138,56 @@ def set_param(module: nn.Module, name: str, value: torch.Tensor | None, device="
         set_module_tensor_to_device(module, name, device, value=value)
 
 
-def sequential_groups(layer: nn.Module, run) -> list[list[str]]:
-    """True-sequential groups of a layer's linears, in execution order.
+def sequential_groups(layer: nn.Module, run, sites: dict[str, Site] | None = None) -> list[list[str]]:
+    """True-sequential groups of a layer's sites (keys), in execution order.
 
     Args:
         layer: decoder layer with real weights.
-        run: callable that runs the layer forward once on some input.
+        run: callable that runs the layer forward once on some input, or a sequence of such callables
+            (one per calibration batch): later ones run only while some site has not been called yet
+            (an expert no token of the first batch was routed to).
+        sites: the layer's sites (default ``layer_sites(layer)``).
     """
-    linears = layer_linears(layer)
-    seen: list[tuple[torch.Tensor, list[str]]] = []
+    from deltazip.compress.experts import tap_experts
+
+    runs = [run] if callable(run) else list(run)
+    sites = layer_sites(layer) if sites is None else sites
+    linears = {k: layer.get_submodule(k) for k, s in sites.items() if s.kind != "experts"}
+    fused = {k: layer.get_parameter(s.param) for k, s in sites.items() if s.kind == "experts"}
+    seen: list[tuple[torch.Tensor | None, list[str]]] = []
+    done: set[str] = set()
 
     def hook(name):
         def fn(_mod, args):
+            if name in done:  # a site is placed at its first call
+                return
+            done.add(name)
             x = args[0]
             for t, names in seen:
-                if t is x or (t.shape == x.shape and t.data_ptr() == x.data_ptr()):
+                if t is not None and (t is x or (t.shape == x.shape and t.data_ptr() == x.data_ptr())):
                     names.append(name)
                     return
             seen.append((x, [name]))  # keeping x alive keeps data_ptr from being reused
         return fn
 
+    def expert_used(key, _expert, _x):
+        if key not in done:
+            done.add(key)
+            seen.append((None, [key]))  # a fused expert parameter is a group of its own
+
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
     try:
-        run()
+        with torch.no_grad(), tap_experts(fused, expert_used):
+            for r in runs:
+                r()
+                if len(done) == len(sites):
+                    break
     finally:
         for h in handles:
             h.remove()
     groups = [names for _, names in seen]
-    missing = set(linears) - {n for g in groups for n in g}
-    if missing:  # linears the forward never called (unused heads): compress them last, on their own
+    missing = set(sites) - done
+    if missing:  # sites the forward never called (unused heads, experts never routed to): last, on their own
         groups.append(sorted(missing))
     return groups
 

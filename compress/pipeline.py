@@ -7,6 +7,10 @@ groups and the next layer see the reconstructed fine-tuned model; then run the l
 next layer's inputs. After the last layer an untied ``lm_head`` is compressed the same way, its
 Hessian taken from the final hidden states after the final norm. Embeddings are stored row by row
 and every other tensor exactly (compress/others.py).
+
+Linears are ``nn.Linear``, GPT-2's ``Conv1D`` (stored ``[in, out]``, solved transposed) and
+mixture-of-experts weights, whose every expert is solved with the Hessian of the tokens routed to it
+(compress/experts.py); checkpoint names are mapped to the layer's parameters by compress/layer_map.py.
 """
 
 from __future__ import annotations
@@ -21,22 +25,23 @@ import torch
 from deltazip.compress.calibration import load_calibration
 from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
+from deltazip.compress.experts import Hessians, collect_hessians, solve_target
+from deltazip.compress.layer_map import LayerMap, Piece, Target, map_layer
 from deltazip.compress.model_walk import (
     Catcher,
+    Site,
     StopForward,
     decoder_layers,
     empty_model,
-    layer_linears,
     sequential_groups,
     set_param,
 )
-from deltazip.compress.obs import SolveResult, obs_compress, output_error, rtn_compress
+from deltazip.compress.obs import SolveResult, obs_compress, rtn_compress
 from deltazip.compress.others import embedding_weight_names, new_stats, record_embedding, record_exact
 from deltazip.formats.artifact import Artifact, ArtifactWriter
 from deltazip.formats.errors import InputError
 from deltazip.formats.exact import bitwise_equal
 from deltazip.formats.gdeflate import DEFAULT_LEVEL
-from deltazip.formats.packing import pack_delta
 
 Progress = Callable[[str, int, int], None]
 
@@ -60,26 +65,29 @@ def check_pair(base: Checkpoint, ft: Checkpoint) -> None:
                              f"in the fine-tune; pass the fine-tune's own base model")
 
 
-def _linear_names(model, lname: str, layers) -> list[dict[str, str]]:
-    """Per layer: checkpoint weight name -> linear module name (relative to the layer)."""
-    out = []
+def _layer_maps(model, lname: str, layers, ft: Checkpoint) -> list[LayerMap]:
+    """Per layer: its checkpoint tensors mapped to its parameters, and the linears among them."""
+    maps = []
     for i, layer in enumerate(layers):
-        out.append({f"{lname}.{i}.{ln}.weight": ln for ln in layer_linears(layer)})
-    return out
+        m = map_layer(model, f"{lname}.{i}.", layer, ft.names, ft.shape)
+        m.check_sites_covered()
+        maps.append(m)
+    return maps
 
 
-def _check_shapes(ft: Checkpoint, linears: list[dict[str, str]], cfg: CompressConfig) -> None:
-    for per_layer in linears:
-        for n in per_layer:
-            if n not in ft.table:
-                raise InputError(f"tensor {n} of the model class is not in the checkpoint; the checkpoint's "
-                                 f"tensor names do not follow transformers' layout")
-            in_f = ft.shape(n)[1]
-            if cfg.sparse24 and in_f % 4:
-                raise InputError(f"tensor {n} has {in_f} input features, not divisible by 4: use --sparsity none")
-            if cfg.group_size != -1 and in_f % cfg.group_size:
-                raise InputError(f"tensor {n} has {in_f} input features, not divisible by --group-size "
-                                 f"{cfg.group_size}: pick a divisor or -1")
+def _check_shapes(maps: list[LayerMap], cfg: CompressConfig) -> None:
+    for m in maps:
+        order = {k: i for i, k in enumerate(m.sites)}  # module order: the first offender a user meets
+        for n, t in sorted(m.targets.items(), key=lambda kv: (order.get(kv[1].site.key, len(order)), kv[0])):
+            _check_in_features(n, t.in_features, cfg)
+
+
+def _check_in_features(name: str, in_f: int, cfg: CompressConfig) -> None:
+    if cfg.sparse24 and in_f % 4:
+        raise InputError(f"tensor {name} has {in_f} input features, not divisible by 4: use --sparsity none")
+    if cfg.group_size != -1 and in_f % cfg.group_size:
+        raise InputError(f"tensor {name} has {in_f} input features, not divisible by --group-size "
+                         f"{cfg.group_size}: pick a divisor or -1")
 
 
 def _solve(target: torch.Tensor, H: torch.Tensor | None, cfg: CompressConfig) -> SolveResult:
@@ -90,6 +98,9 @@ def _solve(target: torch.Tensor, H: torch.Tensor | None, cfg: CompressConfig) ->
 
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+_HEAD_KEY = "lm_head"  # the Hessian key of the output projection (it is not inside a decoder layer)
 
 
 class _Replay(torch.nn.Module):
@@ -122,9 +133,11 @@ class _Run:
         self.cdtype = cfg.compute_dtype(self.device, ft.dtype(first))
         self.model = empty_model(ft.path, self.cdtype)
         self.lname, self.layers = decoder_layers(self.model)
-        self.linears = _linear_names(self.model, self.lname, self.layers)
+        self.maps = _layer_maps(self.model, self.lname, self.layers, ft)
+        _check_shapes(self.maps, cfg)
         self.head, self.head_alias_of = self._find_head()
-        _check_shapes(ft, self.linears + ([{self.head: "lm_head"}] if self.head else []), cfg)
+        if self.head:
+            _check_in_features(self.head, ft.shape(self.head)[1], cfg)
         self.embeddings = embedding_weight_names(self.model)
         self.other_stats = new_stats()
         self.layer_stats: list[dict] = []
@@ -182,22 +195,22 @@ class _Run:
         outputs through whatever the model runs after its layers (the final norm)."""
         if self.head is None:
             return
-        H = self.head_hessian(input_ids, batches) if self.cfg.method != "rtn" else None
+        hs = self.head_hessian(input_ids, batches) if self.cfg.method != "rtn" else None
+        shape = tuple(self.ft.shape(self.head))
+        site = Site(key=_HEAD_KEY, kind="linear", param=self.head)
+        target = Target(self.head, site, Piece(self.head, 0, shape[0]), shape, shape)
         stats = {"tensors": {}}
-        self._compress_linear(self.head, H, stats)
-        self.head_stats = stats["tensors"][self.head]
+        self._compress_linear(target, hs, stats)
+        self.head_stats = stats["tensors"].get(self.head)
 
-    def head_hessian(self, input_ids: torch.Tensor, batches) -> torch.Tensor:
+    def head_hessian(self, input_ids: torch.Tensor, batches) -> Hessians:
         """``H = 2 XᵀX / n`` of the lm_head input, replaying the last layer's outputs through the model
         (every decoder layer replaced by a module that hands back the recorded output of its batch)."""
         head = self.model.get_output_embeddings()
-        d = head.in_features
-        acc = {"sum": torch.zeros(d, d, device=self.device), "n": 0}
+        hs = Hessians()
 
         def hook(_m, args):
-            x = args[0].reshape(-1, d).float()
-            acc["sum"].addmm_(x.t(), x)
-            acc["n"] += x.shape[0]
+            hs.add(_HEAD_KEY, None, args[0])
             raise StopForward
 
         last = len(self.layers) - 1
@@ -218,7 +231,7 @@ class _Run:
             handle.remove()
             for i, m in enumerate(originals):
                 self.layers[i] = m
-        return 2 * acc["sum"] / max(acc["n"], 1)
+        return hs
 
     # -- calibration ----------------------------------------------------------------------------
     def first_inputs(self, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
@@ -251,34 +264,23 @@ class _Run:
         self.layer_returns_tuple = isinstance(out, tuple)
         return out[0] if self.layer_returns_tuple else out
 
-    def hessians(self, layer, group: list[str], batches) -> dict[str, torch.Tensor]:
-        """``H = 2 XᵀX / n`` (fp32) of each linear's input over all calibration tokens."""
-        mods = layer_linears(layer)
-        sums = {ln: torch.zeros(mods[ln].in_features, mods[ln].in_features, device=self.device) for ln in group}
-        counts = dict.fromkeys(group, 0)
+    def hessians(self, layer, sites, group: list[str], batches) -> Hessians:
+        """``H = 2 XᵀX / n`` (fp32) of each site's input over all calibration tokens (per expert:
+        over the tokens routed to it)."""
 
-        def hook(ln):
-            def fn(_m, args):
-                x = args[0].reshape(-1, args[0].shape[-1]).float()
-                sums[ln].addmm_(x.t(), x)
-                counts[ln] += x.shape[0]
-            return fn
-
-        handles = [mods[ln].register_forward_pre_hook(hook(ln)) for ln in group]
-        try:
+        def run():
             with torch.no_grad():
                 for h, kw in batches:
                     self.run_layer(layer, h, kw)
-        finally:
-            for hd in handles:
-                hd.remove()
-        return {ln: 2 * sums[ln] / max(counts[ln], 1) for ln in group}
+
+        return collect_hessians(layer, sites, group, run)
 
     # -- one layer ------------------------------------------------------------------------------
     def layer(self, i: int, batches) -> list[tuple[torch.Tensor, dict]]:
         """Compress layer ``i``; returns the next layer's inputs (unchanged list when uncalibrated)."""
         cfg, prefix, layer = self.cfg, self.layer_prefix(i), self.layers[i]
-        lin = self.linears[i]
+        lmap = self.maps[i]
+        lin = lmap.targets
         calibrated = cfg.method != "rtn"
         names = [n for n in self.ft.names if n.startswith(prefix)]
         for n in names:
@@ -287,26 +289,26 @@ class _Run:
             b, f = self.base.get(n), self.ft.get(n)
             rec = record_exact(self.writer, n, b, f, self.other_stats)
             if calibrated:
-                set_param(layer, n[len(prefix):], (b if self.base_view else rec).to(self.cdtype), self.device)
+                lmap.put(layer, n, b if self.base_view else rec, self.cdtype, self.device)
         stats = {"index": i, "tensors": {}}
         if not calibrated:
-            for n in lin:
-                self._compress_linear(n, None, stats)
+            for t in lin.values():
+                self._compress_linear(t, None, stats)
             self.layer_stats.append(stats)
             return batches
-        for n, ln in lin.items():
-            w = self.base.get(n) if self.base_view else self.ft.get(n)
-            set_param(layer, f"{ln}.weight", w.to(self.cdtype), self.device)
+        for n in lin:
+            lmap.put(layer, n, self.base.get(n) if self.base_view else self.ft.get(n), self.cdtype, self.device)
+        lmap.finish()
         with torch.no_grad():
             ys_ft = [self.run_layer(layer, h, kw) for h, kw in batches]
-        groups = sequential_groups(layer, lambda: self.run_layer(layer, *batches[0]))
+        groups = sequential_groups(layer, [lambda b=b: self.run_layer(layer, *b) for b in batches], lmap.sites)
         for group in groups:
-            H = self.hessians(layer, group, batches)
-            for ln in group:
-                n = f"{prefix}{ln}.weight"
-                rec = self._compress_linear(n, H[ln], stats)
+            hs = self.hessians(layer, lmap.sites, group, batches)
+            for t in lmap.targets_of(group):
+                rec = self._compress_linear(t, hs, stats)
                 if not self.base_view:
-                    set_param(layer, f"{ln}.weight", rec.to(self.cdtype), self.device)
+                    lmap.store(layer, t, rec.to(self.cdtype))
+            del hs
         with torch.no_grad():
             outs = [(self.run_layer_checked(layer, h, kw), kw) for h, kw in batches]
         num = sum(float((y - yf).float().pow(2).sum()) for (y, _), yf in zip(outs, ys_ft))
@@ -319,22 +321,26 @@ class _Run:
         self.layer_stats.append(stats)
         return outs
 
-    def _compress_linear(self, n: str, H: torch.Tensor | None, stats: dict) -> torch.Tensor:
-        cfg = self.cfg
-        wf = self.ft.get(n).float().to(self.device)
-        wb = self.base.get(n).float().to(self.device)
+    def _compress_linear(self, t: Target, hs: Hessians | None, stats: dict) -> torch.Tensor:
+        """Compress one linear / expert tensor; returns its reconstruction in the checkpoint's shape."""
+        cfg, n = self.cfg, t.name
+        fb, ff = self.base.get(n), self.ft.get(n)
+        if cfg.additive and bitwise_equal(fb, ff):
+            # a frozen matrix (partial fine-tunes, untouched heads): nothing to store
+            self.writer.add_same(n, tuple(ff.shape), ff.dtype)
+            self.other_stats["same"] += 1
+            return fb.float().to(self.device)
+        wf = ff.float().to(self.device)
+        wb = fb.float().to(self.device)
         target = wf - wb if cfg.additive else wf
-        res = _solve(target, H, cfg)
-        packed = pack_delta(res.codes.cpu(), res.scales.cpu(), None if cfg.sym else res.zeros.cpu(),
-                            None if res.mask is None else res.mask.cpu(), cfg.bits, cfg.group_size)
-        self.writer.add_packed(n, packed, self.ft.dtype(n), additive=cfg.additive, sym=cfg.sym)
+        res = solve_target(t, target, hs, lambda m, H: _solve(m, H, cfg), cfg.bits, cfg.group_size, cfg.sym)
+        self.writer.add_packed(n, res.packed, self.ft.dtype(n), additive=cfg.additive, sym=cfg.sym,
+                               transposed=t.transposed, experts=t.experts)
         rec = wb + res.values if cfg.additive else res.values
         err = target - res.values
-        t = {"rel_weight_err": float(err.norm() / target.norm()) if float(target.norm()) else 0.0,
-             "delta_rel_norm": float((wf - wb).norm() / wb.norm()) if float(wb.norm()) else 0.0, **res.stats}
-        if H is not None:
-            t["rel_out_err"] = output_error(err, target, H)
-        stats["tensors"][n] = t
+        st = {"rel_weight_err": float(err.norm() / target.norm()) if float(target.norm()) else 0.0,
+              "delta_rel_norm": float((wf - wb).norm() / wb.norm()) if float(wb.norm()) else 0.0, **res.stats}
+        stats["tensors"][n] = st
         return rec
 
 

@@ -5,7 +5,8 @@ manifest entry whose ``kind`` says how to rebuild it from the base:
 
 - ``packed``: a compressed linear delta (``deltazip.kernels.packed`` layout); the weight is
   ``base + delta`` when ``additive`` (ΔCompress, RTN) or the delta alone when not (SparseGPT on the
-  full weights).
+  full weights). ``transposed`` entries rebuild a Conv1D weight stored ``[in, out]``; ``experts``
+  entries a fused ``[E, out, in]`` expert tensor whose experts' rows are stacked in the parts.
 - ``same``: bit-identical to the base tensor; nothing stored.
 - ``dense_delta``: ``base + delta`` with the delta stored densely (fp16 unless the tensor is wider).
 - ``full``: the fine-tuned tensor stored as it is (a tensor the base lacks or a changed shape).
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -194,16 +196,34 @@ class ArtifactWriter:
         self.side_files: dict[str, dict[str, Any]] = {}  # name -> sha256, bytes, source (docs/format.md)
 
     # -- adding tensors -------------------------------------------------------------------------
-    def add_packed(self, name: str, delta: PackedDelta, dtype: torch.dtype, additive: bool, sym: bool) -> None:
-        """A compressed linear (``[out, in]`` weight of fine-tuned ``dtype``)."""
+    def add_packed(self, name: str, delta: PackedDelta, dtype: torch.dtype, additive: bool, sym: bool,
+                   transposed: bool = False, experts: int = 0) -> None:
+        """A compressed linear (``[out, in]`` weight of fine-tuned ``dtype``).
+
+        Args:
+            transposed: the checkpoint stores the weight ``[in, out]`` (GPT-2's ``Conv1D``); the
+                entry's ``shape`` stays ``[out, in]`` and gets ``"transposed": true``.
+            experts: E > 0 for a fused expert tensor ``[E, out, in]``: ``delta`` holds the E experts'
+                ``[out, in]`` matrices stacked along rows (``[E*out, in]``); the entry's ``shape`` is
+                ``[E, out, in]`` and it gets ``"experts": E``.
+        """
         delta.validate()
         parts = {"qweight": delta.qweight, "positions": delta.positions, "scales": delta.scales,
                  "zeros": delta.zeros}
+        shape = [delta.out_features, delta.in_features]
+        if experts:
+            if delta.out_features % experts:
+                raise ValueError(f"{name}: {delta.out_features} rows do not split into {experts} experts")
+            shape = [experts, delta.out_features // experts, delta.in_features]
         entry = {
-            "kind": "packed", "shape": [delta.out_features, delta.in_features], "dtype": dtype_name(dtype),
+            "kind": "packed", "shape": shape, "dtype": dtype_name(dtype),
             "bits": delta.bits, "group_size": delta.group_size, "sym": sym,
             "sparsity": "2:4" if delta.sparse else "none", "additive": additive,
         }
+        if transposed:
+            entry["transposed"] = True
+        if experts:
+            entry["experts"] = experts
         self._add(name, entry, {k: v for k, v in parts.items() if v is not None})
 
     def add_file(self, src: str | Path, arcname: str, base_dir: str | Path | None = None) -> None:
@@ -563,9 +583,10 @@ class Artifact:
             raise ArtifactError(f"tensor {name!r} is {ev.kind}, not packed")
         p = self.parts(name, device)
         e = ev.raw
+        out_f, in_f = packed_dims(e)
         d = PackedDelta(qweight=p["qweight"], scales=p["scales"], zeros=p.get("zeros"),
                         positions=p.get("positions"), bits=e["bits"], group_size=e["group_size"],
-                        in_features=e["shape"][1], out_features=e["shape"][0])
+                        in_features=in_f, out_features=out_f)
         try:
             d.validate()
         except ValueError as err:
@@ -588,18 +609,19 @@ class Artifact:
         if kind == "full":
             return self.parts(name, dev)["data"]
         if kind == "packed" and not ev.raw["additive"]:
-            return delta_weight(self.packed(name, dev)).to(dtype)
+            return packed_to_stored(ev.raw, delta_weight(self.packed(name, dev))).to(dtype)
         if base is None:
             raise ArtifactError(f"tensor {name!r} is stored relative to the base, but no base tensor was given")
-        if tuple(base.shape) != ev.shape:
+        want = stored_shape(ev.raw) if kind == "packed" else list(ev.shape)
+        if list(base.shape) != want:
             raise InputError(f"base tensor {name} has shape {list(base.shape)}, the artifact expects "
-                             f"{list(ev.shape)}: wrong base model?")
+                             f"{want}: wrong base model?")
         if kind == "same":
             return base.to(dtype)
         if kind == "xor":
             return apply_xor(base.to(dtype), self.parts(name, dev)["xor"], dtype)
         if kind == "packed":
-            delta = delta_weight(self.packed(name, dev))
+            delta = packed_to_stored(ev.raw, delta_weight(self.packed(name, dev)))
         elif kind == "dense_delta":
             delta = self.parts(name, dev)["delta"].float()
         elif kind == "rows":
@@ -607,6 +629,29 @@ class Artifact:
         else:
             raise ArtifactError(f"tensor {name!r} has unknown kind {kind!r}")
         return (base.float() + delta.to(base.device)).to(dtype)
+
+
+def packed_dims(e: dict[str, Any]) -> tuple[int, int]:
+    """``(out_features, in_features)`` of a packed entry's PackedDelta: ``[out, in]``, or for fused
+    experts (``shape`` ``[E, out, in]``) the E experts' rows stacked, ``[E*out, in]``."""
+    shape = e["shape"]
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def stored_shape(e: dict[str, Any]) -> list[int]:
+    """Shape of the checkpoint tensor a packed entry rebuilds: ``shape``, with the last two dims
+    swapped when ``transposed`` (Conv1D ``[in, out]``)."""
+    shape = list(e["shape"])
+    if e.get("transposed"):
+        shape[-2], shape[-1] = shape[-1], shape[-2]
+    return shape
+
+
+def packed_to_stored(e: dict[str, Any], dense: torch.Tensor) -> torch.Tensor:
+    """The dense ``[rows, in]`` delta of a packed entry (``delta_weight``) in the checkpoint's layout:
+    reshaped to ``shape`` (``[E, out, in]`` for experts), then transposed when ``transposed``."""
+    t = dense.reshape(e["shape"])
+    return t.transpose(-1, -2).contiguous() if e.get("transposed") else t
 
 
 def file_problem(root: Path, rel: str, info: Any) -> str | None:
@@ -708,11 +753,29 @@ def entry_problems(name: str, e: Any, files: dict[str, Any]) -> list[str]:
         for key in ("bits", "group_size", "sparsity", "additive", "sym"):
             if key not in e:
                 out.append(f"tensor {name!r}: packed entry lacks {key!r}")
+        out += _packed_layout_field_problems(name, e)
     if e["kind"] == "rows":
         for key in ("bits", "group_size"):
             if not isinstance(e.get(key), int):
                 out.append(f"tensor {name!r}: rows entry lacks integer {key!r}")
     return out + _codec_problems(name, e)
+
+
+def _packed_layout_field_problems(name: str, e: dict[str, Any]) -> list[str]:
+    """Problems of a packed entry's orientation fields: ``transposed`` (bool) and ``experts`` (E, with
+    ``shape`` ``[E, out, in]``; without it ``shape`` is ``[out, in]``)."""
+    if "transposed" in e and not isinstance(e["transposed"], bool):
+        return [f"tensor {name!r}: 'transposed' must be true or false"]
+    shape, experts = e.get("shape"), e.get("experts")
+    if not isinstance(shape, list):
+        return []  # reported with the common fields
+    if experts is None:
+        return [] if len(shape) == 2 else [f"tensor {name!r}: packed entry with shape {shape}, expected [out, in] "
+                                           "(or [E, out, in] with 'experts')"]
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1 or len(shape) != 3 \
+            or shape[0] != experts:
+        return [f"tensor {name!r}: 'experts' {experts!r} does not match shape {shape} (expected [E, out, in])"]
+    return []
 
 
 def _codec_problems(name: str, e: dict[str, Any]) -> list[str]:

@@ -9,10 +9,11 @@ Checks, in order (a later check is skipped only where an earlier failure makes i
    expects (no missing one, no extra one).
 4. Tensors: every part reads; lossless parts pass their container checks (table, compressed-bytes
    checksum, every chunk decodes, decoded-bytes checksum); the entry checksum (sha256 of the
-   decoded parts) matches; every part has the dtype and shape its entry implies; packed layouts
-   hold their invariants (padding codes and unused
-   bits zero; under 2:4 the two kept positions of every group distinct and ascending; zero points
-   within ``[0, 2**bits)``; finite scales).
+   decoded parts) matches; every part has the dtype and shape its entry implies (a fused-experts
+   entry, ``shape`` ``[E, out, in]``, holds ``E*out`` packed rows; a ``transposed`` Conv1D entry is
+   packed ``[out, in]`` like any linear); packed layouts hold their invariants (padding codes and
+   unused bits zero; under 2:4 the two kept positions of every group distinct and ascending; zero
+   points within ``[0, 2**bits)``; finite scales).
 5. With a base fingerprint (the CLI computes it from ``--base``): it equals ``lineage.base_fingerprint``.
 6. Side files: ``side_files`` is sound and agrees with ``files``; with a base directory, every side
    file kept by reference is there with the recorded size and sha256 (without one, a warning says
@@ -43,6 +44,7 @@ from deltazip.formats.artifact import (
     file_problem,
     header_problems,
     manifest_sum_problem,
+    packed_dims,
 )
 from deltazip.formats.checksum import sha256_tensors
 from deltazip.formats.errors import DeltazipError
@@ -304,17 +306,18 @@ def layout_problems(e: dict[str, Any], parts: dict[str, torch.Tensor]) -> list[s
         return rows_layout_problems(e, parts)
     if kind != "packed":
         return []
-    if len(shape) != 2 or not all(isinstance(s, int) for s in shape):
-        return [f"packed entry with shape {shape}, expected [out, in]"]
+    if len(shape) != (3 if e.get("experts") else 2) or not all(isinstance(s, int) for s in shape):
+        return [f"packed entry with shape {shape}, expected [out, in] (or [E, out, in] with 'experts')"]
     sparse = e["sparsity"] == "2:4"
     if sparse != ("positions" in parts):
         return [f"sparsity {e['sparsity']!r} but positions {'absent' if sparse else 'present'}"]
     if e["sym"] == ("zeros" in parts):
         return [f"sym={e['sym']} but zero points {'present' if e['sym'] else 'absent'}"]
+    out_f, in_f = packed_dims(e)  # fused experts: the E experts' rows stacked, [E*out, in]
     try:
         d = PackedDelta(qweight=parts["qweight"], scales=parts["scales"], zeros=parts.get("zeros"),
                         positions=parts.get("positions"), bits=e["bits"], group_size=e["group_size"],
-                        in_features=shape[1], out_features=shape[0])
+                        in_features=in_f, out_features=out_f)
         d.validate()
     except (KeyError, ValueError, ZeroDivisionError) as err:
         return [f"invalid packed layout ({err})"]

@@ -437,6 +437,10 @@ class DeltaModel:
         for name, e in v.tensors.items():
             if e["kind"] == "same":
                 continue
+            if e["kind"] == "packed" and (e.get("transposed") or e.get("experts")):
+                what = "a fused mixture-of-experts tensor" if e.get("experts") else "a Conv1D weight stored [in, out]"
+                raise UnsupportedVariant(f"variant {v.name}: tensor {name} is {what}, which the decoupled runtime does "
+                                         f"not apply per request; serve it with --mode swap")
             if name not in params:
                 raise UnsupportedVariant(
                     f"variant {v.name}: tensor {name!r} is not a parameter of {type(self.model).__name__} (the "

@@ -41,6 +41,15 @@ ARCH_CONFIGS = {
                   num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128),
     "opt": dict(model_type="opt", hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=2,
                 max_position_embeddings=128, word_embed_proj_dim=64),
+    # Conv1D linears, weights stored [in, out]
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_head=4, n_layer=2, n_positions=128),
+    # transformers 5: fused experts [E, out, in]; save_pretrained writes one tensor per expert
+    "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                    num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=None),
+    "qwen2_moe": dict(model_type="qwen2_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, max_position_embeddings=128, num_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -64,27 +73,42 @@ def perturb(model, scale: float = 0.05, seed: int = 1, skip=("norm",)):
                 continue
             std = float(p.float().std()) or 1.0
             noise = torch.randn(p.shape, generator=g)
-            if p.dim() == 2:
-                r = max(1, min(p.shape) // 8)
-                noise = noise * 0.5 + (torch.randn(p.shape[0], r, generator=g) @ torch.randn(r, p.shape[1],
-                                                                                             generator=g)) / r**0.5
+            if p.dim() in (2, 3):  # matrices, and each expert's of a fused [E, out, in] tensor
+                r = max(1, min(p.shape[-2:]) // 8)
+                lead = p.shape[:-2]
+                noise = noise * 0.5 + (torch.randn(*lead, p.shape[-2], r, generator=g)
+                                       @ torch.randn(*lead, r, p.shape[-1], generator=g)) / r**0.5
             p.add_((scale * std * noise).to(p.dtype))
     return model
 
 
-def save_model(model, path: Path, tokenizer=True) -> Path:
-    model.save_pretrained(path, safe_serialization=True)
+def save_model(model, path: Path, tokenizer=True, module_names: bool = False) -> Path:
+    """``save_pretrained`` (checkpoint names after transformers' conversions: one tensor per expert for
+    MoE models), or with ``module_names`` the state dict under the module names as they are (fused
+    ``[E, out, in]`` expert tensors), which transformers loads as well."""
+    if module_names:
+        from safetensors.torch import save_file
+
+        path.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(path)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"),
+                  metadata={"format": "pt"})
+    else:
+        model.save_pretrained(path, safe_serialization=True)
     if tokenizer:
         tiny_tokenizer(path)
     return path
 
 
-def make_pair(tmp: Path, arch: str = "llama", dtype=torch.float32, scale: float = 0.05, **overrides):
-    """(base_dir, ft_dir) of a tiny model and a perturbed copy."""
+def make_pair(tmp: Path, arch: str = "llama", dtype=torch.float32, scale: float = 0.05, module_names: bool = False,
+              skip=("norm",), **overrides):
+    """(base_dir, ft_dir) of a tiny model and a perturbed copy (``module_names``: see ``save_model``;
+    ``skip``: see ``perturb``)."""
     base = tiny_model(arch, dtype=dtype, **overrides)
-    bdir = save_model(base, tmp / f"{arch}-base")
-    ft = perturb(base, scale=scale)
-    fdir = save_model(ft, tmp / f"{arch}-ft")
+    tag = arch + ("-fused" if module_names else "")
+    bdir = save_model(base, tmp / f"{tag}-base", module_names=module_names)
+    ft = perturb(base, scale=scale, skip=skip)
+    fdir = save_model(ft, tmp / f"{tag}-ft", module_names=module_names)
     return bdir, fdir
 
 

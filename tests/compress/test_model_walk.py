@@ -1,0 +1,101 @@
+"""Sites of a layer (linears, Conv1D, fused experts, routers), their true-sequential groups, and the
+per-expert tap."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from deltazip.compress.experts import ExpertTap, collect_hessians
+from deltazip.compress.model_walk import layer_sites, sequential_groups
+
+
+class _Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16, bias=False)
+        self.down = nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class _Toy(nn.Module):
+    """A Conv1D, an nn.Linear router over 3 per-expert modules; ``forward(x, experts)`` runs the
+    listed experts only."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = Conv1D(8, 8)  # nf=8 outputs, nx=8 inputs: weight [in, out]
+        self.gate = nn.Linear(8, 3, bias=False)
+        self.experts = nn.ModuleList(_Expert() for _ in range(3))
+
+    def forward(self, x, experts):
+        h = self.proj(x)
+        self.gate(h)
+        return sum(self.experts[e](h) for e in experts)
+
+
+def test_sites_skip_the_router_and_know_conv1d():
+    sites = layer_sites(_Toy())
+    assert "gate" not in sites  # out_features == E of the sibling experts: the router, stored exactly
+    assert sites["proj"].kind == "conv1d" and sites["experts.0.up"].kind == "linear"
+
+
+def test_groups_follow_later_batches_for_experts_the_first_one_missed():
+    toy = _Toy()
+    x = torch.randn(5, 8)
+    groups = sequential_groups(toy, [lambda: toy(x, [0]), lambda: toy(x, [1]), lambda: toy(x, [0])])
+    assert groups == [["proj"], ["experts.0.up"], ["experts.0.down"], ["experts.1.up"], ["experts.1.down"],
+                      ["experts.2.down", "experts.2.up"]]  # expert 2 never ran: last, on its own
+
+
+class _Fused(nn.Module):
+    """transformers 5 style fused experts: F.linear on param[e] for the tokens routed to e."""
+
+    def __init__(self, E=4):
+        super().__init__()
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 6, 8))
+        self.down_proj = nn.Parameter(torch.randn(E, 8, 3))
+
+    def forward(self, x, route):
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            tok = (route == e).nonzero().flatten()
+            if tok.numel():
+                g, u = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+                out[tok] = F.linear(F.silu(g) * u, self.down_proj[e])
+        return out
+
+
+class _FusedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = _Fused()
+
+    def forward(self, x, route):
+        return self.experts(x, route)
+
+
+def test_expert_tap_and_per_expert_hessians():
+    layer = _FusedLayer()
+    sites = layer_sites(layer)
+    assert {k: (s.kind, s.experts) for k, s in sites.items()} == {
+        "experts.gate_up_proj": ("experts", 4), "experts.down_proj": ("experts", 4)}
+    x = torch.randn(10, 8)
+    route = torch.tensor([0, 0, 1, 2, 0, 1, 1, 2, 0, 0])  # expert 3 gets nothing
+    calls = []
+    with ExpertTap({k: layer.get_parameter(s.param) for k, s in sites.items()}, lambda k, e, t: calls.append((k, e))):
+        layer(x, route)
+    assert calls == [("experts.gate_up_proj", 0), ("experts.down_proj", 0), ("experts.gate_up_proj", 1),
+                     ("experts.down_proj", 1), ("experts.gate_up_proj", 2), ("experts.down_proj", 2)]
+    assert sequential_groups(layer, lambda: layer(x, route), sites) == [["experts.gate_up_proj"],
+                                                                       ["experts.down_proj"]]
+    hs = collect_hessians(layer, sites, ["experts.gate_up_proj"], lambda: layer(x, route))
+    for e in range(3):
+        H, n = hs.get("experts.gate_up_proj", e)
+        xe = x[route == e]
+        assert n == xe.shape[0]
+        torch.testing.assert_close(H, 2 * xe.t() @ xe / n)  # only the tokens routed to e
+    assert hs.get("experts.gate_up_proj", 3) == (None, 0)
