@@ -371,7 +371,9 @@ class ArtifactWriter:
             "files": files,
             "tensors": self.entries,
         }
-        text = json.dumps(manifest, indent=1, sort_keys=False).encode()
+        # Compact: the manifest counts toward the artifact's bytes (indentation was ~1/3 of it, ~0.5% of a
+        # SmolLM2 artifact); `deltazip inspect --json` or `jq .` print it readably.
+        text = json.dumps(manifest, separators=(",", ":"), ensure_ascii=False).encode()
         for fname, data in ((MANIFEST, text), (MANIFEST_SUM, f"sha256:{hashlib.sha256(text).hexdigest()}\n".encode())):
             with open(self.tmp / fname, "wb") as f:
                 f.write(data)
