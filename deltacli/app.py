@@ -65,12 +65,12 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
+    # transformers reads these variables when it is first imported; importing it here just to switch
+    # its bars off would cost every command (``--version`` included) a second.
+    if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
 
 
 def main() -> None:

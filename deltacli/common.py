@@ -19,7 +19,6 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from deltazip.formats.report import human_bytes  # noqa: F401  (re-exported for the commands)
 
 # Logs, tables meant for people and progress go to stderr; stdout carries only --json output
 # (or the human report when --json is off).
@@ -29,6 +28,14 @@ out_console = Console()
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout; no progress bars.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the output directory if it exists.")]
 ArtifactArg = Annotated[Path, typer.Argument(help="A deltazip artifact directory.", show_default=False)]
+
+
+def human_bytes(n: float) -> str:
+    """``deltazip.formats.report.human_bytes``, imported on first use: formats.report imports torch,
+    and ``deltazip --version``/``--help`` must not pay for that."""
+    from deltazip.formats.report import human_bytes as _human_bytes
+
+    return _human_bytes(n)
 
 
 def print_json(doc: Any) -> None:
