@@ -19,7 +19,6 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-
 # Logs, tables meant for people and progress go to stderr; stdout carries only --json output
 # (or the human report when --json is off).
 err_console = Console(stderr=True)

@@ -46,8 +46,11 @@ def dedup_scan(
     json_out: JsonOpt = False,
 ) -> None:
     """Find bit-identical tensors across checkpoints and the memory a deduplicating loader saves."""
+    from deltazip.formats.atomic import check_writable
     from deltazip.formats.dedup_scan import ScanConfig, scan_checkpoints
 
+    if manifest is not None:
+        check_writable(manifest, "--manifest")  # before the scan, which can take minutes
     cfg = ScanConfig(hash=hash_algo.value, min_bytes=min_bytes, verify_bytes=verify_bytes, diff_stats=diff_stats,
                      threads=threads)
     with progress_bar(json_out) as report:

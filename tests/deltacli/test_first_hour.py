@@ -3,8 +3,17 @@ interrupts that clean up, calibration path typos, a busy port, an identical pair
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import stat
 import subprocess
 import sys
+import time
+
+import pytest
+from _cli import cli_command, run_cli, run_cli_process
+from _factories import calib_file, make_pair
 
 HEAVY = ("torch", "transformers", "datasets", "lm_eval")
 
@@ -27,3 +36,160 @@ def test_version_and_help_import_no_heavy_module():
     assert _modules_after("--version") == set()
     assert _modules_after("--help") == set()
     assert _modules_after("compress", "--help") == set()
+
+
+# --------------------------------------------------------------------------------------------------
+# OS errors, interrupts, temporaries of dead writers
+# --------------------------------------------------------------------------------------------------
+
+FAST = ["--group-size", "32", "--nsamples", "4", "--seqlen", "32"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("first-hour")
+    base, ft = make_pair(tmp)
+    calib = calib_file(tmp)
+    art = tmp / "art"
+    code = subprocess.run(cli_command("compress", "--base", base, "--finetuned", ft, "--out", art, "--method", "rtn",
+                                      "--group-size", "32", "--json"), capture_output=True).returncode
+    assert code == 0
+    return tmp, base, ft, calib, art
+
+
+def _one_line_error(code: int, err: str) -> str:
+    assert code == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("deltazip: error: "), err
+    return lines[0]
+
+
+def test_read_only_outputs_fail_in_one_line_naming_the_directory(pair, tmp_path):
+    """Issue 17 #3: ``compress --out``, ``merge --out``, ``dedup-scan --manifest`` in a read-only
+    directory, and ``merge --max-shard-size lots``: one line naming the path and the fix."""
+    tmp, base, ft, calib, art = pair
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        cases = [
+            ("compress", "--base", base, "--finetuned", ft, "--out", ro / "art", "--method", "rtn", "--group-size", "32"),
+            ("merge", art, "--out", ro / "merged"),
+            ("dedup-scan", base, ft, "--manifest", ro / "dedup.json"),
+        ]
+        for args in cases:
+            code, out, err = run_cli_process(*args, unprivileged=True)
+            line = _one_line_error(code, err)
+            assert f"{ro}: permission denied; choose a directory you can write to" in line, (args[0], line)
+            assert list(ro.iterdir()) == []  # nothing half-written, no temporary left
+    finally:
+        ro.chmod(0o755)
+
+
+def test_bad_max_shard_size_is_one_line(capsys, monkeypatch, pair, tmp_path):
+    tmp, base, ft, calib, art = pair
+    code, out, err = run_cli(capsys, monkeypatch, "merge", art, "--out", tmp_path / "m", "--max-shard-size", "lots")
+    assert "--max-shard-size 'lots' is not a size; use e.g. 2GB" in _one_line_error(code, err)
+    assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".m.tmp-*"))
+    code, out, err = run_cli(capsys, monkeypatch, "merge", art, "--out", tmp_path / "m", "--max-shard-size", "100KB",
+                             "--json")
+    assert code == 0, err
+    assert sum(f.startswith("model-") for f in json.loads(out)["files"]) > 1  # sharded at 100 kB
+
+
+def test_sigterm_during_compress_removes_the_temporary_directory(pair, tmp_path):
+    """Issue 17 #4: SIGTERM cleans up like SIGINT: no ``.art.tmp-*`` left, one line, exit 143."""
+    tmp, base, ft, calib, _ = pair
+    out = tmp_path / "art"
+    proc = subprocess.Popen(cli_command("compress", "--base", base, "--finetuned", ft, "--calib", calib, "--out", out,
+                                        "--group-size", "32", "--nsamples", "512", "--seqlen", "64"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not list(tmp_path.glob(".art.tmp-*")):
+            assert proc.poll() is None and time.time() < deadline, "compress ended before writing"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "deltazip: interrupted (SIGTERM)", err
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigint_prints_one_line_and_cleans_up(capsys, monkeypatch, pair, tmp_path):
+    """Issue 17 #4: Typer used to swallow KeyboardInterrupt into a silent exit 130."""
+    from deltazip.compress import pipeline
+
+    tmp, base, ft, calib, _ = pair
+    real_layer = pipeline._Run.layer
+
+    def interrupted_layer(self, i, batches):  # a real SIGINT, delivered mid-compression
+        if i == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs in the main thread at the next bytecode
+        return real_layer(self, i, batches)
+
+    monkeypatch.setattr(pipeline._Run, "layer", interrupted_layer)
+    before = signal.getsignal(signal.SIGINT)
+    code, out, err = run_cli(capsys, monkeypatch, "compress", "--base", base, "--finetuned", ft, "--calib", calib,
+                             "--out", tmp_path / "art", *FAST)
+    assert code == 130 and err.strip().splitlines() == ["deltazip: interrupted (SIGINT)"], err
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is before  # main() restores the handlers it replaced
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+@pytest.mark.parametrize("command", ["compress", "merge"])
+def test_temporaries_of_dead_writers_are_removed_on_the_next_run(capsys, monkeypatch, pair, tmp_path, command):
+    """A killed writer (SIGKILL, power loss) leaves ``.out.tmp-{pid}-{ns}``: the next writer of the same
+    output removes it when that pid is gone, and leaves a live writer's alone."""
+    tmp, base, ft, calib, art = pair
+    out = tmp_path / "out"
+    dead = tmp_path / f".out.tmp-{_dead_pid()}-123"
+    dead_old = tmp_path / f".out.old-{_dead_pid()}-456"
+    live = tmp_path / f".out.tmp-{os.getppid()}-789"  # our parent process is alive
+    other = tmp_path / f".outer.tmp-{_dead_pid()}-1"  # another output's: not ours to judge
+    for d in (dead, dead_old, live, other):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half")
+    if command == "compress":
+        args = ["compress", "--base", base, "--finetuned", ft, "--out", out, "--method", "rtn", "--group-size", "32"]
+    else:
+        args = ["merge", art, "--out", out]
+    code, _, err = run_cli(capsys, monkeypatch, *args)
+    assert code == 0, err
+    assert not dead.exists() and not dead_old.exists()
+    assert live.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, live.name, other.name])
+
+
+def test_written_files_honour_the_umask(capsys, monkeypatch, pair, tmp_path):
+    """Issue 17 #16: safetensors writes its files 0600; artifacts and merged models get the umask's modes."""
+    tmp, base, ft, calib, art = pair
+    old = os.umask(0o022)
+    try:
+        code, _, err = run_cli(capsys, monkeypatch, "compress", "--base", base, "--finetuned", ft, "--out",
+                               tmp_path / "art", "--method", "rtn", "--group-size", "32")
+        assert code == 0, err
+        code, _, err = run_cli(capsys, monkeypatch, "merge", tmp_path / "art", "--out", tmp_path / "merged")
+        assert code == 0, err
+        os.umask(0o027)
+        code, _, err = run_cli(capsys, monkeypatch, "merge", tmp_path / "art", "--out", tmp_path / "merged-027")
+        assert code == 0, err
+    finally:
+        os.umask(old)
+    for root, want_file, want_dir in ((tmp_path / "art", 0o644, 0o755), (tmp_path / "merged", 0o644, 0o755),
+                                      (tmp_path / "merged-027", 0o640, 0o750)):
+        assert stat.S_IMODE(root.stat().st_mode) == want_dir
+        files = [p for p in root.rglob("*") if p.is_file()]
+        assert any(p.suffix == ".safetensors" for p in files)
+        assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == \
+            {p.name: oct(want_file) for p in files}
