@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from deltazip.compress.calibration import load_calibration
+from deltazip.compress.calibration import check_calibration_source, load_calibration
 from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.model_walk import (
@@ -365,6 +365,8 @@ def compress_delta(
     """
     progress = progress or (lambda *a: None)
     t0 = time.time()
+    if calib and cfg.method != "rtn":
+        check_calibration_source(calib)  # a typo fails now, before any model is read
     torch.manual_seed(cfg.seed)
     base, ft = Checkpoint(base_spec, "base"), Checkpoint(ft_spec, "fine-tuned")
     check_pair(base, ft)

@@ -193,3 +193,23 @@ def test_written_files_honour_the_umask(capsys, monkeypatch, pair, tmp_path):
         assert any(p.suffix == ".safetensors" for p in files)
         assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == \
             {p.name: oct(want_file) for p in files}
+
+
+# --------------------------------------------------------------------------------------------------
+# Calibration path typos
+# --------------------------------------------------------------------------------------------------
+
+
+def test_missing_relative_calibration_file_fails_at_once_naming_it(capsys, monkeypatch, pair, tmp_path):
+    """Issue 17 #5: ``--calib fx/nope.jsonl`` (one slash, like a hub id) went to the hub 5 times."""
+    tmp, base, ft, calib, _ = pair
+    (tmp_path / "fx").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for source, where in (("fx/nope.jsonl", "fx"), ("fx/nope", "fx"), ("data/train.jsonl", None)):
+        code, _, err = run_cli(capsys, monkeypatch, "compress", "--base", base, "--finetuned", ft, "--calib", source,
+                               "--out", tmp_path / "art", *FAST)
+        line = _one_line_error(code, err)
+        assert f"calibration data {source} does not exist" in line, line
+        if where:
+            assert f"(no such file in {where})" in line
+        assert not (tmp_path / "art").exists() and not list(tmp_path.glob(".art.tmp-*"))
