@@ -134,7 +134,7 @@ def os_error_line(e: OSError) -> str:
 
 def main() -> None:
     """Console entry point: known errors become one line on stderr and exit code 1; SIGINT and
-    SIGTERM clean up, print one line and exit 130 / 143."""
+    SIGTERM clean up and print one line, then exit 130 (SIGINT) or end by the SIGTERM."""
     debug = os.environ.get("DELTAZIP_DEBUG") == "1"
     _quiet_libraries()
     previous = _install_signal_handlers()
@@ -153,6 +153,12 @@ def main() -> None:
     except Interrupted as e:
         name = "SIGTERM" if e.signum == signal.SIGTERM else "SIGINT"
         print(f"deltazip: interrupted ({name})", file=sys.stderr)
+        if previous.get(e.signum) is signal.SIG_DFL:
+            # Cleaned up; now end the way the sender expects, by that signal (service managers count
+            # a SIGTERM death as a clean stop, an exit code 143 as a failure).
+            sys.stderr.flush()
+            signal.signal(e.signum, signal.SIG_DFL)
+            os.kill(os.getpid(), e.signum)
         sys.exit(128 + e.signum)
     except KeyboardInterrupt:
         print("deltazip: interrupted", file=sys.stderr)

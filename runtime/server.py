@@ -1027,12 +1027,19 @@ class ServerThread:
         self.sock.close()
 
 
-def serve_forever(cfg: ServeConfig, runtime: Runtime | None = None, metrics: Metrics | None = None) -> None:
-    """Build (unless given) and run the server in the foreground until interrupted."""
+def serve_forever(cfg: ServeConfig, runtime: Runtime | None = None, metrics: Metrics | None = None,
+                  sock: socket.socket | None = None) -> None:
+    """Build (unless given) and run the server in the foreground until interrupted.
+
+    Args:
+        sock: a socket already bound to the port and listening (``deltazip serve`` binds it before
+            loading models, ``deltazip.runtime.listen``); default: uvicorn binds ``cfg.host:cfg.port``.
+    """
     import uvicorn
 
     metrics = metrics or Metrics()
     rt = runtime or build_runtime(cfg, observer=metrics)
     app = create_app(rt, metrics)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=os.environ.get("DELTAZIP_LOG_LEVEL", "info"),
-                lifespan="on", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="on", timeout_graceful_shutdown=5,
+                            log_level=os.environ.get("DELTAZIP_LOG_LEVEL", "info").lower(), access_log=False)
+    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

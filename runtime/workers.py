@@ -604,10 +604,11 @@ async def _gather_metrics(pool: WorkerPool, client) -> bytes:
     return generate_latest(reg)
 
 
-def serve_workers(cfg, on_ready=None) -> None:
+def serve_workers(cfg, on_ready=None, sock=None) -> None:
     """``deltazip serve --workers K`` in the foreground: pool + front until SIGINT/SIGTERM.
 
-    ``on_ready(pool)`` runs once the owner and every worker are up, before the front binds.
+    ``on_ready(pool)`` runs once the owner and every worker are up, before the front serves.
+    ``sock``: the front's socket, already bound and listening (default: uvicorn binds the port).
     """
     import uvicorn
 
@@ -616,8 +617,10 @@ def serve_workers(cfg, on_ready=None) -> None:
     try:
         if on_ready is not None:
             on_ready(pool)
-        uvicorn.run(pool.front_app(), host=cfg.host, port=cfg.port, lifespan="on", timeout_graceful_shutdown=5,
-                    log_level=os.environ.get("DELTAZIP_LOG_LEVEL", "info").lower())
+        config = uvicorn.Config(pool.front_app(), host=cfg.host, port=cfg.port, lifespan="on",
+                                timeout_graceful_shutdown=5,
+                                log_level=os.environ.get("DELTAZIP_LOG_LEVEL", "info").lower())
+        uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
     finally:
         pool.close()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -98,7 +99,8 @@ def test_bad_max_shard_size_is_one_line(capsys, monkeypatch, pair, tmp_path):
 
 
 def test_sigterm_during_compress_removes_the_temporary_directory(pair, tmp_path):
-    """Issue 17 #4: SIGTERM cleans up like SIGINT: no ``.art.tmp-*`` left, one line, exit 143."""
+    """Issue 17 #4: SIGTERM cleans up like SIGINT: no ``.art.tmp-*`` left, one line, then the process
+    ends by the signal (as an uncaught SIGTERM would)."""
     tmp, base, ft, calib, _ = pair
     out = tmp_path / "art"
     proc = subprocess.Popen(cli_command("compress", "--base", base, "--finetuned", ft, "--calib", calib, "--out", out,
@@ -113,7 +115,7 @@ def test_sigterm_during_compress_removes_the_temporary_directory(pair, tmp_path)
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert proc.returncode == -signal.SIGTERM, err  # cleaned up, then ended by the signal itself
     assert err.strip().splitlines()[-1] == "deltazip: interrupted (SIGTERM)", err
     assert "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
@@ -213,3 +215,61 @@ def test_missing_relative_calibration_file_fails_at_once_naming_it(capsys, monke
         if where:
             assert f"(no such file in {where})" in line
         assert not (tmp_path / "art").exists() and not list(tmp_path.glob(".art.tmp-*"))
+
+
+# --------------------------------------------------------------------------------------------------
+# serve: the port
+# --------------------------------------------------------------------------------------------------
+
+
+def test_busy_port_is_one_line_before_any_model_loads(capsys, monkeypatch, pair):
+    """Issue 17 #6: a port in use was found after every model had loaded (14 lines, exit 3)."""
+    from deltazip.runtime import server, workers
+
+    tmp, base, ft, calib, art = pair
+    loaded = []
+    monkeypatch.setattr(server, "build_runtime", lambda *a, **k: loaded.append("build_runtime"))
+    monkeypatch.setattr(workers.WorkerPool, "start", lambda self: loaded.append("workers"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for extra in ([], ["--workers", "2"]):
+            code, out, err = run_cli(capsys, monkeypatch, "serve", art, "--base", base, "--port", port, *extra)
+            line = _one_line_error(code, err)
+            assert f"port {port} on 127.0.0.1 is already in use" in line and "--port" in line
+    assert loaded == []
+
+
+def test_serve_cli_serves_on_the_port_it_bound_first(pair):
+    """The socket bound before loading is the one uvicorn serves on (``--port 0``: the system's pick,
+    printed in the --json document); SIGTERM stops the server with one line."""
+    import httpx
+
+    tmp, base, ft, calib, art = pair
+    proc = subprocess.Popen(cli_command("serve", art, "--base", base, "--port", "0", "--json"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not lines or lines[-1] != "}\n":
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            lines.append(line)
+        url = json.loads("".join(lines))["serving"]
+        assert not url.endswith(":0")
+        deadline = time.time() + 60
+        while True:
+            try:
+                r = httpx.get(url + "/v1/models", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.time() < deadline and proc.poll() is None
+                time.sleep(0.1)
+        assert r.status_code == 200 and {m["id"] for m in r.json()["data"]} == {base.name, art.name}
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "deltazip: interrupted (SIGTERM)"
+    assert "Traceback" not in err
