@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import resource
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from deltazip.compress.model_walk import (
 from deltazip.compress.obs import SolveResult, obs_compress, output_error, rtn_compress
 from deltazip.compress.others import embedding_weight_names, new_stats, record_embedding, record_exact
 from deltazip.formats.artifact import Artifact, ArtifactWriter
-from deltazip.formats.errors import InputError
+from deltazip.formats.errors import DeltazipWarning, InputError
 from deltazip.formats.exact import bitwise_equal
 from deltazip.formats.gdeflate import DEFAULT_LEVEL
 from deltazip.formats.packing import pack_delta
@@ -321,8 +322,14 @@ class _Run:
 
     def _compress_linear(self, n: str, H: torch.Tensor | None, stats: dict) -> torch.Tensor:
         cfg = self.cfg
-        wf = self.ft.get(n).float().to(self.device)
-        wb = self.base.get(n).float().to(self.device)
+        raw_f, raw_b = self.ft.get(n), self.base.get(n)
+        if bitwise_equal(raw_f, raw_b):  # an unchanged linear costs nothing (not a packed all-zero delta)
+            self.writer.add_same(n, tuple(raw_f.shape), raw_f.dtype)
+            stats["tensors"][n] = {"rel_weight_err": 0.0, "delta_rel_norm": 0.0, "same": True,
+                                   **({"rel_out_err": 0.0} if H is not None else {})}
+            return raw_b.float().to(self.device)
+        wf = raw_f.float().to(self.device)
+        wb = raw_b.float().to(self.device)
         target = wf - wb if cfg.additive else wf
         res = _solve(target, H, cfg)
         packed = pack_delta(res.codes.cpu(), res.scales.cpu(), None if cfg.sym else res.zeros.cpu(),
@@ -370,6 +377,10 @@ def compress_delta(
     torch.manual_seed(cfg.seed)
     base, ft = Checkpoint(base_spec, "base"), Checkpoint(ft_spec, "fine-tuned")
     check_pair(base, ft)
+    base_fp, ft_fp = base.fingerprint(), ft.fingerprint()
+    if base_fp == ft_fp:
+        warnings.warn(f"the fine-tuned model {ft_spec} is bit-identical to the base {base_spec}: the artifact "
+                      f"stores no delta (check that --finetuned names the fine-tune)", DeltazipWarning, stacklevel=2)
     if cfg.method != "rtn" and not calib:
         raise InputError(f"--calib is required for --method {cfg.method}; pass a .jsonl/.json/.txt/.parquet file")
     with ArtifactWriter(out_dir, overwrite=overwrite, lossless=lossless, lossless_level=lossless_level) as writer:
@@ -399,8 +410,8 @@ def compress_delta(
                  "other_tensors": run.other_stats}
         if run.device.type == "cuda":
             stats["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-        lineage = {"base": str(base_spec), "finetuned": str(ft_spec), "base_fingerprint": base.fingerprint(),
-                   "finetuned_fingerprint": ft.fingerprint(),
+        lineage = {"base": str(base_spec), "finetuned": str(ft_spec), "base_fingerprint": base_fp,
+                   "finetuned_fingerprint": ft_fp,
                    "architectures": ft.config_dict().get("architectures"),
                    "model_type": ft.config_dict().get("model_type"), "finetuned_bytes": ft.nbytes(),
                    "layers_path": run.lname, "num_layers": n_layers}

@@ -8,13 +8,14 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from deltazip.formats.errors import DeltazipError
+from deltazip.formats.errors import DeltazipError, DeltazipWarning
 
 app = typer.Typer(
     name="deltazip",
@@ -132,12 +133,27 @@ def os_error_line(e: OSError) -> str:
     return f"{path}: {what}" if path is not None else what
 
 
+def _one_line_warnings(show):
+    """A ``warnings.showwarning`` that prints our own warnings as one ``deltazip: warning:`` line and
+    hands the others to ``show``."""
+
+    def showwarning(message, category, filename, lineno, file=None, line=None) -> None:
+        if issubclass(category, DeltazipWarning):
+            print(f"deltazip: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
+
+
 def main() -> None:
     """Console entry point: known errors become one line on stderr and exit code 1; SIGINT and
     SIGTERM clean up and print one line, then exit 130 (SIGINT) or end by the SIGTERM."""
     debug = os.environ.get("DELTAZIP_DEBUG") == "1"
     _quiet_libraries()
     previous = _install_signal_handlers()
+    previous_show = warnings.showwarning
+    warnings.showwarning = _one_line_warnings(previous_show)
     try:
         app(standalone_mode=True)
     except DeltazipError as e:
@@ -164,6 +180,7 @@ def main() -> None:
         print("deltazip: interrupted", file=sys.stderr)
         sys.exit(130)
     finally:
+        warnings.showwarning = previous_show
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

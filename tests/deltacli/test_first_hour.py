@@ -13,8 +13,9 @@ import sys
 import time
 
 import pytest
+import torch
 from _cli import cli_command, run_cli, run_cli_process
-from _factories import calib_file, make_pair
+from _factories import calib_file, make_pair, perturb, save_model, tiny_model
 
 HEAVY = ("torch", "transformers", "datasets", "lm_eval")
 
@@ -273,3 +274,55 @@ def test_serve_cli_serves_on_the_port_it_bound_first(pair):
     assert proc.returncode == -signal.SIGTERM, err
     assert err.strip().splitlines()[-1] == "deltazip: interrupted (SIGTERM)"
     assert "Traceback" not in err
+
+
+# --------------------------------------------------------------------------------------------------
+# compress --base X --finetuned X
+# --------------------------------------------------------------------------------------------------
+
+
+def test_identical_pair_stores_same_and_warns_in_one_line(capsys, monkeypatch, pair, tmp_path):
+    """Issue 17 #7: an identical pair gave an artifact of all-zero "packed" deltas, silently."""
+    tmp, base, ft, calib, _ = pair
+    out = tmp_path / "art"
+    code, stdout, err = run_cli(capsys, monkeypatch, "compress", "--base", base, "--finetuned", base, "--calib", calib,
+                                "--out", out, *FAST, "--json")
+    assert code == 0, err
+    assert err.strip().splitlines() == [f"deltazip: warning: the fine-tuned model {base} is bit-identical to the "
+                                        f"base {base}: the artifact stores no delta (check that --finetuned names "
+                                        f"the fine-tune)"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    kinds = {e["kind"] for e in manifest["tensors"].values()}
+    assert kinds <= {"same", "alias"}, kinds
+    assert all(e["stored_bytes"] == 0 for e in manifest["tensors"].values())
+    assert json.loads(stdout)["artifact_bytes"] < 20_000  # manifest and side files only
+
+
+def test_unchanged_linears_are_stored_same(tmp_path):
+    """A fine-tune that leaves some linears bit-identical: those are ``same`` (no bytes), the others
+    packed, and the merged model has the base's exact bits there."""
+    from safetensors.torch import load_file
+
+    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.compress.config import CompressConfig
+    from deltazip.compress.merge import merge_to_dir
+    from deltazip.compress.pipeline import compress_delta
+    from deltazip.formats.artifact import Artifact
+
+    base = save_model(tiny_model("llama"), tmp_path / "base")
+    ft = save_model(perturb(tiny_model("llama"), skip=("norm", "q_proj", "layers.1.mlp.down_proj")), tmp_path / "ft")
+    for method in ("deltazip", "sparsegpt", "rtn"):
+        out = tmp_path / f"art-{method}"
+        compress_delta(base, ft, str(calib_file(tmp_path)), out,
+                       CompressConfig(method=method, group_size=32, nsamples=4, seqlen=32, device="cpu"))
+        tensors = Artifact(out).tensors
+        same = sorted(n for n, e in tensors.items() if e["kind"] == "same" and n.endswith("proj.weight"))
+        assert same == ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",
+                        "model.layers.1.self_attn.q_proj.weight"], method
+        assert tensors["model.layers.0.mlp.down_proj.weight"]["kind"] == "packed"
+        merged = merge_to_dir(Artifact(out), Checkpoint(base), tmp_path / f"merged-{method}")
+        want, got = load_file(base / "model.safetensors"), {}
+        for f in merged.glob("*.safetensors"):
+            got.update(load_file(f))
+        for n in same:
+            assert torch.equal(got[n], want[n]), (method, n)
