@@ -166,10 +166,12 @@ class WorkerPool:
     def start(self) -> WorkerPool:
         """Validate the inputs here (one-line errors before any process starts), start the owner,
         then the workers; return when all are ready."""
-        from deltazip.runtime.model import discover_artifacts, open_served_base, resolve_dtype
+        from deltazip.runtime.model import open_served_base, resolve_dtype
+        from deltazip.runtime.variant_sources import discover_variants
         from deltazip.runtime.weight_share import st_dtype
 
-        variants = discover_artifacts(self.cfg.artifacts)
+        # As build_runtime does: every kind of variant, corrupt artifacts refused here in one line.
+        variants = discover_variants(self.cfg.artifacts, allow_empty=self.cfg.base is not None)
         base = open_served_base(variants, self.cfg.base)
         self.base_dir = base.path
         self.device = self.cfg.torch_device()
