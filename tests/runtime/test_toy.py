@@ -127,6 +127,21 @@ def test_pair_files_and_data(pair):
     assert calls and calls[-1][1] == calls[-1][2] and any("fine-tune" in c[0] for c in calls)
 
 
+def test_pair_has_a_chat_template_that_renders_task_prompts(pair):
+    """Issue 17 #13: chat never worked on the demo's output (no template anywhere)."""
+    evals = _read_jsonl(pair.eval_path)
+    for d in (pair.base_dir, pair.finetuned_dir):
+        tok = AutoTokenizer.from_pretrained(d)
+        for row in evals[:8]:
+            msgs = [{"role": "system", "content": "be exact"}, {"role": "user", "content": row["prompt"]}]
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            assert list(ids) == tok(row["prompt"])["input_ids"]  # exactly the prompt as trained (with BOS)
+        two = tok.apply_chat_template([{"role": "user", "content": "s 1="}, {"role": "assistant", "content": "2"},
+                                       {"role": "user", "content": "s 3="}], tokenize=False)
+        assert two == "<s>s 1=2;s 3="
+
+
 def test_base_and_finetuned_have_same_tensors_and_every_weight_moved(pair):
     base, ft = _tensors(pair.base_dir), _tensors(pair.finetuned_dir)
     assert base.keys() == ft.keys()
