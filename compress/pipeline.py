@@ -398,6 +398,7 @@ def compress_delta(
         run.outside_layers()
         batches = run.first_inputs(cal.input_ids) if cfg.method != "rtn" else []
         n_layers = len(run.layers)
+        progress("compressing layers", 0, n_layers)
         for i in range(n_layers):
             batches = run.layer(i, batches)
             progress("compressing layers", i + 1, n_layers)

@@ -61,7 +61,9 @@ def run_demo(workdir: str | Path, seed: int = 0, nsamples: int = 128, progress: 
         cfg = CompressConfig(method=method, bits=bits, group_size=128, nsamples=nsamples, seqlen=64, seed=seed,
                              device="cpu")
         t = time.time()
-        summary = compress_delta(pair.base_dir, pair.finetuned_dir, str(pair.calib_path), out, cfg, overwrite=True)
+        summary = compress_delta(pair.base_dir, pair.finetuned_dir, str(pair.calib_path), out, cfg, overwrite=True,
+                                 progress=lambda desc, done, total, label=label: progress(f"{label}: {desc}", done,
+                                                                                          total))
         secs = time.time() - t
         model = load_merged_model(Artifact(out), base)
         rows.append({"model": label, "bytes": summary["artifact_bytes"], "ratio": ft_bytes / summary["artifact_bytes"],

@@ -48,3 +48,17 @@ def run_cli_process(*args, unprivileged: bool = False, timeout: float = 300, **k
     r = subprocess.run(cli_command(*args, unprivileged=unprivileged), capture_output=True, text=True,
                        timeout=timeout, **kwargs)
     return r.returncode, r.stdout, r.stderr
+
+
+_PROGRESS = None
+
+
+def without_progress(err: str) -> str:
+    """``err`` without the plain progress lines commands print when stderr is not a terminal
+    (``deltazip.deltacli.common.PlainProgress``): what is left must be the one-line error."""
+    import re
+
+    global _PROGRESS
+    if _PROGRESS is None:
+        _PROGRESS = re.compile(r"^(?!deltazip: ).+: (\d+/\d+( \(\d+ s\))?|done \(\d+/\d+\) in \d+\.\d s)$")
+    return "".join(ln for ln in err.splitlines(keepends=True) if not _PROGRESS.match(ln.rstrip("\n")))

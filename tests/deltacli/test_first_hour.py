@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from _cli import cli_command, run_cli, run_cli_process
+from _cli import cli_command, run_cli, run_cli_process, without_progress
 from _factories import calib_file, make_pair, perturb, save_model, tiny_model
 
 HEAVY = ("torch", "transformers", "datasets", "lm_eval")
@@ -61,7 +61,7 @@ def pair(tmp_path_factory):
 
 def _one_line_error(code: int, err: str) -> str:
     assert code == 1, err
-    lines = err.strip().splitlines()
+    lines = without_progress(err).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("deltazip: error: "), err
     return lines[0]
 
@@ -139,7 +139,7 @@ def test_sigint_prints_one_line_and_cleans_up(capsys, monkeypatch, pair, tmp_pat
     before = signal.getsignal(signal.SIGINT)
     code, out, err = run_cli(capsys, monkeypatch, "compress", "--base", base, "--finetuned", ft, "--calib", calib,
                              "--out", tmp_path / "art", *FAST)
-    assert code == 130 and err.strip().splitlines() == ["deltazip: interrupted (SIGINT)"], err
+    assert code == 130 and without_progress(err).strip().splitlines() == ["deltazip: interrupted (SIGINT)"], err
     assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGINT) is before  # main() restores the handlers it replaced
 
@@ -326,3 +326,43 @@ def test_unchanged_linears_are_stored_same(tmp_path):
             got.update(load_file(f))
         for n in same:
             assert torch.equal(got[n], want[n]), (method, n)
+
+
+# --------------------------------------------------------------------------------------------------
+# Progress when stderr is not a terminal
+# --------------------------------------------------------------------------------------------------
+
+
+def test_piped_commands_print_plain_progress_lines(capsys, monkeypatch, pair, tmp_path):
+    """Issue 17 #9: piped (CI, ``| tee``), commands printed nothing until the end; now a line per stage
+    (start and end), no bar control characters, and still nothing but JSON under --json."""
+    tmp, base, ft, calib, art = pair
+    code, _, err = run_cli(capsys, monkeypatch, "compress", "--base", base, "--finetuned", ft, "--calib", calib,
+                           "--out", tmp_path / "art", *FAST)
+    assert code == 0, err
+    lines = err.strip().splitlines()
+    assert lines[0] == "compressing layers: 0/2"
+    assert lines[-1].startswith("compressing layers: done (2/2) in ") and lines[-1].endswith(" s")
+    assert "\r" not in err and "\x1b" not in err
+    code, _, err = run_cli(capsys, monkeypatch, "merge", tmp_path / "art", "--out", tmp_path / "merged")
+    assert code == 0 and any(ln.startswith("rebuilding tensors: done (") for ln in err.splitlines()), err
+    code, out, err = run_cli(capsys, monkeypatch, "verify", tmp_path / "art", "--json")
+    assert code == 0 and err == "" and json.loads(out)["ok"]
+
+
+def test_plain_progress_lines_for_long_stages():
+    import io
+
+    from deltazip.deltacli.common import PlainProgress
+
+    buf = io.StringIO()
+    p = PlainProgress(every=0.0, stream=buf)
+    for i in range(4):
+        p("training", i, 3)
+    p("training", 3, 3)  # an end reported twice: one line
+    p("compressing", 1, 1)  # a stage seen only at its end: one line
+    p("training", 0, 2)  # the same stage again
+    p("training", 2, 2)
+    lines = [ln.split(" in ")[0] for ln in buf.getvalue().splitlines()]
+    assert lines == ["training: 0/3", "training: 1/3 (0 s)", "training: 2/3 (0 s)", "training: done (3/3)",
+                     "compressing: done (1/1)", "training: 0/2", "training: done (2/2)"]
