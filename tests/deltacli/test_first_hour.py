@@ -366,3 +366,31 @@ def test_plain_progress_lines_for_long_stages():
     lines = [ln.split(" in ")[0] for ln in buf.getvalue().splitlines()]
     assert lines == ["training: 0/3", "training: 1/3 (0 s)", "training: 2/3 (0 s)", "training: done (3/3)",
                      "compressing: done (1/1)", "training: 0/2", "training: done (2/2)"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Install
+# --------------------------------------------------------------------------------------------------
+
+
+def test_every_importable_folder_is_a_listed_package():
+    """Issue 17 #12: setuptools warns once per file ("Package would be ignored") for an importable
+    folder missing from ``packages`` (runtime/eval_tasks was, 45 lines at every install)."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parents[2]
+    st = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages, dirs = set(st["packages"]), st["package-dir"]
+    for pkg, folder in dirs.items():
+        for d in sorted((root / folder).rglob("*")):
+            rel = d.relative_to(root / folder)
+            if not d.is_dir() or any(p.startswith((".", "_")) or not p.isidentifier() for p in rel.parts):
+                continue
+            if not any(f.is_file() for f in d.iterdir()):
+                continue
+            name = ".".join((pkg, *rel.parts))
+            assert name in packages, f"{d} is importable as {name} but not in [tool.setuptools] packages"
+    data = st.get("package-data", {})
+    assert data.get("deltazip.runtime.eval_tasks") == ["*.yaml"]
+    assert list((root / "runtime" / "eval_tasks").glob("*.yaml"))
