@@ -8,9 +8,12 @@ TORCH ?= torch==2.13.0
 .PHONY: install demo test lint
 
 $(VENV)/.installed: pyproject.toml
+	@echo "make: creating $(VENV) and installing deltazip with its dependencies (a few minutes; pip is quiet)"
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@$(PY) -c "import torch" 2>/dev/null || echo "make: installing $(TORCH) (the largest download)"
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	@echo "make: installing deltazip (editable) with the dev, kernels, serve and eval extras"
 	$(PY) -m pip install -q -e ".[dev,kernels,serve,eval]"
 	touch $@
 

@@ -17,6 +17,8 @@ import torch
 from deltazip.formats.errors import InputError
 
 _LOADERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
+# A missing source with one of these extensions is a mistyped file, never a hub dataset id.
+_FILE_SUFFIXES = set(_LOADERS) | {".csv", ".tsv", ".text", ".md", ".arrow", ".gz", ".bz2", ".xz", ".zst", ".zip"}
 MIN_TOKENS = 8
 
 
@@ -44,6 +46,29 @@ def _record_text(rec: dict, tokenizer) -> str | None:
     return None
 
 
+def check_calibration_source(source: str) -> None:
+    """Fail at once on a calibration path that looks local and is missing.
+
+    A source that does not exist is taken for a hub dataset id (``org/name``) only when nothing says
+    it is a file: no data-file extension (``.jsonl``, ``.csv``...), not absolute or ``./``-relative,
+    and its first part is not an existing local directory. Otherwise the hub would be retried for
+    most of a minute and never say "file not found".
+
+    Raises:
+        InputError: naming the path (and the directory that lacks it).
+    """
+    p = Path(source).expanduser()
+    if p.exists():
+        return
+    parent = p.parent
+    looks_local = (p.suffix.lower() in _FILE_SUFFIXES or source.startswith((".", "/", "~"))
+                   or source.count("/") != 1 or (str(parent) not in ("", ".") and parent.is_dir()))
+    if looks_local:
+        where = f" (no such file in {parent})" if str(parent) not in ("", ".") and parent.is_dir() else ""
+        raise InputError(f"calibration data {source} does not exist{where}; check the path (a hub dataset id "
+                         f"looks like org/name, without an extension)")
+
+
 def _load_records(source: str):
     import datasets
 
@@ -59,8 +84,7 @@ def _load_records(source: str):
                 raise InputError(f"calibration file {p} is empty")
             kwargs = {"sample_by": "paragraph"} if kind == "text" else {}
             return datasets.load_dataset(kind, data_files=str(p), split="train", **kwargs), _sha256(p)
-        if source.count("/") != 1:
-            raise InputError(f"calibration data {source} does not exist; pass a local file or a hub dataset id")
+        check_calibration_source(source)
         return datasets.load_dataset(source, split="train"), None
     except InputError:
         raise

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +13,7 @@ from huggingface_hub import save_torch_state_dict
 
 from deltazip.compress.checkpoint import Checkpoint
 from deltazip.formats.artifact import Artifact, needs_base
+from deltazip.formats.atomic import apply_umask, remove_stale_siblings, temp_sibling
 from deltazip.formats.errors import InputError
 from deltazip.formats.side_files import materialize_side_files
 
@@ -42,6 +43,30 @@ def reconstruct_state_dict(art: Artifact, base: Checkpoint,
     return out
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+               "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_shard_size(size: str | int) -> int:
+    """``--max-shard-size`` in bytes: a number of bytes or a number with KB/MB/GB/TB (powers of 1000,
+    as Hugging Face counts them) or KiB/MiB/GiB/TiB.
+
+    Raises:
+        InputError: anything else, naming the option and examples.
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in _SIZE_UNITS:
+            raise InputError(f"--max-shard-size {size!r} is not a size; use e.g. 2GB, 500MB or a number of bytes")
+        n = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if n < 1:
+        raise InputError(f"--max-shard-size {size!r} must be at least 1 byte; use e.g. 2GB")
+    return n
+
+
 def merge_to_dir(art: Artifact, base: Checkpoint, out_dir: str | Path, overwrite: bool = False,
                  max_shard_size: str = "2GB", progress=None) -> Path:
     """Write ``base + delta`` as a standard HF checkpoint (config, tokenizer, sharded safetensors).
@@ -50,9 +75,11 @@ def merge_to_dir(art: Artifact, base: Checkpoint, out_dir: str | Path, overwrite
     rebuilt). The write goes to a temporary sibling directory renamed into place at the end.
     """
     out_dir = Path(out_dir)
+    shard_bytes = parse_shard_size(max_shard_size)
     if out_dir.exists() and not overwrite:
         raise InputError(f"output directory {out_dir} already exists; pass --overwrite to replace it")
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    remove_stale_siblings(out_dir)  # temporaries of killed writers of the same output
+    tmp = temp_sibling(out_dir)
     tmp.mkdir(parents=True)
     try:
         if "side_files" in art.manifest:
@@ -65,7 +92,8 @@ def merge_to_dir(art: Artifact, base: Checkpoint, out_dir: str | Path, overwrite
                 if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
                     shutil.copyfile(f, tmp / f.name)
         sd = reconstruct_state_dict(art, base, progress)
-        save_torch_state_dict(sd, tmp, max_shard_size=max_shard_size)
+        save_torch_state_dict(sd, tmp, max_shard_size=shard_bytes)
+        apply_umask(tmp)  # safetensors writes its files 0600
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.rename(tmp, out_dir)

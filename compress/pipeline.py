@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import resource
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from deltazip.compress.calibration import load_calibration
+from deltazip.compress.calibration import check_calibration_source, load_calibration
 from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.experts import Hessians, collect_hessians, solve_target
@@ -39,7 +40,7 @@ from deltazip.compress.model_walk import (
 from deltazip.compress.obs import SolveResult, obs_compress, rtn_compress
 from deltazip.compress.others import embedding_weight_names, new_stats, record_embedding, record_exact
 from deltazip.formats.artifact import Artifact, ArtifactWriter
-from deltazip.formats.errors import InputError
+from deltazip.formats.errors import DeltazipWarning, InputError
 from deltazip.formats.exact import bitwise_equal
 from deltazip.formats.gdeflate import DEFAULT_LEVEL
 
@@ -325,10 +326,11 @@ class _Run:
         """Compress one linear / expert tensor; returns its reconstruction in the checkpoint's shape."""
         cfg, n = self.cfg, t.name
         fb, ff = self.base.get(n), self.ft.get(n)
-        if cfg.additive and bitwise_equal(fb, ff):
-            # a frozen matrix (partial fine-tunes, untouched heads): nothing to store
+        if bitwise_equal(fb, ff):
+            # a frozen matrix (partial fine-tunes, untouched heads): nothing to store, not a packed all-zero delta
             self.writer.add_same(n, tuple(ff.shape), ff.dtype)
-            self.other_stats["same"] += 1
+            stats["tensors"][n] = {"rel_weight_err": 0.0, "delta_rel_norm": 0.0, "same": True,
+                                   **({"rel_out_err": 0.0} if hs is not None else {})}
             return fb.float().to(self.device)
         wf = ff.float().to(self.device)
         wb = fb.float().to(self.device)
@@ -372,9 +374,15 @@ def compress_delta(
     """
     progress = progress or (lambda *a: None)
     t0 = time.time()
+    if calib and cfg.method != "rtn":
+        check_calibration_source(calib)  # a typo fails now, before any model is read
     torch.manual_seed(cfg.seed)
     base, ft = Checkpoint(base_spec, "base"), Checkpoint(ft_spec, "fine-tuned")
     check_pair(base, ft)
+    base_fp, ft_fp = base.fingerprint(), ft.fingerprint()
+    if base_fp == ft_fp:
+        warnings.warn(f"the fine-tuned model {ft_spec} is bit-identical to the base {base_spec}: the artifact "
+                      f"stores no delta (check that --finetuned names the fine-tune)", DeltazipWarning, stacklevel=2)
     if cfg.method != "rtn" and not calib:
         raise InputError(f"--calib is required for --method {cfg.method}; pass a .jsonl/.json/.txt/.parquet file")
     with ArtifactWriter(out_dir, overwrite=overwrite, lossless=lossless, lossless_level=lossless_level) as writer:
@@ -392,6 +400,7 @@ def compress_delta(
         run.outside_layers()
         batches = run.first_inputs(cal.input_ids) if cfg.method != "rtn" else []
         n_layers = len(run.layers)
+        progress("compressing layers", 0, n_layers)
         for i in range(n_layers):
             batches = run.layer(i, batches)
             progress("compressing layers", i + 1, n_layers)
@@ -404,8 +413,8 @@ def compress_delta(
                  "other_tensors": run.other_stats}
         if run.device.type == "cuda":
             stats["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-        lineage = {"base": str(base_spec), "finetuned": str(ft_spec), "base_fingerprint": base.fingerprint(),
-                   "finetuned_fingerprint": ft.fingerprint(),
+        lineage = {"base": str(base_spec), "finetuned": str(ft_spec), "base_fingerprint": base_fp,
+                   "finetuned_fingerprint": ft_fp,
                    "architectures": ft.config_dict().get("architectures"),
                    "model_type": ft.config_dict().get("model_type"), "finetuned_bytes": ft.nbytes(),
                    "layers_path": run.lname, "num_layers": n_layers}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -19,8 +20,6 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from deltazip.formats.report import human_bytes  # noqa: F401  (re-exported for the commands)
-
 # Logs, tables meant for people and progress go to stderr; stdout carries only --json output
 # (or the human report when --json is off).
 err_console = Console(stderr=True)
@@ -29,6 +28,14 @@ out_console = Console()
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout; no progress bars.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the output directory if it exists.")]
 ArtifactArg = Annotated[Path, typer.Argument(help="A deltazip artifact directory.", show_default=False)]
+
+
+def human_bytes(n: float) -> str:
+    """``deltazip.formats.report.human_bytes``, imported on first use: formats.report imports torch,
+    and ``deltazip --version``/``--help`` must not pay for that."""
+    from deltazip.formats.report import human_bytes as _human_bytes
+
+    return _human_bytes(n)
 
 
 def print_json(doc: Any) -> None:
@@ -50,15 +57,52 @@ def progress_enabled(json_out: bool) -> bool:
     return not json_out and err_console.is_terminal
 
 
+class PlainProgress:
+    """Progress as plain stderr lines, for a stderr that is not a terminal (CI logs, ``| tee``):
+    a line when a stage starts, one at most every ``every`` seconds while it runs, one when it ends."""
+
+    def __init__(self, every: float = 30.0, stream=None):
+        self.every = every
+        self.stream = stream
+        self._stages: dict[str, list[float]] = {}  # description -> [start, last line]
+        self._done: set[str] = set()
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.stream or sys.stderr, flush=True)
+
+    def __call__(self, desc: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        st = self._stages.get(desc)
+        if st is None:
+            if desc in self._done and done >= total:
+                return  # the end of a stage reported twice
+            st = self._stages[desc] = [now, now]
+            self._done.discard(desc)  # a stage that runs again
+            if done < total:
+                self._say(f"{desc}: {done}/{total}")
+                return
+        if done >= total:
+            self._done.add(desc)
+            del self._stages[desc]
+            self._say(f"{desc}: done ({total}/{total}) in {now - st[0]:.1f} s")
+        elif now - st[1] >= self.every:
+            st[1] = now
+            self._say(f"{desc}: {done}/{total} ({now - st[0]:.0f} s)")
+
+
 @contextmanager
 def progress_bar(json_out: bool):
-    """A rich Progress on stderr, or a no-op stand-in when bars are off.
+    """A rich Progress on stderr at a terminal, plain lines when stderr is not one (one per stage at
+    least), nothing under --json.
 
     Yields a callable ``report(description, completed, total)`` that the library's progress
     callbacks can be pointed at.
     """
-    if not progress_enabled(json_out):
+    if json_out:
         yield lambda desc, done, total: None
+        return
+    if not progress_enabled(json_out):
+        yield PlainProgress()
         return
     cols = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn()]

@@ -10,7 +10,6 @@ import typer
 from rich.table import Table
 
 from deltazip.deltacli.common import JsonOpt, human_bytes, out_console, print_json, progress_bar
-from deltazip.formats.dedup_scan import ScanConfig, scan_checkpoints
 
 _MIB = 1024 * 1024
 
@@ -47,6 +46,11 @@ def dedup_scan(
     json_out: JsonOpt = False,
 ) -> None:
     """Find bit-identical tensors across checkpoints and the memory a deduplicating loader saves."""
+    from deltazip.formats.atomic import check_writable
+    from deltazip.formats.dedup_scan import ScanConfig, scan_checkpoints
+
+    if manifest is not None:
+        check_writable(manifest, "--manifest")  # before the scan, which can take minutes
     cfg = ScanConfig(hash=hash_algo.value, min_bytes=min_bytes, verify_bytes=verify_bytes, diff_stats=diff_stats,
                      threads=threads)
     with progress_bar(json_out) as report:

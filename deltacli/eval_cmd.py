@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -51,8 +52,9 @@ def eval_targets(
     json_out: JsonOpt = False,
 ) -> None:
     """Evaluate compressed variants with lm-eval through the same model code that `deltazip serve` runs."""
-    if json_out:
-        os.environ.setdefault("TQDM_DISABLE", "1")  # lm-eval's bars; stdout stays one JSON document
+    if json_out or not sys.stderr.isatty():
+        # lm-eval's bars: stdout stays one JSON document, and a log file gets no carriage-return soup.
+        os.environ.setdefault("TQDM_DISABLE", "1")
     try:
         import lm_eval  # noqa: F401
     except ImportError:

@@ -14,14 +14,15 @@ def merge(
     artifact: ArtifactArg,
     out: Annotated[Path, typer.Option("--out", help="Directory of the merged checkpoint.", show_default=False)],
     base: Annotated[str | None, typer.Option("--base", help="Base model (default: the lineage's).")] = None,
-    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard, e.g. 2GB.")] = "2GB",
+    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard: e.g. 2GB, 500MB (powers of 1000), 1GiB, or bytes.")] = "2GB",
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Write BASE + the artifact's delta as a checkpoint that AutoModelForCausalLM loads."""
-    from deltazip.compress.merge import merge_to_dir, open_base
+    from deltazip.compress.merge import merge_to_dir, open_base, parse_shard_size
     from deltazip.formats.artifact import Artifact
 
+    parse_shard_size(max_shard_size)  # a typo fails now, not after the base is read
     art = Artifact(artifact)
     b = open_base(art, base)
     with progress_bar(json_out) as report:

@@ -42,15 +42,29 @@ def serve(
     json_out: JsonOpt = False,
 ) -> None:
     """Serve the base model and every variant under ARTIFACTS (artifacts, full checkpoints, LoRA adapters) with an OpenAI-compatible API."""
-    from deltazip.runtime.server import Metrics, ServeConfig, build_runtime, serve_forever
+    from deltazip.runtime.listen import bind_listen_socket
+    from deltazip.runtime.server import ServeConfig
 
     cfg = ServeConfig(artifacts=artifacts, base=base, host=host, port=port, api_key=api_key, mode=mode,
                       max_deltas=max_deltas, max_cpu_deltas=max_cpu_deltas, max_batch_tokens=max_batch_tokens,
                       max_num_seqs=max_num_seqs, max_queue=max_queue, device=device, dtype=dtype,
                       delta_compute=delta_compute, cpu_threads=cpu_threads, preemption=not no_preemption,
                       workers=workers)
+    # The port before any model: a busy one is one line now, not a traceback once every model has loaded.
+    sock = bind_listen_socket(host, port)
+    cfg.port = sock.getsockname()[1]  # --port 0: the one the system picked
+    try:
+        _serve(cfg, sock, json_out)
+    finally:
+        sock.close()
+
+
+def _serve(cfg, sock, json_out: bool) -> None:
+    from deltazip.runtime.server import Metrics, build_runtime, serve_forever
+
+    url, mode = f"http://{cfg.host}:{cfg.port}", cfg.mode
     if not json_out:
-        # The library logs one line per variant at start-up; show them (and uvicorn's) on stderr.
+        # The library logs one line per variant at start-up, and one per request; show them on stderr.
         logging.basicConfig(level=os.environ.get("DELTAZIP_LOG_LEVEL", "INFO").upper(),
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if cfg.workers > 1:
@@ -58,23 +72,21 @@ def serve(
 
         def ready(pool) -> None:
             if json_out:
-                print_json({"serving": f"http://{host}:{port}", "mode": mode, "workers": pool.health()["workers"],
+                print_json({"serving": url, "mode": mode, "workers": pool.health()["workers"],
                             "shared_bytes": pool.owner_report.get("nbytes")})
             else:
                 err_console.print(f"serving with {cfg.workers} workers sharing one copy of the base weights "
-                                  f"({pool.owner_report.get('nbytes', 0) / 2**20:.1f} MiB) on http://{host}:{port} "
-                                  f"(mode {mode})")
+                                  f"({pool.owner_report.get('nbytes', 0) / 2**20:.1f} MiB) on {url} (mode {mode})")
 
-        serve_workers(cfg, on_ready=ready)
+        serve_workers(cfg, on_ready=ready, sock=sock)
         return
     metrics = Metrics()
     rt = build_runtime(cfg, observer=metrics)
     if json_out:
-        print_json({"serving": f"http://{host}:{port}", "mode": mode, "models": rt.report})
+        print_json({"serving": url, "mode": mode, "models": rt.report})
     else:  # the per-model lines were logged by build_runtime
-        err_console.print(f"serving {len(rt.variants)} variants of {rt.base_name} on http://{host}:{port} "
-                          f"(mode {mode})")
-    serve_forever(cfg, runtime=rt, metrics=metrics)
+        err_console.print(f"serving {len(rt.variants)} variants of {rt.base_name} on {url} (mode {mode})")
+    serve_forever(cfg, runtime=rt, metrics=metrics, sock=sock)
 
 
 def register(app: typer.Typer) -> None:

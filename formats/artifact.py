@@ -48,6 +48,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from deltazip.formats import chunked, gdeflate
+from deltazip.formats.atomic import apply_umask, remove_stale_siblings, temp_sibling
 from deltazip.formats.checksum import sha256_file, sha256_tensors
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.formats.exact import apply_xor
@@ -184,7 +185,8 @@ class ArtifactWriter:
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise InputError(f"output path {self.out_dir} exists and is not a directory")
         self.overwrite = overwrite
-        self.tmp = self.out_dir.parent / f".{self.out_dir.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+        remove_stale_siblings(self.out_dir)  # temporaries of killed writers of the same output
+        self.tmp = temp_sibling(self.out_dir)
         self.tmp.mkdir(parents=True)
         self.shard_bytes = shard_bytes
         self.entries: dict[str, dict[str, Any]] = {}
@@ -379,9 +381,10 @@ class ArtifactWriter:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+        apply_umask(self.tmp)
         old = None
         if self.out_dir.exists():
-            old = self.out_dir.parent / f".{self.out_dir.name}.old-{os.getpid()}-{time.monotonic_ns()}"
+            old = temp_sibling(self.out_dir, "old")
             os.rename(self.out_dir, old)
         os.rename(self.tmp, self.out_dir)
         if old is not None:

@@ -19,3 +19,8 @@ class ArtifactError(DeltazipError):
 
 class CompressionError(DeltazipError):
     """The solver could not compress a tensor (e.g. the Hessian stays singular)."""
+
+
+class DeltazipWarning(UserWarning):
+    """Something the user should know that does not stop the command (the CLI prints it as one
+    ``deltazip: warning: ...`` line on stderr)."""

@@ -724,6 +724,8 @@ class Engine:
                 if seq is not None and not seq.finished:
                     seq.cancelled = True
                     self._finish(seq, "cancelled")
+            if cancels:
+                self._refresh_kv_bytes()
             if self._removing:
                 self._finish_removals()
             if not self.scheduler.has_work():
@@ -778,9 +780,13 @@ class Engine:
         now = time.perf_counter()
         with self._lock:
             self._token_times.append((now, len(results)))
-        self._memory = {**self._memory, "kv_cache_bytes": self.kv_pool.nbytes()}
         for seq, tok in results:
             self._accept(seq, tok, now)
+        self._refresh_kv_bytes()  # sequences that just finished gave their rows (all of them: 0 bytes)
+
+    def _refresh_kv_bytes(self) -> None:
+        """Publish the KV pool's size (the pool drops its tensors once no sequence holds a row)."""
+        self._memory = {**self._memory, "kv_cache_bytes": self.kv_pool.nbytes()}
 
     def _cache_name(self, key: str) -> str:
         return self.base_name if key == BASE_KEY else key

@@ -150,7 +150,7 @@ class EvalBank:
                 if len(named) != 1 or not local:
                     raise InputError("no artifact among the targets names its base; pass --base")
                 base = local[0]
-            self.base = open_served_base(arts, base) if arts else Checkpoint(base, "base")
+            self.base = open_served_base(arts, base, command="eval") if arts else Checkpoint(base, "base")
             for v in loras:
                 check_lora_base(v.path, v.lineage.get("base"), self.base.path, self._base_fingerprint)
             self.dtype = resolve_dtype(dtype, self.device, self.base)

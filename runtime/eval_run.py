@@ -196,6 +196,7 @@ def run_eval(specs: list[str], opts: EvalOptions, progress=None) -> dict[str, An
     results: dict[str, dict] = {}
     ppl: dict[str, dict] = {}
     rows_t: list[dict] = []
+    _quiet_git_hash()
     for t in targets:
         if progress:
             progress(f"evaluating {t.label}")
@@ -206,7 +207,9 @@ def run_eval(specs: list[str], opts: EvalOptions, progress=None) -> dict[str, An
                 model=lm, tasks=opts.tasks, num_fewshot=opts.num_fewshot, limit=opts.limit,
                 task_manager=tm, random_seed=opts.seed, numpy_random_seed=opts.seed,
                 torch_random_seed=opts.seed, fewshot_random_seed=opts.seed, bootstrap_iters=0,
-                log_samples=False, verbosity="WARNING")
+                # lm-eval resets its logger to this level on every call: its warnings about the model
+                # object passed in (expected here) would come back for every target after the first.
+                log_samples=False, verbosity="ERROR")
         if text is not None:
             window = opts.ppl_window or min(lm.max_length, 2048)
             ppl[t.label] = perplexity(lm.model, lm.tokenizer, text, window, batch_size=opts.batch_size).to_dict()
@@ -223,6 +226,25 @@ def run_eval(specs: list[str], opts: EvalOptions, progress=None) -> dict[str, An
         "perplexity": ppl,
     }
     return {"summary": summary, "lm_eval": results}
+
+
+def _quiet_git_hash() -> None:
+    """lm-eval records ``git describe`` of the working directory in its results, and lets git print
+    ``fatal: not a git repository`` on stderr once per target outside a repository: ask git the same
+    question with its stderr captured (the hash, or None, is what lm-eval stores)."""
+    import subprocess
+
+    import lm_eval.evaluator as evaluator
+
+    def git_commit_hash() -> str | None:
+        try:
+            r = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip() or None if r.returncode == 0 else None
+
+    if hasattr(evaluator, "get_git_commit_hash"):
+        evaluator.get_git_commit_hash = git_commit_hash
 
 
 def serialisable(obj: Any) -> Any:

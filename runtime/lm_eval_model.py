@@ -12,8 +12,6 @@ From the shell, lm-eval's own CLI with the type registered::
 
 (``--device`` goes on lm-eval's command line, not in ``--model_args``: lm-eval passes it itself.)
 
-(``--device`` goes on lm-eval's command line, not in ``--model_args``: lm-eval passes it itself.)
-
 ``artifact`` may also be ``base`` (the base model through the same decoupled model) or a plain HF
 model directory. Everything else (batching, loglikelihood, ``generate_until``) is lm-eval's ``HFLM``
 on the model object that :class:`deltazip.runtime.eval_model.EvalBank` builds.
@@ -22,6 +20,7 @@ on the model object that :class:`deltazip.runtime.eval_model.EvalBank` builds.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from lm_eval.api.registry import register_model
@@ -64,6 +63,17 @@ class DeltazipLM(HFLM):
         kwargs.pop("pretrained", None)
         super().__init__(pretrained=model, tokenizer=tokenizer, backend="causal", **kwargs)
 
+    # HFLM passes ``disable=False`` to its bars explicitly, which beats TQDM_DISABLE; honour the
+    # variable here (``deltazip eval`` sets it under --json and when stderr is not a terminal).
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or _bars_off())
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm or _bars_off())
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        return super().generate_until(requests, disable_tqdm=disable_tqdm or _bars_off())
+
     def _model_call(self, inps, attn_mask=None, labels=None):
         # Re-select this target's slot: another DeltazipLM on the same bank may have run in between.
         self.bank.model_for(self.target)
@@ -72,6 +82,10 @@ class DeltazipLM(HFLM):
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         self.bank.model_for(self.target)
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+
+def _bars_off() -> bool:
+    return os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes")
 
 
 def main() -> None:

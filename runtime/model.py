@@ -139,11 +139,12 @@ def discover_artifacts(root: str | Path) -> list[VariantInfo]:
     return [out[k] for k in sorted(out)]
 
 
-def open_served_base(variants: list[VariantInfo], base_spec: str | None) -> Checkpoint:
+def open_served_base(variants: list[VariantInfo], base_spec: str | None, command: str = "serve") -> Checkpoint:
     """The base to serve: ``base_spec`` or the artifacts' lineage base, fingerprint-checked.
 
     Only artifacts carry a lineage with a fingerprint; LoRA adapters and full checkpoints are checked
     against the base when the model is built (names, shapes, ``base_model_name_or_path``).
+    ``command`` (``serve`` or ``eval``) picks the wording of the fixes the errors suggest.
 
     Raises:
         InputError: no base named anywhere, lineages disagree, or an artifact was compressed
@@ -157,8 +158,9 @@ def open_served_base(variants: list[VariantInfo], base_spec: str | None) -> Chec
             raise InputError("no artifact names its base model; pass --base")
         fps = {v.lineage.get("base_fingerprint") for v in variants}
         if len(fps) > 1:
-            raise InputError(f"the artifacts were compressed against {len(fps)} different bases; serve one base "
-                             f"per server (pass --base and point at a directory of its variants)")
+            raise InputError(f"the artifacts were compressed against {len(fps)} different bases; "
+                             + ("serve one base per server (pass --base and point at a directory of its variants)"
+                                if command == "serve" else "evaluate the artifacts of one base per run"))
         spec = sorted(named)[0]
         if not Path(spec).expanduser().exists() and len(named) > 1:
             spec = next((s for s in sorted(named) if Path(s).expanduser().exists()), spec)
@@ -168,10 +170,13 @@ def open_served_base(variants: list[VariantInfo], base_spec: str | None) -> Chec
         want = v.lineage.get("base_fingerprint")
         if not want:
             raise InputError(f"artifact {v.name} ({v.path}) records no base fingerprint; it cannot be checked "
-                             f"against the served base")
+                             f"against the base")
         if want != fp:
+            fix = ("remove it from the directory or serve its own base" if command == "serve" else
+                   "pass the base it was compressed against as --base (its lineage names "
+                   f"{v.lineage.get('base')}), or evaluate it in a run of its own")
             raise InputError(f"artifact {v.name} ({v.path}) was compressed against a different base than {base.path} "
-                             f"(base fingerprint differs); remove it from the directory or serve its own base")
+                             f"(base fingerprint differs); {fix}")
     return base
 
 

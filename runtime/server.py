@@ -68,6 +68,8 @@ from deltazip.runtime.variant_sources import (
 )
 
 log = logging.getLogger("deltazip.serve")
+# One line per request at INFO: method, route template, model, status, latency, tokens.
+access_log = logging.getLogger("deltazip.access")
 MODES = ("delta", "swap")
 
 
@@ -380,8 +382,10 @@ class Metrics:
                                buckets=buckets, registry=self.registry)
         self.finished_c = Counter("deltazip_requests_finished", "Requests that ended, by reason", ["reason"],
                                   registry=self.registry)
-        self.http_c = Counter("deltazip_http_requests", "HTTP requests by path and status", ["path", "status"],
-                              registry=self.registry)
+        # "path" is the route template (/v1/models/{model_id:path}) or "unmatched": never the raw
+        # path, which anyone could make unbounded (401s and 404s are counted too).
+        self.http_c = Counter("deltazip_http_requests", "HTTP requests by route template and status",
+                              ["path", "status"], registry=self.registry)
         self.engine: Engine | None = None
         self.runtime: Runtime | None = None
         self.registry.register(_EngineCollector(self))
@@ -636,19 +640,51 @@ def create_app(rt: Runtime, metrics: Metrics | None = None):
         log.exception("internal error")
         return error(500, f"internal server error: {type(exc).__name__}", "server_error")
 
+    def route_of(scope) -> str:
+        """The route template a request matches (``/v1/models/{model_id:path}``), ``unmatched`` for
+        any other path: metric labels and log lines never carry a raw path (unbounded cardinality)."""
+        from starlette.routing import Match
+
+        partial = None
+        for route in app.router.routes:
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return route.path
+            if match == Match.PARTIAL and partial is None:
+                partial = route.path  # the path matches, the method does not (405)
+        return partial or "unmatched"
+
+    def log_access(request: Request, route: str, status: int, t0: float) -> None:
+        st = request.state
+        usage = getattr(st, "usage", None) or {}
+        access_log.info("%s %s model=%s status=%d latency=%.3fs prompt_tokens=%s completion_tokens=%s",
+                        request.method, route, getattr(st, "model", "-"), status, time.perf_counter() - t0,
+                        usage.get("prompt_tokens", "-"), usage.get("completion_tokens", "-"))
+
     @app.middleware("http")
     async def _auth_and_count(request: Request, call_next):
-        path = request.url.path
-        if api_key is not None and path.startswith("/v1"):
+        t0 = time.perf_counter()
+        route = route_of(request.scope)
+        if api_key is not None and request.url.path.startswith("/v1"):
             header = request.headers.get("authorization", "")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-                metrics.http_c.labels(path, "401").inc()
+                metrics.http_c.labels(route, "401").inc()
+                log_access(request, route, 401, t0)
                 return error(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer KEY'.",
                              "invalid_request_error", code="invalid_api_key")
         response = await call_next(request)
-        metrics.http_c.labels(path if path.startswith(("/v1", "/health", "/metrics")) else "other",
-                              str(response.status_code)).inc()
+        metrics.http_c.labels(route, str(response.status_code)).inc()
+        body = response.body_iterator
+
+        async def logged_body():  # the line is written once the body is sent (streams: at their end)
+            try:
+                async for chunk in body:
+                    yield chunk
+            finally:
+                log_access(request, route, response.status_code, t0)
+
+        response.body_iterator = logged_body()
         return response
 
     # -- plain endpoints ------------------------------------------------------------------------
@@ -724,6 +760,7 @@ def create_app(rt: Runtime, metrics: Metrics | None = None):
             raise ApiError(404, f"No variant named `{name}` is served (the base cannot be deleted).", param="name",
                            code="model_not_found") from e
         await asyncio.wrap_future(fut)
+        log.info("variant %s deleted: its requests drained, unloaded from every tier", name)
         return {"id": name, "object": "model", "deleted": True}
 
     def check_model(name: str) -> None:
@@ -746,8 +783,13 @@ def create_app(rt: Runtime, metrics: Metrics | None = None):
 
     def encode_chat(name: str, messages) -> list[int]:
         tok = served_entry(name).encoder
-        if not getattr(tok, "chat_template", None):
-            raise ApiError(400, f"model `{name}` has no chat template; use /v1/completions", param="messages")
+        # The variant's own template, else the base's (a fine-tune that kept tokenizer files without
+        # one still chats as its base does).
+        template = getattr(tok, "chat_template", None) or getattr(engine.served[rt.base_name].encoder,
+                                                                  "chat_template", None)
+        if not template:
+            raise ApiError(400, f"model `{name}` has no chat template (nor has the base); use /v1/completions",
+                           param="messages")
         msgs = []
         for m in messages:
             content = m.content
@@ -757,7 +799,7 @@ def create_app(rt: Runtime, metrics: Metrics | None = None):
                 content = "".join(str(p.get("text", "")) for p in content)
             msgs.append({"role": m.role, "content": content or ""})
         try:
-            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = tok.apply_chat_template(msgs, chat_template=template, add_generation_prompt=True, tokenize=True)
         except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from e
         if hasattr(ids, "keys"):
@@ -839,6 +881,7 @@ def create_app(rt: Runtime, metrics: Metrics | None = None):
                     yield f"data: {json.dumps(body)}\n\n"
                     continue
                 yield f"data: {json.dumps(make_final(i, ev.reason))}\n\n"
+            request.state.usage = usage(finished)
             if include_usage:
                 yield f"data: {json.dumps(make_final(None, None) | {'choices': [], 'usage': usage(finished)})}\n\n"
             yield "data: [DONE]\n\n"
@@ -854,6 +897,7 @@ def create_app(rt: Runtime, metrics: Metrics | None = None):
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = _parse(CompletionRequest, await _json_body(request))
+        request.state.model = req.model
         _unsupported(req, chat=False)
         check_model(req.model)
         prompts = encode_prompts(req.model, req.prompt)
@@ -882,13 +926,15 @@ def create_app(rt: Runtime, metrics: Metrics | None = None):
                 return Response(status_code=499)
             check_finish(ev)
             evs.append(ev)
+        request.state.usage = usage(evs)
         return {"id": cid, "object": "text_completion", "created": created, "model": req.model,
                 "choices": [{"index": i, "text": e.text, "logprobs": None, "finish_reason": e.reason}
-                            for i, e in enumerate(evs)], "usage": usage(evs)}
+                            for i, e in enumerate(evs)], "usage": request.state.usage}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = _parse(ChatRequest, await _json_body(request))
+        request.state.model = req.model
         _unsupported(req, chat=True)
         check_model(req.model)
         ids = encode_chat(req.model, req.messages)
@@ -917,9 +963,10 @@ def create_app(rt: Runtime, metrics: Metrics | None = None):
         if ev is None:
             return Response(status_code=499)
         check_finish(ev)
+        request.state.usage = usage([ev])
         return {"id": cid, "object": "chat.completion", "created": created, "model": req.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": ev.text},
-                             "logprobs": None, "finish_reason": ev.reason}], "usage": usage([ev])}
+                             "logprobs": None, "finish_reason": ev.reason}], "usage": request.state.usage}
 
     return app
 
@@ -1027,12 +1074,19 @@ class ServerThread:
         self.sock.close()
 
 
-def serve_forever(cfg: ServeConfig, runtime: Runtime | None = None, metrics: Metrics | None = None) -> None:
-    """Build (unless given) and run the server in the foreground until interrupted."""
+def serve_forever(cfg: ServeConfig, runtime: Runtime | None = None, metrics: Metrics | None = None,
+                  sock: socket.socket | None = None) -> None:
+    """Build (unless given) and run the server in the foreground until interrupted.
+
+    Args:
+        sock: a socket already bound to the port and listening (``deltazip serve`` binds it before
+            loading models, ``deltazip.runtime.listen``); default: uvicorn binds ``cfg.host:cfg.port``.
+    """
     import uvicorn
 
     metrics = metrics or Metrics()
     rt = runtime or build_runtime(cfg, observer=metrics)
     app = create_app(rt, metrics)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=os.environ.get("DELTAZIP_LOG_LEVEL", "info"),
-                lifespan="on", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="on", timeout_graceful_shutdown=5,
+                            log_level=os.environ.get("DELTAZIP_LOG_LEVEL", "info").lower(), access_log=False)
+    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

@@ -195,8 +195,39 @@ def heldout_loss(model: torch.nn.Module, tokenizer, texts: Sequence[str], batch_
     """
     if not texts:
         raise ValueError("heldout_loss needs at least one text")
+    return _token_loss(model, tokenizer, list(texts), [0] * len(texts), batch_size)
+
+
+@torch.no_grad()
+def answer_loss(model: torch.nn.Module, tokenizer, examples: Sequence[tuple[str, str]], batch_size: int = 64) -> float:
+    """Mean cross-entropy (nats/token) of each answer and its terminator, given its prompt.
+
+    What a fine-tune learned, measured without the prompt's digits (random, so their loss is a noise
+    floor that no model can lower and that hides differences between models that all answer right).
+
+    Args:
+        model: causal LM called as ``model(input_ids=[B, T], attention_mask=[B, T]).logits``.
+        tokenizer: must have a pad token; the prompt's tokens must be a prefix of the full text's
+            (true of the demo's character tokenizer).
+        examples: (prompt, answer) pairs.
+    """
+    if not examples:
+        raise ValueError("answer_loss needs at least one example")
+    texts = [f"{p}{a}{TERMINATOR}" for p, a in examples]
+    skip = []
+    for (p, _), t in zip(examples, texts):
+        prompt_ids = tokenizer(p)["input_ids"]
+        if tokenizer(t)["input_ids"][: len(prompt_ids)] != prompt_ids:
+            raise ValueError(f"the tokens of prompt {p!r} are not a prefix of those of its full text")
+        skip.append(len(prompt_ids))
+    return _token_loss(model, tokenizer, texts, skip, batch_size)
+
+
+def _token_loss(model: torch.nn.Module, tokenizer, texts: list[str], skip: list[int], batch_size: int) -> float:
+    """Mean next-token cross-entropy over the tokens of ``texts`` from index ``skip[i]`` on (the
+    first ``skip[i]`` tokens of text ``i`` are context only)."""
     if tokenizer.pad_token_id is None:
-        raise ValueError("heldout_loss needs a tokenizer with a pad token")
+        raise ValueError("the loss needs a tokenizer with a pad token")
     device = _model_device(model)
     was_training = model.training
     model.eval()
@@ -204,7 +235,7 @@ def heldout_loss(model: torch.nn.Module, tokenizer, texts: Sequence[str], batch_
     try:
         for start in range(0, len(texts), batch_size):
             enc = tokenizer(
-                list(texts[start : start + batch_size]),
+                texts[start : start + batch_size],
                 padding=True,
                 padding_side="right",
                 return_tensors="pt",
@@ -212,7 +243,10 @@ def heldout_loss(model: torch.nn.Module, tokenizer, texts: Sequence[str], batch_
             ids = enc["input_ids"].to(device)  # [B, T]
             mask = enc["attention_mask"].to(device)  # [B, T]
             logits = model(input_ids=ids, attention_mask=mask).logits.float()  # [B, T, V]
-            targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)  # [B, T-1]
+            keep = mask[:, 1:].clone()  # [B, T-1]: the prediction of token t+1
+            for row, k in enumerate(skip[start : start + batch_size]):
+                keep[row, : max(k - 1, 0)] = 0  # predictions of context tokens 1..k-1
+            targets = ids[:, 1:].masked_fill(keep == 0, -100)  # [B, T-1]
             loss = F.cross_entropy(
                 logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
             )

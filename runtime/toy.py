@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from deltazip.runtime.tasks import Task, exact_match_accuracy, get_task
+from deltazip.runtime.tasks import TERMINATOR, Task, exact_match_accuracy, get_task
 
 Progress = Callable[[str, int, int], None]
 
@@ -46,6 +46,15 @@ def _vocab() -> dict[str, int]:
     tokens += [f"<reserved_{i}>" for i in range(VOCAB_SIZE - len(tokens))]
     assert len(tokens) == VOCAB_SIZE and len(set(tokens)) == VOCAB_SIZE, "alphabet does not fit the vocab"
     return {tok: i for i, tok in enumerate(tokens)}
+
+
+DEMO_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}" + TERMINATOR + "{% endif %}{% endfor %}"
+)
+"""The demo pair's chat template: a user message is a task prompt as the models were trained on it
+(``<s>s 3918=``), an assistant message its answer closed by the terminator; system messages are
+dropped. With it, ``/v1/chat/completions`` works on the demo's models and artifacts."""
 
 
 def build_char_tokenizer(save_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
@@ -329,6 +338,7 @@ def make_demo_pair(
     pre_tasks = [cfg.task(n) for n in cfg.pretrain_tasks]
     ft_task = cfg.task(cfg.finetune_task)
     tok = build_char_tokenizer()
+    tok.chat_template = DEMO_CHAT_TEMPLATE  # saved with both models, so chat works on the demo's output
 
     # Held-out prompts first, so both training streams can exclude them.
     eval_examples = ft_task.examples(cfg.n_eval, seed=10_000 + seed)

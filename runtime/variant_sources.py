@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from deltazip.compress.checkpoint import Checkpoint
-from deltazip.formats.artifact import MANIFEST, Artifact
-from deltazip.formats.errors import InputError
+from deltazip.formats.artifact import MANIFEST, Artifact, file_problem
+from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.runtime.lora_variant import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from deltazip.runtime.model import VariantInfo
 
@@ -63,6 +63,7 @@ def inspect_variant(path: Path, name: str | None = None) -> VariantInfo:
                          f"Hugging Face checkpoint (config.json + *.safetensors)")
     if kind == "artifact":
         art = Artifact(path, check_tensors=False)
+        check_artifact_files(art)
         return VariantInfo(name, path, art.tensors, art.lineage, art.nbytes())
     if kind == "lora":
         import json
@@ -74,6 +75,21 @@ def inspect_variant(path: Path, name: str | None = None) -> VariantInfo:
         disk = sum(p.stat().st_size for p in (path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS) if p.is_file())
         return VariantInfo(name, path, {}, {"base": base} if base else {}, disk, kind="lora")
     return VariantInfo(name, path, {}, {}, _weights_bytes(path), kind="full")
+
+
+def check_artifact_files(art: Artifact) -> None:
+    """Every file an artifact's manifest lists is there with its size and sha256 (the manifest itself
+    was checked against ``manifest.sha256`` on open): a corrupt artifact is refused before it is
+    listed or added, not found out by the first request to it.
+
+    Raises:
+        ArtifactError: naming the file and pointing to ``deltazip verify``.
+    """
+    for rel, info in sorted(art.manifest["files"].items()):
+        problem = file_problem(art.path, rel, info)
+        if problem:
+            raise ArtifactError(f"artifact {art.path}: {rel} {problem}; the artifact is corrupt, not served "
+                                f"(`deltazip verify {art.path}` lists every problem)")
 
 
 def discover_variants(root: str | Path, allow_empty: bool = False) -> list[VariantInfo]:

@@ -166,10 +166,12 @@ class WorkerPool:
     def start(self) -> WorkerPool:
         """Validate the inputs here (one-line errors before any process starts), start the owner,
         then the workers; return when all are ready."""
-        from deltazip.runtime.model import discover_artifacts, open_served_base, resolve_dtype
+        from deltazip.runtime.model import open_served_base, resolve_dtype
+        from deltazip.runtime.variant_sources import discover_variants
         from deltazip.runtime.weight_share import st_dtype
 
-        variants = discover_artifacts(self.cfg.artifacts)
+        # As build_runtime does: every kind of variant, corrupt artifacts refused here in one line.
+        variants = discover_variants(self.cfg.artifacts, allow_empty=self.cfg.base is not None)
         base = open_served_base(variants, self.cfg.base)
         self.base_dir = base.path
         self.device = self.cfg.torch_device()
@@ -604,10 +606,11 @@ async def _gather_metrics(pool: WorkerPool, client) -> bytes:
     return generate_latest(reg)
 
 
-def serve_workers(cfg, on_ready=None) -> None:
+def serve_workers(cfg, on_ready=None, sock=None) -> None:
     """``deltazip serve --workers K`` in the foreground: pool + front until SIGINT/SIGTERM.
 
-    ``on_ready(pool)`` runs once the owner and every worker are up, before the front binds.
+    ``on_ready(pool)`` runs once the owner and every worker are up, before the front serves.
+    ``sock``: the front's socket, already bound and listening (default: uvicorn binds the port).
     """
     import uvicorn
 
@@ -616,8 +619,10 @@ def serve_workers(cfg, on_ready=None) -> None:
     try:
         if on_ready is not None:
             on_ready(pool)
-        uvicorn.run(pool.front_app(), host=cfg.host, port=cfg.port, lifespan="on", timeout_graceful_shutdown=5,
-                    log_level=os.environ.get("DELTAZIP_LOG_LEVEL", "info").lower())
+        config = uvicorn.Config(pool.front_app(), host=cfg.host, port=cfg.port, lifespan="on",
+                                timeout_graceful_shutdown=5,
+                                log_level=os.environ.get("DELTAZIP_LOG_LEVEL", "info").lower())
+        uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
     finally:
         pool.close()
 

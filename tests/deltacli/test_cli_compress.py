@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from _cli import run_cli
+from _cli import run_cli, without_progress
 from _factories import calib_file, make_pair, perturb, save_model, tiny_model
 from safetensors.torch import load_file, save_file
 
@@ -51,7 +51,7 @@ def test_compress_json_then_inspect_and_merge(capsys, monkeypatch, pair):
 def _expect_error(capsys, monkeypatch, args, match, parent=None, name="out"):
     code, out, err = run_cli(capsys, monkeypatch, *args)
     assert code == 1, (code, err)
-    lines = err.strip().splitlines()
+    lines = without_progress(err).strip().splitlines()  # progress lines may come first (stderr is piped)
     assert len(lines) == 1 and lines[0].startswith("deltazip: error:"), err
     assert match in lines[0], lines[0]
     assert "Traceback" not in err

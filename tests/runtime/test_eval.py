@@ -310,3 +310,28 @@ def test_lora_adapter_target_runs_through_the_serving_lora_path(served, tasks_di
         "hf", tasks_dir, model_args=f"pretrained={served.base_dir},device=cpu,dtype=float32,batch_size=4")))
     assert (a - base_ll).abs().max() > 1e-2  # the adapter is really applied
     assert _generations(ours) == _generations(ref)
+
+
+def test_eval_is_quiet_when_piped(served, tasks_dir, tmp_path):
+    """Issue 17 #15: a real process with stderr piped, outside a git repository, two targets: stderr
+    holds our progress lines only: no lm-eval warnings for the targets after the first, no
+    ``fatal: not a git repository`` per target, no tqdm bars."""
+    import os
+
+    from _cli import run_cli_process
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "LMEVAL_LOG_LEVEL")}
+    code, _, err = run_cli_process("eval", served.variant_dir("alpha"), "base", "--base", served.base_dir, "--tasks",
+                                   "tiny_mc,tiny_gen", "--include-path", tasks_dir, "--limit", "4", "--batch-size",
+                                   "4", "--device", "cpu", cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"})
+    assert code == 0, err
+    assert [ln.strip() for ln in err.splitlines() if ln.strip()] == ["evaluating alpha", "evaluating base"], err
+
+
+def test_eval_with_the_wrong_base_says_what_to_do_in_eval_terms(served, tasks_dir, tmp_path, capsys, monkeypatch):
+    other = tmp_path / "other-base"
+    shutil.copytree(served.root / "ft-beta", other)
+    msg = _bad(capsys, monkeypatch, served.variant_dir("alpha"), "--base", other, "--tasks", "tiny_mc",
+               "--include-path", tasks_dir)
+    assert f"pass the base it was compressed against as --base (its lineage names {served.base_dir})" in msg
+    assert "serve its own base" not in msg

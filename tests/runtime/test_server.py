@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from _serving import PROMPTS, VARIANTS, served_set, single_thread
 
 from deltazip.formats.errors import InputError
@@ -297,3 +298,173 @@ def test_cli_rejects_bad_options_in_one_line(served):
     assert isinstance(r.exception, InputError) and "--mode 'nope' is unknown" in str(r.exception)
     r = CliRunner().invoke(app, ["serve", str(served.artifacts), "--max-deltas", "0"])
     assert isinstance(r.exception, InputError) and "--max-deltas" in str(r.exception)
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 17: metrics cardinality, corrupt variants, chat template fallback, observability
+# --------------------------------------------------------------------------------------------------
+
+
+def _http_series(url: str) -> list[str]:
+    return [ln for ln in httpx.get(url + "/metrics").text.splitlines() if ln.startswith("deltazip_http_requests_total{")]
+
+
+def test_http_metric_labels_are_route_templates_not_raw_paths(server):
+    """Keyless GETs to random /v1/<uuid> paths (401s) and unknown paths (404s) must not add series."""
+    import uuid
+
+    h = {"Authorization": f"Bearer {KEY}"}
+    for _ in range(3):  # every kind of outcome once, so that their series exist
+        httpx.get(server.url + f"/v1/{uuid.uuid4()}")
+        httpx.get(server.url + f"/v1/models/{uuid.uuid4()}", headers=h)
+        httpx.get(server.url + f"/nowhere/{uuid.uuid4()}")
+        httpx.get(server.url + "/metrics")
+    before = _http_series(server.url)
+    for _ in range(40):
+        assert httpx.get(server.url + f"/v1/{uuid.uuid4()}").status_code == 401
+        assert httpx.get(server.url + f"/v1/{uuid.uuid4()}", headers=h).status_code == 404
+        assert httpx.get(server.url + f"/v1/models/{uuid.uuid4()}", headers=h).status_code == 404
+        assert httpx.get(server.url + f"/{uuid.uuid4()}").status_code == 404
+    after = _http_series(server.url)
+    assert len(after) == len(before), sorted(set(after) - set(before))[:5]
+    labels = {ln.split("{", 1)[1].rsplit("} ", 1)[0] for ln in after}
+    assert 'path="unmatched",status="401"' in labels and 'path="unmatched",status="404"' in labels
+    assert 'path="/v1/models/{model_id:path}",status="404"' in labels
+    assert not any(len(p) > 60 for p in labels)  # no uuid anywhere
+
+
+def _corrupt_copy(src, dst):
+    """A copy of artifact ``src`` with one byte flipped in the middle of its first container."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    f = sorted(dst.glob("deltas-*.safetensors"))[0]
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    f.write_bytes(bytes(raw))
+    return dst
+
+
+def test_corrupt_artifact_is_refused_at_startup_in_one_line(served, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from _cli import run_cli
+
+    from deltazip.formats.errors import ArtifactError
+
+    arts = tmp_path / "arts"
+    shutil.copytree(served.variant_dir("alpha"), arts / "alpha")
+    _corrupt_copy(served.variant_dir("beta"), arts / "beta")
+    with pytest.raises(ArtifactError, match=r"artifact .*beta: deltas-00001.safetensors sha256 differs"):
+        build_runtime(ServeConfig(artifacts=arts, base=str(served.base_dir)))
+    code, _, err = run_cli(capsys, monkeypatch, "serve", arts, "--base", served.base_dir, "--port", "0")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "beta: deltas-00001.safetensors sha256 differs from the manifest; the artifact is corrupt" in err
+    assert "deltazip verify" in err
+
+
+@pytest.fixture()
+def live_server(served, tmp_path):
+    """A server of its own over a directory the test can add variants to (base + alpha)."""
+    import shutil
+
+    arts = tmp_path / "arts"
+    shutil.copytree(served.variant_dir("alpha"), arts / "alpha")
+    with single_thread():
+        srv, rt = start_with_base(served, arts, api_key=KEY, max_deltas=2)
+        with srv:
+            yield srv, rt, arts
+
+
+def start_with_base(served, arts, **cfg):
+    metrics = Metrics()
+    rt = build_runtime(ServeConfig(artifacts=arts, base=str(served.base_dir), **cfg), observer=metrics)
+    return ServerThread(create_app(rt, metrics)), rt
+
+
+def test_post_of_a_corrupt_artifact_is_400_invalid_variant(served, live_server):
+    srv, rt, arts = live_server
+    h = {"Authorization": f"Bearer {KEY}"}
+    _corrupt_copy(served.variant_dir("gamma"), arts / "gamma")
+    r = httpx.post(srv.url + "/v1/variants", json={"path": "gamma"}, headers=h)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_variant" and err["param"] == "path"
+    assert "corrupt" in err["message"] and "\n" not in err["message"]
+    assert "gamma" not in {m["id"] for m in httpx.get(srv.url + "/v1/models", headers=h).json()["data"]}
+    # a sound copy registers fine under another name
+    import shutil
+
+    shutil.copytree(served.variant_dir("gamma"), arts / "gamma-ok")
+    r = httpx.post(srv.url + "/v1/variants", json={"path": "gamma-ok"}, headers=h)
+    assert r.status_code == 201, r.text
+
+
+def test_chat_falls_back_to_the_base_template(served, tmp_path):
+    """Issue 17 #13: an artifact that kept tokenizer files without a chat template chats with the base's
+    template (docs/serve.md), instead of a 400."""
+    import shutil
+
+    from _factories import perturb, tiny_model
+
+    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.compress.config import CompressConfig
+    from deltazip.compress.merge import load_merged_model
+    from deltazip.compress.pipeline import compress_delta
+    from deltazip.formats.artifact import Artifact
+    from deltazip.runtime.toy import build_char_tokenizer
+
+    ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    ft_dir = tmp_path / "ft-plain"
+    perturb(tiny_model("llama", **ids), scale=0.3, seed=21).save_pretrained(ft_dir)
+    build_char_tokenizer(ft_dir)  # no chat template
+    arts = tmp_path / "arts"
+    shutil.copytree(served.variant_dir("alpha"), arts / "alpha")
+    with single_thread():
+        compress_delta(served.base_dir, ft_dir, None, arts / "plain", CompressConfig(method="rtn", group_size=32,
+                                                                                      device="cpu"))
+        assert (arts / "plain" / "hf" / "tokenizer.json").is_file()
+        messages = [{"role": "user", "content": "zip the model"}]
+        tok = served.tokenizer()  # the base's tokenizer: same characters, with the template
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+        model = load_merged_model(Artifact(arts / "plain"), Checkpoint(served.base_dir))
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+        want = tok.decode(out[0, x.shape[1]:], skip_special_tokens=True)
+        srv, _ = start_with_base(served, arts)
+        with srv:
+            r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+                "model": "plain", "messages": messages, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want
+
+
+def test_access_log_deletion_log_and_idle_kv_cache(served, live_server, caplog):
+    """Issue 17 #14: one access line per request (method, route, model, status, latency, tokens), a line
+    per deleted variant, and ``deltazip_kv_cache_bytes`` back to 0 when idle."""
+    srv, rt, arts = live_server
+    h = {"Authorization": f"Bearer {KEY}"}
+    with caplog.at_level(logging.INFO, logger="deltazip"):
+        r = httpx.post(srv.url + "/v1/completions", headers=h, timeout=120,
+                       json={"model": "alpha", "prompt": "zip", "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200
+        usage = r.json()["usage"]
+        with httpx.stream("POST", srv.url + "/v1/completions", headers=h, timeout=120, json={
+                "model": "alpha", "prompt": "zip", "max_tokens": 5, "temperature": 0, "stream": True}) as s:
+            assert s.status_code == 200 and [ln for ln in s.iter_lines() if ln][-1] == "data: [DONE]"
+        httpx.get(srv.url + "/v1/models")  # 401
+        assert httpx.delete(srv.url + "/v1/variants/alpha", headers=h, timeout=120).status_code == 200
+        deadline = time.time() + 10
+        while metric(srv, "deltazip_kv_cache_bytes") != 0 and time.time() < deadline:
+            time.sleep(0.05)
+    access = [r.getMessage() for r in caplog.records if r.name == "deltazip.access"]
+    done = ("POST /v1/completions model=alpha status=200 latency=", f"prompt_tokens={usage['prompt_tokens']} "
+            f"completion_tokens={usage['completion_tokens']}")
+    assert sum(m.startswith(done[0]) and m.endswith(done[1]) for m in access) == 2, access  # plain and streamed
+    assert any(m.startswith("GET /v1/models model=- status=401 ") for m in access), access
+    assert any(m.startswith("DELETE /v1/variants/{name:path} model=- status=200 ") for m in access), access
+    assert any(r.getMessage().startswith("variant alpha deleted") for r in caplog.records if r.name == "deltazip.serve")
+    assert metric(srv, "deltazip_kv_cache_bytes") == 0

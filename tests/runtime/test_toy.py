@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deltazip.runtime.tasks import (
     TERMINATOR,
+    answer_loss,
     exact_match_accuracy,
     get_task,
     heldout_loss,
@@ -89,6 +91,33 @@ def test_exact_match_needs_the_answer_and_the_terminator():
     assert exact_match_accuracy(_ScriptedLM(tok, mixed), tok, examples) == pytest.approx(1 / 3)
 
 
+class _AnswerOracle(torch.nn.Module):
+    """Knows every token from index ``k`` on (logit 50 on it) and nothing before (uniform logits)."""
+
+    def __init__(self, vocab: int, k: int):
+        super().__init__()
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.vocab, self.k = vocab, k
+
+    def forward(self, input_ids, attention_mask=None):
+        logits = torch.zeros(*input_ids.shape, self.vocab)
+        for t in range(self.k - 1, input_ids.shape[1] - 1):
+            logits[torch.arange(input_ids.shape[0]), t, input_ids[:, t + 1]] = 50.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_answer_loss_counts_only_the_answer_and_its_terminator():
+    tok = build_char_tokenizer()
+    examples = [("s 123=", "234"), ("s 909=", "010")]
+    k = len(tok("s 123=")["input_ids"])  # BOS + 6 characters
+    oracle = _AnswerOracle(len(tok), k)
+    assert answer_loss(oracle, tok, examples) < 1e-6
+    # heldout_loss also scores the prompt: k - 1 uniform predictions per text out of k - 1 + 4
+    texts = [p + a + TERMINATOR for p, a in examples]
+    assert heldout_loss(oracle, tok, texts) == pytest.approx((k - 1) / (k + 3) * math.log(len(tok)), rel=1e-4)
+    assert answer_loss(_AnswerOracle(len(tok), k + 10), tok, examples) == pytest.approx(math.log(len(tok)), rel=1e-4)
+
+
 def test_tokenizer_round_trips_and_reloads(tmp_path):
     tok = build_char_tokenizer(save_dir=tmp_path)
     text = "s 3918=4029;\nHello, World!\t~"
@@ -125,6 +154,21 @@ def test_pair_files_and_data(pair):
     json.dumps({k: v for k, v in pair.info.items() if k != "_progress_calls"})  # info is JSON-ready
     calls = pair.info["_progress_calls"]
     assert calls and calls[-1][1] == calls[-1][2] and any("fine-tune" in c[0] for c in calls)
+
+
+def test_pair_has_a_chat_template_that_renders_task_prompts(pair):
+    """Issue 17 #13: chat never worked on the demo's output (no template anywhere)."""
+    evals = _read_jsonl(pair.eval_path)
+    for d in (pair.base_dir, pair.finetuned_dir):
+        tok = AutoTokenizer.from_pretrained(d)
+        for row in evals[:8]:
+            msgs = [{"role": "system", "content": "be exact"}, {"role": "user", "content": row["prompt"]}]
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            assert list(ids) == tok(row["prompt"])["input_ids"]  # exactly the prompt as trained (with BOS)
+        two = tok.apply_chat_template([{"role": "user", "content": "s 1="}, {"role": "assistant", "content": "2"},
+                                       {"role": "user", "content": "s 3="}], tokenize=False)
+        assert two == "<s>s 1=2;s 3="
 
 
 def test_base_and_finetuned_have_same_tensors_and_every_weight_moved(pair):
