@@ -180,7 +180,8 @@ _KERNELS: dict[str, object] = {}
 
 
 def _kernels() -> SimpleNamespace:
-    """The kernel module, imported on first use; re-imported if ``TRITON_INTERPRET`` changed since."""
+    """The kernel modules (this one's and ``triton_fast``'s), imported on first use; re-imported if
+    ``TRITON_INTERPRET`` changed since."""
     import importlib
 
     import triton
@@ -189,13 +190,14 @@ def _kernels() -> SimpleNamespace:
     if mode and not interpreter_ready():
         raise RuntimeError("TRITON_INTERPRET=1 must be set before triton is first imported "
                            "(triton's library functions were already compiled for the GPU)")
-    mod = _KERNELS.get("module")
+    mod, fast = _KERNELS.get("module"), _KERNELS.get("fast")
     if mod is None:
         mod = importlib.import_module("deltazip.kernels._triton_sbmm_kernels")
+        fast = importlib.import_module("deltazip.kernels._triton_fast_kernels")
     elif _KERNELS.get("mode") != mode:
-        mod = importlib.reload(mod)
-    _KERNELS.update(module=mod, mode=mode)
-    return SimpleNamespace(sbmm=mod.sbmm_kernel, lora_shrink=mod.lora_shrink_kernel,
+        mod, fast = importlib.reload(mod), importlib.reload(fast)
+    _KERNELS.update(module=mod, fast=fast, mode=mode)
+    return SimpleNamespace(sbmm=mod.sbmm_kernel, lora_shrink=mod.lora_shrink_kernel, fast=fast.sbmm_fast_kernel,
                            lora_expand=mod.lora_expand_kernel, cdiv=triton.cdiv)
 
 
