@@ -115,7 +115,7 @@ def sbmm_fast_kernel(
     qw_ptr, sc_ptr, zr_ptr,
     IN, OUT, OUTP, GROUP, stride_xm, stride_ym, qw_slot_stride, sc_slot_stride, FIELD,
     BITS: tl.constexpr, ASYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, G_SHIFT: tl.constexpr, USE_ASM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, G_SHIFT: tl.constexpr, USE_ASM: tl.constexpr, UNROLL: tl.constexpr = 1,
 ):
     """``y[rows] = x[rows] @ W_slot.T`` for the rows of row tile ``program_id(0)`` (one slot), 64
     output features from ``program_id(1) * 64``, K split ``program_id(2)`` (``SPLIT_K > 1``
@@ -168,7 +168,7 @@ def sbmm_fast_kernel(
         k_begin = pid_k * k_span
         k_stop = tl.minimum(IN, k_begin + k_span)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(k_begin, k_stop, BLOCK_K):
+        for k0 in tl.range(k_begin, k_stop, BLOCK_K, loop_unroll_factor=UNROLL):
             c0 = (k0 % 128) // 32
             iw0 = c0 * BITS // 4  # first word of this K step in a thread's run of BITS words
             words = tl.load(qw_base + (k0 // 128) * TILE_WORDS + (iw0 // V) * (256 * V) + iw0 % V + woff)

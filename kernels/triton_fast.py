@@ -71,6 +71,7 @@ def sbmm_fast(
     split_k: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    unroll: int = 2,
 ) -> torch.Tensor:
     """``y[r] = x[r] @ W[delta_index[r]].T`` (zeros where the index is -1), one launch.
 
@@ -83,6 +84,7 @@ def sbmm_fast(
         split_k: K splits summed with fp32 atomics (default: chosen on CUDA when the grid would
             leave SMs idle; ``1`` gives run-to-run identical output).
         num_warps, num_stages: launch options (4 warps = one warpgroup per 64-row tile).
+        unroll: K steps per loop iteration (2 halves the loop's bookkeeping per weight).
     Returns:
         ``[N, out]`` in ``x.dtype``.
     """
@@ -122,7 +124,7 @@ def sbmm_fast(
             in_f, out_f, padded_rows(out_f), stacked.effective_group, x.stride(0), y.stride(0),
             stacked.qweight[0].numel(), stacked.scales[0].numel(), ((1 << stacked.bits) - 1) * 0x10001,
             BITS=stacked.bits, ASYM=stacked.asymmetric, BF16=x.dtype == torch.bfloat16, SPLIT_K=split_k,
-            BLOCK_M=plan.block_m, BLOCK_K=bk, G_SHIFT=g_shift, USE_ASM=not interpret_mode(), **opts,
+            BLOCK_M=plan.block_m, BLOCK_K=bk, G_SHIFT=g_shift, USE_ASM=not interpret_mode(), UNROLL=unroll, **opts,
         )
     return y if split_k == 1 else y.to(x.dtype)
 
