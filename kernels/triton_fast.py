@@ -34,6 +34,7 @@ from deltazip.kernels.triton_sbmm import (
     _kernels,
     _plan_for,
     _sm_count,
+    device_context,
     interpret_mode,
 )
 
@@ -117,7 +118,7 @@ def sbmm_fast(
     opts = {"num_warps": num_warps}
     if num_stages is not None:
         opts["num_stages"] = num_stages
-    with _device_of(x):
+    with device_context(x):
         k.fast[(plan.num_tiles, n_tiles, split_k)](
             x, y, plan.perm, plan.tile_slot, plan.tile_start, plan.tile_end,
             stacked.qweight, stacked.scales, zr,
@@ -127,16 +128,6 @@ def sbmm_fast(
             BLOCK_M=plan.block_m, BLOCK_K=bk, G_SHIFT=g_shift, USE_ASM=not interpret_mode(), UNROLL=unroll, **opts,
         )
     return y if split_k == 1 else y.to(x.dtype)
-
-
-def _device_of(x: torch.Tensor):
-    """``torch.cuda.device(x.device)`` for CUDA tensors (Triton launches on the *current* device and
-    stream), a no-op otherwise."""
-    import contextlib
-
-    if x.device.type == "cuda":
-        return torch.cuda.device(x.device)
-    return contextlib.nullcontext()
 
 
 def can_run_fast(x: torch.Tensor, stacked: StackedDeltas) -> bool:

@@ -241,6 +241,17 @@ def choose_block_k(in_features: int, group: int, bits: int, sparse: bool, cap: i
     return max(lo, min(cap, 64)), False
 
 
+def device_context(x: torch.Tensor):
+    """``torch.cuda.device(x.device)`` for CUDA tensors, a no-op otherwise: Triton launches on the
+    *current* device (and its current stream), so every launch for tensors on ``cuda:N`` runs inside
+    this context; without it a server on ``--device cuda:1`` would launch on GPU 0."""
+    import contextlib
+
+    if x.device.type == "cuda":
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -280,7 +291,7 @@ def sbmm_triton(
     Args:
         x: ``[N, in]`` fp16/fp32 (bf16 on CUDA), on the stack's device.
         delta_index: integer ``[N]``, values in ``[-1, D)``.
-        stacked: ``D`` deltas in the kernel-ready layout (``deltazip.kernels.stacked.repack``).
+        stacked: ``D`` deltas in the ``transposed`` layout (``deltazip.kernels.stacked.repack``).
         plan: a :func:`group_rows` plan for ``delta_index`` and ``D`` (built here when None; pass
             one to share the grouping across the linears of a layer).
         block_n, block_k, split_k, num_warps: tiling overrides (defaults chosen from the shapes).
@@ -290,6 +301,9 @@ def sbmm_triton(
     Returns:
         ``[N, out]`` in ``x.dtype``, rows in the input order.
     """
+    if stacked.layout != "transposed":
+        raise ValueError(f"sbmm_triton reads the 'transposed' layout, the stack is {stacked.layout!r} "
+                         "(deltazip.kernels.triton_fast.sbmm_fast reads 'mma'; dispatch.sbmm picks)")
     x = _check_x(x, stacked.in_features)
     if x.device != stacked.device or delta_index.device != x.device:
         raise ValueError(f"x ({x.device}), delta_index ({delta_index.device}) and the stack "
@@ -326,16 +340,17 @@ def sbmm_triton(
     zr = stacked.zeros if stacked.asymmetric else stacked.scales  # dummy pointer for symmetric
     per = 32 // stacked.bits
     grid = (plan.num_tiles, n_tiles, split_k)
-    k.sbmm[grid](
-        x, y, plan.perm, plan.tile_slot, plan.tile_start, plan.tile_end,
-        qw, pos, stacked.scales, zr,
-        in_f, out_f, group, qw.shape[1], pos.shape[1], x.stride(0), y.stride(0),
-        qw[0].numel(), pos[0].numel(), stacked.scales[0].numel(),
-        BITS=stacked.bits, PER=per, POW2=per & (per - 1) == 0, SPARSE=stacked.sparse,
-        ASYM=stacked.asymmetric,
-        TILE_SCALE=tile_scale, SPLIT_K=split_k, IEEE=x.dtype == torch.float32,
-        BLOCK_M=plan.block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps,
-    )
+    with device_context(x):
+        k.sbmm[grid](
+            x, y, plan.perm, plan.tile_slot, plan.tile_start, plan.tile_end,
+            qw, pos, stacked.scales, zr,
+            in_f, out_f, group, qw.shape[1], pos.shape[1], x.stride(0), y.stride(0),
+            qw[0].numel(), pos[0].numel(), stacked.scales[0].numel(),
+            BITS=stacked.bits, PER=per, POW2=per & (per - 1) == 0, SPARSE=stacked.sparse,
+            ASYM=stacked.asymmetric,
+            TILE_SCALE=tile_scale, SPLIT_K=split_k, IEEE=x.dtype == torch.float32,
+            BLOCK_M=plan.block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps,
+        )
     return y if split_k == 1 else y.to(x.dtype)
 
 
@@ -386,15 +401,16 @@ def lora_triton(
     bk = block_k or 64
     bn = block_n or 64
     h = torch.zeros(n, rank, dtype=torch.float32, device=x.device)
-    k.lora_shrink[(plan.num_tiles, k.cdiv(rank, br))](
-        x, h, plan.perm, plan.tile_slot, plan.tile_start, plan.tile_end, A,
-        in_f, rank, x.stride(0), h.stride(0),
-        IEEE=ieee, BLOCK_M=plan.block_m, BLOCK_R=br, BLOCK_K=bk, num_warps=num_warps,
-    )
     y = torch.zeros(n, out_f, dtype=x.dtype, device=x.device)
-    k.lora_expand[(plan.num_tiles, k.cdiv(out_f, bn))](
-        h, y, plan.perm, plan.tile_slot, plan.tile_start, plan.tile_end, B, scale32,
-        rank, out_f, h.stride(0), y.stride(0),
-        IEEE=ieee, BLOCK_M=plan.block_m, BLOCK_N=bn, BLOCK_R=br, num_warps=num_warps,
-    )
+    with device_context(x):
+        k.lora_shrink[(plan.num_tiles, k.cdiv(rank, br))](
+            x, h, plan.perm, plan.tile_slot, plan.tile_start, plan.tile_end, A,
+            in_f, rank, x.stride(0), h.stride(0),
+            IEEE=ieee, BLOCK_M=plan.block_m, BLOCK_R=br, BLOCK_K=bk, num_warps=num_warps,
+        )
+        k.lora_expand[(plan.num_tiles, k.cdiv(out_f, bn))](
+            h, y, plan.perm, plan.tile_slot, plan.tile_start, plan.tile_end, B, scale32,
+            rank, out_f, h.stride(0), y.stride(0),
+            IEEE=ieee, BLOCK_M=plan.block_m, BLOCK_N=bn, BLOCK_R=br, num_warps=num_warps,
+        )
     return y
