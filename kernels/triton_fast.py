@@ -33,7 +33,7 @@ from deltazip.kernels.triton_sbmm import (
     _check_x,
     _kernels,
     _plan_for,
-    _sm_count,
+    auto_split_k,
     device_context,
     interpret_mode,
 )
@@ -110,8 +110,7 @@ def sbmm_fast(
     k_tiles = in_f // bk
     if split_k is None:
         busy = max(min(stacked.num_deltas, n), n // plan.block_m) * n_tiles
-        target = 2 * _sm_count(x.device)
-        split_k = 1 if x.device.type != "cuda" or busy >= target else min(8, k_tiles, -(-target // busy))
+        split_k = auto_split_k(busy, k_tiles, x.device)
     split_k = max(1, min(split_k, k_tiles))
     y = torch.zeros(n, out_f, dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
     zr = stacked.zeros if stacked.asymmetric else stacked.scales  # dummy pointer when symmetric

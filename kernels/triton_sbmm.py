@@ -252,6 +252,22 @@ def device_context(x: torch.Tensor):
     return contextlib.nullcontext()
 
 
+def auto_split_k(busy: int, k_tiles: int, device: torch.device) -> int:
+    """K splits for a grid of ``busy`` programs: 1 off CUDA or when the grid fills twice the SMs,
+    else the power of two (<= 8, <= ``k_tiles``) that comes closest to filling them. Powers of two
+    only, so that a warm-up (``deltazip.kernels.warmup``) can compile every value a forward can pick."""
+    target = 2 * _sm_count(device)
+    if device.type != "cuda" or busy >= target:
+        return 1
+    split = min(8, _pow2_ceil(-(-target // busy)))
+    while split > 1 and split > k_tiles:
+        split //= 2
+    return split
+
+
+SPLIT_K_CHOICES = (1, 2, 4, 8)
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -328,8 +344,7 @@ def sbmm_triton(
         # Few output tiles and few deltas (decode with a handful of variants) leave SMs idle;
         # split K across programs and reduce with fp32 atomics.
         busy = max(min(stacked.num_deltas, n), n // plan.block_m) * n_tiles
-        target = 2 * _sm_count(x.device)
-        split_k = 1 if x.device.type != "cuda" or busy >= target else min(8, k_tiles, -(-target // busy))
+        split_k = auto_split_k(busy, k_tiles, x.device)
     split_k = max(1, min(split_k, k_tiles))
     if split_k == 1:
         y = torch.zeros(n, out_f, dtype=x.dtype, device=x.device)

@@ -348,3 +348,36 @@ def test_cuda_n_launches_on_the_tensors_device():
             assert y.device == torch.device("cuda:1")
             assert_matches(y.cpu(), reference.sbmm(x.to(dtype), index, deltas), mag)
     assert torch.cuda.current_device() == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# split-K choice and warm-up
+# ------------------------------------------------------------------------------------------------
+
+
+def test_auto_split_k_is_a_power_of_two_within_the_k_steps(monkeypatch):
+    import deltazip.kernels.triton_sbmm as ts
+
+    monkeypatch.setattr(ts, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert ts.auto_split_k(10_000, 32, cuda) == 1  # the grid already fills the GPU
+    assert ts.auto_split_k(64, 32, torch.device("cpu")) == 1
+    for busy in range(1, 300):
+        for k_tiles in (1, 3, 5, 32, 86):
+            s = ts.auto_split_k(busy, k_tiles, cuda)
+            assert s in ts.SPLIT_K_CHOICES and s <= max(1, k_tiles)
+
+
+def test_warmup_runs_every_variant(backend):
+    from deltazip.kernels.warmup import variants, warmup_stack
+
+    gen = torch.Generator().manual_seed(4)
+    deltas = [make_delta(64, 256, 4, 128, True, False, gen) for _ in range(2)]
+    for layout in ("mma", "transposed"):
+        stack = repack(deltas, device=backend, layout=layout)
+        combos = variants(stack, (torch.float16, torch.float32))
+        assert {(bm, sk) for _, bm, sk in combos if _ == torch.float16} == {(16, 1), (16, 2), (64, 1), (64, 2)}
+        assert all(dt == torch.float16 for dt, _, _ in combos) == (layout == "mma")  # no fp32 fast kernel
+        assert warmup_stack(stack, (torch.float16,), force=True) == 4
+        if backend == "cpu":
+            assert warmup_stack(stack, (torch.float16,)) == 0  # nothing to compile off CUDA
