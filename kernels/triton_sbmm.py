@@ -229,8 +229,13 @@ def min_block_k(bits: int, sparse: bool) -> int:
 def choose_block_k(in_features: int, group: int, bits: int, sparse: bool, cap: int = 128) -> tuple[int, bool]:
     """``(BLOCK_K, tile_scale)``: the largest power of two in ``[min_block_k, cap]`` that keeps every
     K tile inside one quantization group, with ``tile_scale=True``; if none does (group not a
-    multiple of the minimum), ``(64, False)`` and the scales are applied per element."""
+    multiple of the minimum), ``(64, False)`` and the scales are applied per element. 3-bit 2:4 caps
+    the tile at 32 columns (shared memory)."""
     lo = min_block_k(bits, sparse)
+    if bits == 3 and sparse:
+        # 3-bit 2:4 gathers four [BLOCK_K, BLOCK_N] word tiles per step; pipelined 3 deep at BLOCK_K=128
+        # that is 280 KiB of shared memory (more than any GPU has: offline compile, bench/kernels_sass.py).
+        cap = min(cap, 32)
     if group == in_features:  # one group per row: any tile is inside it
         return max(lo, min(cap, _pow2_ceil(in_features))), True
     bk = min(cap, _pow2_floor(group))
