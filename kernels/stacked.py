@@ -58,17 +58,24 @@ _ROW_CHUNK = 1024  # rows repacked at a time (bounds the int64 temporaries of a 
 
 def choose_layout(layout: str, *, bits: int, group_size: int, in_features: int,
                   device: torch.device | str) -> str:
-    """Resolve ``"auto"`` (or ``DELTAZIP_SBMM_LAYOUT``) to ``"mma"`` or ``"transposed"``.
+    """Resolve ``"auto"`` to ``"mma"`` or ``"transposed"``.
 
     ``"auto"`` is ``"mma"`` when the stack lives on CUDA, Triton imports and the configuration has a
-    fast kernel (:func:`deltazip.kernels.fast_layout.fast_supported`). An explicit ``"mma"`` for a
-    configuration without one raises.
+    fast kernel (:func:`deltazip.kernels.fast_layout.fast_supported`). ``DELTAZIP_SBMM_LAYOUT``
+    overrides ``"auto"``: ``transposed`` always, ``mma`` wherever the configuration has a fast kernel
+    (any device). An explicit ``layout="mma"`` for a configuration without one raises.
     """
-    if layout == "auto":
-        layout = os.environ.get(_LAYOUT_ENV, "auto").strip().lower() or "auto"
     if layout not in (*LAYOUTS, "auto"):
-        raise ValueError(f"layout {layout!r}: use one of {LAYOUTS} or 'auto' (also for {_LAYOUT_ENV})")
+        raise ValueError(f"layout {layout!r}: use one of {LAYOUTS} or 'auto'")
     ok = fast_layout.fast_supported(bits, group_size, in_features)
+    if layout == "auto":
+        env = os.environ.get(_LAYOUT_ENV, "auto").strip().lower() or "auto"
+        if env not in (*LAYOUTS, "auto"):
+            raise ValueError(f"{_LAYOUT_ENV}={env!r}: use one of {LAYOUTS} or 'auto'")
+        if env == "transposed" or (env == "mma" and not ok):
+            return "transposed"  # the environment states a preference; configurations without a fast kernel keep theirs
+        if env == "mma":
+            return "mma"  # on any device (the interpreter runs it on a CPU)
     if layout == "mma" and not ok:
         raise ValueError(f"no mma layout for bits={bits}, group_size={group_size}, in_features={in_features} "
                          f"(needs bits in {fast_layout.FAST_BITS}, in_features % 128 == 0, a group size that "

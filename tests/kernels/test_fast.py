@@ -110,9 +110,14 @@ def test_choose_layout(monkeypatch):
                 dict(bits=2, group_size=32, in_features=256), dict(bits=4, group_size=-1, in_features=96)):
         with pytest.raises(ValueError, match="no mma layout"):
             choose_layout("mma", device="cpu", **bad)
-        assert choose_layout("auto", device="cpu", **bad) == "transposed"
+        for env in ("mma", "auto"):  # a preference, not an order
+            monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", env)
+            assert choose_layout("auto", device="cpu", **bad) == "transposed"
     with pytest.raises(ValueError, match="layout"):
         choose_layout("fancy", device="cpu", **kw)
+    monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", "fancy")
+    with pytest.raises(ValueError, match="DELTAZIP_SBMM_LAYOUT"):
+        choose_layout("auto", device="cpu", **kw)
 
 
 def test_fast_config_steps_and_group_shifts():
