@@ -34,8 +34,8 @@ Two layouts (``StackedDeltas.layout``):
 
 :meth:`StackedDeltas.allocate` picks ``"mma"`` on CUDA when Triton is installed and the configuration
 has a fast kernel (bits 2/4/8, ``in_features`` a multiple of 128, a group size that is a multiple of
-the K step), ``"transposed"`` otherwise; ``DELTAZIP_SBMM_LAYOUT=transposed|mma|auto`` overrides the
-automatic choice. Either way :meth:`write` takes canonical deltas and :meth:`unstack` gives them back
+the K step), ``"transposed"`` otherwise; ``DELTAZIP_SBMM_LAYOUT`` overrides the automatic choice
+(:func:`choose_layout`). Either way :meth:`write` takes canonical deltas and :meth:`unstack` gives them back
 (for ``"mma"`` an equivalent one: the same :meth:`delta_weight`; under 2:4 a kept value equal to the
 zero point may come back at another position of its group).
 """
