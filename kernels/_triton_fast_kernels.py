@@ -2,11 +2,13 @@
 
 One program computes a ``64 x BLOCK_M`` tile of ``y^T``: 64 output features of one slot's delta
 times the ``BLOCK_M`` activation rows of one row tile (swap AB: the weight tile is the A operand, so
-it stays in registers). Per K step a thread loads its ``BITS * BLOCK_K / 128`` words per row half
-with one vector load, turns every word into fp16/bf16 pairs with one logic op per pair (and a shift
-per pair after the first of a word), subtracts ``magic + zero point`` with one packed add per pair,
-and the tensor core multiplies; the weights are in the register order of the MMA fragment
-(``deltazip.kernels.fast_layout``), so no layout conversion and no shared memory is involved.
+it stays in registers). Per K step a thread loads its ``BITS * BLOCK_K / 128`` words per row half in
+16-byte vector loads, turns every word into fp16/bf16 pairs with one logic op per pair (plus a
+shift whenever the next field no longer fits the mantissa), turns ``magic + code`` into ``code -
+zero`` with one packed FMA per pair, and the tensor core multiplies. The weights are in the register
+order of the MMA fragment (``deltazip.kernels.fast_layout``), so the ``join``/``permute``/``reshape``
+below only rename registers: no layout conversion, no shared memory for the dequantized tile. Two K
+steps per loop iteration (``UNROLL``) halve the loop's bookkeeping per weight.
 """
 
 from __future__ import annotations
