@@ -116,13 +116,14 @@ def sbmm_fast_kernel(
     x_ptr, y_ptr, perm_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr,
     qw_ptr, sc_ptr, zr_ptr,
     IN, OUT, OUTP, GROUP, stride_xm, stride_ym, qw_slot_stride, sc_slot_stride, FIELD,
-    BITS: tl.constexpr, ASYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K: tl.constexpr,
+    BITS: tl.constexpr, ASYM: tl.constexpr, BF16: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, G_SHIFT: tl.constexpr, USE_ASM: tl.constexpr, UNROLL: tl.constexpr = 1,
 ):
     """``y[rows] = x[rows] @ W_slot.T`` for the rows of row tile ``program_id(0)`` (one slot), 64
     output features from ``program_id(1) * 64``, K split ``program_id(2)`` (``SPLIT_K > 1``
     accumulates fp32 ``y`` with atomics). ``W_slot`` is read from the ``mma`` layout; every K step
-    lies inside one quantization group (``GROUP % BLOCK_K == 0``)."""
+    lies inside one quantization group (``GROUP % BLOCK_K == 0``). Activations are fp16, bf16
+    (``BF16``) or fp32 (``IEEE``: a correct but slow path, for fp32 models on a GPU)."""
     BLOCK_N: tl.constexpr = 64
     NC: tl.constexpr = BLOCK_K // 32  # 32-column chunks per K step
     NWK: tl.constexpr = NC * BITS // 4  # words per thread and row half per K step
@@ -192,7 +193,10 @@ def sbmm_fast_kernel(
             a = tl.reshape(v, (BLOCK_N, BLOCK_K))
             offs_k = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x_ptr + rows[None, :] * stride_xm + offs_k[:, None], mask=m_mask[None, :], other=0.0)
-            part = tl.dot(a, xt)
+            if IEEE:  # fp32 activations: exact integer weights in fp32, fp32 FMA (no tensor cores)
+                part = tl.dot(a.to(tl.float32), xt, input_precision="ieee")
+            else:
+                part = tl.dot(a, xt)
             s = tl.load(sc_base + g * OUTP + offs_n).to(tl.float32)
             acc += part * s[:, None]
         y_ptrs = y_ptr + rows[None, :] * stride_ym + offs_n[:, None]

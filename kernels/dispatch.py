@@ -9,8 +9,8 @@ define it); a Triton path is taken when
 
 Which Triton kernel runs SBMM follows the stack's layout (``StackedDeltas.layout``): ``"mma"`` stacks
 (the default on CUDA for bits 2/4/8, ``in`` a multiple of 128) go to the bandwidth-bound kernel
-``deltazip.kernels.triton_fast`` for fp16/bf16 activations (fp32 activations, which it does not
-take, go to the reference); ``"transposed"`` stacks go to ``deltazip.kernels.triton_sbmm``. A list of
+``deltazip.kernels.triton_fast`` (fp16/bf16 on tensor cores; fp32 exactly, on fp32 FMA);
+``"transposed"`` stacks go to ``deltazip.kernels.triton_sbmm``. A list of
 canonical deltas is repacked per call into the layout the call can use best.
 
 The environment variable ``DELTAZIP_FORCE_TRITON`` overrides the choice: ``1`` takes the Triton path

@@ -144,7 +144,7 @@ def _build(v: Variant) -> tuple[object, dict, dict, list[str], dict]:
     sig = {"x_ptr": dt, "y_ptr": dt, "perm_ptr": "*i32", "tile_slot_ptr": "*i32", "tile_start_ptr": "*i32",
            "tile_end_ptr": "*i32", "qw_ptr": "*i32", "sc_ptr": "*fp16", "zr_ptr": "*fp16",
            **{k: "i32" for k in ints}}
-    const = {"BITS": v.bits, "ASYM": v.asym, "BF16": v.dtype == "bf16", "SPLIT_K": 1, "BLOCK_M": v.block_m,
+    const = {"BITS": v.bits, "ASYM": v.asym, "BF16": v.dtype == "bf16", "IEEE": False, "SPLIT_K": 1, "BLOCK_M": v.block_m,
              "BLOCK_K": bk, "G_SHIFT": steps.bit_length() - 1, "USE_ASM": True, "UNROLL": 2}
     return mod.sbmm_fast_kernel, sig, const, ints, {"num_warps": 4, "block_n": 64, "block_k": bk, "unroll": 2}
 

@@ -18,8 +18,8 @@ What makes it fast (docs/kernels.md has the numbers):
   kernel: Triton has no sparse tensor-core instruction.
 
 Supported: bits 2, 4 and 8, any group size that is a multiple of the K step (32, or 64 at 2 bits),
-``in_features`` a multiple of 128, activations fp16 (and bf16 on a GPU). Other calls go to the
-reference (``dispatch`` decides).
+``in_features`` a multiple of 128, activations fp16 and bf16 (bf16 not in the interpreter); fp32
+activations run too, exactly but on fp32 FMA (no tensor cores). ``dispatch`` decides what runs.
 """
 
 from __future__ import annotations
@@ -38,14 +38,16 @@ from deltazip.kernels.triton_sbmm import (
     interpret_mode,
 )
 
-FAST_DTYPES = (torch.float16, torch.bfloat16)
+FAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def fast_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
-    """Activation dtypes the fast kernel takes on ``device`` (the interpreter has no bf16)."""
+    """Activation dtypes the fast kernel takes on ``device`` (the interpreter has no bf16). fp32 is
+    correct but not fast (fp32 FMA instead of tensor cores): it is there so that an fp32 model on a
+    GPU, whose stacks get the ``mma`` layout too, does not fall back to the reference."""
     if device.type == "cuda" and not interpret_mode():
         return FAST_DTYPES
-    return (torch.float16,)
+    return (torch.float16, torch.float32)
 
 
 def fast_config(stacked: StackedDeltas) -> tuple[int, int]:
@@ -77,8 +79,8 @@ def sbmm_fast(
     """``y[r] = x[r] @ W[delta_index[r]].T`` (zeros where the index is -1), one launch.
 
     Args:
-        x: ``[N, in]`` fp16 (bf16 too on CUDA), on the stack's device; any row stride and storage
-            offset (a non-unit column stride is made contiguous).
+        x: ``[N, in]`` fp16 (bf16 too on CUDA; fp32 slowly), on the stack's device; any row stride and
+            storage offset (a non-unit column stride is made contiguous).
         delta_index: integer ``[N]``, values in ``[-1, D)``.
         stacked: ``D`` deltas in the ``mma`` layout (``StackedDeltas.allocate(..., layout="mma")``).
         plan: a ``group_rows`` plan for ``delta_index`` and ``D`` (built here when None).
@@ -123,7 +125,8 @@ def sbmm_fast(
             stacked.qweight, stacked.scales, zr,
             in_f, out_f, padded_rows(out_f), stacked.effective_group, x.stride(0), y.stride(0),
             stacked.qweight[0].numel(), stacked.scales[0].numel(), ((1 << stacked.bits) - 1) * 0x10001,
-            BITS=stacked.bits, ASYM=stacked.asymmetric, BF16=x.dtype == torch.bfloat16, SPLIT_K=split_k,
+            BITS=stacked.bits, ASYM=stacked.asymmetric, BF16=x.dtype == torch.bfloat16, IEEE=x.dtype == torch.float32,
+            SPLIT_K=split_k,
             BLOCK_M=plan.block_m, BLOCK_K=bk, G_SHIFT=g_shift, USE_ASM=not interpret_mode(), UNROLL=unroll, **opts,
         )
     return y if split_k == 1 else y.to(x.dtype)

@@ -167,6 +167,14 @@ def test_sbmm_fast_matches_reference(backend, bits, group, sparse, asym):
                gen=gen, device=backend)
 
 
+@pytest.mark.parametrize("bits,sparse,asym,group", [(4, True, False, 128), (2, False, True, 64), (8, True, True, -1)])
+def test_sbmm_fast_fp32_activations(backend, bits, sparse, asym, group):
+    """fp32 activations take the kernel's fp32 path (exact integer weights, fp32 dot)."""
+    gen = torch.Generator().manual_seed(bits + 31)
+    check_fast(bits, group, sparse, asym, out_f=70, in_f=256, n=13, num_slots=3, dtype=torch.float32, gen=gen,
+               device=backend)
+
+
 def test_sbmm_fast_split_k_odd_steps_and_prefill_tiles(backend):
     gen = torch.Generator().manual_seed(7)
     # 3 K steps of 128: the two-step unrolled loop plus its remainder; then split in two (2 + 1 steps,
@@ -264,11 +272,13 @@ def test_dispatch_routes_by_layout_and_dtype(backend, monkeypatch):
     assert_matches(dispatch.sbmm(xd, idd, repack(deltas, device=backend, layout="transposed")).cpu(), ref, mag)
     assert_matches(dispatch.sbmm(xd, idd, [d.to(backend) for d in deltas]).cpu(), ref, mag)  # list: repacked
     assert calls == ["fast", "legacy", "fast"]
-    # fp32 activations: the fast kernel takes fp16/bf16 only, so an mma stack goes to the reference.
+    # fp32 activations: the fast kernel's fp32 path (exact weights, fp32 FMA).
     calls.clear()
     x32 = x.float()
-    assert torch.equal(dispatch.sbmm(x32.to(backend), idd, mma).cpu(), reference.sbmm(x32, index, deltas))
-    assert calls == []
+    y32 = dispatch.sbmm(x32.to(backend), idd, mma).cpu()
+    assert_matches(y32, reference.sbmm(x32, index, deltas), mag)
+    assert calls == ["fast"]
+    calls.clear()
     # A configuration without a fast kernel (3-bit) takes the legacy kernel through the list path.
     three = [make_delta(48, 256, 3, 128, True, False, gen) for _ in range(2)]
     i3 = torch.tensor([0, 1, -1, 1])
@@ -380,9 +390,11 @@ def test_warmup_runs_every_variant(backend):
     deltas = [make_delta(64, 256, 4, 128, True, False, gen) for _ in range(2)]
     for layout in ("mma", "transposed"):
         stack = repack(deltas, device=backend, layout=layout)
-        combos = variants(stack, (torch.float16, torch.float32))
-        assert {(bm, sk) for _, bm, sk in combos if _ == torch.float16} == {(16, 1), (16, 2), (64, 1), (64, 2)}
-        assert all(dt == torch.float16 for dt, _, _ in combos) == (layout == "mma")  # no fp32 fast kernel
+        combos = variants(stack, (torch.float16, torch.float32, torch.bfloat16))
+        expect = {(bm, sk) for bm in (16, 64) for sk in (1, 2)}  # 2 K steps of 128: split-K 1 or 2
+        assert {(bm, sk) for dt, bm, sk in combos if dt == torch.float16} == expect
+        assert {(bm, sk) for dt, bm, sk in combos if dt == torch.float32} == expect
+        assert any(dt == torch.bfloat16 for dt, _, _ in combos) == (backend == "cuda")  # no bf16 interpreter
         assert warmup_stack(stack, (torch.float16,), force=True) == 4
         if backend == "cpu":
             assert warmup_stack(stack, (torch.float16,)) == 0  # nothing to compile off CUDA
