@@ -18,14 +18,19 @@ run, medians of CUDA-event timings with the L2 cache flushed before every repeat
   plans prebuilt);
 - ``bmm_fp16``: gather rows grouped by delta, ``torch.bmm`` over the stacked fp16 deltas, scatter back
   (needs every delta dense in fp16: 16x the memory of a 4-bit 2:4 delta);
-- ``sbmm``: the Triton SBMM with the row plan built beforehand (a server builds it once per step and
-  shares it across all linears); ``sbmm_with_plan`` includes building the plan;
-- ``base_gemm``: the base model's fp16 ``x @ W_base.T`` for all rows, for scale.
+- ``sbmm``: the legacy Triton SBMM (``triton_sbmm``, transposed layout) with the row plan built
+  beforehand (a server builds it once per step and shares it across all linears); ``sbmm_with_plan``
+  includes building the plan;
+- ``sbmm_fast``: the bandwidth-bound kernel (``triton_fast``, mma layout: 2:4 expanded to dense codes
+  at load), same plan;
+- ``base_gemm``: the base model's ``x @ W_base.T`` for all rows, for scale.
 
-Per point it reports the bytes SBMM must read (compressed deltas in use, plus x and y), its achieved
-bandwidth and the ratio to the bandwidth floor (bytes / peak bandwidth; peak from NVML when
-available, else a measured device-to-device copy). A parity check of SBMM against the reference
-runs for every configuration before timing. ``tuning`` records sweep SBMM tile sizes at two points;
+Activations are fp16 and bf16 (``--quick``: fp16). Per point it reports the bytes SBMM must read
+(the compressed deltas in use, plus x and y; the fast kernel's own layout reads more at 4-bit 2:4 and
+its ``sbmm_fast_own_bytes`` say how much), achieved bandwidth and the ratio to the bandwidth floor
+(compressed bytes / peak bandwidth; peak from NVML when available, else a measured
+device-to-device copy). A parity check of both kernels against the reference runs for every
+configuration before timing. ``tuning`` records sweep SBMM tile sizes at two points;
 ``semi_structured`` records compare, at prefill token counts on one delta, dense fp16, PyTorch's 2:4
 semi-structured sparse matmul (cuSPARSELt/CUTLASS) of the dequantized delta, and SBMM.
 """
@@ -154,30 +159,33 @@ def slot_bytes(stack, slot_count: int) -> int:
 # -------------------------------------------------------------------------------- benchmarks
 
 
-def point_methods(torch, x, index, rows, ones, single_plans, perm, plan, canonical, singles, w16, stack, w_base):
+def point_methods(torch, x, index, rows, ones, single_plans, perm, plan, canonical, singles, w16, stack, w_base,
+                  fstack):
     """The candidates of one (shape, deltas, rows per delta) point, as zero-argument callables."""
     from deltazip.kernels import reference
+    from deltazip.kernels.triton_fast import sbmm_fast
     from deltazip.kernels.triton_sbmm import sbmm_triton
 
     n, in_f = x.shape
     d, out_f = w16.shape[0], w16.shape[1]
     r = n // d
+    dt = x.dtype
 
     def loop_dequant():
-        y = torch.zeros(n, out_f, dtype=torch.float16, device="cuda")
+        y = torch.zeros(n, out_f, dtype=dt, device="cuda")
         for s in range(d):
-            w = reference.delta_weight(canonical[s]).half()
+            w = reference.delta_weight(canonical[s]).to(dt)
             y[rows[s]] = x[rows[s]] @ w.T
         return y
 
     def loop_fp16():
-        y = torch.zeros(n, out_f, dtype=torch.float16, device="cuda")
+        y = torch.zeros(n, out_f, dtype=dt, device="cuda")
         for s in range(d):
             y[rows[s]] = x[rows[s]] @ w16[s].T
         return y
 
     def loop_triton():
-        y = torch.zeros(n, out_f, dtype=torch.float16, device="cuda")
+        y = torch.zeros(n, out_f, dtype=dt, device="cuda")
         for s in range(d):
             y[rows[s]] = sbmm_triton(x[rows[s]], ones[s], singles[s], plan=single_plans[s])
         return y
@@ -185,7 +193,7 @@ def point_methods(torch, x, index, rows, ones, single_plans, perm, plan, canonic
     def bmm_fp16():
         xg = x[perm].view(d, r, in_f)
         yg = torch.bmm(xg, w16.transpose(1, 2))
-        y = torch.empty(n, out_f, dtype=torch.float16, device="cuda")
+        y = torch.empty(n, out_f, dtype=dt, device="cuda")
         y[perm] = yg.reshape(n, out_f)
         return y
 
@@ -195,52 +203,70 @@ def point_methods(torch, x, index, rows, ones, single_plans, perm, plan, canonic
     def sbmm_with_plan():
         return sbmm_triton(x, index, stack)
 
+    def sbmm_fast_():
+        return sbmm_fast(x, index, fstack, plan=plan)
+
     def base_gemm():
         return x @ w_base.T
 
     return {"loop_dequant": loop_dequant, "loop_fp16": loop_fp16, "loop_triton": loop_triton,
-            "bmm_fp16": bmm_fp16, "sbmm": sbmm, "sbmm_with_plan": sbmm_with_plan, "base_gemm": base_gemm}
+            "bmm_fp16": bmm_fp16, "sbmm": sbmm, "sbmm_with_plan": sbmm_with_plan, "sbmm_fast": sbmm_fast_,
+            "base_gemm": base_gemm}
 
 
-def bench_shape(torch, timer, floor_gbps, out_f, in_f, bits, group, deltas_list, rows_list, unique=4):
+def mma_view(fstack, d: int):
+    """The first ``d`` slots of an mma-layout stack, as a stack (views, no copy)."""
+    from dataclasses import replace
+
+    return replace(fstack, qweight=fstack.qweight[:d], scales=fstack.scales[:d])
+
+
+def bench_shape(torch, timer, floor_gbps, out_f, in_f, bits, group, deltas_list, rows_list, dtype, unique=4):
     from deltazip.kernels import reference
     from deltazip.kernels.stacked import StackedDeltas
+    from deltazip.kernels.triton_fast import sbmm_fast
     from deltazip.kernels.triton_sbmm import group_rows, sbmm_triton
 
+    dt = getattr(torch, dtype)
     d_max = max(deltas_list)
-    log(f"shape {out_f}x{in_f} bits={bits} g={group}: building {d_max} deltas")
+    log(f"shape {out_f}x{in_f} bits={bits} g={group} {dtype}: building {d_max} deltas")
     uniq = make_unique_deltas(torch, out_f, in_f, bits, group, min(unique, d_max), seed=out_f + in_f + bits)
     stack = StackedDeltas.allocate(d_max, bits=bits, group_size=group, in_features=in_f, out_features=out_f,
-                                   sparse=True, asymmetric=False, device="cuda")
+                                   sparse=True, asymmetric=False, device="cuda", layout="transposed")
+    fstack = StackedDeltas.allocate(d_max, bits=bits, group_size=group, in_features=in_f, out_features=out_f,
+                                    sparse=True, asymmetric=False, device="cuda", layout="mma")
     for s in range(d_max):
         stack.write(s, uniq[s % len(uniq)])
+        fstack.write(s, uniq[s % len(uniq)])
     canonical = [stack.unstack(s) for s in range(d_max)]  # distinct memory per slot for the loops
-    dense_u = [reference.delta_weight(d).half() for d in uniq]
-    w16 = torch.empty(d_max, out_f, in_f, dtype=torch.float16, device="cuda")
+    dense_u = [reference.delta_weight(d).to(dt) for d in uniq]
+    w16 = torch.empty(d_max, out_f, in_f, dtype=dt, device="cuda")
     for s in range(d_max):
         w16[s].copy_(dense_u[s % len(uniq)])
     del dense_u
-    w_base = torch.randn(out_f, in_f, dtype=torch.float16, device="cuda") * 0.02
+    w_base = (torch.randn(out_f, in_f, device="cuda") * 0.02).to(dt)
 
-    # Parity of SBMM against the reference before any timing.
+    # Parity of both SBMM kernels against the reference before any timing.
     gen = torch.Generator(device="cuda").manual_seed(1)
-    xc = torch.randn(24, in_f, device="cuda", generator=gen).half()
+    xc = torch.randn(24, in_f, device="cuda", generator=gen).to(dt)
     ic = torch.randint(-1, min(4, d_max), (24,), device="cuda", generator=gen)
     sub = StackedDeltas(stack.qweight[:4], stack.scales[:4], None, stack.positions[:4], bits, group, in_f, out_f)
-    yc = sbmm_triton(xc, ic, sub).float()
     rc = reference.sbmm(xc, ic, canonical[:4]).float()
-    parity = ((yc - rc).norm() / rc.norm().clamp_min(1e-12)).item()
-    log(f"  parity: relative L2 error of SBMM vs reference = {parity:.2e}")
+    parity = {}
+    for name, yc in (("sbmm", sbmm_triton(xc, ic, sub)), ("sbmm_fast", sbmm_fast(xc, ic, mma_view(fstack, 4)))):
+        parity[name] = ((yc.float() - rc).norm() / rc.norm().clamp_min(1e-12)).item()
+    log(f"  parity: relative L2 error vs reference = {parity}")
 
     results = []
     for d in deltas_list:
         sub = StackedDeltas(stack.qweight[:d], stack.scales[:d], None, stack.positions[:d], bits, group, in_f, out_f)
+        fsub = mma_view(fstack, d)
         singles = [StackedDeltas(stack.qweight[s:s + 1], stack.scales[s:s + 1], None, stack.positions[s:s + 1],
                                  bits, group, in_f, out_f) for s in range(d)]
         for r in rows_list:
             n = d * r
             index = torch.arange(d, device="cuda").repeat_interleave(r)[torch.randperm(n, device="cuda")]
-            x = torch.randn(n, in_f, dtype=torch.float16, device="cuda")
+            x = torch.randn(n, in_f, device="cuda").to(dt)
             rows = [(index == s).nonzero(as_tuple=True)[0] for s in range(d)]
             ones = [torch.zeros(len(rw), dtype=torch.long, device="cuda") for rw in rows]
             single_plans = [group_rows(o, 1) for o in ones]
@@ -248,22 +274,30 @@ def bench_shape(torch, timer, floor_gbps, out_f, in_f, bits, group, deltas_list,
             plan = group_rows(index, d)
 
             methods = point_methods(torch, x, index, rows, ones, single_plans, perm, plan, canonical, singles,
-                                    w16[:d], sub, w_base)
+                                    w16[:d], sub, w_base, fsub)
             us = {name: round(timer(fn), 2) for name, fn in methods.items()}
-            nbytes = slot_bytes(stack, d) * ((r + plan.block_m - 1) // plan.block_m) + 2 * n * (in_f + out_f)
+            tiles = (r + plan.block_m - 1) // plan.block_m
+            act = x.element_size() * n * (in_f + out_f)
+            nbytes = slot_bytes(stack, d) * tiles + act
+            own_fast = slot_bytes(fstack, d) * tiles + act
             gbps = nbytes / (us["sbmm"] * 1e-6) / 1e9
             floor_us = nbytes / (floor_gbps * 1e9) * 1e6
             rec = {
                 "kind": "sbmm", "shape": f"{out_f}x{in_f}", "out": out_f, "in": in_f, "bits": bits,
-                "sparse_24": True, "group": group, "deltas": d, "rows_per_delta": r, "tokens": n,
+                "sparse_24": True, "group": group, "dtype": dtype, "deltas": d, "rows_per_delta": r, "tokens": n,
                 "median_us": us,
                 "sbmm_speedup_vs": {k: round(v / us["sbmm"], 2) for k, v in us.items() if k != "sbmm"},
+                "sbmm_fast_speedup_vs": {k: round(v / us["sbmm_fast"], 2) for k, v in us.items() if k != "sbmm_fast"},
                 "sbmm_bytes": nbytes, "sbmm_GBps": round(gbps, 1), "floor_us": round(floor_us, 2),
-                "sbmm_over_floor": round(us["sbmm"] / floor_us, 2), "parity_rel_l2": parity,
+                "sbmm_over_floor": round(us["sbmm"] / floor_us, 2),
+                "sbmm_fast_GBps": round(nbytes / (us["sbmm_fast"] * 1e-6) / 1e9, 1),
+                "sbmm_fast_own_bytes": own_fast,
+                "sbmm_fast_own_GBps": round(own_fast / (us["sbmm_fast"] * 1e-6) / 1e9, 1),
+                "sbmm_fast_over_floor": round(us["sbmm_fast"] / floor_us, 2), "parity_rel_l2": parity,
             }
-            log(f"  D={d:3d} R={r:2d}: sbmm {us['sbmm']:9.1f} us, loop_dequant {us['loop_dequant']:9.1f}, "
-                f"loop_fp16 {us['loop_fp16']:8.1f}, bmm {us['bmm_fp16']:8.1f}, {gbps:7.0f} GB/s, "
-                f"{rec['sbmm_over_floor']:.2f}x floor")
+            log(f"  D={d:3d} R={r:2d}: sbmm {us['sbmm']:9.1f} us, fast {us['sbmm_fast']:9.1f} us "
+                f"({rec['sbmm_fast_over_floor']:.2f}x floor), loop_dequant {us['loop_dequant']:9.1f}, "
+                f"loop_fp16 {us['loop_fp16']:8.1f}, bmm {us['bmm_fp16']:8.1f}, base {us['base_gemm']:8.1f}")
             results.append(rec)
     return results
 
@@ -274,7 +308,7 @@ def bench_tuning(torch, timer, floor_gbps, out_f, in_f, bits, group, d, r, quick
 
     uniq = make_unique_deltas(torch, out_f, in_f, bits, group, min(4, d), seed=7)
     stack = StackedDeltas.allocate(d, bits=bits, group_size=group, in_features=in_f, out_features=out_f,
-                                   sparse=True, asymmetric=False, device="cuda")
+                                   sparse=True, asymmetric=False, device="cuda", layout="transposed")
     for s in range(d):
         stack.write(s, uniq[s % len(uniq)])
     n = d * r
@@ -321,10 +355,12 @@ def bench_tuning(torch, timer, floor_gbps, out_f, in_f, bits, group, d, r, quick
 def bench_semi_structured(torch, timer, out_f, in_f, bits, group, token_counts):
     from deltazip.kernels import reference
     from deltazip.kernels.stacked import repack
+    from deltazip.kernels.triton_fast import sbmm_fast
     from deltazip.kernels.triton_sbmm import sbmm_triton
 
     delta = make_unique_deltas(torch, out_f, in_f, bits, group, 1, seed=3)[0]
-    stack = repack([delta])
+    stack = repack([delta], layout="transposed")
+    fstack = repack([delta], layout="mma")
     w16 = reference.delta_weight(delta).half()
     sparse_w, sparse_err = None, None
     try:
@@ -339,7 +375,8 @@ def bench_semi_structured(torch, timer, out_f, in_f, bits, group, token_counts):
         index = torch.zeros(n, dtype=torch.long, device="cuda")
         rec = {"kind": "semi_structured", "shape": f"{out_f}x{in_f}", "bits": bits, "group": group, "tokens": n,
                "median_us": {"dense_fp16": round(timer(lambda x=x: x @ w16.T), 2),
-                             "sbmm": round(timer(lambda x=x, i=index: sbmm_triton(x, i, stack)), 2)}}
+                             "sbmm": round(timer(lambda x=x, i=index: sbmm_triton(x, i, stack)), 2),
+                             "sbmm_fast": round(timer(lambda x=x, i=index: sbmm_fast(x, i, fstack)), 2)}}
         if sparse_w is not None:
             try:
                 f = torch.nn.functional.linear
@@ -411,6 +448,7 @@ def main() -> int:
     rows_list = [1, 16] if args.quick else [1, 4, 16]
     quants = [(4, 128)] if args.quick else [(4, 128), (2, 128)]
     prefill_tokens = [1024] if args.quick else [256, 1024, 4096]
+    dtypes = ["float16"] if args.quick else ["float16", "bfloat16"]
     machine = machine_info(torch, triton)
     floor_gbps = machine["floor_bandwidth_GBps"]
     log(f"{machine['gpu']}: floor bandwidth {floor_gbps} GB/s ({machine['floor_bandwidth_source']})")
@@ -418,9 +456,11 @@ def main() -> int:
     torch.manual_seed(0)
 
     results: list[dict] = []
-    for bits, group in quants:
-        for out_f, in_f in shapes:
-            results += bench_shape(torch, timer, floor_gbps, out_f, in_f, bits, group, deltas_list, rows_list)
+    for dtype in dtypes:
+        for bits, group in quants:
+            for out_f, in_f in shapes:
+                results += bench_shape(torch, timer, floor_gbps, out_f, in_f, bits, group, deltas_list, rows_list,
+                                       dtype)
     for d, r in ((16, 1), (16, 16)):
         results += bench_tuning(torch, timer, floor_gbps, 4096, 4096, 4, 128, d, r, args.quick)
     results += bench_semi_structured(torch, timer, 4096, 4096, 4, 128, prefill_tokens)
@@ -432,7 +472,7 @@ def main() -> int:
             "quick": args.quick, "repeats": repeats, "timing": "median of CUDA-event times, L2 flushed per repeat",
             "shapes_out_x_in": [f"{o}x{i}" for o, i in shapes], "deltas": deltas_list, "rows_per_delta": rows_list,
             "quantization": [{"bits": b, "group": g, "sparse_24": True, "symmetric": True} for b, g in quants],
-            "activation_dtype": "float16", "prefill_tokens": prefill_tokens,
+            "activation_dtypes": dtypes, "prefill_tokens": prefill_tokens,
             "sbmm_bytes": "compressed bytes of the deltas in use x row tiles per delta + x and y (fp16)",
         },
         "results": results,

@@ -1,11 +1,17 @@
-"""Entry points for SBMM and grouped LoRA: the Triton fast path when it can run, else the reference.
+"""Entry points for SBMM and grouped LoRA: the Triton fast paths when they can run, else the reference.
 
-Both paths compute the same thing (``deltazip.kernels.reference.sbmm`` / ``lora_shrink_expand``
-define it); the fast path is taken when
+Every path computes the same thing (``deltazip.kernels.reference.sbmm`` / ``lora_shrink_expand``
+define it); a Triton path is taken when
 
 - Triton is importable and ``x`` is on a CUDA device, and
 - the call is supported: ``x`` is ``[N, in]`` in fp16/bf16/fp32 (no bf16 under the interpreter),
   everything sits on one device.
+
+Which Triton kernel runs SBMM follows the stack's layout (``StackedDeltas.layout``): ``"mma"`` stacks
+(the default on CUDA for bits 2/4/8, ``in`` a multiple of 128) go to the bandwidth-bound kernel
+``deltazip.kernels.triton_fast`` (fp16/bf16 on tensor cores; fp32 exactly, on fp32 FMA);
+``"transposed"`` stacks go to ``deltazip.kernels.triton_sbmm``. A list of
+canonical deltas is repacked per call into the layout the call can use best.
 
 The environment variable ``DELTAZIP_FORCE_TRITON`` overrides the choice: ``1`` takes the Triton path
 for every supported call even without CUDA (with ``TRITON_INTERPRET=1`` this runs the kernels on
@@ -20,8 +26,10 @@ import os
 import torch
 
 from deltazip.kernels import reference
+from deltazip.kernels.fast_layout import fast_supported
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.stacked import StackedDeltas, config_key, repack
+from deltazip.kernels.triton_fast import can_run_fast, fast_dtypes, sbmm_fast
 from deltazip.kernels.triton_sbmm import (
     RowPlan,
     group_rows,
@@ -83,7 +91,11 @@ def sbmm(
         ``[N, out]`` in ``x.dtype``.
     """
     if isinstance(deltas, StackedDeltas):
-        if not use_triton(x, delta_index, deltas.qweight) or x.shape[-1] != deltas.in_features:
+        if x.dim() != 2 or x.shape[-1] != deltas.in_features or not use_triton(x, delta_index, deltas.qweight):
+            return reference.sbmm(x, delta_index, deltas)
+        if deltas.layout == "mma":
+            if can_run_fast(x, deltas) and (plan is None or plan.block_m >= 16):
+                return sbmm_fast(x, delta_index, deltas, plan=plan)
             return reference.sbmm(x, delta_index, deltas)
         return sbmm_triton(x, delta_index, deltas, plan=plan)
     deltas = list(deltas)
@@ -97,7 +109,7 @@ def sbmm(
     # The list path repacks per call anyway, so a host-side range check costs nothing extra.
     reference._check_index(delta_index, x.shape[0], len(deltas), "delta_index")
     if len(groups) == 1:
-        return sbmm_triton(x, delta_index, repack(deltas, device=x.device), plan=plan)
+        return _sbmm_list(x, delta_index, deltas, plan)
     if len({(k[3], k[4]) for k in groups}) != 1:
         return reference.sbmm(x, delta_index, deltas)  # raises with the mismatching shapes
     # One launch per configuration: remap the index to the group's local slots (-1 elsewhere).
@@ -107,9 +119,18 @@ def sbmm(
         local = torch.full((len(deltas) + 1,), -1, dtype=torch.int64, device=x.device)
         local[torch.tensor(members, device=x.device)] = torch.arange(len(members), device=x.device)
         sub = local[torch.where(index < 0, torch.full_like(index, len(deltas)), index)]
-        part = sbmm_triton(x, sub, repack([deltas[i] for i in members], device=x.device))
+        part = _sbmm_list(x, sub, [deltas[i] for i in members], None)
         y = part if y is None else y + part  # each row is non-zero in exactly one group
     return y
+
+
+def _sbmm_list(x: torch.Tensor, index: torch.Tensor, deltas: list[PackedDelta], plan: RowPlan | None) -> torch.Tensor:
+    """One configuration of canonical deltas, repacked for this call into the layout it runs best on."""
+    d = deltas[0]
+    if (fast_supported(d.bits, d.group_size, d.in_features) and x.dtype in fast_dtypes(x.device)
+            and (plan is None or plan.block_m >= 16)):
+        return sbmm_fast(x, index, repack(deltas, device=x.device, layout="mma"), plan=plan)
+    return sbmm_triton(x, index, repack(deltas, device=x.device, layout="transposed"), plan=plan)
 
 
 def lora(

@@ -22,16 +22,69 @@ tensor: the kernel receives one base pointer per part plus integer strides, neve
 pointers. A stack is homogeneous in ``bits``, ``group_size``, sparsity and shape (those are
 compile-time constants of the kernel); a runtime cache can :meth:`StackedDeltas.allocate` a fixed
 number of slots and :meth:`StackedDeltas.write` deltas into them as they are loaded.
+
+Two layouts (``StackedDeltas.layout``):
+
+- ``"transposed"`` (above): read by ``deltazip.kernels.triton_sbmm`` (and the reference anywhere);
+- ``"mma"``: read by the fast kernel ``deltazip.kernels.triton_fast``; ``qweight`` is int32
+  ``[D, slot_words]`` in the register order of the tensor-core fragment
+  (``deltazip.kernels.fast_layout``), 2:4 deltas expanded to dense codes (``positions`` is None and
+  ``sparse24`` True), ``scales`` fp16 ``[D, G, OUTP]`` and ``zeros`` fp16 ``[D, G, OUTP]`` with the
+  output rows padded to ``OUTP``, a multiple of 64.
+
+:meth:`StackedDeltas.allocate` picks ``"mma"`` on CUDA when Triton is installed and the configuration
+has a fast kernel (bits 2/4/8, ``in_features`` a multiple of 128, a group size that is a multiple of
+the K step), ``"transposed"`` otherwise; ``DELTAZIP_SBMM_LAYOUT`` overrides the automatic choice
+(:func:`choose_layout`). Either way :meth:`write` takes canonical deltas and :meth:`unstack` gives them back
+(for ``"mma"`` an equivalent one: the same :meth:`delta_weight`; under 2:4 a kept value equal to the
+zero point may come back at another position of its group).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 
+from deltazip.kernels import fast_layout
 from deltazip.kernels.packed import SUPPORTED_BITS, PackedDelta, packed_words
 from deltazip.kernels.reference import delta_weight as _reference_delta_weight
+
+LAYOUTS = ("transposed", "mma")
+_LAYOUT_ENV = "DELTAZIP_SBMM_LAYOUT"
+_ROW_CHUNK = 1024  # rows repacked at a time (bounds the int64 temporaries of a 7B-sized linear)
+
+
+def choose_layout(layout: str, *, bits: int, group_size: int, in_features: int,
+                  device: torch.device | str) -> str:
+    """Resolve ``"auto"`` to ``"mma"`` or ``"transposed"``.
+
+    ``"auto"`` is ``"mma"`` when the stack lives on CUDA, Triton imports and the configuration has a
+    fast kernel (:func:`deltazip.kernels.fast_layout.fast_supported`). ``DELTAZIP_SBMM_LAYOUT``
+    overrides ``"auto"``: ``transposed`` always, ``mma`` wherever the configuration has a fast kernel
+    (any device). An explicit ``layout="mma"`` for a configuration without one raises.
+    """
+    if layout not in (*LAYOUTS, "auto"):
+        raise ValueError(f"layout {layout!r}: use one of {LAYOUTS} or 'auto'")
+    ok = fast_layout.fast_supported(bits, group_size, in_features)
+    if layout == "auto":
+        env = os.environ.get(_LAYOUT_ENV, "auto").strip().lower() or "auto"
+        if env not in (*LAYOUTS, "auto"):
+            raise ValueError(f"{_LAYOUT_ENV}={env!r}: use one of {LAYOUTS} or 'auto'")
+        if env == "transposed" or (env == "mma" and not ok):
+            return "transposed"  # the environment states a preference; configurations without a fast kernel keep theirs
+        if env == "mma":
+            return "mma"  # on any device (the interpreter runs it on a CPU)
+    if layout == "mma" and not ok:
+        raise ValueError(f"no mma layout for bits={bits}, group_size={group_size}, in_features={in_features} "
+                         f"(needs bits in {fast_layout.FAST_BITS}, in_features % 128 == 0, a group size that "
+                         "is a multiple of 32, or 64 at 2 bits)")
+    if layout == "auto":
+        from deltazip.kernels.triton_sbmm import triton_importable  # lazy: no import cycle
+
+        layout = "mma" if ok and torch.device(device).type == "cuda" and triton_importable() else "transposed"
+    return layout
 
 
 @dataclass
@@ -39,11 +92,13 @@ class StackedDeltas:
     """``D`` compressed deltas of one ``[out, in]`` linear in the kernel-ready layout (module docstring).
 
     Attributes:
-        qweight: int32 ``[D, Kw, out]``.
-        scales: fp16 ``[D, G, out]``.
-        zeros: uint8 ``[D, G, out]`` or None (symmetric).
-        positions: int32 ``[D, Kp, out]`` or None (dense, no 2:4).
+        qweight: int32 ``[D, Kw, out]`` (``mma``: ``[D, slot_words]``).
+        scales: fp16 ``[D, G, out]`` (``mma``: ``[D, G, OUTP]``).
+        zeros: uint8 ``[D, G, out]`` (``mma``: fp16 ``[D, G, OUTP]``) or None (symmetric).
+        positions: int32 ``[D, Kp, out]`` or None (dense, no 2:4, or the ``mma`` layout).
         bits, group_size, in_features, out_features: shared by every slot.
+        layout: ``"transposed"`` or ``"mma"`` (module docstring).
+        sparse24: the ``mma`` layout holds 2:4 deltas (expanded; ``positions`` is None).
     """
 
     qweight: torch.Tensor
@@ -54,6 +109,8 @@ class StackedDeltas:
     group_size: int
     in_features: int
     out_features: int
+    layout: str = "transposed"
+    sparse24: bool = False
 
     @property
     def num_deltas(self) -> int:
@@ -61,7 +118,7 @@ class StackedDeltas:
 
     @property
     def sparse(self) -> bool:
-        return self.positions is not None
+        return self.positions is not None or self.sparse24
 
     @property
     def asymmetric(self) -> bool:
@@ -95,8 +152,11 @@ class StackedDeltas:
         sparse: bool,
         asymmetric: bool,
         device: torch.device | str = "cpu",
+        layout: str = "auto",
     ) -> StackedDeltas:
-        """An all-zero stack of ``num_slots`` slots (a zero slot is a zero delta: scale 0)."""
+        """An all-zero stack of ``num_slots`` slots (a zero slot is a zero delta: scale 0).
+
+        ``layout``: ``"transposed"``, ``"mma"`` or ``"auto"`` (:func:`choose_layout`)."""
         if num_slots < 1:
             raise ValueError(f"a stack needs at least one slot, got {num_slots}")
         if bits not in SUPPORTED_BITS:
@@ -106,8 +166,18 @@ class StackedDeltas:
             raise ValueError(f"in_features {in_features} not divisible by group size {group}")
         if sparse and (in_features % 4 or group % 4):
             raise ValueError(f"2:4 needs in_features ({in_features}) and group size divisible by 4")
-        kept = in_features // 2 if sparse else in_features
+        layout = choose_layout(layout, bits=bits, group_size=group_size, in_features=in_features, device=device)
         g = in_features // group
+        if layout == "mma":
+            outp = fast_layout.padded_rows(out_features)
+            words = fast_layout.slot_words(out_features, in_features, bits)
+            return cls(
+                torch.zeros(num_slots, words, dtype=torch.int32, device=device),
+                torch.zeros(num_slots, g, outp, dtype=torch.float16, device=device),
+                torch.zeros(num_slots, g, outp, dtype=torch.float16, device=device) if asymmetric else None,
+                None, bits, group_size, in_features, out_features, layout="mma", sparse24=sparse,
+            )
+        kept = in_features // 2 if sparse else in_features
         qweight = torch.zeros(num_slots, packed_words(kept, bits), out_features, dtype=torch.int32, device=device)
         positions = None
         if sparse:
@@ -134,6 +204,9 @@ class StackedDeltas:
         delta.validate()
         self._check_compatible(delta)
         dev = self.device
+        if self.layout == "mma":
+            self._write_mma(slot, delta.to(dev))
+            return
         self.qweight[slot].copy_(delta.qweight.to(dev).T)
         if self.positions is not None:
             self.positions[slot].copy_(delta.positions.to(dev).T)
@@ -144,10 +217,55 @@ class StackedDeltas:
             else:
                 self.zeros[slot].copy_(delta.zeros.to(dev).T)
 
+    def _write_mma(self, slot: int, delta: PackedDelta) -> None:
+        out_f, bits = self.out_features, self.bits
+        zp = fast_layout.zero_points(delta)  # [out, G] int64
+        words = self.qweight[slot]
+        per_block = fast_layout.slot_words(fast_layout.ROW_BLOCK, self.in_features, bits)
+        for r0 in range(0, out_f, _ROW_CHUNK):
+            r1 = min(out_f, r0 + _ROW_CHUNK)
+            part = PackedDelta(delta.qweight[r0:r1], delta.scales[r0:r1],
+                               None if delta.zeros is None else delta.zeros[r0:r1],
+                               None if delta.positions is None else delta.positions[r0:r1],
+                               bits, delta.group_size, self.in_features, r1 - r0)
+            packed = fast_layout.pack_codes(fast_layout.dense_codes(part), bits)
+            start = r0 // fast_layout.ROW_BLOCK * per_block
+            words[start:start + packed.numel()].copy_(packed)
+        self.scales[slot].zero_()
+        self.scales[slot, :, :out_f].copy_(delta.scales.T)
+        if self.zeros is not None:
+            self.zeros[slot].zero_()
+            self.zeros[slot, :, :out_f].copy_(zp.T.to(torch.float16))
+
+    def _unstack_mma(self, slot: int) -> PackedDelta:
+        out_f, in_f, bits = self.out_features, self.in_features, self.bits
+        group = self.effective_group
+        scales = self.scales[slot, :, :out_f].T.contiguous()
+        zeros = None if self.zeros is None else self.zeros[slot, :, :out_f].T.to(torch.uint8).contiguous()
+        zp = zeros if zeros is not None else torch.full_like(scales, 1 << (bits - 1), dtype=torch.uint8)
+        per_block = fast_layout.slot_words(fast_layout.ROW_BLOCK, in_f, bits)
+        qws, poss = [], []
+        for r0 in range(0, out_f, _ROW_CHUNK):
+            r1 = min(out_f, r0 + _ROW_CHUNK)
+            start = r0 // fast_layout.ROW_BLOCK * per_block
+            n_words = fast_layout.slot_words(r1 - r0, in_f, bits)
+            codes = fast_layout.unpack_codes(self.qweight[slot, start:start + n_words], bits, r1 - r0, in_f)
+            if self.sparse24:
+                codes, pos = fast_layout.resparsify(codes, zp[r0:r1], group)
+                poss.append(fast_layout.pack_int32(pos, 2))
+            qws.append(fast_layout.pack_int32(codes, bits))
+        return PackedDelta(torch.cat(qws), scales, zeros, torch.cat(poss) if self.sparse24 else None,
+                           bits, self.group_size, in_f, out_f)
+
     def unstack(self, slot: int) -> PackedDelta:
-        """Slot ``slot`` back in canonical layout (asymmetric stacks return explicit zero points)."""
+        """Slot ``slot`` back in canonical layout (asymmetric stacks return explicit zero points).
+
+        From the ``mma`` layout the delta is equivalent rather than identical under 2:4 (module
+        docstring)."""
         if not 0 <= slot < self.num_deltas:
             raise IndexError(f"slot {slot} outside [0, {self.num_deltas})")
+        if self.layout == "mma":
+            return self._unstack_mma(slot)
 
         def t(part):
             return None if part is None else part[slot].T.contiguous()
@@ -170,17 +288,18 @@ class StackedDeltas:
         def mv(t):
             return None if t is None else t.to(device)
 
-        return StackedDeltas(mv(self.qweight), mv(self.scales), mv(self.zeros), mv(self.positions),
-                             self.bits, self.group_size, self.in_features, self.out_features)
+        return replace(self, qweight=mv(self.qweight), scales=mv(self.scales), zeros=mv(self.zeros),
+                       positions=mv(self.positions))
 
 
-def repack(deltas: list[PackedDelta], device: torch.device | str | None = None) -> StackedDeltas:
+def repack(deltas: list[PackedDelta], device: torch.device | str | None = None, layout: str = "auto") -> StackedDeltas:
     """Stack canonical deltas into the kernel-ready layout (slot ``i`` holds ``deltas[i]``).
 
     Args:
         deltas: ``D >= 1`` deltas sharing bits, group size, sparsity and shape; any mix of symmetric
             and asymmetric quantization.
         device: where the stack lives (default: the device of ``deltas[0]``).
+        layout: ``"transposed"``, ``"mma"`` or ``"auto"`` (:func:`choose_layout`).
     Returns:
         A ``StackedDeltas`` with ``num_deltas == D``.
     """
@@ -196,6 +315,7 @@ def repack(deltas: list[PackedDelta], device: torch.device | str | None = None) 
         sparse=first.sparse,
         asymmetric=any(d.zeros is not None for d in deltas),
         device=first.qweight.device if device is None else device,
+        layout=layout,
     )
     for i, d in enumerate(deltas):
         stack.write(i, d)

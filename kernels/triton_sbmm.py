@@ -180,7 +180,8 @@ _KERNELS: dict[str, object] = {}
 
 
 def _kernels() -> SimpleNamespace:
-    """The kernel module, imported on first use; re-imported if ``TRITON_INTERPRET`` changed since."""
+    """The kernel modules (this one's and ``triton_fast``'s), imported on first use; re-imported if
+    ``TRITON_INTERPRET`` changed since."""
     import importlib
 
     import triton
@@ -189,13 +190,14 @@ def _kernels() -> SimpleNamespace:
     if mode and not interpreter_ready():
         raise RuntimeError("TRITON_INTERPRET=1 must be set before triton is first imported "
                            "(triton's library functions were already compiled for the GPU)")
-    mod = _KERNELS.get("module")
+    mod, fast = _KERNELS.get("module"), _KERNELS.get("fast")
     if mod is None:
         mod = importlib.import_module("deltazip.kernels._triton_sbmm_kernels")
+        fast = importlib.import_module("deltazip.kernels._triton_fast_kernels")
     elif _KERNELS.get("mode") != mode:
-        mod = importlib.reload(mod)
-    _KERNELS.update(module=mod, mode=mode)
-    return SimpleNamespace(sbmm=mod.sbmm_kernel, lora_shrink=mod.lora_shrink_kernel,
+        mod, fast = importlib.reload(mod), importlib.reload(fast)
+    _KERNELS.update(module=mod, fast=fast, mode=mode)
+    return SimpleNamespace(sbmm=mod.sbmm_kernel, lora_shrink=mod.lora_shrink_kernel, fast=fast.sbmm_fast_kernel,
                            lora_expand=mod.lora_expand_kernel, cdiv=triton.cdiv)
 
 
@@ -227,8 +229,13 @@ def min_block_k(bits: int, sparse: bool) -> int:
 def choose_block_k(in_features: int, group: int, bits: int, sparse: bool, cap: int = 128) -> tuple[int, bool]:
     """``(BLOCK_K, tile_scale)``: the largest power of two in ``[min_block_k, cap]`` that keeps every
     K tile inside one quantization group, with ``tile_scale=True``; if none does (group not a
-    multiple of the minimum), ``(64, False)`` and the scales are applied per element."""
+    multiple of the minimum), ``(64, False)`` and the scales are applied per element. 3-bit 2:4 caps
+    the tile at 32 columns (shared memory)."""
     lo = min_block_k(bits, sparse)
+    if bits == 3 and sparse:
+        # 3-bit 2:4 gathers four [BLOCK_K, BLOCK_N] word tiles per step; pipelined 3 deep at BLOCK_K=128
+        # that is 280 KiB of shared memory (more than any GPU has: offline compile, bench/kernels_sass.py).
+        cap = min(cap, 32)
     if group == in_features:  # one group per row: any tile is inside it
         return max(lo, min(cap, _pow2_ceil(in_features))), True
     bk = min(cap, _pow2_floor(group))
@@ -237,6 +244,33 @@ def choose_block_k(in_features: int, group: int, bits: int, sparse: bool, cap: i
     if bk >= lo:
         return bk, True
     return max(lo, min(cap, 64)), False
+
+
+def device_context(x: torch.Tensor):
+    """``torch.cuda.device(x.device)`` for CUDA tensors, a no-op otherwise: Triton launches on the
+    *current* device (and its current stream), so every launch for tensors on ``cuda:N`` runs inside
+    this context; without it a server on ``--device cuda:1`` would launch on GPU 0."""
+    import contextlib
+
+    if x.device.type == "cuda":
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
+
+
+def auto_split_k(busy: int, k_tiles: int, device: torch.device) -> int:
+    """K splits for a grid of ``busy`` programs: 1 off CUDA or when the grid fills twice the SMs,
+    else the power of two (<= 8, <= ``k_tiles``) that comes closest to filling them. Powers of two
+    only, so that a warm-up (``deltazip.kernels.warmup``) can compile every value a forward can pick."""
+    target = 2 * _sm_count(device)
+    if device.type != "cuda" or busy >= target:
+        return 1
+    split = min(8, _pow2_ceil(-(-target // busy)))
+    while split > 1 and split > k_tiles:
+        split //= 2
+    return split
+
+
+SPLIT_K_CHOICES = (1, 2, 4, 8)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -278,7 +312,7 @@ def sbmm_triton(
     Args:
         x: ``[N, in]`` fp16/fp32 (bf16 on CUDA), on the stack's device.
         delta_index: integer ``[N]``, values in ``[-1, D)``.
-        stacked: ``D`` deltas in the kernel-ready layout (``deltazip.kernels.stacked.repack``).
+        stacked: ``D`` deltas in the ``transposed`` layout (``deltazip.kernels.stacked.repack``).
         plan: a :func:`group_rows` plan for ``delta_index`` and ``D`` (built here when None; pass
             one to share the grouping across the linears of a layer).
         block_n, block_k, split_k, num_warps: tiling overrides (defaults chosen from the shapes).
@@ -288,6 +322,9 @@ def sbmm_triton(
     Returns:
         ``[N, out]`` in ``x.dtype``, rows in the input order.
     """
+    if stacked.layout != "transposed":
+        raise ValueError(f"sbmm_triton reads the 'transposed' layout, the stack is {stacked.layout!r} "
+                         "(deltazip.kernels.triton_fast.sbmm_fast reads 'mma'; dispatch.sbmm picks)")
     x = _check_x(x, stacked.in_features)
     if x.device != stacked.device or delta_index.device != x.device:
         raise ValueError(f"x ({x.device}), delta_index ({delta_index.device}) and the stack "
@@ -312,8 +349,7 @@ def sbmm_triton(
         # Few output tiles and few deltas (decode with a handful of variants) leave SMs idle;
         # split K across programs and reduce with fp32 atomics.
         busy = max(min(stacked.num_deltas, n), n // plan.block_m) * n_tiles
-        target = 2 * _sm_count(x.device)
-        split_k = 1 if x.device.type != "cuda" or busy >= target else min(8, k_tiles, -(-target // busy))
+        split_k = auto_split_k(busy, k_tiles, x.device)
     split_k = max(1, min(split_k, k_tiles))
     if split_k == 1:
         y = torch.zeros(n, out_f, dtype=x.dtype, device=x.device)
@@ -324,16 +360,17 @@ def sbmm_triton(
     zr = stacked.zeros if stacked.asymmetric else stacked.scales  # dummy pointer for symmetric
     per = 32 // stacked.bits
     grid = (plan.num_tiles, n_tiles, split_k)
-    k.sbmm[grid](
-        x, y, plan.perm, plan.tile_slot, plan.tile_start, plan.tile_end,
-        qw, pos, stacked.scales, zr,
-        in_f, out_f, group, qw.shape[1], pos.shape[1], x.stride(0), y.stride(0),
-        qw[0].numel(), pos[0].numel(), stacked.scales[0].numel(),
-        BITS=stacked.bits, PER=per, POW2=per & (per - 1) == 0, SPARSE=stacked.sparse,
-        ASYM=stacked.asymmetric,
-        TILE_SCALE=tile_scale, SPLIT_K=split_k, IEEE=x.dtype == torch.float32,
-        BLOCK_M=plan.block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps,
-    )
+    with device_context(x):
+        k.sbmm[grid](
+            x, y, plan.perm, plan.tile_slot, plan.tile_start, plan.tile_end,
+            qw, pos, stacked.scales, zr,
+            in_f, out_f, group, qw.shape[1], pos.shape[1], x.stride(0), y.stride(0),
+            qw[0].numel(), pos[0].numel(), stacked.scales[0].numel(),
+            BITS=stacked.bits, PER=per, POW2=per & (per - 1) == 0, SPARSE=stacked.sparse,
+            ASYM=stacked.asymmetric,
+            TILE_SCALE=tile_scale, SPLIT_K=split_k, IEEE=x.dtype == torch.float32,
+            BLOCK_M=plan.block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps,
+        )
     return y if split_k == 1 else y.to(x.dtype)
 
 
@@ -384,15 +421,16 @@ def lora_triton(
     bk = block_k or 64
     bn = block_n or 64
     h = torch.zeros(n, rank, dtype=torch.float32, device=x.device)
-    k.lora_shrink[(plan.num_tiles, k.cdiv(rank, br))](
-        x, h, plan.perm, plan.tile_slot, plan.tile_start, plan.tile_end, A,
-        in_f, rank, x.stride(0), h.stride(0),
-        IEEE=ieee, BLOCK_M=plan.block_m, BLOCK_R=br, BLOCK_K=bk, num_warps=num_warps,
-    )
     y = torch.zeros(n, out_f, dtype=x.dtype, device=x.device)
-    k.lora_expand[(plan.num_tiles, k.cdiv(out_f, bn))](
-        h, y, plan.perm, plan.tile_slot, plan.tile_start, plan.tile_end, B, scale32,
-        rank, out_f, h.stride(0), y.stride(0),
-        IEEE=ieee, BLOCK_M=plan.block_m, BLOCK_N=bn, BLOCK_R=br, num_warps=num_warps,
-    )
+    with device_context(x):
+        k.lora_shrink[(plan.num_tiles, k.cdiv(rank, br))](
+            x, h, plan.perm, plan.tile_slot, plan.tile_start, plan.tile_end, A,
+            in_f, rank, x.stride(0), h.stride(0),
+            IEEE=ieee, BLOCK_M=plan.block_m, BLOCK_R=br, BLOCK_K=bk, num_warps=num_warps,
+        )
+        k.lora_expand[(plan.num_tiles, k.cdiv(out_f, bn))](
+            h, y, plan.perm, plan.tile_slot, plan.tile_start, plan.tile_end, B, scale32,
+            rank, out_f, h.stride(0), y.stride(0),
+            IEEE=ieee, BLOCK_M=plan.block_m, BLOCK_N=bn, BLOCK_R=br, num_warps=num_warps,
+        )
     return y

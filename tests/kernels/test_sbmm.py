@@ -7,12 +7,8 @@ CUDA (``import torch`` does not import triton); the ``backend`` fixture skips wi
 triton was imported earlier by something else. With CUDA the same parity tests run natively on the
 GPU, and the ``gpu`` tests add larger shapes and bf16 (skipped without a CUDA device).
 
-Tolerance (``assert_matches``): the reference computes in fp32 and rounds once to ``x.dtype``. The
-kernel feeds integer codes (exact in fp16/bf16) to ``tl.dot`` and applies the fp32 scale afterwards
-when a K tile lies inside one quantization group; otherwise (group sizes that are not a multiple of
-the K tile) it rounds each dequantized weight to ``x.dtype`` first. So per element
-``|y - ref| <= eps * sum_k |x_k w_k| + eps * |ref|`` (weight rounding, then one ulp of the final
-rounding, ``eps = torch.finfo(dtype).eps``), plus fp32 summation-order noise (``1e-5 * sum``).
+Tolerance: ``assert_matches`` in tests/_sbmm.py. These tests drive the legacy kernel
+(``triton_sbmm``, the ``transposed`` layout); tests/kernels/test_fast.py the fast one.
 """
 
 from __future__ import annotations
@@ -26,97 +22,16 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` (see docstring)
 
-from deltazip.formats.packing import pack_delta
+from _sbmm import assert_matches, lora_magnitude, magnitude, make_delta, random_index  # noqa: E402
+
 from deltazip.kernels import dispatch, reference
 from deltazip.kernels.stacked import repack
 from deltazip.kernels.triton_sbmm import (
     group_rows,
-    interpreter_ready,
     lora_triton,
     max_tiles,
     sbmm_triton,
-    triton_importable,
 )
-
-# ------------------------------------------------------------------------------------------------
-# helpers
-# ------------------------------------------------------------------------------------------------
-
-
-def make_delta(out_f, in_f, bits, group, sparse, asym, gen):
-    g = in_f if group == -1 else group
-    codes = torch.randint(0, 2**bits, (out_f, in_f), generator=gen)
-    scales = (torch.rand(out_f, in_f // g, generator=gen) * 0.02 + 0.002).half()
-    zeros = torch.randint(0, 2**bits, (out_f, in_f // g), generator=gen) if asym else None
-    mask = None
-    if sparse:
-        keep = torch.rand(out_f, in_f // 4, 4, generator=gen).argsort(-1)[..., :2]
-        mask = torch.zeros(out_f, in_f // 4, 4, dtype=torch.bool).scatter_(-1, keep, True).reshape(out_f, in_f)
-    return pack_delta(codes, scales, zeros, mask, bits, group)
-
-
-def magnitude(x, index, weights) -> torch.Tensor:
-    """fp32 ``[N, out]``: ``sum_k |x[r, k] * W[index[r]][:, k]|`` (zeros for index -1)."""
-    mag = torch.zeros(x.shape[0], weights[0].shape[0])
-    for r, i in enumerate(index.tolist()):
-        if i >= 0:
-            mag[r] = x[r].float().abs() @ weights[i].float().abs().T
-    return mag
-
-
-def assert_matches(y, ref, mag):
-    assert y.shape == ref.shape and y.dtype == ref.dtype
-    eps = torch.finfo(y.dtype).eps
-    diff = (y.float() - ref.float()).abs().cpu()
-    bound = eps * mag + eps * ref.float().abs().cpu() + 1e-5 * mag + 1e-6
-    worst = (diff - bound).max().item()
-    assert worst <= 0, f"max |y - ref| exceeds the bound by {worst:.3g} (max diff {diff.max().item():.3g})"
-
-
-def lora_magnitude(x, index, a, b, scale) -> torch.Tensor:
-    """fp32 ``[N, out]``: ``scale * (|h| @ |B|^T)`` with ``h = x @ A^T`` in fp32. The kernel keeps ``h``
-    in fp32 between its two launches and rounds it to ``x.dtype`` for the expand dot, so this is the
-    scale of that rounding error."""
-    mag = torch.zeros(x.shape[0], b.shape[1])
-    for r, i in enumerate(index.tolist()):
-        if i >= 0:
-            h = x[r].float() @ a[i].float().T
-            mag[r] = (h.abs() @ b[i].float().abs().T) * scale[i]
-    return mag
-
-
-def random_index(n, num_slots, gen, unused=(), minus_one=0.2):
-    """``[n]`` slot indices, never using the slots in ``unused``, about ``minus_one`` of them -1."""
-    pool = torch.tensor([s for s in range(num_slots) if s not in unused])
-    index = pool[torch.randint(0, len(pool), (n,), generator=gen)]
-    index[torch.rand(n, generator=gen) < minus_one] = -1
-    return index
-
-
-@pytest.fixture
-def backend(monkeypatch) -> str:
-    """Device for the parity tests: compiled kernels on CUDA, else the CPU interpreter; dispatch is
-    forced onto the Triton path either way."""
-    if not triton_importable():
-        pytest.skip("triton is not installed (the 'kernels' extra)")
-    monkeypatch.setenv("DELTAZIP_FORCE_TRITON", "1")
-    if torch.cuda.is_available():
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-        return "cuda"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if not interpreter_ready():
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run tests/kernels/test_sbmm.py "
-                    "in its own process or export TRITON_INTERPRET=1")
-    return "cpu"
-
-
-@pytest.fixture
-def native(monkeypatch):
-    """Compiled kernels on the GPU (the interpreter explicitly off)."""
-    if not triton_importable():
-        pytest.skip("triton is not installed (the 'kernels' extra)")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("DELTAZIP_FORCE_TRITON", raising=False)
 
 
 def check_sbmm(bits, group, sparse, asym, *, out_f, in_f, n, num_slots, dtype, gen, device="cpu", **kw):
@@ -124,7 +39,7 @@ def check_sbmm(bits, group, sparse, asym, *, out_f, in_f, n, num_slots, dtype, g
     unused = {1} if num_slots > 2 else set()  # a delta with zero rows in the batch
     index = random_index(n, num_slots, gen, unused=unused)
     x = torch.randn(n, in_f, generator=gen).to(dtype)
-    stack = repack(deltas, device=device)
+    stack = repack(deltas, device=device, layout="transposed")
     y = sbmm_triton(x.to(device), index.to(device), stack, **kw)
     ref = reference.sbmm(x, index, deltas)
     assert_matches(y.cpu(), ref, magnitude(x, index, [reference.delta_weight(d) for d in deltas]))
@@ -204,11 +119,11 @@ def test_sbmm_triton_many_tiles_per_slot_and_shared_plan(backend):
     x = torch.randn(45, 64, generator=gen).half()
     plan = group_rows(index.to(backend), 3, block_m=16)  # slot 0 spans three row tiles
     for deltas in (d4, d2):  # one plan serves every linear of a layer
-        y = sbmm_triton(x.to(backend), index.to(backend), repack(deltas, device=backend), plan=plan)
+        y = sbmm_triton(x.to(backend), index.to(backend), repack(deltas, device=backend, layout="transposed"), plan=plan)
         mag = magnitude(x, index, [reference.delta_weight(d) for d in deltas])
         assert_matches(y.cpu(), reference.sbmm(x, index, deltas), mag)
     with pytest.raises(ValueError, match="plan was built"):
-        sbmm_triton(x[:10].to(backend), index[:10].to(backend), repack(d4, device=backend), plan=plan)
+        sbmm_triton(x[:10].to(backend), index[:10].to(backend), repack(d4, device=backend, layout="transposed"), plan=plan)
 
 
 def test_sbmm_triton_split_k_and_per_element_scales(backend):
@@ -224,7 +139,7 @@ def test_sbmm_triton_split_k_and_per_element_scales(backend):
 def test_sbmm_triton_edge_batches(backend):
     gen = torch.Generator().manual_seed(23)
     deltas = [make_delta(20, 32, 4, -1, True, False, gen) for _ in range(2)]
-    stack = repack(deltas, device=backend)
+    stack = repack(deltas, device=backend, layout="transposed")
     x = torch.randn(5, 32, generator=gen).half()
     xd = x.to(backend)
     assert not sbmm_triton(xd, torch.full((5,), -1, device=backend), stack).any()

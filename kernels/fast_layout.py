@@ -1,0 +1,213 @@
+"""The ``mma`` layout: a compressed delta laid out once, at load, in the register order of the fast
+SBMM kernel (``deltazip.kernels.triton_fast``). Pure torch; nothing here needs Triton or a GPU.
+
+The canonical layout (``deltazip.kernels.packed``, docs/format.md) is unchanged: this is a
+device-side copy made by :meth:`StackedDeltas.write`, and :func:`unpack_codes` turns it back.
+
+Why a second layout
+-------------------
+The fast kernel computes ``y^T = W x^T`` ("swap AB"): the weight tile is the *A* operand of the tensor
+core instruction and lives in registers (mma.sync on sm_80, wgmma with a register A on sm_90), so a
+dequantized tile never goes through shared memory. Each thread then owns a fixed set of
+``(row, column)`` elements of every ``64 x 128`` weight tile (the hardware fragment layout). This
+layout stores, for every thread, exactly the codes of its elements in one contiguous run of
+``bits`` int32 words per row and tile, arranged so that one 32-bit logic op turns a word into a
+*pair* of fp16 (or bf16) values that is already the register the tensor core reads.
+
+Dequantization by bit tricks (the "magic number" trick): OR-ing a code ``q < 2**10`` into the
+mantissa of fp16 1024.0 (0x6400) gives the fp16 number ``1024 + q`` exactly; two codes in the two
+16-bit halves of a word give two values with one ``LOP3`` (``(w >> s) & mask | 0x64006400``).
+Subtracting ``1024 + zero_point`` (one packed ``HADD2`` per pair) gives ``q - z`` exactly, the
+integer weight the kernel feeds to the tensor core; the fp32 group scale multiplies the fp32
+partial product afterwards, so the result is exact up to fp32 summation order, as in the
+reference. bf16 uses 128.0 (0x4300) and its 7-bit mantissa (codes up to 7 bits; 8-bit codes go
+through fp16 and are converted, exact because ``|q - z| <= 255``).
+
+Index map (one slot)
+--------------------
+Rows are padded to ``OUTP = ceil(out / 64) * 64`` (padded rows hold code 0 with scale 0); ``in``
+must be a multiple of 128. Row ``n`` and column ``k`` decompose as::
+
+    n = 64 * nb + 16 * w + 8 * rr + l          (w: warp, rr: row half, l: lane // 4)
+    k = 128 * kb + kk
+    kk = 32 * c + 16 * b + 8 * h + 2 * q + e
+
+(``q = lane % 4``, ``e`` = which 16-bit half of a pair). This is the A-operand fragment of a 16-bit
+``m16n8k16`` MMA, which Triton calls ``kWidth = 2``: wgmma on sm_90 always uses it for a register
+A operand, and mma.sync on sm_80 does when every load feeding the operand is at least 16 bits wide
+(Triton derives ``kWidth`` from the narrowest load it finds; that is why this layout keeps zero
+points as fp16). With ``j = 4 * c + 2 * b + h`` (16 pairs per thread, row and 128-column tile),
+``PPW = 16 // bits`` pairs per word and ``bits`` words per thread-row, a thread's word ``iw = j //
+PPW`` holds the code of ``(n, k)`` at bit ``16 * e + bits * (j % PPW)``. Words are stored per
+``64 x 128`` tile (``KB = in / 128`` tiles per row block, one contiguous block of ``1024 * bits``
+bytes each) in the order ``[hv, rr, w, l, q, v]`` with ``iw = hv * V + v`` and ``V = min(bits,
+4)``: a thread's words of a row half are runs of at most four (one 16-byte load each), and a warp's
+load of one run is 512 contiguous bytes.
+
+2:4 sparsity
+------------
+Triton exposes no sparse tensor-core instruction (``mma.sp``), so 2:4 deltas are expanded once, here:
+a pruned position gets the zero-point code (``z``, which dequantizes to exactly 0). The kernel is
+then the dense one; the layout holds ``bits`` bits per weight, against ``bits / 2 + 1`` for the
+canonical 2:4 form (equal at 2 bits, +33% at 4 bits, +60% at 8 bits). docs/kernels.md weighs this
+against expanding in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltazip.kernels.packed import PackedDelta
+from deltazip.kernels.reference import expand_24, unpack_int32
+
+# Bit widths the fast kernel handles (3-bit codes do not split into 16-bit halves evenly).
+FAST_BITS = (2, 4, 8)
+ROW_BLOCK = 64  # rows per weight tile (one warpgroup's wgmma M)
+K_BLOCK = 128  # columns per layout tile
+
+
+def min_block_k(bits: int) -> int:
+    """Smallest K step of the fast kernel: one word must not span two steps (2-bit words cover 64
+    columns of a thread-row, 4- and 8-bit words 32 or 16)."""
+    return 64 if bits == 2 else 32
+
+
+def block_k_for(in_features: int, group: int, bits: int) -> int | None:
+    """K step of the fast kernel: the largest of 128/64/32 that divides the group (every step inside
+    one quantization group, so the scale applies to the step's partial product), or None."""
+    g = in_features if group == -1 else group
+    for bk in (128, 64, 32):
+        if bk >= min_block_k(bits) and g % bk == 0:
+            return bk
+    return None
+
+
+def fast_supported(bits: int, group_size: int, in_features: int) -> bool:
+    """Whether a configuration has an ``mma`` layout (else the transposed layout and the old kernel)."""
+    if bits not in FAST_BITS or in_features % K_BLOCK or in_features <= 0:
+        return False
+    g = in_features if group_size == -1 else group_size
+    if g <= 0 or in_features % g:
+        return False
+    return block_k_for(in_features, group_size, bits) is not None
+
+
+def padded_rows(out_features: int) -> int:
+    return -(-out_features // ROW_BLOCK) * ROW_BLOCK
+
+
+def slot_words(out_features: int, in_features: int, bits: int) -> int:
+    """int32 words of one slot in the ``mma`` layout."""
+    return padded_rows(out_features) * in_features * bits // 32
+
+
+def zero_points(delta: PackedDelta) -> torch.Tensor:
+    """Integer zero point of every ``[out, G]`` group (the implicit ``2**(bits-1)`` when symmetric)."""
+    if delta.zeros is not None:
+        return delta.zeros.to(torch.int64)
+    return torch.full(tuple(delta.scales.shape), 1 << (delta.bits - 1), dtype=torch.int64, device=delta.scales.device)
+
+
+def dense_codes(delta: PackedDelta) -> torch.Tensor:
+    """int64 ``[out, in]`` codes of every column; 2:4-pruned columns get their group's zero point.
+
+    ``scale * (code - zero)`` of the result is :func:`deltazip.kernels.reference.delta_weight`.
+    """
+    codes = unpack_int32(delta.qweight, delta.bits, delta.kept_per_row).to(torch.int64)
+    if not delta.sparse:
+        return codes
+    pos = unpack_int32(delta.positions, 2, delta.kept_per_row)
+    zp = zero_points(delta).repeat_interleave(delta.effective_group, dim=1)
+    # Shift codes by +1 so that 0 marks "pruned" after the scatter, then fill in the zero points.
+    dense = expand_24(codes + 1, pos, delta.in_features)
+    return torch.where(dense == 0, zp, dense - 1)
+
+
+def _to_fragment_order(codes: torch.Tensor) -> torch.Tensor:
+    """``[OUTP, in]`` -> ``[NB, KB, rr, w, l, q, j, e]`` (j = 4c + 2b + h)."""
+    outp, in_f = codes.shape
+    nb, kb = outp // ROW_BLOCK, in_f // K_BLOCK
+    # dims: 0 nb, 1 w, 2 rr, 3 l, 4 kb, 5 c, 6 b, 7 h, 8 q, 9 e
+    v = codes.reshape(nb, 4, 2, 8, kb, 4, 2, 2, 4, 2).permute(0, 4, 2, 1, 3, 8, 5, 6, 7, 9)
+    return v.reshape(nb, kb, 2, 4, 8, 4, 16, 2)
+
+
+def _from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_to_fragment_order`: ``[NB, KB, rr, w, l, q, j, e]`` -> ``[OUTP, in]``."""
+    nb, kb = frag.shape[:2]
+    # dims: 0 nb, 1 kb, 2 rr, 3 w, 4 l, 5 q, 6 c, 7 b, 8 h, 9 e -> nb w rr l kb c b h q e
+    v = frag.reshape(nb, kb, 2, 4, 8, 4, 4, 2, 2, 2).permute(0, 3, 2, 4, 1, 6, 7, 8, 5, 9)
+    return v.reshape(nb * ROW_BLOCK, kb * K_BLOCK)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack dense codes ``[out, in]`` (values in ``[0, 2**bits)``) into the ``mma`` layout.
+
+    Returns:
+        int32 ``[slot_words(out, in, bits)]`` (rows padded to a multiple of 64 with code 0).
+    """
+    if bits not in FAST_BITS:
+        raise ValueError(f"the mma layout holds {FAST_BITS}-bit codes, not {bits}")
+    out_f, in_f = codes.shape
+    if in_f % K_BLOCK:
+        raise ValueError(f"the mma layout needs in_features divisible by {K_BLOCK}, got {in_f}")
+    outp = padded_rows(out_f)
+    full = torch.zeros(outp, in_f, dtype=torch.int64, device=codes.device)
+    full[:out_f] = codes.to(torch.int64)
+    frag = _to_fragment_order(full)  # [..., j(16), e(2)]
+    ppw = 16 // bits
+    frag = frag.reshape(*frag.shape[:-2], bits, ppw, 2)  # j -> (word, pair in word)
+    ip = torch.arange(ppw, device=codes.device, dtype=torch.int64)
+    shifts = ip[:, None] * bits + torch.tensor([0, 16], device=codes.device, dtype=torch.int64)[None, :]
+    words = (frag << shifts).sum(dim=(-1, -2))  # disjoint bit fields: the sum is an OR
+    words = torch.where(words >= 2**31, words - 2**32, words)  # [NB, KB, rr, w, l, q, bits]
+    # A thread's ``bits`` words of a row half are split into runs of at most 4 (16-byte loads),
+    # the run index outermost in a tile: [NB, KB, hv, rr, w, l, q, v].
+    run = min(bits, 4)
+    words = words.reshape(*words.shape[:-1], bits // run, run).permute(0, 1, 6, 2, 3, 4, 5, 7)
+    return words.to(torch.int32).reshape(-1)
+
+
+def unpack_codes(words: torch.Tensor, bits: int, out_features: int, in_features: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: int64 codes ``[out, in]``."""
+    outp = padded_rows(out_features)
+    nb, kb, ppw = outp // ROW_BLOCK, in_features // K_BLOCK, 16 // bits
+    run = min(bits, 4)
+    w = words.to(torch.int64).reshape(nb, kb, bits // run, 2, 4, 8, 4, run).permute(0, 1, 3, 4, 5, 6, 2, 7)
+    w = w.reshape(nb, kb, 2, 4, 8, 4, bits, 1, 1) & 0xFFFFFFFF
+    ip = torch.arange(ppw, device=words.device, dtype=torch.int64)
+    shifts = ip[:, None] * bits + torch.tensor([0, 16], device=words.device, dtype=torch.int64)[None, :]
+    frag = (w >> shifts) & ((1 << bits) - 1)  # [..., bits, ppw, 2]
+    frag = frag.reshape(nb, kb, 2, 4, 8, 4, 16, 2)
+    return _from_fragment_order(frag)[:out_features]
+
+
+def resparsify(codes: torch.Tensor, zeros: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense codes of a 2:4 delta back to (kept codes ``[out, in/2]``, positions ``[out, in/2]``).
+
+    In every group of four columns the positions whose code differs from the zero point are kept;
+    when fewer than two do, the lowest-indexed others fill up (their code is the zero point, so the
+    delta's value is the same). Raises when a group has more than two non-zero codes.
+    """
+    out_f, in_f = codes.shape
+    zp = zeros.to(torch.int64).repeat_interleave(group, dim=1)
+    nz = (codes != zp).reshape(out_f, in_f // 4, 4)
+    if bool((nz.sum(-1) > 2).any()):
+        raise ValueError("codes are not 2:4: a group of four columns has more than two non-zero values")
+    # Rank positions: non-zero first (stable, so ascending), keep two, then restore ascending order.
+    order = torch.sort((~nz).to(torch.int8), dim=-1, stable=True).indices[..., :2]
+    order = torch.sort(order, dim=-1).values
+    kept = torch.gather(codes.reshape(out_f, in_f // 4, 4), -1, order)
+    return kept.reshape(out_f, in_f // 2), order.reshape(out_f, in_f // 2)
+
+
+def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Canonical packing (``32 // bits`` codes per word, code ``k`` at bit ``(k % per) * bits``)."""
+    per = 32 // bits
+    rows, n = codes.shape
+    words = -(-n // per)
+    padded = torch.zeros(rows, words * per, dtype=torch.int64, device=codes.device)
+    padded[:, :n] = codes.to(torch.int64)
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int64) * bits
+    acc = (padded.reshape(rows, words, per) << shifts).sum(dim=-1)
+    return torch.where(acc >= 2**31, acc - 2**32, acc).to(torch.int32)

@@ -1,0 +1,71 @@
+"""Warm-up: compile, before the first request, every SBMM kernel variant a forward can launch.
+
+Triton compiles a kernel the first time it sees a new combination of compile-time constants and
+argument specializations; in a server that happens on the engine thread, inside a request. For one
+stack (one linear's configuration) a forward picks:
+
+- the kernel, from the stack's layout (``mma``: ``triton_fast``; ``transposed``: ``triton_sbmm``);
+- the activation dtype (the model's);
+- ``BLOCK_M``, from the step's token count (``default_block_m``: 16 up to 256 rows, else 64);
+- ``SPLIT_K``, from the grid size (``auto_split_k``: a power of two up to 8).
+
+Everything else (bits, group, K step, zero points) is fixed by the stack, and the integer arguments'
+divisibility by the shape. :func:`warmup_stack` runs each combination once on dummy activations (a
+few milliseconds per launch once compiled; the first process on a machine pays the compiles, later
+ones hit Triton's on-disk cache). A server calls it at start for every distinct stack configuration,
+e.g. for each ``DeltaLinear`` group ``g``::
+
+    from deltazip.kernels.warmup import warmup_stack
+    warmup_stack(g.stack, dtypes=(model_dtype,))
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltazip.kernels.stacked import StackedDeltas
+from deltazip.kernels.triton_sbmm import SPLIT_K_CHOICES, group_rows, interpret_mode, triton_importable
+
+
+def variants(stack: StackedDeltas, dtypes: tuple[torch.dtype, ...]) -> list[tuple[torch.dtype, int, int]]:
+    """``(dtype, BLOCK_M, SPLIT_K)`` combinations a forward through ``stack`` can launch."""
+    from deltazip.kernels.triton_fast import fast_config, fast_dtypes
+    from deltazip.kernels.triton_sbmm import choose_block_k, supported_dtypes
+
+    if stack.layout == "mma":
+        bk, _ = fast_config(stack)
+        ok = fast_dtypes(stack.device)
+    else:
+        bk, _ = choose_block_k(stack.in_features, stack.effective_group, stack.bits, stack.sparse)
+        ok = supported_dtypes(stack.device)
+    k_tiles = -(-stack.in_features // bk)
+    splits = [s for s in SPLIT_K_CHOICES if s <= k_tiles]
+    return [(dt, bm, sk) for dt in dtypes if dt in ok for bm in (16, 64) for sk in splits]
+
+
+def warmup_stack(stack: StackedDeltas, dtypes: tuple[torch.dtype, ...] = (torch.float16,), *,
+                 force: bool = False) -> int:
+    """Launch every variant of :func:`variants` once (slot 0, dummy activations); returns the launch count.
+
+    Does nothing (returns 0) off CUDA or without Triton, where nothing would be compiled, unless
+    ``force`` (the tests run it through the interpreter that way). Results are discarded; the stack
+    is only read.
+    """
+    if not triton_importable() or (stack.device.type != "cuda" and not force):
+        return 0
+    if stack.device.type != "cuda" and not interpret_mode():
+        return 0
+    from deltazip.kernels.triton_fast import sbmm_fast
+    from deltazip.kernels.triton_sbmm import sbmm_triton
+
+    run = sbmm_fast if stack.layout == "mma" else sbmm_triton
+    count = 0
+    for dtype, block_m, split_k in variants(stack, dtypes):
+        rows = block_m  # one full row tile of slot 0
+        x = torch.zeros(rows, stack.in_features, dtype=dtype, device=stack.device)
+        index = torch.zeros(rows, dtype=torch.int64, device=stack.device)
+        run(x, index, stack, plan=group_rows(index, stack.num_deltas, block_m), split_k=split_k)
+        count += 1
+    if stack.device.type == "cuda":
+        torch.cuda.synchronize(stack.device)
+    return count
