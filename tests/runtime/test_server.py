@@ -423,7 +423,11 @@ def test_chat_falls_back_to_the_base_template(served, tmp_path):
     with single_thread():
         compress_delta(served.base_dir, ft_dir, None, arts / "plain", CompressConfig(method="rtn", group_size=32,
                                                                                       device="cpu"))
-        assert (arts / "plain" / "hf" / "tokenizer.json").is_file()
+        # the variant has tokenizer files of its own (here identical to the base's, so kept by reference)
+        # but no chat template, which the base has
+        side = Artifact(arts / "plain").side_files
+        assert "tokenizer.json" in side and "chat_template.jinja" not in side
+        assert (served.base_dir / "chat_template.jinja").is_file()
         messages = [{"role": "user", "content": "zip the model"}]
         tok = served.tokenizer()  # the base's tokenizer: same characters, with the template
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
