@@ -55,6 +55,11 @@ METHODS = (
                                                                  "--calib-activations", "base"]),
     ("sparsegpt 4-bit 2:4", "cli", ["--method", "sparsegpt", "--bits", "4"]),
     ("rtn 4-bit 2:4", "cli", ["--method", "rtn", "--bits", "4"]),
+    ("deltazip 2-bit 2:4, no lossless stage", "cli", ["--method", "deltazip", "--bits", "2", "--lossless", "none"]),
+    # Today's rule before format v2 (embeddings/head stored in full or as exact fp16 deltas, side files
+    # copied, no lossless stage by default): the code of an older checkout, given with --v1-tree.
+    ("format v1 rule, deltazip 4-bit 2:4", "v1", ["--method", "deltazip", "--bits", "4"]),
+    ("format v1 rule, deltazip 2-bit 2:4", "v1", ["--method", "deltazip", "--bits", "2"]),
 )
 
 
@@ -73,8 +78,22 @@ def _versus(q: dict, ft: dict) -> dict:
             "delta_answer_loss": float(f"{q['answer_loss'] - ft['answer_loss']:.4g}")}
 
 
-def run_cli(pair: dict, args: list[str], nsamples: int, seqlen: int, art: Path) -> dict:
-    """`deltazip compress --json` in a fresh process; the merged model and the compressor's stats."""
+def v1_shim(tree: Path, where: Path) -> Path:
+    """A directory that makes ``deltazip.*`` import from the checkout ``tree`` (a git worktree of an older
+    commit, e.g. ``git worktree add /tmp/v1 e436d4c``) when put first on PYTHONPATH."""
+    pkg = where / "deltazip"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for sub in ("compress", "formats", "kernels", "runtime", "deltacli"):
+        link = pkg / sub
+        if not link.exists():
+            link.symlink_to(Path(tree).resolve() / sub)
+    return where
+
+
+def run_cli(pair: dict, args: list[str], nsamples: int, seqlen: int, art: Path, pythonpath: Path | None = None
+            ) -> dict:
+    """`deltazip compress --json` in a fresh process; the merged model and the compressor's stats.
+    ``pythonpath``: run another checkout's deltazip (``v1_shim``); its artifact is read by this one."""
     from deltazip.compress.checkpoint import Checkpoint
     from deltazip.compress.merge import load_merged_model
     from deltazip.formats.artifact import Artifact
@@ -83,8 +102,13 @@ def run_cli(pair: dict, args: list[str], nsamples: int, seqlen: int, art: Path) 
            pair["finetuned"], "--calib", pair["calib"], "--out", str(art), "--group-size",
            str(pair["group_size"]), "--nsamples", str(nsamples), "--seqlen", str(seqlen), "--device", "cpu",
            "--json", *args]
+    env = None
+    if pythonpath is not None:
+        import os
+
+        env = {**os.environ, "PYTHONPATH": str(pythonpath)}
     t = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.time() - t
     if r.returncode != 0:
         raise SystemExit(f"compress failed ({' '.join(args)}): {r.stderr.strip()[-2000:]}")
@@ -94,7 +118,12 @@ def run_cli(pair: dict, args: list[str], nsamples: int, seqlen: int, art: Path) 
              "compress_seconds": s["stats"]["seconds"], "process_wall_seconds": round(wall, 1),
              "peak_rss_mib": s["stats"]["peak_rss_mib"],
              "mean_layer_rel_out_err": round(sum(L["rel_out_err"] or 0 for L in s["layers"])
-                                             / max(1, len(s["layers"])), 5)}
+                                             / max(1, len(s["layers"])), 5),
+             "format_version": s.get("format_version"),
+             "bytes_by_kind": {k: v["stored_bytes"] for k, v in s["by_kind"].items()},
+             "weights_by_kind": {k: v.get("weights") for k, v in s["by_kind"].items()},
+             "manifest_and_side_files_bytes": s["artifact_bytes"] - sum(v["stored_bytes"]
+                                                                         for v in s["by_kind"].values())}
     return {"model": model, "stats": stats}
 
 
@@ -147,7 +176,7 @@ def run_llmcompressor(pair: dict, args: list[str], nsamples: int, seqlen: int, a
 
 
 def bench_pair(pair: dict, quick: bool, workdir: Path, llmc: tuple[Path | None, str | None],
-               methods=METHODS) -> list[dict]:
+               methods=METHODS, v1: Path | None = None) -> list[dict]:
     from transformers import AutoTokenizer
 
     from deltazip.compress.checkpoint import Checkpoint
@@ -174,6 +203,10 @@ def bench_pair(pair: dict, quick: bool, workdir: Path, llmc: tuple[Path | None, 
         row = {"pair": name, "model": label}
         if runner == "cli":
             got = run_cli(pair, args, nsamples, seqlen, art)
+        elif runner == "v1":
+            got = ({"skipped": "pass --v1-tree DIR (a checkout of the format-v1 code, e.g. `git worktree add DIR "
+                               "e436d4c`)"} if v1 is None else
+                   run_cli(pair, args, nsamples, seqlen, art, pythonpath=v1_shim(v1, workdir / "v1-shim")))
         else:
             got = run_llmcompressor(pair, args, nsamples, seqlen, art, *llmc)
         if "model" not in got:
@@ -225,13 +258,18 @@ def main() -> None:
                     help=f"python of a venv with llmcompressor installed (default: {LLMC_PYTHON} if it exists; "
                          "without one the llm-compressor rows are reported as skipped)")
     ap.add_argument("--methods", default=None,
-                    help="comma list of substrings; run only the methods whose label contains one "
-                         "(e.g. 'llm-compressor 4-bit'); default: all")
+                    help="comma list of labels or substrings; run only the methods whose label equals or "
+                         "contains one (e.g. 'llm-compressor 4-bit'); default: all")
+    ap.add_argument("--v1-tree", type=Path, default=None, metavar="DIR",
+                    help="a checkout of the format-v1 code (git worktree add DIR e436d4c) for the 'format v1 "
+                         "rule' rows (default: those rows are skipped)")
     a = ap.parse_args()
     methods = METHODS
     if a.methods:
         wanted = [w.strip() for w in a.methods.split(",") if w.strip()]
-        methods = tuple(m for m in METHODS if any(w in m[0] for w in wanted))
+        labels = {m[0] for m in METHODS}
+        # a wanted item equal to a label picks that label only; otherwise it matches as a substring
+        methods = tuple(m for m in METHODS if any(w == m[0] if w in labels else w in m[0] for w in wanted))
         if not methods:
             raise SystemExit(f"bench/compress: no method matches {a.methods!r}; methods: "
                              f"{'; '.join(m[0] for m in METHODS)}")
@@ -248,7 +286,7 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         for name in pairs:
             log(f"building/loading pair {name}")
-            results += bench_pair(get_pair(name, log=log), a.quick, work, llmc, methods)
+            results += bench_pair(get_pair(name, log=log), a.quick, work, llmc, methods, a.v1_tree)
     log("summary (ratio vs the fine-tune's stored dtype; recovery = acc / fine-tune acc; Δppl vs fine-tune)\n"
         + _table(results))
     doc = {"bench": "compress", "machine": machine(),
