@@ -249,6 +249,42 @@ def _table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown(results: list[dict]) -> str:
+    """Two markdown tables of a run's rows: quality and size side by side, and bytes by tensor kind
+    (what docs/quality.md shows); ``--render`` prints them from a saved JSON document."""
+    def f(v, fmt="{}"):
+        return "" if v is None else fmt.format(v)
+
+    out = ["| pair | model | bytes | ratio | bits/weight | accuracy | recovery % | Δppl | answer loss | 2:4 groups "
+           "| compress s | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ft = {r["pair"]: r for r in results if r["model"] == "finetuned"}
+    for r in results:
+        if "accuracy" not in r:
+            out.append(f"| {r['pair']} | {r['model']} | {(r.get('skipped') or r.get('error'))[:100]} |" + " |" * 9)
+            continue
+        weights = sum(v for v in (r.get("weights_by_kind") or {}).values() if v) or None
+        width = {"F32": 4, "BF16": 2, "F16": 2}.get(str(r.get("ratio_vs")), 0)
+        n = weights or (ft[r["pair"]]["bytes"] / width if r["pair"] in ft and width else None)
+        bpw = r["bytes"] * 8 / n if n and r["model"] not in ("base", "finetuned") else None
+        out.append(f"| {r['pair']} | {r['model']} | {r['bytes'] / 1e6:.2f} MB | {f(r.get('ratio'), '{:.2f}×')} | "
+                   f"{f(bpw, '{:.2f}')} | {r['accuracy']:.3f} | {f(r.get('recovery_pct'), '{:.1f}')} | "
+                   f"{f(r.get('delta_ppl'), '{:+.3f}')} | {f(r.get('answer_loss'), '{:.3g}')} | "
+                   f"{f(r.get('frac_groups_2of4'), '{:.3f}')} | {f(r.get('compress_seconds'), '{:.0f}')} | "
+                   f"{f(r.get('peak_rss_mib'), '{:.0f}')} |")
+    kinds = sorted({k for r in results for k in (r.get("bytes_by_kind") or {})})
+    if kinds:
+        out += ["", "| model | " + " | ".join(kinds) + " | manifest + side files | total |",
+                "|---|" + "---|" * (len(kinds) + 2)]
+        for r in results:
+            bk = r.get("bytes_by_kind")
+            if not bk:
+                continue
+            cells = [f"{bk[k] / 1e6:.2f} MB" if k in bk else "" for k in kinds]
+            out.append(f"| {r['model']} | " + " | ".join(cells)
+                       + f" | {r.get('manifest_and_side_files_bytes', 0) / 1e6:.2f} MB | {r['bytes'] / 1e6:.2f} MB |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer calibration samples and eval examples")
@@ -263,7 +299,12 @@ def main() -> None:
     ap.add_argument("--v1-tree", type=Path, default=None, metavar="DIR",
                     help="a checkout of the format-v1 code (git worktree add DIR e436d4c) for the 'format v1 "
                          "rule' rows (default: those rows are skipped)")
+    ap.add_argument("--render", type=Path, default=None, metavar="JSON",
+                    help="print the markdown tables of a saved run's JSON document and exit")
     a = ap.parse_args()
+    if a.render:
+        print(markdown(json.loads(a.render.read_text())["results"]))
+        return
     methods = METHODS
     if a.methods:
         wanted = [w.strip() for w in a.methods.split(",") if w.strip()]
