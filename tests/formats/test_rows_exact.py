@@ -163,3 +163,4 @@ def test_alias_is_stored_once(tmp_path):
     assert art.tensors["lm_head.weight"]["stored_bytes"] == 0 and "file" not in art.tensors["lm_head.weight"]
     assert torch.equal(art.reconstruct("lm_head.weight", b), art.reconstruct("embed.weight", b))
     assert verify_artifact(art.path)["ok"]
+
