@@ -196,19 +196,26 @@ class StopForward(Exception):
     """Raised by the Catcher once it has the first layer's inputs."""
 
 
-class Catcher(nn.Module):
-    """Stands in for decoder layer 0 to record its inputs, then stops the model's forward."""
+class LayerStandIn(nn.Module):
+    """Base of modules put in a decoder layer's place: attributes it lacks come from the layer."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
-        self.captured: list[tuple[torch.Tensor, dict]] = []
 
     def __getattr__(self, name):  # models read attributes such as attention_type off their layers
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(super().__getattr__("inner"), name)
+
+
+class Catcher(LayerStandIn):
+    """Stands in for decoder layer 0 to record its inputs, then stops the model's forward."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__(inner)
+        self.captured: list[tuple[torch.Tensor, dict]] = []
 
     def forward(self, hidden_states, *args, **kwargs):
         kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_value", "past_key_values")}

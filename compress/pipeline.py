@@ -30,6 +30,7 @@ from deltazip.compress.experts import Hessians, collect_hessians, solve_target
 from deltazip.compress.layer_map import LayerMap, Piece, Target, map_layer
 from deltazip.compress.model_walk import (
     Catcher,
+    LayerStandIn,
     Site,
     StopForward,
     decoder_layers,
@@ -104,19 +105,13 @@ def _peak_rss_mib() -> float:
 _HEAD_KEY = "lm_head"  # the Hessian key of the output projection (it is not inside a decoder layer)
 
 
-class _Replay(torch.nn.Module):
+class _Replay(LayerStandIn):
     """Stands in for a decoder layer in ``head_hessian``: hands back the recorded output of batch
     ``batch`` (the last layer) or its input unchanged (every other layer)."""
 
     def __init__(self, inner: torch.nn.Module, batches, as_tuple: bool):
-        super().__init__()
-        self.inner, self.batches, self.as_tuple, self.batch = inner, batches, as_tuple, 0
-
-    def __getattr__(self, name):  # models read attributes such as attention_type off their layers
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("inner"), name)
+        super().__init__(inner)
+        self.batches, self.as_tuple, self.batch = batches, as_tuple, 0
 
     def forward(self, hidden_states, *args, **kwargs):
         out = hidden_states if self.batches is None else self.batches[self.batch][0]
@@ -250,15 +245,9 @@ class _Run:
             self.layers[0] = catcher.inner
         return catcher.captured
 
-    @staticmethod
-    def run_layer(layer, h: torch.Tensor, kw: dict) -> torch.Tensor:
-        kw = dict(kw)
-        args = kw.pop("__args__", ())
-        out = layer(h, *args, **kw)
-        return out[0] if isinstance(out, tuple) else out
-
-    def run_layer_checked(self, layer, h: torch.Tensor, kw: dict) -> torch.Tensor:
-        """``run_layer`` that also notes whether layers return tuples (for ``head_hessian``'s replay)."""
+    def run_layer(self, layer, h: torch.Tensor, kw: dict) -> torch.Tensor:
+        """One layer forward on one batch; notes whether layers return tuples (``head_hessian``'s replay
+        hands back the same shape)."""
         kw = dict(kw)
         args = kw.pop("__args__", ())
         out = layer(h, *args, **kw)
@@ -311,7 +300,7 @@ class _Run:
                     lmap.store(layer, t, rec.to(self.cdtype))
             del hs
         with torch.no_grad():
-            outs = [(self.run_layer_checked(layer, h, kw), kw) for h, kw in batches]
+            outs = [(self.run_layer(layer, h, kw), kw) for h, kw in batches]
         num = sum(float((y - yf).float().pow(2).sum()) for (y, _), yf in zip(outs, ys_ft))
         den_y = sum(float(yf.float().pow(2).sum()) for yf in ys_ft)
         den_d = sum(float((yf - h).float().pow(2).sum()) for yf, (h, _) in zip(ys_ft, batches))

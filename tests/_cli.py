@@ -21,6 +21,20 @@ def run_cli(capsys, monkeypatch, *args):
     return code, out, err
 
 
+def run_cli_ok(*args) -> None:
+    """Run ``deltazip ARGS`` through main() outside a test (module fixtures); fails on a non-zero exit."""
+    import pytest
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(sys, "argv", ["deltazip", *map(str, args)])
+    try:
+        main()
+    except SystemExit as e:
+        assert not e.code, f"deltazip {' '.join(map(str, args))} exited {e.code}"
+    finally:
+        mp.undo()
+
+
 def cli_command(*args, unprivileged: bool = False) -> list[str]:
     """argv of a real ``deltazip ARGS`` process (``python -m deltazip.deltacli.app``).
 

@@ -5,15 +5,13 @@ side files copied vs referenced; and the CLI round trip of an artifact whose tok
 import json
 import math
 import shutil
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from _cli import run_cli
+from _cli import run_cli, run_cli_ok
 from _factories import calib_file, edit_json, make_pair
 
-from deltazip.deltacli.app import main
 from deltazip.formats.artifact import Artifact
 from deltazip.formats.report import summarize
 
@@ -28,15 +26,7 @@ def made(tmp_path_factory):
     base, ft = make_pair(tmp, dtype=torch.bfloat16)
     edit_json(ft / "tokenizer_config.json", model_max_length=64)
     art = tmp / "art"
-    mp = pytest.MonkeyPatch()
-    mp.setattr(sys, "argv", ["deltazip", "compress", "--base", str(base), "--finetuned", str(ft), "--calib",
-                             str(calib_file(tmp)), "--out", str(art), *FAST, "--json"])
-    try:
-        main()
-    except SystemExit as e:
-        assert not e.code
-    finally:
-        mp.undo()
+    run_cli_ok("compress", "--base", base, "--finetuned", ft, "--calib", calib_file(tmp), "--out", art, *FAST, "--json")
     return tmp, base, ft, art
 
 

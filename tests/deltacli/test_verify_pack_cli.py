@@ -2,15 +2,13 @@
 
 import json
 import shutil
-import sys
 
 import pytest
 import torch
-from _cli import run_cli, without_progress
+from _cli import run_cli, run_cli_ok, without_progress
 from _factories import calib_file, edit_json, make_pair
 from safetensors.torch import load_file
 
-from deltazip.deltacli.app import main
 from deltazip.formats.artifact import Artifact
 
 FAST = ["--bits", "2", "--group-size", "32", "--nsamples", "4", "--seqlen", "32"]
@@ -24,16 +22,8 @@ def made(tmp_path_factory):
     base, ft = make_pair(tmp, hidden_size=128, intermediate_size=256)
     edit_json(ft / "config.json", finetuning_task="tiny")  # stored in hf/; the tokenizer is referenced
     art = tmp / "art"
-    mp = pytest.MonkeyPatch()
-    mp.setattr(sys, "argv", ["deltazip", "compress", "--base", str(base), "--finetuned", str(ft), "--calib",
-                             str(calib_file(tmp)), "--out", str(art), *FAST, "--lossless", "gdeflate",
-                             "--lossless-level", "6", "--json"])
-    try:
-        main()
-    except SystemExit as e:
-        assert not e.code
-    finally:
-        mp.undo()
+    run_cli_ok("compress", "--base", base, "--finetuned", ft, "--calib", calib_file(tmp), "--out", art, *FAST,
+               "--lossless", "gdeflate", "--lossless-level", "6", "--json")
     return tmp, base, ft, art
 
 
