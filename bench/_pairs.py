@@ -61,7 +61,7 @@ def _key(recipe: dict) -> str:
 
 def demo_pair(seed: int = 0) -> dict:
     """The demo pair, cached."""
-    from deltazip.runtime.toy import make_demo_pair
+    from deltazip.demo.pair import make_demo_pair
 
     d = CACHE / f"demo-{seed}"
     done = d / "pair.json"
@@ -207,7 +207,7 @@ def score_model(model_or_dir, tok, eval_rows: list[dict]) -> dict:
     """
     from transformers import AutoModelForCausalLM
 
-    from deltazip.runtime.tasks import exact_match_accuracy, heldout_loss
+    from deltazip.runtime.eval.generated_tasks import exact_match_accuracy, heldout_loss
 
     model = model_or_dir
     if isinstance(model, (str, Path)):
@@ -242,7 +242,7 @@ def smollm2_pair(recipe: dict | None = None, log=print, name: str | None = None)
     """
     from transformers import AutoTokenizer
 
-    from deltazip.runtime.tasks import get_task
+    from deltazip.runtime.eval.generated_tasks import get_task
 
     recipe = recipe or SMOLLM2_RECIPE
     if name is None:

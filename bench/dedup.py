@@ -307,8 +307,8 @@ def bench_load(paths: list[Path], repeats: int) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from deltazip.runtime.dedup_loader import load_model
-    from deltazip.runtime.dedup_registry import TensorDedupRegistry
+    from deltazip.runtime.share.dedup_loader import load_model
+    from deltazip.runtime.share.dedup_registry import TensorDedupRegistry
 
     files = [f for p in paths for f in p.glob("*.safetensors")]
     raw_read(files)

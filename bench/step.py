@@ -35,7 +35,7 @@ from serve import build_variants, log  # noqa: E402
 
 def decode_timer(model, slots: list[int], context: int):
     """A callable running one decode step of ``len(slots)`` rows (each with ``context`` past tokens)."""
-    from deltazip.runtime.engine import KVPool, SeqKV, StepKV, prefill_logits, step_mask
+    from deltazip.runtime.serve.engine import KVPool, SeqKV, StepKV, prefill_logits, step_mask
 
     pool, kvs = KVPool(), [SeqKV() for _ in slots]
     vocab = model.config.vocab_size
@@ -65,7 +65,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from deltazip.compress.checkpoint import Checkpoint
-    from deltazip.runtime.model import DeltaModel, SwapModels, discover_artifacts
+    from deltazip.runtime.serve.model import DeltaModel, SwapModels, discover_artifacts
 
     pair = demo_pair() if a.pair == "demo" else smollm2_pair(log=log)
     arts = build_variants(pair, max(a.variants), "rtn")

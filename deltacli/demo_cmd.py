@@ -24,7 +24,7 @@ def demo(
     # Before torch loads: OpenMP threads that spin while waiting made this demo ten times slower on
     # busy cores (the demo then runs torch on one thread: its models are tiny).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from deltazip.runtime.demo import run_demo
+    from deltazip.demo.run import run_demo
 
     wd = workdir or Path(tempfile.mkdtemp(prefix="deltazip-demo-"))
     with progress_bar(json_out) as report:

@@ -59,7 +59,7 @@ def eval_targets(
         import lm_eval  # noqa: F401
     except ImportError:
         raise InputError("deltazip eval needs lm-eval; install it with `pip install 'deltazip[eval]'`") from None
-    from deltazip.runtime.eval_run import EvalOptions, run_eval, serialisable
+    from deltazip.runtime.eval.run import EvalOptions, run_eval, serialisable
 
     # lm-eval warns on every model object passed in (expected here) and on custom datasets.
     logging.getLogger("lm_eval").setLevel(logging.ERROR)

@@ -42,8 +42,8 @@ def serve(
     json_out: JsonOpt = False,
 ) -> None:
     """Serve the base model and every variant under ARTIFACTS (artifacts, full checkpoints, LoRA adapters) with an OpenAI-compatible API."""
-    from deltazip.runtime.listen import bind_listen_socket
-    from deltazip.runtime.server import ServeConfig
+    from deltazip.runtime.serve.listen import bind_listen_socket
+    from deltazip.runtime.serve.server import ServeConfig
 
     cfg = ServeConfig(artifacts=artifacts, base=base, host=host, port=port, api_key=api_key, mode=mode,
                       max_deltas=max_deltas, max_cpu_deltas=max_cpu_deltas, max_batch_tokens=max_batch_tokens,
@@ -60,7 +60,7 @@ def serve(
 
 
 def _serve(cfg, sock, json_out: bool) -> None:
-    from deltazip.runtime.server import Metrics, build_runtime, serve_forever
+    from deltazip.runtime.serve.server import Metrics, build_runtime, serve_forever
 
     url, mode = f"http://{cfg.host}:{cfg.port}", cfg.mode
     if not json_out:
@@ -68,7 +68,7 @@ def _serve(cfg, sock, json_out: bool) -> None:
         logging.basicConfig(level=os.environ.get("DELTAZIP_LOG_LEVEL", "INFO").upper(),
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if cfg.workers > 1:
-        from deltazip.runtime.workers import serve_workers
+        from deltazip.runtime.share.workers import serve_workers
 
         def ready(pool) -> None:
             if json_out:

@@ -79,7 +79,7 @@ def served_set(tmp_root: Path) -> ServedSet:
         return _BUILT["set"]
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.pipeline import compress_delta
-    from deltazip.runtime.toy import build_char_tokenizer
+    from deltazip.demo.pair import build_char_tokenizer
 
     tmp_root.mkdir(parents=True, exist_ok=True)
     # The demo's character tokenizer: <s>=0, </s>=1, <pad>=2; the model config must agree.

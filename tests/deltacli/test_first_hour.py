@@ -225,7 +225,8 @@ def test_missing_relative_calibration_file_fails_at_once_naming_it(capsys, monke
 
 def test_busy_port_is_one_line_before_any_model_loads(capsys, monkeypatch, pair):
     """Issue 17 #6: a port in use was found after every model had loaded (14 lines, exit 3)."""
-    from deltazip.runtime import server, workers
+    from deltazip.runtime.serve import server
+    from deltazip.runtime.share import workers
 
     tmp, base, ft, calib, art = pair
     loaded = []
@@ -375,7 +376,7 @@ def test_plain_progress_lines_for_long_stages():
 
 def test_every_importable_folder_is_a_listed_package():
     """Issue 17 #12: setuptools warns once per file ("Package would be ignored") for an importable
-    folder missing from ``packages`` (runtime/eval_tasks was, 45 lines at every install)."""
+    folder missing from ``packages`` (runtime/eval/lm_eval_tasks was, 45 lines at every install)."""
     from pathlib import Path
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
@@ -392,5 +393,5 @@ def test_every_importable_folder_is_a_listed_package():
             name = ".".join((pkg, *rel.parts))
             assert name in packages, f"{d} is importable as {name} but not in [tool.setuptools] packages"
     data = st.get("package-data", {})
-    assert data.get("deltazip.runtime.eval_tasks") == ["*.yaml"]
-    assert list((root / "runtime" / "eval_tasks").glob("*.yaml"))
+    assert data.get("deltazip.runtime.eval.lm_eval_tasks") == ["*.yaml"]
+    assert list((root / "runtime" / "eval" / "lm_eval_tasks").glob("*.yaml"))

@@ -1,0 +1,213 @@
+"""Evaluation targets built on the serving model, so that eval measures exactly what ``serve`` runs.
+
+A *target* is one of:
+
+- a deltazip artifact directory: evaluated through :class:`deltazip.runtime.serve.model.DeltaModel`, the
+  decoupled base + delta model of ``deltazip serve`` (same modules, same ``kernels.dispatch`` path),
+  with every row of every batch routed to the variant's device slot;
+- a PEFT LoRA adapter directory: the same decoupled model with the adapter in the slot (grouped
+  LoRA shrink/expand, as ``serve`` runs it);
+- the word ``base``: the same decoupled model with every row on the base (slot ``-1``), which is how
+  the server answers requests for the base model;
+- a plain Hugging Face model directory (e.g. the uncompressed fine-tune, or a merged copy): loaded by
+  transformers as is.
+
+:class:`EvalBank` holds one base model for all artifact targets of a run and switches the slot's
+contents between targets, so the base weights are loaded once however many artifacts are compared.
+The slot routing is a forward pre-hook on the transformers model, so anything that calls the model —
+lm-eval's ``HFLM`` (loglikelihood and ``generate``), a perplexity loop — runs the decoupled path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from deltazip.compress.checkpoint import Checkpoint
+from deltazip.formats.artifact import MANIFEST
+from deltazip.formats.errors import InputError
+from deltazip.runtime.serve.lora_variant import ADAPTER_CONFIG, check_lora_base
+from deltazip.runtime.serve.model import (
+    BASE_SLOT,
+    DeltaModel,
+    VariantInfo,
+    discover_artifacts,
+    load_tokenizer,
+    open_served_base,
+    resolve_dtype,
+)
+
+BASE_TARGET = "base"
+
+
+@dataclass
+class Target:
+    """One thing to evaluate, as named on the command line.
+
+    Attributes:
+        spec: what the user typed (a path or ``base``).
+        kind: ``artifact``, ``lora``, ``base`` or ``hf``.
+        label: column title; unique within a run.
+        path: the directory (``None`` for ``base``).
+        variant: the artifact's manifest view or the adapter's description (artifact, lora).
+    """
+
+    spec: str
+    kind: str
+    label: str
+    path: Path | None = None
+    variant: VariantInfo | None = None
+
+
+def parse_targets(specs: list[str]) -> list[Target]:
+    """Classify each TARGET; labels are directory names, made unique with ``#2``, ``#3``...
+
+    Raises:
+        InputError: a path that does not exist or is neither an artifact nor an HF model directory.
+    """
+    if not specs:
+        raise InputError("no TARGET given; pass artifact directories, HF model directories or 'base'")
+    out: list[Target] = []
+    seen: dict[str, int] = {}
+    for spec in specs:
+        if spec == BASE_TARGET:
+            t = Target(spec, "base", BASE_TARGET)
+        else:
+            path = Path(spec).expanduser()
+            if not path.exists():
+                raise InputError(f"{spec}: no such file or directory; pass an artifact directory, an HF model "
+                                 f"directory or the word 'base'")
+            if (path / MANIFEST).is_file():
+                (variant,) = discover_artifacts(path)
+                t = Target(spec, "artifact", path.resolve().name, path, variant)
+            elif (path / ADAPTER_CONFIG).is_file():
+                from deltazip.runtime.serve.variant_sources import inspect_variant
+
+                t = Target(spec, "lora", path.resolve().name, path, inspect_variant(path))
+            elif (path / "config.json").is_file():
+                t = Target(spec, "hf", path.resolve().name, path)
+            else:
+                raise InputError(f"{spec}: not a deltazip artifact ({MANIFEST}), a PEFT adapter ({ADAPTER_CONFIG}) "
+                                 f"or a Hugging Face model directory (config.json)")
+        n = seen.get(t.label, 0) + 1
+        seen[t.label] = n
+        if n > 1:
+            t.label = f"{t.label}#{n}"
+        out.append(t)
+    for t in out:  # variant names key the decoupled model's slots: keep them unique too
+        if t.variant is not None:
+            t.variant.name = t.label
+    return out
+
+
+def _route_all_rows(ctx, get_slot, device: torch.device):
+    """A forward pre-hook that binds every row of the incoming batch to the bank's current slot."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = args[0] if args else kwargs.get("inputs_embeds")
+        ctx.bind([get_slot()] * int(x.shape[0]), device)
+        return None
+
+    return hook
+
+
+class EvalBank:
+    """The models of one evaluation run: a shared decoupled base, plus plain HF models on demand.
+
+    Args:
+        targets: from :func:`parse_targets`.
+        base: ``--base`` (a path or hub id); default: the artifacts' lineage base.
+        device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``.
+        dtype: ``auto`` (fp32 on CPU, the checkpoint's half dtype on CUDA), ``float32``, ``float16``,
+            ``bfloat16``.
+    """
+
+    def __init__(self, targets: list[Target], base: str | None, device: str = "auto", dtype: str = "auto"):
+        self.targets = targets
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise InputError(f"--device {device} was asked for but no CUDA device is available")
+        self.device = torch.device(device)
+        self._dtype_name = dtype
+        self._hf: tuple[str, nn.Module] | None = None
+        variants = [t.variant for t in targets if t.variant is not None]
+        arts = [v for v in variants if v.kind == "artifact"]
+        loras = [v for v in variants if v.kind == "lora"]
+        self.base: Checkpoint | None = None
+        self.delta_model: DeltaModel | None = None
+        if variants or any(t.kind == "base" for t in targets):
+            if base is None and not arts:
+                # An adapter that names a local base directory is enough, as it is for peft.
+                named = {v.lineage.get("base") for v in loras} - {None}
+                local = [n for n in named if Path(n).expanduser().is_dir()]
+                if len(named) != 1 or not local:
+                    raise InputError("no artifact among the targets names its base; pass --base")
+                base = local[0]
+            self.base = open_served_base(arts, base, command="eval") if arts else Checkpoint(base, "base")
+            for v in loras:
+                check_lora_base(v.path, v.lineage.get("base"), self.base.path, self._base_fingerprint)
+            self.dtype = resolve_dtype(dtype, self.device, self.base)
+            # One slot: targets are evaluated one after another and take turns in it.
+            self.delta_model = DeltaModel(self.base, variants, 1, self.device, self.dtype)
+            self._slot = BASE_SLOT
+            self._loaded: str | None = None
+            self.delta_model.model.register_forward_pre_hook(
+                _route_all_rows(self.delta_model.ctx, lambda: self._slot, self.device), with_kwargs=True)
+        else:
+            self.dtype = None
+
+    def _base_fingerprint(self) -> str:
+        if not hasattr(self, "_fp"):
+            self._fp = self.base.fingerprint()
+        return self._fp
+
+    @property
+    def base_path(self) -> Path | None:
+        return None if self.base is None else self.base.path
+
+    def model_for(self, target: Target) -> nn.Module:
+        """The transformers model that runs ``target`` (for artifacts and base: the decoupled model,
+        routed to the target's slot until the next call)."""
+        if target.kind == "hf":
+            # One plain model at a time: loading the next one frees the previous.
+            if self._hf is None or self._hf[0] != target.label:
+                self._hf = None
+                self._hf = (target.label, self._load_hf(target.path))
+            return self._hf[1]
+        assert self.delta_model is not None
+        if target.kind == "base":
+            self._slot = BASE_SLOT
+        else:
+            name = target.variant.name
+            if self._loaded != name:
+                self.delta_model.write_slot(0, name, self.delta_model.load_host(name))
+                self._loaded = name
+            self._slot = 0
+        return self.delta_model.model
+
+    def tokenizer_for(self, target: Target):
+        """The tokenizer ``serve`` would use for ``target`` (an artifact's own, else its base's)."""
+        if target.kind == "hf":
+            return load_tokenizer(target.path)
+        assert self.base is not None
+        if target.kind == "base":
+            return load_tokenizer(self.base.path)
+        return load_tokenizer(target.variant.tokenizer_dir(self.base.path))
+
+    def _load_hf(self, path: Path) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        ck = Checkpoint(str(path), "model")  # refuses pickled weights, names the problem
+        dtype = self.dtype or resolve_dtype(self._dtype_name, self.device, ck)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(ck.path), dtype=dtype)
+        except Exception as e:  # unknown architecture, broken weights
+            raise InputError(f"{path}: cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
+        return model.to(self.device).eval()

@@ -1,0 +1,899 @@
+"""Continuous batching over a base model and many deltas, one engine thread.
+
+Why not transformers' own continuous batching? transformers ships a continuous-batching manager
+(``transformers.generation.continuous_batching``: paged KV cache, varlen/flash attention, a FIFO or
+prefill-first scheduler, CUDA graphs). We evaluated it and built our own small engine instead:
+
+- its scheduler is internal; the delta-aware policy of paper §5.4 (at most N variants per step,
+  line-skipping, preemption of line-skippers with state kept) has no hook there;
+- every forward would need the per-row variant index, but its model runner flattens the batch into
+  one packed varlen sequence and calls the model itself, so the index would have to be
+  reconstructed from its private batch metadata in every layer;
+- sampling settings are per manager, while the OpenAI API has per-request temperature, top_p,
+  seed and stop strings;
+- it is marked as evolving API (the module changed shape between releases).
+
+The engine here keeps the KV caches of all sequences in one pool (``KVPool``: per layer
+``[rows, H_kv, capacity, D]``, a row per sequence) and at every step hands the transformers model a
+padded view of its rows through a small cache object (``StepKV``: one gather and one indexed store
+per layer) plus an explicit 4-D attention mask, so the model classes, rotary embeddings and SDPA
+attention are transformers' own. Per step:
+
+1. new requests and cancellations are taken in; the :class:`~deltazip.runtime.serve.scheduler.Scheduler`
+   admits requests (at most ``max_deltas`` variants, ``max_num_seqs``, ``max_batch_tokens``);
+2. variants that waiting requests need are prefetched into host memory; the selected ones are
+   made resident in device slots (:class:`~deltazip.runtime.serve.delta_cache.TieredCache`);
+3. one forward runs the prompts of newly admitted requests (left-padded), one forward decodes every
+   other running sequence (one token each) — rows of every variant together, sorted by slot;
+4. tokens are sampled per request, detokenized incrementally, checked against stop strings, EOS,
+   ``max_tokens`` and the context length; finished sequences free their KV cache, and their
+   line-skippers may be preempted (their KV cache moves to host memory until they resume).
+
+A request that is cancelled (client gone) is dropped at the next step and its KV cache freed.
+
+Variants come and go while serving: :meth:`Engine.run_on_engine` runs a function on the engine
+thread between two steps (adding a variant may decouple modules of the model, which must not happen
+under a forward), and :meth:`Engine.remove_model` stops accepting requests for a variant at once,
+lets the ones already accepted finish, then unloads it from every tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deltazip.runtime.serve.delta_cache import TieredCache
+from deltazip.runtime.serve.scheduler import BASE_KEY, SchedRequest, Scheduler
+
+log = logging.getLogger("deltazip.serve")
+
+
+# --------------------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------------------
+
+
+class EngineError(Exception):
+    """A request the engine refuses; ``status`` is the HTTP status the server answers with."""
+
+    status = 400
+    code = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFull(EngineError):
+    status = 429
+    code = "rate_limit_exceeded"
+
+
+class PromptTooLong(EngineError):
+    code = "context_length_exceeded"
+
+
+class UnknownModel(EngineError):
+    status = 404
+    code = "model_not_found"
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings (OpenAI semantics).
+
+    ``temperature == 0`` is greedy (argmax, what ``generate(do_sample=False)`` does); ``top_p`` keeps
+    the smallest set of tokens whose probability reaches it; ``seed`` makes sampling reproducible;
+    ``stop`` strings end the completion and are not part of it.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise EngineError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
+        if not (0.0 <= self.temperature <= 2.0) or math.isnan(self.temperature):
+            raise EngineError(f"temperature must lie in [0, 2], got {self.temperature}", "temperature")
+        if not (0.0 < self.top_p <= 1.0):
+            raise EngineError(f"top_p must lie in (0, 1], got {self.top_p}", "top_p")
+        if len(self.stop) > 4 or any(not isinstance(s, str) or not s for s in self.stop):
+            raise EngineError("stop must be up to 4 non-empty strings", "stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class TokenEvent:
+    """New text of a sequence (possibly empty while a stop string might still match)."""
+
+    text: str
+    token_id: int
+
+
+@dataclass
+class FinishEvent:
+    """End of a sequence: ``reason`` is ``stop``, ``length``, ``cancelled`` or ``error``."""
+
+    reason: str
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+Sink = Callable[[TokenEvent | FinishEvent], None]
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token sequence, emitted piecewise (the prefix/read-offset scheme of vLLM).
+
+    The window starts a few prompt tokens back so that tokenizers whose pieces depend on their left
+    neighbour (SentencePiece's leading spaces, byte fallback) decode the first completion token as
+    they would in context; text is only extended when the window no longer ends in an incomplete
+    character (``\\ufffd``).
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
+        self.tok = tokenizer
+        self.ids = list(prompt_ids[-5:])
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
+        self.text = ""
+        self.emitted = 0
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+
+    def add(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        full = self.tok.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
+    def find_stop(self) -> bool:
+        """Cut the text at the first stop string; True when one was found."""
+        if not self.stop:
+            return False
+        start = max(0, self.emitted - self.holdback)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if not hits:
+            return False
+        self.text = self.text[:min(hits)]
+        return True
+
+    def take(self, final: bool) -> str:
+        """Text not handed out yet; while not final, the tail that could begin a stop string stays back."""
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self.holdback)
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# KV cache
+# --------------------------------------------------------------------------------------------------
+
+
+class KVPool:
+    """Keys and values of every sequence in the batch, in one tensor per layer.
+
+    Per layer ``k`` and ``v`` are ``[R, H_kv, C, D]``: ``R`` rows (one per sequence holding a cache),
+    ``C`` positions (the longest sequence so far, grown by doubling). With all sequences in one
+    tensor a step gathers its rows' past with one ``index_select`` and writes its new tokens with one
+    indexed store per layer, whatever the batch size — per-sequence buffers cost a copy per row per
+    layer, which dominated decode steps of large batches. The price is padding: every row is ``C``
+    long. When no sequence holds a row any more the tensors are dropped, so an idle server holds no
+    KV memory. Layers are created on first write (their ``H_kv``, ``D`` and dtype come from the model).
+    """
+
+    def __init__(self):
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        self.rows = 0
+        self.capacity = 0
+        self._free: list[int] = []
+
+    def alloc(self) -> int:
+        """A free row (the pool grows by doubling when none is left)."""
+        if not self._free:
+            grow = max(8, self.rows)
+            self._resize(self.rows + grow, self.capacity)
+            self._free = list(range(self.rows - 1, self.rows - grow - 1, -1))
+        return self._free.pop()
+
+    def release(self, row: int) -> None:
+        self._free.append(row)
+        if len(self._free) == self.rows:  # nothing cached: give the memory back
+            self.k, self.v, self.rows, self.capacity, self._free = [], [], 0, 0, []
+
+    def ensure_length(self, n: int) -> None:
+        """Make every row hold at least ``n`` positions."""
+        if n > self.capacity:
+            self._resize(self.rows, max(16, n, 2 * self.capacity))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+
+    def _resize(self, rows: int, capacity: int) -> None:
+        def grown(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            # Zeros, not empty: masked positions are multiplied by 0 in attention, and 0 * NaN is NaN.
+            out = t.new_zeros(rows, t.shape[1], capacity, t.shape[3])
+            out[: t.shape[0], :, : t.shape[2]] = t
+            return out
+
+        self.k = [grown(t) for t in self.k]
+        self.v = [grown(t) for t in self.v]
+        self.rows, self.capacity = rows, capacity
+
+    def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``idx``'s ``(k, v)``, created shaped after ``like`` ``[B, H_kv, T, D]`` if new."""
+        while len(self.k) <= idx:
+            self.k.append(None)
+            self.v.append(None)
+        if self.k[idx] is None:
+            shape = (self.rows, like.shape[1], self.capacity, like.shape[3])
+            self.k[idx] = like.new_zeros(shape)
+            self.v[idx] = like.new_zeros(shape)
+        return self.k[idx], self.v[idx]
+
+
+class SeqKV:
+    """One sequence's KV cache: a row of a :class:`KVPool` (or, while preempted, host copies)."""
+
+    def __init__(self):
+        self.pool: KVPool | None = None
+        self.row: int | None = None
+        self.length = 0
+        self.host: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def attach(self, pool: KVPool) -> None:
+        """Take a row of ``pool``; a cache moved to the host comes back into it."""
+        if self.row is not None:
+            return
+        self.pool, self.row = pool, pool.alloc()
+        if self.host is not None:
+            pool.ensure_length(self.length)
+            for i, (k, v) in enumerate(self.host):
+                pk, pv = pool.layer(i, k.unsqueeze(0))
+                pk[self.row, :, : self.length] = k.to(pk.device)
+                pv[self.row, :, : self.length] = v.to(pv.device)
+            self.host = None
+
+    def offload(self) -> None:
+        """Copy the cache to host memory and give the row back (a preempted sequence)."""
+        if self.row is None:
+            return
+        n = self.length
+        # copy=True: on a CPU server .to("cpu") would return a view of the row it is about to give away.
+        self.host = [(k[self.row, :, :n].to("cpu", copy=True), v[self.row, :, :n].to("cpu", copy=True))
+                     for k, v in zip(self.pool.k, self.pool.v) if k is not None]
+        self.free()
+
+    def free(self) -> None:
+        if self.row is not None:
+            self.pool.release(self.row)
+        self.pool, self.row = None, None
+
+    def nbytes(self) -> int:
+        if self.host is not None:
+            return sum(k.numel() * k.element_size() * 2 for k, _ in self.host)
+        if self.row is None:
+            return 0
+        return sum(k[0].numel() * k.element_size() * 2 for k in self.pool.k if k is not None)
+
+
+class StepKV:
+    """The ``past_key_values`` object of one forward: a padded view over the rows' pooled caches.
+
+    Row ``b`` has ``P_b`` cached tokens and ``T_b`` new ones. Keys of the batch are laid out as
+    ``[past (P_b) | stale (Lp - P_b) | padding (Tm - T_b) | new (T_b)]`` with ``Lp = max P`` and
+    ``Tm = max T``; :func:`step_mask` lets each real query see exactly its own past and the new
+    tokens up to itself, and each padding query only itself (so no softmax row is empty). The new
+    keys/values are written into each sequence's pool row (all rows of a layer in one store).
+
+    Args:
+        pool: the engine's :class:`KVPool`; caches without a row get one.
+        caches: one :class:`SeqKV` per batch row.
+        past, new: ``P_b`` and ``T_b`` per row.
+    """
+
+    def __init__(self, pool: KVPool, caches: list[SeqKV], past: list[int], new: list[int]):
+        self.pool, self.past, self.new = pool, past, new
+        self.lp, self.tm = max(past), max(new)
+        for c in caches:
+            c.attach(pool)
+        pool.ensure_length(max(p + n for p, n in zip(past, new)))
+        self._rows = [c.row for c in caches]
+        self._index: tuple[torch.Tensor, ...] | None = None
+
+    def _indices(self, device) -> tuple[torch.Tensor, ...]:
+        """The step's pool rows, and where every real new token goes (batch row, token index, pool
+        row, position), on ``device``; built once per step, shared by every layer."""
+        if self._index is None:
+            b, t, row, pos = [], [], [], []
+            for i, (r, p, n) in enumerate(zip(self._rows, self.past, self.new)):
+                b += [i] * n
+                t += range(self.tm - n, self.tm)
+                row += [r] * n
+                pos += range(p, p + n)
+            self._index = tuple(torch.tensor(x, dtype=torch.int64, device=device)
+                                for x in (self._rows, b, t, row, pos))
+        return self._index
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """``[B, H_kv, Tm, D]`` new keys/values -> ``[B, H_kv, Lp + Tm, D]`` keys/values to attend."""
+        pk, pv = self.pool.layer(layer_idx, key_states)
+        rows, b, t, row, pos = self._indices(key_states.device)
+        if self.lp:
+            keys = torch.cat([pk[:, :, : self.lp].index_select(0, rows), key_states], dim=2)
+            values = torch.cat([pv[:, :, : self.lp].index_select(0, rows), value_states], dim=2)
+        else:
+            keys, values = key_states, value_states
+        pk[row, :, pos] = key_states[b, :, t]
+        pv[row, :, pos] = value_states[b, :, t]
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.lp
+
+
+def left_pad(tokens: list[list[int]], pad_id: int) -> torch.Tensor:
+    """Token lists as one int64 ``[B, max len]`` batch, each row right-aligned (the layout of
+    :class:`StepKV` and :func:`step_mask`)."""
+    tm = max(len(t) for t in tokens)
+    ids = torch.full((len(tokens), tm), pad_id, dtype=torch.long)
+    for i, toks in enumerate(tokens):
+        ids[i, tm - len(toks):] = torch.tensor(toks, dtype=torch.long)
+    return ids
+
+
+def prefill_logits(backend, row_slots: list[int], tokens: list[list[int]], caches: list[SeqKV] | None = None,
+                   pool: KVPool | None = None, pad_id: int = 0) -> torch.Tensor:
+    """One prefill forward of ``tokens`` (a prompt per row, row ``b`` in slot ``row_slots[b]``) through
+    ``backend`` (``DeltaModel`` or ``SwapModels``), as the engine runs it; last-position logits ``[B, V]``.
+
+    ``caches`` (empty :class:`SeqKV`, one per row) and their ``pool`` receive the prompts' keys and
+    values and come back with ``length`` set; fresh ones are used when not given.
+    """
+    pool = pool if pool is not None else KVPool()
+    caches = caches if caches is not None else [SeqKV() for _ in tokens]
+    new = [len(t) for t in tokens]
+    mask, pos = step_mask([0] * len(tokens), new, backend.device)
+    with torch.inference_mode():
+        logits = backend.forward(row_slots, left_pad(tokens, pad_id).to(backend.device), pos, mask,
+                                 StepKV(pool, caches, [0] * len(tokens), new))
+    for c, n in zip(caches, new):
+        c.length = n
+    return logits
+
+
+def step_mask(past: list[int], new: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention mask and position ids of a step (layout in :class:`StepKV`).
+
+    Returns:
+        mask: bool ``[B, 1, Tm, Lp + Tm]``, True where a query may attend.
+        position_ids: int64 ``[B, Tm]`` (padding queries get their row's first new position).
+    """
+    p = torch.tensor(past, device=device).view(-1, 1, 1)
+    n = torch.tensor(new, device=device).view(-1, 1, 1)
+    lp, tm = max(past), max(new)
+    j = torch.arange(lp + tm, device=device).view(1, 1, -1)
+    t = torch.arange(tm, device=device).view(1, -1, 1)
+    first = tm - n  # index of the first real new token
+    real_q = t >= first
+    jn = j - lp
+    mask = (real_q & (j < p)) | (real_q & (jn >= first) & (jn <= t)) | (jn == t)
+    p2, first2 = p.view(-1, 1), first.view(-1, 1)
+    pos = torch.maximum(p2 + torch.arange(tm, device=device).view(1, -1) - first2, p2)
+    return mask.unsqueeze(1), pos
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------------------------------
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of ``logits [B, V]`` (fp32): argmax for greedy rows, else temperature and
+    top-p sampling with the row's own generator (its ``seed``)."""
+    out = logits.argmax(dim=-1).tolist()
+    for i, sp in enumerate(params):
+        if sp.greedy:
+            continue
+        # Per-request generators live on the CPU (seeded, device independent): sample there.
+        probs = torch.softmax(logits[i].cpu() / sp.temperature, dim=-1)
+        if sp.top_p < 1.0:
+            sp_probs, order = probs.sort(descending=True)
+            keep = (sp_probs.cumsum(0) - sp_probs) < sp.top_p  # always keeps the first token
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sp_probs[keep])
+            probs = probs / probs.sum()
+        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Engine
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of the engine (``deltazip serve`` options)."""
+
+    max_deltas: int = 4
+    max_cpu_deltas: int = 16
+    max_batch_tokens: int = 2048
+    max_num_seqs: int = 32
+    max_queue: int = 256
+    preemption: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_deltas", "max_batch_tokens", "max_num_seqs", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_deltas < 0:
+            raise ValueError(f"max_cpu_deltas must be >= 0, got {self.max_cpu_deltas}")
+
+
+@dataclass
+class ServedVariant:
+    """What the engine needs per served model name: tokenizer and the token ids that end generation.
+
+    ``tokenizer`` is used by the engine thread only (decoding); ``encoder`` is a second instance of
+    the same tokenizer for the thread that encodes prompts (defaults to ``tokenizer`` when the caller
+    encodes from the engine's own thread or not at all).
+    """
+
+    name: str
+    tokenizer: Any
+    eos_ids: list[int]
+    parent: str | None  # the base's name for variants, None for the base itself
+    encoder: Any = None
+
+    def __post_init__(self) -> None:
+        if self.encoder is None:
+            self.encoder = self.tokenizer
+
+
+@dataclass
+class Sequence:
+    """One request in the engine."""
+
+    rid: str
+    model: str
+    key: str  # scheduler variant key
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Sink
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    arrival: float
+    kv: SeqKV = field(default_factory=SeqKV)
+    output_ids: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    cancelled: bool = False
+    finished: bool = False
+    kv_on_host: bool = False
+
+
+class Engine:
+    """Continuous-batching engine over a :class:`~deltazip.runtime.serve.model.DeltaModel` or
+    :class:`~deltazip.runtime.serve.model.SwapModels` (see the module docstring).
+
+    Args:
+        backend: the model object (``forward``, ``load_host``, ``write_slot``, ``clear_slot``).
+        served: per model name (base and variants) its tokenizer and EOS ids.
+        base_name: the base model's served name.
+        config: engine options.
+        observer: optional metrics sink with ``ttft(seconds)``, ``e2e(seconds)``, ``finished(reason)``
+            (called from the engine thread).
+    """
+
+    def __init__(self, backend, served: dict[str, ServedVariant], base_name: str, config: EngineConfig,
+                 observer: Any = None):
+        self.backend, self.served, self.base_name, self.config = backend, served, base_name, config
+        self.observer = observer
+        self.device = backend.device
+        self.max_len = _max_len(backend.config)
+        self.swap = backend.mode == "swap"
+        self.kv_pool = KVPool()
+        # Device memory, refreshed by the engine thread (readers never walk the model themselves).
+        self._memory = {"device_weight_bytes": backend.base_bytes(), "kv_cache_bytes": 0}
+        self._resident_seen: tuple = ()
+        self.scheduler = Scheduler(
+            max_deltas=1 if self.swap else config.max_deltas,
+            max_num_seqs=config.max_num_seqs,
+            max_batch_tokens=config.max_batch_tokens,
+            preemption=config.preemption,
+            base_needs_slot=self.swap,
+        )
+        self.cache = TieredCache(backend.load_host, backend.write_slot, backend.clear_slot,
+                                 num_slots=config.max_deltas, max_cpu=config.max_cpu_deltas)
+        self._lock = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._cancels: list[str] = []
+        self._seqs: dict[str, Sequence] = {}
+        self._next_id = 0
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._broken: dict[str, str] = {}
+        self._commands: list[tuple[Callable[[], Any], Future]] = []
+        self._removing: dict[str, tuple[Future, Callable[[], None] | None]] = {}
+        self.last_used: dict[str, float] = {}  # model -> wall time of its latest request
+        self._token_times: deque[tuple[float, int]] = deque()
+        self.counters = {"requests": 0, "finished": 0, "cancelled": 0, "errors": 0, "generated_tokens": 0,
+                         "prompt_tokens": 0, "steps": 0, "preempted": 0}
+        self.pad_id = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._loop, name="deltazip-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        self.cache.shutdown()
+
+    # -- submission (any thread) ----------------------------------------------------------------
+    def key_of(self, model: str) -> str:
+        if model == self.base_name:
+            return BASE_KEY
+        if model not in self.served:
+            raise UnknownModel(f"The model `{model}` does not exist.", "model")
+        return model
+
+    def validate(self, model: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise the :class:`EngineError` that ``submit`` would, without queueing anything."""
+        self.key_of(model)
+        n = len(prompt_ids)
+        if n == 0:
+            raise EngineError("the prompt is empty (no tokens)", "prompt")
+        if n >= self.max_len or n + params.max_tokens > self.max_len:
+            raise PromptTooLong(f"This model's maximum context length is {self.max_len} tokens. However, you requested "
+                                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the "
+                                f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        if n > self.config.max_batch_tokens:
+            raise PromptTooLong(f"the prompt has {n} tokens; this server processes at most {self.config.max_batch_tokens} "
+                                f"tokens per step (--max-batch-tokens)", "prompt")
+        vocab = getattr(self.backend.config, "vocab_size", None)
+        if vocab and any(not 0 <= t < vocab for t in prompt_ids):
+            raise EngineError(f"prompt token ids must lie in [0, {vocab})", "prompt")
+        if model in self._broken:
+            raise EngineError(f"model {model} cannot be loaded: {self._broken[model]}", "model")
+
+    def submit(self, model: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> str:
+        """Queue a request; returns its id. Raises :class:`EngineError` (400/404/429) when refused."""
+        self.validate(model, prompt_ids, params)
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        with self._lock:
+            if self._stop:
+                raise EngineError("the server is shutting down")
+            if model in self._removing or model not in self.served:
+                raise UnknownModel(f"The model `{model}` does not exist.", "model")
+            self.last_used[model] = time.time()
+            if len(self._inbox) + self.scheduler.num_waiting() >= self.config.max_queue:
+                raise QueueFull(f"the request queue is full ({self.config.max_queue} waiting); retry later")
+            rid = f"r{self._next_id}"
+            self._next_id += 1
+            sv = self.served[model]
+            seq = Sequence(rid, model, self.key_of(model), list(prompt_ids), params, sink,
+                           IncrementalDetokenizer(sv.tokenizer, prompt_ids, params.stop), gen, time.perf_counter())
+            self._inbox.append(seq)
+            self.counters["requests"] += 1
+            self._lock.notify_all()
+        return rid
+
+    def cancel(self, rid: str) -> None:
+        """Drop a request (the client went away); its sequence is freed at the next step."""
+        with self._lock:
+            self._cancels.append(rid)
+            self._lock.notify_all()
+
+    # -- live variant management (any thread) ---------------------------------------------------
+    def run_on_engine(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the engine thread between two steps; its result or exception lands in the
+        returned future. Runs at once in the caller's thread when the engine is not running."""
+        fut: Future = Future()
+        with self._lock:
+            running = self._thread is not None and not self._stop
+            if running:
+                self._commands.append((fn, fut))
+                self._lock.notify_all()
+        if not running:
+            _settle(fut, fn)
+        return fut
+
+    def remove_model(self, name: str, unload: Callable[[], None] | None = None) -> Future:
+        """Stop accepting requests for variant ``name``, let accepted ones finish, then drop it from
+        every tier and call ``unload`` (engine thread). The future resolves when it is gone.
+
+        Raises:
+            UnknownModel: not a served variant (the base cannot be removed).
+        """
+        with self._lock:
+            if name == self.base_name or name not in self.served or name in self._removing:
+                raise UnknownModel(f"The model `{name}` does not exist.", "model")
+            fut: Future = Future()
+            self._removing[name] = (fut, unload)
+            running = self._thread is not None and not self._stop
+            self._lock.notify_all()
+        if not running:
+            self._finish_removals()
+        return fut
+
+    def _finish_removals(self) -> None:
+        """Unload every variant being removed that has no request left (engine thread)."""
+        with self._lock:
+            pending = dict(self._removing)
+            queued = {s.model for s in self._inbox}
+        live = {s.model for s in self._seqs.values()} | queued
+        for name, (fut, unload) in pending.items():
+            if name in live:
+                continue
+            try:
+                self.cache.evict(name)
+                self._broken.pop(name, None)
+                if unload is not None:
+                    unload()
+            except Exception as e:  # keep serving the others; the caller hears what went wrong
+                log.error("unloading %s failed:\n%s", name, traceback.format_exc())
+                fut.set_exception(e)
+            else:
+                fut.set_result(None)
+            finally:
+                with self._lock:
+                    self.served.pop(name, None)
+                    self._removing.pop(name, None)
+                    self.last_used.pop(name, None)
+
+    def removing(self) -> set[str]:
+        with self._lock:
+            return set(self._removing)
+
+    # -- introspection --------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        now = time.perf_counter()
+        with self._lock:
+            while self._token_times and now - self._token_times[0][0] > 10.0:
+                self._token_times.popleft()
+            window = sum(n for _, n in self._token_times)
+            span = (now - self._token_times[0][0]) if self._token_times else 0.0
+            queue = len(self._inbox) + self.scheduler.num_waiting()
+            running = len(self.scheduler.running)
+        return {
+            "queue_length": queue,
+            "running_seqs": running,
+            "resident_deltas": [n for n in self.cache.resident()],
+            "host_deltas": self.cache.on_host(),
+            "tokens_per_second": window / max(span, 1.0) if window else 0.0,
+            "load_stats": {k: vars(v).copy() for k, v in self.cache.stats.items()},
+            **self._memory,
+            **self.counters,
+            "preempted": self.scheduler.preempted_total,
+        }
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self._inbox and not self._cancels and not self._commands \
+                        and not self._removing and not self.scheduler.has_work():
+                    self._lock.wait(timeout=0.5)
+                if self._stop:
+                    break
+                inbox, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, []
+                commands, self._commands = self._commands, []
+            for fn, fut in commands:  # between steps: no forward is running
+                _settle(fut, fn)
+            for seq in inbox:
+                self._seqs[seq.rid] = seq
+                self.scheduler.add(SchedRequest(seq.rid, seq.key, len(seq.prompt_ids)))
+            for rid in cancels:
+                seq = self._seqs.get(rid)
+                if seq is not None and not seq.finished:
+                    seq.cancelled = True
+                    self._finish(seq, "cancelled")
+            if cancels:
+                self._refresh_kv_bytes()
+            if self._removing:
+                self._finish_removals()
+            if not self.scheduler.has_work():
+                continue
+            try:
+                self._step()
+            except Exception as e:  # a bug must not kill the server: fail what ran, keep serving
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                for rid in list(self.scheduler.running):
+                    seq = self._seqs.get(rid)
+                    if seq is not None:
+                        self._finish(seq, "error", error=f"internal error: {type(e).__name__}: {e}")
+        for seq in list(self._seqs.values()):
+            if not seq.finished:
+                self._finish(seq, "error", error="the server shut down")
+        with self._lock:
+            left, self._commands = self._commands, []
+            removals, self._removing = self._removing, {}
+        for fut in [f for _, f in left] + [f for f, _ in removals.values()]:
+            fut.set_exception(EngineError("the server shut down"))
+
+    def _step(self) -> None:
+        out = self.scheduler.schedule()
+        self.counters["steps"] += 1
+        need = [r.variant for r in out.waiting if r.variant != BASE_KEY or self.swap]
+        self.cache.prefetch(self._cache_name(k) for k in need if k not in out.selected)
+        slots = self._make_resident(out.selected)
+        if slots is None:
+            return
+        # Split by state rather than by this step's admissions: a step that failed to load a variant
+        # leaves admitted prompts unprocessed, and they must prefill in the next one.
+        prefill, decode = [], []
+        for r in out.running:
+            seq = self._seqs[r.rid]
+            if not seq.output_ids:
+                prefill.append(seq)
+                continue
+            if seq.kv_on_host:  # preempted earlier, resumed now: its KV cache comes back
+                seq.kv.attach(self.kv_pool)
+                seq.kv_on_host = False
+            decode.append(seq)
+
+        def slot_of(seq: Sequence) -> int:
+            return slots[seq.key] if (seq.key != BASE_KEY or self.swap) else -1
+
+        results: list[tuple[Sequence, int]] = []
+        for group in (prefill, decode):
+            if not group:
+                continue
+            group.sort(key=slot_of)  # rows of one delta together (paper §5.2: fewer random accesses)
+            results += self._forward(group, [slot_of(s) for s in group], prefill=group is prefill)
+        now = time.perf_counter()
+        with self._lock:
+            self._token_times.append((now, len(results)))
+        for seq, tok in results:
+            self._accept(seq, tok, now)
+        self._refresh_kv_bytes()  # sequences that just finished gave their rows (all of them: 0 bytes)
+
+    def _refresh_kv_bytes(self) -> None:
+        """Publish the KV pool's size (the pool drops its tensors once no sequence holds a row)."""
+        self._memory = {**self._memory, "kv_cache_bytes": self.kv_pool.nbytes()}
+
+    def _cache_name(self, key: str) -> str:
+        return self.base_name if key == BASE_KEY else key
+
+    def _make_resident(self, selected: list[str]) -> dict[str, int] | None:
+        keys = [k for k in selected if k != BASE_KEY or self.swap]
+        try:
+            by_name = self.cache.ensure([self._cache_name(k) for k in keys])
+        except Exception as e:  # a variant that cannot be loaded fails its requests, the rest go on
+            bad = next((k for k in keys if self.cache.slot_of(self._cache_name(k)) is None), None)
+            msg = f"{type(e).__name__}: {e}"
+            log.error("loading %s failed: %s", bad, msg)
+            if bad is None:
+                raise
+            self._broken[self._cache_name(bad)] = msg
+            for rid in [r.rid for r in list(self.scheduler.running.values()) + self.scheduler.waiting
+                        if r.variant == bad]:
+                self._finish(self._seqs[rid], "error", error=f"model {self._cache_name(bad)} cannot be loaded: {msg}")
+            return None
+        resident = tuple(self.cache.slots)
+        if resident != self._resident_seen:
+            self._resident_seen = resident
+            self._memory = {**self._memory, "device_weight_bytes": self.backend.base_bytes() + sum(
+                self.backend.slot_bytes(i) for i, name in enumerate(resident) if name is not None)}
+        return {k: by_name[self._cache_name(k)] for k in keys}
+
+    def _forward(self, group: list[Sequence], row_slots: list[int], prefill: bool) -> list[tuple[Sequence, int]]:
+        dev = self.device
+        if prefill:
+            past = [0] * len(group)
+            new_tokens = [s.prompt_ids for s in group]
+        else:
+            past = [s.kv.length for s in group]
+            new_tokens = [[s.output_ids[-1]] for s in group]
+        new = [len(t) for t in new_tokens]
+        ids = left_pad(new_tokens, self.pad_id)
+        mask, pos = step_mask(past, new, dev)
+        kv = StepKV(self.kv_pool, [s.kv for s in group], past, new)
+        with torch.inference_mode():
+            logits = self.backend.forward(row_slots, ids.to(dev), pos, mask, kv)
+        for s, n in zip(group, new):
+            s.kv.length += n
+        if prefill:
+            self.counters["prompt_tokens"] += sum(new)
+        toks = sample_tokens(logits, [s.params for s in group], [s.generator for s in group])
+        return list(zip(group, toks))
+
+    def _accept(self, seq: Sequence, tok: int, now: float) -> None:
+        if seq.finished:
+            return
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            if self.observer is not None:
+                self.observer.ttft(now - seq.arrival)
+        eos = tok in self.served[seq.model].eos_ids and not seq.params.ignore_eos
+        if eos:
+            self._finish(seq, "stop")
+            return
+        seq.output_ids.append(tok)
+        self.counters["generated_tokens"] += 1
+        seq.detok.add(tok)
+        if seq.detok.find_stop():
+            self._finish(seq, "stop")
+            return
+        if len(seq.output_ids) >= seq.params.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_len:
+            self._finish(seq, "length")
+            return
+        self._emit(seq, TokenEvent(seq.detok.take(final=False), tok))
+
+    def _emit(self, seq: Sequence, event) -> None:
+        try:
+            seq.sink(event)
+        except Exception:  # a broken consumer must not stop the engine
+            log.warning("dropping output of %s: its consumer raised\n%s", seq.rid, traceback.format_exc())
+            seq.cancelled = True
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if seq.finished:
+            return
+        seq.finished = True
+        for r in self.scheduler.finish(seq.rid):
+            child = self._seqs[r.rid]
+            child.kv.offload()
+            child.kv_on_host = True
+        seq.kv.free()  # its pool row goes to the next sequence now
+        self._seqs.pop(seq.rid, None)
+        key = {"cancelled": "cancelled", "error": "errors"}.get(reason, "finished")
+        self.counters[key] += 1
+        if self.observer is not None:
+            self.observer.finished(reason)
+            if reason in ("stop", "length"):
+                self.observer.e2e(time.perf_counter() - seq.arrival)
+        final = seq.detok.take(final=True) if reason in ("stop", "length") else ""
+        if final:
+            self._emit(seq, TokenEvent(final, -1))
+        self._emit(seq, FinishEvent(reason, seq.detok.text if reason in ("stop", "length") else "",
+                                    len(seq.prompt_ids), len(seq.output_ids), error))
+
+
+def _settle(fut: Future, fn: Callable[[], Any]) -> None:
+    try:
+        fut.set_result(fn())
+    except BaseException as e:  # handed to the waiting caller, who reports it
+        fut.set_exception(e)
+
+
+def _max_len(config) -> int:
+    from deltazip.runtime.serve.model import max_context
+
+    return max_context(config)

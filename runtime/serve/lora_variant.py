@@ -1,0 +1,237 @@
+"""PEFT LoRA adapters as served variants: read, check against the base, and hand out per-linear factors.
+
+A PEFT adapter directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` (never the
+pickle ``adapter_model.bin``, which is refused). For every adapted linear ``m`` of the base, PEFT
+computes ``y = x W_mᵀ (+ b) + scale_m · (x A_mᵀ) B_mᵀ`` with ``A_m [r, in]``, ``B_m [out, r]`` and
+``scale_m = alpha_m / r_m`` (``alpha_m / sqrt(r_m)`` with rsLoRA), ``r_m`` / ``alpha_m`` from
+``rank_pattern`` / ``alpha_pattern`` when they name the module. The runtime applies exactly that per
+row (``deltazip.runtime.serve.delta_linear.DeltaLinear``, grouped through ``deltazip.kernels.dispatch.lora``)
+or, in swap mode, merges ``W + scale · B A`` into a whole model (:func:`merged_weight`).
+
+What cannot be served this way is refused with a message naming the setting: DoRA (a per-column
+magnitude rescale of the merged weight, not an additive term), ``modules_to_save`` and trainable
+tokens (full replacement copies of other tensors), LoRA biases, ``fan_in_fan_out`` (Conv1D layers),
+layer replication, LoRA on parameters or on non-linear modules, and adapter types other than LoRA.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from deltazip.formats.errors import InputError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
+
+
+def is_adapter_dir(path: Path) -> bool:
+    return (path / ADAPTER_CONFIG).is_file()
+
+
+@dataclass
+class LoraFactors:
+    """One adapted linear: ``A [r, in]``, ``B [out, r]`` (served dtype) and its fp32 ``scale``."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.A.shape[0]
+
+
+@dataclass
+class LoraSpec:
+    """A checked adapter: its config and, per base module name, the adapter's tensor names."""
+
+    path: Path
+    config: dict[str, Any]
+    modules: dict[str, tuple[str, str]] = field(default_factory=dict)  # module -> (A key, B key)
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+
+    @property
+    def base_model(self) -> str | None:
+        return self.config.get("base_model_name_or_path")
+
+    def pattern_value(self, pattern_key: str, module: str, default):
+        """``rank_pattern``/``alpha_pattern`` lookup as PEFT does it (a key matches a name suffix)."""
+        table = self.config.get(pattern_key) or {}
+        for key, value in table.items():
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        return default
+
+    def scale(self, module: str, rank: int) -> float:
+        r = int(self.pattern_value("rank_pattern", module, self.config.get("r", 8)))
+        if r != rank:
+            raise InputError(f"adapter {self.path}: {module} has rank {rank} in {ADAPTER_WEIGHTS} but {r} in "
+                             f"{ADAPTER_CONFIG}; the adapter files do not belong together")
+        alpha = float(self.pattern_value("alpha_pattern", module, self.config.get("lora_alpha", 8)))
+        return alpha / math.sqrt(r) if self.config.get("use_rslora") else alpha / r
+
+    def disk_bytes(self) -> int:
+        return sum(p.stat().st_size for p in (self.path / ADAPTER_CONFIG, self.path / ADAPTER_WEIGHTS))
+
+
+def _refusal(path: Path, cfg: dict[str, Any]) -> str | None:
+    """Why an adapter config cannot be served, or None."""
+    kind = str(cfg.get("peft_type", "LORA")).upper()
+    if kind != "LORA":
+        return f"it is a {kind} adapter; only LoRA adapters are served"
+    checks = [
+        (cfg.get("use_dora"), "it uses DoRA (use_dora), whose magnitude rescale is not an additive term; merge it "
+                              "with peft (merge_and_unload) and serve the merged model as a full checkpoint"),
+        (cfg.get("modules_to_save"), f"it saves whole modules ({cfg.get('modules_to_save')}) besides the LoRA "
+                                     f"factors; merge it with peft and serve the merged model as a full checkpoint"),
+        (cfg.get("trainable_token_indices"), "it trains token embeddings (trainable_token_indices); merge it with "
+                                             "peft and serve the merged model as a full checkpoint"),
+        (cfg.get("bias", "none") != "none" or cfg.get("lora_bias"), "it trains biases (bias/lora_bias); merge it "
+                                                                    "with peft and serve it as a full checkpoint"),
+        (cfg.get("fan_in_fan_out"), "it targets Conv1D layers (fan_in_fan_out), which the served base does not use"),
+        (cfg.get("layer_replication"), "it replicates layers (layer_replication), which changes the architecture"),
+        (cfg.get("target_parameters"), "it adapts parameters directly (target_parameters); only linear modules "
+                                        "are served"),
+        (cfg.get("megatron_config"), "it targets Megatron parallel layers (megatron_config)"),
+    ]
+    for bad, why in checks:
+        if bad:
+            return why
+    return None
+
+
+def _targeted(target_modules, module: str) -> bool:
+    """Whether PEFT's ``target_modules`` covers ``module``: a list names module-name suffixes, a
+    string is a regular expression over the whole name (``all-linear``: every linear). None: no claim."""
+    if target_modules is None or target_modules == "all-linear":
+        return True
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, module) is not None
+    return any(module == t or module.endswith(f".{t}") for t in target_modules)
+
+
+def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """``module name -> (out, in)`` of every ``nn.Linear`` of a model."""
+    return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str) -> LoraSpec:
+    """Read and check an adapter directory against the served base model (module names and shapes).
+
+    Args:
+        path: the adapter directory.
+        linears: ``module name -> (out, in)`` of the base's linears (:func:`linear_shapes`).
+        arch: the base model's class name (for messages).
+
+    Raises:
+        InputError: unreadable or unsupported config, pickle-only weights, a key that is not a LoRA
+            factor of a base ``nn.Linear``, or factor shapes that do not fit the module.
+    """
+    path = Path(path)
+    try:
+        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"adapter {path}: cannot read {ADAPTER_CONFIG} ({e})") from e
+    if not isinstance(cfg, dict):
+        raise InputError(f"adapter {path}: {ADAPTER_CONFIG} is not a JSON object")
+    why = _refusal(path, cfg)
+    if why:
+        raise InputError(f"adapter {path} cannot be served: {why}")
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        hint = " (only the pickle adapter_model.bin is there; re-save it with safe_serialization=True)" \
+            if (path / "adapter_model.bin").is_file() else ""
+        raise InputError(f"adapter {path}: {ADAPTER_WEIGHTS} is missing{hint}")
+    from deltazip.formats.safetensors_raw import read_table
+
+    entries, _ = read_table(weights)
+    spec = LoraSpec(path, cfg)
+    pairs: dict[str, dict[str, str]] = {}
+    for key in entries:
+        m = _KEY.match(key.removeprefix(_PREFIX))
+        if m is None:
+            raise InputError(f"adapter {path}: tensor {key!r} is not a LoRA factor (lora_A/lora_B weight); this "
+                             f"adapter changes more than LoRA can express and cannot be served")
+        pairs.setdefault(m["module"], {})[m["which"]] = key
+    if not pairs:
+        raise InputError(f"adapter {path}: {ADAPTER_WEIGHTS} holds no LoRA factors")
+    for mname, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise InputError(f"adapter {path}: {mname} has only lora_{next(iter(ab))}; the adapter file is incomplete")
+        if mname not in linears:
+            raise InputError(f"adapter {path}: it adapts {mname}, which is not a linear layer of the served base "
+                             f"({arch}); the adapter was trained on another architecture")
+        out_f, in_f = linears[mname]
+        a, b = tuple(entries[ab["A"]].shape), tuple(entries[ab["B"]].shape)
+        if len(a) != 2 or len(b) != 2 or a[1] != in_f or b[0] != out_f or a[0] != b[1]:
+            raise InputError(f"adapter {path}: {mname} has lora_A {list(a)} and lora_B {list(b)}, the base linear is "
+                             f"[{out_f}, {in_f}]; the adapter belongs to another base model")
+        if not _targeted(cfg.get("target_modules"), mname):
+            raise InputError(f"adapter {path}: {ADAPTER_WEIGHTS} adapts {mname}, which target_modules "
+                             f"{cfg.get('target_modules')!r} in {ADAPTER_CONFIG} does not name; the files do not "
+                             f"belong together")
+        spec.modules[mname] = (ab["A"], ab["B"])
+        spec.shapes[mname] = (a, b)
+        spec.scale(mname, a[0])  # validates the config's rank against the file
+    return spec
+
+
+def check_lora_base(adapter: Path, named: str | None, base_path: Path, base_fingerprint) -> None:
+    """Refuse an adapter whose ``base_model_name_or_path`` names another model than the served base.
+
+    A name that is a local directory must hold the same weights (fingerprint); a hub id or a
+    missing path must end in the served base's directory name (``org/SmolLM2-135M`` matches a local
+    ``.../SmolLM2-135M``). An adapter that names no base is checked by shapes only.
+
+    Args:
+        adapter: the adapter directory (for messages).
+        named: its ``base_model_name_or_path``.
+        base_path: the served base's directory.
+        base_fingerprint: ``() -> str``, the served base's fingerprint (computed only when needed).
+    """
+    if not named:
+        return
+    local = Path(named).expanduser()
+    if local.is_dir() and (local / "config.json").is_file():
+        if local.resolve() == Path(base_path).resolve():
+            return
+        from deltazip.compress.checkpoint import Checkpoint
+
+        if Checkpoint(local, "adapter base").fingerprint() == base_fingerprint():
+            return
+        raise InputError(f"adapter {adapter} was trained on {named}, whose weights differ from the served base "
+                         f"{base_path}; serve it with its own base")
+    if named.rstrip("/").rsplit("/", 1)[-1] != Path(base_path).resolve().name:
+        raise InputError(f"adapter {adapter} was trained on {named!r}, not on the served base {base_path}; serve it "
+                         f"with its own base, or set base_model_name_or_path in {ADAPTER_CONFIG} if it is the same "
+                         f"model")
+
+
+def load_lora_factors(spec: LoraSpec, dtype: torch.dtype) -> dict[str, LoraFactors]:
+    """Every adapted module's factors in ``dtype`` (CPU), keyed by base module name."""
+    from safetensors import safe_open
+
+    out: dict[str, LoraFactors] = {}
+    with safe_open(str(spec.path / ADAPTER_WEIGHTS), framework="pt") as f:
+        for mname, (ka, kb) in spec.modules.items():
+            a, b = f.get_tensor(ka), f.get_tensor(kb)
+            for t, k in ((a, ka), (b, kb)):
+                if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+                    raise InputError(f"adapter {spec.path}: {k} is not a finite floating-point tensor")
+            out[mname] = LoraFactors(a.to(dtype), b.to(dtype), spec.scale(mname, a.shape[0]))
+    return out
+
+
+def merged_weight(weight: torch.Tensor, f: LoraFactors) -> torch.Tensor:
+    """``W + scale · B A`` (``[out, in]``), computed in fp32 and cast back (what PEFT's merge does)."""
+    return (weight.float() + f.scale * (f.B.float() @ f.A.float())).to(weight.dtype)

@@ -1,0 +1,234 @@
+"""Iteration-level scheduling with a bound on resident deltas (paper §5.4).
+
+Every engine step calls :meth:`Scheduler.schedule`, which walks the waiting queue first come first
+served and admits requests while the step has room (``max_num_seqs`` sequences, ``max_batch_tokens``
+tokens: a prompt costs its length, a running or resumed sequence one token):
+
+- the requests of a step belong to at most ``max_deltas`` variants ("selected" deltas, those of the
+  running sequences). A request for a variant that is not selected while ``max_deltas`` are is
+  *blocked by the delta limit* and the walk goes on past it;
+- a request behind a blocked one may **skip the line** only if its variant is already selected. It
+  is marked a *line-skipper*, and its *parent* is the earliest-admitted running request of that
+  variant that did not skip the line;
+- capacity is strict FCFS: the walk stops at the first request that does not fit, so nobody passes
+  a request for lack of room;
+- **preemption**: when a parent finishes (or is cancelled) and its variant would then hold only
+  line-skippers while some waiting request is blocked by the delta limit, those line-skippers are
+  preempted: back into the queue at their original place (arrival order), keeping their state (the
+  engine moves their KV cache to host memory) so they resume without recomputation. Their variant
+  leaves the selected set and the oldest blocked request takes its slot. When nobody is blocked,
+  or the variant stays selected anyway (other non-skippers still run), the line-skippers are
+  re-attached to the next parent instead: preempting them would not free a slot.
+
+Bounded wait: once a request H is blocked, no request behind it can extend a selected variant's
+life except as a line-skipper, and line-skippers go when the last non-skipper of their variant
+does. So H waits at most for the requests ahead of it plus the non-skippers that were running when
+it arrived (``tests/runtime/serve/test_scheduler.py`` checks this on a crafted arrival pattern, and that
+without preemption the same pattern starves H).
+
+The base model is served without a delta: its requests need no slot in ``delta`` mode. In ``swap``
+mode (``base_needs_slot=True``, ``max_deltas=1``) the base is one more whole model and every step
+serves one model only — the baseline's "batch only requests of the same model".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BASE_KEY = "\x00base"  # the base model's variant key (cannot collide with a directory name)
+
+
+@dataclass
+class SchedRequest:
+    """What the scheduler knows about a request.
+
+    Attributes:
+        rid: unique id.
+        variant: variant name, or :data:`BASE_KEY` for the base model.
+        prompt_len: prompt tokens (the cost of admitting it fresh).
+        arrival: position in the arrival order (assigned by :meth:`Scheduler.add`).
+        has_state: it ran before and was preempted: resuming costs one token, no prefill.
+        skipper: admitted by skipping the line (see module docstring).
+        parent: rid of the request whose completion preempts this line-skipper.
+    """
+
+    rid: str
+    variant: str
+    prompt_len: int
+    arrival: int = -1
+    status: str = "new"
+    has_state: bool = False
+    skipper: bool = False
+    parent: str | None = None
+    admitted_step: int = -1
+    first_admitted_step: int = -1
+    preemptions: int = 0
+
+
+@dataclass
+class ScheduleOutput:
+    """One step's decision.
+
+    Attributes:
+        prefill: newly admitted requests whose prompt runs this step.
+        resumed: preempted requests admitted again (state to restore; they decode this step).
+        running: every running request after admission (decoders, resumed and prefill ones).
+        selected: variants of the running requests (needing a device slot), at most ``max_deltas``.
+        blocked: waiting requests blocked by the delta limit, oldest first (prefetch candidates).
+        waiting: waiting requests after this step's admissions, oldest first.
+    """
+
+    prefill: list[SchedRequest] = field(default_factory=list)
+    resumed: list[SchedRequest] = field(default_factory=list)
+    running: list[SchedRequest] = field(default_factory=list)
+    selected: list[str] = field(default_factory=list)
+    blocked: list[SchedRequest] = field(default_factory=list)
+    waiting: list[SchedRequest] = field(default_factory=list)
+
+
+class Scheduler:
+    """FCFS with at most ``max_deltas`` selected variants, line-skipping and preemption.
+
+    Args:
+        max_deltas: ``N``, variants whose requests may run in one step (device slots).
+        max_num_seqs: sequences per step.
+        max_batch_tokens: tokens per step (prompt tokens of admissions + one per running sequence).
+        preemption: preempt line-skippers when their parent finishes (paper §5.4); False only to
+            demonstrate starvation in tests and benchmarks.
+        base_needs_slot: the base model occupies a slot like a variant (swap mode).
+    """
+
+    def __init__(self, max_deltas: int, max_num_seqs: int, max_batch_tokens: int, preemption: bool = True,
+                 base_needs_slot: bool = False):
+        if max_deltas < 1 or max_num_seqs < 1 or max_batch_tokens < 1:
+            raise ValueError(f"max_deltas ({max_deltas}), max_num_seqs ({max_num_seqs}) and max_batch_tokens "
+                             f"({max_batch_tokens}) must be >= 1")
+        self.max_deltas, self.max_num_seqs, self.max_batch_tokens = max_deltas, max_num_seqs, max_batch_tokens
+        self.preemption, self.base_needs_slot = preemption, base_needs_slot
+        self.waiting: list[SchedRequest] = []  # kept sorted by arrival
+        self.running: dict[str, SchedRequest] = {}  # insertion order = admission order
+        self._arrivals = 0
+        self.step = 0
+        self.preempted_total = 0
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def _needs_slot(self, r: SchedRequest) -> bool:
+        return r.variant != BASE_KEY or self.base_needs_slot
+
+    def selected(self) -> list[str]:
+        """Variants (needing a slot) of the running requests, in admission order."""
+        return list(dict.fromkeys(r.variant for r in self.running.values() if self._needs_slot(r)))
+
+    def add(self, r: SchedRequest) -> None:
+        """Queue a new request (FCFS position = now)."""
+        if r.rid in self.running or any(w.rid == r.rid for w in self.waiting):
+            raise ValueError(f"request {r.rid} is already scheduled")
+        if not r.has_state and r.prompt_len > self.max_batch_tokens:
+            raise ValueError(f"request {r.rid} needs {r.prompt_len} tokens, more than max_batch_tokens "
+                             f"({self.max_batch_tokens}) allows in one step")
+        r.arrival = self._arrivals
+        self._arrivals += 1
+        r.status = "waiting"
+        self.waiting.append(r)
+
+    def _requeue(self, r: SchedRequest) -> None:
+        r.status, r.skipper, r.parent = "waiting", False, None
+        r.has_state = True
+        r.preemptions += 1
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].arrival < r.arrival:
+            i += 1
+        self.waiting.insert(i, r)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step -------------------------------------------------------------------------------
+    def schedule(self) -> ScheduleOutput:
+        """Admit waiting requests for this step (see module docstring)."""
+        self.step += 1
+        out = ScheduleOutput()
+        selected = self.selected()
+        sel_set = set(selected)
+        seqs_left = self.max_num_seqs - len(self.running)
+        tokens_left = self.max_batch_tokens - len(self.running)
+        blocked_seen = False
+        admitted: list[SchedRequest] = []
+        for r in self.waiting:
+            if self._needs_slot(r) and r.variant not in sel_set and len(sel_set) >= self.max_deltas:
+                blocked_seen = True
+                out.blocked.append(r)
+                continue
+            cost = 1 if r.has_state else r.prompt_len
+            if seqs_left < 1 or cost > tokens_left:
+                break  # strict FCFS on capacity: nobody passes a request for lack of room
+            seqs_left -= 1
+            tokens_left -= cost
+            if self._needs_slot(r) and r.variant not in sel_set:
+                sel_set.add(r.variant)
+                selected.append(r.variant)
+                r.skipper, r.parent = False, None
+            elif blocked_seen and self._needs_slot(r):
+                r.skipper, r.parent = True, self._parent_for(r.variant, admitted)
+            else:
+                r.skipper, r.parent = False, None
+            r.status = "running"
+            r.admitted_step = self.step
+            if r.first_admitted_step < 0:
+                r.first_admitted_step = self.step
+            admitted.append(r)
+            self.running[r.rid] = r
+            (out.resumed if r.has_state else out.prefill).append(r)
+        if admitted:
+            ids = {r.rid for r in admitted}
+            self.waiting = [w for w in self.waiting if w.rid not in ids]
+        out.running = list(self.running.values())
+        out.selected = selected
+        out.waiting = list(self.waiting)
+        return out
+
+    def _parent_for(self, variant: str, admitted: list[SchedRequest]) -> str:
+        for r in self.running.values():  # admission order: the earliest non-skipper of the variant
+            if r.variant == variant and not r.skipper:
+                return r.rid
+        raise AssertionError(f"variant {variant} is selected but has no running non-skipper")  # invariant
+
+    def finish(self, rid: str) -> list[SchedRequest]:
+        """A running request completed (or was cancelled); returns the requests preempted because of it."""
+        r = self.running.pop(rid, None)
+        if r is None:
+            self.waiting = [w for w in self.waiting if w.rid != rid]
+            return []
+        r.status = "finished"
+        children = [c for c in self.running.values() if c.parent == rid]
+        if not children:
+            return []
+        heirs = [c for c in self.running.values() if c.variant == r.variant and not c.skipper]
+        if heirs:  # the variant stays selected: preempting would not free its slot
+            for c in children:
+                c.parent = heirs[0].rid
+            return []
+        if self.preemption and self._someone_blocked():
+            for c in children:
+                del self.running[c.rid]
+                self._requeue(c)
+            self.preempted_total += len(children)
+            return children
+        # Nobody waits for a slot: the oldest child becomes the variant's parent, the rest attach to it.
+        children[0].skipper, children[0].parent = False, None
+        for c in children[1:]:
+            c.parent = children[0].rid
+        return []
+
+    def _someone_blocked(self) -> bool:
+        sel = set(self.selected())
+        if len(sel) < self.max_deltas:
+            return False
+        return any(self._needs_slot(w) and w.variant not in sel for w in self.waiting)
+
+    def cancel(self, rid: str) -> list[SchedRequest]:
+        """Remove a request wherever it is; returns line-skippers preempted as a consequence."""
+        return self.finish(rid)

@@ -1,0 +1,241 @@
+"""What can be served as a variant, found on disk: artifacts, full checkpoints and LoRA adapters.
+
+Under the served directory (``deltazip serve ARTIFACTS``) every subdirectory of one of these kinds is
+a variant named after its directory:
+
+- ``artifact``: a deltazip artifact (``manifest.json``);
+- ``lora``: a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``,
+  ``deltazip.runtime.serve.lora_variant``);
+- ``full``: a plain Hugging Face checkpoint (``config.json`` + safetensors), e.g. a merged fine-tune
+  or an A/B copy, served without a compression step. :func:`compare_full_checkpoint` compares it
+  tensor by tensor with the base from the safetensors bytes (the fingerprints of
+  ``deltazip dedup-scan``): equal tensors are recorded ``same`` and served from the base's copy,
+  the others ``full`` (replaced per row in delta mode, a whole model in swap mode).
+
+Everything nested in a variant's directory belongs to it (an artifact's ``hf/``); hidden directories
+are skipped. :func:`resolve_inside` turns a path given over HTTP into one that is guaranteed to lie
+inside the served directory (no ``..`` traversal, no symlink leading out).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from deltazip.compress.checkpoint import Checkpoint
+from deltazip.formats.artifact import MANIFEST, Artifact, file_problem
+from deltazip.formats.errors import ArtifactError, InputError
+from deltazip.runtime.serve.lora_variant import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from deltazip.runtime.serve.model import VariantInfo
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
+_ELEMENT_SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def variant_kind(path: Path) -> str | None:
+    """``artifact``, ``lora``, ``full`` or None for a directory that is none of them."""
+    if (path / MANIFEST).is_file():
+        return "artifact"
+    if (path / ADAPTER_CONFIG).is_file():
+        return "lora"
+    if (path / "config.json").is_file() and (any(path.glob("*.safetensors"))
+                                              or (path / "model.safetensors.index.json").is_file()):
+        return "full"
+    return None
+
+
+def _weights_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def inspect_variant(path: Path, name: str | None = None) -> VariantInfo:
+    """The :class:`VariantInfo` of one variant directory (manifest/config read; no weights decoded).
+
+    Full checkpoints get their per-tensor table later, from :func:`compare_full_checkpoint`.
+    """
+    path = Path(path)
+    kind = variant_kind(path)
+    name = name or path.name
+    if kind is None:
+        raise InputError(f"{path} is not a deltazip artifact (manifest.json), a PEFT adapter ({ADAPTER_CONFIG}) or a "
+                         f"Hugging Face checkpoint (config.json + *.safetensors)")
+    if kind == "artifact":
+        art = Artifact(path, check_tensors=False)
+        check_artifact_files(art)
+        return VariantInfo(name, path, art.tensors, art.lineage, art.nbytes())
+    if kind == "lora":
+        import json
+
+        try:
+            base = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        except (OSError, json.JSONDecodeError, AttributeError) as e:
+            raise InputError(f"adapter {path}: cannot read {ADAPTER_CONFIG} ({e})") from e
+        disk = sum(p.stat().st_size for p in (path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS) if p.is_file())
+        return VariantInfo(name, path, {}, {"base": base} if base else {}, disk, kind="lora")
+    return VariantInfo(name, path, {}, {}, _weights_bytes(path), kind="full")
+
+
+def check_artifact_files(art: Artifact) -> None:
+    """Every file an artifact's manifest lists is there with its size and sha256 (the manifest itself
+    was checked against ``manifest.sha256`` on open): a corrupt artifact is refused before it is
+    listed or added, not found out by the first request to it.
+
+    Raises:
+        ArtifactError: naming the file and pointing to ``deltazip verify``.
+    """
+    for rel, info in sorted(art.manifest["files"].items()):
+        problem = file_problem(art.path, rel, info)
+        if problem:
+            raise ArtifactError(f"artifact {art.path}: {rel} {problem}; the artifact is corrupt, not served "
+                                f"(`deltazip verify {art.path}` lists every problem)")
+
+
+def discover_variants(root: str | Path, allow_empty: bool = False) -> list[VariantInfo]:
+    """Every variant (artifact, LoRA adapter, full checkpoint) at or under ``root``, sorted by name.
+
+    Raises:
+        InputError: ``root`` missing, nothing found (unless ``allow_empty``), or two variants with
+            the same directory name.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise InputError(f"{root}: no such directory; pass the directory that holds your artifacts")
+    found: list[Path] = []
+    if variant_kind(root) is not None:
+        found.append(root)
+    else:
+        for dirpath, dirnames, _ in os.walk(root):
+            here = Path(dirpath)
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            if here != root and variant_kind(here) is not None:
+                found.append(here)
+                dirnames[:] = []  # what is nested in a variant (an artifact's hf/) is part of it
+    if not found and not allow_empty:
+        raise InputError(f"{root}: no variants found (no artifact manifest.json, PEFT {ADAPTER_CONFIG} or "
+                         f"config.json + safetensors); create artifacts with `deltazip compress`")
+    out: dict[str, VariantInfo] = {}
+    for path in found:
+        v = inspect_variant(path)
+        if v.name in out:
+            raise InputError(f"two variants are named {v.name!r} ({out[v.name].path} and {path}); variant names are "
+                             f"directory names and must be unique")
+        out[v.name] = v
+    return [out[k] for k in sorted(out)]
+
+
+def check_variant_name(name: str) -> None:
+    if not _NAME.match(name):
+        raise InputError(f"variant name {name!r} is not allowed; use up to 128 letters, digits, '.', '_', ':' or '-', "
+                         f"starting with a letter or digit")
+
+
+def resolve_inside(root: Path, given: str) -> Path:
+    """The variant directory ``given`` (relative to ``root``, or absolute) resolved inside ``root``.
+
+    Symlinks are followed before the check, so neither ``..`` nor a link can lead out; the files
+    inside the directory are checked the same way (a weight file linked from elsewhere is refused).
+
+    Raises:
+        InputError: empty path, nothing there, not a directory, or anything resolving outside ``root``.
+    """
+    if not isinstance(given, str) or not given.strip() or "\x00" in given:
+        raise InputError("path must be a non-empty path to a variant directory inside the served directory")
+    root_r = Path(root).resolve()
+    p = Path(given)
+    cand = p if p.is_absolute() else Path(root) / p
+    try:
+        real = cand.resolve(strict=True)
+    except (FileNotFoundError, RuntimeError, OSError):
+        raise InputError(f"path {given!r}: nothing there inside the served directory {root}; pass a path relative to "
+                         f"it") from None
+    if real != root_r and root_r not in real.parents:
+        raise InputError(f"path {given!r} resolves outside the served directory {root}; only variants inside it can "
+                         f"be registered (copy or move it there)")
+    if not real.is_dir():
+        raise InputError(f"path {given!r} is not a directory; pass a variant directory")
+    for dirpath, _, files in os.walk(real):
+        for f in files:
+            fr = (Path(dirpath) / f).resolve()
+            if root_r not in fr.parents:
+                raise InputError(f"path {given!r}: {Path(dirpath, f).relative_to(real)} links outside the served "
+                                 f"directory {root}; copy the file in instead")
+    return real
+
+
+# --------------------------------------------------------------------------------------------------
+# Full checkpoints against the base
+# --------------------------------------------------------------------------------------------------
+
+
+class BaseTensorIndex:
+    """Per-tensor fingerprints of the base checkpoint's safetensors bytes (computed once, lazily)."""
+
+    def __init__(self, base: Checkpoint, fingerprint_bytes: Callable):
+        self.base = base
+        self._fp_bytes = fingerprint_bytes
+        self._fps: dict | None = None
+
+    def fingerprints(self) -> dict:
+        if self._fps is None:
+            self._fps = checkpoint_fingerprints(self.base, self._fp_bytes)
+        return self._fps
+
+
+def checkpoint_fingerprints(ck: Checkpoint, fingerprint_bytes: Callable) -> dict:
+    """``name -> Fingerprint`` of every tensor of ``ck`` from its file bytes (as ``dedup-scan``)."""
+    from deltazip.formats.safetensors_raw import RawFile
+
+    out = {}
+    for f in ck.files:
+        with RawFile(f) as raw:
+            for name, e in raw.entries.items():
+                v = raw.view(name)
+                out[name] = fingerprint_bytes(v, e.dtype, e.shape)
+                v.release()
+    return out
+
+
+_ARCH_KEYS = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "intermediate_size", "vocab_size", "head_dim", "tie_word_embeddings")
+
+
+def compare_full_checkpoint(v: VariantInfo, index: BaseTensorIndex, served_itemsize: int) -> None:
+    """Fill ``v.tensors`` of a full-checkpoint variant: ``same`` where its bytes equal the base's.
+
+    Also sets ``v.same_as_base_bytes`` (bytes of the ``same`` tensors in the served dtype, whose
+    element size is ``served_itemsize`` for floating tensors) and ``v.fingerprints``.
+
+    Raises:
+        InputError: another architecture (config keys, tensor names or shapes differ from the base).
+    """
+    base = index.base
+    ck = Checkpoint(v.path, f"checkpoint {v.name}")
+    cfg, bcfg = ck.config_dict(), base.config_dict()
+    for key in _ARCH_KEYS:
+        if cfg.get(key) != bcfg.get(key):
+            raise InputError(f"checkpoint {v.name} ({v.path}) has {key}={cfg.get(key)!r}, the served base "
+                             f"{bcfg.get(key)!r}; it is not a fine-tune of this base (serve it with its own base)")
+    missing = sorted(set(base.names) - set(ck.names))
+    extra = sorted(set(ck.names) - set(base.names))
+    if missing or extra:
+        which = f"lacks {missing[0]}" if missing else f"has {extra[0]}, which the base does not"
+        raise InputError(f"checkpoint {v.name} ({v.path}) {which} ({len(missing)} missing, {len(extra)} extra "
+                         f"tensors); it is not a fine-tune of the served base")
+    base_fps = index.fingerprints()
+    fps = checkpoint_fingerprints(ck, index._fp_bytes)
+    tensors, same_bytes = {}, 0
+    for name in ck.names:
+        e, be = ck.table[name], base.table[name]
+        if tuple(e.shape) != tuple(be.shape):
+            raise InputError(f"checkpoint {v.name} ({v.path}): tensor {name} has shape {list(e.shape)}, the base "
+                             f"{list(be.shape)}; it is not a fine-tune of the served base")
+        same = e.dtype == be.dtype and fps[name] == base_fps[name]
+        tensors[name] = {"kind": "same" if same else "full", "shape": list(e.shape), "dtype": e.dtype}
+        if same:
+            numel = 1
+            for d in e.shape:
+                numel *= d
+            same_bytes += numel * (served_itemsize if e.dtype in _ELEMENT_SIZE else e.nbytes // max(numel, 1))
+    v.tensors, v.same_as_base_bytes, v.fingerprints = tensors, same_bytes, fps

@@ -1,0 +1,653 @@
+"""IPC weight sharing: one owner process holds the base weights, server workers map them.
+
+The owner (``python -m deltazip.runtime.share.weight_share``, started by ``deltazip serve --workers K``
+through :mod:`deltazip.runtime.share.workers`) reads the base checkpoint one tensor at a time, converts
+floating tensors to the served dtype, and lays them out back to back (64-byte aligned) in ONE
+buffer. Workers attach over a local socket, get the buffer and the metadata (name, dtype, shape,
+offset of every tensor), and build their model over views of it instead of loading the checkpoint.
+
+CPU: the buffer is an anonymous ``memfd`` (``memfd_create``), not a named file in ``/dev/shm``:
+
+- it has no name, so nothing can leak: the kernel frees it when the last descriptor and the last
+  mapping are gone, however the processes end (SIGKILL included);
+- after writing, the owner *seals* it (``F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL``):
+  from then on no process can map it writable or change its size, so the bytes are immutable
+  for the life of the buffer (read-only is enforced by the kernel, not by convention);
+- the descriptor travels to workers over an abstract unix socket with ``SCM_RIGHTS`` (peer uid
+  checked); metadata goes as JSON on the same connection (no pickles);
+- workers map it ``MAP_SHARED, PROT_READ``: every worker reads the same physical pages. Tensors
+  are views of that mapping wrapped as :class:`~deltazip.runtime.share.dedup_registry.ReadOnlyTensor`,
+  so an in-place op raises ``SharedTensorWriteError`` with a readable message, and a write that
+  bypasses the guard (``untyped_storage()``, ctypes) hits a read-only page and faults (SIGSEGV)
+  instead of corrupting other workers' weights.
+
+The owner also maps the buffer read-only and hashes it once (``checksum`` in the metadata), which
+touches every page: summing PSS over owner + workers then counts the weights exactly once.
+
+CUDA: the owner allocates one slab (``torch.empty`` of the total size on the device), copies the
+tensors into it and exports the slab's CUDA IPC handle with torch's own reduction data
+(``UntypedStorage._share_cuda_()``: device, handle bytes, size, offset, ref-counter and event
+handles); workers open it with ``UntypedStorage._new_shared_cuda`` and view into it. Legacy CUDA
+IPC (``cudaIpcGetMemHandle``) does not work on memory from expandable segments, so the owner's
+``PYTORCH_CUDA_ALLOC_CONF`` is stripped of ``expandable_segments`` before CUDA initialises. The
+handle bytes travel as hex in the JSON metadata; nothing is pickled. The owner must stay alive while
+workers use the slab (CUDA frees the memory with the exporting process), which the supervisor
+guarantees: it stops workers first, then the owner.
+
+Limits: the checkpoint's tensor names must be the model's state-dict names (Llama family, as for
+``--mode delta``); an architecture that renames keys on load is refused with a message pointing at
+``--workers 1``. Modules that transformers keeps in fp32 under another dtype are refused the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deltazip.formats.errors import DeltazipError, InputError
+
+ALIGN = 64  # bytes; every tensor starts on a cache-line boundary (and any dtype's alignment)
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors names; served dtypes are F32/F16/BF16
+_LEN = struct.Struct("<Q")
+
+
+class WeightShareError(DeltazipError, RuntimeError):
+    """The owner could not be reached, or what it exported does not fit the model."""
+
+
+def st_dtype(dtype) -> str:
+    """The safetensors name (``F32``...) of a torch dtype or of a name like ``float32``."""
+    name = str(dtype).removeprefix("torch.")
+    table = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+    if name not in table:
+        raise InputError(f"dtype {name!r} cannot be a served dtype; use float32, float16 or bfloat16")
+    return table[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# Metadata
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TensorMeta:
+    """One tensor inside the shared buffer: ``buffer[offset : offset + nbytes]`` viewed as
+    ``dtype`` (safetensors name) with ``shape`` (row-major, contiguous)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class ExportMeta:
+    """What a worker needs to map the owner's weights (sent as JSON).
+
+    kind: ``memfd`` (CPU) or ``cuda_ipc``; base: the checkpoint directory the tensors came from;
+    dtype: the served dtype (safetensors name) floating tensors were converted to; device: where
+    the buffer lives; nbytes: buffer size; checksum: xxh3-128 of the whole buffer (CPU only);
+    cuda: the IPC handle fields of ``_share_cuda_()`` (bytes as hex) for ``cuda_ipc``.
+    """
+
+    kind: str
+    base: str
+    dtype: str
+    device: str
+    nbytes: int
+    tensors: list[TensorMeta]
+    checksum: str | None = None
+    owner_pid: int = 0
+    seconds: float = 0.0
+    cuda: dict[str, Any] | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> ExportMeta:
+        d = json.loads(raw)
+        d["tensors"] = [TensorMeta(**t) for t in d["tensors"]]
+        return cls(**d)
+
+
+# --------------------------------------------------------------------------------------------------
+# Owner side (CPU path imports no torch: a torch import alone costs ~200 MiB of private memory,
+# which would eat most of what sharing saves on a small model)
+# --------------------------------------------------------------------------------------------------
+
+
+def _checkpoint_tables(base_dir: Path) -> list[tuple[Path, dict]]:
+    from deltazip.formats.checkpoint_files import resolve_checkpoint
+    from deltazip.formats.safetensors_raw import read_table
+
+    ck = resolve_checkpoint(base_dir)
+    if ck.kind not in ("hf-dir", "hf-sharded"):
+        raise InputError(f"{base_dir}: weight sharing needs a Hugging Face model directory with safetensors "
+                         f"weights, got a {ck.kind} checkpoint; serve it with --workers 1")
+    return [(wf.path, read_table(wf.path)[0]) for wf in ck.files]
+
+
+def plan_layout(base_dir: Path, dtype: str) -> list[TensorMeta]:
+    """Offsets of every checkpoint tensor (floating ones in ``dtype``), 64-byte aligned."""
+    out, off, seen = [], 0, set()
+    for path, entries in _checkpoint_tables(base_dir):
+        for name, e in entries.items():
+            if name in seen:
+                raise InputError(f"{base_dir}: tensor {name!r} appears in two weight files ({path})")
+            seen.add(name)
+            dt = dtype if e.dtype in FLOAT_DTYPES else e.dtype
+            numel = 1
+            for s in e.shape:
+                numel *= int(s)
+            nbytes = numel * _ITEMSIZE[dt]
+            out.append(TensorMeta(name, dt, [int(s) for s in e.shape], off, nbytes))
+            off = (off + nbytes + ALIGN - 1) // ALIGN * ALIGN
+    return out
+
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+             "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def convert_bytes(raw, src: str, dst: str):
+    """Raw tensor bytes of dtype ``src`` converted to ``dst`` (safetensors names), as torch's
+    ``Tensor.to`` converts them: widening is exact, narrowing rounds to nearest even through fp32
+    (NaN cannot become bf16: InputError). Returns a bytes-like object (``raw`` itself when nothing changes)."""
+    import numpy as np
+
+    if src == dst or src not in FLOAT_DTYPES:
+        return raw
+    np_of = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
+    if src == "BF16":
+        f32 = (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        f32 = np.frombuffer(raw, dtype=np_of[src]).astype(np.float32)
+    if dst == "F32":
+        return f32
+    if dst == "BF16":
+        if np.isnan(f32).any():
+            # torch's kernels disagree on NaN payloads; a NaN weight is broken anyway.
+            raise InputError("a weight tensor contains NaN values; it cannot be converted to bfloat16")
+        u = f32.view(np.uint32)
+        return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+    with np.errstate(over="ignore"):  # out-of-range values become inf, as in torch
+        return f32.astype(np_of[dst])
+
+
+def _fill(write, base_dir: Path, tensors: list[TensorMeta]) -> None:
+    """Call ``write(offset, bytes)`` for every tensor, converted, one tensor in memory at a time."""
+    from deltazip.formats.safetensors_raw import RawFile
+
+    by_name = {t.name: t for t in tensors}
+    for path, _ in _checkpoint_tables(base_dir):
+        with RawFile(path) as rf:
+            for name, e in rf.entries.items():
+                tm = by_name[name]
+                data = memoryview(convert_bytes(rf.view(name), e.dtype, tm.dtype)).cast("B")
+                if data.nbytes != tm.nbytes:
+                    raise InputError(f"{path}: tensor {name} has {data.nbytes} bytes, expected {tm.nbytes}")
+                write(tm.offset, data)
+                data.release()
+
+
+def export_cpu(base_dir: str | Path, dtype: str) -> tuple[int, ExportMeta, mmap.mmap]:
+    """Write the checkpoint's tensors into a sealed memfd.
+
+    Args:
+        base_dir: Hugging Face model directory (safetensors, single or sharded).
+        dtype: served dtype (``F32``/``F16``/``BF16``); floating tensors are converted to it, as
+            ``from_pretrained(dtype=...)`` does.
+    Returns:
+        (fd, metadata, a read-only mapping the owner keeps; all its pages have been touched).
+    """
+    t0 = time.perf_counter()
+    base_dir = Path(base_dir)
+    tensors = plan_layout(base_dir, dtype)
+    total = _total(tensors)
+    fd = _new_buffer("deltazip-weights")
+    try:
+        os.ftruncate(fd, max(total, 1))
+
+        def write(offset: int, data: memoryview) -> None:
+            done = 0
+            while done < data.nbytes:
+                done += os.pwrite(fd, data[done:], offset + done)
+
+        _fill(write, base_dir, tensors)
+        _seal(fd)
+        view = mmap.mmap(fd, max(total, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except BaseException:
+        os.close(fd)
+        raise
+    checksum = _hash(view, total)
+    meta = ExportMeta("memfd", str(base_dir), dtype, "cpu", total, tensors, checksum, os.getpid(),
+                      time.perf_counter() - t0)
+    return fd, meta, view
+
+
+def _total(tensors: list[TensorMeta]) -> int:
+    return max((t.offset + t.nbytes for t in tensors), default=0)
+
+
+def _hash(view: mmap.mmap, total: int) -> str:
+    """xxh3-128 of the first ``total`` bytes, read in place (no copy of the buffer)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    mv = memoryview(view)
+    try:
+        step = 1 << 26
+        for i in range(0, total, step):
+            h.update(mv[i:min(total, i + step)])
+    finally:
+        mv.release()
+    return h.hexdigest()
+
+
+def _new_buffer(name: str) -> int:
+    """An anonymous, sealable memory file (Linux memfd); elsewhere an unlinked temp file."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    import tempfile
+
+    # No memfd: an unlinked file still has no name to leak (it cannot be sealed, though).
+    fd, path = tempfile.mkstemp(prefix=name, dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.unlink(path)
+    return fd
+
+
+def _seal(fd: int) -> None:
+    import fcntl
+
+    if not hasattr(fcntl, "F_ADD_SEALS"):
+        return
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+
+
+def smaps_rollup(pid: int) -> dict[str, int]:
+    """Memory of a process in bytes, from ``/proc/PID/smaps_rollup`` (``Rss``, ``Pss``, ...), plus
+    ``USS`` = private clean + private dirty: how benches and tests show what sharing saves."""
+    out = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[-1] == "kB":
+            out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    out["USS"] = out["Private_Clean"] + out["Private_Dirty"]
+    return out
+
+
+def seals(fd: int) -> set[str]:
+    """Names of the seals on a memfd (empty where sealing is not supported)."""
+    import fcntl
+
+    if not hasattr(fcntl, "F_GET_SEALS"):
+        return set()
+    got = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    return {n for n in ("F_SEAL_WRITE", "F_SEAL_GROW", "F_SEAL_SHRINK", "F_SEAL_SEAL") if got & getattr(fcntl, n)}
+
+
+def export_cuda(base_dir: str | Path, dtype: str, device) -> tuple[Any, ExportMeta]:
+    """Copy the checkpoint's tensors into one device slab and describe its CUDA IPC handle.
+
+    Returns:
+        (slab: uint8 ``[nbytes]`` tensor on ``device`` — keep it alive while workers use it, metadata).
+    """
+    import numpy as np
+    import torch
+
+    t0 = time.perf_counter()
+    base_dir = Path(base_dir)
+    device = torch.device(device)
+    tensors = plan_layout(base_dir, dtype)
+    total = _total(tensors)
+    # One allocation: the IPC handle covers the whole slab, every tensor is an offset into it.
+    slab = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+
+    def write(offset: int, data: memoryview) -> None:
+        src = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+        slab[offset:offset + data.nbytes].copy_(src)
+
+    _fill(write, base_dir, tensors)
+    torch.cuda.synchronize(device)
+    (dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync) = slab.untyped_storage()._share_cuda_()
+    cuda = {"device": int(dev), "handle": handle.hex(), "size": int(size), "offset": int(offset),
+            "ref_counter_handle": rc_handle.hex(), "ref_counter_offset": int(rc_offset),
+            "event_handle": ev_handle.hex() if ev_handle else "", "event_sync_required": bool(ev_sync)}
+    meta = ExportMeta("cuda_ipc", str(base_dir), dtype, str(device), total, tensors, None, os.getpid(),
+                      time.perf_counter() - t0, cuda)
+    return slab, meta
+
+
+def strip_expandable_segments(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with ``expandable_segments`` removed from ``PYTORCH_CUDA_ALLOC_CONF`` (legacy CUDA IPC
+    cannot export memory from expandable segments)."""
+    env = dict(env)
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        conf = env.get(key)
+        if conf:
+            kept = [p for p in conf.split(",") if p.strip() and not p.strip().startswith("expandable_segments")]
+            env[key] = ",".join(kept + ["expandable_segments:False"])
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    return env
+
+
+class WeightOwner:
+    """Serves the exported weights to workers on an abstract unix socket until :meth:`close`.
+
+    Protocol (one connection per attach): the client sends one JSON line ``{"op": "attach"}``; the
+    owner answers an 8-byte little-endian length (with the memfd attached as ``SCM_RIGHTS`` on CPU)
+    followed by that many bytes of :class:`ExportMeta` JSON. Peers of another uid are refused.
+    """
+
+    def __init__(self, meta: ExportMeta, address: str, fd: int | None = None, keep: Any = None):
+        self.meta, self.address, self.fd, self._keep = meta, address, fd, keep
+        self._body = meta.to_json()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(_abstract(address))
+        self.sock.listen(64)
+        self.attached = 0
+        self._closed = threading.Event()
+
+    def serve_forever(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self._closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._closed.is_set():
+                    return
+                raise
+            with conn:
+                with contextlib.suppress(OSError):
+                    self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(10)
+        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+        if uid != os.getuid():
+            return  # another user's process: no weights for it
+        line = conn.makefile("rb").readline(4096)
+        try:
+            op = json.loads(line).get("op")
+        except (json.JSONDecodeError, AttributeError):
+            return
+        if op != "attach":
+            return
+        head = _LEN.pack(len(self._body))
+        if self.fd is not None:
+            socket.send_fds(conn, [head], [self.fd])
+        else:
+            conn.sendall(head)
+        conn.sendall(self._body)
+        self.attached += 1
+
+    def close(self) -> None:
+        self._closed.set()
+        self.sock.close()
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+        if isinstance(self._keep, mmap.mmap):
+            self._keep.close()
+        self._keep = None
+
+
+def _abstract(address: str) -> str:
+    # Linux abstract namespace: no socket file on disk to clean up or leak.
+    return "\0" + address
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SharedWeights:
+    """The owner's tensors mapped into this process (read-only views, no copies).
+
+    tensors: checkpoint name -> ReadOnlyTensor over the shared buffer; buffer: the whole buffer as
+    uint8 ``[nbytes]``; attach_seconds: connect + map time.
+    """
+
+    meta: ExportMeta
+    tensors: dict[str, Any]  # name -> torch.Tensor (ReadOnlyTensor)
+    buffer: Any  # torch.Tensor, uint8 [nbytes]
+    attach_seconds: float = 0.0
+    _keep: list[Any] = field(default_factory=list, repr=False)
+
+    @property
+    def base(self) -> Path:
+        return Path(self.meta.base)
+
+    def build_model(self, dtype, device):
+        """The base causal LM (SDPA attention, eval mode) with every weight a view of the buffer.
+
+        The skeleton is built on the meta device (no memory, no random init); non-persistent
+        buffers (rotary tables) are computed as ``from_pretrained`` computes them; tied weights are
+        re-tied. Raises WeightShareError when a tensor has no place in the model or another
+        shape/dtype than the model's.
+        """
+        import torch
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        device = torch.device(device)
+        if self.meta.dtype != st_dtype(dtype) or torch.device(self.meta.device).type != device.type:
+            raise WeightShareError(f"the weight owner exported {self.meta.dtype} on {self.meta.device}, this worker "
+                                   f"serves {st_dtype(dtype)} on {device}")
+        config = AutoConfig.from_pretrained(self.base)
+        from deltazip.runtime.share.dedup_loader import _no_init_weights
+
+        with init_empty_weights(include_buffers=False), _no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        from deltazip.runtime.share.dedup_loader import state_slots  # torch-side; the owner never imports it
+
+        slots = state_slots(model)
+        for name, t in self.tensors.items():
+            slot = slots.get(name)
+            if slot is None:
+                raise WeightShareError(f"shared tensor {name!r} is not a parameter of {type(model).__name__} (this "
+                                       f"architecture renames checkpoint keys); serve it with --workers 1")
+            mod, attr, cur = slot
+            if tuple(cur.shape) != tuple(t.shape) or cur.dtype != t.dtype:
+                raise WeightShareError(f"shared tensor {name} is {t.dtype} {list(t.shape)}, the model expects "
+                                       f"{cur.dtype} {list(cur.shape)}; serve this model with --workers 1")
+            if attr in mod._parameters:
+                mod._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
+            else:
+                mod._buffers[attr] = t
+        model.tie_weights()
+        missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+        if missing:
+            raise WeightShareError(f"{self.base}: {len(missing)} tensors missing from the shared weights, e.g. "
+                                   f"{missing[:3]}")
+        for mod in model.modules():  # rotary tables etc. were computed on the host
+            for bname, b in list(mod._buffers.items()):
+                if b is not None and b.device != device:
+                    mod._buffers[bname] = b.to(device)
+        return model.eval()
+
+
+def request_export(address: str, timeout: float = 30.0) -> tuple[ExportMeta, int | None]:
+    """Ask the owner at ``address`` for its metadata (and, on CPU, the memfd descriptor)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    fd = None
+    try:
+        try:
+            sock.connect(_abstract(address))
+        except OSError as e:
+            raise WeightShareError(f"cannot reach the weight owner at @{address} ({e}); is it running?") from e
+        sock.sendall(b'{"op": "attach"}\n')
+        head, fds, _, _ = socket.recv_fds(sock, _LEN.size, 1)
+        fd = fds[0] if fds else None
+        while len(head) < _LEN.size:
+            more = sock.recv(_LEN.size - len(head))
+            if not more:
+                raise WeightShareError(f"the weight owner at @{address} closed the connection")
+            head += more
+        (n,) = _LEN.unpack(head)
+        body = bytearray()
+        while len(body) < n:
+            chunk = sock.recv(min(1 << 20, n - len(body)))
+            if not chunk:
+                raise WeightShareError(f"the weight owner at @{address} closed the connection mid-answer")
+            body += chunk
+        return ExportMeta.from_json(bytes(body)), fd
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
+    finally:
+        sock.close()
+
+
+def attach(address: str, timeout: float = 30.0) -> SharedWeights:
+    """Map the owner's weights into this process.
+
+    CPU: ``mmap(MAP_SHARED, PROT_READ)`` of the sealed memfd (then the descriptor is closed; the
+    mapping keeps the buffer alive). CUDA: open the slab's IPC handle. Every tensor is a
+    :class:`~deltazip.runtime.share.dedup_registry.ReadOnlyTensor` view of the buffer.
+    """
+    import torch
+
+    from deltazip.runtime.share.dedup_registry import ST_TO_TORCH, read_only
+
+    t0 = time.perf_counter()
+    meta, fd = request_export(address, timeout)
+    keep: list[Any] = []
+    if meta.kind == "memfd":
+        if fd is None:
+            raise WeightShareError("the weight owner sent no memory descriptor")
+        try:
+            mm = mmap.mmap(fd, max(meta.nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        keep.append(mm)
+        with warnings.catch_warnings():
+            # torch warns that it cannot make the tensor read-only; the mapping itself is (PROT_READ).
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            buffer = torch.frombuffer(mm, dtype=torch.uint8, count=meta.nbytes) if meta.nbytes else \
+                torch.empty(0, dtype=torch.uint8)
+    elif meta.kind == "cuda_ipc":
+        buffer = _open_cuda(meta)
+    else:
+        raise WeightShareError(f"unknown export kind {meta.kind!r} (owner and worker versions differ?)")
+    tensors = {}
+    for tm in meta.tensors:
+        raw = buffer[tm.offset:tm.offset + tm.nbytes]
+        dt = ST_TO_TORCH[tm.dtype]
+        t = raw.view(dt).reshape(tm.shape) if tm.nbytes else torch.empty(tm.shape, dtype=dt, device=buffer.device)
+        tensors[tm.name] = read_only(t)
+    return SharedWeights(meta, tensors, buffer, time.perf_counter() - t0, keep)
+
+
+def _open_cuda(meta: ExportMeta):
+    import torch
+
+    c = meta.cuda or {}
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        c["device"], bytes.fromhex(c["handle"]), c["size"], c["offset"], bytes.fromhex(c["ref_counter_handle"]),
+        c["ref_counter_offset"], bytes.fromhex(c["event_handle"]) if c["event_handle"] else None,
+        c["event_sync_required"])
+    dev = torch.device("cuda", c["device"])
+    return torch.empty(0, dtype=torch.uint8, device=dev).set_(storage, 0, (meta.nbytes,), (1,))
+
+
+# --------------------------------------------------------------------------------------------------
+# The hook used by deltazip.runtime.serve.model.load_base_model
+# --------------------------------------------------------------------------------------------------
+
+_ATTACHED: SharedWeights | None = None
+
+
+def install(shared: SharedWeights | None) -> None:
+    """Make :func:`attached_model` build models of ``shared.base`` over the shared weights in this
+    process (a worker is one process serving one base; ``None`` uninstalls)."""
+    global _ATTACHED
+    _ATTACHED = shared
+
+
+def attached_model(base_path: Path, dtype, device):
+    """The base model over the installed shared weights, or None when none are installed here.
+
+    Raises WeightShareError when the installed weights belong to another base, dtype or device
+    (a worker must never silently load a private copy: that defeats the sharing unseen).
+    """
+    shared = _ATTACHED
+    if shared is None:
+        return None
+    if Path(base_path).resolve() != shared.base.resolve():
+        raise WeightShareError(f"this worker maps the weights of {shared.base}, not {base_path}")
+    return shared.build_model(dtype, device)
+
+
+# --------------------------------------------------------------------------------------------------
+# Owner process entry point
+# --------------------------------------------------------------------------------------------------
+
+
+def owner_main(argv: list[str] | None = None) -> int:
+    """``python -m deltazip.runtime.share.weight_share --base DIR --dtype F32 --device cpu --address NAME``
+
+    Exports, prints one JSON line ``{"ready": ...}`` on stdout, serves attaches until stdin closes
+    (the supervisor holds the other end: if it dies, so does the owner) or SIGTERM.
+    """
+    ap = argparse.ArgumentParser(description="deltazip weight owner")
+    ap.add_argument("--base", required=True)
+    ap.add_argument("--dtype", required=True, choices=("F32", "F16", "BF16"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--address", required=True)
+    a = ap.parse_args(argv)
+    cuda = a.device.startswith("cuda")
+    if cuda:  # before torch initialises CUDA in this process
+        os.environ.update(strip_expandable_segments(dict(os.environ)))
+    try:
+        if cuda:
+            keep, meta = export_cuda(a.base, a.dtype, a.device)
+            owner = WeightOwner(meta, a.address, keep=keep)
+        else:
+            fd, meta, view = export_cpu(a.base, a.dtype)
+            owner = WeightOwner(meta, a.address, fd=fd, keep=view)
+    except (InputError, OSError) as e:
+        print(json.dumps({"ready": False, "error": str(e)}), flush=True)
+        return 1
+
+    def watch_stdin():
+        with contextlib.suppress(Exception):
+            while sys.stdin.buffer.read(4096):
+                pass
+        owner.close()
+
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: owner.close())
+    threading.Thread(target=watch_stdin, daemon=True, name="owner-stdin").start()
+    print(json.dumps({"ready": True, "pid": os.getpid(), "nbytes": meta.nbytes, "tensors": len(meta.tensors),
+                      "seconds": round(meta.seconds, 3), "kind": meta.kind}), flush=True)
+    owner.serve_forever()
+    owner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(owner_main())

@@ -1,0 +1,695 @@
+"""``deltazip serve --workers K``: one weight owner, K engine workers, one HTTP front.
+
+Processes (all on one machine, all started by the supervisor):
+
+- **supervisor** — the ``deltazip serve`` process (in tests, the test process through
+  :class:`WorkerPool`). It starts the owner and the workers, restarts a worker that dies, and runs
+  the front. It holds no model weights.
+- **owner** — ``python -m deltazip.runtime.share.weight_share``: exports the base weights once into a
+  sealed memfd (CPU) or one CUDA slab (see :mod:`deltazip.runtime.share.weight_share`) and hands them to
+  every worker that attaches. It imports no torch on CPU, so it costs ~30 MiB besides the weights.
+- **worker i** — ``python -m deltazip.runtime.share.workers``: attaches to the owner, builds the usual
+  runtime (:func:`deltazip.runtime.serve.server.build_runtime`: engine, tokenizers, variants) over the
+  mapped weights, and serves the usual app (:func:`deltazip.runtime.serve.server.create_app`) on a
+  loopback port of its own, which it reports to the supervisor on a pipe.
+
+Every child reads a pipe from the supervisor on stdin; when the supervisor goes away (even
+SIGKILLed) the pipe closes and the child shuts down, so no orphan keeps running. Children run in
+their own session, so a Ctrl-C in the terminal reaches only the supervisor, which then stops the
+workers first (they may still be using the owner's CUDA slab) and the owner last.
+
+**Front: one HTTP port, a small reverse proxy in the supervisor** (``--host``/``--port``), not one
+public port per worker. Why: clients get one OpenAI ``base_url``; the proxy knows how many requests
+each worker has open and sends a new one to the least busy (ties round-robin) — kernel balancing
+(``SO_REUSEPORT``) hashes connections and pins a keep-alive client to one worker; and only the proxy
+can turn a worker's death into an OpenAI-shaped error for exactly the requests that were on it:
+
+- a request that cannot connect to its worker (dead, restarting) is sent to another one;
+- a request in flight on a worker that dies gets ``502`` ``{"error": {..., "code": "worker_failed"}}``,
+  or, if its SSE stream had started, a final ``data: {"error": ...}`` event (the status line has
+  been sent by then) — other requests are untouched;
+- no worker ready: ``503`` (``code: "no_worker"``).
+
+The cost is one local hop per request (well under a millisecond, next to tens of milliseconds per
+generated token). SSE passes through chunk by chunk; a client that disconnects closes the
+upstream connection, which cancels the request in the worker.
+
+Endpoints on the front: ``/v1/*`` is proxied (auth is checked by the workers, which all have the
+key); ``/v1/models`` answers from any worker (all serve the same models). ``POST/DELETE
+/v1/variants...`` (live variant management) is sent to every ready worker and replayed on a worker
+that restarts, so all workers keep the same set. ``/health`` is the front's own: ``200`` with
+per-worker state while at least one worker is ready, ``503`` otherwise. ``/metrics`` is **per
+worker**: every worker's series with a ``worker="i"`` label added (sum them in PromQL for totals;
+summing here would hide a slow or restarting worker), plus the front's own
+``deltazip_worker_up``, ``deltazip_worker_restarts_total``, ``deltazip_worker_outstanding`` and
+``deltazip_front_errors_total``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from deltazip.formats.errors import DeltazipError, InputError
+
+log = logging.getLogger("deltazip.workers")
+_HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+                "transfer-encoding", "upgrade", "host", "content-length"}
+
+
+class WorkerStartError(DeltazipError, RuntimeError):
+    """The owner or a worker did not come up."""
+
+
+def _config_json(cfg) -> str:
+    d = asdict(cfg)
+    d["artifacts"] = str(d["artifacts"])
+    # Workers listen on loopback only (the front is the public side) and are single-process.
+    d.update(host="127.0.0.1", port=0, workers=1)
+    return json.dumps(d)
+
+
+def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    # Children import deltazip the way this process does (an editable install or a checkout on sys.path).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path, env.get("PYTHONPATH", "")] if p)
+    env.update(extra or {})
+    return env
+
+
+# --------------------------------------------------------------------------------------------------
+# Supervisor
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerState:
+    """One worker slot as the supervisor and the front see it.
+
+    state: ``starting`` | ``ready`` | ``dead`` | ``stopped``; outstanding: requests the front has
+    open on it; restarts: times this slot was restarted after a death.
+    """
+
+    index: int
+    state: str = "stopped"
+    proc: subprocess.Popen | None = None
+    pid: int | None = None
+    port: int | None = None
+    outstanding: int = 0
+    restarts: int = 0
+    started_at: float = 0.0
+    ready_seconds: float | None = None
+    report: dict[str, Any] = field(default_factory=dict)
+    restart_at: float = 0.0
+    _ready_r: int | None = None
+    _buf: bytes = b""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class WorkerPool:
+    """The owner + K workers + the front, as one context manager.
+
+    Args:
+        cfg: a :class:`deltazip.runtime.serve.server.ServeConfig`; ``cfg.workers`` workers are started
+            (overridden by ``workers``); the front binds ``cfg.host:cfg.port`` (port 0: any free).
+        workers: number of workers (default ``cfg.workers``).
+        share: False starts each worker loading its own weights (no owner) — the "K independent
+            servers" baseline of the tests and bench/share.py, same code otherwise.
+        front: run the front in a background thread on enter (tests); ``deltazip serve`` runs it in
+            the foreground instead (:func:`serve_workers`).
+        start_timeout: seconds for the owner and each worker to become ready.
+        restart_backoff: first delay before restarting a dead worker (doubles on quick deaths, to 10 s).
+        env: extra environment for the children (e.g. ``OMP_NUM_THREADS``).
+    """
+
+    def __init__(self, cfg, workers: int | None = None, *, share: bool = True, front: bool = True,
+                 start_timeout: float = 300.0, restart_backoff: float = 0.5, env: dict[str, str] | None = None):
+        self.cfg = cfg
+        self.k = workers if workers is not None else cfg.workers
+        if self.k < 1:
+            raise InputError(f"--workers must be >= 1, got {self.k}")
+        self.share, self.front_enabled = share, front
+        self.start_timeout, self.restart_backoff = start_timeout, restart_backoff
+        self.env = env or {}
+        self.address = f"deltazip-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.workers = [WorkerState(i) for i in range(self.k)]
+        self.owner: subprocess.Popen | None = None
+        self.owner_report: dict[str, Any] = {}
+        self.lock = threading.RLock()
+        self.closing = threading.Event()
+        self.replay: list[dict[str, Any]] = []  # successful variant registrations, for restarted workers
+        self._monitor: threading.Thread | None = None
+        self._front = None
+        self._rr = 0
+        self.errors: dict[str, int] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> WorkerPool:
+        """Validate the inputs here (one-line errors before any process starts), start the owner,
+        then the workers; return when all are ready."""
+        from deltazip.runtime.serve.model import open_served_base, resolve_dtype
+        from deltazip.runtime.serve.variant_sources import discover_variants
+        from deltazip.runtime.share.weight_share import st_dtype
+
+        # As build_runtime does: every kind of variant, corrupt artifacts refused here in one line.
+        variants = discover_variants(self.cfg.artifacts, allow_empty=self.cfg.base is not None)
+        base = open_served_base(variants, self.cfg.base)
+        self.base_dir = base.path
+        self.device = self.cfg.torch_device()
+        self.dtype = resolve_dtype(self.cfg.dtype, self.device, base)
+        self._config = _config_json(self.cfg)
+        try:
+            if self.share:
+                self._start_owner(st_dtype(self.dtype))
+            for w in self.workers:
+                self._spawn(w)
+            deadline = time.time() + self.start_timeout
+            while any(w.state == "starting" for w in self.workers):
+                for w in self.workers:
+                    self._poll_start(w, initial=True)
+                if time.time() > deadline:
+                    raise WorkerStartError(f"workers did not become ready within {self.start_timeout:.0f} s")
+                time.sleep(0.02)
+        except BaseException:
+            self.close()
+            raise
+        self._monitor = threading.Thread(target=self._watch, daemon=True, name="deltazip-supervisor")
+        self._monitor.start()
+        return self
+
+    def __enter__(self) -> WorkerPool:
+        self.start()
+        if self.front_enabled:
+            from deltazip.runtime.serve.server import ServerThread
+
+            try:
+                self._front = ServerThread(self.front_app(), host=self.cfg.host, port=self.cfg.port)
+                self._front.__enter__()
+            except BaseException:
+                self.close()
+                raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def url(self) -> str:
+        if self._front is None:
+            raise RuntimeError("the front is not running in this pool")
+        return self._front.url
+
+    def close(self) -> None:
+        """Stop the front, the workers (SIGTERM, then SIGKILL after 10 s), then the owner."""
+        self.closing.set()
+        if self._front is not None:
+            with contextlib.suppress(Exception):
+                self._front.__exit__(None, None, None)
+            self._front = None
+        if self._monitor is not None:
+            self._monitor.join(timeout=5)
+        procs = [w.proc for w in self.workers if w.proc is not None]
+        for p in procs:
+            _terminate(p)
+        _reap(procs, 10.0)
+        for w in self.workers:
+            self._close_pipes(w)
+            w.state, w.proc = "stopped", None
+        if self.owner is not None:
+            _terminate(self.owner)
+            _reap([self.owner], 5.0)
+            with contextlib.suppress(OSError):
+                self.owner.stdout.close()
+            self.owner = None
+
+    def pids(self) -> dict[str, Any]:
+        """Process ids: ``{"owner": pid | None, "workers": [pid | None, ...]}``."""
+        return {"owner": self.owner.pid if self.owner else None, "workers": [w.pid for w in self.workers]}
+
+    # -- owner ----------------------------------------------------------------------------------
+    def _start_owner(self, dtype: str) -> None:
+        from deltazip.runtime.share.weight_share import strip_expandable_segments
+
+        cmd = [sys.executable, "-m", "deltazip.runtime.share.weight_share", "--base", str(self.base_dir), "--dtype", dtype,
+               "--device", str(self.device), "--address", self.address]
+        env = _child_env(self.env)
+        if self.device.type == "cuda":
+            env = strip_expandable_segments(env)
+        t0 = time.perf_counter()
+        self.owner = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                      start_new_session=True)
+        line = _read_line(self.owner.stdout, self.start_timeout)
+        try:
+            rep = json.loads(line) if line else {}
+        except json.JSONDecodeError:
+            rep = {}
+        if not rep.get("ready"):
+            err = rep.get("error") or f"the weight owner exited with code {self.owner.poll()} (see its log above)"
+            raise WorkerStartError(f"weight owner: {err}")
+        rep["startup_seconds"] = time.perf_counter() - t0
+        self.owner_report = rep
+        log.info("weight owner pid %s: %d tensors, %.1f MiB shared (%s) in %.2f s", rep["pid"], rep["tensors"],
+                 rep["nbytes"] / 2**20, rep["kind"], rep["startup_seconds"])
+
+    # -- workers --------------------------------------------------------------------------------
+    def _spawn(self, w: WorkerState) -> None:
+        r, wfd = os.pipe()
+        cmd = [sys.executable, "-m", "deltazip.runtime.share.workers", "--config", self._config, "--index", str(w.index),
+               "--ready-fd", str(wfd)]
+        if self.share:
+            cmd += ["--owner", self.address]
+        try:
+            w.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(wfd,), env=_child_env(self.env),
+                                      start_new_session=True)
+        finally:
+            os.close(wfd)
+        os.set_blocking(r, False)
+        w._ready_r, w._buf = r, b""
+        w.pid, w.port, w.state, w.started_at, w.report = w.proc.pid, None, "starting", time.perf_counter(), {}
+
+    def _poll_start(self, w: WorkerState, initial: bool = False) -> None:
+        """Advance a starting worker: read its ready line, or notice it died."""
+        if w.state != "starting":
+            return
+        if w._ready_r is not None:
+            with contextlib.suppress(BlockingIOError):
+                while chunk := os.read(w._ready_r, 65536):
+                    w._buf += chunk
+        if b"\n" in w._buf:
+            rep = json.loads(w._buf.split(b"\n", 1)[0])
+            self._close_pipes(w, stdin=False)
+            if self.replay and not initial:
+                self._replay_to(w, rep["port"])
+            with self.lock:
+                w.port, w.report, w.state = rep["port"], rep, "ready"
+                w.ready_seconds = time.perf_counter() - w.started_at
+            log.info("worker %d ready: pid %s port %s (%.2f s, weights %s)", w.index, w.pid, w.port, w.ready_seconds,
+                     rep.get("weights"))
+            return
+        code = w.proc.poll() if w.proc else None
+        if code is not None:
+            if initial:
+                raise WorkerStartError(f"worker {w.index} exited with code {code} during start-up (see its log above)")
+            self._mark_dead(w, code)
+        elif time.perf_counter() - w.started_at > self.start_timeout:
+            if initial:
+                raise WorkerStartError(f"worker {w.index} did not become ready within {self.start_timeout:.0f} s")
+            log.warning("worker %d did not become ready in time; killing it", w.index)
+            _terminate(w.proc, signal.SIGKILL)
+
+    def _mark_dead(self, w: WorkerState, code: int | None) -> None:
+        with self.lock:
+            # A worker that dies soon after starting is likely to die again: back off exponentially.
+            quick = time.perf_counter() - w.started_at < 10
+            delay = min(10.0, self.restart_backoff * 2 ** min(w.restarts, 5)) if quick else self.restart_backoff
+            w.state, w.port, w.restart_at = "dead", None, time.perf_counter() + delay
+        self._close_pipes(w)
+        if w.proc is not None:
+            with contextlib.suppress(Exception):
+                w.proc.wait(timeout=1)
+        log.warning("worker %d (pid %s) died with code %s; restarting in %.1f s", w.index, w.pid, code, delay)
+
+    def _close_pipes(self, w: WorkerState, stdin: bool = True) -> None:
+        if w._ready_r is not None:
+            with contextlib.suppress(OSError):
+                os.close(w._ready_r)
+            w._ready_r = None
+        if stdin and w.proc is not None and w.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                w.proc.stdin.close()
+
+    def _watch(self) -> None:
+        """Supervisor loop: notice deaths, restart after the backoff, advance starting workers."""
+        while not self.closing.wait(0.05):
+            if self.share and self.owner is not None and self.owner.poll() is not None:
+                # Running workers keep their mapping (the memfd lives while mapped); new ones need an owner.
+                log.warning("the weight owner died (code %s); starting a new one", self.owner.returncode)
+                with contextlib.suppress(Exception):
+                    from deltazip.runtime.share.weight_share import st_dtype
+
+                    self._start_owner(st_dtype(self.dtype))
+            for w in self.workers:
+                if self.closing.is_set():
+                    return
+                if w.state == "ready" and not w.alive():
+                    self._mark_dead(w, w.proc.returncode if w.proc else None)
+                elif w.state == "starting":
+                    with contextlib.suppress(Exception):
+                        self._poll_start(w)
+                elif w.state == "dead" and time.perf_counter() >= w.restart_at:
+                    w.restarts += 1
+                    self._spawn(w)
+
+    # -- routing ----------------------------------------------------------------------------------
+    def pick(self, exclude: set[int]) -> WorkerState | None:
+        """The ready worker with the fewest open requests (ties: round-robin); None if none."""
+        with self.lock:
+            ready = [w for w in self.workers if w.state == "ready" and w.index not in exclude]
+            # A SIGKILLed worker is a zombie until the supervisor notices; waitpid here catches it now.
+            ready = [w for w in ready if w.alive()]
+            if not ready:
+                return None
+            self._rr += 1
+            n = len(self.workers)
+            best = min(ready, key=lambda w: (w.outstanding, (w.index - self._rr) % n))
+            best.outstanding += 1
+            return best
+
+    def release(self, w: WorkerState) -> None:
+        with self.lock:
+            w.outstanding -= 1
+
+    def count_error(self, kind: str) -> None:
+        with self.lock:
+            self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def _replay_to(self, w: WorkerState, port: int) -> None:
+        import httpx
+
+        for r in list(self.replay):
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.request(r["method"], f"http://127.0.0.1:{port}{r['path']}", headers=r["headers"],
+                              content=r["body"], timeout=120)
+
+    def health(self) -> dict[str, Any]:
+        with self.lock:
+            ws = [{"index": w.index, "state": w.state, "pid": w.pid, "port": w.port, "outstanding": w.outstanding,
+                   "restarts": w.restarts, "ready_seconds": None if w.ready_seconds is None else round(w.ready_seconds, 3),
+                   "weights": w.report.get("weights")} for w in self.workers]
+        n = sum(w["state"] == "ready" for w in ws)
+        return {"status": "ok" if n == len(ws) else ("degraded" if n else "down"), "workers_ready": n,
+                "workers": ws, "owner": {"pid": self.owner.pid if self.owner else None,
+                                         "shared_bytes": self.owner_report.get("nbytes")} if self.share else None}
+
+    def front_app(self):
+        return create_front(self)
+
+
+def _terminate(p: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    if p.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(sig)
+    if p.stdin is not None:
+        with contextlib.suppress(OSError):
+            p.stdin.close()
+
+
+def _reap(procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.time() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _read_line(stream, timeout: float) -> bytes:
+    """One line from a child's stdout, or b"" on timeout / EOF."""
+    deadline, buf = time.time() + timeout, b""
+    fd = stream.fileno()
+    while time.time() < deadline:
+        r, _, _ = select.select([fd], [], [], 0.2)
+        if r:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return buf
+            buf += chunk
+            if b"\n" in buf:
+                return buf.split(b"\n", 1)[0]
+    return buf
+
+
+# --------------------------------------------------------------------------------------------------
+# Front
+# --------------------------------------------------------------------------------------------------
+
+
+def _error(status: int, message: str, type_: str = "server_error", code: str | None = None):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": code}},
+                        status_code=status)
+
+
+def create_front(pool: WorkerPool):
+    """The front's Starlette app: proxy ``/v1/*`` to the workers, answer ``/health`` and ``/metrics``."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    state: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        # No read timeout: a long generation may take minutes; connects are local and quick.
+        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        try:
+            yield
+        finally:
+            await state["client"].aclose()
+
+    async def health(_request):
+        h = pool.health()
+        return JSONResponse(h, status_code=200 if h["workers_ready"] else 503)
+
+    async def metrics(_request):
+        body = await _gather_metrics(pool, state["client"])
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def proxy(request):
+        path = request.url.path
+        if not path.startswith("/v1"):
+            return _error(404, f"no route {path}; the API is under /v1", "invalid_request_error", "not_found")
+        body = await request.body()
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+        target = path + (f"?{request.url.query}" if request.url.query else "")
+        if path.startswith("/v1/variants") and request.method in ("POST", "PUT", "DELETE", "PATCH"):
+            return await _broadcast(pool, state["client"], request.method, target, headers, body)
+        client: httpx.AsyncClient = state["client"]
+        tried: set[int] = set()
+        while True:
+            w = pool.pick(tried)
+            if w is None:
+                pool.count_error("no_worker")
+                return _error(503, "no server worker is ready (restarting); retry shortly", code="no_worker")
+            try:
+                req = client.build_request(request.method, w.url + target, headers=headers, content=body)
+                resp = await client.send(req, stream=True)
+                break
+            except httpx.ConnectError:
+                # The request never reached this worker (it died or is restarting): try another.
+                pool.release(w)
+                tried.add(w.index)
+            except httpx.HTTPError as e:
+                pool.release(w)
+                pool.count_error("worker_failed")
+                return _error(502, f"server worker {w.index} failed while handling this request "
+                                   f"({type(e).__name__}); retry it", code="worker_failed")
+            except BaseException:
+                pool.release(w)
+                raise
+        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+
+        async def relay():
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:
+                pool.count_error("worker_failed")
+                if sse:  # the status line is gone already: end the stream with an OpenAI-shaped error event
+                    err = {"error": {"message": f"server worker {w.index} failed mid-stream ({type(e).__name__})",
+                                     "type": "server_error", "param": None, "code": "worker_failed"}}
+                    yield f"data: {json.dumps(err)}\n\n".encode()
+            finally:
+                pool.release(w)
+                await resp.aclose()
+
+        out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
+        out_headers["x-deltazip-worker"] = str(w.index)
+        return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers)
+
+    methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
+    return Starlette(routes=[Route("/health", health), Route("/metrics", metrics),
+                             Route("/{path:path}", proxy, methods=methods)], lifespan=lifespan)
+
+
+async def _broadcast(pool: WorkerPool, client, method: str, target: str, headers, body: bytes):
+    """Send a variant-management call to every ready worker; remember it for restarted workers."""
+    from starlette.responses import Response
+
+    with pool.lock:
+        ready = [w for w in pool.workers if w.state == "ready" and w.alive()]
+    if not ready:
+        return _error(503, "no server worker is ready (restarting); retry shortly", code="no_worker")
+    results = await asyncio.gather(*(client.request(method, w.url + target, headers=headers, content=body)
+                                     for w in ready), return_exceptions=True)
+    statuses = {r.status_code if not isinstance(r, Exception) else None for r in results}
+    if len(statuses) != 1 or None in statuses:
+        return _error(502, f"the server workers disagreed on {method} {target} (statuses "
+                           f"{sorted(str(s) for s in statuses)}); check GET /v1/variants", code="workers_disagree")
+    first = results[0]
+    if 200 <= first.status_code < 300:
+        with pool.lock:
+            pool.replay.append({"method": method, "path": target, "headers": dict(headers), "body": body})
+    keep = {k: v for k, v in first.headers.items() if k.lower() not in _HOP_HEADERS}
+    return Response(first.content, status_code=first.status_code, headers=keep)
+
+
+async def _gather_metrics(pool: WorkerPool, client) -> bytes:
+    """Every ready worker's Prometheus series with ``worker="i"`` added, plus the front's own."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with pool.lock:
+        ready = [w for w in pool.workers if w.state == "ready"]
+
+    async def one(w):
+        try:
+            r = await client.get(w.url + "/metrics", timeout=10)
+            return w.index, r.text if r.status_code == 200 else ""
+        except Exception:  # a worker dying while scraped: it is simply absent from this scrape
+            return w.index, ""
+
+    texts = await asyncio.gather(*(one(w) for w in ready))
+    families: dict[str, Metric] = {}
+    for index, text in texts:
+        for fam in text_string_to_metric_families(text):
+            merged = families.get(fam.name)
+            if merged is None:
+                merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            for s in fam.samples:
+                merged.samples.append(s._replace(labels={"worker": str(index), **s.labels}))
+    health = pool.health()
+    up = GaugeMetricFamily("deltazip_worker_up", "1 when the worker serves requests", labels=["worker"])
+    out = GaugeMetricFamily("deltazip_worker_outstanding", "Requests the front has open on a worker",
+                            labels=["worker"])
+    restarts = CounterMetricFamily("deltazip_worker_restarts", "Worker restarts after a death", labels=["worker"])
+    for w in health["workers"]:
+        up.add_metric([str(w["index"])], 1.0 if w["state"] == "ready" else 0.0)
+        out.add_metric([str(w["index"])], w["outstanding"])
+        restarts.add_metric([str(w["index"])], w["restarts"])
+    errors = CounterMetricFamily("deltazip_front_errors", "Requests the front failed, by cause", labels=["cause"])
+    with pool.lock:
+        for cause, n in sorted(pool.errors.items()):
+            errors.add_metric([cause], n)
+
+    class _Collector:
+        def collect(self):
+            yield from families.values()
+            yield from (up, out, restarts, errors)
+
+    reg = CollectorRegistry()
+    reg.register(_Collector())
+    return generate_latest(reg)
+
+
+def serve_workers(cfg, on_ready=None, sock=None) -> None:
+    """``deltazip serve --workers K`` in the foreground: pool + front until SIGINT/SIGTERM.
+
+    ``on_ready(pool)`` runs once the owner and every worker are up, before the front serves.
+    ``sock``: the front's socket, already bound and listening (default: uvicorn binds the port).
+    """
+    import uvicorn
+
+    pool = WorkerPool(cfg, front=False)
+    pool.start()
+    try:
+        if on_ready is not None:
+            on_ready(pool)
+        config = uvicorn.Config(pool.front_app(), host=cfg.host, port=cfg.port, lifespan="on",
+                                timeout_graceful_shutdown=5,
+                                log_level=os.environ.get("DELTAZIP_LOG_LEVEL", "info").lower())
+        uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
+    finally:
+        pool.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker process
+# --------------------------------------------------------------------------------------------------
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    """``python -m deltazip.runtime.share.workers --config JSON --index I --ready-fd N [--owner ADDRESS]``"""
+    t_start = time.perf_counter()
+    ap = argparse.ArgumentParser(description="deltazip serve worker")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--index", type=int, required=True)
+    ap.add_argument("--ready-fd", type=int, required=True)
+    ap.add_argument("--owner", default=None)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("DELTAZIP_LOG_LEVEL", "WARNING").upper(),
+                        format=f"%(asctime)s worker{a.index} %(name)s %(levelname)s %(message)s")
+    import socket
+
+    import uvicorn
+
+    from deltazip.runtime.serve.server import Metrics, ServeConfig, build_runtime, create_app
+    from deltazip.runtime.share import weight_share
+
+    t_imported = time.perf_counter()
+    cfg = ServeConfig(**json.loads(a.config))
+    attach_s = None
+    if a.owner:
+        shared = weight_share.attach(a.owner)
+        weight_share.install(shared)
+        attach_s = shared.attach_seconds
+    metrics = Metrics()
+    t0 = time.perf_counter()
+    rt = build_runtime(cfg, observer=metrics)
+    build_s = time.perf_counter() - t0
+    app = create_app(rt, metrics)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=os.environ.get("DELTAZIP_LOG_LEVEL", "warning").lower(),
+                                           lifespan="on", timeout_graceful_shutdown=5))
+
+    def announce():
+        while not server.started:
+            if server.should_exit:
+                return
+            time.sleep(0.01)
+        rep = {"port": sock.getsockname()[1], "pid": os.getpid(), "weights": "mapped" if a.owner else "loaded",
+               "import_s": round(t_imported - t_start, 3), "attach_s": attach_s, "build_runtime_s": round(build_s, 3),
+               "ready_s": round(time.perf_counter() - t_start, 3)}
+        os.write(a.ready_fd, (json.dumps(rep) + "\n").encode())
+        os.close(a.ready_fd)
+
+    def watch_supervisor():
+        # stdin is a pipe from the supervisor: EOF means it is gone (or wants us gone).
+        with contextlib.suppress(Exception):
+            while sys.stdin.buffer.read(4096):
+                pass
+        server.should_exit = True
+
+    threading.Thread(target=announce, daemon=True, name="worker-announce").start()
+    threading.Thread(target=watch_supervisor, daemon=True, name="worker-stdin").start()
+    server.run(sockets=[sock])  # main thread: uvicorn turns SIGTERM/SIGINT into a graceful exit
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

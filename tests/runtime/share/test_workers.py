@@ -1,0 +1,366 @@
+"""`deltazip serve --workers K`: a weight owner, worker processes mapping its weights, the HTTP front.
+
+Real processes and real HTTP on loopback ports, tiny models from ``_serving`` / ``_factories``.
+Memory is read from ``/proc/PID/smaps_rollup``: USS (Private_Clean + Private_Dirty, what a process
+frees when it dies) shows that a worker holds no private copy of the weights; the sum of PSS over
+all processes of a deployment (shared pages split between their users) is its physical footprint.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from _factories import calib_file, perturb, tiny_model
+from _serving import PROMPTS, served_set, single_thread
+
+from deltazip.runtime.serve.server import ServeConfig
+from deltazip.runtime.share import weight_share as ws
+from deltazip.runtime.share.dedup_registry import SharedTensorWriteError
+from deltazip.runtime.share.workers import WorkerPool
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd, /proc and abstract sockets")
+
+KEY = "sk-workers"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BASE = "tiny-base"
+MODELS = [BASE, "alpha", "beta", "gamma"]
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # Still in the table: only acceptable as a zombie nobody reaps (not ours: Popen reaps).
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+
+
+def complete(url: str, model: str, prompt: str, n: int, **kw) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", headers=AUTH, timeout=120,
+                      json={"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, **kw})
+
+
+def ref(served, model: str, prompt: str, n: int) -> str:
+    return served.expected("base" if model == BASE else model, prompt, n)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with single_thread():
+        yield served_set(tmp_path_factory.getbasetemp() / "serving")
+
+
+@pytest.fixture(scope="module")
+def pool(served):
+    shm_before = shm_entries()
+    cfg = ServeConfig(artifacts=served.artifacts, api_key=KEY, max_deltas=2, max_cpu_deltas=4, cpu_threads=1,
+                      port=0)
+    with WorkerPool(cfg, workers=2, env=ENV, restart_backoff=0.2) as p:
+        p.shm_before = shm_before
+        yield p
+
+
+def test_two_workers_sharing_weights_match_the_merged_models(pool, served):
+    """Every worker (asked directly on its own port) and the front give the merged model's greedy text."""
+    h = pool.health()
+    assert h["workers_ready"] == 2 and all(w["weights"] == "mapped" for w in h["workers"])
+    jobs = [(m, p) for m in MODELS for p in PROMPTS[:2]]
+    with single_thread():
+        want = [ref(served, m, p, 10) for m, p in jobs]
+    for w in pool.workers:
+        got = [complete(w.url, m, p, 10).json()["choices"][0]["text"] for m, p in jobs]
+        assert got == want, f"worker {w.index}"
+    via_front = [complete(pool.url, m, p, 10) for m, p in jobs]
+    assert [r.json()["choices"][0]["text"] for r in via_front] == want
+    # Least-outstanding with round-robin ties spreads sequential requests over both workers.
+    assert {r.headers["x-deltazip-worker"] for r in via_front} == {"0", "1"}
+    # SSE passes through the front chunk by chunk.
+    with httpx.stream("POST", pool.url + "/v1/completions", headers=AUTH, timeout=60,
+                      json={"model": "alpha", "prompt": PROMPTS[1], "max_tokens": 10, "temperature": 0,
+                            "stream": True}) as r:
+        lines = [x for x in r.iter_lines() if x.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(c["text"] for x in lines[:-1] for c in json.loads(x[6:])["choices"])
+    assert text == ref(served, "alpha", PROMPTS[1], 10)
+
+
+def test_front_models_auth_health_and_metrics(pool):
+    r = httpx.get(pool.url + "/v1/models", headers=AUTH)
+    assert sorted(m["id"] for m in r.json()["data"]) == sorted(MODELS)
+    r = httpx.get(pool.url + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    h = httpx.get(pool.url + "/health")
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    assert h.json()["owner"]["shared_bytes"] > 0
+    text = httpx.get(pool.url + "/metrics").text
+    assert 'deltazip_worker_up{worker="0"} 1.0' in text and 'deltazip_worker_up{worker="1"} 1.0' in text
+    gen = [line for line in text.splitlines() if line.startswith("deltazip_generated_tokens_total{")]
+    assert {line.split('worker="')[1][0] for line in gen} == {"0", "1"}  # per-worker series
+    assert httpx.get(pool.url + "/nope").status_code == 404
+
+
+def test_mapped_weights_are_sealed_and_read_only(pool, tmp_path):
+    meta, fd = ws.request_export(pool.address)
+    try:
+        assert ws.seals(fd) == {"F_SEAL_WRITE", "F_SEAL_GROW", "F_SEAL_SHRINK", "F_SEAL_SEAL"}
+        with pytest.raises(PermissionError):  # the kernel refuses any writable shared mapping
+            mmap.mmap(fd, meta.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    shared = ws.attach(pool.address)
+    assert shared.meta.checksum == ws._hash(shared._keep[0], shared.meta.nbytes)
+    w = shared.tensors["model.layers.0.mlp.up_proj.weight"]
+    before = w.clone()
+    for write in (lambda: w.add_(1), lambda: w.copy_(torch.zeros_like(w)), lambda: w[0].fill_(0),
+                  lambda: torch.nn.init.normal_(w)):
+        with pytest.raises(SharedTensorWriteError):
+            write()
+    assert torch.equal(w, before)
+    # Going around the guard writes to a PROT_READ page: the process faults, the weights stay intact.
+    code = ("import sys; from deltazip.runtime.share import weight_share as ws\n"
+            f"s = ws.attach({pool.address!r})\n"
+            "t = s.tensors['model.layers.0.mlp.up_proj.weight']\n"
+            "t.untyped_storage().fill_(0)\nprint('wrote')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == -signal.SIGSEGV and "wrote" not in proc.stdout, proc.stderr[-2000:]
+    assert torch.equal(w, before)
+    model = shared.build_model(torch.float32, "cpu")
+    assert model.model.layers[0].mlp.up_proj.weight.data_ptr() == w.data_ptr()
+
+
+def _long_job(served) -> tuple[str, str]:
+    """A (model, prompt) whose greedy completion runs the full 100 tokens (no early end)."""
+    with single_thread():
+        return max(((m, p) for m in ("alpha", "gamma") for p in PROMPTS),
+                   key=lambda j: len(ref(served, j[0], j[1], 100)))
+
+
+def _wait_ready(pool, index: int, old_pid: int, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        w = pool.workers[index]
+        if w.state == "ready" and w.pid != old_pid:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"worker {index} did not come back: {pool.health()}")
+
+
+def _other_worker_traffic(pool, served, index: int, results: list, stop: threading.Event) -> None:
+    """Requests straight to worker ``index`` while its sibling is killed: all must succeed."""
+    url = pool.workers[index].url
+    i = 0
+    while not stop.is_set():
+        m, p = MODELS[i % 4], PROMPTS[i % 3]
+        r = complete(url, m, p, 8)
+        results.append(r.status_code == 200 and r.json()["choices"][0]["text"] == ref(served, m, p, 8))
+        i += 1
+
+
+def test_killed_worker_fails_only_its_request_and_comes_back(pool, served):
+    model, prompt = _long_job(served)
+    with single_thread():
+        for m in MODELS:  # fill the reference cache before the timing-sensitive part
+            for p in PROMPTS[:3]:
+                ref(served, m, p, 8)
+    restarts = sum(w.restarts for w in pool.workers)
+
+    # 1) Streaming: killed after its first chunk -> the stream ends with an OpenAI-shaped error event.
+    with httpx.stream("POST", pool.url + "/v1/completions", headers=AUTH, timeout=60,
+                      json={"model": model, "prompt": prompt, "max_tokens": 100, "temperature": 0,
+                            "stream": True}) as r:
+        victim = int(r.headers["x-deltazip-worker"])
+        pid = pool.workers[victim].pid
+        ok, stop = [], threading.Event()
+        t = threading.Thread(target=_other_worker_traffic, args=(pool, served, 1 - victim, ok, stop))
+        t.start()
+        lines = r.iter_lines()
+        first = next(x for x in lines if x.startswith("data: "))
+        assert "choices" in first
+        os.kill(pid, signal.SIGKILL)
+        rest = [x for x in lines if x.startswith("data: ")]
+    assert r.status_code == 200
+    assert "[DONE]" not in rest[-1] and json.loads(rest[-1][6:])["error"]["code"] == "worker_failed"
+    _wait_ready(pool, victim, pid)
+    stop.set()
+    t.join()
+    assert ok and all(ok), "a request on the surviving worker failed"
+
+    # 2) Non-streaming: killed once the worker has accepted it -> 502 with an OpenAI error body.
+    out: dict = {}
+    busy = min(pool.workers, key=lambda w: w.index == victim)  # any ready worker; pin the request to it
+    old_pid = busy.pid
+
+    def accepted() -> float:
+        text = httpx.get(busy.url + "/metrics").text
+        return float(next(x for x in text.splitlines() if x.startswith("deltazip_requests_total")).split()[-1])
+
+    n0 = accepted()
+    for w in pool.workers:  # make the front prefer `busy`: the other looks loaded
+        if w is not busy:
+            w.outstanding += 1000
+    try:
+        th = threading.Thread(target=lambda: out.setdefault("r", complete(pool.url, model, prompt, 100)))
+        th.start()
+        deadline = time.time() + 30
+        while accepted() == n0:
+            assert time.time() < deadline, "the request never reached the worker"
+            time.sleep(0.005)
+        os.kill(old_pid, signal.SIGKILL)
+        th.join(60)
+    finally:
+        for w in pool.workers:
+            if w is not busy:
+                w.outstanding -= 1000
+    r = out["r"]
+    assert r.status_code == 502 and r.json()["error"]["code"] == "worker_failed", r.text
+
+    # Both restarted, with new processes, and serving correct outputs again (directly and via the front).
+    _wait_ready(pool, busy.index, old_pid)
+    assert sum(w.restarts for w in pool.workers) == restarts + 2
+    for w in pool.workers:
+        assert complete(w.url, "beta", PROMPTS[0], 8).json()["choices"][0]["text"] == ref(served, "beta", PROMPTS[0], 8)
+    assert complete(pool.url, "gamma", PROMPTS[2], 8).json()["choices"][0]["text"] == ref(served, "gamma", PROMPTS[2], 8)
+    assert pool.owner.poll() is None  # the owner outlived the workers
+    assert all(w["weights"] == "mapped" for w in pool.health()["workers"])
+
+
+def test_no_worker_ready_is_503(served):
+    """A front whose workers are all gone answers 503 in OpenAI's shape (no hang, no 500)."""
+    from deltazip.runtime.serve.server import ServerThread
+
+    class Empty:
+        workers, lock = [], threading.RLock()
+
+        def pick(self, exclude):
+            return None
+
+        def count_error(self, kind):
+            pass
+
+    from deltazip.runtime.share.workers import create_front
+
+    with ServerThread(create_front(Empty())) as srv:
+        r = complete(srv.url, "alpha", "x", 1)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """A base large enough (31.6 M params, fp16 on disk, 126 MB served in fp32) that its weights
+    dominate a worker's private memory, with one RTN variant."""
+    from deltazip.compress.config import CompressConfig
+    from deltazip.compress.pipeline import compress_delta
+    from deltazip.demo.pair import build_char_tokenizer
+
+    root = tmp_path_factory.mktemp("big")
+    ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    shape = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=4)
+    tok = build_char_tokenizer()
+    with single_thread():
+        m = tiny_model("llama", dtype=torch.float16, **ids, **shape)
+        m.save_pretrained(root / "base")
+        tok.save_pretrained(root / "base")
+        perturb(m, scale=0.2, seed=3).save_pretrained(root / "ft")
+        tok.save_pretrained(root / "ft")
+        cfg = CompressConfig(method="rtn", bits=4, sparsity="none", group_size=128, nsamples=4, seqlen=16, device="cpu")
+        compress_delta(root / "base", root / "ft", str(calib_file(root / "calib", n=8)), root / "arts" / "v1", cfg)
+    weights = sum(p.numel() for p in m.parameters()) * 4
+    return root / "arts", weights
+
+
+def test_sharing_workers_use_far_less_memory_than_independent_servers(big):
+    arts, weights = big
+    cfg = ServeConfig(artifacts=arts, max_deltas=1, max_cpu_deltas=1, cpu_threads=1)
+    measured, texts = {}, {}
+    for share in (True, False):
+        with WorkerPool(cfg, workers=2, share=share, front=False, env=ENV) as p:
+            texts[share] = [complete(w.url, m, "alpha beta", 6).json()["choices"][0]["text"]
+                            for w in p.workers for m in ("base", "v1")]
+            pids = p.pids()
+            procs = {f"worker{i}": ws.smaps_rollup(pid) for i, pid in enumerate(pids["workers"])}
+            if share:
+                procs["owner"] = ws.smaps_rollup(pids["owner"])
+            measured[share] = procs
+    assert texts[True] == texts[False]  # mapped fp32 (converted by the owner) == from_pretrained's
+    uss = {s: sum(v["USS"] for k, v in m.items() if k != "owner") for s, m in measured.items()}
+    pss = {s: sum(v["Pss"] for v in m.values()) for s, m in measured.items()}
+    # Each independent worker holds a private fp32 copy; a sharing worker holds none.
+    assert uss[False] - uss[True] > 1.6 * weights, (uss, weights)
+    # Whole deployments (owner included): one copy of the weights instead of two, minus the owner's
+    # own small overhead (no torch in it).
+    assert pss[False] - pss[True] > 0.6 * weights, (pss, weights)
+    assert measured[True]["owner"]["USS"] < 0.5 * weights
+    # The weights are counted once: the shared pages' PSS over owner + workers adds up to their size.
+    shmem = sum(v.get("Pss_Shmem", 0) for v in measured[True].values())
+    assert abs(shmem - weights) < 0.05 * weights, (shmem, weights)
+
+
+def test_shutdown_leaves_no_processes_or_shm(pool):
+    """Closing the pool ends the owner and every worker (current and replaced ones) and leaves
+    /dev/shm as it was. Runs last: it closes the module's pool."""
+    pids = [pool.owner.pid] + [w.pid for w in pool.workers]
+    r = complete(pool.url, "alpha", PROMPTS[0], 4)
+    assert r.status_code == 200
+    pool.close()
+    assert all(gone(pid) for pid in pids), pids
+    assert shm_entries() <= pool.shm_before, shm_entries() - pool.shm_before
+    with pytest.raises(ws.WeightShareError):
+        ws.request_export(pool.address, timeout=2)
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_workers_map_the_same_device_bytes(tmp_path):
+    """The owner's CUDA slab opened in another process adds no device memory and reads the same bytes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    base = tmp_path / "base"
+    m = tiny_model("llama", dtype=torch.float16, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=8, vocab_size=8192)
+    m.save_pretrained(base)
+    env = ws.strip_expandable_segments(dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    address = f"deltazip-test-{os.getpid()}"
+    owner = subprocess.Popen([sys.executable, "-m", "deltazip.runtime.share.weight_share", "--base", str(base), "--dtype",
+                              "F16", "--device", "cuda:0", "--address", address], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env=env)
+    try:
+        ready = json.loads(owner.stdout.readline())
+        assert ready["ready"] and ready["kind"] == "cuda_ipc"
+        nbytes = ready["nbytes"]
+        code = ("import json, torch; from deltazip.runtime.share import weight_share as ws\n"
+                "torch.cuda.init(); torch.zeros(1, device='cuda')\n"
+                "f0 = torch.cuda.mem_get_info()[0]\n"
+                f"s = ws.attach({address!r})\n"
+                "torch.cuda.synchronize(); f1 = torch.cuda.mem_get_info()[0]\n"
+                "w = s.tensors['model.layers.0.mlp.up_proj.weight']\n"
+                "print(json.dumps({'added': f0 - f1, 'sum': float(w.double().sum()), 'dev': str(w.device),"
+                " 'ptr': s.buffer.data_ptr()}))\n")
+        outs = [json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                                          timeout=300, check=True).stdout.strip().splitlines()[-1])
+                for _ in range(2)]
+        want = float(m.model.layers[0].mlp.up_proj.weight.double().sum())
+        for o in outs:
+            assert o["dev"].startswith("cuda") and abs(o["sum"] - want) < 1e-6 * max(1.0, abs(want))
+            # Mapping the slab allocates nothing: device free memory does not drop by its size.
+            assert o["added"] < 0.1 * nbytes, (o, nbytes)
+    finally:
+        owner.stdin.close()
+        owner.terminate()
+        owner.wait(30)
