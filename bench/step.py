@@ -1,7 +1,7 @@
 """One engine step, measured without HTTP: serving B rows of k variants in one delta step against the
 k whole-model steps that swap mode needs for the same rows.
 
-    python bench/step.py [--pair demo|smollm2] [--rows 8 32 64] [--variants 1 4 8] [--repeats 15]
+    python bench/step.py [--pair demo|smollm2] [--rows 8 32 64] [--variants 1 4 8] [--repeats 15] [--quick]
 
 Builds the models the serving engine builds (``DeltaModel`` with ``k`` filled slots, ``SwapModels``
 with ``k`` whole merged models) over the cached variants of ``bench/serve.py`` and times decode steps
@@ -10,11 +10,17 @@ through the engine's own KV pool, step mask and forward:
 - ``delta``: one forward over all ``B`` rows, ``B / k`` per variant;
 - ``swap``: ``k`` forwards of ``B / k`` rows, each on its own merged model (what the swap baseline
   runs for the same rows, before counting any model load);
-- ``base``: one forward over ``B`` rows of the base alone (the floor: no delta work).
+- ``base``: one forward over ``B`` rows of the base alone (the floor: no delta work);
+- ``delta_contiguous``: the ``delta`` step on the contiguous KV pool (``StepKV``: gather the rows'
+  past, concatenate the new token, SDPA), the engine's layout before the paged cache and still its
+  fallback for models without the attention interface.
 
 Every row has a ``--context``-token past. Prints ONE JSON document with the median and p90 step times
 (ms) of each, measured interleaved in one run, and the ratio ``swap / delta`` (> 1: the delta step
-serves the same rows faster).
+serves the same rows faster). Per decode step of ``delta`` on each KV layout (``profile``): aten ops
+(torch profiler, every nesting level, and outermost ops as dispatched), KV bytes copied beyond
+appending the new tokens and bytes appended (``deltazip.runtime.serve.kv_meter``), and on CUDA the
+kernel and CUDA-graph launches. ``--quick``: rows 8 32, variants 1 4, 7 repeats.
 """
 
 from __future__ import annotations
@@ -33,25 +39,47 @@ from _pairs import demo_pair, machine, smollm2_pair  # noqa: E402
 from serve import build_variants, log  # noqa: E402
 
 
-def decode_timer(model, slots: list[int], context: int):
-    """A callable running one decode step of ``len(slots)`` rows (each with ``context`` past tokens)."""
-    from deltazip.runtime.serve.engine import KVPool, SeqKV, StepKV, prefill_logits, step_mask
+def decode_timer(model, slots: list[int], context: int, kv: str = "paged"):
+    """A callable running one decode step of ``len(slots)`` rows (each with ``context`` past tokens),
+    on the paged pool (``kv="paged"``, when the model runs the paged attention) or the contiguous one.
+    Its ``pool`` attribute is the KV pool."""
+    from deltazip.runtime.serve.engine import KVPool, forward_step, new_kv_pool, new_seq_kv, prefill_logits
 
-    pool, kvs = KVPool(), [SeqKV() for _ in slots]
+    pool = new_kv_pool(model) if kv == "paged" else KVPool()
+    kvs = [new_seq_kv(pool) for _ in slots]
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prefill_logits(model, slots, torch.randint(0, vocab, (len(slots), context), generator=g).tolist(), kvs, pool)
-    tok = torch.randint(0, vocab, (len(slots), 1), generator=g).to(model.device)
+    tok = torch.randint(0, vocab, (len(slots), 1), generator=g).tolist()
 
     def step() -> None:
         past = [k.length for k in kvs]
-        mask, pos = step_mask(past, [1] * len(slots), model.device)
-        with torch.inference_mode():
-            model.forward(slots, tok, pos, mask, StepKV(pool, kvs, past, [1] * len(slots)))
+        forward_step(model, pool, kvs, slots, tok, past)
         for k in kvs:  # keep the past fixed: every timed step sees the same context length
             k.length = past[0]
 
+    step.pool = pool
     return step
+
+
+def profile_step(step, cuda: bool) -> dict:
+    """Ops, launches and KV traffic of one call of ``step`` (a :func:`decode_timer`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deltazip.runtime.serve.kv_meter import KVCopyMeter
+
+    with KVCopyMeter(step.pool) as meter:
+        step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        step()
+    names = [e.name for e in prof.events()]
+    out = {"aten_ops": sum(n.startswith("aten::") for n in names), "aten_ops_outermost": meter.ops,
+           "kv_bytes_copied": meter.copied, "kv_bytes_appended": meter.appended}
+    if cuda:
+        out["kernel_launches"] = sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") for n in names)
+        out["graph_launches"] = sum(n == "cudaGraphLaunch" for n in names)
+    return out
 
 
 def main() -> None:
@@ -62,9 +90,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
+    ap.add_argument("--quick", action="store_true", help="rows 8 32, variants 1 4, 7 repeats")
     a = ap.parse_args()
+    if a.quick:
+        a.rows, a.variants, a.repeats = [8, 32], [1, 4], 7
     torch.set_num_threads(a.threads)
     from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.runtime.serve.attention import is_paged
     from deltazip.runtime.serve.model import DeltaModel, SwapModels, discover_artifacts
 
     pair = demo_pair() if a.pair == "demo" else smollm2_pair(log=log)
@@ -89,6 +121,7 @@ def main() -> None:
                 "delta": [decode_timer(dm, [i // per for i in range(rows)], a.context)],
                 "swap": [decode_timer(sw, [s] * per, a.context) for s in range(k)],
                 "base": [decode_timer(dm, [-1] * rows, a.context)],
+                "delta_contiguous": [decode_timer(dm, [i // per for i in range(rows)], a.context, kv="contiguous")],
             }
             times: dict[str, list[float]] = {m: [] for m in runs}
             for _ in range(2):  # warm-up
@@ -109,11 +142,14 @@ def main() -> None:
                 row[f"{m}_ms"] = {"p50": round(statistics.median(ts), 3), "p90": round(ts[int(0.9 * (len(ts) - 1))], 3)}
             row["swap_over_delta"] = round(row["swap_ms"]["p50"] / row["delta_ms"]["p50"], 3)
             row["delta_over_base"] = round(row["delta_ms"]["p50"] / row["base_ms"]["p50"], 3)
+            row["profile"] = {"paged" if m == "delta" else "contiguous": profile_step(runs[m][0], device.type == "cuda")
+                              for m in ("delta", "delta_contiguous")}
             results.append(row)
             log(json.dumps(row))
     print(json.dumps({"bench": "step", "machine": machine(),
                       "config": {"pair": a.pair, "context": a.context, "repeats": a.repeats, "threads": a.threads,
-                                 "delta_compute": dm.delta_compute, "device": str(device)},
+                                 "delta_compute": dm.delta_compute, "device": str(device),
+                                 "paged_kv": is_paged(dm)},
                       "results": results}, indent=1))
 
 

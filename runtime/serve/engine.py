@@ -52,7 +52,10 @@ from typing import Any
 
 import torch
 
+from deltazip.runtime.serve.attention import is_paged
 from deltazip.runtime.serve.delta_cache import TieredCache
+from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, PagedStep, SeqBlocks
+from deltazip.runtime.serve.sampling import sample_tokens
 from deltazip.runtime.serve.scheduler import BASE_KEY, SchedRequest, Scheduler
 
 log = logging.getLogger("deltazip.serve")
@@ -366,24 +369,51 @@ def left_pad(tokens: list[list[int]], pad_id: int) -> torch.Tensor:
     return ids
 
 
-def prefill_logits(backend, row_slots: list[int], tokens: list[list[int]], caches: list[SeqKV] | None = None,
-                   pool: KVPool | None = None, pad_id: int = 0) -> torch.Tensor:
+def new_kv_pool(backend, block_size: int = DEFAULT_BLOCK_SIZE) -> KVPool | BlockPool:
+    """The KV pool for ``backend``: paged when its model runs the paged attention, else contiguous."""
+    return BlockPool(block_size) if is_paged(backend) else KVPool()
+
+
+def new_seq_kv(pool: KVPool | BlockPool) -> SeqKV | SeqBlocks:
+    return SeqBlocks() if isinstance(pool, BlockPool) else SeqKV()
+
+
+def forward_step(backend, pool: KVPool | BlockPool, caches: list, row_slots: list[int], tokens: list[list[int]],
+                 past: list[int], pad_id: int = 0) -> torch.Tensor:
+    """One forward of ``backend`` over ``tokens`` (row ``b``: new tokens after ``past[b]`` cached
+    ones, in slot ``row_slots[b]``); the caches receive them and their ``length`` grows. Returns the
+    last-position logits ``[B, V]`` fp32.
+
+    On the paged pool the step's layout travels in the :class:`PagedStep`; the 4-D tensor passed as
+    ``attention_mask`` is a placeholder so that transformers builds no mask of its own.
+    """
+    dev = backend.device
+    new = [len(t) for t in tokens]
+    with torch.inference_mode():
+        ids = left_pad(tokens, pad_id).to(dev)
+        if isinstance(pool, BlockPool):
+            kv = PagedStep(pool, caches, past, new, dev)
+            pos, mask = kv.q_pos, torch.ones(len(tokens), 1, max(new), 1, dtype=torch.bool, device=dev)
+        else:
+            mask, pos = step_mask(past, new, dev)
+            kv = StepKV(pool, caches, past, new)
+        logits = backend.forward(row_slots, ids, pos, mask, kv)
+    for c, n in zip(caches, new):
+        c.length += n
+    return logits
+
+
+def prefill_logits(backend, row_slots: list[int], tokens: list[list[int]], caches: list | None = None,
+                   pool: KVPool | BlockPool | None = None, pad_id: int = 0) -> torch.Tensor:
     """One prefill forward of ``tokens`` (a prompt per row, row ``b`` in slot ``row_slots[b]``) through
     ``backend`` (``DeltaModel`` or ``SwapModels``), as the engine runs it; last-position logits ``[B, V]``.
 
-    ``caches`` (empty :class:`SeqKV`, one per row) and their ``pool`` receive the prompts' keys and
-    values and come back with ``length`` set; fresh ones are used when not given.
+    ``caches`` (empty ``SeqKV``/``SeqBlocks``, one per row) and their ``pool`` receive the prompts'
+    keys and values and come back with ``length`` set; fresh ones are used when not given.
     """
-    pool = pool if pool is not None else KVPool()
-    caches = caches if caches is not None else [SeqKV() for _ in tokens]
-    new = [len(t) for t in tokens]
-    mask, pos = step_mask([0] * len(tokens), new, backend.device)
-    with torch.inference_mode():
-        logits = backend.forward(row_slots, left_pad(tokens, pad_id).to(backend.device), pos, mask,
-                                 StepKV(pool, caches, [0] * len(tokens), new))
-    for c, n in zip(caches, new):
-        c.length = n
-    return logits
+    pool = pool if pool is not None else new_kv_pool(backend)
+    caches = caches if caches is not None else [new_seq_kv(pool) for _ in tokens]
+    return forward_step(backend, pool, caches, row_slots, tokens, [0] * len(tokens), pad_id)
 
 
 def step_mask(past: list[int], new: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,30 +438,6 @@ def step_mask(past: list[int], new: list[int], device) -> tuple[torch.Tensor, to
 
 
 # --------------------------------------------------------------------------------------------------
-# Sampling
-# --------------------------------------------------------------------------------------------------
-
-
-def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
-                  generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits [B, V]`` (fp32): argmax for greedy rows, else temperature and
-    top-p sampling with the row's own generator (its ``seed``)."""
-    out = logits.argmax(dim=-1).tolist()
-    for i, sp in enumerate(params):
-        if sp.greedy:
-            continue
-        # Per-request generators live on the CPU (seeded, device independent): sample there.
-        probs = torch.softmax(logits[i].cpu() / sp.temperature, dim=-1)
-        if sp.top_p < 1.0:
-            sp_probs, order = probs.sort(descending=True)
-            keep = (sp_probs.cumsum(0) - sp_probs) < sp.top_p  # always keeps the first token
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sp_probs[keep])
-            probs = probs / probs.sum()
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
 # Engine
 # --------------------------------------------------------------------------------------------------
 
@@ -446,9 +452,11 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_queue: int = 256
     preemption: bool = True
+    chunked_prefill: bool = True  # prompts longer than the step's token budget left run in chunks
+    kv_block_size: int = DEFAULT_BLOCK_SIZE  # tokens per block of the paged KV cache
 
     def __post_init__(self) -> None:
-        for name in ("max_deltas", "max_batch_tokens", "max_num_seqs", "max_queue"):
+        for name in ("max_deltas", "max_batch_tokens", "max_num_seqs", "max_queue", "kv_block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_cpu_deltas < 0:
@@ -486,9 +494,9 @@ class Sequence:
     params: SamplingParams
     sink: Sink
     detok: IncrementalDetokenizer
-    generator: torch.Generator | None
+    seed: int  # sampling seed (the request's, or drawn at submission)
     arrival: float
-    kv: SeqKV = field(default_factory=SeqKV)
+    kv: SeqKV | SeqBlocks = field(default_factory=SeqKV)
     output_ids: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     cancelled: bool = False
@@ -516,7 +524,10 @@ class Engine:
         self.device = backend.device
         self.max_len = _max_len(backend.config)
         self.swap = backend.mode == "swap"
-        self.kv_pool = KVPool()
+        # Paged KV cache when the model runs the paged attention (kv_cache.py, attention.py), else the
+        # contiguous pool (models whose class takes no attention function, e.g. ALiBi ones).
+        self.kv_pool = new_kv_pool(backend, config.kv_block_size)
+        self.paged = isinstance(self.kv_pool, BlockPool)
         # Device memory, refreshed by the engine thread (readers never walk the model themselves).
         self._memory = {"device_weight_bytes": backend.base_bytes(), "kv_cache_bytes": 0}
         self._resident_seen: tuple = ()
@@ -526,6 +537,7 @@ class Engine:
             max_batch_tokens=config.max_batch_tokens,
             preemption=config.preemption,
             base_needs_slot=self.swap,
+            chunked_prefill=config.chunked_prefill,
         )
         self.cache = TieredCache(backend.load_host, backend.write_slot, backend.clear_slot,
                                  num_slots=config.max_deltas, max_cpu=config.max_cpu_deltas)
@@ -579,7 +591,7 @@ class Engine:
             raise PromptTooLong(f"This model's maximum context length is {self.max_len} tokens. However, you requested "
                                 f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the "
                                 f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
-        if n > self.config.max_batch_tokens:
+        if n > self.config.max_batch_tokens and not self.config.chunked_prefill:
             raise PromptTooLong(f"the prompt has {n} tokens; this server processes at most {self.config.max_batch_tokens} "
                                 f"tokens per step (--max-batch-tokens)", "prompt")
         vocab = getattr(self.backend.config, "vocab_size", None)
@@ -591,10 +603,7 @@ class Engine:
     def submit(self, model: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> str:
         """Queue a request; returns its id. Raises :class:`EngineError` (400/404/429) when refused."""
         self.validate(model, prompt_ids, params)
-        gen = None
-        if not params.greedy:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         with self._lock:
             if self._stop:
                 raise EngineError("the server is shutting down")
@@ -607,7 +616,8 @@ class Engine:
             self._next_id += 1
             sv = self.served[model]
             seq = Sequence(rid, model, self.key_of(model), list(prompt_ids), params, sink,
-                           IncrementalDetokenizer(sv.tokenizer, prompt_ids, params.stop), gen, time.perf_counter())
+                           IncrementalDetokenizer(sv.tokenizer, prompt_ids, params.stop), seed, time.perf_counter(),
+                           kv=new_seq_kv(self.kv_pool))
             self._inbox.append(seq)
             self.counters["requests"] += 1
             self._lock.notify_all()
@@ -755,18 +765,7 @@ class Engine:
         slots = self._make_resident(out.selected)
         if slots is None:
             return
-        # Split by state rather than by this step's admissions: a step that failed to load a variant
-        # leaves admitted prompts unprocessed, and they must prefill in the next one.
-        prefill, decode = [], []
-        for r in out.running:
-            seq = self._seqs[r.rid]
-            if not seq.output_ids:
-                prefill.append(seq)
-                continue
-            if seq.kv_on_host:  # preempted earlier, resumed now: its KV cache comes back
-                seq.kv.attach(self.kv_pool)
-                seq.kv_on_host = False
-            decode.append(seq)
+        prefill, decode = self._plan(out.running)
 
         def slot_of(seq: Sequence) -> int:
             return slots[seq.key] if (seq.key != BASE_KEY or self.swap) else -1
@@ -775,14 +774,39 @@ class Engine:
         for group in (prefill, decode):
             if not group:
                 continue
-            group.sort(key=slot_of)  # rows of one delta together (paper §5.2: fewer random accesses)
-            results += self._forward(group, [slot_of(s) for s in group], prefill=group is prefill)
+            group.sort(key=lambda sn: slot_of(sn[0]))  # rows of one delta together (paper §5.2)
+            results += self._forward(group, [slot_of(s) for s, _ in group])
         now = time.perf_counter()
         with self._lock:
             self._token_times.append((now, len(results)))
         for seq, tok in results:
             self._accept(seq, tok, now)
-        self._refresh_kv_bytes()  # sequences that just finished gave their rows (all of them: 0 bytes)
+        self._refresh_kv_bytes()  # sequences that just finished gave their blocks back
+
+    def _plan(self, running: list[SchedRequest]) -> tuple[list[tuple[Sequence, list[int]]], list[tuple[Sequence, list[int]]]]:
+        """This step's ``(sequence, new tokens)`` rows: every decoding sequence gets its last token,
+        then sequences still in their prompt get the next chunk of it, in admission order, while the
+        step's token budget (``max_batch_tokens``) lasts. Split by state rather than by this step's
+        admissions: a step that failed to load a variant leaves admitted prompts unprocessed."""
+        prefill, decode = [], []
+        for r in running:
+            seq = self._seqs[r.rid]
+            if seq.kv_on_host:  # preempted earlier, resumed now: its KV cache comes back
+                seq.kv.attach(self.kv_pool)
+                seq.kv_on_host = False
+            if seq.output_ids:
+                decode.append((seq, [seq.output_ids[-1]]))
+        budget = self.config.max_batch_tokens - len(decode)
+        for r in running:
+            seq = self._seqs[r.rid]
+            done = seq.kv.length
+            if seq.output_ids or budget < 1:
+                continue
+            chunk = seq.prompt_ids[done:done + budget]
+            budget -= len(chunk)
+            r.prefill_left = len(seq.prompt_ids) - done - len(chunk)
+            prefill.append((seq, chunk))
+        return prefill, decode
 
     def _refresh_kv_bytes(self) -> None:
         """Publish the KV pool's size (the pool drops its tensors once no sequence holds a row)."""
@@ -813,26 +837,21 @@ class Engine:
                 self.backend.slot_bytes(i) for i, name in enumerate(resident) if name is not None)}
         return {k: by_name[self._cache_name(k)] for k in keys}
 
-    def _forward(self, group: list[Sequence], row_slots: list[int], prefill: bool) -> list[tuple[Sequence, int]]:
-        dev = self.device
-        if prefill:
-            past = [0] * len(group)
-            new_tokens = [s.prompt_ids for s in group]
-        else:
-            past = [s.kv.length for s in group]
-            new_tokens = [[s.output_ids[-1]] for s in group]
-        new = [len(t) for t in new_tokens]
-        ids = left_pad(new_tokens, self.pad_id)
-        mask, pos = step_mask(past, new, dev)
-        kv = StepKV(self.kv_pool, [s.kv for s in group], past, new)
-        with torch.inference_mode():
-            logits = self.backend.forward(row_slots, ids.to(dev), pos, mask, kv)
-        for s, n in zip(group, new):
-            s.kv.length += n
-        if prefill:
-            self.counters["prompt_tokens"] += sum(new)
-        toks = sample_tokens(logits, [s.params for s in group], [s.generator for s in group])
-        return list(zip(group, toks))
+    def _forward(self, group: list[tuple[Sequence, list[int]]], row_slots: list[int]) -> list[tuple[Sequence, int]]:
+        """Run the rows; sample a token for every row that reached the end of its prompt."""
+        seqs = [s for s, _ in group]
+        past = [s.kv.length for s in seqs]
+        logits = forward_step(self.backend, self.kv_pool, [s.kv for s in seqs], row_slots, [t for _, t in group],
+                              past, self.pad_id)
+        self.counters["prompt_tokens"] += sum(len(t) for s, t in group if not s.output_ids)
+        ready = [i for i, s in enumerate(seqs) if s.kv.length >= len(s.prompt_ids)]
+        if not ready:
+            return []
+        rows = ready if len(ready) < len(seqs) else slice(None)
+        picked = [seqs[i] for i in ready]
+        toks = sample_tokens(logits[rows], [s.params.temperature for s in picked], [s.params.top_p for s in picked],
+                             [s.seed for s in picked], [len(s.output_ids) for s in picked])
+        return list(zip(picked, toks))
 
     def _accept(self, seq: Sequence, tok: int, now: float) -> None:
         if seq.finished:

@@ -23,6 +23,7 @@ loader and so serves any causal LM it can load.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from dataclasses import dataclass, field
@@ -224,6 +225,9 @@ def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) 
     if any(t != "full_attention" for t in layer_types) or (window and window < max_context(cfg)):
         raise InputError(f"base {base.path} uses sliding-window or other non-full attention layers, which the "
                          f"serving engine does not implement")
+    from deltazip.runtime.serve.attention import use_paged_attention
+
+    use_paged_attention(model)  # the paged KV cache's attention where the model class takes one
     return model.to(device).eval()
 
 
@@ -599,7 +603,8 @@ class DeltaModel:
             row_slots: slot of each row (``-1`` base).
             input_ids, position_ids: ``[B, T]``.
             attention_mask: bool ``[B, 1, T, K]`` (True = attend).
-            kv: the step's cache object (``deltazip.runtime.serve.engine.StepKV``).
+            kv: the step's cache object (``kv_cache.PagedStep``, or ``engine.StepKV`` for models
+                without the paged attention).
         """
         self.ctx.bind(row_slots, self.device)
         try:
@@ -609,9 +614,11 @@ class DeltaModel:
 
 
 def run_model(model: nn.Module, input_ids, position_ids, attention_mask, kv) -> torch.Tensor:
-    """One forward of a transformers causal LM over a prepared batch; last-position logits, fp32."""
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                past_key_values=kv, use_cache=True, logits_to_keep=1)
+    """One forward of a transformers causal LM over a prepared batch; last-position logits, fp32.
+    A paged step (``kv_cache.PagedStep``) is bound for the attention function while it runs."""
+    with kv.bound() if hasattr(kv, "bound") else contextlib.nullcontext():
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                    past_key_values=kv, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1, :].float()
 
 

@@ -12,6 +12,10 @@ tokens: a prompt costs its length, a running or resumed sequence one token):
   variant that did not skip the line;
 - capacity is strict FCFS: the walk stops at the first request that does not fit, so nobody passes
   a request for lack of room;
+- **chunked prefill** (``chunked_prefill=True``): a running sequence still in its prompt costs the
+  prompt tokens it has left (the engine feeds them in chunks of what the step's budget leaves after
+  the decodes), and a request is admitted while at least one token of budget is left, so a prompt
+  longer than ``max_batch_tokens`` is served and never stalls the sequences already decoding;
 - **preemption**: when a parent finishes (or is cancelled) and its variant would then hold only
   line-skippers while some waiting request is blocked by the delta limit, those line-skippers are
   preempted: back into the queue at their original place (arrival order), keeping their state (the
@@ -63,6 +67,7 @@ class SchedRequest:
     admitted_step: int = -1
     first_admitted_step: int = -1
     preemptions: int = 0
+    prefill_left: int = -1  # prompt tokens not yet in the KV cache (-1: the whole prompt)
 
 
 @dataclass
@@ -99,12 +104,13 @@ class Scheduler:
     """
 
     def __init__(self, max_deltas: int, max_num_seqs: int, max_batch_tokens: int, preemption: bool = True,
-                 base_needs_slot: bool = False):
+                 base_needs_slot: bool = False, chunked_prefill: bool = False):
         if max_deltas < 1 or max_num_seqs < 1 or max_batch_tokens < 1:
             raise ValueError(f"max_deltas ({max_deltas}), max_num_seqs ({max_num_seqs}) and max_batch_tokens "
                              f"({max_batch_tokens}) must be >= 1")
         self.max_deltas, self.max_num_seqs, self.max_batch_tokens = max_deltas, max_num_seqs, max_batch_tokens
         self.preemption, self.base_needs_slot = preemption, base_needs_slot
+        self.chunked_prefill = chunked_prefill
         self.waiting: list[SchedRequest] = []  # kept sorted by arrival
         self.running: dict[str, SchedRequest] = {}  # insertion order = admission order
         self._arrivals = 0
@@ -123,7 +129,7 @@ class Scheduler:
         """Queue a new request (FCFS position = now)."""
         if r.rid in self.running or any(w.rid == r.rid for w in self.waiting):
             raise ValueError(f"request {r.rid} is already scheduled")
-        if not r.has_state and r.prompt_len > self.max_batch_tokens:
+        if not r.has_state and r.prompt_len > self.max_batch_tokens and not self.chunked_prefill:
             raise ValueError(f"request {r.rid} needs {r.prompt_len} tokens, more than max_batch_tokens "
                              f"({self.max_batch_tokens}) allows in one step")
         r.arrival = self._arrivals
@@ -154,7 +160,7 @@ class Scheduler:
         selected = self.selected()
         sel_set = set(selected)
         seqs_left = self.max_num_seqs - len(self.running)
-        tokens_left = self.max_batch_tokens - len(self.running)
+        tokens_left = self.max_batch_tokens - sum(self._cost(r, True) for r in self.running.values())
         blocked_seen = False
         admitted: list[SchedRequest] = []
         for r in self.waiting:
@@ -162,8 +168,8 @@ class Scheduler:
                 blocked_seen = True
                 out.blocked.append(r)
                 continue
-            cost = 1 if r.has_state else r.prompt_len
-            if seqs_left < 1 or cost > tokens_left:
+            cost = self._cost(r, False)
+            if seqs_left < 1 or cost > tokens_left and not (self.chunked_prefill and tokens_left >= 1):
                 break  # strict FCFS on capacity: nobody passes a request for lack of room
             seqs_left -= 1
             tokens_left -= cost
@@ -189,6 +195,13 @@ class Scheduler:
         out.selected = selected
         out.waiting = list(self.waiting)
         return out
+
+    def _cost(self, r: SchedRequest, running: bool) -> int:
+        """Tokens ``r`` needs in a step: what is left of its prompt, else one to decode. Without
+        chunking a prompt runs whole in the step that admits it, so a running request costs one."""
+        if self.chunked_prefill:
+            return max(1, r.prompt_len if r.prefill_left < 0 else r.prefill_left)
+        return 1 if running or r.has_state else r.prompt_len
 
     def _parent_for(self, variant: str, admitted: list[SchedRequest]) -> str:
         for r in self.running.values():  # admission order: the earliest non-skipper of the variant

@@ -116,7 +116,7 @@ def test_greedy_outputs_equal_the_merged_models_with_slot_and_host_churn(served)
         # Memory gauges: the base plus the two filled slots; the KV pool is empty once all finished.
         be = eng.backend
         assert st["device_weight_bytes"] == be.base_bytes() + be.slot_bytes(0) + be.slot_bytes(1) > be.base_bytes()
-        assert eng.kv_pool.nbytes() == 0 and eng.kv_pool.rows == 0
+        assert eng.paged and eng.kv_pool.nbytes() == 0 and eng.kv_pool.num_blocks == 0
 
 
 def test_preempted_line_skippers_resume_with_identical_output(served):
@@ -194,7 +194,8 @@ def test_cancel_frees_the_sequence_and_sampling_options(served):
 
 def test_requests_are_validated_before_queueing(served):
     with single_thread():
-        eng = make_engine(served, max_deltas=1, max_queue=2, max_batch_tokens=64)
+        # Without chunked prefill a prompt must fit in one step's token budget.
+        eng = make_engine(served, max_deltas=1, max_queue=2, max_batch_tokens=64, chunked_prefill=False)
         ok = SamplingParams(max_tokens=4, temperature=0.0)
         with pytest.raises(UnknownModel):
             eng.submit("nope", [1, 2], ok, lambda e: None)
@@ -393,3 +394,81 @@ def test_kv_pool_against_per_sequence_lists_under_random_churn():
         for s, n in zip(batch, new):
             seqs[s].length += n
     assert pool.rows >= 8 and pool.capacity >= max(s.length for s in seqs.values())
+
+
+def test_chunked_prefill_keeps_decodes_going_and_outputs_equal_generate(served):
+    """A prompt longer than the step's token budget arrives while two sequences decode: it is fed in
+    chunks of what the budget leaves, the decoders get a token in every step meanwhile, and every
+    output equals the merged model's ``generate``."""
+    with single_thread():
+        eng = make_engine(served, max_deltas=2, max_batch_tokens=12)
+        assert eng.paged
+        tok = served.tokenizer()
+        rows_of_step: dict[int, dict[str, tuple[int, bool]]] = {}
+        forward = eng._forward
+        long_prompt = " ".join(PROMPTS) + " zip"
+        long_ids = tok(long_prompt)["input_ids"]
+        assert len(long_ids) > 3 * 12
+        col = Collector()
+        long_rid = []
+
+        def spy(group, row_slots):  # engine thread: which rows ran in which step, and how many tokens
+            rows_of_step.setdefault(eng.counters["steps"], {}).update(
+                {s.rid: (len(t), bool(s.output_ids)) for s, t in group})
+            if not long_rid and all(len(s.output_ids) == 2 for s, _ in group):  # both decoders are going
+                long_rid.append(eng.submit("beta", long_ids, SamplingParams(max_tokens=6, temperature=0.0),
+                                           col.sink("long")))
+            return forward(group, row_slots)
+
+        eng._forward = spy
+        eng.start()
+        try:
+            rids = {eng.submit(m, tok(PROMPTS[i])["input_ids"], SamplingParams(max_tokens=40, temperature=0.0),
+                               col.sink(m)): m for i, m in enumerate(("alpha", "base"))}
+            col.wait()
+        finally:
+            eng.shutdown()
+        assert col.final("long").text == served.expected_ids("beta", tuple(long_ids), 6)
+        for i, m in enumerate(("alpha", "base")):
+            assert col.final(m).text == served.expected(m, PROMPTS[i], 40)
+        long_rid = long_rid[0]
+        chunks = {s: rows[long_rid][0] for s, rows in rows_of_step.items()
+                  if long_rid in rows and not rows[long_rid][1]}
+        assert len(chunks) >= 3 and sum(chunks.values()) == len(long_ids)
+        overlapped = 0
+        for s in chunks:
+            decoding = [rid for rid, (n, dec) in rows_of_step[s].items() if dec and rid in rids]
+            assert chunks[s] <= 12 - len(decoding)  # the budget is shared: decodes first
+            overlapped += len(decoding)
+            assert all(rows_of_step[s][rid] == (1, True) for rid in decoding)
+        # Both decoders produced a token in every step of the long prefill they were alive for.
+        for rid in rids:
+            alive = [s for s, rows in rows_of_step.items() if rid in rows and rows[rid][1]]
+            assert alive == list(range(alive[0], alive[-1] + 1))
+        assert overlapped >= 2 * (len(chunks) - 1)
+
+
+def test_models_without_the_attention_interface_use_the_contiguous_cache(served, monkeypatch):
+    """A model class that takes no attention function (the ALiBi models) keeps SDPA and the
+    contiguous ``StepKV`` pool, selected automatically; its outputs still equal ``generate``."""
+    from transformers import LlamaForCausalLM
+
+    from deltazip.runtime.serve.engine import KVPool
+
+    monkeypatch.setattr(LlamaForCausalLM, "_supports_attention_backend", False)
+    with single_thread():
+        eng = make_engine(served, max_deltas=2)
+        assert not eng.paged and isinstance(eng.kv_pool, KVPool)
+        assert eng.backend.config._attn_implementation == "sdpa"
+        tok = served.tokenizer()
+        eng.start()
+        try:
+            col = Collector()
+            for m in ("base", "alpha"):
+                for p in PROMPTS[:2]:
+                    eng.submit(m, tok(p)["input_ids"], SamplingParams(max_tokens=8, temperature=0.0), col.sink((m, p)))
+            col.wait()
+        finally:
+            eng.shutdown()
+        for (m, p) in col.events:
+            assert col.final((m, p)).text == served.expected(m, p, 8), (m, p)

@@ -1,0 +1,124 @@
+"""Attention over the paged KV cache, registered with transformers' ``AttentionInterface``.
+
+A model loaded for serving gets ``attn_implementation = "deltazip_paged"`` (:func:`use_paged_attention`)
+when its class takes attention functions from the interface (``_supports_attention_backend``);
+other classes (ALiBi models such as BLOOM, MPT, Falcon) keep SDPA and the engine's contiguous
+``StepKV`` path.
+
+While a :class:`~deltazip.runtime.serve.kv_cache.PagedStep` is bound (the engine's forwards), the
+keys and values transformers hands over are the layer's whole pool ``[num_blocks, block_size,
+H_kv, D]``, read in place: per span of the step (one span for a decode step, one per row for a
+prefill) the scores are ``Q · K_spanᵀ`` with the span a view of the pool, masked to the row's own
+slots at positions up to the query's. GQA: the ``G = H_q / H_kv`` query heads sharing a key/value
+head are stacked on the query axis, so K and V are never repeated. The kwargs transformers passes
+are honoured: ``scaling``, ``softcap`` (Gemma 2/3: ``tanh(s / c) · c``), ``sliding_window`` (a key
+is seen while ``q - window < k <= q``); ``dropout`` must be 0 (inference).
+
+Why this kernel: it is plain torch (CPU and CUDA alike), reads every needed key once per layer
+and copies none; its cost is that a decode step scores every query against the whole span the
+batch's blocks cover (``B × S`` scores where a per-row kernel would compute ``Σ S_b``), which is
+small next to the MLPs at serving batch sizes. No GPU was available to measure flex_attention or
+FlashInfer against it (see docs/serve.md).
+
+Called without a bound step (``generate`` on the same model object, say) the function behaves as
+SDPA, with transformers' SDPA masks (registered for the same name).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltazip.runtime.serve.kv_cache import CURRENT_STEP, PagedStep
+
+PAGED_ATTENTION = "deltazip_paged"
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                            sliding_window: int | None = None, softcap: float | None = None, **kwargs
+                            ) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: ``query [B, H_q, Tm, D]`` -> ``([B, Tm, H_q, Dv], None)``.
+
+    With a bound step, ``key``/``value`` are the layer's pool ``[num_blocks, block_size, H_kv, D]``.
+    """
+    if dropout:
+        raise ValueError("deltazip_paged attention is for inference: dropout must be 0")
+    step = CURRENT_STEP.get()
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if step is None:
+        return _unbound(module, query, key, value, attention_mask, scale, sliding_window, softcap, **kwargs)
+    return _paged(step, query, key, value, scale, sliding_window, softcap), None
+
+
+def _paged(step: PagedStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+           window: int | None, softcap: float | None) -> torch.Tensor:
+    b_all, hq, tm, d = query.shape
+    hkv, dv = key.shape[2], value.shape[3]
+    g = hq // hkv
+    flat_k, flat_v = key.view(-1, hkv, d), value.view(-1, hkv, dv)
+    out = None if len(step.spans) == 1 else query.new_empty(b_all, tm, hq, dv)
+    for i, (rows, lo, hi, _) in enumerate(step.spans):
+        q = query if out is None else query[rows]
+        b, s = q.shape[0], hi - lo
+        # [b, H_kv·G, Tm, D] -> [H_kv, b·G·Tm, D]: the G heads of a key/value head share its keys.
+        q = q.reshape(b, hkv, g, tm, d).permute(1, 0, 2, 3, 4).reshape(hkv, b * g * tm, d)
+        k = flat_k[lo:hi].permute(1, 2, 0)  # [H_kv, D, S], a view of the pool
+        v = flat_v[lo:hi].permute(1, 0, 2)  # [H_kv, S, Dv]
+        scores = torch.matmul(q, k).mul_(scale)
+        if softcap:
+            scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+        blocked = step.blocked(i, window)  # [b, 1, Tm, S]
+        scores = scores.view(hkv, b, g, tm, s).masked_fill_(blocked.view(1, b, 1, tm, s), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        if probs.dtype != query.dtype:
+            probs = probs.to(query.dtype)
+        o = torch.matmul(probs.view(hkv, b * g * tm, s), v)  # [H_kv, b·G·Tm, Dv]
+        o = o.view(hkv, b, g, tm, dv).permute(1, 3, 0, 2, 4).reshape(b, tm, hq, dv)
+        if out is None:
+            return o
+        out[rows] = o
+    return out
+
+
+def _unbound(module, query, key, value, attention_mask, scale, window, softcap, **kwargs):
+    """Dense ``key``/``value`` ``[B, H_kv, S, D]`` with a transformers mask: SDPA, or the same math
+    as the paged path when soft-capping (which SDPA lacks)."""
+    if softcap is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scale,
+                                      sliding_window=window, **kwargs)
+    b, hq, t, d = query.shape
+    hkv, s = key.shape[1], key.shape[2]
+    g = hq // hkv
+    scores = torch.matmul(query.view(b, hkv, g * t, d), key.transpose(-1, -2)).mul_(scale)
+    scores = torch.tanh(scores.div_(softcap)).mul_(softcap).view(b, hkv, g, t, s)
+    if attention_mask is None:  # transformers left the mask to SDPA's is_causal: bottom-right causal
+        attention_mask = torch.ones(t, s, dtype=torch.bool, device=query.device).tril(s - t)
+    mask = attention_mask.view(attention_mask.shape[0], 1, 1, t, s)
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype).view(b, hkv, g * t, s)
+    return torch.matmul(probs, value).view(b, hq, t, -1).transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make ``deltazip_paged`` a valid ``attn_implementation`` (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
+    AttentionMaskInterface.register(PAGED_ATTENTION, sdpa_mask)
+
+
+def use_paged_attention(model: torch.nn.Module) -> bool:
+    """Switch ``model`` to the paged attention when its class supports attention functions; returns
+    whether it did (the engine then uses the paged KV cache, else the contiguous one)."""
+    if not getattr(model, "_supports_attention_backend", False):
+        return False
+    register()
+    model.set_attn_implementation(PAGED_ATTENTION)
+    return True
+
+
+def is_paged(model: torch.nn.Module) -> bool:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == PAGED_ATTENTION

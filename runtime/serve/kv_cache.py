@@ -1,0 +1,279 @@
+"""Paged KV cache: fixed-size blocks in one pool per layer, a block table per sequence.
+
+- :class:`BlockPool`: per layer ``k`` and ``v`` of shape ``[num_blocks, block_size, H_kv, D]``
+  and a free list. Blocks are handed out lowest index first, so a sequence's blocks tend to form
+  contiguous runs (the attention reads a span of the pool, see ``deltazip.runtime.serve.attention``).
+  When no block is held the tensors are dropped: an idle server holds no KV memory.
+- :class:`SeqBlocks`: one sequence's block table and length; blocks are taken on demand as the
+  sequence grows, given back when it finishes, and copied to host memory while it is preempted.
+- :class:`PagedStep`: the ``past_key_values`` object of one forward. Its ``update`` writes the
+  step's new keys/values into their blocks (one indexed store per layer) and returns the layer's
+  pool tensors as they are: nothing of the past is gathered or concatenated. The step's layout
+  (which pool slot holds which position of which batch row) is built once and shared by all layers.
+
+Bytes the cache moves beyond appending new tokens (pool growth, preemption copies) are counted in
+``BlockPool.copied_bytes``; ``bench/step.py`` reports them per decode step.
+"""
+
+from __future__ import annotations
+
+import heapq
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+
+DEFAULT_BLOCK_SIZE = 16
+# The step whose forward is running (read by the attention function, which transformers calls
+# without the cache object).
+CURRENT_STEP: ContextVar[PagedStep | None] = ContextVar("deltazip_paged_step", default=None)
+
+
+class BlockPool:
+    """Blocks of ``block_size`` token positions, per layer ``[num_blocks, block_size, H_kv, D]``.
+
+    The pool grows by doubling its block count when the free list runs dry (a copy, counted in
+    ``copied_bytes``; steady decoding does not grow it). Layers are created on first write (their
+    ``H_kv``, ``D`` and dtype come from the model).
+    """
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        self.num_blocks = 0
+        self._free: list[int] = []  # a heap: lowest index first
+        self.copied_bytes = 0
+        self.generation = 0  # bumped whenever the layer tensors are replaced (CUDA graphs re-capture)
+
+    def used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        """``n`` free blocks (lowest indices first); the pool grows when short."""
+        if n > len(self._free):
+            self._grow(max(2 * self.num_blocks, self.num_blocks + n - len(self._free), 8))
+        return [heapq.heappop(self._free) for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            heapq.heappush(self._free, b)
+        if self._free and len(self._free) == self.num_blocks:  # nothing cached: give the memory back
+            self.k, self.v, self.num_blocks, self._free = [], [], 0, []
+            self.generation += 1
+
+    @torch.inference_mode()  # the layers are inference tensors (made in the forward): update them as such
+    def _grow(self, blocks: int) -> None:
+        def grown(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            # Zeros, not empty: masked slots are multiplied by 0 in attention, and 0 * NaN is NaN.
+            out = t.new_zeros(blocks, *t.shape[1:])
+            out[: t.shape[0]] = t
+            self.copied_bytes += t.numel() * t.element_size()
+            return out
+
+        self.k = [grown(t) for t in self.k]
+        self.v = [grown(t) for t in self.v]
+        for b in range(self.num_blocks, blocks):
+            heapq.heappush(self._free, b)
+        self.num_blocks = blocks
+        self.generation += 1
+
+    def layer(self, idx: int, heads: int, dim: int, like: torch.Tensor, dim_v: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``idx``'s ``(k, v)``, created with ``heads`` KV heads of ``dim`` (``dim_v`` for values,
+        default ``dim``; dtype and device of ``like``) if new."""
+        while len(self.k) <= idx:
+            self.k.append(None)
+            self.v.append(None)
+        if self.k[idx] is None:
+            self.k[idx] = like.new_zeros(self.num_blocks, self.block_size, heads, dim)
+            self.v[idx] = like.new_zeros(self.num_blocks, self.block_size, heads, dim_v or dim)
+        return self.k[idx], self.v[idx]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+
+
+class SeqBlocks:
+    """One sequence's KV cache: its block table in a :class:`BlockPool` (or, while preempted, host
+    copies of its blocks). Same interface as the contiguous pool's ``SeqKV``."""
+
+    def __init__(self):
+        self.pool: BlockPool | None = None
+        self.blocks: list[int] = []
+        self.length = 0
+        self.host: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def row(self):  # held blocks, for code that asks whether a cache is resident
+        return self.blocks or None
+
+    def reserve(self, pool: BlockPool, n: int) -> None:
+        """Make the table cover ``n`` positions (new blocks on demand)."""
+        self.pool = pool
+        need = -(-n // pool.block_size) - len(self.blocks)
+        if need > 0:
+            self.blocks += pool.alloc(need)
+
+    @torch.inference_mode()
+    def attach(self, pool: BlockPool) -> None:
+        """Take blocks of ``pool`` for the cached positions; a cache moved to the host comes back."""
+        if self.host is None:
+            self.pool = pool
+            return
+        self.reserve(pool, self.length)
+        idx = torch.tensor(self.blocks, dtype=torch.long)
+        for i, (k, v) in enumerate(self.host):
+            pk, pv = pool.layer(i, k.shape[2], k.shape[3], k, v.shape[3])
+            pk.index_copy_(0, idx.to(pk.device), k.to(pk.device))
+            pv.index_copy_(0, idx.to(pv.device), v.to(pv.device))
+            pool.copied_bytes += 2 * k.numel() * k.element_size()
+        self.host = None
+
+    def offload(self) -> None:
+        """Copy the sequence's blocks to host memory and give them back (a preempted sequence)."""
+        if not self.blocks:
+            return
+        pool = self.pool
+        idx = torch.tensor(self.blocks, dtype=torch.long)
+        host = []
+        for k, v in zip(pool.k, pool.v):
+            if k is None:
+                continue
+            i = idx.to(k.device)
+            # index_select copies; .to("cpu") of a CPU tensor would not, and the blocks are given away.
+            host.append((k.index_select(0, i).to("cpu"), v.index_select(0, i).to("cpu")))
+            pool.copied_bytes += 2 * host[-1][0].numel() * k.element_size()
+        self.host = host
+        self.free()
+
+    def free(self) -> None:
+        if self.blocks and self.pool is not None:
+            self.pool.free(self.blocks)
+        self.blocks = []
+
+    def nbytes(self) -> int:
+        if self.host is not None:
+            return sum(k.numel() * k.element_size() * 2 for k, _ in self.host)
+        if not self.blocks or self.pool is None:
+            return 0
+        return sum(k[0].numel() * k.element_size() * 2 * len(self.blocks) for k in self.pool.k if k is not None)
+
+
+class PagedStep:
+    """The ``past_key_values`` object of one forward over a :class:`BlockPool`.
+
+    Batch row ``b`` has ``P_b`` cached positions and ``T_b`` new tokens, right-aligned in the
+    ``Tm = max T`` query positions (left padding). Attributes used by the attention function
+    (``deltazip.runtime.serve.attention``), all on the model's device and shared by every layer:
+
+    - ``q_pos`` ``[B, Tm]`` int64: the position of every query (a padding query gets its row's
+      first new position, so it sees at least that token and no softmax row is empty);
+    - ``spans``: list of ``(rows, lo, hi)``: batch rows ``rows`` (a slice) attend over pool slots
+      ``[lo, hi)`` (flattened ``block * block_size + offset``). A decode step (``Tm == 1``) is one
+      span for the whole batch; a prefill step one span per row (its own blocks), which bounds the
+      score matrix by each prompt's own length;
+    - per span, ``[2, S]``: the position each slot holds and the batch row owning it (``-1`` for
+      none), from which :meth:`blocked` builds the span's mask.
+
+    Args:
+        pool: the engine's :class:`BlockPool`.
+        caches: one :class:`SeqBlocks` per batch row.
+        past, new: ``P_b`` and ``T_b`` per row.
+        device: where the model runs.
+    """
+
+    def __init__(self, pool: BlockPool, caches: list[SeqBlocks], past: list[int], new: list[int],
+                 device: torch.device | str):
+        self.pool, self.past, self.new = pool, past, new
+        self.tm = max(new)
+        self.block_size = pool.block_size
+        for c, p, n in zip(caches, past, new):
+            c.attach(pool)
+            c.reserve(pool, p + n)
+        self.tables = [list(c.blocks) for c in caches]
+        self.device = torch.device(device)
+        self._write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.q_pos = self._query_positions()
+        self.spans = self._spans()
+        self._masks: dict = {}
+
+    # -- layout (Python lists, then one tensor each: a step's set-up is a handful of ops) -------
+    def _query_positions(self) -> torch.Tensor:
+        pos = [[max(p, p + t - (self.tm - n)) for t in range(self.tm)] for p, n in zip(self.past, self.new)]
+        return torch.tensor(pos, dtype=torch.long, device=self.device)
+
+    def _slots(self, b: int) -> list[int]:
+        """Pool slots of row ``b``'s positions ``0 .. P_b + T_b - 1``."""
+        bs, table = self.block_size, self.tables[b]
+        return [table[i // bs] * bs + i % bs for i in range(self.past[b] + self.new[b])]
+
+    def _spans(self) -> list[tuple[slice, int, int, torch.Tensor]]:
+        rows_of = [[b] for b in range(len(self.new))] if self.tm > 1 else [list(range(len(self.new)))]
+        out = []
+        for rows in rows_of:
+            slots = [self._slots(b) for b in rows]
+            lo = min(min(s) for s in slots)
+            hi = max(max(s) for s in slots) + 1
+            k_pos, k_row = [-1] * (hi - lo), [-1] * (hi - lo)
+            for i, s in enumerate(slots):
+                for p, slot in enumerate(s):
+                    k_pos[slot - lo], k_row[slot - lo] = p, i
+            out.append((slice(rows[0], rows[-1] + 1), lo, hi,
+                        torch.tensor([k_pos, k_row], dtype=torch.long, device=self.device)))
+        return out
+
+    def blocked(self, span: int, window: int | None) -> torch.Tensor:
+        """Bool ``[B_span, 1, Tm, S]``, True where a query may NOT attend, for span ``span``: a query
+        sees the slots of its own row at positions up to its own (and, with a sliding ``window``,
+        after ``q - window``). Built once per step and window, shared by the layers."""
+        key = (span, window)
+        if key not in self._masks:
+            rows, _, _, kpr = self.spans[span]
+            q = self.q_pos[rows].unsqueeze(-1)  # [B, Tm, 1]
+            k_pos, k_row = kpr[0].view(1, 1, -1), kpr[1].view(1, 1, -1)
+            own = k_row == torch.arange(q.shape[0], device=q.device).view(-1, 1, 1)
+            ok = own & (k_pos <= q)
+            if window:
+                ok &= k_pos > q - window
+            self._masks[key] = (~ok).unsqueeze(1)
+        return self._masks[key]
+
+    def _write_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Batch row, token index and pool slot of every real new token."""
+        if self._write is None:
+            b, t, slot = [], [], []
+            for i, (p, n) in enumerate(zip(self.past, self.new)):
+                b += [i] * n
+                t += range(self.tm - n, self.tm)
+                slot += self._slots(i)[p:]
+            self._write = torch.tensor([b, t, slot], dtype=torch.long, device=self.device).unbind(0)
+        return self._write
+
+    # -- the Cache interface transformers calls ---------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store ``[B, H_kv, Tm, D]`` new keys/values in their blocks; returns the layer's pool
+        ``(k, v)``, each ``[num_blocks, block_size, H_kv, D]`` (the attention reads it in place)."""
+        pk, pv = self.pool.layer(layer_idx, key_states.shape[1], key_states.shape[3], key_states,
+                                 value_states.shape[3])
+        b, t, slot = self._write_index()
+        flat_k, flat_v = pk.view(-1, *pk.shape[2:]), pv.view(-1, *pv.shape[2:])
+        flat_k.index_copy_(0, slot, key_states[b, :, t])
+        flat_v.index_copy_(0, slot, value_states[b, :, t])
+        return pk, pv
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.past)
+
+    @contextmanager
+    def bound(self):
+        """The step is visible to the attention function while the forward runs."""
+        token = CURRENT_STEP.set(self)
+        try:
+            yield self
+        finally:
+            CURRENT_STEP.reset(token)

@@ -1,0 +1,202 @@
+"""The paged KV cache (blocks, block tables, preemption) and its attention function, on tiny models."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from _factories import tiny_model
+from _serving import single_thread
+
+from deltazip.runtime.serve.attention import PAGED_ATTENTION, paged_attention_forward, use_paged_attention
+from deltazip.runtime.serve.engine import KVPool, SeqKV, forward_step
+from deltazip.runtime.serve.kv_cache import CURRENT_STEP, BlockPool, PagedStep, SeqBlocks
+from deltazip.runtime.serve.kv_meter import KVCopyMeter
+from deltazip.runtime.serve.model import run_model
+
+
+class Backend:
+    """The engine's backend contract over a plain transformers model (base rows only)."""
+
+    def __init__(self, model):
+        self.model, self.config, self.device = model, model.config, torch.device("cpu")
+
+    def forward(self, row_slots, input_ids, position_ids, attention_mask, kv):
+        return run_model(self.model, input_ids, position_ids, attention_mask, kv)
+
+
+def test_block_pool_allocates_lowest_first_grows_and_holds_nothing_when_idle():
+    pool = BlockPool(block_size=4)
+    a = pool.alloc(3)
+    assert a == [0, 1, 2] and pool.num_blocks == 8
+    k, v = pool.layer(0, 2, 8, torch.zeros(1), dim_v=6)
+    assert k.shape == (8, 4, 2, 8) and v.shape == (8, 4, 2, 6)
+    k[a] = 1.0
+    b = pool.alloc(7)  # more than is free: the pool doubles and keeps the cached blocks
+    assert pool.num_blocks == 16 and b == [3, 4, 5, 6, 7, 8, 9]
+    assert bool((pool.k[0][a] == 1).all()) and pool.copied_bytes == (8 * 4 * 2 * 8 + 8 * 4 * 2 * 6) * 4
+    pool.free(a)
+    assert pool.alloc(2) == [0, 1]  # freed blocks are reused, lowest first
+    pool.free([0, 1] + b)
+    assert pool.num_blocks == 0 and pool.k == [] and pool.nbytes() == 0
+
+
+def test_sequence_blocks_on_demand_offload_and_restore():
+    pool = BlockPool(block_size=4)
+    s = SeqBlocks()
+    s.reserve(pool, 5)
+    assert len(s.blocks) == 2
+    s.reserve(pool, 8)
+    assert len(s.blocks) == 2  # still fits
+    s.reserve(pool, 9)
+    assert len(s.blocks) == 3
+    other = SeqBlocks()
+    other.reserve(pool, 4)
+    k, v = pool.layer(0, 2, 3, torch.zeros(1))
+    k[s.blocks] = torch.arange(3.0).view(3, 1, 1, 1) + 1
+    v[s.blocks] = -k[s.blocks]
+    s.length, held = 9, list(s.blocks)
+    s.offload()
+    assert s.blocks == [] and s.host is not None and s.nbytes() == 2 * 3 * 4 * 2 * 3 * 4
+    assert sorted(pool._free)[:3] == sorted(held)  # its blocks went back to the pool
+    k[held] = 0.0  # someone else overwrites them
+    filler = SeqBlocks()
+    filler.reserve(pool, 4)  # takes the lowest free block: the restored blocks land elsewhere
+    s.attach(pool)
+    assert s.host is None and s.blocks != held and len(s.blocks) == 3
+    assert torch.equal(pool.k[0][s.blocks][:, 0, 0, 0], torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(pool.v[0][s.blocks], -pool.k[0][s.blocks])
+    for c in (s, other, filler):
+        c.free()
+    assert pool.num_blocks == 0
+
+
+def _gemma2():
+    """Gemma 2: soft-capped attention logits, sliding-window layers (window 6) between global ones."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("gemma2", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128,
+                               vocab_size=40, sliding_window=6, attn_logit_softcapping=5.0,
+                               query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gemma", "gemma2"])
+def test_paged_decoding_equals_full_forward_under_churn(arch):
+    """Sequences of random lengths start, grow in chunks and one token at a time, get preempted and
+    restored and finish, their blocks interleaved in the pool; every step's logits equal a full
+    forward of the sequence, without a cache, by transformers' eager attention."""
+    import copy
+
+    with single_thread():
+        model = _gemma2() if arch == "gemma2" else tiny_model(arch)
+        ref = copy.deepcopy(model)
+        ref.set_attn_implementation("eager")
+        assert use_paged_attention(model) and model.config._attn_implementation == PAGED_ATTENTION
+        be, pool, rng = Backend(model), BlockPool(block_size=4), random.Random(0)
+        live: dict[int, tuple[SeqBlocks, list[int]]] = {}
+        for step in range(14):
+            if len(live) < 4:
+                live[step] = (SeqBlocks(), [rng.randrange(3, 40) for _ in range(rng.randrange(2, 11))])
+            if step % 5 == 4:
+                victim = next(iter(live))
+                live[victim][0].offload()
+            rows = list(live)
+            toks = []
+            for r in rows:
+                cache, ids = live[r]
+                n = len(ids) - cache.length if cache.length < len(ids) else 1
+                n = min(n, rng.randrange(1, 6))
+                if cache.length == len(ids):
+                    ids.append(rng.randrange(3, 40))
+                toks.append(ids[cache.length:cache.length + n])
+            caches = [live[r][0] for r in rows]
+            logits = forward_step(be, pool, caches, [-1] * len(rows), toks, [c.length for c in caches])
+            for i, r in enumerate(rows):
+                ids = live[r][1][: caches[i].length]
+                with torch.no_grad():
+                    want = ref(torch.tensor([ids])).logits[0, -1]
+                torch.testing.assert_close(logits[i], want, rtol=1e-4, atol=1e-4)
+            if step % 3 == 2:
+                done = rows[0]
+                live.pop(done)[0].free()
+        for c, _ in live.values():
+            c.free()
+        assert pool.num_blocks == 0 and pool.nbytes() == 0
+
+
+def _reference(q, k, v, q_pos, k_pos, scaling, window, softcap):
+    """Eager attention of one row: q [H, T, D], k/v [S, H_kv, D], positions; K/V repeated per group."""
+    g = q.shape[0] // k.shape[1]
+    kk = k.permute(1, 0, 2).repeat_interleave(g, 0)
+    vv = v.permute(1, 0, 2).repeat_interleave(g, 0)
+    s = q @ kk.transpose(1, 2) * scaling
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    ok = k_pos.view(1, -1) <= q_pos.view(-1, 1)
+    if window:
+        ok &= k_pos.view(1, -1) > q_pos.view(-1, 1) - window
+    s = s.masked_fill(~ok, float("-inf"))
+    return (torch.softmax(s, -1) @ vv).transpose(0, 1)  # [T, H, D]
+
+
+@pytest.mark.parametrize("window,softcap,new", [(None, None, [1, 1, 1]), (5, None, [1, 1, 1]), (None, 30.0, [1, 1, 1]),
+                                                 (4, 20.0, [6, 2, 9]), (None, None, [3, 7, 1])])
+def test_attention_honours_scaling_window_softcap_and_gqa(window, softcap, new):
+    torch.manual_seed(0)
+    pool, hq, hkv, d = BlockPool(block_size=4), 6, 2, 8
+    past = [9, 0, 14]
+    caches = [SeqBlocks() for _ in past]
+    junk = SeqBlocks()
+    for c, p in zip(caches, past):  # interleave the rows' blocks with another sequence's
+        c.reserve(pool, p)
+        junk.reserve(pool, len(junk.blocks) * 4 + 4)
+    step = PagedStep(pool, caches, past, new, "cpu")
+    tm = max(new)
+    k_new, v_new = torch.randn(3, hkv, tm, d), torch.randn(3, hkv, tm, d)
+    pk, pv = pool.layer(0, hkv, d, k_new)
+    pk.normal_()
+    pv.normal_()
+    pool_k, pool_v = step.update(k_new, v_new, 0)
+    q = torch.randn(3, hq, tm, d)
+    token = CURRENT_STEP.set(step)
+    try:
+        out, _ = paged_attention_forward(None, q, pool_k, pool_v, None, scaling=0.3, sliding_window=window,
+                                         softcap=softcap)
+    finally:
+        CURRENT_STEP.reset(token)
+    assert out.shape == (3, tm, hq, d)
+    for b in range(len(caches)):
+        n = past[b] + new[b]
+        slots = torch.tensor(step._slots(b))
+        k = pk.view(-1, hkv, d)[slots]
+        v = pv.view(-1, hkv, d)[slots]
+        torch.testing.assert_close(k[past[b]:], k_new[b, :, tm - new[b]:].transpose(0, 1))  # appended in place
+        q_pos = torch.arange(past[b], n)
+        want = _reference(q[b, :, tm - new[b]:], k, v, q_pos, torch.arange(n), 0.3, window, softcap)
+        torch.testing.assert_close(out[b, tm - new[b]:], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_decode_step_copies_no_kv_bytes_beyond_the_new_tokens():
+    """The 0-KV-bytes proxy: on the paged cache a decode step writes exactly the new tokens' keys and
+    values and copies nothing else out of the cache; the contiguous pool copies the whole past."""
+    with single_thread():
+        model = tiny_model("llama")
+        use_paged_attention(model)
+        be, cfg = Backend(model), model.config
+        rows, context = 4, 21
+        per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+        measured = {}
+        for name, pool in (("paged", BlockPool()), ("contiguous", KVPool())):
+            caches = [SeqBlocks() if name == "paged" else SeqKV() for _ in range(rows)]
+            forward_step(be, pool, caches, [-1] * rows, [[5 + i] * context for i in range(rows)], [0] * rows)
+            with KVCopyMeter(pool) as meter:
+                forward_step(be, pool, caches, [-1] * rows, [[7]] * rows, [c.length for c in caches])
+            measured[name] = meter
+        assert measured["paged"].copied == 0
+        assert measured["paged"].appended == rows * per_token
+        assert measured["contiguous"].appended == rows * per_token
+        assert measured["contiguous"].copied >= 2 * rows * context * per_token  # gather + concatenate
