@@ -6,19 +6,23 @@ other classes (ALiBi models such as BLOOM, MPT, Falcon) keep SDPA and the engine
 ``StepKV`` path.
 
 While a :class:`~deltazip.runtime.serve.kv_cache.PagedStep` is bound (the engine's forwards), the
-keys and values transformers hands over are the layer's whole pool ``[num_blocks, block_size,
-H_kv, D]``, read in place: per span of the step (one span for a decode step, one per row for a
-prefill) the scores are ``Q · K_spanᵀ`` with the span a view of the pool, masked to the row's own
-slots at positions up to the query's. GQA: the ``G = H_q / H_kv`` query heads sharing a key/value
-head are stacked on the query axis, so K and V are never repeated. The kwargs transformers passes
+keys and values transformers hands over are the layer's whole pool ``[num_blocks, H_kv,
+block_size, D]``, read in place. Per span of the step (one span for a decode step, one per row for
+a prefill), a range of blocks ``[lo, hi)``: every block meets only its owner's queries (gathered,
+``[nb, H_kv, G·Tm, D]``), scores are one batched matmul against the blocks as they lie in the pool
+(``[nb, H_kv, G·Tm, block_size]``), masked to positions up to the query's; the softmax runs across
+a row's blocks with a scattered max and sum (``scatter_reduce_``/``index_add_``), and the
+block-partial outputs ``probs · V_block`` are summed per row. Work is proportional to the blocks
+read, not to ``B ×`` the span. GQA: the ``G = H_q / H_kv`` query heads sharing a key/value head are
+stacked on the query axis, so K and V are never repeated. The kwargs transformers passes
 are honoured: ``scaling``, ``softcap`` (Gemma 2/3: ``tanh(s / c) · c``), ``sliding_window`` (a key
 is seen while ``q - window < k <= q``); ``dropout`` must be 0 (inference).
 
-Why this kernel: it is plain torch (CPU and CUDA alike), reads every needed key once per layer
-and copies none; its cost is that a decode step scores every query against the whole span the
-batch's blocks cover (``B × S`` scores where a per-row kernel would compute ``Σ S_b``), which is
-small next to the MLPs at serving batch sizes. No GPU was available to measure flex_attention or
-FlashInfer against it (see docs/serve.md).
+Why this kernel: it is plain torch (CPU and CUDA alike, about 25 ops per layer whatever the batch),
+reads every needed key once per layer and copies none. Its costs: the queries are gathered per
+block (``block_size`` times fewer rows than keys), and blocks inside a span that belong to no row
+of it (other sequences' blocks) are computed and discarded. No GPU was available to measure
+flex_attention or FlashInfer against it (see docs/serve.md).
 
 Called without a bound step (``generate`` on the same model object, say) the function behaves as
 SDPA, with transformers' SDPA masks (registered for the same name).
@@ -31,6 +35,7 @@ import torch
 from deltazip.runtime.serve.kv_cache import CURRENT_STEP, PagedStep
 
 PAGED_ATTENTION = "deltazip_paged"
+_NEG = torch.finfo(torch.float32).min  # masked scores: exp() gives 0, and no inf - inf NaN
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -52,32 +57,41 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
 def _paged(step: PagedStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
            window: int | None, softcap: float | None) -> torch.Tensor:
+    """Attention over each span's blocks, block by block (shapes in the module docstring)."""
     b_all, hq, tm, d = query.shape
-    hkv, dv = key.shape[2], value.shape[3]
+    hkv, dv = key.shape[1], value.shape[3]
     g = hq // hkv
-    flat_k, flat_v = key.view(-1, hkv, d), value.view(-1, hkv, dv)
     out = None if len(step.spans) == 1 else query.new_empty(b_all, tm, hq, dv)
-    for i, (rows, lo, hi, _) in enumerate(step.spans):
+    for i, (rows, lo, hi, meta) in enumerate(step.spans):
         q = query if out is None else query[rows]
-        b, s = q.shape[0], hi - lo
-        # [b, H_kv·G, Tm, D] -> [H_kv, b·G·Tm, D]: the G heads of a key/value head share its keys.
-        q = q.reshape(b, hkv, g, tm, d).permute(1, 0, 2, 3, 4).reshape(hkv, b * g * tm, d)
-        k = flat_k[lo:hi].permute(1, 2, 0)  # [H_kv, D, S], a view of the pool
-        v = flat_v[lo:hi].permute(1, 0, 2)  # [H_kv, S, Dv]
-        scores = torch.matmul(q, k).mul_(scale)
+        n, nb = q.shape[0], hi - lo
+        owner, owner_q = meta[0], meta[1]
+        # Each block meets only its owner's queries: [nb, H_kv, G·Tm, D], the G heads of a key/value
+        # head stacked on the query axis (K and V are never repeated).
+        qb = q.reshape(n, hkv, g * tm, d).index_select(0, owner_q)
+        scores = torch.matmul(qb, key[lo:hi].transpose(-1, -2)).mul_(scale)  # [nb, H_kv, G·Tm, bs]
         if softcap:
             scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
-        blocked = step.blocked(i, window)  # [b, 1, Tm, S]
-        scores = scores.view(hkv, b, g, tm, s).masked_fill_(blocked.view(1, b, 1, tm, s), float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        if probs.dtype != query.dtype:
-            probs = probs.to(query.dtype)
-        o = torch.matmul(probs.view(hkv, b * g * tm, s), v)  # [H_kv, b·G·Tm, Dv]
-        o = o.view(hkv, b, g, tm, dv).permute(1, 3, 0, 2, 4).reshape(b, tm, hq, dv)
+        scores = _as(scores, torch.float32).view(nb, hkv, g, tm, -1)
+        scores.masked_fill_(step.blocked(i, window), _NEG)
+        # Softmax across the blocks of a row: the row's max, then its sum (one scatter each).
+        top = scores.amax(-1)  # [nb, H_kv, G, Tm]
+        row_max = top.new_full((n + 1, hkv, g, tm), _NEG).scatter_reduce_(
+            0, owner.view(-1, 1, 1, 1).expand_as(top), top, "amax")
+        e = torch.exp(scores - row_max.index_select(0, owner).unsqueeze(-1))
+        den = top.new_zeros(n + 1, hkv, g, tm).index_add_(0, owner, e.sum(-1))
+        part = torch.matmul(_as(e.view(nb, hkv, g * tm, -1), value.dtype), value[lo:hi])  # [nb, H_kv, G·Tm, Dv]
+        num = part.new_zeros(n + 1, hkv, g * tm, dv, dtype=torch.float32).index_add_(0, owner, _as(part, torch.float32))
+        o = _as(num[:n] / den[:n].view(n, hkv, g * tm, 1), query.dtype)
+        o = o.view(n, hkv, g, tm, dv).permute(0, 3, 1, 2, 4).reshape(n, tm, hq, dv)
         if out is None:
             return o
         out[rows] = o
     return out
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _unbound(module, query, key, value, attention_mask, scale, window, softcap, **kwargs):

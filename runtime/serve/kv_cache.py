@@ -1,7 +1,8 @@
 """Paged KV cache: fixed-size blocks in one pool per layer, a block table per sequence.
 
-- :class:`BlockPool`: per layer ``k`` and ``v`` of shape ``[num_blocks, block_size, H_kv, D]``
-  and a free list. Blocks are handed out lowest index first, so a sequence's blocks tend to form
+- :class:`BlockPool`: per layer ``k`` and ``v`` of shape ``[num_blocks, H_kv, block_size, D]``
+  and a free list (head-major inside a block: a block's keys of one head are one contiguous
+  ``[block_size, D]`` matrix, so a range of blocks is a batch of matrices BLAS takes as it is). Blocks are handed out lowest index first, so a sequence's blocks tend to form
   contiguous runs (the attention reads a span of the pool, see ``deltazip.runtime.serve.attention``).
   When no block is held the tensors are dropped: an idle server holds no KV memory.
 - :class:`SeqBlocks`: one sequence's block table and length; blocks are taken on demand as the
@@ -30,7 +31,7 @@ CURRENT_STEP: ContextVar[PagedStep | None] = ContextVar("deltazip_paged_step", d
 
 
 class BlockPool:
-    """Blocks of ``block_size`` token positions, per layer ``[num_blocks, block_size, H_kv, D]``.
+    """Blocks of ``block_size`` token positions, per layer ``[num_blocks, H_kv, block_size, D]``.
 
     The pool grows by doubling its block count when the free list runs dry (a copy, counted in
     ``copied_bytes``; steady decoding does not grow it). Layers are created on first write (their
@@ -90,8 +91,8 @@ class BlockPool:
             self.k.append(None)
             self.v.append(None)
         if self.k[idx] is None:
-            self.k[idx] = like.new_zeros(self.num_blocks, self.block_size, heads, dim)
-            self.v[idx] = like.new_zeros(self.num_blocks, self.block_size, heads, dim_v or dim)
+            self.k[idx] = like.new_zeros(self.num_blocks, heads, self.block_size, dim)
+            self.v[idx] = like.new_zeros(self.num_blocks, heads, self.block_size, dim_v or dim)
         return self.k[idx], self.v[idx]
 
     def nbytes(self) -> int:
@@ -128,7 +129,7 @@ class SeqBlocks:
         self.reserve(pool, self.length)
         idx = torch.tensor(self.blocks, dtype=torch.long)
         for i, (k, v) in enumerate(self.host):
-            pk, pv = pool.layer(i, k.shape[2], k.shape[3], k, v.shape[3])
+            pk, pv = pool.layer(i, k.shape[1], k.shape[3], k, v.shape[3])
             pk.index_copy_(0, idx.to(pk.device), k.to(pk.device))
             pv.index_copy_(0, idx.to(pv.device), v.to(pv.device))
             pool.copied_bytes += 2 * k.numel() * k.element_size()
@@ -173,12 +174,12 @@ class PagedStep:
 
     - ``q_pos`` ``[B, Tm]`` int64: the position of every query (a padding query gets its row's
       first new position, so it sees at least that token and no softmax row is empty);
-    - ``spans``: list of ``(rows, lo, hi)``: batch rows ``rows`` (a slice) attend over pool slots
-      ``[lo, hi)`` (flattened ``block * block_size + offset``). A decode step (``Tm == 1``) is one
-      span for the whole batch; a prefill step one span per row (its own blocks), which bounds the
-      score matrix by each prompt's own length;
-    - per span, ``[2, S]``: the position each slot holds and the batch row owning it (``-1`` for
-      none), from which :meth:`blocked` builds the span's mask.
+    - ``spans``: list of ``(rows, lo, hi, meta)``: batch rows ``rows`` (a slice) attend over pool
+      blocks ``[lo, hi)``. A decode step (``Tm == 1``) is one span for the whole batch; a prefill
+      step one span per row (its own blocks). ``meta`` is int64 ``[3, hi - lo]``: per block the
+      span row owning it (``n_rows`` for a block of no row of the span), the same clamped to a
+      valid row (to gather queries), and the block's index in its owner's table (the positions it
+      holds are ``index * block_size + offset``).
 
     Args:
         pool: the engine's :class:`BlockPool`.
@@ -197,73 +198,68 @@ class PagedStep:
             c.reserve(pool, p + n)
         self.tables = [list(c.blocks) for c in caches]
         self.device = torch.device(device)
-        self._write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._write: tuple[torch.Tensor, ...] | None = None
         self.q_pos = self._query_positions()
         self.spans = self._spans()
         self._masks: dict = {}
 
-    # -- layout (Python lists, then one tensor each: a step's set-up is a handful of ops) -------
+    # -- layout (Python over blocks, then one tensor each: a step's set-up is a handful of ops) --
     def _query_positions(self) -> torch.Tensor:
         pos = [[max(p, p + t - (self.tm - n)) for t in range(self.tm)] for p, n in zip(self.past, self.new)]
         return torch.tensor(pos, dtype=torch.long, device=self.device)
-
-    def _slots(self, b: int) -> list[int]:
-        """Pool slots of row ``b``'s positions ``0 .. P_b + T_b - 1``."""
-        bs, table = self.block_size, self.tables[b]
-        return [table[i // bs] * bs + i % bs for i in range(self.past[b] + self.new[b])]
 
     def _spans(self) -> list[tuple[slice, int, int, torch.Tensor]]:
         rows_of = [[b] for b in range(len(self.new))] if self.tm > 1 else [list(range(len(self.new)))]
         out = []
         for rows in rows_of:
-            slots = [self._slots(b) for b in rows]
-            lo = min(min(s) for s in slots)
-            hi = max(max(s) for s in slots) + 1
-            k_pos, k_row = [-1] * (hi - lo), [-1] * (hi - lo)
-            for i, s in enumerate(slots):
-                for p, slot in enumerate(s):
-                    k_pos[slot - lo], k_row[slot - lo] = p, i
-            out.append((slice(rows[0], rows[-1] + 1), lo, hi,
-                        torch.tensor([k_pos, k_row], dtype=torch.long, device=self.device)))
+            lo = min(min(self.tables[b]) for b in rows)
+            hi = max(max(self.tables[b]) for b in rows) + 1
+            n = len(rows)
+            owner, index = [n] * (hi - lo), [0] * (hi - lo)
+            for i, b in enumerate(rows):
+                for j, blk in enumerate(self.tables[b]):
+                    owner[blk - lo], index[blk - lo] = i, j
+            meta = torch.tensor([owner, [min(o, n - 1) for o in owner], index], dtype=torch.long, device=self.device)
+            out.append((slice(rows[0], rows[-1] + 1), lo, hi, meta))
         return out
 
     def blocked(self, span: int, window: int | None) -> torch.Tensor:
-        """Bool ``[B_span, 1, Tm, S]``, True where a query may NOT attend, for span ``span``: a query
-        sees the slots of its own row at positions up to its own (and, with a sliding ``window``,
-        after ``q - window``). Built once per step and window, shared by the layers."""
+        """Bool ``[nb, 1, 1, Tm, block_size]``, True where a query of a block's owner may NOT attend,
+        for span ``span``: a query sees its own row's positions up to its own (and, with a sliding
+        ``window``, after ``q - window``). Built once per step and window, shared by the layers."""
         key = (span, window)
         if key not in self._masks:
-            rows, _, _, kpr = self.spans[span]
-            q = self.q_pos[rows].unsqueeze(-1)  # [B, Tm, 1]
-            k_pos, k_row = kpr[0].view(1, 1, -1), kpr[1].view(1, 1, -1)
-            own = k_row == torch.arange(q.shape[0], device=q.device).view(-1, 1, 1)
-            ok = own & (k_pos <= q)
+            rows, _, _, meta = self.spans[span]
+            q = self.q_pos[rows].index_select(0, meta[1]).unsqueeze(-1)  # [nb, Tm, 1]
+            k = (meta[2] * self.block_size).view(-1, 1, 1) + torch.arange(self.block_size, device=q.device)
+            ok = k <= q  # [nb, Tm, bs]
             if window:
-                ok &= k_pos > q - window
-            self._masks[key] = (~ok).unsqueeze(1)
+                ok &= k > q - window
+            self._masks[key] = (~ok).view(ok.shape[0], 1, 1, *ok.shape[1:])
         return self._masks[key]
 
-    def _write_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Batch row, token index and pool slot of every real new token."""
+    def _write_index(self) -> tuple[torch.Tensor, ...]:
+        """Batch row, token index, pool block and offset in it of every real new token."""
         if self._write is None:
-            b, t, slot = [], [], []
+            b, t, blk, off = [], [], [], []
+            bs = self.block_size
             for i, (p, n) in enumerate(zip(self.past, self.new)):
                 b += [i] * n
                 t += range(self.tm - n, self.tm)
-                slot += self._slots(i)[p:]
-            self._write = torch.tensor([b, t, slot], dtype=torch.long, device=self.device).unbind(0)
+                blk += [self.tables[i][x // bs] for x in range(p, p + n)]
+                off += [x % bs for x in range(p, p + n)]
+            self._write = torch.tensor([b, t, blk, off], dtype=torch.long, device=self.device).unbind(0)
         return self._write
 
     # -- the Cache interface transformers calls ---------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store ``[B, H_kv, Tm, D]`` new keys/values in their blocks; returns the layer's pool
-        ``(k, v)``, each ``[num_blocks, block_size, H_kv, D]`` (the attention reads it in place)."""
+        ``(k, v)``, each ``[num_blocks, H_kv, block_size, D]`` (the attention reads it in place)."""
         pk, pv = self.pool.layer(layer_idx, key_states.shape[1], key_states.shape[3], key_states,
                                  value_states.shape[3])
-        b, t, slot = self._write_index()
-        flat_k, flat_v = pk.view(-1, *pk.shape[2:]), pv.view(-1, *pv.shape[2:])
-        flat_k.index_copy_(0, slot, key_states[b, :, t])
-        flat_v.index_copy_(0, slot, value_states[b, :, t])
+        b, t, blk, off = self._write_index()
+        pk[blk, :, off] = key_states[b, :, t]
+        pv[blk, :, off] = value_states[b, :, t]
         return pk, pv
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -31,7 +31,7 @@ def test_block_pool_allocates_lowest_first_grows_and_holds_nothing_when_idle():
     a = pool.alloc(3)
     assert a == [0, 1, 2] and pool.num_blocks == 8
     k, v = pool.layer(0, 2, 8, torch.zeros(1), dim_v=6)
-    assert k.shape == (8, 4, 2, 8) and v.shape == (8, 4, 2, 6)
+    assert k.shape == (8, 2, 4, 8) and v.shape == (8, 2, 4, 6)
     k[a] = 1.0
     b = pool.alloc(7)  # more than is free: the pool doubles and keeps the cached blocks
     assert pool.num_blocks == 16 and b == [3, 4, 5, 6, 7, 8, 9]
@@ -171,9 +171,8 @@ def test_attention_honours_scaling_window_softcap_and_gqa(window, softcap, new):
     assert out.shape == (3, tm, hq, d)
     for b in range(len(caches)):
         n = past[b] + new[b]
-        slots = torch.tensor(step._slots(b))
-        k = pk.view(-1, hkv, d)[slots]
-        v = pv.view(-1, hkv, d)[slots]
+        blk, off = [step.tables[b][x // 4] for x in range(n)], [x % 4 for x in range(n)]
+        k, v = pk[blk, :, off], pv[blk, :, off]  # [n, H_kv, D]
         torch.testing.assert_close(k[past[b]:], k_new[b, :, tm - new[b]:].transpose(0, 1))  # appended in place
         q_pos = torch.arange(past[b], n)
         want = _reference(q[b, :, tm - new[b]:], k, v, q_pos, torch.arange(n), 0.3, window, softcap)
