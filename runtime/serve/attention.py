@@ -82,7 +82,9 @@ def _paged(step: PagedStep, query: torch.Tensor, key: torch.Tensor, value: torch
         den = top.new_zeros(n + 1, hkv, g, tm).index_add_(0, owner, e.sum(-1))
         part = torch.matmul(_as(e.view(nb, hkv, g * tm, -1), value.dtype), value[lo:hi])  # [nb, H_kv, G·Tm, Dv]
         num = part.new_zeros(n + 1, hkv, g * tm, dv, dtype=torch.float32).index_add_(0, owner, _as(part, torch.float32))
-        o = _as(num[:n] / den[:n].view(n, hkv, g * tm, 1), query.dtype)
+        # A real row's sum is >= 1 (its max term is exp(0)); the clamp only keeps rows that see no
+        # key at all (CUDA-graph padding) at 0 instead of NaN.
+        o = _as(num[:n] / den[:n].clamp_min(1e-30).view(n, hkv, g * tm, 1), query.dtype)
         o = o.view(n, hkv, g, tm, dv).permute(0, 3, 1, 2, 4).reshape(n, tm, hq, dv)
         if out is None:
             return o

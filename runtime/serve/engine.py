@@ -454,6 +454,7 @@ class EngineConfig:
     preemption: bool = True
     chunked_prefill: bool = True  # prompts longer than the step's token budget left run in chunks
     kv_block_size: int = DEFAULT_BLOCK_SIZE  # tokens per block of the paged KV cache
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA, paged cache, --mode delta only)
 
     def __post_init__(self) -> None:
         for name in ("max_deltas", "max_batch_tokens", "max_num_seqs", "max_queue", "kv_block_size"):
@@ -528,6 +529,11 @@ class Engine:
         # contiguous pool (models whose class takes no attention function, e.g. ALiBi ones).
         self.kv_pool = new_kv_pool(backend, config.kv_block_size)
         self.paged = isinstance(self.kv_pool, BlockPool)
+        self.graphs = None
+        if self.paged and self.device.type == "cuda" and config.cuda_graphs and backend.mode == "delta":
+            from deltazip.runtime.serve.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(backend, self.kv_pool)
         # Device memory, refreshed by the engine thread (readers never walk the model themselves).
         self._memory = {"device_weight_bytes": backend.base_bytes(), "kv_cache_bytes": 0}
         self._resident_seen: tuple = ()
@@ -840,9 +846,12 @@ class Engine:
     def _forward(self, group: list[tuple[Sequence, list[int]]], row_slots: list[int]) -> list[tuple[Sequence, int]]:
         """Run the rows; sample a token for every row that reached the end of its prompt."""
         seqs = [s for s, _ in group]
-        past = [s.kv.length for s in seqs]
-        logits = forward_step(self.backend, self.kv_pool, [s.kv for s in seqs], row_slots, [t for _, t in group],
-                              past, self.pad_id)
+        logits = None
+        if self.graphs is not None and all(len(t) == 1 for _, t in group):
+            logits = self.graphs.run([s.kv for s in seqs], row_slots, [t[0] for _, t in group], self._weights_key())
+        if logits is None:
+            logits = forward_step(self.backend, self.kv_pool, [s.kv for s in seqs], row_slots, [t for _, t in group],
+                                  [s.kv.length for s in seqs], self.pad_id)
         self.counters["prompt_tokens"] += sum(len(t) for s, t in group if not s.output_ids)
         ready = [i for i, s in enumerate(seqs) if s.kv.length >= len(s.prompt_ids)]
         if not ready:
@@ -852,6 +861,10 @@ class Engine:
         toks = sample_tokens(logits[rows], [s.params.temperature for s in picked], [s.params.top_p for s in picked],
                              [s.seed for s in picked], [len(s.output_ids) for s in picked])
         return list(zip(picked, toks))
+
+    def _weights_key(self) -> tuple:
+        """Changes whenever a device slot is (re)loaded: captured graphs read the slots' tensors."""
+        return tuple(self.cache.slots), sum(st.device_loads for st in self.cache.stats.values())
 
     def _accept(self, seq: Sequence, tok: int, now: float) -> None:
         if seq.finished:

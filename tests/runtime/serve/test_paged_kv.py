@@ -199,3 +199,37 @@ def test_a_decode_step_copies_no_kv_bytes_beyond_the_new_tokens():
         assert measured["paged"].appended == rows * per_token
         assert measured["contiguous"].appended == rows * per_token
         assert measured["contiguous"].copied >= 2 * rows * context * per_token  # gather + concatenate
+
+
+def test_the_cuda_graph_step_layout_run_eagerly_equals_the_paged_step():
+    """What a captured decode step computes (static buffers over the whole pool, padding rows up to
+    the bucket writing into a free block), run eagerly on the CPU: the real rows' logits equal the
+    ordinary paged step's, and the padding touched no sequence's cache."""
+    from deltazip.runtime.serve.cuda_graphs import StaticDecodeStep
+
+    with single_thread():
+        model = tiny_model("llama")
+        use_paged_attention(model)
+        be = Backend(model)
+        pools = [BlockPool(block_size=4), BlockPool(block_size=4)]
+        prompts = [[5, 6, 7, 8, 9], [10, 11], [12] * 9]
+        caches = [[SeqBlocks() for _ in prompts] for _ in pools]
+        toks = [forward_step(be, p, c, [-1] * 3, prompts, [0] * 3).argmax(-1).tolist() for p, c in zip(pools, caches)]
+        assert toks[0] == toks[1]
+        toks = toks[0]
+        for _ in range(5):
+            want = forward_step(be, pools[1], caches[1], [-1] * 3, [[t] for t in toks], [c.length for c in caches[1]])
+            past = [c.length for c in caches[0]]
+            for c, p in zip(caches[0], past):
+                c.reserve(pools[0], p + 1)
+            step = StaticDecodeStep(pools[0], 4, torch.device("cpu"))
+            scratch = pools[0]._free[0]
+            step.fill(caches[0], toks, past, scratch)
+            with torch.inference_mode():
+                got = be.forward([-1] * 4, step.ids, step.q_pos, step.mask, step)
+            for c in caches[0]:
+                c.length += 1
+            assert scratch not in {b for c in caches[0] for b in c.blocks}
+            torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
+            assert bool(torch.isfinite(got).all())  # padding rows attend to nothing, yet no NaN
+            toks = want.argmax(-1).tolist()
