@@ -13,19 +13,27 @@ prefill-first scheduler, CUDA graphs). We evaluated it and built our own small e
   seed and stop strings;
 - it is marked as evolving API (the module changed shape between releases).
 
-The engine here keeps the KV caches of all sequences in one pool (``KVPool``: per layer
-``[rows, H_kv, capacity, D]``, a row per sequence) and at every step hands the transformers model a
-padded view of its rows through a small cache object (``StepKV``: one gather and one indexed store
-per layer) plus an explicit 4-D attention mask, so the model classes, rotary embeddings and SDPA
-attention are transformers' own. Per step:
+The engine keeps the KV caches of all sequences in a paged pool (``deltazip.runtime.serve.kv_cache``:
+fixed-size blocks, a block table per sequence) when the model class takes attention functions from
+transformers' ``AttentionInterface``: the model is switched to ``deltazip_paged``
+(``deltazip.runtime.serve.attention``), a step's cache object only appends the new tokens into their
+blocks and the attention reads the blocks in place, so the model classes and rotary embeddings stay
+transformers' own and no past KV is copied. Other model classes (ALiBi ones) keep SDPA and the
+contiguous pool below (``KVPool``: per layer ``[rows, H_kv, capacity, D]``, a row per sequence; the
+step object ``StepKV`` gathers the rows' past and concatenates the new tokens, with an explicit 4-D
+mask). On CUDA, paged decode steps replay CUDA graphs (``deltazip.runtime.serve.cuda_graphs``).
+Per step:
 
 1. new requests and cancellations are taken in; the :class:`~deltazip.runtime.serve.scheduler.Scheduler`
    admits requests (at most ``max_deltas`` variants, ``max_num_seqs``, ``max_batch_tokens``);
 2. variants that waiting requests need are prefetched into host memory; the selected ones are
    made resident in device slots (:class:`~deltazip.runtime.serve.delta_cache.TieredCache`);
-3. one forward runs the prompts of newly admitted requests (left-padded), one forward decodes every
-   other running sequence (one token each) — rows of every variant together, sorted by slot;
-4. tokens are sampled per request, detokenized incrementally, checked against stop strings, EOS,
+3. the step's token budget (``max_batch_tokens``) goes first to one token per decoding sequence, then
+   to the next chunk of each prompt still being read (chunked prefill: a long prompt takes several
+   steps and never stalls the decoders); one forward runs the prompt chunks (left-padded), one the
+   decodes — rows of every variant together, sorted by slot;
+4. tokens are sampled for the whole batch in one pass on the device
+   (``deltazip.runtime.serve.sampling``), detokenized incrementally, checked against stop strings, EOS,
    ``max_tokens`` and the context length; finished sequences free their KV cache, and their
    line-skippers may be preempted (their KV cache moves to host memory until they resume).
 

@@ -109,10 +109,6 @@ class SeqBlocks:
         self.length = 0
         self.host: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    @property
-    def row(self):  # held blocks, for code that asks whether a cache is resident
-        return self.blocks or None
-
     def reserve(self, pool: BlockPool, n: int) -> None:
         """Make the table cover ``n`` positions (new blocks on demand)."""
         self.pool = pool

@@ -38,18 +38,22 @@ class KVCopyMeter(TorchDispatchMode):
     """Count KV bytes copied and appended, and aten ops, while active.
 
     Args:
-        pool_tensors: the KV pool's tensors (per layer ``k`` and ``v``) as they are when the forward
-            starts; layers created during the forward are added through ``watch`` (the caller can
-            pass the pool object: anything with ``k`` and ``v`` lists is re-read after every op).
+        pool: the KV pool (anything with per-layer ``k`` and ``v`` lists), re-read at every op so
+            that layers created or replaced during the forward count as KV.
     """
 
     def __init__(self, pool):
         super().__init__()
         self.pool = pool
         self.kv: set[int] = set()
+        self._held: list[torch.Tensor] = []  # marked outputs stay alive: no later tensor reuses their memory
         self.copied = 0
         self.appended = 0
         self.ops = 0
+
+    def __exit__(self, *exc):
+        self._held.clear()
+        return super().__exit__(*exc)
 
     def _refresh(self) -> None:
         for t in list(self.pool.k) + list(self.pool.v):
@@ -78,4 +82,5 @@ class KVCopyMeter(TorchDispatchMode):
                 for t in outs:
                     if not dest_is_kv:
                         self.kv.add(_storage(t))
+                        self._held.append(t)
         return out
