@@ -20,7 +20,9 @@ Every row has a ``--context``-token past. Prints ONE JSON document with the medi
 serves the same rows faster). Per decode step of ``delta`` on each KV layout (``profile``): aten ops
 (torch profiler, every nesting level, and outermost ops as dispatched), KV bytes copied beyond
 appending the new tokens and bytes appended (``deltazip.runtime.serve.kv_meter``), and on CUDA the
-kernel and CUDA-graph launches. ``--quick``: rows 8 32, variants 1 4, 7 repeats.
+kernel and CUDA-graph launches (a replayed graph's kernels are not aten ops: on CUDA the op and
+KV-byte counts of the paged step cover what runs outside the graph). ``--quick``: rows 8 32,
+variants 1 4, 7 repeats.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ from serve import build_variants, log  # noqa: E402
 def decode_timer(model, slots: list[int], context: int, kv: str = "paged"):
     """A callable running one decode step of ``len(slots)`` rows (each with ``context`` past tokens),
     on the paged pool (``kv="paged"``, when the model runs the paged attention) or the contiguous one.
-    Its ``pool`` attribute is the KV pool."""
+    On CUDA the paged delta step replays CUDA graphs, as the engine does. Its ``pool`` attribute
+    is the KV pool."""
     from deltazip.runtime.serve.engine import KVPool, forward_step, new_kv_pool, new_seq_kv, prefill_logits
+    from deltazip.runtime.serve.kv_cache import BlockPool
 
     pool = new_kv_pool(model) if kv == "paged" else KVPool()
     kvs = [new_seq_kv(pool) for _ in slots]
@@ -51,10 +55,16 @@ def decode_timer(model, slots: list[int], context: int, kv: str = "paged"):
     g = torch.Generator().manual_seed(0)
     prefill_logits(model, slots, torch.randint(0, vocab, (len(slots), context), generator=g).tolist(), kvs, pool)
     tok = torch.randint(0, vocab, (len(slots), 1), generator=g).tolist()
+    graphs = None
+    if model.device.type == "cuda" and isinstance(pool, BlockPool) and model.mode == "delta":
+        from deltazip.runtime.serve.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(model, pool)  # what the engine replays on CUDA
 
     def step() -> None:
         past = [k.length for k in kvs]
-        forward_step(model, pool, kvs, slots, tok, past)
+        if graphs is None or graphs.run(kvs, slots, [t[0] for t in tok], ("bench",)) is None:
+            forward_step(model, pool, kvs, slots, tok, past)
         for k in kvs:  # keep the past fixed: every timed step sees the same context length
             k.length = past[0]
 
