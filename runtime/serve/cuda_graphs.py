@@ -4,7 +4,9 @@ A decode step of ``B`` rows runs as the replay of a graph captured for its batch
 (the next power of two); rows beyond ``B`` are padding that writes its key/value into a free block
 and attends nowhere. Everything the step varies lives in static device buffers filled before each
 replay (token ids, positions, where the new tokens go, which blocks the rows own), so the captured
-region makes no host synchronisation and allocates nothing new.
+region makes no host synchronisation and allocates nothing new. The captured attention spans the
+whole pool (its shape must not change while the graph lives), so it also scores the blocks of
+sequences outside the batch and discards them: the price of a fixed shape.
 
 A graph bakes in what the host decided while it was captured, so it is keyed by everything those
 decisions read: the bucket, the padded rows' delta slots (the decoupled modules route rows by slot
@@ -138,7 +140,8 @@ class DecodeGraphs:
                 g.keep = [ctx.row_slot]
                 step._masks.clear()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                # thread_local: the cache's loader thread may use the device while this thread captures.
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     g.logits = run_model(model, step.ids, step.q_pos, step.mask, step)
             g.graph = graph
         except Exception as e:  # e.g. a module that reads a device value on the host: stay eager
