@@ -415,22 +415,23 @@ def test_chunked_prefill_keeps_decodes_going_and_outputs_equal_generate(served):
         def spy(group, row_slots):  # engine thread: which rows ran in which step, and how many tokens
             rows_of_step.setdefault(eng.counters["steps"], {}).update(
                 {s.rid: (len(t), bool(s.output_ids)) for s, t in group})
-            if not long_rid and all(len(s.output_ids) == 2 for s, _ in group):  # both decoders are going
+            if not long_rid and len(group) == 2 and all(len(s.output_ids) >= 2 for s, _ in group):  # both decode
                 long_rid.append(eng.submit("beta", long_ids, SamplingParams(max_tokens=6, temperature=0.0),
                                            col.sink("long")))
             return forward(group, row_slots)
 
         eng._forward = spy
+        rids = {eng.submit(m, tok(PROMPTS[i])["input_ids"], SamplingParams(max_tokens=40, temperature=0.0),
+                           col.sink(m)): m for i, m in enumerate(("alpha", "base"))}
         eng.start()
         try:
-            rids = {eng.submit(m, tok(PROMPTS[i])["input_ids"], SamplingParams(max_tokens=40, temperature=0.0),
-                               col.sink(m)): m for i, m in enumerate(("alpha", "base"))}
             col.wait()
         finally:
             eng.shutdown()
         assert col.final("long").text == served.expected_ids("beta", tuple(long_ids), 6)
         for i, m in enumerate(("alpha", "base")):
             assert col.final(m).text == served.expected(m, PROMPTS[i], 40)
+        assert long_rid, "the decoders never ran together"
         long_rid = long_rid[0]
         chunks = {s: rows[long_rid][0] for s, rows in rows_of_step.items()
                   if long_rid in rows and not rows[long_rid][1]}
