@@ -201,3 +201,23 @@ def test_cancel_removes_waiting_and_running_requests():
 def test_rejects_bad_limits():
     with pytest.raises(ValueError):
         Scheduler(max_deltas=0, max_num_seqs=1, max_batch_tokens=1)
+
+
+def test_chunked_prefill_admits_long_prompts_and_charges_what_is_left_of_them():
+    """With chunked prefill a prompt longer than the budget is accepted; a running request costs the
+    prompt tokens it has left (the engine updates ``prefill_left``) or one when decoding, and a new
+    request is admitted while at least one token of budget is left (strictly FCFS)."""
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        Scheduler(2, 8, 10).add(SchedRequest("big", "a", 25))
+    s = Scheduler(2, 8, 10, chunked_prefill=True)
+    s.add(SchedRequest("d", BASE_KEY, 3))
+    assert [r.rid for r in s.schedule().prefill] == ["d"]
+    s.running["d"].prefill_left = 0  # read whole: it decodes from now on (cost 1)
+    s.add(SchedRequest("big", "a", 25))
+    s.add(SchedRequest("next", "a", 2))
+    out = s.schedule()
+    assert [r.rid for r in out.prefill] == ["big"]  # 9 tokens left: big takes them all, next waits
+    s.running["big"].prefill_left = 25 - 9
+    assert s.schedule().prefill == []  # 1 (decode) + 16 (big's rest) > 10: nobody new
+    s.running["big"].prefill_left = 0
+    assert [r.rid for r in s.schedule().prefill] == ["next"]  # 10 - 2 decodes = 8 left
