@@ -39,7 +39,7 @@ from deltazip.kernels.triton_sbmm import (
     triton_importable,
 )
 
-__all__ = ["RowPlan", "group_rows", "lora", "sbmm", "triton_mode", "use_triton"]
+__all__ = ["RowPlan", "group_rows", "lora", "sbmm", "sbmm_experts", "triton_mode", "use_triton"]
 
 _ENV = "DELTAZIP_FORCE_TRITON"
 
@@ -122,6 +122,28 @@ def sbmm(
         part = _sbmm_list(x, sub, [deltas[i] for i in members], None)
         y = part if y is None else y + part  # each row is non-zero in exactly one group
     return y
+
+
+def sbmm_experts(
+    x: torch.Tensor,
+    slot_index: torch.Tensor,
+    expert_index: torch.Tensor,
+    deltas: StackedDeltas | list[PackedDelta],
+    num_experts: int,
+) -> torch.Tensor:
+    """Mixture-of-experts SBMM: ``y[p] = x[p] @ Δ(slot[p], expert[p]).T`` for routed pairs ``p``.
+
+    The groups are (slot, expert) pairs (``reference.expert_groups``: entry ``slot * E + expert`` of
+    ``deltas``), so every pair of the batch runs through the same kernel as a dense linear's rows,
+    whichever variant and expert it belongs to; slot -1 gives zeros.
+
+    Args:
+        x: ``[P, in]``; slot_index, expert_index: integer ``[P]``; deltas: ``slots * E`` entries;
+        num_experts: ``E``.
+    Returns:
+        ``[P, out]`` in ``x.dtype``.
+    """
+    return sbmm(x, reference.expert_groups(slot_index, expert_index, num_experts), deltas)
 
 
 def _sbmm_list(x: torch.Tensor, index: torch.Tensor, deltas: list[PackedDelta], plan: RowPlan | None) -> torch.Tensor:

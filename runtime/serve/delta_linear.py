@@ -81,14 +81,18 @@ class DeltaContext:
         self._segments.clear()
 
     def token_index(self, x: torch.Tensor) -> torch.Tensor:
-        """Slot of every row of ``x.reshape(-1, x.shape[-1])``: int64 ``[B * t]`` for ``x`` of ``[B, t, ...]``."""
+        """Slot of every row of ``x.reshape(-1, x.shape[-1])``: int64 ``[B * t]`` for ``x`` of ``[B, t, ...]``
+        (or of the flattened ``[B * t, in]``, rows sequence-major)."""
         if self.row_slot is None:
             raise RuntimeError("a decoupled module ran outside DeltaContext.bind(): the engine must bind "
                                "the batch's slots before every forward")
         b = self.row_slot.shape[0]
-        if x.dim() < 2 or x.shape[0] != b:
+        if x.dim() == 2 and x.shape[0] % b == 0 and x.shape[0] > b:
+            t = x.shape[0] // b  # a block's flattened [B * t, H] input (MoE blocks: shared experts, routers)
+        elif x.dim() < 2 or x.shape[0] != b:
             raise ValueError(f"decoupled module input {tuple(x.shape)} does not start with the batch size {b}")
-        t = x[0].numel() // x.shape[-1] if x.dim() > 2 else 1
+        else:
+            t = x[0].numel() // x.shape[-1] if x.dim() > 2 else 1
         idx = self._token_index.get(t)
         if idx is None:
             idx = self.row_slot.repeat_interleave(t) if t > 1 else self.row_slot

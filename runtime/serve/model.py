@@ -36,6 +36,7 @@ from deltazip.compress.checkpoint import Checkpoint
 from deltazip.formats.artifact import MANIFEST, Artifact, needs_base
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.kernels.packed import PackedDelta
+from deltazip.runtime.serve.delta_experts import DeltaExperts, DeltaRouter, MoeLayout
 from deltazip.runtime.serve.delta_linear import (
     DeltaContext,
     DeltaEmbedding,
@@ -379,6 +380,7 @@ class DeltaModel:
         # Linear shapes of the base (LoRA checks), taken before any module is decoupled.
         self._linears = {n: (m.out_features, m.in_features) for n, m in self.model.named_modules()
                          if isinstance(m, nn.Linear)}
+        self._moe = MoeLayout(self.model)  # fused experts and routers, before any module is decoupled
         self._targets: dict[str, dict[str, list[tuple[str, str]]]] = {}  # variant -> tensor -> [(module, attr)]
         self._lora: dict[str, Any] = {}  # LoRA variant -> LoraSpec
         self.modules: dict[str, nn.Module] = {}
@@ -442,6 +444,11 @@ class DeltaModel:
         for name, e in v.tensors.items():
             if e["kind"] == "same":
                 continue
+            moe = self._moe.target(name, {n: x["shape"] for n, x in v.tensors.items()}) if self._moe.layers else None
+            if moe is not None:  # a fused expert parameter (or one expert's rows of it), or a router
+                wanted[moe[0]] = moe[1]
+                plan[name] = [(moe[0], moe[2])]
+                continue
             if e["kind"] == "packed" and (e.get("transposed") or e.get("experts")):
                 what = "a fused mixture-of-experts tensor" if e.get("experts") else "a Conv1D weight stored [in, out]"
                 raise UnsupportedVariant(f"variant {v.name}: tensor {name} is {what}, which the decoupled runtime does "
@@ -484,7 +491,7 @@ class DeltaModel:
         parent = self.model.get_submodule(parent_name) if parent_name else self.model
         old = getattr(parent, child)
         new = {"linear": DeltaLinear, "embedding": DeltaEmbedding, "norm": DeltaRMSNorm,
-               "layernorm": DeltaLayerNorm}[kind](old, self.ctx)
+               "layernorm": DeltaLayerNorm, "experts": DeltaExperts, "router": DeltaRouter}[kind](old, self.ctx)
         setattr(parent, child, new)
         return new
 
@@ -527,8 +534,12 @@ class DeltaModel:
 
                 delta = PackedDelta(share(d.qweight), share(d.scales), share(d.zeros), share(d.positions), d.bits,
                                     d.group_size, d.in_features, d.out_features)
-                for mname, _ in targets:
-                    host.modules.setdefault(mname, {}).update(packed=delta, additive=bool(e["additive"]))
+                for mname, attr in targets:
+                    mod = self.modules[mname]
+                    if isinstance(mod, DeltaExperts):  # one piece of an expert parameter
+                        host.modules.setdefault(mname, {})[attr] = delta if e["additive"] else mod.host_weight(attr, delta)
+                    else:
+                        host.modules.setdefault(mname, {}).update(packed=delta, additive=bool(e["additive"]))
                 continue
             tensor = art.reconstruct(tname, self.base.get(tname) if needs_base(e) else None)
             self._put_dense(host, targets, tally.share(_pin(tensor.to(self.dtype))))
@@ -539,6 +550,8 @@ class DeltaModel:
             mod = self.modules[mname]
             if isinstance(mod, DeltaLinear):
                 kw["dense" if attr == "weight" else "bias"] = tensor
+            elif isinstance(mod, DeltaExperts):  # the variant's rows: held as their delta to the base
+                kw[attr] = mod.host_dense(attr, tensor)
             elif isinstance(mod, DeltaLayerNorm):
                 kw[attr] = tensor
             else:
