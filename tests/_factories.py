@@ -50,6 +50,9 @@ ARCH_CONFIGS = {
     "qwen2_moe": dict(model_type="qwen2_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
                       shared_expert_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                       num_hidden_layers=2, max_position_embeddings=128, num_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+                      max_position_embeddings=128, num_experts=4, num_experts_per_tok=2),
 }
 
 
