@@ -15,7 +15,9 @@ Both expose the same small interface to the engine (``load_host``, ``write_slot`
 Tensor names: artifacts name tensors as the checkpoint does. The decoupled model needs those names
 to be module parameter names, which holds for most decoder-only families (Llama, Mistral, Qwen2,
 GPT-NeoX, ...). Per row it applies changed ``nn.Linear`` weights and biases, plain ``nn.Embedding``
-tables, Llama-style RMSNorm weights and ``nn.LayerNorm`` weights and biases. A variant that changes
+tables, Llama-style RMSNorm weights and ``nn.LayerNorm`` weights and biases, and mixture-of-experts
+routers and fused experts (``deltazip.runtime.serve.delta_experts``, which also maps per-expert
+checkpoint names onto the fused parameters). A variant that changes
 a tensor the runtime cannot apply per row (or whose name is not a parameter name) is refused with a
 message naming the tensor and pointing at ``--mode swap``, which goes through transformers' own
 loader and so serves any causal LM it can load.

@@ -164,12 +164,11 @@ def _merged_experts_loop(experts, x, top_i, top_w, slot_of_token, deltas_gu, del
     return y
 
 
-@pytest.mark.parametrize("dequantize", [False, True], ids=["packed", "dequantized"])
-def test_delta_experts_equals_a_per_token_loop(dequantize):
+def _check_delta_experts(dequantize, device="cpu", dtype=torch.float32, **sizes):
     from _sbmm import make_delta
 
     gen = torch.Generator().manual_seed(3)
-    model = tiny_model("mixtral")
+    model = tiny_model("mixtral", **sizes).to(device=device, dtype=dtype)
     base = model.model.layers[0].mlp.experts
     n_exp, two_i, hid = base.gate_up_proj.shape
     ctx = DeltaContext(num_slots=3, dequantize=dequantize)
@@ -177,7 +176,7 @@ def test_delta_experts_equals_a_per_token_loop(dequantize):
     # slot 0: a fused gate_up delta covering every expert; slot 2: per-expert pieces, the up half of
     # expert 1 and the down projection of expert 3 only (the other rows stay base); slot 1: nothing
     fused = make_delta(n_exp * two_i, hid, 4, 32, False, True, gen)
-    up1 = make_delta(two_i // 2, hid, 2, 32, False, False, gen)
+    up1 = make_delta(two_i // 2, hid, 2, 64, False, False, gen)
     down3 = make_delta(hid, base.down_proj.shape[2], 4, 32, True, False, gen)
     mod.load_slot(0, **{piece_key("gate_up_proj", 0, n_exp * two_i): fused})
     mod.load_slot(2, **{piece_key("gate_up_proj", two_i + two_i // 2, 2 * two_i): up1,
@@ -188,24 +187,45 @@ def test_delta_experts_equals_a_per_token_loop(dequantize):
     deltas_d = {(2, 3): delta_weight(down3)}
 
     rows = [0, -1, 2, 1]  # four sequences of 5 tokens
-    ctx.bind(rows, "cpu")
+    ctx.bind(rows, device)
     try:
         x = torch.randn(len(rows) * 5, hid, generator=gen)
         top_i = torch.stack([torch.randperm(n_exp, generator=gen)[:2] for _ in range(x.shape[0])])
         top_w = torch.softmax(torch.randn(x.shape[0], 2, generator=gen), -1)
         with torch.no_grad():
-            got = mod(x, top_i, top_w)
-            want = _merged_experts_loop(base, x, top_i, top_w, [r for r in rows for _ in range(5)],
-                                        deltas_gu, deltas_d)
-            base_out = base(x, top_i, top_w)
+            got = mod(x.to(device, dtype), top_i.to(device), top_w.to(device)).float().cpu()
+            base_out = base(x.to(device, dtype), top_i.to(device), top_w.to(device)).float().cpu()
     finally:
         ctx.unbind()
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    ref = tiny_model("mixtral", **sizes).to(dtype).float().model.layers[0].mlp.experts  # the same weights
+    with torch.no_grad():
+        want = _merged_experts_loop(ref, x.to(dtype).float(), top_i, top_w, [r for r in rows for _ in range(5)],
+                                    deltas_gu, deltas_d)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2 * float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=1e-4 if dtype == torch.float32 else 1e-2, atol=tol)
     assert not torch.allclose(got[:5], base_out[:5], atol=1e-4)  # slot 0's rows did change
     torch.testing.assert_close(got[5:10], base_out[5:10])  # base rows are the base's
     assert mod.resident_bytes(0) > 0 and mod.resident_bytes(1) == 0
     mod.clear_slot(0)
     assert mod.resident_bytes(0) == 0
+
+
+@pytest.mark.parametrize("dequantize", [False, True], ids=["packed", "dequantized"])
+def test_delta_experts_equals_a_per_token_loop(dequantize):
+    _check_delta_experts(dequantize)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_delta_experts_on_cuda_take_the_triton_path_and_equal_the_loop(dtype, monkeypatch):
+    """Hidden and intermediate sizes of 128: the stacks take the fast kernel's ``mma`` layout."""
+    from deltazip.kernels import dispatch
+
+    calls = []
+    real = dispatch.use_triton
+    monkeypatch.setattr(dispatch, "use_triton", lambda *a: calls.append(real(*a)) or calls[-1])
+    _check_delta_experts(False, "cuda", dtype, hidden_size=128, intermediate_size=128)
+    assert calls and all(calls)
 
 
 def test_router_rows_use_their_slots_weight():
