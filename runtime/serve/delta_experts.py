@@ -390,30 +390,30 @@ class MoeLayout:
                             and w.dim() == 2 and w.shape[0] == m.num_experts):
                         self.routers[f"{parent}.{cname}"] = child
 
-    def target(self, name: str, shapes: dict[str, list[int]]) -> tuple[str, str, str] | None:
-        """``(module, kind, attr)`` for a checkpoint tensor on an experts module (kind ``"experts"``,
-        attr a piece key) or a router (``"router"``, ``"weight"``); None for any other tensor.
+    def targets(self, shapes: dict[str, list[int]]) -> dict[str, tuple[str, str, str]]:
+        """Where a variant's tensors on experts modules and routers land: checkpoint name ->
+        ``(module, kind, attr)``, kind ``"experts"`` (attr a piece key) or ``"router"`` (attr
+        ``"weight"``). Other tensors are not in the answer.
 
         Args:
-            name: the checkpoint tensor name.
             shapes: every tensor name of the variant -> its shape (checkpoint layout).
         """
-        prefix = next((p for p in self.layers if name.startswith(p)), None)
-        if prefix is None:
-            return None
-        key = (prefix, frozenset(n for n in shapes if n.startswith(prefix)))
-        pieces = self._maps.get(key)
-        if pieces is None:
-            from deltazip.compress.layer_map import map_layer
+        if not self.layers:
+            return {}
+        from deltazip.compress.layer_map import map_layer
 
-            m = map_layer(self.model, prefix, self.layers[prefix], key[1], lambda n: tuple(shapes[n]))
-            pieces = self._maps[key] = m.pieces
-        pc = pieces.get(name)
-        if pc is None:
-            return None
-        mname, _, attr = (prefix + pc.param).rpartition(".")
-        if mname in self.experts and attr in EXPERT_PARAMS:
-            return mname, "experts", piece_key(attr, pc.row0, pc.row1)
-        if mname in self.routers and attr == "weight" and (pc.row0, pc.row1) == (0, self.routers[mname].weight.shape[0]):
-            return mname, "router", "weight"
-        return None
+        out: dict[str, tuple[str, str, str]] = {}
+        for prefix, layer in self.layers.items():
+            key = (prefix, frozenset(n for n in shapes if n.startswith(prefix)))
+            pieces = self._maps.get(key)
+            if pieces is None:
+                m = map_layer(self.model, prefix, layer, key[1], lambda n: tuple(shapes[n]))
+                pieces = self._maps[key] = m.pieces
+            for name, pc in pieces.items():
+                mname, _, attr = (prefix + pc.param).rpartition(".")
+                if mname in self.experts and attr in EXPERT_PARAMS:
+                    out[name] = (mname, "experts", piece_key(attr, pc.row0, pc.row1))
+                elif (mname in self.routers and attr == "weight"
+                      and (pc.row0, pc.row1) == (0, self.routers[mname].weight.shape[0])):
+                    out[name] = (mname, "router", "weight")
+        return out

@@ -443,10 +443,11 @@ class DeltaModel:
     def _plan_variant(self, v: VariantInfo, params: dict[str, nn.Parameter],
                       wanted: dict[str, str]) -> dict[str, list[tuple[str, str]]]:
         plan: dict[str, list[tuple[str, str]]] = {}
+        on_moe = self._moe.targets({n: x["shape"] for n, x in v.tensors.items()})
         for name, e in v.tensors.items():
             if e["kind"] == "same":
                 continue
-            moe = self._moe.target(name, {n: x["shape"] for n, x in v.tensors.items()}) if self._moe.layers else None
+            moe = on_moe.get(name)
             if moe is not None:  # a fused expert parameter (or one expert's rows of it), or a router
                 wanted[moe[0]] = moe[1]
                 plan[name] = [(moe[0], moe[2])]

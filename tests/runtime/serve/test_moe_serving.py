@@ -173,14 +173,17 @@ def _check_delta_experts(dequantize, device="cpu", dtype=torch.float32, **sizes)
     n_exp, two_i, hid = base.gate_up_proj.shape
     ctx = DeltaContext(num_slots=3, dequantize=dequantize)
     mod = DeltaExperts(base, ctx)
-    # slot 0: a fused gate_up delta covering every expert; slot 2: per-expert pieces, the up half of
-    # expert 1 and the down projection of expert 3 only (the other rows stay base); slot 1: nothing
+    # slot 2: per-expert pieces, the up half of expert 1 and the down projection of expert 3 only
+    # (the other rows stay base); slot 0: a fused gate_up delta covering every expert, asymmetric in
+    # the same configuration as slot 2's symmetric piece (its stack is rebuilt asymmetric, keeping
+    # slot 2); slot 1: nothing
     fused = make_delta(n_exp * two_i, hid, 4, 32, False, True, gen)
-    up1 = make_delta(two_i // 2, hid, 2, 64, False, False, gen)
-    down3 = make_delta(hid, base.down_proj.shape[2], 4, 32, True, False, gen)
-    mod.load_slot(0, **{piece_key("gate_up_proj", 0, n_exp * two_i): fused})
+    up1 = make_delta(two_i // 2, hid, 4, 32, False, False, gen)
+    down3 = make_delta(hid, base.down_proj.shape[2], 2, 64, True, False, gen)
     mod.load_slot(2, **{piece_key("gate_up_proj", two_i + two_i // 2, 2 * two_i): up1,
                         piece_key("down_proj", 3 * hid, 4 * hid): down3})
+    mod.load_slot(0, **{piece_key("gate_up_proj", 0, n_exp * two_i): fused})
+    assert len(mod._deltas["gate_up_proj"].stacks) == (0 if dequantize else 1)
     full = delta_weight(fused).reshape(n_exp, two_i, hid)
     deltas_gu = {(0, e): full[e] for e in range(n_exp)}
     deltas_gu[2, 1] = torch.cat([torch.zeros(two_i // 2, hid), delta_weight(up1)])
@@ -268,3 +271,43 @@ def test_shared_expert_linears_take_the_flattened_block_input():
         ctx.unbind()
     torch.testing.assert_close(got[:3], lin(x[:3]))
     torch.testing.assert_close(got[3:], x[3:] @ dense.T)
+
+
+def test_full_checkpoint_moe_variant_is_served_in_delta_mode(tmp_path):
+    """A plain fine-tuned MoE checkpoint (per-expert names, some experts unchanged) added while
+    serving: changed experts become dense deltas of their slot, the rest stay base; the rows equal
+    the fine-tuned model's logits, next to base rows."""
+    from deltazip.runtime.serve.variant_sources import (
+        BaseTensorIndex,
+        compare_full_checkpoint,
+        inspect_variant,
+    )
+
+    with single_thread():
+        base_dir = save_model(tiny_model("mixtral"), tmp_path / "base")
+        ft = perturb(tiny_model("mixtral"), scale=0.3, seed=5, skip=("norm",))
+        with torch.no_grad():  # expert 2 of every layer keeps the base weights
+            ref = tiny_model("mixtral")
+            for lay, rl in zip(ft.model.layers, ref.model.layers):
+                for p in ("gate_up_proj", "down_proj"):
+                    getattr(lay.mlp.experts, p)[2] = getattr(rl.mlp.experts, p)[2]
+        ft_dir = save_model(ft, tmp_path / "ft-full")
+        base = Checkpoint(base_dir)
+        dm = DeltaModel(base, [], 2, torch.device("cpu"), torch.float32)
+        v = inspect_variant(ft_dir, "full")
+        compare_full_checkpoint(v, BaseTensorIndex(base, dm.registry.fingerprint_bytes), 4)
+        assert v.tensors["model.layers.0.block_sparse_moe.experts.2.w1.weight"]["kind"] == "same"
+        dm.commit_variant(v, dm.prepare_variant(v))
+        dm.write_slot(0, "full", dm.load_host("full"))
+        experts = dm.modules["model.layers.0.mlp.experts"]
+        assert experts._deltas["gate_up_proj"].dense_at == {0, 1, 3}  # slot 0's entries, expert 2 absent
+        ids = torch.randint(4, 51, (2, 16), generator=torch.Generator().manual_seed(1))
+        dm.ctx.bind([0, -1], "cpu")
+        try:
+            with torch.no_grad():
+                got = dm.model(input_ids=ids).logits
+        finally:
+            dm.ctx.unbind()
+        with torch.no_grad():
+            torch.testing.assert_close(got[0], ft(input_ids=ids[:1]).logits[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got[1], tiny_model("mixtral")(input_ids=ids[1:]).logits[0])
