@@ -16,9 +16,9 @@ from torch import nn
 
 from deltazip.formats.packing import pack_delta
 from deltazip.kernels.reference import delta_weight
+from deltazip.runtime.serve.delta_embedding import decouple_embedding
 from deltazip.runtime.serve.delta_linear import (
     DeltaContext,
-    DeltaEmbedding,
     DeltaLinear,
     DeltaRMSNorm,
     is_llama_rmsnorm,
@@ -156,7 +156,7 @@ def test_base_only_batch_is_the_plain_linear_and_unbound_context_is_an_error():
 def test_embedding_and_norm_rows_read_their_variant_and_same_costs_nothing():
     torch.manual_seed(0)
     ctx = DeltaContext(3)
-    emb = DeltaEmbedding(nn.Embedding(10, 4), ctx)
+    emb = decouple_embedding(nn.Embedding(10, 4), ctx)
     own = torch.randn(10, 4)
     emb.load_slot(1, own)
     ids = torch.tensor([[1, 2], [3, 4], [5, 6]])
