@@ -164,7 +164,7 @@ class Family:
         if not err_m < err_b:
             raise AssertionError(f"merged model is not closer to the fine-tune than the base ({err_m:.3g} vs {err_b:.3g})")
 
-    def reference(self, model_dir: Path, prompt: list[int]) -> list[int]:
+    def reference(self, model_dir: Path, prompt: list[int]) -> str:
         from transformers import AutoModelForCausalLM
 
         m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -172,8 +172,7 @@ class Family:
         with torch.no_grad():
             out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.tokens, do_sample=False,
                              pad_token_id=2, eos_token_id=1)
-        gen = out[0, ids.shape[1]:].tolist()
-        return gen[:gen.index(1)] if 1 in gen else gen
+        return self.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
     def serve(self, mode: str) -> None:
         from deltazip.compress.checkpoint import Checkpoint
@@ -195,15 +194,14 @@ class Family:
         table = {"base": ServedVariant("base", self.tok, [1], None), "ft": ServedVariant("ft", self.tok, [1], "base")}
         eng = Engine(backend, table, "base", EngineConfig(max_deltas=2, max_cpu_deltas=2))
         jobs = [(m, p) for p in self.prompts for m in ("ft", "base")]
-        got: dict[int, list[int]] = {i: [] for i in range(len(jobs))}
+        got: dict[int, str] = {}
         done = threading.Semaphore(0)
 
         def sink(i):
             def fn(ev):
                 if isinstance(ev, FinishEvent):
+                    got[i] = ev.text if ev.reason in ("stop", "length") else f"<{ev.reason}: {ev.error}>"
                     done.release()
-                elif ev.token_id not in (1, -1):  # EOS, and -1: text flushed at the end
-                    got[i].append(ev.token_id)
             return fn
 
         for i, (m, p) in enumerate(jobs):
@@ -218,7 +216,7 @@ class Family:
         for i, (m, p) in enumerate(jobs):
             want = self.reference(self.merged_dir if m == "ft" else self.base_dir, p)
             if got[i] != want:
-                raise AssertionError(f"{m} greedy output differs from the merged model's generate")
+                raise AssertionError(f"{m} greedy output differs from the merged model's generate ({got[i]!r} vs {want!r})")
 
     def eval(self) -> None:
         from deltazip.runtime.eval.run import EvalOptions, run_eval
