@@ -12,13 +12,15 @@
 Both expose the same small interface to the engine (``load_host``, ``write_slot``, ``clear_slot``,
 ``forward``) and are driven through a :class:`deltazip.runtime.serve.delta_cache.TieredCache`.
 
-Tensor names: artifacts name tensors as the checkpoint does. The decoupled model needs those names
-to be module parameter names, which holds for most decoder-only families (Llama, Mistral, Qwen2,
-GPT-NeoX, ...). Per row it applies changed ``nn.Linear`` weights and biases, plain ``nn.Embedding``
-tables, Llama-style RMSNorm weights and ``nn.LayerNorm`` weights and biases. A variant that changes
-a tensor the runtime cannot apply per row (or whose name is not a parameter name) is refused with a
-message naming the tensor and pointing at ``--mode swap``, which goes through transformers' own
-loader and so serves any causal LM it can load.
+Tensor names: artifacts name tensors as the checkpoint does; they are mapped to module parameter
+names by transformers' own loading rules (``deltazip.runtime.serve.param_names``: GPT-NeoX's
+``embed_out`` is ``lm_head``). Per row the decoupled model applies changed ``nn.Linear`` and
+``Conv1D`` weights and biases, embedding tables (plain, Gemma's scaled ones, learned positions:
+``deltazip.runtime.serve.delta_embedding``), Llama- and Gemma-style RMSNorm weights and
+``nn.LayerNorm`` weights and biases. A variant that changes a tensor the runtime cannot apply per row
+(or one transformers loads through a converter rather than a rename) is refused with a message
+naming the tensor and pointing at ``--mode swap``, which goes through transformers' own loader and
+so serves any causal LM it can load.
 """
 
 from __future__ import annotations
