@@ -235,7 +235,8 @@ def run_family(name: str, root: Path, quick: bool) -> dict:
     try:
         fam = Family(name, root, steps=10 if quick else 30, prompts=2 if quick else 4, tokens=6 if quick else 12)
     except Exception as e:  # the model cannot even be built or fine-tuned here
-        return {**row, **dict.fromkeys(CHECKS, one_line(e)), "seconds": round(time.perf_counter() - t0, 1)}
+        why = one_line(e).replace(f"{root.parent}/", "")
+        return {**row, **dict.fromkeys(CHECKS, why), "seconds": round(time.perf_counter() - t0, 1)}
     needs = {"merge": "compress", "serve_delta": "merge", "serve_swap": "merge", "eval": "merge"}
     for check in CHECKS:
         if check in needs and row.get(needs[check]) != "ok":
@@ -246,7 +247,7 @@ def run_family(name: str, root: Path, quick: bool) -> dict:
              "serve_swap": lambda: fam.serve("swap"), "eval": fam.eval}[check]()
             row[check] = "ok"
         except Exception as e:  # one cell per failure: the matrix goes on
-            row[check] = one_line(e)
+            row[check] = one_line(e).replace(f"{root.parent}/", "")  # no temporary paths in the table
             log(f"{name} {check}: {row[check]}")
             if "DELTAZIP_DEBUG" in __import__("os").environ:
                 traceback.print_exc()
