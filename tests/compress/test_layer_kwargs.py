@@ -6,7 +6,6 @@ with layer 0's arguments (what the pipeline did before)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from _factories import calib_file, finetune, save_model, tiny_model
 from _serving import single_thread
@@ -42,7 +41,6 @@ def layer_errors(merged, ft, ids) -> list[float]:
     return [float((a - b).norm() / b.norm()) for a, b in zip(hm, hf)]
 
 
-@pytest.mark.slow  # two compressions of a 4-layer model: ~20 s on a shared 2-core machine
 def test_each_layer_is_calibrated_with_its_own_mask_and_rotary(tmp_path, monkeypatch):
     with single_thread():
         base_dir = save_model(tiny_model("gemma3", **ARCH), tmp_path / "base")
