@@ -81,18 +81,19 @@ class DeltaContext:
         self._segments.clear()
 
     def token_index(self, x: torch.Tensor) -> torch.Tensor:
-        """Slot of every row of ``x.reshape(-1, x.shape[-1])``: int64 ``[B * t]`` for ``x`` of ``[B, t, ...]``
-        (or of the flattened ``[B * t, in]``, rows sequence-major)."""
+        """Slot of every row of ``x.reshape(-1, x.shape[-1])``: int64 ``[B * t]`` for ``x`` of ``[B, t, ...]``, or
+        of ``[B * t, in]`` (rows of a batch-first tensor flattened in order)."""
         if self.row_slot is None:
             raise RuntimeError("a decoupled module ran outside DeltaContext.bind(): the engine must bind "
                                "the batch's slots before every forward")
         b = self.row_slot.shape[0]
-        if x.dim() == 2 and x.shape[0] % b == 0 and x.shape[0] > b:
-            t = x.shape[0] // b  # a block's flattened [B * t, H] input (MoE blocks: shared experts, routers)
-        elif x.dim() < 2 or x.shape[0] != b:
-            raise ValueError(f"decoupled module input {tuple(x.shape)} does not start with the batch size {b}")
+        if x.dim() == 2 and x.shape[0] % b == 0:
+            # [B * t, in]: batch-major rows flattened by the model (OPT's MLP reshapes to 2-D)
+            t = x.shape[0] // b
+        elif x.dim() > 2 and x.shape[0] == b:
+            t = x[0].numel() // x.shape[-1]
         else:
-            t = x[0].numel() // x.shape[-1] if x.dim() > 2 else 1
+            raise ValueError(f"decoupled module input {tuple(x.shape)} does not start with the batch size {b}")
         idx = self._token_index.get(t)
         if idx is None:
             idx = self.row_slot.repeat_interleave(t) if t > 1 else self.row_slot
@@ -189,6 +190,20 @@ class SlotSegments:
         return torch.where(self.keep, ys.index_select(0, self.scatter), 0.0)
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers without it
+        return False
+    return isinstance(module, Conv1D)
+
+
+def is_linear(module: nn.Module) -> bool:
+    """A module :class:`DeltaLinear` decouples: ``nn.Linear``, transformers' ``Conv1D``, or one already
+    decoupled."""
+    return isinstance(module, (nn.Linear, DeltaLinear)) or _is_conv1d(module)
+
+
 def _slot_lookup(num_slots: int, device) -> torch.Tensor:
     """An ``[N + 1]`` table indexed by ``slot + 1`` (entry 0 is the base rows' entry)."""
     return torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
@@ -223,14 +238,23 @@ class DeltaLinear(nn.Module):
     A changed bias is a per-slot bias row. The base ``weight``/``bias`` parameters are the original
     module's own (tied embeddings stay tied).
 
+    transformers' ``Conv1D`` (GPT-2) is a linear whose weight is stored ``[in, out]`` and computes
+    ``x W + b``: its base GEMM reads the weight transposed (a view, no copy); packed deltas and LoRA
+    factors are ``[out, in]`` as for any linear, and a dense replacement is given in the parameter's
+    own layout (``[in, out]``) and read transposed.
+
     Args:
-        base: the base model's ``nn.Linear``.
+        base: the base model's ``nn.Linear`` or ``Conv1D`` (see :func:`is_linear`).
         ctx: the model's :class:`DeltaContext`.
     """
 
-    def __init__(self, base: nn.Linear, ctx: DeltaContext):
+    def __init__(self, base: nn.Module, ctx: DeltaContext):
         super().__init__()
-        self.in_features, self.out_features = base.in_features, base.out_features
+        self.transposed = _is_conv1d(base)
+        if self.transposed:
+            self.in_features, self.out_features = base.weight.shape
+        else:
+            self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
         self.bias = base.bias
         self.ctx = ctx
@@ -304,9 +328,10 @@ class DeltaLinear(nn.Module):
         Args:
             packed: compressed delta (``[out, in]`` canonical layout), or None.
             additive: ``packed`` is a delta on the base (True) or the whole weight (False).
-            dense: a replacement weight ``[out, in]`` (mutually exclusive with ``packed``), kept by
-                reference when it is already on this device in this dtype (it must not be written
-                afterwards: the server hands in read-only deduplicated tensors).
+            dense: a replacement weight in the base parameter's layout (``[out, in]``; ``[in, out]``
+                for a Conv1D), mutually exclusive with ``packed``, kept by reference when it is
+                already on this device in this dtype (it must not be written afterwards: the server
+                hands in read-only deduplicated tensors).
             bias: the variant's bias ``[out]`` when it differs from the base's.
             lora_a, lora_b, lora_scale: a LoRA adapter, ``A [r, in]``, ``B [out, r]`` and its scale.
         """
@@ -332,9 +357,10 @@ class DeltaLinear(nn.Module):
                 self._replace[slot + 1] = True
                 self._replace_slots.add(slot)
         if dense is not None:
-            if tuple(dense.shape) != (self.out_features, self.in_features):
-                raise ValueError(f"dense weight {tuple(dense.shape)} != [{self.out_features}, {self.in_features}]")
-            self._dense[slot] = dense.to(device=self.weight.device, dtype=self.weight.dtype)
+            if tuple(dense.shape) != tuple(self.weight.shape):
+                raise ValueError(f"dense weight {tuple(dense.shape)} != the base's {tuple(self.weight.shape)}")
+            dense = dense.to(device=self.weight.device, dtype=self.weight.dtype)
+            self._dense[slot] = dense.t() if self.transposed else dense
             self._replace[slot + 1] = True
             self._replace_slots.add(slot)
         if lora_a is not None:
@@ -391,11 +417,12 @@ class DeltaLinear(nn.Module):
         ctx = self.ctx
         lead = x.shape[:-1]
         active = ctx.active
+        w = self.weight.t() if self.transposed else self.weight  # [out, in]
         if not active:  # a batch of base rows only: the plain linear
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, w, self.bias)
         idx = ctx.token_index(x)
         x2 = x.reshape(-1, self.in_features)
-        y = F.linear(x2, self.weight)
+        y = F.linear(x2, w)
         if self._replace_slots & active:
             y = y.masked_fill(self._replace[idx + 1].unsqueeze(1), 0)
         for g in self.groups.values():
@@ -493,51 +520,6 @@ def _ref_rows(x: torch.Tensor, idx: torch.Tensor, weights: dict[int, torch.Tenso
     return y
 
 
-class DeltaEmbedding(nn.Module):
-    """Token embedding whose rows of a changed variant read that variant's table.
-
-    ``out[b, t] = table_s[ids[b, t]]`` for a slot ``s`` that changed the embedding, else the base
-    table's row: one gather and one ``where`` per slot present in the batch that changed it. A slot
-    references the ``[V, H]`` table it is given (no copy; slots with the same deduplicated table
-    share it).
-    """
-
-    def __init__(self, base: nn.Embedding, ctx: DeltaContext):
-        super().__init__()
-        self.weight = base.weight
-        self.padding_idx = base.padding_idx
-        self.num_embeddings, self.embedding_dim = base.num_embeddings, base.embedding_dim
-        self.ctx = ctx
-        self._tables: dict[int, torch.Tensor] = {}  # slot -> [V, H] (a reference)
-
-    @property
-    def _slots(self) -> set[int]:
-        return set(self._tables)
-
-    def clear_slot(self, slot: int) -> None:
-        self._tables.pop(slot, None)
-
-    def load_slot(self, slot: int, weight: torch.Tensor) -> None:
-        """The variant's embedding table ``[V, H]`` for ``slot`` (referenced, not copied)."""
-        if tuple(weight.shape) != tuple(self.weight.shape):
-            raise ValueError(f"embedding {tuple(weight.shape)} != base {tuple(self.weight.shape)}")
-        self._tables[slot] = weight.to(device=self.weight.device, dtype=self.weight.dtype)
-
-    def resident_bytes(self, slot: int) -> int:
-        return 0 if slot not in self._tables else self.weight.numel() * self.weight.element_size()
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids [B, T]`` -> ``[B, T, H]``."""
-        out = F.embedding(ids, self.weight, self.padding_idx)
-        present = self._tables.keys() & self.ctx.active
-        if not present:
-            return out
-        idx = self.ctx.token_index(ids.unsqueeze(-1)).view(ids.shape).unsqueeze(-1)  # [B, T, 1]
-        for s in sorted(present):
-            out = torch.where(idx == s, F.embedding(ids, self._tables[s], self.padding_idx), out)
-        return out
-
-
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama-family RMSNorm (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm``) with a weight
     that may be per row: normalise in fp32, cast back, scale. ``weight`` is ``[H]`` or broadcastable."""
@@ -547,8 +529,19 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * h.to(dtype)
 
 
+def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma-family RMSNorm (``GemmaRMSNorm``, ``Gemma3RMSNorm``): normalise and scale by ``1 + w``,
+    all in fp32, then cast back. ``weight`` is ``[H]`` or broadcastable."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
+_NORM_STYLES = {"llama": rms_norm_reference, "gemma": rms_norm_gemma}
+
+
 def norm_eps(module: nn.Module) -> float | None:
-    """Epsilon of a Llama-family RMSNorm module, or None when it is not one."""
+    """Epsilon of an RMSNorm module, or None when it is not one."""
     for attr in ("variance_epsilon", "eps"):
         v = getattr(module, attr, None)
         if isinstance(v, float):
@@ -556,28 +549,37 @@ def norm_eps(module: nn.Module) -> float | None:
     return None
 
 
-def is_llama_rmsnorm(module: nn.Module) -> bool:
-    """True when ``module`` computes exactly :func:`rms_norm_reference` with its own weight.
+def rms_norm_style(module: nn.Module) -> str | None:
+    """``"llama"`` or ``"gemma"`` when ``module`` computes exactly that RMSNorm with its own weight
+    (:func:`rms_norm_reference`, :func:`rms_norm_gemma`), else None.
 
-    Checked by running it, not by class name: norms that look alike but differ (Gemma's
-    ``(1 + w)``, LayerNorm's mean subtraction) fail the probe and are not decoupled.
+    Checked by running it on a probe, not by class name: norms that look alike but differ
+    (LayerNorm's mean subtraction, a norm with a bias) fail the probe and are not decoupled.
     """
     w = getattr(module, "weight", None)
     eps = norm_eps(module)
     if not isinstance(w, torch.Tensor) or w.dim() != 1 or eps is None or getattr(module, "bias", None) is not None:
-        return False
+        return None
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(2, 3, w.shape[0], generator=g).to(device=w.device, dtype=w.dtype)
     with torch.no_grad():
         try:
             got = module(x)
         except Exception:  # an unexpected signature is as good as "not this kind of norm"
-            return False
-        return isinstance(got, torch.Tensor) and torch.equal(got, rms_norm_reference(x, w, eps))
+            return None
+        if not isinstance(got, torch.Tensor):
+            return None
+        return next((k for k, f in _NORM_STYLES.items() if torch.equal(got, f(x, w, eps))), None)
+
+
+def is_llama_rmsnorm(module: nn.Module) -> bool:
+    """True when ``module`` computes exactly :func:`rms_norm_reference` with its own weight."""
+    return rms_norm_style(module) == "llama"
 
 
 class DeltaRMSNorm(nn.Module):
-    """Llama-family RMSNorm with a per-row weight: row ``r`` is scaled by its slot's weight.
+    """RMSNorm (Llama or Gemma style, see :func:`rms_norm_style`) with a per-row weight: row ``r`` is
+    scaled by its slot's weight.
 
     The weight table is ``[N + 1, H]`` with row 0 the base weight; a slot whose variant keeps the
     norm "same" points at row 0.
@@ -585,6 +587,10 @@ class DeltaRMSNorm(nn.Module):
 
     def __init__(self, base: nn.Module, ctx: DeltaContext):
         super().__init__()
+        style = rms_norm_style(base)
+        if style is None:
+            raise ValueError(f"{type(base).__name__} is not an RMSNorm this module reproduces")
+        self._norm = _NORM_STYLES[style]
         self.weight = base.weight
         self.eps = norm_eps(base)
         self.ctx = ctx
@@ -608,10 +614,10 @@ class DeltaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self._slots & self.ctx.active):
-            return rms_norm_reference(x, self.weight, self.eps)
+            return self._norm(x, self.weight, self.eps)
         idx = self.ctx.token_index(x)
         w = self._table[self._row[idx + 1]].reshape(*x.shape[:-1], x.shape[-1])
-        return rms_norm_reference(x, w, self.eps)
+        return self._norm(x, w, self.eps)
 
 
 class DeltaLayerNorm(nn.Module):

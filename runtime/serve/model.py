@@ -12,15 +12,17 @@
 Both expose the same small interface to the engine (``load_host``, ``write_slot``, ``clear_slot``,
 ``forward``) and are driven through a :class:`deltazip.runtime.serve.delta_cache.TieredCache`.
 
-Tensor names: artifacts name tensors as the checkpoint does. The decoupled model needs those names
-to be module parameter names, which holds for most decoder-only families (Llama, Mistral, Qwen2,
-GPT-NeoX, ...). Per row it applies changed ``nn.Linear`` weights and biases, plain ``nn.Embedding``
-tables, Llama-style RMSNorm weights and ``nn.LayerNorm`` weights and biases, and mixture-of-experts
-routers and fused experts (``deltazip.runtime.serve.delta_experts``, which also maps per-expert
-checkpoint names onto the fused parameters). A variant that changes
-a tensor the runtime cannot apply per row (or whose name is not a parameter name) is refused with a
-message naming the tensor and pointing at ``--mode swap``, which goes through transformers' own
-loader and so serves any causal LM it can load.
+Tensor names: artifacts name tensors as the checkpoint does; they are mapped to module parameter
+names by transformers' own loading rules (``deltazip.runtime.serve.param_names``: GPT-NeoX's
+``embed_out`` is ``lm_head``). Per row the decoupled model applies changed ``nn.Linear`` and
+``Conv1D`` weights and biases, embedding tables (plain, Gemma's scaled ones, learned positions:
+``deltazip.runtime.serve.delta_embedding``), Llama- and Gemma-style RMSNorm weights and
+``nn.LayerNorm`` weights and biases, and mixture-of-experts routers and fused experts
+(``deltazip.runtime.serve.delta_experts``, which also maps per-expert checkpoint names onto the fused
+parameters). A variant that changes a tensor the runtime cannot apply per row
+(or one transformers loads through a converter rather than a rename) is refused with a message
+naming the tensor and pointing at ``--mode swap``, which goes through transformers' own loader and
+so serves any causal LM it can load.
 """
 
 from __future__ import annotations
@@ -35,18 +37,20 @@ import torch
 from torch import nn
 
 from deltazip.compress.checkpoint import Checkpoint
-from deltazip.formats.artifact import MANIFEST, Artifact, needs_base
+from deltazip.formats.artifact import MANIFEST, Artifact, needs_base, stored_shape
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.kernels.packed import PackedDelta
+from deltazip.runtime.serve.delta_embedding import can_decouple, decouple_embedding
 from deltazip.runtime.serve.delta_experts import DeltaExperts, DeltaRouter, MoeLayout
 from deltazip.runtime.serve.delta_linear import (
     DeltaContext,
-    DeltaEmbedding,
     DeltaLayerNorm,
     DeltaLinear,
     DeltaRMSNorm,
-    is_llama_rmsnorm,
+    is_linear,
+    rms_norm_style,
 )
+from deltazip.runtime.serve.param_names import module_names
 from deltazip.runtime.share.dedup_registry import TensorDedupRegistry
 from deltazip.runtime.share.dedup_serving import (
     DedupLedger,
@@ -442,8 +446,11 @@ class DeltaModel:
 
     def _plan_variant(self, v: VariantInfo, params: dict[str, nn.Parameter],
                       wanted: dict[str, str]) -> dict[str, list[tuple[str, str]]]:
+        """``checkpoint tensor -> [(module, attribute)]`` of every tensor ``v`` changes (names mapped to
+        parameters by transformers' own rules, ``param_names``); ``wanted`` gets each module's kind."""
         plan: dict[str, list[tuple[str, str]]] = {}
         on_moe = self._moe.targets({n: x["shape"] for n, x in v.tensors.items()})
+        changed = []
         for name, e in v.tensors.items():
             if e["kind"] == "same":
                 continue
@@ -451,50 +458,61 @@ class DeltaModel:
             if moe is not None:  # a fused expert parameter (or one expert's rows of it), or a router
                 wanted[moe[0]] = moe[1]
                 plan[name] = [(moe[0], moe[2])]
-                continue
-            if e["kind"] == "packed" and (e.get("transposed") or e.get("experts")):
-                what = "a fused mixture-of-experts tensor" if e.get("experts") else "a Conv1D weight stored [in, out]"
-                raise UnsupportedVariant(f"variant {v.name}: tensor {name} is {what}, which the decoupled runtime does "
-                                         f"not apply per request; serve it with --mode swap")
-            if name not in params:
+            else:
+                changed.append(name)
+        to_param = module_names(self.model, changed)
+        for name in changed:
+            e = v.tensors[name]
+            if e["kind"] == "packed" and e.get("experts"):
+                raise UnsupportedVariant(f"variant {v.name}: tensor {name} is a fused mixture-of-experts tensor, which "
+                                         f"the decoupled runtime does not apply per request; serve it with --mode swap")
+            pname = to_param.get(name)
+            if pname is None:
                 raise UnsupportedVariant(
-                    f"variant {v.name}: tensor {name!r} is not a parameter of {type(self.model).__name__} (the "
-                    f"checkpoint names differ from the module names for this architecture); the decoupled runtime "
-                    f"needs them equal — serve this one with --mode swap")
-            if list(params[name].shape) != list(e["shape"]):
-                raise UnsupportedVariant(f"variant {v.name}: tensor {name} has shape {e['shape']}, the base has "
-                                         f"{list(params[name].shape)}; it cannot share the base model")
-            targets = [name] + [a for a in self._aliases.get(name, []) if a not in v.tensors]
+                    f"variant {v.name}: tensor {name!r} is not a parameter of {type(self.model).__name__} and "
+                    f"transformers does not load it into one by a plain rename; the decoupled runtime cannot apply "
+                    f"it — serve this one with --mode swap")
+            shape = stored_shape(e) if e["kind"] == "packed" else list(e["shape"])
+            if list(params[pname].shape) != shape:
+                raise UnsupportedVariant(f"variant {v.name}: tensor {name} has shape {shape}, the base has "
+                                         f"{list(params[pname].shape)}; it cannot share the base model")
+            targets = [pname] + [a for a in self._aliases.get(pname, []) if a not in v.tensors]
             plan[name] = []
             for t in targets:
                 mname, attr = t.rsplit(".", 1)
-                mod = self.model.get_submodule(mname)
-                if isinstance(mod, (nn.Linear, DeltaLinear)) and attr in ("weight", "bias"):
-                    kind = "linear"
-                elif type(mod) in (nn.Embedding, DeltaEmbedding) and attr == "weight":
-                    # Exact type: subclasses (OPT's learned positions, scaled embeddings) change forward().
-                    kind = "embedding"
-                elif attr == "weight" and (isinstance(mod, DeltaRMSNorm) or is_llama_rmsnorm(mod)):
-                    kind = "norm"
-                elif attr in ("weight", "bias") and (type(mod) is DeltaLayerNorm or (
-                        type(mod) is nn.LayerNorm and mod.weight is not None and len(mod.normalized_shape) == 1)):
-                    kind = "layernorm"
-                else:
+                kind = self._decoupled_kind(self.model.get_submodule(mname), attr)
+                if kind is None:
                     raise UnsupportedVariant(
-                        f"variant {v.name}: it changes {t} ({type(mod).__name__}.{attr}), which the decoupled runtime "
-                        f"cannot apply per request; serve it with --mode swap")
+                        f"variant {v.name}: it changes {t} ({type(self.model.get_submodule(mname)).__name__}.{attr}), "
+                        f"which the decoupled runtime cannot apply per request; serve it with --mode swap")
                 if e["kind"] == "packed" and (kind != "linear" or attr != "weight"):
-                    raise UnsupportedVariant(f"variant {v.name}: tensor {t} is stored packed but is not a linear weight")
+                    raise UnsupportedVariant(f"variant {v.name}: tensor {name} is stored packed but is not a linear weight")
                 wanted[mname] = kind
                 plan[name].append((mname, attr))
         return plan
+
+    @staticmethod
+    def _decoupled_kind(mod: nn.Module, attr: str) -> str | None:
+        """Which decoupled module applies a change of ``mod.attr`` per row (None: none can)."""
+        if is_linear(mod) and attr in ("weight", "bias"):
+            return "linear"  # nn.Linear and Conv1D, weights and biases
+        if attr == "weight" and can_decouple(mod):
+            return "embedding"  # token tables, scaled embeddings, learned positions
+        if attr == "weight" and (isinstance(mod, DeltaRMSNorm) or rms_norm_style(mod) is not None):
+            return "norm"
+        if attr in ("weight", "bias") and (type(mod) is DeltaLayerNorm or (
+                type(mod) is nn.LayerNorm and mod.weight is not None and len(mod.normalized_shape) == 1)):
+            return "layernorm"
+        return None
 
     def _replace(self, mname: str, kind: str) -> nn.Module:
         parent_name, _, child = mname.rpartition(".")
         parent = self.model.get_submodule(parent_name) if parent_name else self.model
         old = getattr(parent, child)
-        new = {"linear": DeltaLinear, "embedding": DeltaEmbedding, "norm": DeltaRMSNorm,
-               "layernorm": DeltaLayerNorm, "experts": DeltaExperts, "router": DeltaRouter}[kind](old, self.ctx)
+        if kind == "embedding":
+            return decouple_embedding(old, self.ctx)  # in place: the subclass's forward keeps running
+        new = {"linear": DeltaLinear, "norm": DeltaRMSNorm, "layernorm": DeltaLayerNorm, "experts": DeltaExperts,
+               "router": DeltaRouter}[kind](old, self.ctx)
         setattr(parent, child, new)
         return new
 
