@@ -218,3 +218,32 @@ def test_delta_model_merges_llama_projections_and_skips_the_warm_up_on_cpu(tmp_p
         held = {t.data_ptr() for t in dm._base_held}
         assert lin.weight.data_ptr() in held  # the registry keeps the view, not the old copy
     dispatch.CALLS.clear()
+
+
+@pytest.mark.slow
+def test_forced_warm_up_covers_every_served_stack_once(tmp_path):
+    """Through the interpreter (``force``): the stacks of every packed tensor the variants serve are
+    allocated and warmed, one warm-up per distinct configuration; a second call costs nothing."""
+    from deltazip.kernels.triton_sbmm import interpreter_ready, triton_importable
+
+    if not triton_importable() or not interpreter_ready():
+        pytest.skip("needs TRITON_INTERPRET=1 set before triton was first imported")
+    import deltazip.kernels.warmup as kw
+    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.runtime.serve import kernel_warmup
+    from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+
+    s = served_set(tmp_path / "serving")
+    dm = DeltaModel(Checkpoint(s.base_dir), discover_artifacts(s.artifacts), num_slots=2,
+                    device=torch.device("cpu"), dtype=torch.float32, delta_compute="packed")
+    stacks = kernel_warmup.served_stacks(dm)
+    packed = {(v.name, t) for v in dm.variants.values() for t, e in v.tensors.items() if e["kind"] == "packed"}
+    assert stacks and packed
+    assert all(s2.num_deltas == 2 for s2 in stacks)
+    kw._warmed.clear()
+    n = kernel_warmup.warm_up_kernels(dm, force=True, tune=False)
+    distinct = {kw.signature(s2) for s2 in stacks}
+    per = {kw.signature(s2): len(kw.variants(s2, (torch.float32,))) for s2 in stacks}
+    assert n == sum(per.values()) and len(distinct) <= len(stacks)
+    assert kernel_warmup.warm_up_kernels(dm, force=True, tune=False) == 0  # all warmed in this process
+    assert [id(x) for x in kernel_warmup.served_stacks(dm)] == [id(x) for x in stacks]  # allocated once
