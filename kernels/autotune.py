@@ -140,20 +140,27 @@ class TuneCache:
 
 
 _caches: dict[Path, TuneCache] = {}
+_by_device: dict[tuple[str, str], TuneCache] = {}  # (device, cache dir setting) -> cache: no lookups per launch
 
 
 def cache_for(device: torch.device | str) -> TuneCache:
     """The process-wide cache of ``device``'s GPU model, loaded from disk on first use."""
+    memo = (str(device), os.environ.get(_DIR_ENV, ""))
+    c = _by_device.get(memo)
+    if c is not None:
+        return c
     path = cache_path(device)
     c = _caches.get(path)
     if c is None:
         c = _caches[path] = TuneCache(path).load()
+    _by_device[memo] = c
     return c
 
 
 def forget_loaded() -> None:
     """Drop the in-memory caches (the next :func:`cache_for` reads the files again)."""
     _caches.clear()
+    _by_device.clear()
 
 
 def enabled() -> bool:

@@ -12,7 +12,9 @@ costs no memory and no work beyond the gather that the module does anyway.
 The per-row slot index travels in one :class:`DeltaContext` that every decoupled module of a model
 holds a reference to; the engine sets it once per forward (``DeltaContext.bind``). No module loops
 over variants in Python: a linear makes one SBMM call per delta *configuration* (bits, group,
-sparsity — usually one), embeddings and norms one gather.
+sparsity — usually one), added onto its base GEMM's output in the kernel's epilogue; embeddings and
+norms one gather. Llama-family q/k/v and gate/up linears share one GEMM and one SBMM per group
+(``deltazip.runtime.serve.projections``; their packed deltas live in one :class:`PackedStore`).
 
 Shapes: activations ``[..., in]`` flatten to ``[M, in]``; ``ctx.row_slot`` is ``[B]`` (one slot per
 sequence) and a module's input has leading dims ``[B, t]``, so the per-token index is ``row_slot``

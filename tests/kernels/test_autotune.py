@@ -153,3 +153,14 @@ def test_tuned_options_reach_the_kernel_and_keep_the_result(backend):
     for cfg in ({"num_warps": 4, "num_stages": 2, "unroll": 1, "split_k": 2}, {"split_k": 1, "unroll": 2}):
         y = sbmm_fast(x.to(backend), index.to(backend), stack, config=cfg).cpu()
         assert_matches(y, ref, mag)
+
+
+def test_cache_for_loads_once_per_device_and_reloads_after_forget(tune_dir):
+    c = autotune.TuneCache(autotune.cache_path("cpu"))
+    c.put("k", CFG)
+    c.save()
+    first = autotune.cache_for("cpu")
+    assert first.get("k") == CFG and autotune.cache_for("cpu") is first
+    first.put("k2", CFG)  # in memory only
+    autotune.forget_loaded()
+    assert autotune.cache_for("cpu").get("k2") is None
