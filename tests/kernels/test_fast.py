@@ -482,3 +482,26 @@ def test_sbmm_out_is_checked(backend):
             sbmm_fast(x, idx, stack, out=bad.to(backend))
     with pytest.raises(ValueError, match="StackedDeltas"):
         dispatch.sbmm(x, idx, [make_delta(64, 128, 4, 128, False, False, gen)], out=torch.zeros(4, 64).half())
+
+
+@pytest.mark.parametrize("layout", ["mma", "transposed"])
+def test_write_rows_builds_a_merged_stack_and_clear_rows_zeroes_a_member(layout):
+    """Deltas of [64, in], [64, in] and [32, in] written at rows 0, 64, 128 of one [160, in] stack give
+    the row-concatenated delta; clearing one member's rows leaves a zero delta there."""
+    gen = torch.Generator().manual_seed(41)
+    parts = [make_delta(o, 256, 4, 128, True, i == 1, gen) for i, o in enumerate((64, 64, 32))]
+    stack = StackedDeltas.allocate(2, bits=4, group_size=128, in_features=256, out_features=160, sparse=True,
+                                   asymmetric=True, layout=layout)
+    for r0, d in zip((0, 64, 128), parts):
+        stack.write(1, d, r0)
+    want = torch.cat([reference.delta_weight(d) for d in parts])
+    torch.testing.assert_close(stack.delta_weight(1), want, rtol=0, atol=0)
+    stack.clear_rows(1, 64, 64)
+    want[64:128] = 0
+    torch.testing.assert_close(stack.delta_weight(1), want, rtol=0, atol=0)
+    assert not stack.delta_weight(0).any()
+    if layout == "mma":
+        with pytest.raises(ValueError, match="multiple of 64"):
+            stack.write(1, make_delta(32, 256, 4, 128, True, False, gen), 32)  # would share a 64-row tile
+    with pytest.raises(ValueError, match="does not fit"):
+        stack.write(1, parts[0], 128)  # past the last row
