@@ -12,7 +12,9 @@ costs no memory and no work beyond the gather that the module does anyway.
 The per-row slot index travels in one :class:`DeltaContext` that every decoupled module of a model
 holds a reference to; the engine sets it once per forward (``DeltaContext.bind``). No module loops
 over variants in Python: a linear makes one SBMM call per delta *configuration* (bits, group,
-sparsity — usually one), embeddings and norms one gather.
+sparsity — usually one), added onto its base GEMM's output in the kernel's epilogue; embeddings and
+norms one gather. Llama-family q/k/v and gate/up linears share one GEMM and one SBMM per group
+(``deltazip.runtime.serve.projections``; their packed deltas live in one :class:`PackedStore`).
 
 Shapes: activations ``[..., in]`` flatten to ``[M, in]``; ``ctx.row_slot`` is ``[B]`` (one slot per
 sequence) and a module's input has leading dims ``[B, t]``, so the per-token index is ``row_slot``
@@ -30,7 +32,7 @@ from torch import nn
 from deltazip.kernels import dispatch
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
-from deltazip.kernels.stacked import StackedDeltas, config_key
+from deltazip.kernels.stacked import StackedDeltas
 
 
 class DeltaContext:
@@ -55,6 +57,7 @@ class DeltaContext:
         self._plans: dict[int, object] = {}
         self._row_slot_host: torch.Tensor | None = None
         self._segments: dict[tuple[int, frozenset[int]], SlotSegments | None] = {}
+        self.generation = 0  # counts binds: a merged projection group's cached output is per forward
 
     def bind(self, row_slots: list[int], device: torch.device | str) -> None:
         """Set the batch's slots: one per sequence row, ``-1`` for base rows, else in ``[0, N)``.
@@ -68,6 +71,7 @@ class DeltaContext:
         self.row_slot = torch.tensor(row_slots, dtype=torch.int64, device=device)
         self._row_slot_host = torch.tensor(row_slots, dtype=torch.int64)
         self.active = frozenset(s for s in row_slots if s >= 0)
+        self.generation += 1
         self._token_index.clear()
         self._plans.clear()
         self._segments.clear()
@@ -211,11 +215,144 @@ def _slot_lookup(num_slots: int, device) -> torch.Tensor:
 
 @dataclass
 class _PackedGroup:
-    """The slots of one linear whose deltas share a configuration (one stack, one SBMM call)."""
+    """The slots of one stack: deltas sharing a configuration (one SBMM call)."""
 
     stack: StackedDeltas
     present: torch.Tensor  # bool [N + 1], indexed by slot + 1: slot holds a delta of this group
     slots: set[int] = field(default_factory=set)
+    owners: dict[int, set[int]] = field(default_factory=dict)  # slot -> first rows of the deltas written
+
+
+class PackedStore:
+    """The packed deltas of one linear, or of a merged projection group (rows ``[q; k; v]``).
+
+    One stack per delta configuration (bits, group, sparsity), each ``[N slots, out, in]`` with ``out``
+    the rows of every member; a member's delta occupies its row range ``[row0, row0 + rows)``, the
+    other rows of the slot hold a zero delta (scale 0). With ``ctx.dequantize`` the deltas are kept
+    dense instead, ``[N, out, in]`` in the model's dtype.
+
+    Args:
+        ctx: the model's context; in_features, out_features: of the (merged) weight; device, dtype:
+            where the stacks live and the dtype of dequantized deltas.
+    """
+
+    def __init__(self, ctx: DeltaContext, in_features: int, out_features: int, device, dtype: torch.dtype):
+        self.ctx, self.in_features, self.out_features = ctx, in_features, out_features
+        self.device, self.dtype = device, dtype
+        self.groups: dict[tuple, _PackedGroup] = {}
+        self.dq: torch.Tensor | None = None  # [N, out, in] dequantized deltas (ctx.dequantize)
+        self.dq_owners: dict[int, set[int]] = {}  # slot -> first rows of the dequantized deltas written
+        # Stack layout: a merged group whose member boundaries are not on 64-row tiles cannot use the
+        # fast kernel's tiles (one writer per tile) and asks for the transposed layout.
+        self.layout = "auto"
+
+    @property
+    def dq_slots(self) -> set[int]:
+        return set(self.dq_owners)
+
+    def stack_for(self, bits: int, group_size: int, sparse: bool, asymmetric: bool) -> StackedDeltas:
+        """The stack for deltas of this configuration, allocated now if needed (the kernel warm-up
+        allocates the stacks the served variants will use before the first request)."""
+        d = PackedDelta(torch.empty(0), torch.empty(0), None, None, bits, group_size, self.in_features, 0)
+        return self._group_for(d, asymmetric, sparse).stack
+
+    def _group_for(self, delta: PackedDelta, asymmetric: bool, sparse: bool | None = None) -> _PackedGroup:
+        sparse = delta.sparse if sparse is None else sparse
+        key = (delta.bits, delta.effective_group, sparse, delta.in_features)  # members of any height share it
+        g = self.groups.get(key)
+        if g is not None and asymmetric and not g.stack.asymmetric:
+            # A symmetric stack cannot hold explicit zero points: rebuild it asymmetric, keeping slots.
+            old = g.stack
+            new = StackedDeltas.allocate(self.ctx.num_slots, bits=old.bits, group_size=old.group_size,
+                                         in_features=old.in_features, out_features=old.out_features,
+                                         sparse=old.sparse, asymmetric=True, device=old.device, layout=old.layout)
+            for s in g.slots:
+                new.write(s, old.unstack(s))
+            g.stack = new
+        if g is None:
+            stack = StackedDeltas.allocate(self.ctx.num_slots, bits=delta.bits, group_size=delta.group_size,
+                                           in_features=delta.in_features, out_features=self.out_features,
+                                           sparse=sparse, asymmetric=asymmetric, device=self.device,
+                                           layout=self.layout)
+            g = _PackedGroup(stack, torch.zeros(self.ctx.num_slots + 1, dtype=torch.bool, device=self.device))
+            self.groups[key] = g
+        return g
+
+    def write(self, slot: int, row0: int, packed: PackedDelta) -> None:
+        """Put a member's delta (rows ``row0 ..``) into ``slot``, replacing what that member had there."""
+        rows = packed.out_features
+        self.clear(slot, row0, rows)
+        if self.ctx.dequantize:
+            if self.dq is None:
+                self.dq = torch.zeros(self.ctx.num_slots, self.out_features, self.in_features,
+                                      dtype=self.dtype, device=self.device)
+            if slot not in self.dq_owners and rows != self.out_features:
+                self.dq[slot].zero_()  # rows of members cleared earlier may still hold their deltas
+            self.dq[slot, row0:row0 + rows].copy_(delta_weight(packed.to(self.device)))
+            self.dq_owners.setdefault(slot, set()).add(row0)
+            return
+        g = self._group_for(packed, packed.zeros is not None)
+        if slot not in g.owners and rows != self.out_features:
+            g.stack.clear_rows(slot, 0, self.out_features)  # likewise
+        g.stack.write(slot, packed, row0)
+        g.owners.setdefault(slot, set()).add(row0)
+        g.present[slot + 1] = True
+        g.slots.add(slot)
+
+    def clear(self, slot: int, row0: int, rows: int) -> None:
+        """Forget the member delta at ``row0`` of ``slot``; rows still shared with others become zero."""
+        for g in self.groups.values():
+            own = g.owners.get(slot)
+            if not own or row0 not in own:
+                continue
+            own.discard(row0)
+            if own:
+                g.stack.clear_rows(slot, row0, rows)
+            else:
+                del g.owners[slot]
+                g.slots.discard(slot)
+                g.present[slot + 1] = False
+        own = self.dq_owners.get(slot)
+        if own and row0 in own:
+            own.discard(row0)
+            if own:
+                self.dq[slot, row0:row0 + rows].zero_()
+            else:
+                del self.dq_owners[slot]
+
+    def resident_bytes(self, slot: int, row0: int, rows: int) -> int:
+        """Device bytes of one member's delta in ``slot`` (its rows' share of the stacks)."""
+        total = 0
+        for g in self.groups.values():
+            if row0 in g.owners.get(slot, ()):
+                total += g.stack.nbytes() // g.stack.num_deltas * rows // self.out_features
+        if row0 in self.dq_owners.get(slot, ()):
+            total += rows * self.in_features * self.dq.element_size()
+        return total
+
+    def add_into(self, y: torch.Tensor, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """``y[r] += x[r] @ Δ[idx[r]]ᵀ`` for the active slots, in place.
+
+        Args:
+            y: ``[M, out]`` (the base GEMM's output); x: ``[M, in]``; idx: int64 ``[M]`` slot per row.
+        Returns:
+            ``y`` (the same tensor).
+        """
+        ctx, active = self.ctx, self.ctx.active
+        for g in self.groups.values():
+            if not (g.slots & active):
+                continue
+            if g.slots >= active:  # every row with a slot has a delta here: the shared plan applies
+                local = idx
+                plan = ctx.plan(idx) if dispatch.use_triton(x, idx, g.stack.qweight) else None
+            else:
+                local = torch.where(g.present[idx + 1], idx, torch.full_like(idx, -1))
+                plan = None
+            y = dispatch.sbmm(x, local, g.stack, plan=plan, out=y)  # added in the kernel's epilogue
+        dq = self.dq_slots & active
+        if dq:
+            y.add_(_dense_rows(x, idx, self.dq, dq, ctx))
+        return y
 
 
 class DeltaLinear(nn.Module):
@@ -260,7 +397,10 @@ class DeltaLinear(nn.Module):
         self.ctx = ctx
         n = ctx.num_slots
         dev = base.weight.device
-        self.groups: dict[tuple, _PackedGroup] = {}
+        # Packed deltas: its own store, or a merged projection group's (then its rows start at _row0).
+        self._store = PackedStore(ctx, self.in_features, self.out_features, dev, base.weight.dtype)
+        self._row0 = 0
+        self.merged = None  # the ProjectionGroup (deltazip.runtime.serve.projections) computing this linear
         self._replace = torch.zeros(n + 1, dtype=torch.bool, device=dev)  # base term dropped for slot
         self._replace_slots: set[int] = set()
         self._dense: dict[int, torch.Tensor] = {}  # slot -> [out, in] replacement weight (a reference)
@@ -269,8 +409,6 @@ class DeltaLinear(nn.Module):
         self._lora_scale = torch.zeros(n, dtype=torch.float32, device=dev)  # [N]
         self._lora_present = torch.zeros(n + 1, dtype=torch.bool, device=dev)  # indexed by slot + 1
         self._lora_rank: dict[int, int] = {}  # slot -> its adapter's own rank
-        self._dq: torch.Tensor | None = None  # [N, out, in] dequantized deltas (ctx.dequantize)
-        self._dq_slots: set[int] = set()
         # With a base bias, decoupled forwards add the bias per row from this table (row 0 = base),
         # because rows whose base term is dropped (non-additive, dense) still need their bias.
         self._bias_table: torch.Tensor | None = None
@@ -284,38 +422,26 @@ class DeltaLinear(nn.Module):
                 f"configs={len(self.groups)}")
 
     # -- slot management (engine thread, between forwards) ---------------------------------------
-    def _group_for(self, delta: PackedDelta, asymmetric: bool) -> _PackedGroup:
-        key = config_key(delta)
-        g = self.groups.get(key)
-        if g is not None and asymmetric and not g.stack.asymmetric:
-            # A symmetric stack cannot hold explicit zero points: rebuild it asymmetric, keeping slots.
-            old = g.stack
-            new = StackedDeltas.allocate(self.ctx.num_slots, bits=old.bits, group_size=old.group_size,
-                                         in_features=old.in_features, out_features=old.out_features,
-                                         sparse=old.sparse, asymmetric=True, device=old.device)
-            for s in g.slots:
-                new.write(s, old.unstack(s))
-            g.stack = new
-        if g is None:
-            stack = StackedDeltas.allocate(self.ctx.num_slots, bits=delta.bits, group_size=delta.group_size,
-                                           in_features=delta.in_features, out_features=delta.out_features,
-                                           sparse=delta.sparse, asymmetric=asymmetric, device=self.weight.device)
-            g = _PackedGroup(stack, torch.zeros(self.ctx.num_slots + 1, dtype=torch.bool, device=self.weight.device))
-            self.groups[key] = g
-        return g
+    @property
+    def groups(self) -> dict[tuple, _PackedGroup]:
+        """The stacks holding this linear's packed deltas (shared with its group when merged)."""
+        return self._store.groups
+
+    def _loaded_slots(self) -> bool:
+        """Whether any slot holds something for this linear."""
+        s = self._store
+        mine = any(self._row0 in own for g in s.groups.values() for own in g.owners.values())
+        mine = mine or any(self._row0 in own for own in s.dq_owners.values())
+        return bool(mine or self._replace_slots or self._dense or self._lora_rank or self._bias_slots)
 
     def clear_slot(self, slot: int) -> None:
         """Forget slot ``slot`` (its rows fall back to the base weights until it is loaded again)."""
-        for g in self.groups.values():
-            if slot in g.slots:
-                g.slots.discard(slot)
-                g.present[slot + 1] = False
+        self._store.clear(slot, self._row0, self.out_features)
         self._replace[slot + 1] = False
         self._replace_slots.discard(slot)
         self._dense.pop(slot, None)
         self._lora_present[slot + 1] = False
         self._lora_rank.pop(slot, None)
-        self._dq_slots.discard(slot)
         self._bias_row[slot + 1] = 0
         self._bias_slots.discard(slot)
 
@@ -342,17 +468,7 @@ class DeltaLinear(nn.Module):
             if (packed.out_features, packed.in_features) != (self.out_features, self.in_features):
                 raise ValueError(f"packed delta is [{packed.out_features}, {packed.in_features}], the linear is "
                                  f"[{self.out_features}, {self.in_features}]")
-            if self.ctx.dequantize:
-                if self._dq is None:
-                    self._dq = torch.zeros(self.ctx.num_slots, self.out_features, self.in_features,
-                                           dtype=self.weight.dtype, device=self.weight.device)
-                self._dq[slot].copy_(delta_weight(packed.to(self.weight.device)))
-                self._dq_slots.add(slot)
-            else:
-                g = self._group_for(packed, packed.zeros is not None)
-                g.stack.write(slot, packed)
-                g.present[slot + 1] = True
-                g.slots.add(slot)
+            self._store.write(slot, self._row0, packed)
             if not additive:
                 self._replace[slot + 1] = True
                 self._replace_slots.add(slot)
@@ -397,16 +513,11 @@ class DeltaLinear(nn.Module):
 
     def resident_bytes(self, slot: int) -> int:
         """Device bytes that slot ``slot`` of this linear occupies (its share of the stacks)."""
-        total = 0
-        for g in self.groups.values():
-            if slot in g.slots:
-                total += g.stack.nbytes() // g.stack.num_deltas
+        total = self._store.resident_bytes(slot, self._row0, self.out_features)
         if slot in self._dense:
             total += self._dense[slot].numel() * self._dense[slot].element_size()
         if slot in self._lora_rank:  # its padded rows of the stacks
             total += (self._lora_A[slot].numel() + self._lora_B[slot].numel()) * self._lora_A.element_size()
-        if slot in self._dq_slots and self._dq is not None:
-            total += self._dq[slot].numel() * self._dq.element_size()
         if slot in self._bias_slots:
             total += self._bias_table[0].numel() * self._bias_table.element_size()
         return total
@@ -414,37 +525,38 @@ class DeltaLinear(nn.Module):
     # -- forward --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, t, in]`` -> ``[B, t, out]`` (any leading dims whose first is the batch)."""
+        if self.merged is not None:  # computed with its sibling projections (one GEMM, one SBMM)
+            return self.merged.output(self, x)
         ctx = self.ctx
         lead = x.shape[:-1]
-        active = ctx.active
-        w = self.weight.t() if self.transposed else self.weight  # [out, in]
-        if not active:  # a batch of base rows only: the plain linear
+        w = self.weight.t() if self.transposed else self.weight  # [out, in] (Conv1D stores [in, out])
+        if not ctx.active:  # a batch of base rows only: the plain linear
             return F.linear(x, w, self.bias)
         idx = ctx.token_index(x)
         x2 = x.reshape(-1, self.in_features)
         y = F.linear(x2, w)
-        if self._replace_slots & active:
-            y = y.masked_fill(self._replace[idx + 1].unsqueeze(1), 0)
-        for g in self.groups.values():
-            if not (g.slots & active):
-                continue
-            if g.slots >= active:  # every row with a slot has a delta here: the shared plan applies
-                local = idx
-                plan = ctx.plan(idx) if dispatch.use_triton(x2, idx, g.stack.qweight) else None
-            else:
-                local = torch.where(g.present[idx + 1], idx, torch.full_like(idx, -1))
-                plan = None
-            y = y + dispatch.sbmm(x2, local, g.stack, plan=plan)
-        if self._dq_slots & active:
-            y = y + _dense_rows(x2, idx, self._dq, self._dq_slots & active, ctx)
+        self.drop_replaced(y, idx)
+        y = self._store.add_into(y, x2, idx)
+        self.add_extras(y, x2, idx)
+        return y.reshape(*lead, self.out_features)
+
+    def drop_replaced(self, y: torch.Tensor, idx: torch.Tensor) -> None:
+        """Zero, in place, the base term of rows whose slot replaces this weight. ``y``: ``[M, out]``
+        (may be a column slice of a merged output)."""
+        if self._replace_slots & self.ctx.active:
+            y.masked_fill_(self._replace[idx + 1].unsqueeze(1), 0)
+
+    def add_extras(self, y: torch.Tensor, x2: torch.Tensor, idx: torch.Tensor) -> None:
+        """Add, in place, what is not a packed delta: dense replacements, LoRA, per-slot biases.
+        ``y``: ``[M, out]`` (may be a column slice of a merged output); ``x2``: ``[M, in]``."""
+        active = self.ctx.active
         if self._dense.keys() & active:
-            y = y + _ref_rows(x2, idx, self._dense, self._dense.keys() & active)
+            y.add_(_ref_rows(x2, idx, self._dense, self._dense.keys() & active))
         if self._lora_rank.keys() & active:
             local = torch.where(self._lora_present[idx + 1], idx, torch.full_like(idx, -1))
-            y = y + dispatch.lora(x2, local, self._lora_A, self._lora_B, self._lora_scale)
+            y.add_(dispatch.lora(x2, local, self._lora_A, self._lora_B, self._lora_scale))
         if self._bias_table is not None:
-            y = y + self._bias_table[self._bias_row[idx + 1]]
-        return y.reshape(*lead, self.out_features)
+            y.add_(self._bias_table[self._bias_row[idx + 1]])
 
 
 # Below this many multiply-adds, one GEMM against every slot's weights at once beats a GEMM per

@@ -50,7 +50,9 @@ from deltazip.runtime.serve.delta_linear import (
     is_linear,
     rms_norm_style,
 )
+from deltazip.runtime.serve.kernel_warmup import warm_up_kernels
 from deltazip.runtime.serve.param_names import module_names
+from deltazip.runtime.serve.projections import merge_projections
 from deltazip.runtime.share.dedup_registry import TensorDedupRegistry
 from deltazip.runtime.share.dedup_serving import (
     DedupLedger,
@@ -394,8 +396,10 @@ class DeltaModel:
         plans = [(v, self.prepare_variant(v, wanted)) for v in variants]
         for mname, kind in sorted(wanted.items()):
             self.modules[mname] = self._replace(mname, kind)
+        self._merge_projections()
         for v, plan in plans:
             self._register(v, plan)
+        warm_up_kernels(self)  # CUDA + packed only: compile and tune every SBMM launch before serving
 
     # -- building -------------------------------------------------------------------------------
     def prepare_variant(self, v: VariantInfo, wanted: dict[str, str] | None = None):
@@ -426,7 +430,14 @@ class DeltaModel:
         for mname, kind in sorted(wanted.items()):
             if mname not in self.modules:
                 self.modules[mname] = self._replace(mname, kind)
+        self._merge_projections()
         self._register(v, plan)
+        warm_up_kernels(self)  # only configurations not warmed yet cost anything
+
+    def _merge_projections(self) -> None:
+        """One GEMM + one SBMM for Llama-family q/k/v and gate/up (deltazip.runtime.serve.projections)."""
+        self.modules.update(merge_projections(self.model, self.modules, self.ctx, self._base_held,
+                                              lambda t: share_tensor(self.registry, t)[0]))
 
     def _register(self, v: VariantInfo, plan) -> None:
         self.variants[v.name] = v
