@@ -544,8 +544,32 @@ class DeltaModel:
             else:
                 kw["weight"] = tensor
 
+    def stage_slot(self, host: HostDelta) -> HostDelta:
+        """Device copies of a decoded variant, so that ``write_slot`` only moves device memory.
+
+        Run by the delta loader on its side CUDA stream (``deltazip.runtime.serve.delta_loader``):
+        packed deltas, LoRA factors, norms and biases are copied from pinned host memory; dense
+        replacements go through the dedup registry, as ``write_slot`` would put them. On CPU the
+        host object is returned as it is.
+        """
+        if self.device.type == "cpu":
+            return host
+        out = HostDelta(host.name)
+        for mname, kw in host.modules.items():
+            out.modules[mname] = {k: self._stage_value(k, v) for k, v in kw.items()}
+        return out
+
+    def _stage_value(self, key: str, v: Any) -> Any:
+        if isinstance(v, PackedDelta):
+            return v.to(self.device)
+        if not isinstance(v, torch.Tensor):
+            return v
+        if key in ("dense", "weight"):
+            return share_tensor(self.registry, v, self.device)[0]
+        return v.to(self.device, non_blocking=True)
+
     def write_slot(self, slot: int, name: str, host: HostDelta) -> None:
-        """Put a decoded variant into device slot ``slot`` (engine thread, between forwards).
+        """Put a decoded (or staged) variant into device slot ``slot`` (engine thread, between forwards).
 
         Dense replacements (linears, embeddings) are referenced by the slot, not copied: on the
         host device they are the host tier's tensors; on a GPU the registry's device copy, which
@@ -557,8 +581,8 @@ class DeltaModel:
                 mod.clear_slot(slot)
                 continue
             if self.device.type != "cpu":
-                kw = {k: share_tensor(self.registry, t, self.device)[0] if k in ("dense", "weight") else t
-                      for k, t in kw.items()}
+                kw = {k: share_tensor(self.registry, t, self.device)[0]
+                      if k in ("dense", "weight") and t.device.type == "cpu" else t for k, t in kw.items()}
             mod.load_slot(slot, **kw)
 
     def clear_slot(self, slot: int) -> None:
