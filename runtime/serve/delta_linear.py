@@ -294,7 +294,7 @@ class DeltaLinear(nn.Module):
     def load_slot(self, slot: int, *, packed: PackedDelta | None = None, additive: bool = True,
                   dense: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                   lora_a: torch.Tensor | None = None, lora_b: torch.Tensor | None = None,
-                  lora_scale: float = 1.0) -> None:
+                  lora_scale: float = 1.0, dequantized: torch.Tensor | None = None) -> None:
         """Put one variant's version of this linear into ``slot``.
 
         Args:
@@ -305,28 +305,32 @@ class DeltaLinear(nn.Module):
                 afterwards: the server hands in read-only deduplicated tensors).
             bias: the variant's bias ``[out]`` when it differs from the base's.
             lora_a, lora_b, lora_scale: a LoRA adapter, ``A [r, in]``, ``B [out, r]`` and its scale.
+            dequantized: ``packed`` already dequantized (``delta_weight``, ``[out, in]``), for a
+                context that keeps deltas dequantized: the delta loader does that work off the
+                engine thread, so the slot write is a copy.
         """
-        if sum(x is not None for x in (packed, dense, lora_a)) > 1:
+        if sum(x is not None for x in (packed, dense, lora_a, dequantized)) > 1:
             raise ValueError("a slot holds one of a packed delta, a dense weight or a LoRA adapter")
         self.clear_slot(slot)
+        if dequantized is not None:
+            if not self.ctx.dequantize or tuple(dequantized.shape) != (self.out_features, self.in_features):
+                raise ValueError(f"a dequantized delta {tuple(dequantized.shape)} needs a dequantizing context and "
+                                 f"shape [{self.out_features}, {self.in_features}]")
+            self._put_dequantized(slot, dequantized, additive)
         if packed is not None:
             if (packed.out_features, packed.in_features) != (self.out_features, self.in_features):
                 raise ValueError(f"packed delta is [{packed.out_features}, {packed.in_features}], the linear is "
                                  f"[{self.out_features}, {self.in_features}]")
             if self.ctx.dequantize:
-                if self._dq is None:
-                    self._dq = torch.zeros(self.ctx.num_slots, self.out_features, self.in_features,
-                                           dtype=self.weight.dtype, device=self.weight.device)
-                self._dq[slot].copy_(delta_weight(packed.to(self.weight.device)))
-                self._dq_slots.add(slot)
+                self._put_dequantized(slot, delta_weight(packed.to(self.weight.device)), additive)
             else:
                 g = self._group_for(packed, packed.zeros is not None)
                 g.stack.write(slot, packed)
                 g.present[slot + 1] = True
                 g.slots.add(slot)
-            if not additive:
-                self._replace[slot + 1] = True
-                self._replace_slots.add(slot)
+                if not additive:
+                    self._replace[slot + 1] = True
+                    self._replace_slots.add(slot)
         if dense is not None:
             if tuple(dense.shape) != (self.out_features, self.in_features):
                 raise ValueError(f"dense weight {tuple(dense.shape)} != [{self.out_features}, {self.in_features}]")
@@ -341,6 +345,17 @@ class DeltaLinear(nn.Module):
             self._bias_table[slot + 1].copy_(bias)
             self._bias_row[slot + 1] = slot + 1
             self._bias_slots.add(slot)
+
+    def _put_dequantized(self, slot: int, delta: torch.Tensor, additive: bool) -> None:
+        """``delta [out, in]`` (dense, any float dtype) into the slot's row of the dequantized stack."""
+        if self._dq is None:
+            self._dq = torch.zeros(self.ctx.num_slots, self.out_features, self.in_features,
+                                   dtype=self.weight.dtype, device=self.weight.device)
+        self._dq[slot].copy_(delta)
+        self._dq_slots.add(slot)
+        if not additive:
+            self._replace[slot + 1] = True
+            self._replace_slots.add(slot)
 
     def _load_lora(self, slot: int, a: torch.Tensor, b: torch.Tensor | None, scale: float) -> None:
         r = a.shape[0]

@@ -7,16 +7,18 @@ steps go on:
 
 1. **host**: the variant is read and decoded into host memory (``TieredCache.host_get``: a hit in
    the host LRU, or the cache's disk thread; on CUDA machines the host tier is pinned memory);
-2. **stage** (CUDA): its tensors are copied from that pinned memory into fresh device buffers on a
-   side CUDA stream (``backend.stage_slot``), and the thread waits for the copy's event — the
-   ping-pong of seed 003: the copy of one variant runs while the compute stream works on the others.
-   On CPU there is nothing to stage: the host object is what the slot write reads.
+2. **stage** (``backend.stage_slot``): everything of the slot write but the final copy. On CUDA the
+   variant's tensors are copied from that pinned memory into fresh device buffers on a side CUDA
+   stream, and the thread waits for the copy's event — the ping-pong of seed 003: the copy of one
+   variant runs while the compute stream works on the others. Where slots keep deltas dequantized
+   (the CPU default) the packed deltas are dequantized here.
 
 The slot write itself (``TieredCache.install`` -> ``backend.write_slot``) stays on the engine thread
-between two forwards, after the compute stream has waited on the staging event: it moves staged
-device memory into the slot's stacks (device-to-device, ~100x faster than the host link) and
-updates the modules' slot tables. So a slot being written is never read by a forward, and a slot
-is never evicted while a step uses it (``install`` protects the running variants' slots).
+between two forwards, after the compute stream has waited on the staging event: it copies staged
+memory into the slot's stacks (device-to-device on a GPU, ~100x faster than the host link; a
+memcpy on CPU) and updates the modules' slot tables. So a slot being written is never read by a
+forward, and a slot is never evicted while a step uses it (``install`` protects the running
+variants' slots).
 
 The engine asks :meth:`DeltaLoader.state` from its scheduler's ``ready`` hook: requests of a
 variant whose load is in flight wait (their variant keeps a slot reserved) while sequences of
@@ -159,8 +161,10 @@ class DeltaLoader:
     def _run(self, name: str) -> Staged:
         t0 = time.perf_counter()
         host = self.cache.host_get(name)  # disk read + decode, or a host-tier hit
-        if self._stream is None or self._stage is None:
+        if self._stage is None:
             return Staged(name, host, None, time.perf_counter() - t0)
+        if self._stream is None:  # CPU: the staging work (e.g. dequantizing) still leaves the engine thread
+            return Staged(name, self._stage(host), None, time.perf_counter() - t0)
         with torch.cuda.stream(self._stream):
             obj = self._stage(host)
             event = torch.cuda.Event()

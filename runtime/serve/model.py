@@ -36,6 +36,7 @@ from deltazip.compress.checkpoint import Checkpoint
 from deltazip.formats.artifact import MANIFEST, Artifact, needs_base
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.kernels.packed import PackedDelta
+from deltazip.kernels.reference import delta_weight
 from deltazip.runtime.serve.delta_linear import (
     DeltaContext,
     DeltaEmbedding,
@@ -545,21 +546,27 @@ class DeltaModel:
                 kw["weight"] = tensor
 
     def stage_slot(self, host: HostDelta) -> HostDelta:
-        """Device copies of a decoded variant, so that ``write_slot`` only moves device memory.
+        """A decoded variant made ready for a ``write_slot`` that only copies (the delta loader runs
+        this off the engine thread; on CUDA on its side stream).
 
-        Run by the delta loader on its side CUDA stream (``deltazip.runtime.serve.delta_loader``):
-        packed deltas, LoRA factors, norms and biases are copied from pinned host memory; dense
-        replacements go through the dedup registry, as ``write_slot`` would put them. On CPU the
-        host object is returned as it is.
+        Packed deltas are dequantized when slots keep them so (``--delta-compute dequantized``, the
+        CPU default: the costly part of a CPU slot write). On a GPU, packed deltas, LoRA factors,
+        norms and biases are copied from pinned host memory, and dense replacements go through the
+        dedup registry, as ``write_slot`` would put them.
         """
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not self.ctx.dequantize:
             return host
         out = HostDelta(host.name)
         for mname, kw in host.modules.items():
-            out.modules[mname] = {k: self._stage_value(k, v) for k, v in kw.items()}
+            staged = {k: self._stage_value(k, v) for k, v in kw.items()}
+            if self.ctx.dequantize and "packed" in staged:
+                staged["dequantized"] = delta_weight(staged.pop("packed")).to(self.dtype)
+            out.modules[mname] = staged
         return out
 
     def _stage_value(self, key: str, v: Any) -> Any:
+        if self.device.type == "cpu":
+            return v
         if isinstance(v, PackedDelta):
             return v.to(self.device)
         if not isinstance(v, torch.Tensor):

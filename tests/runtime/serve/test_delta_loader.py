@@ -181,3 +181,44 @@ def test_tiered_cache_install_never_evicts_a_protected_slot():
     assert device == {0: "C", 1: "B"} and cache.resident() == ["c", "b"]
     assert cache.install("b", "ignored") == 1 and device[1] == "B"  # already resident: no write
     assert cache.stats["c"].device_loads == 1
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_staged_variant_fills_a_slot_exactly_like_a_direct_write(served, device):
+    """The loader's staging (CPU: packed deltas dequantized off the engine thread; CUDA: copies to the
+    device on a side stream) changes where the work happens, not the numbers: a slot written from the
+    staged object gives bit-identical logits to one written from the host object."""
+    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.runtime.serve.delta_loader import DeltaLoader, device_tensors
+    from deltazip.runtime.serve.engine import prefill_logits
+    from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+
+    dev = torch.device(device)
+    with single_thread():
+        dm = DeltaModel(Checkpoint(served.base_dir), discover_artifacts(served.artifacts), 2, dev, torch.float32)
+        cache = TieredCache(dm.load_host, dm.write_slot, dm.clear_slot, num_slots=2, max_cpu=2)
+        loader = DeltaLoader(cache, dm.stage_slot, dev)
+        try:
+            for name in ("alpha", "beta", "gamma"):
+                host = dm.load_host(name)
+                dm.write_slot(0, name, host)
+                loader.start(name)
+                while loader.state(name) == "loading":
+                    time.sleep(0.01)
+                staged = loader.peek(name)
+                if dev.type == "cuda":
+                    assert staged.event is not None and staged.event.query()
+                    assert sum(1 for _ in device_tensors(staged.obj)) > 0
+                else:  # dequantized in the loader: the slot write only copies
+                    kinds = {k for kw in staged.obj.modules.values() for k in kw}
+                    assert "dequantized" in kinds and "packed" not in kinds
+                loader.adopt(staged)
+                dm.write_slot(1, name, staged.obj)
+                loader.drop(name)
+                ids = served.tokenizer()(PROMPTS[3])["input_ids"]
+                logits = prefill_logits(dm, [0, 1], [ids, ids])
+                assert torch.equal(logits[0], logits[1]), name
+                assert dm.slot_bytes(0) == dm.slot_bytes(1) > 0
+        finally:
+            loader.shutdown()
+            cache.shutdown()
