@@ -96,6 +96,12 @@ def test_a_slow_load_does_not_stall_running_variants_and_outputs_stay_exact(serv
             eng.submit("alpha", a_ids, SamplingParams(max_tokens=n_alpha, temperature=0.0, ignore_eos=True), alpha)
             assert alpha.first.wait(60)
             eng.submit("beta", tok(PROMPTS[1])["input_ids"], SamplingParams(max_tokens=8, temperature=0.0), beta)
+            deadline = time.time() + 30
+            while "start" not in window:
+                assert time.time() < deadline
+                time.sleep(0.005)
+            mid = eng.stats()  # beta's load sleeps now
+            assert mid["loading_deltas"] == ["beta"] and mid["queue_length"] == 1 and mid["running_seqs"] == 1
             assert alpha.done.wait(120) and beta.done.wait(120)
             loads = eng.stats()["load_stats"]
         finally:
