@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,13 +46,11 @@ class Staged:
     Attributes:
         obj: what ``write_slot`` takes (device tensors on CUDA, the host object on CPU).
         event: CUDA event recorded on the side stream after the copies (None on CPU).
-        seconds: wall time of the background part (host load + staging).
     """
 
     name: str
     obj: Any
     event: Any
-    seconds: float
 
 
 class DeltaLoader:
@@ -120,8 +117,8 @@ class DeltaLoader:
     def drop(self, name: str) -> None:
         """Forget the load of ``name`` (installed, failed, or its variant unloaded).
 
-        A staged copy still in flight is waited for first: its device buffers must not go back to
-        the allocator while the side stream writes them.
+        A load still running finishes on its own and is discarded (its copies are complete when it
+        ends); a staged one's event is waited for anyway before its buffers go back to the allocator.
         """
         with self._lock:
             fut = self._jobs.pop(name, None)
@@ -159,19 +156,18 @@ class DeltaLoader:
 
     # -- loader thread ----------------------------------------------------------------------------
     def _run(self, name: str) -> Staged:
-        t0 = time.perf_counter()
         host = self.cache.host_get(name)  # disk read + decode, or a host-tier hit
         if self._stage is None:
-            return Staged(name, host, None, time.perf_counter() - t0)
+            return Staged(name, host, None)
         if self._stream is None:  # CPU: the staging work (e.g. dequantizing) still leaves the engine thread
-            return Staged(name, self._stage(host), None, time.perf_counter() - t0)
+            return Staged(name, self._stage(host), None)
         with torch.cuda.stream(self._stream):
             obj = self._stage(host)
             event = torch.cuda.Event()
             event.record(self._stream)
         # Wait here, not on the engine thread: "ready" then means the copy is complete.
         event.synchronize()
-        return Staged(name, obj, event, time.perf_counter() - t0)
+        return Staged(name, obj, event)
 
 
 def device_tensors(obj: Any) -> Iterator[torch.Tensor]:
