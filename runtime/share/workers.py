@@ -27,10 +27,10 @@ into an OpenAI-shaped error for exactly the requests that were on it.
 **Routing: variant affinity, then least busy.** Every worker loads a variant into its own device
 slots, so spreading one variant's requests over K workers pays its load K times and holds it K
 times. A generation request for a variant goes to a worker that got that variant's earlier requests
-(its *home*: the variant is resident or in that worker's host tier) while the home has fewer than
+(its *home*: the variant is likely still in its slots or host tier) while the home has fewer than
 ``--max-num-seqs`` requests open (capacity); otherwise to the least busy worker (ties round-robin),
-which becomes a home too. The base model needs no slot (delta mode), so its requests always go to
-the least busy worker. A worker that dies loses its homes. The response header
+which becomes a home too. In delta mode the base model needs no slot, so its requests always go to
+the least busy worker (in swap mode it is routed like a variant). A worker that dies loses its homes. The response header
 ``x-deltazip-worker`` names the worker; ``deltazip_front_routed_total{how="affinity"|"least_busy"}``
 counts the choices.
 
@@ -394,7 +394,7 @@ class WorkerPool:
             def load(w: WorkerState) -> tuple[int, int]:
                 return w.outstanding, (w.index - self._rr) % n
 
-            affine = model is not None and model != self.base_name_seen(ready)
+            affine = model is not None and (model != self.base_name_seen(ready) or self.cfg.mode == "swap")
             homes = self.homes.setdefault(model, []) if affine else []
             at_home = [w for w in ready if w.index in homes and w.outstanding < self.capacity]
             best = min(at_home or ready, key=load)
