@@ -280,17 +280,11 @@ class PackedStore:
 
     def write(self, slot: int, row0: int, packed: PackedDelta) -> None:
         """Put a member's delta (rows ``row0 ..``) into ``slot``, replacing what that member had there."""
+        if self.ctx.dequantize:
+            self.write_dequantized(slot, row0, delta_weight(packed.to(self.device)))
+            return
         rows = packed.out_features
         self.clear(slot, row0, rows)
-        if self.ctx.dequantize:
-            if self.dq is None:
-                self.dq = torch.zeros(self.ctx.num_slots, self.out_features, self.in_features,
-                                      dtype=self.dtype, device=self.device)
-            if slot not in self.dq_owners and rows != self.out_features:
-                self.dq[slot].zero_()  # rows of members cleared earlier may still hold their deltas
-            self.dq[slot, row0:row0 + rows].copy_(delta_weight(packed.to(self.device)))
-            self.dq_owners.setdefault(slot, set()).add(row0)
-            return
         g = self._group_for(packed, packed.zeros is not None)
         if slot not in g.owners and rows != self.out_features:
             g.stack.clear_rows(slot, 0, self.out_features)  # likewise
@@ -298,6 +292,19 @@ class PackedStore:
         g.owners.setdefault(slot, set()).add(row0)
         g.present[slot + 1] = True
         g.slots.add(slot)
+
+    def write_dequantized(self, slot: int, row0: int, delta: torch.Tensor) -> None:
+        """Put a member's dense delta ``[rows, in]`` (rows ``row0 ..``, already dequantized: the delta
+        loader does that off the engine thread) into ``slot`` of the dequantized stack."""
+        rows = delta.shape[0]
+        self.clear(slot, row0, rows)
+        if self.dq is None:
+            self.dq = torch.zeros(self.ctx.num_slots, self.out_features, self.in_features,
+                                  dtype=self.dtype, device=self.device)
+        if slot not in self.dq_owners and rows != self.out_features:
+            self.dq[slot].zero_()  # rows of members cleared earlier may still hold their deltas
+        self.dq[slot, row0:row0 + rows].copy_(delta)
+        self.dq_owners.setdefault(slot, set()).add(row0)
 
     def clear(self, slot: int, row0: int, rows: int) -> None:
         """Forget the member delta at ``row0`` of ``slot``; rows still shared with others become zero."""
@@ -448,7 +455,7 @@ class DeltaLinear(nn.Module):
     def load_slot(self, slot: int, *, packed: PackedDelta | None = None, additive: bool = True,
                   dense: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                   lora_a: torch.Tensor | None = None, lora_b: torch.Tensor | None = None,
-                  lora_scale: float = 1.0) -> None:
+                  lora_scale: float = 1.0, dequantized: torch.Tensor | None = None) -> None:
         """Put one variant's version of this linear into ``slot``.
 
         Args:
@@ -460,10 +467,18 @@ class DeltaLinear(nn.Module):
                 hands in read-only deduplicated tensors).
             bias: the variant's bias ``[out]`` when it differs from the base's.
             lora_a, lora_b, lora_scale: a LoRA adapter, ``A [r, in]``, ``B [out, r]`` and its scale.
+            dequantized: ``packed`` already dequantized (``delta_weight``, ``[out, in]``), for a
+                context that keeps deltas dequantized: the delta loader does that work off the
+                engine thread, so the slot write is a copy.
         """
-        if sum(x is not None for x in (packed, dense, lora_a)) > 1:
+        if sum(x is not None for x in (packed, dense, lora_a, dequantized)) > 1:
             raise ValueError("a slot holds one of a packed delta, a dense weight or a LoRA adapter")
         self.clear_slot(slot)
+        if dequantized is not None:
+            if not self.ctx.dequantize or tuple(dequantized.shape) != (self.out_features, self.in_features):
+                raise ValueError(f"a dequantized delta {tuple(dequantized.shape)} needs a dequantizing context and "
+                                 f"shape [{self.out_features}, {self.in_features}]")
+            self._put_dequantized(slot, dequantized, additive)
         if packed is not None:
             if (packed.out_features, packed.in_features) != (self.out_features, self.in_features):
                 raise ValueError(f"packed delta is [{packed.out_features}, {packed.in_features}], the linear is "
@@ -487,6 +502,13 @@ class DeltaLinear(nn.Module):
             self._bias_table[slot + 1].copy_(bias)
             self._bias_row[slot + 1] = slot + 1
             self._bias_slots.add(slot)
+
+    def _put_dequantized(self, slot: int, delta: torch.Tensor, additive: bool) -> None:
+        """``delta [out, in]`` (dense, any float dtype) into the slot's rows of the dequantized stack."""
+        self._store.write_dequantized(slot, self._row0, delta)
+        if not additive:
+            self._replace[slot + 1] = True
+            self._replace_slots.add(slot)
 
     def _load_lora(self, slot: int, a: torch.Tensor, b: torch.Tensor | None, scale: float) -> None:
         r = a.shape[0]

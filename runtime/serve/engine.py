@@ -21,8 +21,11 @@ attention are transformers' own. Per step:
 
 1. new requests and cancellations are taken in; the :class:`~deltazip.runtime.serve.scheduler.Scheduler`
    admits requests (at most ``max_deltas`` variants, ``max_num_seqs``, ``max_batch_tokens``);
-2. variants that waiting requests need are prefetched into host memory; the selected ones are
-   made resident in device slots (:class:`~deltazip.runtime.serve.delta_cache.TieredCache`);
+2. variants that waiting requests need are prefetched into host memory; a variant that is not
+   resident is loaded by a background thread (:mod:`~deltazip.runtime.serve.delta_loader`: disk,
+   decode and, on CUDA, the host->device copy on a side stream) while the step goes on without its
+   requests; once loaded it is written into a device slot between two forwards
+   (:class:`~deltazip.runtime.serve.delta_cache.TieredCache`) and its requests are admitted;
 3. one forward runs the prompts of newly admitted requests (left-padded), one forward decodes every
    other running sequence (one token each) — rows of every variant together, sorted by slot;
 4. tokens are sampled per request, detokenized incrementally, checked against stop strings, EOS,
@@ -53,6 +56,7 @@ from typing import Any
 import torch
 
 from deltazip.runtime.serve.delta_cache import TieredCache
+from deltazip.runtime.serve.delta_loader import DeltaLoader
 from deltazip.runtime.serve.scheduler import BASE_KEY, SchedRequest, Scheduler
 
 log = logging.getLogger("deltazip.serve")
@@ -526,10 +530,14 @@ class Engine:
             max_batch_tokens=config.max_batch_tokens,
             preemption=config.preemption,
             base_needs_slot=self.swap,
+            ready=self._slot_ready,
         )
         self.cache = TieredCache(backend.load_host, backend.write_slot, backend.clear_slot,
                                  num_slots=config.max_deltas, max_cpu=config.max_cpu_deltas)
         self._lock = threading.Condition()
+        self.loader = DeltaLoader(self.cache, getattr(backend, "stage_slot", None), self.device, on_done=self._wake)
+        self._install_failures: dict[str, BaseException] = {}
+        self._loads_landed = 0
         self._inbox: list[Sequence] = []
         self._cancels: list[str] = []
         self._seqs: dict[str, Sequence] = {}
@@ -559,6 +567,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.loader.shutdown()
         self.cache.shutdown()
 
     # -- submission (any thread) ----------------------------------------------------------------
@@ -661,6 +670,7 @@ class Engine:
             if name in live:
                 continue
             try:
+                self.loader.drop(name)
                 self.cache.evict(name)
                 self._broken.pop(name, None)
                 if unload is not None:
@@ -694,6 +704,7 @@ class Engine:
             "queue_length": queue,
             "running_seqs": running,
             "resident_deltas": [n for n in self.cache.resident()],
+            "loading_deltas": self.loader.in_flight(),
             "host_deltas": self.cache.on_host(),
             "tokens_per_second": window / max(span, 1.0) if window else 0.0,
             "load_stats": {k: vars(v).copy() for k, v in self.cache.stats.items()},
@@ -738,6 +749,7 @@ class Engine:
                     seq = self._seqs.get(rid)
                     if seq is not None:
                         self._finish(seq, "error", error=f"internal error: {type(e).__name__}: {e}")
+            self._idle_while_loading()
         for seq in list(self._seqs.values()):
             if not seq.finished:
                 self._finish(seq, "error", error="the server shut down")
@@ -791,7 +803,83 @@ class Engine:
     def _cache_name(self, key: str) -> str:
         return self.base_name if key == BASE_KEY else key
 
+    def _wake(self) -> None:
+        """A background load finished (loader thread)."""
+        with self._lock:
+            self._loads_landed += 1
+            self._lock.notify_all()
+
+    def _idle_while_loading(self) -> None:
+        """Nothing runs and the waiting requests wait for loads: sleep until one lands or a request,
+        cancellation or command arrives, instead of spinning through empty steps."""
+        with self._lock:
+            if self.scheduler.running or not self.loader.busy():
+                return
+            seen = self._loads_landed
+            self._lock.wait_for(lambda: self._stop or self._inbox or self._cancels or self._commands
+                                or self._loads_landed != seen, timeout=0.5)
+
+    def _slot_ready(self, key: str) -> bool:
+        """The scheduler's ``ready`` hook (engine thread, between forwards): is variant ``key`` in a
+        slot? A finished background load is written into a slot now (one no running request uses);
+        a variant not loading yet starts loading, and its requests wait while the others run."""
+        name = self._cache_name(key)
+        if self.cache.slot_of(name) is not None:
+            return True
+        state = self.loader.state(name)
+        if state == "idle" and name not in self._broken:
+            self.loader.start(name)
+        if state != "ready":
+            return False  # loading; a failure is reported by _fail_broken_loads after the walk
+        staged = self.loader.peek(name)
+        running = {self._cache_name(r.variant) for r in self.scheduler.running.values()
+                   if r.variant != BASE_KEY or self.swap}
+        self.loader.adopt(staged)
+        try:
+            slot = self.cache.install(name, staged.obj, protect=running)
+        except Exception as e:  # e.g. tensors that do not fit the model: fails this variant only
+            self._install_failures[name] = e
+            return False
+        if slot is None:  # every slot is used by a running variant: retried next step
+            return False
+        self.loader.drop(name)
+        self._note_resident()
+        return True
+
+    def _fail_broken_loads(self) -> None:
+        """Variants whose load failed: remember why and fail their waiting requests (the others go on)."""
+        failed = {**self.loader.failures(), **self._install_failures}
+        self._install_failures = {}
+        for name, e in failed.items():
+            self.loader.drop(name)
+            msg = f"{type(e).__name__}: {e}"
+            log.error("loading %s failed: %s", name, msg)
+            self._broken[name] = msg
+        # A staged load nobody waits for any more (its requests were cancelled) holds device memory
+        # on CUDA: let it go (the host tier keeps the decoded variant).
+        wanted = {self._cache_name(r.variant) for r in self.scheduler.waiting}
+        for name in self.loader.finished():
+            if name not in wanted:
+                self.loader.drop(name)
+        if not self._broken:
+            return
+        for r in list(self.scheduler.waiting):  # running requests' variants are resident
+            name = self._cache_name(r.variant)
+            if name in self._broken and (r.variant != BASE_KEY or self.swap):
+                self._finish(self._seqs[r.rid], "error", error=f"model {name} cannot be loaded: {self._broken[name]}")
+
+    def _note_resident(self) -> None:
+        """Refresh the device-weight gauge when the slots' contents changed."""
+        resident = tuple(self.cache.slots)
+        if resident != self._resident_seen:
+            self._resident_seen = resident
+            self._memory = {**self._memory, "device_weight_bytes": self.backend.base_bytes() + sum(
+                self.backend.slot_bytes(i) for i, name in enumerate(resident) if name is not None)}
+
     def _make_resident(self, selected: list[str]) -> dict[str, int] | None:
+        """Slots of this step's variants. With the loader they are resident already (the scheduler
+        admitted only ready variants); a load the scheduler did not wait for happens here."""
+        self._fail_broken_loads()
         keys = [k for k in selected if k != BASE_KEY or self.swap]
         try:
             by_name = self.cache.ensure([self._cache_name(k) for k in keys])
@@ -806,11 +894,7 @@ class Engine:
                         if r.variant == bad]:
                 self._finish(self._seqs[rid], "error", error=f"model {self._cache_name(bad)} cannot be loaded: {msg}")
             return None
-        resident = tuple(self.cache.slots)
-        if resident != self._resident_seen:
-            self._resident_seen = resident
-            self._memory = {**self._memory, "device_weight_bytes": self.backend.base_bytes() + sum(
-                self.backend.slot_bytes(i) for i, name in enumerate(resident) if name is not None)}
+        self._note_resident()
         return {k: by_name[self._cache_name(k)] for k in keys}
 
     def _forward(self, group: list[Sequence], row_slots: list[int], prefill: bool) -> list[tuple[Sequence, int]]:

@@ -40,6 +40,7 @@ from deltazip.compress.checkpoint import Checkpoint
 from deltazip.formats.artifact import MANIFEST, Artifact, needs_base, stored_shape
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.kernels.packed import PackedDelta
+from deltazip.kernels.reference import delta_weight
 from deltazip.runtime.serve.delta_embedding import can_decouple, decouple_embedding
 from deltazip.runtime.serve.delta_experts import DeltaExperts, DeltaRouter, MoeLayout
 from deltazip.runtime.serve.delta_linear import (
@@ -589,8 +590,38 @@ class DeltaModel:
             else:
                 kw["weight"] = tensor
 
+    def stage_slot(self, host: HostDelta) -> HostDelta:
+        """A decoded variant made ready for a ``write_slot`` that only copies (the delta loader runs
+        this off the engine thread; on CUDA on its side stream).
+
+        Packed deltas are dequantized when slots keep them so (``--delta-compute dequantized``, the
+        CPU default: the costly part of a CPU slot write). On a GPU, packed deltas, LoRA factors,
+        norms and biases are copied from pinned host memory, and dense replacements go through the
+        dedup registry, as ``write_slot`` would put them.
+        """
+        if self.device.type == "cpu" and not self.ctx.dequantize:
+            return host
+        out = HostDelta(host.name)
+        for mname, kw in host.modules.items():
+            staged = {k: self._stage_value(k, v) for k, v in kw.items()}
+            if self.ctx.dequantize and "packed" in staged:
+                staged["dequantized"] = delta_weight(staged.pop("packed")).to(self.dtype)
+            out.modules[mname] = staged
+        return out
+
+    def _stage_value(self, key: str, v: Any) -> Any:
+        if self.device.type == "cpu":
+            return v
+        if isinstance(v, PackedDelta):
+            return v.to(self.device)
+        if not isinstance(v, torch.Tensor):
+            return v
+        if key in ("dense", "weight"):
+            return share_tensor(self.registry, v, self.device)[0]
+        return v.to(self.device, non_blocking=True)
+
     def write_slot(self, slot: int, name: str, host: HostDelta) -> None:
-        """Put a decoded variant into device slot ``slot`` (engine thread, between forwards).
+        """Put a decoded (or staged) variant into device slot ``slot`` (engine thread, between forwards).
 
         Dense replacements (linears, embeddings) are referenced by the slot, not copied: on the
         host device they are the host tier's tensors; on a GPU the registry's device copy, which
@@ -602,8 +633,8 @@ class DeltaModel:
                 mod.clear_slot(slot)
                 continue
             if self.device.type != "cpu":
-                kw = {k: share_tensor(self.registry, t, self.device)[0] if k in ("dense", "weight") else t
-                      for k, t in kw.items()}
+                kw = {k: share_tensor(self.registry, t, self.device)[0]
+                      if k in ("dense", "weight") and t.device.type == "cpu" else t for k, t in kw.items()}
             mod.load_slot(slot, **kw)
 
     def clear_slot(self, slot: int) -> None:
