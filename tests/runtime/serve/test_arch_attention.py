@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -112,54 +113,61 @@ def family(request, tmp_path_factory):
         yield Family(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def serve_all(fam: Family, mode: str) -> dict[tuple[str, int], tuple[list[int], FinishEvent]]:
-    """Every model x prompt submitted before the engine starts (one mixed prefill batch, then mixed
-    decode steps): the streamed token ids (the last one is reported in the finish event's text
-    only) and the finish event of each."""
+def serve_all(fam: Family, mode: str, alone: bool) -> dict[tuple[str, int], tuple[list[int], FinishEvent]]:
+    """Every model x prompt through the engine, all submitted before it starts (one mixed prefill
+    batch, then mixed decode steps); or ``alone``: each model's longest prompt, one request at a time. Per request: the streamed
+    token ids (the last one is reported in the finish event's text only) and the finish event."""
     rt = build_runtime(ServeConfig(artifacts=fam.served, base=str(fam.base_dir), dtype="float32", mode=mode,
                                    max_deltas=3, max_cpu_deltas=3))
     eng, base = rt.engine, rt.base_name
-    done, lock, out = threading.Event(), threading.Lock(), {}
-    jobs = [(m, i) for m in ("base", "ft", "art") for i in range(len(PROMPTS))]
+    lock, out, done = threading.Lock(), {}, {}
 
-    def sink(key):
-        out[key] = ([], None)
+    def submit(m, i):
+        key = (m, i)
+        out[key], done[key] = ([], None), threading.Event()
 
-        def fn(ev):
+        def sink(ev):
             with lock:
                 if isinstance(ev, TokenEvent) and ev.token_id >= 0:
                     out[key][0].append(ev.token_id)
                 elif isinstance(ev, FinishEvent):
                     out[key] = (out[key][0], ev)
-                    if all(fin is not None for _, fin in out.values()):
-                        done.set()
-        return fn
+                    done[key].set()
 
-    for m, i in jobs:
         eng.submit(base if m == "base" else m, fam.tok(PROMPTS[i])["input_ids"],
-                   SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), sink((m, i)))
+                   SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), sink)
+        return done[key]
+
+    # alone: the longest prompt of each model, one request at a time
+    jobs = [(m, i) for m in ("base", "ft", "art") for i in ((len(PROMPTS) - 1,) if alone else range(len(PROMPTS)))]
+    if not alone:
+        for m, i in jobs:
+            submit(m, i)
     eng.start()
     try:
-        assert done.wait(120), "requests did not finish in time"
+        for m, i in jobs:
+            assert (submit(m, i) if alone else done[m, i]).wait(120), "requests did not finish in time"
     finally:
         eng.shutdown()
     return out
 
 
-@pytest.mark.parametrize("mode", ("delta", "swap"))
-def test_greedy_output_equals_generate_in_a_mixed_batch(family, mode):
+@pytest.mark.parametrize("mode,alone", [("delta", False), ("swap", False), ("delta", True)],
+                         ids=["delta-mixed", "swap-mixed", "delta-alone"])
+def test_greedy_output_equals_generate(family, mode, alone):
     with single_thread():
-        got = serve_all(family, mode)
+        got = serve_all(family, mode, alone)
         for (m, i), (ids, fin) in got.items():
             want_ids, want_text = family.expected(m, PROMPTS[i])
             assert fin.reason in ("stop", "length"), fin.error
             assert (fin.text, fin.completion_tokens) == (want_text, len(want_ids)), (family.name, mode, m, i)
             assert ids == want_ids[:len(ids)] and len(ids) >= len(want_ids) - 1
-    assert len(got) == 9 and max(fin.prompt_tokens + fin.completion_tokens for _, fin in got.values()) > 2 * WINDOW
-    texts = {k: fin.text for k, (_, fin) in got.items()}
-    # the fine-tunes really differ from the base (otherwise equality proves little)
-    assert any(texts["ft", i] != texts["base", i] for i in range(len(PROMPTS)))
-    assert any(texts["art", i] != texts["base", i] for i in range(len(PROMPTS)))
+    assert len(got) == (3 if alone else 9)
+    assert max(fin.prompt_tokens + fin.completion_tokens for _, fin in got.values()) > 2 * WINDOW
+    if not alone:  # the fine-tunes really differ from the base (otherwise equality proves little)
+        texts = {k: fin.text for k, (_, fin) in got.items()}
+        assert any(texts["ft", i] != texts["base", i] for i in range(len(PROMPTS)))
+        assert any(texts["art", i] != texts["base", i] for i in range(len(PROMPTS)))
 
 
 def test_engine_logits_equal_a_plain_forward(family):
@@ -222,8 +230,9 @@ def test_a_mask_without_the_window_is_refused_at_start_up(family, monkeypatch):
     real = masks.attention_masks_for
 
     def windowless(config, key_pos, query_pos, dtype):
-        return real(type("Cfg", (), {"_attn_implementation": config._attn_implementation,
-                                     "num_hidden_layers": config.num_hidden_layers})(), key_pos, query_pos, dtype)
+        plain = SimpleNamespace(_attn_implementation=config._attn_implementation,
+                                num_hidden_layers=config.num_hidden_layers)  # no window, no layer types
+        return real(plain, key_pos, query_pos, dtype)
 
     monkeypatch.setattr(masks, "attention_masks_for", windowless)
     with single_thread(), pytest.raises(InputError, match="other logits in the serving engine"):
