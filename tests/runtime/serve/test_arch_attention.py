@@ -265,3 +265,59 @@ def test_eval_perplexity_equals_the_merged_models(family, tmp_path, capsys, monk
     assert got["art"]["perplexity"] == pytest.approx(want_art, rel=1e-4)
     assert got["base"]["perplexity"] == pytest.approx(want_base, rel=1e-4)
     assert abs(math.log(want_art) - math.log(want_base)) > 1e-3
+
+
+def test_masks_per_layer_type_window_padding_and_dtype():
+    """Key slot -1 is empty; a window of 3 lets position 4 see positions 2..4; eager masks are
+    additive floats, SDPA masks booleans; ALiBi-from-padding-mask models get the 2-D mask."""
+    from deltazip.runtime.serve.masks import attention_masks_for
+
+    key, query = torch.tensor([[-1, 0, 1, 2, 3, 4]]), torch.tensor([[4, 2]])
+    cfg = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    eager = attention_masks_for(SimpleNamespace(_attn_implementation="eager", **cfg), key, query, torch.float32)
+    assert set(eager) == {"sliding_attention", "full_attention"} and eager["full_attention"].shape == (1, 1, 2, 6)
+    assert (eager["full_attention"][0, 0] == 0).tolist() == [[False, True, True, True, True, True],
+                                                              [False, True, True, True, False, False]]
+    assert (eager["sliding_attention"][0, 0] == 0).tolist() == [[False, False, False, True, True, True],
+                                                                 [False, True, True, True, False, False]]
+    assert eager["full_attention"].min() == torch.finfo(torch.float32).min
+    sdpa = attention_masks_for(SimpleNamespace(_attn_implementation="sdpa", **cfg), key, query, torch.float16)
+    assert sdpa["sliding_attention"].dtype == torch.bool
+    assert torch.equal(sdpa["sliding_attention"], eager["sliding_attention"] == 0)
+    one_type = attention_masks_for(SimpleNamespace(_attn_implementation="sdpa", num_hidden_layers=2, sliding_window=3),
+                                   key, query, torch.float32)  # Mistral-style: one window, no layer_types
+    assert torch.equal(one_type, sdpa["sliding_attention"])
+    for alibi in (SimpleNamespace(model_type="bloom"), SimpleNamespace(model_type="falcon", alibi=True)):
+        assert attention_masks_for(alibi, key, query, torch.float32).tolist() == [[0, 1, 1, 1, 1, 1]]
+
+
+def test_unsupported_layer_types_are_refused_in_one_line(tmp_path):
+    from _factories import tiny_model
+
+    from deltazip.runtime.serve.model import load_base_model
+
+    tiny_model("llama", layer_types=["full_attention", "chunked_attention"]).save_pretrained(tmp_path / "m")
+    with pytest.raises(InputError, match="uses chunked_attention layers, which the serving engine builds no"):
+        load_base_model(Checkpoint(tmp_path / "m"), torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("family", ["falcon-alibi", "gemma3"], indirect=True)
+@pytest.mark.parametrize("mode", ("delta", "swap"))
+def test_http_completions_equal_generate(family, mode):
+    """Over HTTP (the user's report: a healthy server whose every Falcon-ALiBi request failed with 500)."""
+    import httpx
+
+    from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
+
+    metrics = Metrics()
+    with single_thread():
+        rt = build_runtime(ServeConfig(artifacts=family.served, base=str(family.base_dir), dtype="float32", mode=mode,
+                                       max_deltas=2, max_cpu_deltas=3), observer=metrics)
+        with ServerThread(create_app(rt, metrics)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+            assert http.get("/health").status_code == 200
+            for model in (rt.base_name, "ft", "art"):
+                r = http.post("/v1/completions", json={"model": model, "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS,
+                                                       "temperature": 0})
+                assert r.status_code == 200, r.text
+                want = family.expected("base" if model == rt.base_name else model, PROMPTS[2])[1]
+                assert r.json()["choices"][0]["text"] == want, (mode, model)
