@@ -221,12 +221,13 @@ def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) 
     try:
         config = AutoConfig.from_pretrained(str(base.path))
         impl = attention_implementation(_causal_lm_class(config), config)
-        # A worker of `deltazip serve --workers K` builds the model over the weight owner's mapped tensors.
-        model = attached_model(base.path, dtype, device, attn_implementation=impl)
+    except Exception as e:  # no or broken config.json, unknown model type
+        raise InputError(f"base {base.path} cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
+    # A worker of `deltazip serve --workers K` builds the model over the weight owner's mapped tensors.
+    model = attached_model(base.path, dtype, device, attn_implementation=impl)
+    try:
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype=dtype, attn_implementation=impl)
-    except InputError:
-        raise
     except Exception as e:  # unknown architecture, broken weights
         raise InputError(f"base {base.path} cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
     bad = unsupported_layer_types(model.config)
