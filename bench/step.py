@@ -35,7 +35,7 @@ from serve import build_variants, log  # noqa: E402
 
 def decode_timer(model, slots: list[int], context: int):
     """A callable running one decode step of ``len(slots)`` rows (each with ``context`` past tokens)."""
-    from deltazip.runtime.serve.engine import KVPool, SeqKV, StepKV, prefill_logits, step_mask
+    from deltazip.runtime.serve.engine import KVPool, SeqKV, StepKV, prefill_logits, step_inputs
 
     pool, kvs = KVPool(), [SeqKV() for _ in slots]
     vocab = model.config.vocab_size
@@ -45,9 +45,10 @@ def decode_timer(model, slots: list[int], context: int):
 
     def step() -> None:
         past = [k.length for k in kvs]
-        mask, pos = step_mask(past, [1] * len(slots), model.device)
+        kv = StepKV(pool, kvs, past, [1] * len(slots))
+        mask, pos = step_inputs(kv, model.config, model.dtype, model.device)
         with torch.inference_mode():
-            model.forward(slots, tok, pos, mask, StepKV(pool, kvs, past, [1] * len(slots)))
+            model.forward(slots, tok, pos, mask, kv)
         for k in kvs:  # keep the past fixed: every timed step sees the same context length
             k.length = past[0]
 

@@ -15,8 +15,9 @@ prefill-first scheduler, CUDA graphs). We evaluated it and built our own small e
 
 The engine here keeps the KV caches of all sequences in one pool (``KVPool``: per layer
 ``[rows, H_kv, capacity, D]``, a row per sequence) and at every step hands the transformers model a
-padded view of its rows through a small cache object (``StepKV``: one gather and one indexed store
-per layer) plus an explicit 4-D attention mask, so the model classes, rotary embeddings and SDPA
+padded view of its rows through a small cache object (``StepKV``: one indexed store and one gather
+per layer) plus explicit attention masks (``deltazip.runtime.serve.masks``: per layer type, sliding
+windows, the 2-D masks ALiBi models derive their bias from), so the model classes, rotary embeddings and SDPA
 attention are transformers' own. Per step:
 
 1. new requests and cancellations are taken in; the :class:`~deltazip.runtime.serve.scheduler.Scheduler`
@@ -308,11 +309,18 @@ class SeqKV:
 class StepKV:
     """The ``past_key_values`` object of one forward: a padded view over the rows' pooled caches.
 
-    Row ``b`` has ``P_b`` cached tokens and ``T_b`` new ones. Keys of the batch are laid out as
-    ``[past (P_b) | stale (Lp - P_b) | padding (Tm - T_b) | new (T_b)]`` with ``Lp = max P`` and
-    ``Tm = max T``; :func:`step_mask` lets each real query see exactly its own past and the new
-    tokens up to itself, and each padding query only itself (so no softmax row is empty). The new
-    keys/values are written into each sequence's pool row (all rows of a layer in one store).
+    Row ``b`` has ``P_b`` cached tokens and ``T_b`` new ones (queries left-padded to ``Tm = max T``).
+    Its keys are laid out right-aligned, ``[empty (L - P_b - T_b) | past (P_b) | new (T_b)]`` with
+    ``L = max(P + T)``: every row's keys are contiguous and in position order, the slot of key
+    position ``p`` is ``p + L - P_b - T_b`` (so ``query_offset = L - Tm``: the key of query ``t`` is
+    slot ``L - Tm + t``), and padding tokens have no key at all. :meth:`positions` describes this
+    layout, from which ``deltazip.runtime.serve.masks`` builds the masks of every attention variant
+    (ALiBi models whose bias depends on the slot index see a per-row constant shift, which softmax
+    ignores). The new keys/values are written into each sequence's pool row first (all rows of a
+    layer in one store), then the step's keys are gathered from the pool in one indexed read.
+
+    Besides ``update`` it answers what transformers' mask builders ask a cache
+    (``get_seq_length``, ``get_query_offset``, ``get_mask_sizes``).
 
     Args:
         pool: the engine's :class:`KVPool`; caches without a row get one.
@@ -320,18 +328,35 @@ class StepKV:
         past, new: ``P_b`` and ``T_b`` per row.
     """
 
+    is_compileable = False
+
     def __init__(self, pool: KVPool, caches: list[SeqKV], past: list[int], new: list[int]):
         self.pool, self.past, self.new = pool, past, new
         self.lp, self.tm = max(past), max(new)
+        self.length = max(p + n for p, n in zip(past, new))  # L
         for c in caches:
             c.attach(pool)
-        pool.ensure_length(max(p + n for p, n in zip(past, new)))
+        pool.ensure_length(self.length)
         self._rows = [c.row for c in caches]
         self._index: tuple[torch.Tensor, ...] | None = None
+        self._positions: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def positions(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(key_pos [B, L], query_pos [B, Tm])`` int64: each key slot's position in its row's
+        sequence (``-1``: no key) and each query's (a padding query gets its row's first new
+        position, so it sees at least that token and no softmax row is empty)."""
+        if self._positions is None or self._positions[0].device != torch.device(device):
+            p = torch.tensor(self.past, device=device).view(-1, 1)
+            n = torch.tensor(self.new, device=device).view(-1, 1)
+            key = p + n - self.length + torch.arange(self.length, device=device).view(1, -1)
+            query = torch.maximum(p + n - self.tm + torch.arange(self.tm, device=device).view(1, -1), p)
+            self._positions = (key.clamp(min=-1), query)
+        return self._positions
 
     def _indices(self, device) -> tuple[torch.Tensor, ...]:
-        """The step's pool rows, and where every real new token goes (batch row, token index, pool
-        row, position), on ``device``; built once per step, shared by every layer."""
+        """The step's pool rows, where every real new token goes (batch row, token index, pool row,
+        position) and which pool position each key slot reads, on ``device``; built once per step,
+        shared by every layer."""
         if self._index is None:
             b, t, row, pos = [], [], [], []
             for i, (r, p, n) in enumerate(zip(self._rows, self.past, self.new)):
@@ -341,28 +366,36 @@ class StepKV:
                 pos += range(p, p + n)
             self._index = tuple(torch.tensor(x, dtype=torch.int64, device=device)
                                 for x in (self._rows, b, t, row, pos))
+            self._index += (self.positions(device)[0].clamp(min=0),)
         return self._index
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """``[B, H_kv, Tm, D]`` new keys/values -> ``[B, H_kv, Lp + Tm, D]`` keys/values to attend."""
+        """``[B, H_kv, Tm, D]`` new keys/values -> ``[B, H_kv, L, D]`` keys/values to attend."""
         pk, pv = self.pool.layer(layer_idx, key_states)
-        rows, b, t, row, pos = self._indices(key_states.device)
-        if self.lp:
-            keys = torch.cat([pk[:, :, : self.lp].index_select(0, rows), key_states], dim=2)
-            values = torch.cat([pv[:, :, : self.lp].index_select(0, rows), value_states], dim=2)
-        else:
-            keys, values = key_states, value_states
+        rows, b, t, row, pos, src = self._indices(key_states.device)
         pk[row, :, pos] = key_states[b, :, t]
         pv[row, :, pos] = value_states[b, :, t]
-        return keys, values
+        if not self.lp:  # a prefill: the new keys are already right-aligned (padding slots are masked)
+            return key_states, value_states
+        heads = torch.arange(pk.shape[1], device=pk.device).view(1, -1, 1)
+        r, s = rows.view(-1, 1, 1), src.unsqueeze(1)
+        return pk[r, heads, s], pv[r, heads, s]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.lp
+        """Key slots before the first query's (what transformers adds to query indices)."""
+        return self.length - self.tm
+
+    def get_query_offset(self, layer_idx: int | None = None) -> int:
+        return self.length - self.tm
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int | None = None) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the step's key tensor (every layer attends all ``L`` slots)."""
+        return self.length, 0
 
 
 def left_pad(tokens: list[list[int]], pad_id: int) -> torch.Tensor:
     """Token lists as one int64 ``[B, max len]`` batch, each row right-aligned (the layout of
-    :class:`StepKV` and :func:`step_mask`)."""
+    :class:`StepKV` and :func:`step_inputs`)."""
     tm = max(len(t) for t in tokens)
     ids = torch.full((len(tokens), tm), pad_id, dtype=torch.long)
     for i, toks in enumerate(tokens):
@@ -381,34 +414,23 @@ def prefill_logits(backend, row_slots: list[int], tokens: list[list[int]], cache
     pool = pool if pool is not None else KVPool()
     caches = caches if caches is not None else [SeqKV() for _ in tokens]
     new = [len(t) for t in tokens]
-    mask, pos = step_mask([0] * len(tokens), new, backend.device)
+    kv = StepKV(pool, caches, [0] * len(tokens), new)
+    mask, pos = step_inputs(kv, backend.config, backend.dtype, backend.device)
     with torch.inference_mode():
-        logits = backend.forward(row_slots, left_pad(tokens, pad_id).to(backend.device), pos, mask,
-                                 StepKV(pool, caches, [0] * len(tokens), new))
+        logits = backend.forward(row_slots, left_pad(tokens, pad_id).to(backend.device), pos, mask, kv)
     for c, n in zip(caches, new):
         c.length = n
     return logits
 
 
-def step_mask(past: list[int], new: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention mask and position ids of a step (layout in :class:`StepKV`).
+def step_inputs(kv: StepKV, config, dtype: torch.dtype, device) -> tuple[Any, torch.Tensor]:
+    """Attention mask argument and position ids ``[B, Tm]`` of a step of a model with ``config``
+    computing in ``dtype`` on ``device`` (layout in :class:`StepKV`; the mask of each attention
+    variant from ``deltazip.runtime.serve.masks``)."""
+    from deltazip.runtime.serve.masks import attention_masks_for
 
-    Returns:
-        mask: bool ``[B, 1, Tm, Lp + Tm]``, True where a query may attend.
-        position_ids: int64 ``[B, Tm]`` (padding queries get their row's first new position).
-    """
-    p = torch.tensor(past, device=device).view(-1, 1, 1)
-    n = torch.tensor(new, device=device).view(-1, 1, 1)
-    lp, tm = max(past), max(new)
-    j = torch.arange(lp + tm, device=device).view(1, 1, -1)
-    t = torch.arange(tm, device=device).view(1, -1, 1)
-    first = tm - n  # index of the first real new token
-    real_q = t >= first
-    jn = j - lp
-    mask = (real_q & (j < p)) | (real_q & (jn >= first) & (jn <= t)) | (jn == t)
-    p2, first2 = p.view(-1, 1), first.view(-1, 1)
-    pos = torch.maximum(p2 + torch.arange(tm, device=device).view(1, -1) - first2, p2)
-    return mask.unsqueeze(1), pos
+    key_pos, query_pos = kv.positions(device)
+    return attention_masks_for(config, key_pos, query_pos, dtype), query_pos
 
 
 # --------------------------------------------------------------------------------------------------
@@ -907,8 +929,8 @@ class Engine:
             new_tokens = [[s.output_ids[-1]] for s in group]
         new = [len(t) for t in new_tokens]
         ids = left_pad(new_tokens, self.pad_id)
-        mask, pos = step_mask(past, new, dev)
         kv = StepKV(self.kv_pool, [s.kv for s in group], past, new)
+        mask, pos = step_inputs(kv, self.backend.config, self.backend.dtype, dev)
         with torch.inference_mode():
             logits = self.backend.forward(row_slots, ids.to(dev), pos, mask, kv)
         for s, n in zip(group, new):

@@ -214,32 +214,88 @@ def resolve_dtype(name: str, device: torch.device, base: Checkpoint) -> torch.dt
 
 
 def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The base causal LM through transformers' loader, with SDPA attention, in eval mode."""
-    from transformers import AutoModelForCausalLM
+    """The base causal LM through transformers' loader, in eval mode, with the attention
+    implementation ``deltazip.runtime.serve.masks.attention_implementation`` picks (SDPA, or eager
+    for models SDPA cannot run: no SDPA support, soft-capped attention scores).
 
+    Raises:
+        InputError: the model cannot be loaded, has attention layers the engine builds no masks for,
+            or fails a one-token forward through the engine's cache and masks (one line, at start-up,
+            instead of a server that answers every request with an error).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from deltazip.runtime.serve.masks import attention_implementation, unsupported_layer_types
     from deltazip.runtime.share.weight_share import attached_model
 
+    try:
+        config = AutoConfig.from_pretrained(str(base.path))
+        impl = attention_implementation(_causal_lm_class(config), config)
+    except Exception as e:  # no or broken config.json, unknown model type
+        raise InputError(f"base {base.path} cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
     # A worker of `deltazip serve --workers K` builds the model over the weight owner's mapped tensors.
-    model = attached_model(base.path, dtype, device)
+    model = attached_model(base.path, dtype, device, attn_implementation=impl)
     try:
         if model is None:
-            model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype=dtype, attn_implementation="sdpa")
-    except Exception as e:  # unknown architecture, no SDPA support, broken weights
-        raise InputError(f"base {base.path} cannot be loaded as a causal LM with SDPA attention "
-                         f"({type(e).__name__}: {e})") from e
-    cfg = model.config
-    # The engine builds its own attention masks (full causal), so a window that could bite must be refused.
-    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or (window and window < max_context(cfg)):
-        raise InputError(f"base {base.path} uses sliding-window or other non-full attention layers, which the "
-                         f"serving engine does not implement")
-    return model.to(device).eval()
+            model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype=dtype, attn_implementation=impl)
+    except Exception as e:  # unknown architecture, broken weights
+        raise InputError(f"base {base.path} cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
+    bad = unsupported_layer_types(model.config)
+    if bad:
+        raise InputError(f"base {base.path} uses {', '.join(bad)} layers, which the serving engine builds no attention "
+                         f"masks for; serve a model with full or sliding-window attention")
+    model = model.to(device).eval()
+    _self_check(model, base.path, device, dtype)
+    return model
+
+
+def _causal_lm_class(config):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return None  # from_pretrained raises the clear error
+
+
+def _self_check(model: nn.Module, path: Path, device: torch.device, dtype: torch.dtype) -> None:
+    """Prefill two rows of different lengths and decode one token each through the engine's cache
+    and masks; compare with a plain forward of the whole sequence. Refuses the model (one line)
+    when the engine's way of calling it fails or disagrees, which would fail every request."""
+    from deltazip.runtime.serve.engine import KVPool, SeqKV, StepKV, left_pad, step_inputs
+
+    vocab = int(getattr(model.config, "vocab_size", 2) or 2)
+    # Longer than a small sliding window, so the window's masking is checked too where it is cheap.
+    window = getattr(model.config, "sliding_window", None) or 0
+    n = max(5, window + 2) if window <= 62 else 5
+    rows = [[(7 * i + 3) % vocab for i in range(n)], [(5 * i + 1) % vocab for i in range(3)]]
+    pool, caches = KVPool(), [SeqKV(), SeqKV()]
+    try:
+        with torch.inference_mode():
+            kv = StepKV(pool, caches, [0, 0], [n, 3])
+            mask, pos = step_inputs(kv, model.config, dtype, device)
+            first = run_model(model, left_pad(rows, 0).to(device), pos, mask, kv)
+            kv = StepKV(pool, caches, [n, 3], [1, 1])
+            mask, pos = step_inputs(kv, model.config, dtype, device)
+            nxt = [11 % vocab, 13 % vocab]
+            got = torch.cat([first, run_model(model, torch.tensor([[t] for t in nxt], device=device), pos, mask, kv)])
+            want = torch.cat([model(input_ids=torch.tensor([r], device=device)).logits[:, -1].float()
+                              for r in rows + [r + [t] for r, t in zip(rows, nxt)]])
+    except Exception as e:  # the model's forward does not take the engine's cache/masks
+        raise InputError(f"base {path}: {type(model).__name__} cannot run in the serving engine (a test forward "
+                         f"failed: {type(e).__name__}: {e}); serve another architecture") from e
+    finally:
+        for c in caches:
+            c.free()
+    tol = 1e-3 if dtype == torch.float32 else 0.1
+    if not torch.allclose(got, want, atol=tol * max(1.0, float(want.abs().max())), rtol=0):
+        raise InputError(f"base {path}: {type(model).__name__} gives other logits in the serving engine than in a "
+                         f"plain forward (max difference {float((got - want).abs().max()):.3g}); it cannot be served")
 
 
 def max_context(config) -> int:
     """Longest sequence (prompt + completion) the model's position embeddings allow."""
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len"):
         v = getattr(config, key, None)
         if isinstance(v, int) and v > 0:
             return v
@@ -674,7 +730,8 @@ class DeltaModel:
         Args:
             row_slots: slot of each row (``-1`` base).
             input_ids, position_ids: ``[B, T]``.
-            attention_mask: bool ``[B, 1, T, K]`` (True = attend).
+            attention_mask: the step's mask argument (``deltazip.runtime.serve.masks.attention_masks_for``:
+                ``[B, 1, T, K]``, a dict of them per layer type, or ``[B, K]`` for ALiBi models).
             kv: the step's cache object (``deltazip.runtime.serve.engine.StepKV``).
         """
         self.ctx.bind(row_slots, self.device)
