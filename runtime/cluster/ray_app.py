@@ -392,8 +392,18 @@ def app_builder(args: dict):
     max_replicas=B] [KEY=VALUE of ServeConfig...]`` (and a KubeRay RayService's ``import_path``)."""
     args = dict(args)
     opts = RayOptions(**{k: int(args.pop(k)) for k in ("replicas", "min_replicas", "max_replicas") if k in args})
-    types = ServeConfig.__dataclass_fields__
-    cfg = ServeConfig(**{k: (int(v) if types[k].type in ("int", "int | None") else v) for k, v in args.items()})
+    fields = ServeConfig.__dataclass_fields__
+    unknown = sorted(set(args) - set(fields))
+    if unknown:
+        raise InputError(f"unknown application args {unknown}; use ServeConfig's fields (artifacts, base, max_deltas...)")
+
+    def typed(k: str, v):  # args from a YAML config arrive as strings (or YAML scalars)
+        kind = fields[k].type
+        if kind == "bool":
+            return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes")
+        return int(v) if kind in ("int", "int | None") and v is not None else v
+
+    cfg = ServeConfig(**{k: typed(k, v) for k, v in args.items()})
     return build_app(cfg, opts, num_gpus=1.0 if cfg.device.startswith("cuda") else 0.0)
 
 

@@ -18,6 +18,7 @@ from _serving import PROMPTS, served_set, single_thread
 pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
+from deltazip.formats.errors import InputError  # noqa: E402
 from deltazip.runtime.cluster import ray_app  # noqa: E402
 from deltazip.runtime.serve.server import ServeConfig  # noqa: E402
 
@@ -77,6 +78,27 @@ def completion(cluster, model, prompt, n=8, **kw):
     r = httpx.post(cluster["url"] + "/v1/completions", headers=auth(), timeout=120,
                    json={"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, **kw})
     return r
+
+
+def _engine_deployment(app):
+    return app._bound_deployment.init_args[0]._bound_deployment  # Ingress.bind(Engine.bind(...))
+
+
+def test_app_builder_scaling_and_typed_args(served):
+    """The KubeRay / ``serve run`` entry: string args become ServeConfig's types; fixed or autoscaled."""
+    app = ray_app.app_builder({"artifacts": str(served.artifacts), "replicas": "3", "max_deltas": "5",
+                               "preemption": "false"})
+    eng = _engine_deployment(app)
+    cfg = eng.init_args[0]
+    assert eng.num_replicas == 3 and eng._deployment_config.autoscaling_config is None
+    assert cfg.max_deltas == 5 and cfg.preemption is False
+    assert eng.max_ongoing_requests == cfg.max_queue + cfg.max_num_seqs
+    auto = _engine_deployment(ray_app.app_builder({"artifacts": str(served.artifacts), "min_replicas": "0",
+                                                   "max_replicas": "4", "max_num_seqs": "8"}))
+    sc = auto._deployment_config.autoscaling_config
+    assert (sc.min_replicas, sc.max_replicas, sc.initial_replicas, sc.target_ongoing_requests) == (0, 4, 1, 4)
+    with pytest.raises(InputError, match="unknown application args"):
+        ray_app.app_builder({"artifacts": str(served.artifacts), "replica": "2"})
 
 
 @pytest.mark.parametrize("args, match", [
