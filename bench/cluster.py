@@ -10,7 +10,8 @@ subprocess: ``deltazip serve`` (one process, no Ray: the baseline), then ``delta
 ``/health``), unloaded TTFT/E2E, and under the trace requests completed, throughput and TTFT/E2E
 mean/p50/p99 (``summarize`` of bench/serve.py; SLO thresholds from the baseline's unloaded latency),
 the share of each variant's requests answered by its most frequent replica (``x-deltazip-replica``),
-and the processes left once the server was stopped by SIGINT (must be 0).
+the PSS summed over the server's processes after the trace, and the processes left once the
+server was stopped by SIGINT (must be 0).
 
 Tensor-parallel rows: if ``bench/_cluster_tp.py`` exists (written with ``--tensor-parallel``), its
 ``tp_rows(arts, base, trace, args, slo) -> list[dict]`` adds rows to the same document; without it
@@ -93,6 +94,19 @@ class ClusterServer(Server):
         return len(alive)
 
 
+def _pss_mib(pids: set[int]) -> float:
+    """Proportional set size summed over the server's processes (shared pages split between them)."""
+    import psutil
+
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_full_info().pss
+        except psutil.Error:
+            pass
+    return round(total / 2**20, 1)
+
+
 def _alive(pid: int) -> bool:
     import psutil
 
@@ -147,6 +161,7 @@ def run_server(name: str, replicas: int | None, arts, base, a, logdir, trace, pr
         log(f"{name}: {len(trace)} requests over {a.duration:.0f}s")
         res, t0, seen = asyncio.run(replay_tracking(srv.url, trace, a.max_tokens))
         procs |= srv.descendants()
+        pss = _pss_mib({srv.proc.pid} | procs)
     finally:
         leftovers = srv.stop_and_count_leftovers(procs) if srv.proc.poll() is None else -1
     affinity = None
@@ -155,7 +170,8 @@ def run_server(name: str, replicas: int | None, arts, base, a, logdir, trace, pr
         affinity = round(sum(max(c.values()) for c in seen.values()) / total, 4) if total else None
     row = {"server": name, "replicas": replicas or 1, "ray": bool(replicas), "startup_s": round(startup, 2),
            "unloaded_s": {k: round(v, 4) for k, v in idle.items()}, **summarize(res, t0, slo),
-           "variant_on_one_replica_share": affinity, "processes_left_after_stop": leftovers}
+           "variant_on_one_replica_share": affinity, "pss_mib_after_trace": pss,
+           "processes": len(procs) + 1, "processes_left_after_stop": leftovers}
     log(json.dumps(row))
     return row, slo
 
