@@ -58,7 +58,7 @@ def serve(
                       max_num_seqs=max_num_seqs, max_queue=max_queue, device=device, dtype=dtype,
                       delta_compute=delta_compute, cpu_threads=cpu_threads, preemption=not no_preemption,
                       workers=workers)
-    if ray or replicas or min_replicas is not None or max_replicas is not None or ray_address:
+    if ray or replicas is not None or min_replicas is not None or max_replicas is not None or ray_address:
         return _serve_ray(cfg, ray, replicas, min_replicas, max_replicas, ray_address, json_out)
     # The port before any model: a busy one is one line now, not a traceback once every model has loaded.
     sock = bind_listen_socket(host, port)
@@ -114,7 +114,7 @@ def _serve_ray(cfg, ray, replicas, min_replicas, max_replicas, address, json_out
         if json_out:
             print_json({"serving": url, "mode": c.mode, "ray": {"address": address or "local", **opts.scaling(c)}})
         else:
-            err_console.print(f"serving on {url} with Ray Serve ({opts.scaling(c)}, cluster {address or 'local'})")
+            err_console.print(f"serving on {url} with Ray Serve: {opts.describe()}, cluster {address or 'local'}")
 
     if not json_out:
         logging.basicConfig(level=os.environ.get("DELTAZIP_LOG_LEVEL", "INFO").upper(),

@@ -79,6 +79,11 @@ class RayOptions:
     def most_replicas(self) -> int:
         return self.max_replicas if self.max_replicas is not None else (self.replicas or 1)
 
+    def describe(self) -> str:
+        if self.max_replicas is None:
+            return f"{self.replicas or 1} engine replica(s)"
+        return f"{self.min_replicas} to {self.max_replicas} engine replicas (autoscaled)"
+
     def scaling(self, cfg: ServeConfig) -> dict[str, Any]:
         """Ray Serve deployment options: a fixed count, or an autoscaling range that adds a replica
         when replicas average more than half a batch (``max_num_seqs``) of ongoing requests."""
