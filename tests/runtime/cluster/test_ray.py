@@ -173,19 +173,27 @@ def test_variant_added_through_one_replica_reaches_every_replica(cluster, served
     assert r.status_code == 201 and r.json()["id"] == "alpha-live"
     r = httpx.post(url + "/v1/variants", headers=auth(), json={"path": "alpha-live"}, timeout=120)
     assert r.status_code == 409 and r.json()["error"]["code"] == "variant_exists"
-    # Base requests spread over the replicas: every replica answers with the new variant listed.
-    replicas = {}
-    for _ in range(40):
-        r = httpx.get(url + "/v1/models", headers=auth())
-        replicas[r.headers[HEADER]] = {m["id"] for m in r.json()["data"]}
-        if len(replicas) == 2:
-            break
-    assert len(replicas) == 2 and all("alpha-live" in ids for ids in replicas.values())
+    # Requests without a variant spread over the replicas: every replica lists the new variant...
+    listed = models_by_replica(url)
+    assert len(listed) == 2 and all("alpha-live" in ids for ids in listed.values()), listed
     want = served.expected("alpha", "zip model tune", 8)
     assert completion(cluster, "alpha-live", "zip model tune").json()["choices"][0]["text"] == want
     assert httpx.delete(url + "/v1/variants/alpha-live", headers=auth(), timeout=120).status_code == 200
-    for _ in range(10):
-        assert completion(cluster, "alpha-live", "x").status_code == 404
+    # ...and, once it is deleted through one of them, none does.
+    listed = models_by_replica(url)
+    assert len(listed) == 2 and all("alpha-live" not in ids and "alpha" in ids for ids in listed.values()), listed
+    assert completion(cluster, "alpha-live", "x").status_code == 404
+
+
+def models_by_replica(url: str) -> dict[str, set[str]]:
+    """``GET /v1/models`` until both replicas answered: {replica: model ids}."""
+    seen: dict[str, set[str]] = {}
+    for _ in range(60):
+        r = httpx.get(url + "/v1/models", headers=auth())
+        seen[r.headers[HEADER]] = {m["id"] for m in r.json()["data"]}
+        if len(seen) == 2:
+            break
+    return seen
 
 
 async def _stream(http: httpx.AsyncClient, model: str, prompt: str, seen: dict) -> str | None:
