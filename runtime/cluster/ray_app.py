@@ -206,7 +206,8 @@ def _engine_class(max_models: int):
             await self.sync(None)
 
         async def info(self) -> dict:
-            return {"base": self.rt.base_name, "replica": self.replica}
+            """The base's name, this replica's id, and how many log changes it has applied."""
+            return {"base": self.rt.base_name, "replica": self.replica, "applied": self.applied}
 
         @serve.multiplexed(max_num_models_per_replica=max_models)
         async def hold(self, name: str) -> str:

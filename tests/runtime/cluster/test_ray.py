@@ -171,6 +171,8 @@ def test_variant_added_through_one_replica_reaches_every_replica(cluster, served
     shutil.copytree(served.artifacts / "alpha", cluster["arts"] / "alpha-live")
     r = httpx.post(url + "/v1/variants", headers=auth(), json={"path": "alpha-live"}, timeout=120)
     assert r.status_code == 201 and r.json()["id"] == "alpha-live"
+    # Without any request, the health checks bring both replicas up to the log (``info`` does not sync).
+    assert applied_by_replica(want=1) == 2
     r = httpx.post(url + "/v1/variants", headers=auth(), json={"path": "alpha-live"}, timeout=120)
     assert r.status_code == 409 and r.json()["error"]["code"] == "variant_exists"
     # Requests without a variant spread over the replicas: every replica lists the new variant...
@@ -183,6 +185,24 @@ def test_variant_added_through_one_replica_reaches_every_replica(cluster, served
     listed = models_by_replica(url)
     assert len(listed) == 2 and all("alpha-live" not in ids and "alpha" in ids for ids in listed.values()), listed
     assert completion(cluster, "alpha-live", "x").status_code == 404
+
+
+def applied_by_replica(want: int, timeout: float = 30) -> int:
+    """Replicas that report at least ``want`` applied changes (polled through Serve's handle)."""
+    import ray
+    from ray import serve
+
+    assert ray.get(ray_app.variant_log().version.remote()) == want
+    handle = serve.get_deployment_handle("Engine", ray_app.APP_NAME)
+    deadline, seen = time.time() + timeout, {}
+    while time.time() < deadline:
+        for _ in range(10):
+            info = handle.info.remote().result()
+            seen[info["replica"]] = info["applied"]
+        if len(seen) == 2 and min(seen.values()) >= want:
+            break
+        time.sleep(0.5)
+    return sum(v >= want for v in seen.values())
 
 
 def models_by_replica(url: str) -> dict[str, set[str]]:
