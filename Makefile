@@ -13,8 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null || echo "make: installing $(TORCH) (the largest download)"
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	@echo "make: installing deltazip (editable) with the dev, kernels, serve and eval extras"
-	$(PY) -m pip install -q -e ".[dev,kernels,serve,eval]"
+	@echo "make: installing deltazip (editable) with the dev, kernels, serve, eval and cluster extras"
+	$(PY) -m pip install -q -e ".[dev,kernels,serve,eval,cluster]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -211,15 +211,26 @@ class LayerStandIn(nn.Module):
 
 
 class Catcher(LayerStandIn):
-    """Stands in for decoder layer 0 to record its inputs, then stops the model's forward."""
+    """Stands in for a decoder layer to record the arguments the model calls it with.
 
-    def __init__(self, inner: nn.Module):
+    Models compute per-layer arguments before their layer loop (Gemma 2/3: the attention mask and
+    rotary embeddings of the layer's attention type, sliding or global), so every layer has its
+    own. With ``last`` it stops the model's forward (``StopForward``); otherwise it hands its input
+    back unchanged so that the model goes on to call the next layer (the values that reach later
+    layers do not matter: only their arguments are kept, their inputs come from running the real
+    layers). ``keep_hidden``: keep the hidden states too (layer 0's are the calibration inputs).
+    """
+
+    def __init__(self, inner: nn.Module, last: bool = True, keep_hidden: bool = True):
         super().__init__(inner)
-        self.captured: list[tuple[torch.Tensor, dict]] = []
+        self.last, self.keep_hidden = last, keep_hidden
+        self.captured: list[tuple[torch.Tensor | None, dict]] = []
 
     def forward(self, hidden_states, *args, **kwargs):
         kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_value", "past_key_values")}
         if args:
             kwargs["__args__"] = args
-        self.captured.append((hidden_states, kwargs))
-        raise StopForward
+        self.captured.append((hidden_states if self.keep_hidden else None, kwargs))
+        if self.last:
+            raise StopForward
+        return hidden_states

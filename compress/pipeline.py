@@ -140,6 +140,7 @@ class _Run:
         self.head_stats: dict | None = None
         self.layer_returns_tuple = False
         self.base_view = cfg.calib_activations == "base"
+        self.layer_kw: list[list[dict]] = []  # per layer, per calibration batch (first_inputs)
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.lname}.{i}."
@@ -231,10 +232,13 @@ class _Run:
 
     # -- calibration ----------------------------------------------------------------------------
     def first_inputs(self, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
-        """Run the model up to layer 0 and capture its inputs, one entry per batch."""
-        catcher = Catcher(self.layers[0])
-        self.layers[0] = catcher
+        """Run the model through stand-ins for its layers: layer 0's inputs, one entry per batch, and
+        every layer's own keyword arguments (``self.layer_kw[i][batch]``; see ``Catcher``)."""
+        last = len(self.layers) - 1
+        catchers = [Catcher(m, last=i == last, keep_hidden=i == 0) for i, m in enumerate(self.layers)]
         try:
+            for i, c in enumerate(catchers):
+                self.layers[i] = c
             with torch.no_grad():
                 for s in range(0, input_ids.shape[0], self.cfg.batch_size):
                     try:
@@ -242,8 +246,14 @@ class _Run:
                     except StopForward:
                         pass
         finally:
-            self.layers[0] = catcher.inner
-        return catcher.captured
+            for i, c in enumerate(catchers):
+                self.layers[i] = c.inner
+        self.layer_kw = [[kw for _, kw in c.captured] for c in catchers]
+        return catchers[0].captured
+
+    def layer_kwargs(self, i: int, batch: int) -> dict:
+        """Keyword arguments the model passes layer ``i`` for calibration batch ``batch``."""
+        return self.layer_kw[i][batch]
 
     def run_layer(self, layer, h: torch.Tensor, kw: dict) -> torch.Tensor:
         """One layer forward on one batch; notes whether layers return tuples (``head_hessian``'s replay
@@ -289,6 +299,7 @@ class _Run:
         for n in lin:
             lmap.put(layer, n, self.base.get(n) if self.base_view else self.ft.get(n), self.cdtype, self.device)
         lmap.finish()
+        batches = [(h, self.layer_kwargs(i, k)) for k, (h, _) in enumerate(batches)]  # this layer's own mask, rotary
         with torch.no_grad():
             ys_ft = [self.run_layer(layer, h, kw) for h, kw in batches]
         groups = sequential_groups(layer, [lambda b=b: self.run_layer(layer, *b) for b in batches], lmap.sites)

@@ -39,6 +39,14 @@ def serve(
                                                                         "(for experiments; can starve requests).")] = False,
     workers: Annotated[int, typer.Option(help="Engine processes behind one HTTP front, sharing one copy of the "
                                               "base weights (1: a single process, no front).")] = 1,
+    ray: Annotated[bool, typer.Option("--ray", help="Serve as a Ray Serve application: engine replicas behind one "
+                                                     "endpoint, requests routed to the replica holding their variant "
+                                                     "(needs deltazip[cluster]).")] = False,
+    replicas: Annotated[int | None, typer.Option(help="--ray: a fixed number of engine replicas (default 1).")] = None,
+    min_replicas: Annotated[int | None, typer.Option(help="--ray: autoscale from this many replicas...")] = None,
+    max_replicas: Annotated[int | None, typer.Option(help="...up to this many.")] = None,
+    ray_address: Annotated[str | None, typer.Option(help="--ray: join this cluster (head host:port, or auto) "
+                                                         "instead of starting a local one.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Serve the base model and every variant under ARTIFACTS (artifacts, full checkpoints, LoRA adapters) with an OpenAI-compatible API."""
@@ -50,6 +58,8 @@ def serve(
                       max_num_seqs=max_num_seqs, max_queue=max_queue, device=device, dtype=dtype,
                       delta_compute=delta_compute, cpu_threads=cpu_threads, preemption=not no_preemption,
                       workers=workers)
+    if ray or replicas is not None or min_replicas is not None or max_replicas is not None or ray_address:
+        return _serve_ray(cfg, ray, replicas, min_replicas, max_replicas, ray_address, json_out)
     # The port before any model: a busy one is one line now, not a traceback once every model has loaded.
     sock = bind_listen_socket(host, port)
     cfg.port = sock.getsockname()[1]  # --port 0: the one the system picked
@@ -87,6 +97,29 @@ def _serve(cfg, sock, json_out: bool) -> None:
     else:  # the per-model lines were logged by build_runtime
         err_console.print(f"serving {len(rt.variants)} variants of {rt.base_name} on {url} (mode {mode})")
     serve_forever(cfg, runtime=rt, metrics=metrics, sock=sock)
+
+
+def _serve_ray(cfg, ray, replicas, min_replicas, max_replicas, address, json_out: bool) -> None:
+    from deltazip.formats.errors import InputError
+    from deltazip.runtime.cluster.ray_app import RayOptions, serve_forever
+
+    if not ray:
+        raise InputError("--replicas, --min-replicas, --max-replicas and --ray-address go with --ray; add --ray")
+    if cfg.workers > 1:
+        raise InputError("--workers is for a single machine; with --ray use --replicas (or drop --ray)")
+    opts = RayOptions(address=address, replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas)
+
+    def ready(c) -> None:
+        url = f"http://{c.host}:{c.port}"
+        if json_out:
+            print_json({"serving": url, "mode": c.mode, "ray": {"address": address or "local", **opts.scaling(c)}})
+        else:
+            err_console.print(f"serving on {url} with Ray Serve: {opts.describe()}, cluster {address or 'local'}")
+
+    if not json_out:
+        logging.basicConfig(level=os.environ.get("DELTAZIP_LOG_LEVEL", "INFO").upper(),
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve_forever(cfg, opts, on_ready=ready)
 
 
 def register(app: typer.Typer) -> None:

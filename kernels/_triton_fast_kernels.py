@@ -118,12 +118,15 @@ def sbmm_fast_kernel(
     IN, OUT, OUTP, GROUP, stride_xm, stride_ym, qw_slot_stride, sc_slot_stride, FIELD,
     BITS: tl.constexpr, ASYM: tl.constexpr, BF16: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, G_SHIFT: tl.constexpr, USE_ASM: tl.constexpr, UNROLL: tl.constexpr = 1,
+    ACC: tl.constexpr = False,
 ):
     """``y[rows] = x[rows] @ W_slot.T`` for the rows of row tile ``program_id(0)`` (one slot), 64
     output features from ``program_id(1) * 64``, K split ``program_id(2)`` (``SPLIT_K > 1``
     accumulates fp32 ``y`` with atomics). ``W_slot`` is read from the ``mma`` layout; every K step
     lies inside one quantization group (``GROUP % BLOCK_K == 0``). Activations are fp16, bf16
-    (``BF16``) or fp32 (``IEEE``: a correct but slow path, for fp32 models on a GPU)."""
+    (``BF16``) or fp32 (``IEEE``: a correct but slow path, for fp32 models on a GPU). ``ACC`` (with
+    ``SPLIT_K == 1``): add the tile onto what ``y`` holds (``y += x W^T``, the base GEMM's output)
+    instead of overwriting it; rows of other slots and of index -1 are never touched either way."""
     BLOCK_N: tl.constexpr = 64
     NC: tl.constexpr = BLOCK_K // 32  # 32-column chunks per K step
     NWK: tl.constexpr = NC * BITS // 4  # words per thread and row half per K step
@@ -202,6 +205,8 @@ def sbmm_fast_kernel(
         y_ptrs = y_ptr + rows[None, :] * stride_ym + offs_n[:, None]
         y_mask = n_mask[:, None] & m_mask[None, :]
         if SPLIT_K == 1:
+            if ACC:  # epilogue add onto the base output: one read of the tile, no separate add kernel
+                acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
         else:
             tl.atomic_add(y_ptrs, acc, mask=y_mask)

@@ -22,6 +22,7 @@ reference. Unset (or ``auto``) is the rule above.
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import torch
 
@@ -39,9 +40,14 @@ from deltazip.kernels.triton_sbmm import (
     triton_importable,
 )
 
-__all__ = ["RowPlan", "group_rows", "lora", "sbmm", "triton_mode", "use_triton"]
+__all__ = ["CALLS", "RowPlan", "group_rows", "lora", "sbmm", "sbmm_experts", "triton_mode", "use_triton"]
 
 _ENV = "DELTAZIP_FORCE_TRITON"
+
+# Calls per path ("fast", "legacy", "reference", "lora", "lora_reference"): one kernel launch each on
+# the Triton paths (plus one fp32 ``add_`` when split-K adds onto ``out``). A host-side count, read by
+# bench/launches.py and the launch-count tests; ``CALLS.clear()`` resets it.
+CALLS: Counter = Counter()
 
 
 def triton_mode() -> str:
@@ -76,6 +82,7 @@ def sbmm(
     deltas: StackedDeltas | list[PackedDelta],
     *,
     plan: RowPlan | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y[r] = x[r] @ W[delta_index[r]].T``; rows with index -1 get zeros.
 
@@ -87,17 +94,26 @@ def sbmm(
             different bits/group/sparsity are split into one stack and one launch per configuration).
         plan: optional :func:`group_rows` plan for ``delta_index`` (Triton path with a single
             configuration only; lets the linears of one layer share the grouping).
+        out: ``[N, out]`` in ``x.dtype`` (a ``StackedDeltas`` only): the product is added onto it in
+            place (``out += x W^T``, in the fast kernel's epilogue: no zero-filled buffer, no separate
+            add) and ``out`` is returned.
     Returns:
         ``[N, out]`` in ``x.dtype``.
     """
     if isinstance(deltas, StackedDeltas):
         if x.dim() != 2 or x.shape[-1] != deltas.in_features or not use_triton(x, delta_index, deltas.qweight):
-            return reference.sbmm(x, delta_index, deltas)
+            CALLS["reference"] += 1
+            return _add_into(out, reference.sbmm(x, delta_index, deltas))
         if deltas.layout == "mma":
             if can_run_fast(x, deltas) and (plan is None or plan.block_m >= 16):
-                return sbmm_fast(x, delta_index, deltas, plan=plan)
-            return reference.sbmm(x, delta_index, deltas)
-        return sbmm_triton(x, delta_index, deltas, plan=plan)
+                CALLS["fast"] += 1
+                return sbmm_fast(x, delta_index, deltas, plan=plan, out=out)
+            CALLS["reference"] += 1
+            return _add_into(out, reference.sbmm(x, delta_index, deltas))
+        CALLS["legacy"] += 1
+        return _add_into(out, sbmm_triton(x, delta_index, deltas, plan=plan))
+    if out is not None:
+        raise ValueError("sbmm(out=...) takes a StackedDeltas; a list of deltas returns a new tensor")
     deltas = list(deltas)
     if not deltas:
         raise ValueError("sbmm needs at least one delta")
@@ -122,6 +138,32 @@ def sbmm(
         part = _sbmm_list(x, sub, [deltas[i] for i in members], None)
         y = part if y is None else y + part  # each row is non-zero in exactly one group
     return y
+
+
+def sbmm_experts(
+    x: torch.Tensor,
+    slot_index: torch.Tensor,
+    expert_index: torch.Tensor,
+    deltas: StackedDeltas | list[PackedDelta],
+    num_experts: int,
+) -> torch.Tensor:
+    """Mixture-of-experts SBMM: ``y[p] = x[p] @ Δ(slot[p], expert[p]).T`` for routed pairs ``p``.
+
+    The groups are (slot, expert) pairs (``reference.expert_groups``: entry ``slot * E + expert`` of
+    ``deltas``), so every pair of the batch runs through the same kernel as a dense linear's rows,
+    whichever variant and expert it belongs to; slot -1 gives zeros.
+
+    Args:
+        x: ``[P, in]``; slot_index, expert_index: integer ``[P]``; deltas: ``slots * E`` entries;
+        num_experts: ``E``.
+    Returns:
+        ``[P, out]`` in ``x.dtype``.
+    """
+    return sbmm(x, reference.expert_groups(slot_index, expert_index, num_experts), deltas)
+
+
+def _add_into(out: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    return y if out is None else out.add_(y)
 
 
 def _sbmm_list(x: torch.Tensor, index: torch.Tensor, deltas: list[PackedDelta], plan: RowPlan | None) -> torch.Tensor:
@@ -152,5 +194,7 @@ def lora(
         ``[N, out]`` in ``x.dtype``.
     """
     if not use_triton(x, lora_index, A, B, scale) or A.dim() != 3 or x.shape[-1] != A.shape[-1]:
+        CALLS["lora_reference"] += 1
         return reference.lora_shrink_expand(x, lora_index, A, B, scale)
+    CALLS["lora"] += 1
     return lora_triton(x, lora_index, A, B, scale, plan=plan)

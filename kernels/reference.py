@@ -159,3 +159,41 @@ def lora_shrink_expand(
         h = x[rows].float() @ A[i].float().T
         y[rows] = (h @ B[i].float().T) * scale[i].float()
     return y.to(x.dtype)
+
+
+def expert_groups(slot_index: torch.Tensor, expert_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Group of each routed (token, expert) pair: ``slot * num_experts + expert``, -1 for base pairs.
+
+    A mixture-of-experts delta is one matrix per (variant slot, expert); stacking them ``slot``-major
+    (``D = slots * num_experts`` entries) makes a pair's group its entry of the stack, so SBMM runs
+    the pairs of every (slot, expert) in one call.
+
+    Args:
+        slot_index: integer ``[P]``, the slot of the pair's token (``-1``: base, no delta).
+        expert_index: integer ``[P]`` in ``[0, num_experts)``, the expert the router chose.
+        num_experts: ``E``.
+    Returns:
+        int64 ``[P]``.
+    """
+    if slot_index.shape != expert_index.shape or slot_index.dim() != 1:
+        raise ValueError(f"slot_index {tuple(slot_index.shape)} and expert_index {tuple(expert_index.shape)} "
+                         "must be 1-D of the same length")
+    slot, expert = slot_index.to(torch.int64), expert_index.to(torch.int64)
+    return torch.where(slot >= 0, slot * num_experts + expert, torch.full_like(slot, -1))
+
+
+def sbmm_experts(x: torch.Tensor, slot_index: torch.Tensor, expert_index: torch.Tensor, deltas,
+                 num_experts: int) -> torch.Tensor:
+    """Grouped expert deltas: ``y[p] = x[p] @ Δ(slot[p], expert[p]).T``; zeros where the slot is -1.
+
+    ``deltas`` holds ``slots * num_experts`` entries, entry ``s * num_experts + e`` being expert ``e``
+    of the variant in slot ``s`` (a list of ``PackedDelta`` or a ``StackedDeltas``, as for
+    :func:`sbmm`). Rows of ``x`` are routed pairs, not tokens: a token sent to ``k`` experts has ``k``
+    rows.
+
+    Args:
+        x: ``[P, in]``; slot_index, expert_index: integer ``[P]``; num_experts: ``E``.
+    Returns:
+        ``[P, out]`` in ``x.dtype``.
+    """
+    return sbmm(x, expert_groups(slot_index, expert_index, num_experts), deltas)

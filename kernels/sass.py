@@ -75,7 +75,8 @@ class Variant:
 
     ``kernel``: ``"legacy"`` (``triton_sbmm.sbmm_kernel``, transposed layout) or ``"fast"``
     (``triton_fast`` kernel, mma layout; 2:4 deltas run the dense kernel there, so ``sparse`` only
-    changes the bytes). ``dtype``: activations, ``"fp16"`` or ``"bf16"``.
+    changes the bytes). ``dtype``: activations, ``"fp16"`` or ``"bf16"``. ``acc``: the fast kernel's
+    epilogue adds onto the base output (``ACC``, what ``DeltaLinear`` launches); the main loop is the same.
     """
 
     kernel: str
@@ -87,6 +88,7 @@ class Variant:
     in_features: int = 4096
     group: int = 128
     block_m: int = 16
+    acc: bool = True
 
 
 def variants(quick: bool = False) -> list[Variant]:
@@ -145,7 +147,7 @@ def _build(v: Variant) -> tuple[object, dict, dict, list[str], dict]:
            "tile_end_ptr": "*i32", "qw_ptr": "*i32", "sc_ptr": "*fp16", "zr_ptr": "*fp16",
            **{k: "i32" for k in ints}}
     const = {"BITS": v.bits, "ASYM": v.asym, "BF16": v.dtype == "bf16", "IEEE": False, "SPLIT_K": 1, "BLOCK_M": v.block_m,
-             "BLOCK_K": bk, "G_SHIFT": steps.bit_length() - 1, "USE_ASM": True, "UNROLL": 2}
+             "BLOCK_K": bk, "G_SHIFT": steps.bit_length() - 1, "USE_ASM": True, "UNROLL": 2, "ACC": v.acc}
     return mod.sbmm_fast_kernel, sig, const, ints, {"num_warps": 4, "block_n": 64, "block_k": bk, "unroll": 2}
 
 

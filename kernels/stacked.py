@@ -186,39 +186,60 @@ class StackedDeltas:
         zeros = torch.zeros(num_slots, g, out_features, dtype=torch.uint8, device=device) if asymmetric else None
         return cls(qweight, scales, zeros, positions, bits, group_size, in_features, out_features)
 
-    def _check_compatible(self, delta: PackedDelta) -> None:
-        mine = (self.bits, self.effective_group, self.sparse, self.in_features, self.out_features)
-        theirs = (delta.bits, delta.effective_group, delta.sparse, delta.in_features, delta.out_features)
-        if mine != theirs:
+    def _check_compatible(self, delta: PackedDelta, row0: int = 0) -> None:
+        mine = (self.bits, self.effective_group, self.sparse, self.in_features)
+        theirs = (delta.bits, delta.effective_group, delta.sparse, delta.in_features)
+        if mine != theirs or not (0 <= row0 and row0 + delta.out_features <= self.out_features):
             raise ValueError(
-                f"delta (bits, group, sparse, in, out) = {theirs} does not fit a stack of {mine}; "
-                "stack deltas of one configuration together"
+                f"delta (bits, group, sparse, in, out) = {(*theirs, delta.out_features)} at row {row0} does not fit a "
+                f"stack of {(*mine, self.out_features)}; stack deltas of one configuration together"
             )
+        if not self._rows_fit(row0, delta):
+            raise ValueError(f"rows {row0}..{row0 + delta.out_features} of an mma stack must start on a multiple "
+                             f"of {fast_layout.ROW_BLOCK} and end on one or at the stack's last row")
         if delta.zeros is not None and self.zeros is None:
             raise ValueError("asymmetric delta written into a symmetric stack; allocate with asymmetric=True")
 
-    def write(self, slot: int, delta: PackedDelta) -> None:
-        """Repack one canonical delta into ``slot`` (in place, on the stack's device)."""
+    def _rows_fit(self, row0: int, delta: PackedDelta) -> bool:
+        """In the ``mma`` layout a 64-row tile belongs to one writer: a row range must cover whole tiles."""
+        if self.layout != "mma" or (row0 == 0 and delta.out_features == self.out_features):
+            return True
+        end = row0 + delta.out_features
+        return row0 % fast_layout.ROW_BLOCK == 0 and (end % fast_layout.ROW_BLOCK == 0 or end == self.out_features)
+
+    def write(self, slot: int, delta: PackedDelta, row0: int = 0) -> None:
+        """Repack one canonical delta into ``slot`` (in place, on the stack's device).
+
+        ``row0``: put the delta's ``out`` rows at output rows ``row0 .. row0 + out - 1`` of the slot
+        and leave the other rows as they are (one projection of a merged ``[q; k; v]`` stack); in the
+        ``mma`` layout the range must cover whole 64-row tiles (start on a multiple of 64, end on one
+        or at the last row)."""
         if not 0 <= slot < self.num_deltas:
             raise IndexError(f"slot {slot} outside [0, {self.num_deltas})")
         delta.validate()
-        self._check_compatible(delta)
+        self._check_compatible(delta, row0)
         dev = self.device
         if self.layout == "mma":
-            self._write_mma(slot, delta.to(dev))
+            self._write_mma(slot, delta.to(dev), row0)
             return
-        self.qweight[slot].copy_(delta.qweight.to(dev).T)
+        rows = slice(row0, row0 + delta.out_features)
+        self.qweight[slot, :, rows].copy_(delta.qweight.to(dev).T)
         if self.positions is not None:
-            self.positions[slot].copy_(delta.positions.to(dev).T)
-        self.scales[slot].copy_(delta.scales.to(dev).T)
+            self.positions[slot, :, rows].copy_(delta.positions.to(dev).T)
+        self.scales[slot, :, rows].copy_(delta.scales.to(dev).T)
         if self.zeros is not None:
             if delta.zeros is None:
-                self.zeros[slot].fill_(2 ** (delta.bits - 1))
+                self.zeros[slot, :, rows].fill_(2 ** (delta.bits - 1))
             else:
-                self.zeros[slot].copy_(delta.zeros.to(dev).T)
+                self.zeros[slot, :, rows].copy_(delta.zeros.to(dev).T)
 
-    def _write_mma(self, slot: int, delta: PackedDelta) -> None:
-        out_f, bits = self.out_features, self.bits
+    def clear_rows(self, slot: int, row0: int, rows: int) -> None:
+        """Make output rows ``row0 .. row0 + rows - 1`` of ``slot`` a zero delta (scale 0; the codes
+        stay, ``(code - zero) * 0`` is exactly 0)."""
+        self.scales[slot, :, row0:row0 + rows].zero_()
+
+    def _write_mma(self, slot: int, delta: PackedDelta, row0: int = 0) -> None:
+        out_f, bits = delta.out_features, self.bits
         zp = fast_layout.zero_points(delta)  # [out, G] int64
         words = self.qweight[slot]
         per_block = fast_layout.slot_words(fast_layout.ROW_BLOCK, self.in_features, bits)
@@ -229,13 +250,16 @@ class StackedDeltas:
                                None if delta.positions is None else delta.positions[r0:r1],
                                bits, delta.group_size, self.in_features, r1 - r0)
             packed = fast_layout.pack_codes(fast_layout.dense_codes(part), bits)
-            start = r0 // fast_layout.ROW_BLOCK * per_block
+            start = (row0 + r0) // fast_layout.ROW_BLOCK * per_block
             words[start:start + packed.numel()].copy_(packed)
-        self.scales[slot].zero_()
-        self.scales[slot, :, :out_f].copy_(delta.scales.T)
+        rows = slice(row0, row0 + out_f)
+        if out_f == self.out_features:
+            self.scales[slot].zero_()
+        self.scales[slot, :, rows].copy_(delta.scales.T)
         if self.zeros is not None:
-            self.zeros[slot].zero_()
-            self.zeros[slot, :, :out_f].copy_(zp.T.to(torch.float16))
+            if out_f == self.out_features:
+                self.zeros[slot].zero_()
+            self.zeros[slot, :, rows].copy_(zp.T.to(torch.float16))
 
     def _unstack_mma(self, slot: int) -> PackedDelta:
         out_f, in_f, bits = self.out_features, self.in_features, self.bits

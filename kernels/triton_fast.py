@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from deltazip.kernels import autotune
 from deltazip.kernels.fast_layout import block_k_for, fast_supported, padded_rows
 from deltazip.kernels.stacked import StackedDeltas
 from deltazip.kernels.triton_sbmm import (
@@ -72,9 +73,11 @@ def sbmm_fast(
     *,
     plan: RowPlan | None = None,
     split_k: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
-    unroll: int = 2,
+    unroll: int | None = None,
+    config: dict[str, int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y[r] = x[r] @ W[delta_index[r]].T`` (zeros where the index is -1), one launch.
 
@@ -88,8 +91,15 @@ def sbmm_fast(
             leave SMs idle; ``1`` gives run-to-run identical output).
         num_warps, num_stages: launch options (4 warps = one warpgroup per 64-row tile).
         unroll: K steps per loop iteration (2 halves the loop's bookkeeping per weight).
+        config: launch options as a dict (``split_k``, ``num_warps``, ``num_stages``, ``unroll``) for
+            the ones not given; when None, the per-GPU tuned ones (``deltazip.kernels.autotune``) if
+            any, else the defaults (split-K by :func:`auto_split_k`, 4 warps, unroll 2).
+        out: ``[N, out]`` in ``x.dtype`` with unit column stride (e.g. the base GEMM's output): the
+            product is *added* onto it in the kernel's epilogue (``out += x W^T``; rows with index
+            -1 untouched) and ``out`` is returned. With split-K the splits are summed in an fp32
+            buffer first and added with one ``add_``.
     Returns:
-        ``[N, out]`` in ``x.dtype``.
+        ``[N, out]`` in ``x.dtype`` (``out`` itself when given).
     """
     if stacked.layout != "mma":
         raise ValueError(f"sbmm_fast needs a stack in the 'mma' layout, got {stacked.layout!r}")
@@ -101,8 +111,10 @@ def sbmm_fast(
         raise ValueError(f"x ({x.device}), delta_index ({delta_index.device}) and the stack "
                          f"({stacked.device}) must be on one device")
     n, out_f, in_f = x.shape[0], stacked.out_features, stacked.in_features
+    if out is not None:
+        _check_out(out, x, out_f)
     if n == 0:
-        return x.new_zeros(0, out_f)
+        return x.new_zeros(0, out_f) if out is None else out
     plan = _plan_for(delta_index, n, stacked.num_deltas, plan)
     if plan.block_m < 16:
         raise ValueError(f"the fast kernel needs row tiles of at least 16 rows, the plan has {plan.block_m}")
@@ -110,11 +122,21 @@ def sbmm_fast(
     k = _kernels()
     n_tiles = padded_rows(out_f) // 64
     k_tiles = in_f // bk
+    if config is None:
+        config = autotune.lookup(stacked, x.dtype, n) or {}
+    split_k = config.get("split_k") if split_k is None else split_k
+    num_warps = config.get("num_warps", 4) if num_warps is None else num_warps
+    num_stages = config.get("num_stages") if num_stages is None else num_stages
+    unroll = config.get("unroll", 2) if unroll is None else unroll
     if split_k is None:
         busy = max(min(stacked.num_deltas, n), n // plan.block_m) * n_tiles
         split_k = auto_split_k(busy, k_tiles, x.device)
     split_k = max(1, min(split_k, k_tiles))
-    y = torch.zeros(n, out_f, dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
+    acc = out is not None and split_k == 1
+    if acc:
+        y = out
+    else:
+        y = torch.zeros(n, out_f, dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
     zr = stacked.zeros if stacked.asymmetric else stacked.scales  # dummy pointer when symmetric
     opts = {"num_warps": num_warps}
     if num_stages is not None:
@@ -127,9 +149,19 @@ def sbmm_fast(
             stacked.qweight[0].numel(), stacked.scales[0].numel(), ((1 << stacked.bits) - 1) * 0x10001,
             BITS=stacked.bits, ASYM=stacked.asymmetric, BF16=x.dtype == torch.bfloat16, IEEE=x.dtype == torch.float32,
             SPLIT_K=split_k,
-            BLOCK_M=plan.block_m, BLOCK_K=bk, G_SHIFT=g_shift, USE_ASM=not interpret_mode(), UNROLL=unroll, **opts,
+            BLOCK_M=plan.block_m, BLOCK_K=bk, G_SHIFT=g_shift, USE_ASM=not interpret_mode(), UNROLL=unroll,
+            ACC=acc, **opts,
         )
+    if out is not None:
+        return out if acc else out.add_(y)
     return y if split_k == 1 else y.to(x.dtype)
+
+
+def _check_out(out: torch.Tensor, x: torch.Tensor, out_f: int) -> None:
+    if out.shape != (x.shape[0], out_f) or out.dtype != x.dtype or out.device != x.device or (
+            out_f > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be [{x.shape[0]}, {out_f}] {x.dtype} on {x.device} with unit column stride, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}")
 
 
 def can_run_fast(x: torch.Tensor, stacked: StackedDeltas) -> bool:

@@ -13,16 +13,16 @@ Everything else (bits, group, K step, zero points) is fixed by the stack, and th
 divisibility by the shape. :func:`warmup_stack` runs each combination once on dummy activations (a
 few milliseconds per launch once compiled; the first process on a machine pays the compiles, later
 ones hit Triton's on-disk cache). A server calls it at start for every distinct stack configuration,
-e.g. for each ``DeltaLinear`` group ``g``::
-
-    from deltazip.kernels.warmup import warmup_stack
-    warmup_stack(g.stack, dtypes=(model_dtype,))
+through :func:`warmup_stacks` (``deltazip.runtime.serve.kernel_warmup`` collects the stacks the
+served variants need), which also tunes the fast kernel's launch options per batch bucket
+(``deltazip.kernels.autotune``) so that no request pays a compile or a tuning run.
 """
 
 from __future__ import annotations
 
 import torch
 
+from deltazip.kernels import autotune
 from deltazip.kernels.stacked import StackedDeltas
 from deltazip.kernels.triton_sbmm import SPLIT_K_CHOICES, group_rows, interpret_mode, triton_importable
 
@@ -68,4 +68,43 @@ def warmup_stack(stack: StackedDeltas, dtypes: tuple[torch.dtype, ...] = (torch.
         count += 1
     if stack.device.type == "cuda":
         torch.cuda.synchronize(stack.device)
+    return count
+
+
+# Batch buckets tuned at start: decode batches (powers of two up to 256 rows, the 16-row tiles) and
+# prefill chunks (64-row tiles).
+TUNE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+_warmed: set[tuple] = set()  # signatures warmed in this process
+
+
+def signature(stack: StackedDeltas) -> tuple:
+    """What the compiled kernels of a stack depend on (two stacks with one signature share them)."""
+    return (str(stack.device), stack.layout, stack.bits, stack.effective_group, stack.sparse, stack.asymmetric,
+            stack.in_features, stack.out_features)
+
+
+def warmup_stacks(stacks: list[StackedDeltas], dtypes: tuple[torch.dtype, ...], *, force: bool = False,
+                  tune: bool = True, buckets: tuple[int, ...] = TUNE_BUCKETS) -> int:
+    """:func:`warmup_stack` once per distinct :func:`signature` not warmed yet in this process, then,
+    for ``mma`` stacks on CUDA with ``tune`` (and ``DELTAZIP_AUTOTUNE`` not 0), the per-bucket tuning
+    of :func:`deltazip.kernels.autotune.tune` (cached on disk: a later start only reads the file).
+    Returns the warm-up launches made (tuning launches not counted)."""
+    count = 0
+    for stack in stacks:
+        sig = signature(stack) + tuple(dtypes)
+        if sig in _warmed:
+            continue
+        n = warmup_stack(stack, dtypes, force=force)
+        count += n
+        if tune and stack.layout == "mma" and stack.device.type == "cuda" and autotune.enabled():
+            from deltazip.kernels.triton_fast import fast_dtypes
+
+            for dt in dtypes:
+                if dt in fast_dtypes(stack.device):
+                    for rows in buckets:
+                        autotune.tune(stack, dt, rows, save=False)
+            autotune.cache_for(stack.device).save()
+        if n:
+            _warmed.add(sig)
     return count

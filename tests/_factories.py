@@ -39,6 +39,10 @@ ARCH_CONFIGS = {
                 num_hidden_layers=2, max_position_embeddings=128, partial_rotary_factor=0.5),
     "gemma": dict(model_type="gemma", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128),
+    "gemma3": dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128,
+                   layer_types=["full_attention", "full_attention"], sliding_window=128),
+    "gpt_bigcode": dict(model_type="gpt_bigcode", n_embd=64, n_head=4, n_layer=2, n_positions=128),
     "opt": dict(model_type="opt", hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=2,
                 max_position_embeddings=128, word_embed_proj_dim=64),
     # Conv1D linears, weights stored [in, out]
@@ -50,6 +54,9 @@ ARCH_CONFIGS = {
     "qwen2_moe": dict(model_type="qwen2_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
                       shared_expert_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                       num_hidden_layers=2, max_position_embeddings=128, num_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+                      max_position_embeddings=128, num_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -80,6 +87,27 @@ def perturb(model, scale: float = 0.05, seed: int = 1, skip=("norm",)):
                                        @ torch.randn(*lead, r, p.shape[-1], generator=g)) / r**0.5
             p.add_((scale * std * noise).to(p.dtype))
     return model
+
+
+def finetune(model, steps: int = 30, lr: float = 3e-3, seed: int = 1, seqlen: int = 24, batch: int = 4):
+    """A real (short) full fine-tune: ``steps`` of Adam on next-token loss over random sequences of a
+    fixed pattern, so every parameter (norms, biases, embeddings, positions) moves as training moves
+    it. In place; returns the model in eval mode."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    pattern = torch.randint(4, vocab, (8,), generator=g)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        start = torch.randint(0, 8, (batch, 1), generator=g)
+        ids = pattern[(start + torch.arange(seqlen)) % 8]
+        noise = torch.rand(ids.shape, generator=g) < 0.2
+        ids = torch.where(noise, torch.randint(4, vocab, ids.shape, generator=g), ids)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
 
 
 def save_model(model, path: Path, tokenizer=True, module_names: bool = False) -> Path:

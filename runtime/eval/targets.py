@@ -20,6 +20,7 @@ lm-eval's ``HFLM`` (loglikelihood and ``generate``), a perplexity loop — runs 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from deltazip.runtime.serve.lora_variant import ADAPTER_CONFIG, check_lora_base
 from deltazip.runtime.serve.model import (
     BASE_SLOT,
     DeltaModel,
+    UnsupportedVariant,
     VariantInfo,
     discover_artifacts,
     load_tokenizer,
@@ -104,6 +106,14 @@ def parse_targets(specs: list[str]) -> list[Target]:
     return out
 
 
+def eval_advice(message: str, base: Path) -> str:
+    """A serve-side refusal (which points at ``serve --mode swap``) reworded for eval, which has no
+    swap mode: evaluate a merged copy of the variant as a plain model directory instead."""
+    reason = re.split(r"[;,]?\s*(?:—\s*)?serve (?:it|this one|them) with --mode swap", message)[0].rstrip(" ;,—")
+    return (f"{reason}; eval runs the decoupled serving path, so evaluate a merged copy instead: "
+            f"`deltazip merge ARTIFACT --base {base} --out MERGED`, then pass MERGED as the target")
+
+
 def _route_all_rows(ctx, get_slot, device: torch.device):
     """A forward pre-hook that binds every row of the incoming batch to the bank's current slot."""
 
@@ -155,7 +165,10 @@ class EvalBank:
                 check_lora_base(v.path, v.lineage.get("base"), self.base.path, self._base_fingerprint)
             self.dtype = resolve_dtype(dtype, self.device, self.base)
             # One slot: targets are evaluated one after another and take turns in it.
-            self.delta_model = DeltaModel(self.base, variants, 1, self.device, self.dtype)
+            try:
+                self.delta_model = DeltaModel(self.base, variants, 1, self.device, self.dtype)
+            except UnsupportedVariant as e:
+                raise InputError(eval_advice(str(e), self.base.path)) from e
             self._slot = BASE_SLOT
             self._loaded: str | None = None
             self.delta_model.model.register_forward_pre_hook(

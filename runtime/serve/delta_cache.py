@@ -179,29 +179,52 @@ class TieredCache:
                 self._stat(n).device_hits += 1
         if not missing:
             return out
-        free = [s for s in range(self.num_slots) if self.slots[s] is None]
-        free += sorted((s for s in range(self.num_slots) if self.slots[s] is not None
-                        and self.slots[s] not in protect), key=lambda s: self._slot_tick[s])
+        free = self._evictable(protect)
         if len(free) < len(missing):
             raise SlotsExhausted(f"{len(missing)} variants need a device slot but only {len(free)} of "
                                  f"{self.num_slots} can be freed")
         for n, s in zip(missing, free):
-            obj = self.host_get(n)
-            old = self.slots[s]
-            if old is not None:
-                del self._slot_of[old]
-                self.slots[s] = None
-                self._clear_device(s)
-            t0 = time.perf_counter()
-            self._write_device(s, n, obj)
-            dt = time.perf_counter() - t0
-            self.slots[s], self._slot_of[n], self._slot_tick[s] = n, s, self._tick
-            st = self._stat(n)
-            st.device_loads += 1
-            st.device_seconds_last = dt
-            st.device_seconds_total += dt
+            self._write(s, n, self.host_get(n))
             out[n] = s
         return out
+
+    def _evictable(self, protect: set[str]) -> list[int]:
+        """Slots that may take a new variant: empty ones first, then least recently used."""
+        free = [s for s in range(self.num_slots) if self.slots[s] is None]
+        return free + sorted((s for s in range(self.num_slots) if self.slots[s] is not None
+                              and self.slots[s] not in protect), key=lambda s: self._slot_tick[s])
+
+    def _write(self, s: int, name: str, obj: Any) -> None:
+        old = self.slots[s]
+        if old is not None:
+            del self._slot_of[old]
+            self.slots[s] = None
+            self._clear_device(s)
+        t0 = time.perf_counter()
+        self._write_device(s, name, obj)
+        dt = time.perf_counter() - t0
+        self.slots[s], self._slot_of[name], self._slot_tick[s] = name, s, self._tick
+        st = self._stat(name)
+        st.device_loads += 1
+        st.device_seconds_last = dt
+        st.device_seconds_total += dt
+
+    def install(self, name: str, obj: Any, protect: Iterable[str] = ()) -> int | None:
+        """Write an already loaded (and, on CUDA, staged) variant into a slot; returns the slot, or
+        None when every slot holds a variant in ``protect`` (try again after some finish).
+
+        Engine thread, between forwards: the slot chosen is empty or holds a variant no running
+        request uses, so no forward reads it while it is written.
+        """
+        s = self._slot_of.get(name)
+        if s is not None:
+            return s
+        free = self._evictable(set(protect))
+        if not free:
+            return None
+        self._tick += 1
+        self._write(free[0], name, obj)
+        return free[0]
 
     def evict(self, name: str) -> None:
         """Drop ``name`` from every tier (engine thread): its device slot is cleared, its host copy

@@ -12,7 +12,9 @@ costs no memory and no work beyond the gather that the module does anyway.
 The per-row slot index travels in one :class:`DeltaContext` that every decoupled module of a model
 holds a reference to; the engine sets it once per forward (``DeltaContext.bind``). No module loops
 over variants in Python: a linear makes one SBMM call per delta *configuration* (bits, group,
-sparsity — usually one), embeddings and norms one gather.
+sparsity — usually one), added onto its base GEMM's output in the kernel's epilogue; embeddings and
+norms one gather. Llama-family q/k/v and gate/up linears share one GEMM and one SBMM per group
+(``deltazip.runtime.serve.projections``; their packed deltas live in one :class:`PackedStore`).
 
 Shapes: activations ``[..., in]`` flatten to ``[M, in]``; ``ctx.row_slot`` is ``[B]`` (one slot per
 sequence) and a module's input has leading dims ``[B, t]``, so the per-token index is ``row_slot``
@@ -30,7 +32,7 @@ from torch import nn
 from deltazip.kernels import dispatch
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
-from deltazip.kernels.stacked import StackedDeltas, config_key
+from deltazip.kernels.stacked import StackedDeltas
 
 
 class DeltaContext:
@@ -55,6 +57,7 @@ class DeltaContext:
         self._plans: dict[int, object] = {}
         self._row_slot_host: torch.Tensor | None = None
         self._segments: dict[tuple[int, frozenset[int]], SlotSegments | None] = {}
+        self.generation = 0  # counts binds: a merged projection group's cached output is per forward
 
     def bind(self, row_slots: list[int], device: torch.device | str) -> None:
         """Set the batch's slots: one per sequence row, ``-1`` for base rows, else in ``[0, N)``.
@@ -68,6 +71,7 @@ class DeltaContext:
         self.row_slot = torch.tensor(row_slots, dtype=torch.int64, device=device)
         self._row_slot_host = torch.tensor(row_slots, dtype=torch.int64)
         self.active = frozenset(s for s in row_slots if s >= 0)
+        self.generation += 1
         self._token_index.clear()
         self._plans.clear()
         self._segments.clear()
@@ -81,14 +85,19 @@ class DeltaContext:
         self._segments.clear()
 
     def token_index(self, x: torch.Tensor) -> torch.Tensor:
-        """Slot of every row of ``x.reshape(-1, x.shape[-1])``: int64 ``[B * t]`` for ``x`` of ``[B, t, ...]``."""
+        """Slot of every row of ``x.reshape(-1, x.shape[-1])``: int64 ``[B * t]`` for ``x`` of ``[B, t, ...]``, or
+        of ``[B * t, in]`` (rows of a batch-first tensor flattened in order)."""
         if self.row_slot is None:
             raise RuntimeError("a decoupled module ran outside DeltaContext.bind(): the engine must bind "
                                "the batch's slots before every forward")
         b = self.row_slot.shape[0]
-        if x.dim() < 2 or x.shape[0] != b:
+        if x.dim() == 2 and x.shape[0] % b == 0:
+            # [B * t, in]: batch-major rows flattened by the model (OPT's MLP reshapes to 2-D)
+            t = x.shape[0] // b
+        elif x.dim() > 2 and x.shape[0] == b:
+            t = x[0].numel() // x.shape[-1]
+        else:
             raise ValueError(f"decoupled module input {tuple(x.shape)} does not start with the batch size {b}")
-        t = x[0].numel() // x.shape[-1] if x.dim() > 2 else 1
         idx = self._token_index.get(t)
         if idx is None:
             idx = self.row_slot.repeat_interleave(t) if t > 1 else self.row_slot
@@ -185,6 +194,20 @@ class SlotSegments:
         return torch.where(self.keep, ys.index_select(0, self.scatter), 0.0)
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers without it
+        return False
+    return isinstance(module, Conv1D)
+
+
+def is_linear(module: nn.Module) -> bool:
+    """A module :class:`DeltaLinear` decouples: ``nn.Linear``, transformers' ``Conv1D``, or one already
+    decoupled."""
+    return isinstance(module, (nn.Linear, DeltaLinear)) or _is_conv1d(module)
+
+
 def _slot_lookup(num_slots: int, device) -> torch.Tensor:
     """An ``[N + 1]`` table indexed by ``slot + 1`` (entry 0 is the base rows' entry)."""
     return torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
@@ -192,11 +215,151 @@ def _slot_lookup(num_slots: int, device) -> torch.Tensor:
 
 @dataclass
 class _PackedGroup:
-    """The slots of one linear whose deltas share a configuration (one stack, one SBMM call)."""
+    """The slots of one stack: deltas sharing a configuration (one SBMM call)."""
 
     stack: StackedDeltas
     present: torch.Tensor  # bool [N + 1], indexed by slot + 1: slot holds a delta of this group
     slots: set[int] = field(default_factory=set)
+    owners: dict[int, set[int]] = field(default_factory=dict)  # slot -> first rows of the deltas written
+
+
+class PackedStore:
+    """The packed deltas of one linear, or of a merged projection group (rows ``[q; k; v]``).
+
+    One stack per delta configuration (bits, group, sparsity), each ``[N slots, out, in]`` with ``out``
+    the rows of every member; a member's delta occupies its row range ``[row0, row0 + rows)``, the
+    other rows of the slot hold a zero delta (scale 0). With ``ctx.dequantize`` the deltas are kept
+    dense instead, ``[N, out, in]`` in the model's dtype.
+
+    Args:
+        ctx: the model's context; in_features, out_features: of the (merged) weight; device, dtype:
+            where the stacks live and the dtype of dequantized deltas.
+    """
+
+    def __init__(self, ctx: DeltaContext, in_features: int, out_features: int, device, dtype: torch.dtype):
+        self.ctx, self.in_features, self.out_features = ctx, in_features, out_features
+        self.device, self.dtype = device, dtype
+        self.groups: dict[tuple, _PackedGroup] = {}
+        self.dq: torch.Tensor | None = None  # [N, out, in] dequantized deltas (ctx.dequantize)
+        self.dq_owners: dict[int, set[int]] = {}  # slot -> first rows of the dequantized deltas written
+        # Stack layout: a merged group whose member boundaries are not on 64-row tiles cannot use the
+        # fast kernel's tiles (one writer per tile) and asks for the transposed layout.
+        self.layout = "auto"
+
+    @property
+    def dq_slots(self) -> set[int]:
+        return set(self.dq_owners)
+
+    def stack_for(self, bits: int, group_size: int, sparse: bool, asymmetric: bool) -> StackedDeltas:
+        """The stack for deltas of this configuration, allocated now if needed (the kernel warm-up
+        allocates the stacks the served variants will use before the first request)."""
+        d = PackedDelta(torch.empty(0), torch.empty(0), None, None, bits, group_size, self.in_features, 0)
+        return self._group_for(d, asymmetric, sparse).stack
+
+    def _group_for(self, delta: PackedDelta, asymmetric: bool, sparse: bool | None = None) -> _PackedGroup:
+        sparse = delta.sparse if sparse is None else sparse
+        key = (delta.bits, delta.effective_group, sparse, delta.in_features)  # members of any height share it
+        g = self.groups.get(key)
+        if g is not None and asymmetric and not g.stack.asymmetric:
+            # A symmetric stack cannot hold explicit zero points: rebuild it asymmetric, keeping slots.
+            old = g.stack
+            new = StackedDeltas.allocate(self.ctx.num_slots, bits=old.bits, group_size=old.group_size,
+                                         in_features=old.in_features, out_features=old.out_features,
+                                         sparse=old.sparse, asymmetric=True, device=old.device, layout=old.layout)
+            for s in g.slots:
+                new.write(s, old.unstack(s))
+            g.stack = new
+        if g is None:
+            stack = StackedDeltas.allocate(self.ctx.num_slots, bits=delta.bits, group_size=delta.group_size,
+                                           in_features=delta.in_features, out_features=self.out_features,
+                                           sparse=sparse, asymmetric=asymmetric, device=self.device,
+                                           layout=self.layout)
+            g = _PackedGroup(stack, torch.zeros(self.ctx.num_slots + 1, dtype=torch.bool, device=self.device))
+            self.groups[key] = g
+        return g
+
+    def write(self, slot: int, row0: int, packed: PackedDelta) -> None:
+        """Put a member's delta (rows ``row0 ..``) into ``slot``, replacing what that member had there."""
+        if self.ctx.dequantize:
+            self.write_dequantized(slot, row0, delta_weight(packed.to(self.device)))
+            return
+        rows = packed.out_features
+        self.clear(slot, row0, rows)
+        g = self._group_for(packed, packed.zeros is not None)
+        if slot not in g.owners and rows != self.out_features:
+            g.stack.clear_rows(slot, 0, self.out_features)  # likewise
+        g.stack.write(slot, packed, row0)
+        g.owners.setdefault(slot, set()).add(row0)
+        g.present[slot + 1] = True
+        g.slots.add(slot)
+
+    def write_dequantized(self, slot: int, row0: int, delta: torch.Tensor) -> None:
+        """Put a member's dense delta ``[rows, in]`` (rows ``row0 ..``, already dequantized: the delta
+        loader does that off the engine thread) into ``slot`` of the dequantized stack."""
+        rows = delta.shape[0]
+        self.clear(slot, row0, rows)
+        if self.dq is None:
+            self.dq = torch.zeros(self.ctx.num_slots, self.out_features, self.in_features,
+                                  dtype=self.dtype, device=self.device)
+        if slot not in self.dq_owners and rows != self.out_features:
+            self.dq[slot].zero_()  # rows of members cleared earlier may still hold their deltas
+        self.dq[slot, row0:row0 + rows].copy_(delta)
+        self.dq_owners.setdefault(slot, set()).add(row0)
+
+    def clear(self, slot: int, row0: int, rows: int) -> None:
+        """Forget the member delta at ``row0`` of ``slot``; rows still shared with others become zero."""
+        for g in self.groups.values():
+            own = g.owners.get(slot)
+            if not own or row0 not in own:
+                continue
+            own.discard(row0)
+            if own:
+                g.stack.clear_rows(slot, row0, rows)
+            else:
+                del g.owners[slot]
+                g.slots.discard(slot)
+                g.present[slot + 1] = False
+        own = self.dq_owners.get(slot)
+        if own and row0 in own:
+            own.discard(row0)
+            if own:
+                self.dq[slot, row0:row0 + rows].zero_()
+            else:
+                del self.dq_owners[slot]
+
+    def resident_bytes(self, slot: int, row0: int, rows: int) -> int:
+        """Device bytes of one member's delta in ``slot`` (its rows' share of the stacks)."""
+        total = 0
+        for g in self.groups.values():
+            if row0 in g.owners.get(slot, ()):
+                total += g.stack.nbytes() // g.stack.num_deltas * rows // self.out_features
+        if row0 in self.dq_owners.get(slot, ()):
+            total += rows * self.in_features * self.dq.element_size()
+        return total
+
+    def add_into(self, y: torch.Tensor, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """``y[r] += x[r] @ Δ[idx[r]]ᵀ`` for the active slots, in place.
+
+        Args:
+            y: ``[M, out]`` (the base GEMM's output); x: ``[M, in]``; idx: int64 ``[M]`` slot per row.
+        Returns:
+            ``y`` (the same tensor).
+        """
+        ctx, active = self.ctx, self.ctx.active
+        for g in self.groups.values():
+            if not (g.slots & active):
+                continue
+            if g.slots >= active:  # every row with a slot has a delta here: the shared plan applies
+                local = idx
+                plan = ctx.plan(idx) if dispatch.use_triton(x, idx, g.stack.qweight) else None
+            else:
+                local = torch.where(g.present[idx + 1], idx, torch.full_like(idx, -1))
+                plan = None
+            y = dispatch.sbmm(x, local, g.stack, plan=plan, out=y)  # added in the kernel's epilogue
+        dq = self.dq_slots & active
+        if dq:
+            y.add_(_dense_rows(x, idx, self.dq, dq, ctx))
+        return y
 
 
 class DeltaLinear(nn.Module):
@@ -219,20 +382,32 @@ class DeltaLinear(nn.Module):
     A changed bias is a per-slot bias row. The base ``weight``/``bias`` parameters are the original
     module's own (tied embeddings stay tied).
 
+    transformers' ``Conv1D`` (GPT-2) is a linear whose weight is stored ``[in, out]`` and computes
+    ``x W + b``: its base GEMM reads the weight transposed (a view, no copy); packed deltas and LoRA
+    factors are ``[out, in]`` as for any linear, and a dense replacement is given in the parameter's
+    own layout (``[in, out]``) and read transposed.
+
     Args:
-        base: the base model's ``nn.Linear``.
+        base: the base model's ``nn.Linear`` or ``Conv1D`` (see :func:`is_linear`).
         ctx: the model's :class:`DeltaContext`.
     """
 
-    def __init__(self, base: nn.Linear, ctx: DeltaContext):
+    def __init__(self, base: nn.Module, ctx: DeltaContext):
         super().__init__()
-        self.in_features, self.out_features = base.in_features, base.out_features
+        self.transposed = _is_conv1d(base)
+        if self.transposed:
+            self.in_features, self.out_features = base.weight.shape
+        else:
+            self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
         self.bias = base.bias
         self.ctx = ctx
         n = ctx.num_slots
         dev = base.weight.device
-        self.groups: dict[tuple, _PackedGroup] = {}
+        # Packed deltas: its own store, or a merged projection group's (then its rows start at _row0).
+        self._store = PackedStore(ctx, self.in_features, self.out_features, dev, base.weight.dtype)
+        self._row0 = 0
+        self.merged = None  # the ProjectionGroup (deltazip.runtime.serve.projections) computing this linear
         self._replace = torch.zeros(n + 1, dtype=torch.bool, device=dev)  # base term dropped for slot
         self._replace_slots: set[int] = set()
         self._dense: dict[int, torch.Tensor] = {}  # slot -> [out, in] replacement weight (a reference)
@@ -241,8 +416,6 @@ class DeltaLinear(nn.Module):
         self._lora_scale = torch.zeros(n, dtype=torch.float32, device=dev)  # [N]
         self._lora_present = torch.zeros(n + 1, dtype=torch.bool, device=dev)  # indexed by slot + 1
         self._lora_rank: dict[int, int] = {}  # slot -> its adapter's own rank
-        self._dq: torch.Tensor | None = None  # [N, out, in] dequantized deltas (ctx.dequantize)
-        self._dq_slots: set[int] = set()
         # With a base bias, decoupled forwards add the bias per row from this table (row 0 = base),
         # because rows whose base term is dropped (non-additive, dense) still need their bias.
         self._bias_table: torch.Tensor | None = None
@@ -256,81 +429,69 @@ class DeltaLinear(nn.Module):
                 f"configs={len(self.groups)}")
 
     # -- slot management (engine thread, between forwards) ---------------------------------------
-    def _group_for(self, delta: PackedDelta, asymmetric: bool) -> _PackedGroup:
-        key = config_key(delta)
-        g = self.groups.get(key)
-        if g is not None and asymmetric and not g.stack.asymmetric:
-            # A symmetric stack cannot hold explicit zero points: rebuild it asymmetric, keeping slots.
-            old = g.stack
-            new = StackedDeltas.allocate(self.ctx.num_slots, bits=old.bits, group_size=old.group_size,
-                                         in_features=old.in_features, out_features=old.out_features,
-                                         sparse=old.sparse, asymmetric=True, device=old.device)
-            for s in g.slots:
-                new.write(s, old.unstack(s))
-            g.stack = new
-        if g is None:
-            stack = StackedDeltas.allocate(self.ctx.num_slots, bits=delta.bits, group_size=delta.group_size,
-                                           in_features=delta.in_features, out_features=delta.out_features,
-                                           sparse=delta.sparse, asymmetric=asymmetric, device=self.weight.device)
-            g = _PackedGroup(stack, torch.zeros(self.ctx.num_slots + 1, dtype=torch.bool, device=self.weight.device))
-            self.groups[key] = g
-        return g
+    @property
+    def groups(self) -> dict[tuple, _PackedGroup]:
+        """The stacks holding this linear's packed deltas (shared with its group when merged)."""
+        return self._store.groups
+
+    def _loaded_slots(self) -> bool:
+        """Whether any slot holds something for this linear."""
+        s = self._store
+        mine = any(self._row0 in own for g in s.groups.values() for own in g.owners.values())
+        mine = mine or any(self._row0 in own for own in s.dq_owners.values())
+        return bool(mine or self._replace_slots or self._dense or self._lora_rank or self._bias_slots)
 
     def clear_slot(self, slot: int) -> None:
         """Forget slot ``slot`` (its rows fall back to the base weights until it is loaded again)."""
-        for g in self.groups.values():
-            if slot in g.slots:
-                g.slots.discard(slot)
-                g.present[slot + 1] = False
+        self._store.clear(slot, self._row0, self.out_features)
         self._replace[slot + 1] = False
         self._replace_slots.discard(slot)
         self._dense.pop(slot, None)
         self._lora_present[slot + 1] = False
         self._lora_rank.pop(slot, None)
-        self._dq_slots.discard(slot)
         self._bias_row[slot + 1] = 0
         self._bias_slots.discard(slot)
 
     def load_slot(self, slot: int, *, packed: PackedDelta | None = None, additive: bool = True,
                   dense: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                   lora_a: torch.Tensor | None = None, lora_b: torch.Tensor | None = None,
-                  lora_scale: float = 1.0) -> None:
+                  lora_scale: float = 1.0, dequantized: torch.Tensor | None = None) -> None:
         """Put one variant's version of this linear into ``slot``.
 
         Args:
             packed: compressed delta (``[out, in]`` canonical layout), or None.
             additive: ``packed`` is a delta on the base (True) or the whole weight (False).
-            dense: a replacement weight ``[out, in]`` (mutually exclusive with ``packed``), kept by
-                reference when it is already on this device in this dtype (it must not be written
-                afterwards: the server hands in read-only deduplicated tensors).
+            dense: a replacement weight in the base parameter's layout (``[out, in]``; ``[in, out]``
+                for a Conv1D), mutually exclusive with ``packed``, kept by reference when it is
+                already on this device in this dtype (it must not be written afterwards: the server
+                hands in read-only deduplicated tensors).
             bias: the variant's bias ``[out]`` when it differs from the base's.
             lora_a, lora_b, lora_scale: a LoRA adapter, ``A [r, in]``, ``B [out, r]`` and its scale.
+            dequantized: ``packed`` already dequantized (``delta_weight``, ``[out, in]``), for a
+                context that keeps deltas dequantized: the delta loader does that work off the
+                engine thread, so the slot write is a copy.
         """
-        if sum(x is not None for x in (packed, dense, lora_a)) > 1:
+        if sum(x is not None for x in (packed, dense, lora_a, dequantized)) > 1:
             raise ValueError("a slot holds one of a packed delta, a dense weight or a LoRA adapter")
         self.clear_slot(slot)
+        if dequantized is not None:
+            if not self.ctx.dequantize or tuple(dequantized.shape) != (self.out_features, self.in_features):
+                raise ValueError(f"a dequantized delta {tuple(dequantized.shape)} needs a dequantizing context and "
+                                 f"shape [{self.out_features}, {self.in_features}]")
+            self._put_dequantized(slot, dequantized, additive)
         if packed is not None:
             if (packed.out_features, packed.in_features) != (self.out_features, self.in_features):
                 raise ValueError(f"packed delta is [{packed.out_features}, {packed.in_features}], the linear is "
                                  f"[{self.out_features}, {self.in_features}]")
-            if self.ctx.dequantize:
-                if self._dq is None:
-                    self._dq = torch.zeros(self.ctx.num_slots, self.out_features, self.in_features,
-                                           dtype=self.weight.dtype, device=self.weight.device)
-                self._dq[slot].copy_(delta_weight(packed.to(self.weight.device)))
-                self._dq_slots.add(slot)
-            else:
-                g = self._group_for(packed, packed.zeros is not None)
-                g.stack.write(slot, packed)
-                g.present[slot + 1] = True
-                g.slots.add(slot)
+            self._store.write(slot, self._row0, packed)
             if not additive:
                 self._replace[slot + 1] = True
                 self._replace_slots.add(slot)
         if dense is not None:
-            if tuple(dense.shape) != (self.out_features, self.in_features):
-                raise ValueError(f"dense weight {tuple(dense.shape)} != [{self.out_features}, {self.in_features}]")
-            self._dense[slot] = dense.to(device=self.weight.device, dtype=self.weight.dtype)
+            if tuple(dense.shape) != tuple(self.weight.shape):
+                raise ValueError(f"dense weight {tuple(dense.shape)} != the base's {tuple(self.weight.shape)}")
+            dense = dense.to(device=self.weight.device, dtype=self.weight.dtype)
+            self._dense[slot] = dense.t() if self.transposed else dense
             self._replace[slot + 1] = True
             self._replace_slots.add(slot)
         if lora_a is not None:
@@ -341,6 +502,13 @@ class DeltaLinear(nn.Module):
             self._bias_table[slot + 1].copy_(bias)
             self._bias_row[slot + 1] = slot + 1
             self._bias_slots.add(slot)
+
+    def _put_dequantized(self, slot: int, delta: torch.Tensor, additive: bool) -> None:
+        """``delta [out, in]`` (dense, any float dtype) into the slot's rows of the dequantized stack."""
+        self._store.write_dequantized(slot, self._row0, delta)
+        if not additive:
+            self._replace[slot + 1] = True
+            self._replace_slots.add(slot)
 
     def _load_lora(self, slot: int, a: torch.Tensor, b: torch.Tensor | None, scale: float) -> None:
         r = a.shape[0]
@@ -367,16 +535,11 @@ class DeltaLinear(nn.Module):
 
     def resident_bytes(self, slot: int) -> int:
         """Device bytes that slot ``slot`` of this linear occupies (its share of the stacks)."""
-        total = 0
-        for g in self.groups.values():
-            if slot in g.slots:
-                total += g.stack.nbytes() // g.stack.num_deltas
+        total = self._store.resident_bytes(slot, self._row0, self.out_features)
         if slot in self._dense:
             total += self._dense[slot].numel() * self._dense[slot].element_size()
         if slot in self._lora_rank:  # its padded rows of the stacks
             total += (self._lora_A[slot].numel() + self._lora_B[slot].numel()) * self._lora_A.element_size()
-        if slot in self._dq_slots and self._dq is not None:
-            total += self._dq[slot].numel() * self._dq.element_size()
         if slot in self._bias_slots:
             total += self._bias_table[0].numel() * self._bias_table.element_size()
         return total
@@ -384,36 +547,38 @@ class DeltaLinear(nn.Module):
     # -- forward --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, t, in]`` -> ``[B, t, out]`` (any leading dims whose first is the batch)."""
+        if self.merged is not None:  # computed with its sibling projections (one GEMM, one SBMM)
+            return self.merged.output(self, x)
         ctx = self.ctx
         lead = x.shape[:-1]
-        active = ctx.active
-        if not active:  # a batch of base rows only: the plain linear
-            return F.linear(x, self.weight, self.bias)
+        w = self.weight.t() if self.transposed else self.weight  # [out, in] (Conv1D stores [in, out])
+        if not ctx.active:  # a batch of base rows only: the plain linear
+            return F.linear(x, w, self.bias)
         idx = ctx.token_index(x)
         x2 = x.reshape(-1, self.in_features)
-        y = F.linear(x2, self.weight)
-        if self._replace_slots & active:
-            y = y.masked_fill(self._replace[idx + 1].unsqueeze(1), 0)
-        for g in self.groups.values():
-            if not (g.slots & active):
-                continue
-            if g.slots >= active:  # every row with a slot has a delta here: the shared plan applies
-                local = idx
-                plan = ctx.plan(idx) if dispatch.use_triton(x2, idx, g.stack.qweight) else None
-            else:
-                local = torch.where(g.present[idx + 1], idx, torch.full_like(idx, -1))
-                plan = None
-            y = y + dispatch.sbmm(x2, local, g.stack, plan=plan)
-        if self._dq_slots & active:
-            y = y + _dense_rows(x2, idx, self._dq, self._dq_slots & active, ctx)
+        y = F.linear(x2, w)
+        self.drop_replaced(y, idx)
+        y = self._store.add_into(y, x2, idx)
+        self.add_extras(y, x2, idx)
+        return y.reshape(*lead, self.out_features)
+
+    def drop_replaced(self, y: torch.Tensor, idx: torch.Tensor) -> None:
+        """Zero, in place, the base term of rows whose slot replaces this weight. ``y``: ``[M, out]``
+        (may be a column slice of a merged output)."""
+        if self._replace_slots & self.ctx.active:
+            y.masked_fill_(self._replace[idx + 1].unsqueeze(1), 0)
+
+    def add_extras(self, y: torch.Tensor, x2: torch.Tensor, idx: torch.Tensor) -> None:
+        """Add, in place, what is not a packed delta: dense replacements, LoRA, per-slot biases.
+        ``y``: ``[M, out]`` (may be a column slice of a merged output); ``x2``: ``[M, in]``."""
+        active = self.ctx.active
         if self._dense.keys() & active:
-            y = y + _ref_rows(x2, idx, self._dense, self._dense.keys() & active)
+            y.add_(_ref_rows(x2, idx, self._dense, self._dense.keys() & active))
         if self._lora_rank.keys() & active:
             local = torch.where(self._lora_present[idx + 1], idx, torch.full_like(idx, -1))
-            y = y + dispatch.lora(x2, local, self._lora_A, self._lora_B, self._lora_scale)
+            y.add_(dispatch.lora(x2, local, self._lora_A, self._lora_B, self._lora_scale))
         if self._bias_table is not None:
-            y = y + self._bias_table[self._bias_row[idx + 1]]
-        return y.reshape(*lead, self.out_features)
+            y.add_(self._bias_table[self._bias_row[idx + 1]])
 
 
 # Below this many multiply-adds, one GEMM against every slot's weights at once beats a GEMM per
@@ -489,51 +654,6 @@ def _ref_rows(x: torch.Tensor, idx: torch.Tensor, weights: dict[int, torch.Tenso
     return y
 
 
-class DeltaEmbedding(nn.Module):
-    """Token embedding whose rows of a changed variant read that variant's table.
-
-    ``out[b, t] = table_s[ids[b, t]]`` for a slot ``s`` that changed the embedding, else the base
-    table's row: one gather and one ``where`` per slot present in the batch that changed it. A slot
-    references the ``[V, H]`` table it is given (no copy; slots with the same deduplicated table
-    share it).
-    """
-
-    def __init__(self, base: nn.Embedding, ctx: DeltaContext):
-        super().__init__()
-        self.weight = base.weight
-        self.padding_idx = base.padding_idx
-        self.num_embeddings, self.embedding_dim = base.num_embeddings, base.embedding_dim
-        self.ctx = ctx
-        self._tables: dict[int, torch.Tensor] = {}  # slot -> [V, H] (a reference)
-
-    @property
-    def _slots(self) -> set[int]:
-        return set(self._tables)
-
-    def clear_slot(self, slot: int) -> None:
-        self._tables.pop(slot, None)
-
-    def load_slot(self, slot: int, weight: torch.Tensor) -> None:
-        """The variant's embedding table ``[V, H]`` for ``slot`` (referenced, not copied)."""
-        if tuple(weight.shape) != tuple(self.weight.shape):
-            raise ValueError(f"embedding {tuple(weight.shape)} != base {tuple(self.weight.shape)}")
-        self._tables[slot] = weight.to(device=self.weight.device, dtype=self.weight.dtype)
-
-    def resident_bytes(self, slot: int) -> int:
-        return 0 if slot not in self._tables else self.weight.numel() * self.weight.element_size()
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids [B, T]`` -> ``[B, T, H]``."""
-        out = F.embedding(ids, self.weight, self.padding_idx)
-        present = self._tables.keys() & self.ctx.active
-        if not present:
-            return out
-        idx = self.ctx.token_index(ids.unsqueeze(-1)).view(ids.shape).unsqueeze(-1)  # [B, T, 1]
-        for s in sorted(present):
-            out = torch.where(idx == s, F.embedding(ids, self._tables[s], self.padding_idx), out)
-        return out
-
-
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama-family RMSNorm (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm``) with a weight
     that may be per row: normalise in fp32, cast back, scale. ``weight`` is ``[H]`` or broadcastable."""
@@ -543,8 +663,19 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * h.to(dtype)
 
 
+def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma-family RMSNorm (``GemmaRMSNorm``, ``Gemma3RMSNorm``): normalise and scale by ``1 + w``,
+    all in fp32, then cast back. ``weight`` is ``[H]`` or broadcastable."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
+_NORM_STYLES = {"llama": rms_norm_reference, "gemma": rms_norm_gemma}
+
+
 def norm_eps(module: nn.Module) -> float | None:
-    """Epsilon of a Llama-family RMSNorm module, or None when it is not one."""
+    """Epsilon of an RMSNorm module, or None when it is not one."""
     for attr in ("variance_epsilon", "eps"):
         v = getattr(module, attr, None)
         if isinstance(v, float):
@@ -552,28 +683,37 @@ def norm_eps(module: nn.Module) -> float | None:
     return None
 
 
-def is_llama_rmsnorm(module: nn.Module) -> bool:
-    """True when ``module`` computes exactly :func:`rms_norm_reference` with its own weight.
+def rms_norm_style(module: nn.Module) -> str | None:
+    """``"llama"`` or ``"gemma"`` when ``module`` computes exactly that RMSNorm with its own weight
+    (:func:`rms_norm_reference`, :func:`rms_norm_gemma`), else None.
 
-    Checked by running it, not by class name: norms that look alike but differ (Gemma's
-    ``(1 + w)``, LayerNorm's mean subtraction) fail the probe and are not decoupled.
+    Checked by running it on a probe, not by class name: norms that look alike but differ
+    (LayerNorm's mean subtraction, a norm with a bias) fail the probe and are not decoupled.
     """
     w = getattr(module, "weight", None)
     eps = norm_eps(module)
     if not isinstance(w, torch.Tensor) or w.dim() != 1 or eps is None or getattr(module, "bias", None) is not None:
-        return False
+        return None
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(2, 3, w.shape[0], generator=g).to(device=w.device, dtype=w.dtype)
     with torch.no_grad():
         try:
             got = module(x)
         except Exception:  # an unexpected signature is as good as "not this kind of norm"
-            return False
-        return isinstance(got, torch.Tensor) and torch.equal(got, rms_norm_reference(x, w, eps))
+            return None
+        if not isinstance(got, torch.Tensor):
+            return None
+        return next((k for k, f in _NORM_STYLES.items() if torch.equal(got, f(x, w, eps))), None)
+
+
+def is_llama_rmsnorm(module: nn.Module) -> bool:
+    """True when ``module`` computes exactly :func:`rms_norm_reference` with its own weight."""
+    return rms_norm_style(module) == "llama"
 
 
 class DeltaRMSNorm(nn.Module):
-    """Llama-family RMSNorm with a per-row weight: row ``r`` is scaled by its slot's weight.
+    """RMSNorm (Llama or Gemma style, see :func:`rms_norm_style`) with a per-row weight: row ``r`` is
+    scaled by its slot's weight.
 
     The weight table is ``[N + 1, H]`` with row 0 the base weight; a slot whose variant keeps the
     norm "same" points at row 0.
@@ -581,6 +721,10 @@ class DeltaRMSNorm(nn.Module):
 
     def __init__(self, base: nn.Module, ctx: DeltaContext):
         super().__init__()
+        style = rms_norm_style(base)
+        if style is None:
+            raise ValueError(f"{type(base).__name__} is not an RMSNorm this module reproduces")
+        self._norm = _NORM_STYLES[style]
         self.weight = base.weight
         self.eps = norm_eps(base)
         self.ctx = ctx
@@ -604,10 +748,10 @@ class DeltaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self._slots & self.ctx.active):
-            return rms_norm_reference(x, self.weight, self.eps)
+            return self._norm(x, self.weight, self.eps)
         idx = self.ctx.token_index(x)
         w = self._table[self._row[idx + 1]].reshape(*x.shape[:-1], x.shape[-1])
-        return rms_norm_reference(x, w, self.eps)
+        return self._norm(x, w, self.eps)
 
 
 class DeltaLayerNorm(nn.Module):

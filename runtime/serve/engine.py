@@ -16,18 +16,23 @@ prefill-first scheduler, CUDA graphs). We evaluated it and built our own small e
 The engine keeps the KV caches of all sequences in a paged pool (``deltazip.runtime.serve.kv_cache``:
 fixed-size blocks, a block table per sequence) when the model class takes attention functions from
 transformers' ``AttentionInterface``: the model is switched to ``deltazip_paged``
-(``deltazip.runtime.serve.attention``), a step's cache object only appends the new tokens into their
-blocks and the attention reads the blocks in place, so the model classes and rotary embeddings stay
-transformers' own and no past KV is copied. Other model classes (ALiBi ones) keep SDPA and the
+(``deltazip.runtime.serve.attention``: scaling, sliding windows per layer, soft-capping, GQA), a
+step's cache object only appends the new tokens into their blocks and the attention reads the blocks
+in place, so the model classes and rotary embeddings stay transformers' own and no past KV is copied.
+Other model classes (ALiBi ones: Falcon-ALiBi, BLOOM, MPT) keep SDPA or eager attention and the
 contiguous pool below (``KVPool``: per layer ``[rows, H_kv, capacity, D]``, a row per sequence; the
-step object ``StepKV`` gathers the rows' past and concatenates the new tokens, with an explicit 4-D
-mask). On CUDA, paged decode steps replay CUDA graphs (``deltazip.runtime.serve.cuda_graphs``).
+step object ``StepKV``: one indexed store and one gather per layer) with explicit attention masks
+(``deltazip.runtime.serve.masks``: per layer type, sliding windows, the 2-D masks ALiBi models derive
+their bias from). On CUDA, paged decode steps replay CUDA graphs (``deltazip.runtime.serve.cuda_graphs``).
 Per step:
 
 1. new requests and cancellations are taken in; the :class:`~deltazip.runtime.serve.scheduler.Scheduler`
    admits requests (at most ``max_deltas`` variants, ``max_num_seqs``, ``max_batch_tokens``);
-2. variants that waiting requests need are prefetched into host memory; the selected ones are
-   made resident in device slots (:class:`~deltazip.runtime.serve.delta_cache.TieredCache`);
+2. variants that waiting requests need are prefetched into host memory; a variant that is not
+   resident is loaded by a background thread (:mod:`~deltazip.runtime.serve.delta_loader`: disk,
+   decode and, on CUDA, the host->device copy on a side stream) while the step goes on without its
+   requests; once loaded it is written into a device slot between two forwards
+   (:class:`~deltazip.runtime.serve.delta_cache.TieredCache`) and its requests are admitted;
 3. the step's token budget (``max_batch_tokens``) goes first to one token per decoding sequence, then
    to the next chunk of each prompt still being read (chunked prefill: a long prompt takes several
    steps and never stalls the decoders); one forward runs the prompt chunks (left-padded), one the
@@ -62,6 +67,7 @@ import torch
 
 from deltazip.runtime.serve.attention import is_paged
 from deltazip.runtime.serve.delta_cache import TieredCache
+from deltazip.runtime.serve.delta_loader import DeltaLoader
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, PagedStep, SeqBlocks
 from deltazip.runtime.serve.sampling import sample_tokens
 from deltazip.runtime.serve.scheduler import BASE_KEY, SchedRequest, Scheduler
@@ -315,11 +321,18 @@ class SeqKV:
 class StepKV:
     """The ``past_key_values`` object of one forward: a padded view over the rows' pooled caches.
 
-    Row ``b`` has ``P_b`` cached tokens and ``T_b`` new ones. Keys of the batch are laid out as
-    ``[past (P_b) | stale (Lp - P_b) | padding (Tm - T_b) | new (T_b)]`` with ``Lp = max P`` and
-    ``Tm = max T``; :func:`step_mask` lets each real query see exactly its own past and the new
-    tokens up to itself, and each padding query only itself (so no softmax row is empty). The new
-    keys/values are written into each sequence's pool row (all rows of a layer in one store).
+    Row ``b`` has ``P_b`` cached tokens and ``T_b`` new ones (queries left-padded to ``Tm = max T``).
+    Its keys are laid out right-aligned, ``[empty (L - P_b - T_b) | past (P_b) | new (T_b)]`` with
+    ``L = max(P + T)``: every row's keys are contiguous and in position order, the slot of key
+    position ``p`` is ``p + L - P_b - T_b`` (so ``query_offset = L - Tm``: the key of query ``t`` is
+    slot ``L - Tm + t``), and padding tokens have no key at all. :meth:`positions` describes this
+    layout, from which ``deltazip.runtime.serve.masks`` builds the masks of every attention variant
+    (ALiBi models whose bias depends on the slot index see a per-row constant shift, which softmax
+    ignores). The new keys/values are written into each sequence's pool row first (all rows of a
+    layer in one store), then the step's keys are gathered from the pool in one indexed read.
+
+    Besides ``update`` it answers what transformers' mask builders ask a cache
+    (``get_seq_length``, ``get_query_offset``, ``get_mask_sizes``).
 
     Args:
         pool: the engine's :class:`KVPool`; caches without a row get one.
@@ -327,18 +340,35 @@ class StepKV:
         past, new: ``P_b`` and ``T_b`` per row.
     """
 
+    is_compileable = False
+
     def __init__(self, pool: KVPool, caches: list[SeqKV], past: list[int], new: list[int]):
         self.pool, self.past, self.new = pool, past, new
         self.lp, self.tm = max(past), max(new)
+        self.length = max(p + n for p, n in zip(past, new))  # L
         for c in caches:
             c.attach(pool)
-        pool.ensure_length(max(p + n for p, n in zip(past, new)))
+        pool.ensure_length(self.length)
         self._rows = [c.row for c in caches]
         self._index: tuple[torch.Tensor, ...] | None = None
+        self._positions: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def positions(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(key_pos [B, L], query_pos [B, Tm])`` int64: each key slot's position in its row's
+        sequence (``-1``: no key) and each query's (a padding query gets its row's first new
+        position, so it sees at least that token and no softmax row is empty)."""
+        if self._positions is None or self._positions[0].device != torch.device(device):
+            p = torch.tensor(self.past, device=device).view(-1, 1)
+            n = torch.tensor(self.new, device=device).view(-1, 1)
+            key = p + n - self.length + torch.arange(self.length, device=device).view(1, -1)
+            query = torch.maximum(p + n - self.tm + torch.arange(self.tm, device=device).view(1, -1), p)
+            self._positions = (key.clamp(min=-1), query)
+        return self._positions
 
     def _indices(self, device) -> tuple[torch.Tensor, ...]:
-        """The step's pool rows, and where every real new token goes (batch row, token index, pool
-        row, position), on ``device``; built once per step, shared by every layer."""
+        """The step's pool rows, where every real new token goes (batch row, token index, pool row,
+        position) and which pool position each key slot reads, on ``device``; built once per step,
+        shared by every layer."""
         if self._index is None:
             b, t, row, pos = [], [], [], []
             for i, (r, p, n) in enumerate(zip(self._rows, self.past, self.new)):
@@ -348,28 +378,36 @@ class StepKV:
                 pos += range(p, p + n)
             self._index = tuple(torch.tensor(x, dtype=torch.int64, device=device)
                                 for x in (self._rows, b, t, row, pos))
+            self._index += (self.positions(device)[0].clamp(min=0),)
         return self._index
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """``[B, H_kv, Tm, D]`` new keys/values -> ``[B, H_kv, Lp + Tm, D]`` keys/values to attend."""
+        """``[B, H_kv, Tm, D]`` new keys/values -> ``[B, H_kv, L, D]`` keys/values to attend."""
         pk, pv = self.pool.layer(layer_idx, key_states)
-        rows, b, t, row, pos = self._indices(key_states.device)
-        if self.lp:
-            keys = torch.cat([pk[:, :, : self.lp].index_select(0, rows), key_states], dim=2)
-            values = torch.cat([pv[:, :, : self.lp].index_select(0, rows), value_states], dim=2)
-        else:
-            keys, values = key_states, value_states
+        rows, b, t, row, pos, src = self._indices(key_states.device)
         pk[row, :, pos] = key_states[b, :, t]
         pv[row, :, pos] = value_states[b, :, t]
-        return keys, values
+        if not self.lp:  # a prefill: the new keys are already right-aligned (padding slots are masked)
+            return key_states, value_states
+        heads = torch.arange(pk.shape[1], device=pk.device).view(1, -1, 1)
+        r, s = rows.view(-1, 1, 1), src.unsqueeze(1)
+        return pk[r, heads, s], pv[r, heads, s]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.lp
+        """Key slots before the first query's (what transformers adds to query indices)."""
+        return self.length - self.tm
+
+    def get_query_offset(self, layer_idx: int | None = None) -> int:
+        return self.length - self.tm
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int | None = None) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the step's key tensor (every layer attends all ``L`` slots)."""
+        return self.length, 0
 
 
 def left_pad(tokens: list[list[int]], pad_id: int) -> torch.Tensor:
     """Token lists as one int64 ``[B, max len]`` batch, each row right-aligned (the layout of
-    :class:`StepKV` and :func:`step_mask`)."""
+    :class:`StepKV` and :func:`step_inputs`)."""
     tm = max(len(t) for t in tokens)
     ids = torch.full((len(tokens), tm), pad_id, dtype=torch.long)
     for i, toks in enumerate(tokens):
@@ -386,25 +424,32 @@ def new_seq_kv(pool: KVPool | BlockPool) -> SeqKV | SeqBlocks:
     return SeqBlocks() if isinstance(pool, BlockPool) else SeqKV()
 
 
+def step_args(pool: KVPool | BlockPool, caches: list, past: list[int], new: list[int], config, dtype: torch.dtype,
+              device) -> tuple[Any, torch.Tensor, Any]:
+    """``(cache object, position ids [B, Tm], attention mask argument)`` of one forward of a model
+    with ``config`` computing in ``dtype`` on ``device``: row ``b`` has ``past[b]`` cached tokens and
+    ``new[b]`` new ones. On the paged pool the step's layout travels in the :class:`PagedStep` and
+    the 4-D tensor passed as ``attention_mask`` is a placeholder, so that transformers builds no mask
+    of its own (the paged attention masks per layer, sliding windows included, from the layout); on
+    the contiguous pool the masks come from :func:`step_inputs`."""
+    if isinstance(pool, BlockPool):
+        kv = PagedStep(pool, caches, past, new, device)
+        return kv, kv.q_pos, torch.ones(len(new), 1, max(new), 1, dtype=torch.bool, device=device)
+    kv = StepKV(pool, caches, past, new)
+    mask, pos = step_inputs(kv, config, dtype, device)
+    return kv, pos, mask
+
+
 def forward_step(backend, pool: KVPool | BlockPool, caches: list, row_slots: list[int], tokens: list[list[int]],
                  past: list[int], pad_id: int = 0) -> torch.Tensor:
     """One forward of ``backend`` over ``tokens`` (row ``b``: new tokens after ``past[b]`` cached
     ones, in slot ``row_slots[b]``); the caches receive them and their ``length`` grows. Returns the
-    last-position logits ``[B, V]`` fp32.
-
-    On the paged pool the step's layout travels in the :class:`PagedStep`; the 4-D tensor passed as
-    ``attention_mask`` is a placeholder so that transformers builds no mask of its own.
-    """
+    last-position logits ``[B, V]`` fp32 (layout and masks: :func:`step_args`)."""
     dev = backend.device
     new = [len(t) for t in tokens]
     with torch.inference_mode():
         ids = left_pad(tokens, pad_id).to(dev)
-        if isinstance(pool, BlockPool):
-            kv = PagedStep(pool, caches, past, new, dev)
-            pos, mask = kv.q_pos, torch.ones(len(tokens), 1, max(new), 1, dtype=torch.bool, device=dev)
-        else:
-            mask, pos = step_mask(past, new, dev)
-            kv = StepKV(pool, caches, past, new)
+        kv, pos, mask = step_args(pool, caches, past, new, backend.config, backend.dtype, dev)
         logits = backend.forward(row_slots, ids, pos, mask, kv)
     for c, n in zip(caches, new):
         c.length += n
@@ -424,25 +469,14 @@ def prefill_logits(backend, row_slots: list[int], tokens: list[list[int]], cache
     return forward_step(backend, pool, caches, row_slots, tokens, [0] * len(tokens), pad_id)
 
 
-def step_mask(past: list[int], new: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention mask and position ids of a step (layout in :class:`StepKV`).
+def step_inputs(kv: StepKV, config, dtype: torch.dtype, device) -> tuple[Any, torch.Tensor]:
+    """Attention mask argument and position ids ``[B, Tm]`` of a step of a model with ``config``
+    computing in ``dtype`` on ``device`` (layout in :class:`StepKV`; the mask of each attention
+    variant from ``deltazip.runtime.serve.masks``)."""
+    from deltazip.runtime.serve.masks import attention_masks_for
 
-    Returns:
-        mask: bool ``[B, 1, Tm, Lp + Tm]``, True where a query may attend.
-        position_ids: int64 ``[B, Tm]`` (padding queries get their row's first new position).
-    """
-    p = torch.tensor(past, device=device).view(-1, 1, 1)
-    n = torch.tensor(new, device=device).view(-1, 1, 1)
-    lp, tm = max(past), max(new)
-    j = torch.arange(lp + tm, device=device).view(1, 1, -1)
-    t = torch.arange(tm, device=device).view(1, -1, 1)
-    first = tm - n  # index of the first real new token
-    real_q = t >= first
-    jn = j - lp
-    mask = (real_q & (j < p)) | (real_q & (jn >= first) & (jn <= t)) | (jn == t)
-    p2, first2 = p.view(-1, 1), first.view(-1, 1)
-    pos = torch.maximum(p2 + torch.arange(tm, device=device).view(1, -1) - first2, p2)
-    return mask.unsqueeze(1), pos
+    key_pos, query_pos = kv.positions(device)
+    return attention_masks_for(config, key_pos, query_pos, dtype), query_pos
 
 
 # --------------------------------------------------------------------------------------------------
@@ -552,10 +586,15 @@ class Engine:
             preemption=config.preemption,
             base_needs_slot=self.swap,
             chunked_prefill=config.chunked_prefill,
+            ready=self._slot_ready,
         )
-        self.cache = TieredCache(backend.load_host, backend.write_slot, backend.clear_slot,
+        self._slot_writes = 0  # device slot (re)writes so far: part of the CUDA graphs' key
+        self.cache = TieredCache(backend.load_host, self._write_slot, backend.clear_slot,
                                  num_slots=config.max_deltas, max_cpu=config.max_cpu_deltas)
         self._lock = threading.Condition()
+        self.loader = DeltaLoader(self.cache, getattr(backend, "stage_slot", None), self.device, on_done=self._wake)
+        self._install_failures: dict[str, BaseException] = {}
+        self._loads_landed = 0
         self._inbox: list[Sequence] = []
         self._cancels: list[str] = []
         self._seqs: dict[str, Sequence] = {}
@@ -585,6 +624,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.loader.shutdown()
         self.cache.shutdown()
 
     # -- submission (any thread) ----------------------------------------------------------------
@@ -685,6 +725,7 @@ class Engine:
             if name in live:
                 continue
             try:
+                self.loader.drop(name)
                 self.cache.evict(name)
                 self._broken.pop(name, None)
                 if unload is not None:
@@ -718,6 +759,7 @@ class Engine:
             "queue_length": queue,
             "running_seqs": running,
             "resident_deltas": [n for n in self.cache.resident()],
+            "loading_deltas": self.loader.in_flight(),
             "host_deltas": self.cache.on_host(),
             "tokens_per_second": window / max(span, 1.0) if window else 0.0,
             "load_stats": {k: vars(v).copy() for k, v in self.cache.stats.items()},
@@ -762,6 +804,7 @@ class Engine:
                     seq = self._seqs.get(rid)
                     if seq is not None:
                         self._finish(seq, "error", error=f"internal error: {type(e).__name__}: {e}")
+            self._idle_while_loading()
         for seq in list(self._seqs.values()):
             if not seq.finished:
                 self._finish(seq, "error", error="the server shut down")
@@ -829,7 +872,83 @@ class Engine:
     def _cache_name(self, key: str) -> str:
         return self.base_name if key == BASE_KEY else key
 
+    def _wake(self) -> None:
+        """A background load finished (loader thread)."""
+        with self._lock:
+            self._loads_landed += 1
+            self._lock.notify_all()
+
+    def _idle_while_loading(self) -> None:
+        """Nothing runs and the waiting requests wait for loads: sleep until one lands or a request,
+        cancellation or command arrives, instead of spinning through empty steps."""
+        with self._lock:
+            if self.scheduler.running or not self.loader.busy():
+                return
+            seen = self._loads_landed
+            self._lock.wait_for(lambda: self._stop or self._inbox or self._cancels or self._commands
+                                or self._loads_landed != seen, timeout=0.5)
+
+    def _slot_ready(self, key: str) -> bool:
+        """The scheduler's ``ready`` hook (engine thread, between forwards): is variant ``key`` in a
+        slot? A finished background load is written into a slot now (one no running request uses);
+        a variant not loading yet starts loading, and its requests wait while the others run."""
+        name = self._cache_name(key)
+        if self.cache.slot_of(name) is not None:
+            return True
+        state = self.loader.state(name)
+        if state == "idle" and name not in self._broken:
+            self.loader.start(name)
+        if state != "ready":
+            return False  # loading; a failure is reported by _fail_broken_loads after the walk
+        staged = self.loader.peek(name)
+        running = {self._cache_name(r.variant) for r in self.scheduler.running.values()
+                   if r.variant != BASE_KEY or self.swap}
+        self.loader.adopt(staged)
+        try:
+            slot = self.cache.install(name, staged.obj, protect=running)
+        except Exception as e:  # e.g. tensors that do not fit the model: fails this variant only
+            self._install_failures[name] = e
+            return False
+        if slot is None:  # every slot is used by a running variant: retried next step
+            return False
+        self.loader.drop(name)
+        self._note_resident()
+        return True
+
+    def _fail_broken_loads(self) -> None:
+        """Variants whose load failed: remember why and fail their waiting requests (the others go on)."""
+        failed = {**self.loader.failures(), **self._install_failures}
+        self._install_failures = {}
+        for name, e in failed.items():
+            self.loader.drop(name)
+            msg = f"{type(e).__name__}: {e}"
+            log.error("loading %s failed: %s", name, msg)
+            self._broken[name] = msg
+        # A staged load nobody waits for any more (its requests were cancelled) holds device memory
+        # on CUDA: let it go (the host tier keeps the decoded variant).
+        wanted = {self._cache_name(r.variant) for r in self.scheduler.waiting}
+        for name in self.loader.finished():
+            if name not in wanted:
+                self.loader.drop(name)
+        if not self._broken:
+            return
+        for r in list(self.scheduler.waiting):  # running requests' variants are resident
+            name = self._cache_name(r.variant)
+            if name in self._broken and (r.variant != BASE_KEY or self.swap):
+                self._finish(self._seqs[r.rid], "error", error=f"model {name} cannot be loaded: {self._broken[name]}")
+
+    def _note_resident(self) -> None:
+        """Refresh the device-weight gauge when the slots' contents changed."""
+        resident = tuple(self.cache.slots)
+        if resident != self._resident_seen:
+            self._resident_seen = resident
+            self._memory = {**self._memory, "device_weight_bytes": self.backend.base_bytes() + sum(
+                self.backend.slot_bytes(i) for i, name in enumerate(resident) if name is not None)}
+
     def _make_resident(self, selected: list[str]) -> dict[str, int] | None:
+        """Slots of this step's variants. With the loader they are resident already (the scheduler
+        admitted only ready variants); a load the scheduler did not wait for happens here."""
+        self._fail_broken_loads()
         keys = [k for k in selected if k != BASE_KEY or self.swap]
         try:
             by_name = self.cache.ensure([self._cache_name(k) for k in keys])
@@ -844,11 +963,7 @@ class Engine:
                         if r.variant == bad]:
                 self._finish(self._seqs[rid], "error", error=f"model {self._cache_name(bad)} cannot be loaded: {msg}")
             return None
-        resident = tuple(self.cache.slots)
-        if resident != self._resident_seen:
-            self._resident_seen = resident
-            self._memory = {**self._memory, "device_weight_bytes": self.backend.base_bytes() + sum(
-                self.backend.slot_bytes(i) for i, name in enumerate(resident) if name is not None)}
+        self._note_resident()
         return {k: by_name[self._cache_name(k)] for k in keys}
 
     def _forward(self, group: list[tuple[Sequence, list[int]]], row_slots: list[int]) -> list[tuple[Sequence, int]]:
@@ -870,9 +985,14 @@ class Engine:
                              [s.seed for s in picked], [len(s.output_ids) for s in picked])
         return list(zip(picked, toks))
 
+    def _write_slot(self, slot: int, name: str, host: Any) -> None:
+        self._slot_writes += 1
+        self.backend.write_slot(slot, name, host)
+
     def _weights_key(self) -> tuple:
-        """Changes whenever a device slot is (re)loaded: captured graphs read the slots' tensors."""
-        return tuple(self.cache.slots), sum(st.device_loads for st in self.cache.stats.values())
+        """Changes whenever a device slot is (re)loaded: captured graphs read the slots' tensors (a
+        counter of writes, not the load stats, which go when a variant is evicted)."""
+        return tuple(self.cache.slots), self._slot_writes
 
     def _accept(self, seq: Sequence, tok: int, now: float) -> None:
         if seq.finished:

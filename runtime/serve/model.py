@@ -12,13 +12,17 @@
 Both expose the same small interface to the engine (``load_host``, ``write_slot``, ``clear_slot``,
 ``forward``) and are driven through a :class:`deltazip.runtime.serve.delta_cache.TieredCache`.
 
-Tensor names: artifacts name tensors as the checkpoint does. The decoupled model needs those names
-to be module parameter names, which holds for most decoder-only families (Llama, Mistral, Qwen2,
-GPT-NeoX, ...). Per row it applies changed ``nn.Linear`` weights and biases, plain ``nn.Embedding``
-tables, Llama-style RMSNorm weights and ``nn.LayerNorm`` weights and biases. A variant that changes
-a tensor the runtime cannot apply per row (or whose name is not a parameter name) is refused with a
-message naming the tensor and pointing at ``--mode swap``, which goes through transformers' own
-loader and so serves any causal LM it can load.
+Tensor names: artifacts name tensors as the checkpoint does; they are mapped to module parameter
+names by transformers' own loading rules (``deltazip.runtime.serve.param_names``: GPT-NeoX's
+``embed_out`` is ``lm_head``). Per row the decoupled model applies changed ``nn.Linear`` and
+``Conv1D`` weights and biases, embedding tables (plain, Gemma's scaled ones, learned positions:
+``deltazip.runtime.serve.delta_embedding``), Llama- and Gemma-style RMSNorm weights and
+``nn.LayerNorm`` weights and biases, and mixture-of-experts routers and fused experts
+(``deltazip.runtime.serve.delta_experts``, which also maps per-expert checkpoint names onto the fused
+parameters). A variant that changes a tensor the runtime cannot apply per row
+(or one transformers loads through a converter rather than a rename) is refused with a message
+naming the tensor and pointing at ``--mode swap``, which goes through transformers' own loader and
+so serves any causal LM it can load.
 """
 
 from __future__ import annotations
@@ -34,17 +38,23 @@ import torch
 from torch import nn
 
 from deltazip.compress.checkpoint import Checkpoint
-from deltazip.formats.artifact import MANIFEST, Artifact, needs_base
+from deltazip.formats.artifact import MANIFEST, Artifact, needs_base, stored_shape
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.kernels.packed import PackedDelta
+from deltazip.kernels.reference import delta_weight
+from deltazip.runtime.serve.delta_embedding import can_decouple, decouple_embedding
+from deltazip.runtime.serve.delta_experts import DeltaExperts, DeltaRouter, MoeLayout
 from deltazip.runtime.serve.delta_linear import (
     DeltaContext,
-    DeltaEmbedding,
     DeltaLayerNorm,
     DeltaLinear,
     DeltaRMSNorm,
-    is_llama_rmsnorm,
+    is_linear,
+    rms_norm_style,
 )
+from deltazip.runtime.serve.kernel_warmup import warm_up_kernels
+from deltazip.runtime.serve.param_names import module_names
+from deltazip.runtime.serve.projections import merge_projections
 from deltazip.runtime.share.dedup_registry import TensorDedupRegistry
 from deltazip.runtime.share.dedup_serving import (
     DedupLedger,
@@ -205,35 +215,114 @@ def resolve_dtype(name: str, device: torch.device, base: Checkpoint) -> torch.dt
 
 
 def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The base causal LM through transformers' loader, with SDPA attention, in eval mode."""
-    from transformers import AutoModelForCausalLM
+    """The base causal LM through transformers' loader, in eval mode, loaded with the attention
+    implementation ``deltazip.runtime.serve.masks.attention_implementation`` picks (SDPA, or eager
+    for models SDPA cannot run: no SDPA support, soft-capped attention scores), then switched to the
+    paged KV cache's attention (``deltazip.runtime.serve.attention``) where the model class takes
+    attention functions and derives no ALiBi bias from the padding mask; the others keep the loaded
+    implementation and the engine's contiguous cache with ``masks``.
 
+    Raises:
+        InputError: the model cannot be loaded, has attention layers the engine builds no masks for,
+            or fails a few test forwards through the engine's cache and masks (one line, at start-up,
+            instead of a server that answers every request with an error).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from deltazip.runtime.serve.masks import attention_implementation, unsupported_layer_types
     from deltazip.runtime.share.weight_share import attached_model
 
+    try:
+        config = AutoConfig.from_pretrained(str(base.path))
+        impl = attention_implementation(_causal_lm_class(config), config)
+    except Exception as e:  # no or broken config.json, unknown model type
+        raise InputError(f"base {base.path} cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
     # A worker of `deltazip serve --workers K` builds the model over the weight owner's mapped tensors.
-    model = attached_model(base.path, dtype, device)
+    model = attached_model(base.path, dtype, device, attn_implementation=impl)
     try:
         if model is None:
-            model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype=dtype, attn_implementation="sdpa")
-    except Exception as e:  # unknown architecture, no SDPA support, broken weights
-        raise InputError(f"base {base.path} cannot be loaded as a causal LM with SDPA attention "
-                         f"({type(e).__name__}: {e})") from e
-    cfg = model.config
-    # The engine builds its own attention masks (full causal), so a window that could bite must be refused.
-    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or (window and window < max_context(cfg)):
-        raise InputError(f"base {base.path} uses sliding-window or other non-full attention layers, which the "
-                         f"serving engine does not implement")
-    from deltazip.runtime.serve.attention import use_paged_attention
+            model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype=dtype, attn_implementation=impl)
+    except Exception as e:  # unknown architecture, broken weights
+        raise InputError(f"base {base.path} cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
+    bad = unsupported_layer_types(model.config)
+    if bad:
+        raise InputError(f"base {base.path} uses {', '.join(bad)} layers, which the serving engine builds no attention "
+                         f"masks for; serve a model with full or sliding-window attention")
+    model = model.to(device).eval()
+    _self_check(model, base.path, device, dtype)
+    return model
 
-    use_paged_attention(model)  # the paged KV cache's attention where the model class takes one
-    return model.to(device).eval()
+
+def _causal_lm_class(config):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return None  # from_pretrained raises the clear error
+
+
+def _self_check(model: nn.Module, path: Path, device: torch.device, dtype: torch.dtype) -> None:
+    """Choose the model's serving attention and check it: the reference is a plain forward of every
+    prefix with the attention the model was loaded with; then the model is switched to the paged
+    attention where it takes it (``deltazip.runtime.serve.attention.use_paged_attention``) and two
+    rows of different lengths run through the engine's cache (paged or contiguous) and masks: a
+    prefill, a two-token chunk after a past (chunked prefill) and a one-token decode. Refuses the
+    model (one line) when the engine's way of calling it fails or disagrees, which would fail every
+    request."""
+    from deltazip.runtime.serve.attention import use_paged_attention
+    from deltazip.runtime.serve.masks import uses_padding_mask_bias
+
+    vocab = int(getattr(model.config, "vocab_size", 2) or 2)
+    # Longer than a small sliding window, so the window's masking is checked too where it is cheap.
+    window = getattr(model.config, "sliding_window", None) or 0
+    n = max(5, window + 2) if window <= 62 else 5
+    rows = [[(7 * i + 3) % vocab for i in range(n)], [(5 * i + 1) % vocab for i in range(3)]]
+    steps = [rows, [[11 % vocab, 2 % vocab], [13 % vocab, 4 % vocab]], [[17 % vocab], [19 % vocab]]]
+    try:
+        with torch.inference_mode():
+            seqs, want = [[], []], []
+            for new in steps:
+                seqs = [s + t for s, t in zip(seqs, new)]
+                want += [model(input_ids=torch.tensor([s], device=device)).logits[:, -1].float() for s in seqs]
+            if not uses_padding_mask_bias(model.config):
+                use_paged_attention(model)  # the paged KV cache's attention where the model class takes one
+            got = _engine_logits(model, steps, device, dtype)
+    except Exception as e:  # the model's forward does not take the engine's cache/masks
+        raise InputError(f"base {path}: {type(model).__name__} cannot run in the serving engine (a test forward "
+                         f"failed: {type(e).__name__}: {e}); serve another architecture") from e
+    want = torch.cat(want)
+    tol = 1e-3 if dtype == torch.float32 else 0.1
+    if not torch.allclose(got, want, atol=tol * max(1.0, float(want.abs().max())), rtol=0):
+        raise InputError(f"base {path}: {type(model).__name__} gives other logits in the serving engine than in a "
+                         f"plain forward (max difference {float((got - want).abs().max()):.3g}); it cannot be served")
+
+
+def _engine_logits(model: nn.Module, steps: list[list[list[int]]], device: torch.device,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Last-position logits ``[len(steps) * B, V]`` of ``steps`` (per step, the new tokens of each of
+    the ``B`` rows) run one after the other through the engine's KV pool for ``model``."""
+    from deltazip.runtime.serve.engine import left_pad, new_kv_pool, new_seq_kv, step_args
+
+    pool = new_kv_pool(model)
+    caches = [new_seq_kv(pool) for _ in steps[0]]
+    out = []
+    try:
+        for new in steps:
+            kv, pos, mask = step_args(pool, caches, [c.length for c in caches], [len(t) for t in new],
+                                      model.config, dtype, device)
+            out.append(run_model(model, left_pad(new, 0).to(device), pos, mask, kv))
+            for c, t in zip(caches, new):
+                c.length += len(t)
+    finally:
+        for c in caches:
+            c.free()
+    return torch.cat(out)
 
 
 def max_context(config) -> int:
     """Longest sequence (prompt + completion) the model's position embeddings allow."""
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len"):
         v = getattr(config, key, None)
         if isinstance(v, int) and v > 0:
             return v
@@ -383,6 +472,7 @@ class DeltaModel:
         # Linear shapes of the base (LoRA checks), taken before any module is decoupled.
         self._linears = {n: (m.out_features, m.in_features) for n, m in self.model.named_modules()
                          if isinstance(m, nn.Linear)}
+        self._moe = MoeLayout(self.model)  # fused experts and routers, before any module is decoupled
         self._targets: dict[str, dict[str, list[tuple[str, str]]]] = {}  # variant -> tensor -> [(module, attr)]
         self._lora: dict[str, Any] = {}  # LoRA variant -> LoraSpec
         self.modules: dict[str, nn.Module] = {}
@@ -390,8 +480,10 @@ class DeltaModel:
         plans = [(v, self.prepare_variant(v, wanted)) for v in variants]
         for mname, kind in sorted(wanted.items()):
             self.modules[mname] = self._replace(mname, kind)
+        self._merge_projections()
         for v, plan in plans:
             self._register(v, plan)
+        warm_up_kernels(self)  # CUDA + packed only: compile and tune every SBMM launch before serving
 
     # -- building -------------------------------------------------------------------------------
     def prepare_variant(self, v: VariantInfo, wanted: dict[str, str] | None = None):
@@ -422,7 +514,14 @@ class DeltaModel:
         for mname, kind in sorted(wanted.items()):
             if mname not in self.modules:
                 self.modules[mname] = self._replace(mname, kind)
+        self._merge_projections()
         self._register(v, plan)
+        warm_up_kernels(self)  # only configurations not warmed yet cost anything
+
+    def _merge_projections(self) -> None:
+        """One GEMM + one SBMM for Llama-family q/k/v and gate/up (deltazip.runtime.serve.projections)."""
+        self.modules.update(merge_projections(self.model, self.modules, self.ctx, self._base_held,
+                                              lambda t: share_tensor(self.registry, t)[0]))
 
     def _register(self, v: VariantInfo, plan) -> None:
         self.variants[v.name] = v
@@ -442,53 +541,73 @@ class DeltaModel:
 
     def _plan_variant(self, v: VariantInfo, params: dict[str, nn.Parameter],
                       wanted: dict[str, str]) -> dict[str, list[tuple[str, str]]]:
+        """``checkpoint tensor -> [(module, attribute)]`` of every tensor ``v`` changes (names mapped to
+        parameters by transformers' own rules, ``param_names``); ``wanted`` gets each module's kind."""
         plan: dict[str, list[tuple[str, str]]] = {}
+        on_moe = self._moe.targets({n: x["shape"] for n, x in v.tensors.items()})
+        changed = []
         for name, e in v.tensors.items():
             if e["kind"] == "same":
                 continue
-            if e["kind"] == "packed" and (e.get("transposed") or e.get("experts")):
-                what = "a fused mixture-of-experts tensor" if e.get("experts") else "a Conv1D weight stored [in, out]"
-                raise UnsupportedVariant(f"variant {v.name}: tensor {name} is {what}, which the decoupled runtime does "
-                                         f"not apply per request; serve it with --mode swap")
-            if name not in params:
+            moe = on_moe.get(name)
+            if moe is not None:  # a fused expert parameter (or one expert's rows of it), or a router
+                wanted[moe[0]] = moe[1]
+                plan[name] = [(moe[0], moe[2])]
+            else:
+                changed.append(name)
+        to_param = module_names(self.model, changed)
+        for name in changed:
+            e = v.tensors[name]
+            if e["kind"] == "packed" and e.get("experts"):
+                raise UnsupportedVariant(f"variant {v.name}: tensor {name} is a fused mixture-of-experts tensor, which "
+                                         f"the decoupled runtime does not apply per request; serve it with --mode swap")
+            pname = to_param.get(name)
+            if pname is None:
                 raise UnsupportedVariant(
-                    f"variant {v.name}: tensor {name!r} is not a parameter of {type(self.model).__name__} (the "
-                    f"checkpoint names differ from the module names for this architecture); the decoupled runtime "
-                    f"needs them equal — serve this one with --mode swap")
-            if list(params[name].shape) != list(e["shape"]):
-                raise UnsupportedVariant(f"variant {v.name}: tensor {name} has shape {e['shape']}, the base has "
-                                         f"{list(params[name].shape)}; it cannot share the base model")
-            targets = [name] + [a for a in self._aliases.get(name, []) if a not in v.tensors]
+                    f"variant {v.name}: tensor {name!r} is not a parameter of {type(self.model).__name__} and "
+                    f"transformers does not load it into one by a plain rename; the decoupled runtime cannot apply "
+                    f"it — serve this one with --mode swap")
+            shape = stored_shape(e) if e["kind"] == "packed" else list(e["shape"])
+            if list(params[pname].shape) != shape:
+                raise UnsupportedVariant(f"variant {v.name}: tensor {name} has shape {shape}, the base has "
+                                         f"{list(params[pname].shape)}; it cannot share the base model")
+            targets = [pname] + [a for a in self._aliases.get(pname, []) if a not in v.tensors]
             plan[name] = []
             for t in targets:
                 mname, attr = t.rsplit(".", 1)
-                mod = self.model.get_submodule(mname)
-                if isinstance(mod, (nn.Linear, DeltaLinear)) and attr in ("weight", "bias"):
-                    kind = "linear"
-                elif type(mod) in (nn.Embedding, DeltaEmbedding) and attr == "weight":
-                    # Exact type: subclasses (OPT's learned positions, scaled embeddings) change forward().
-                    kind = "embedding"
-                elif attr == "weight" and (isinstance(mod, DeltaRMSNorm) or is_llama_rmsnorm(mod)):
-                    kind = "norm"
-                elif attr in ("weight", "bias") and (type(mod) is DeltaLayerNorm or (
-                        type(mod) is nn.LayerNorm and mod.weight is not None and len(mod.normalized_shape) == 1)):
-                    kind = "layernorm"
-                else:
+                kind = self._decoupled_kind(self.model.get_submodule(mname), attr)
+                if kind is None:
                     raise UnsupportedVariant(
-                        f"variant {v.name}: it changes {t} ({type(mod).__name__}.{attr}), which the decoupled runtime "
-                        f"cannot apply per request; serve it with --mode swap")
+                        f"variant {v.name}: it changes {t} ({type(self.model.get_submodule(mname)).__name__}.{attr}), "
+                        f"which the decoupled runtime cannot apply per request; serve it with --mode swap")
                 if e["kind"] == "packed" and (kind != "linear" or attr != "weight"):
-                    raise UnsupportedVariant(f"variant {v.name}: tensor {t} is stored packed but is not a linear weight")
+                    raise UnsupportedVariant(f"variant {v.name}: tensor {name} is stored packed but is not a linear weight")
                 wanted[mname] = kind
                 plan[name].append((mname, attr))
         return plan
+
+    @staticmethod
+    def _decoupled_kind(mod: nn.Module, attr: str) -> str | None:
+        """Which decoupled module applies a change of ``mod.attr`` per row (None: none can)."""
+        if is_linear(mod) and attr in ("weight", "bias"):
+            return "linear"  # nn.Linear and Conv1D, weights and biases
+        if attr == "weight" and can_decouple(mod):
+            return "embedding"  # token tables, scaled embeddings, learned positions
+        if attr == "weight" and (isinstance(mod, DeltaRMSNorm) or rms_norm_style(mod) is not None):
+            return "norm"
+        if attr in ("weight", "bias") and (type(mod) is DeltaLayerNorm or (
+                type(mod) is nn.LayerNorm and mod.weight is not None and len(mod.normalized_shape) == 1)):
+            return "layernorm"
+        return None
 
     def _replace(self, mname: str, kind: str) -> nn.Module:
         parent_name, _, child = mname.rpartition(".")
         parent = self.model.get_submodule(parent_name) if parent_name else self.model
         old = getattr(parent, child)
-        new = {"linear": DeltaLinear, "embedding": DeltaEmbedding, "norm": DeltaRMSNorm,
-               "layernorm": DeltaLayerNorm}[kind](old, self.ctx)
+        if kind == "embedding":
+            return decouple_embedding(old, self.ctx)  # in place: the subclass's forward keeps running
+        new = {"linear": DeltaLinear, "norm": DeltaRMSNorm, "layernorm": DeltaLayerNorm, "experts": DeltaExperts,
+               "router": DeltaRouter}[kind](old, self.ctx)
         setattr(parent, child, new)
         return new
 
@@ -531,8 +650,12 @@ class DeltaModel:
 
                 delta = PackedDelta(share(d.qweight), share(d.scales), share(d.zeros), share(d.positions), d.bits,
                                     d.group_size, d.in_features, d.out_features)
-                for mname, _ in targets:
-                    host.modules.setdefault(mname, {}).update(packed=delta, additive=bool(e["additive"]))
+                for mname, attr in targets:
+                    mod = self.modules[mname]
+                    if isinstance(mod, DeltaExperts):  # one piece of an expert parameter
+                        host.modules.setdefault(mname, {})[attr] = delta if e["additive"] else mod.host_weight(attr, delta)
+                    else:
+                        host.modules.setdefault(mname, {}).update(packed=delta, additive=bool(e["additive"]))
                 continue
             tensor = art.reconstruct(tname, self.base.get(tname) if needs_base(e) else None)
             self._put_dense(host, targets, tally.share(_pin(tensor.to(self.dtype))))
@@ -543,13 +666,45 @@ class DeltaModel:
             mod = self.modules[mname]
             if isinstance(mod, DeltaLinear):
                 kw["dense" if attr == "weight" else "bias"] = tensor
+            elif isinstance(mod, DeltaExperts):  # the variant's rows: held as their delta to the base
+                kw[attr] = mod.host_dense(attr, tensor)
             elif isinstance(mod, DeltaLayerNorm):
                 kw[attr] = tensor
             else:
                 kw["weight"] = tensor
 
+    def stage_slot(self, host: HostDelta) -> HostDelta:
+        """A decoded variant made ready for a ``write_slot`` that only copies (the delta loader runs
+        this off the engine thread; on CUDA on its side stream).
+
+        Packed deltas are dequantized when slots keep them so (``--delta-compute dequantized``, the
+        CPU default: the costly part of a CPU slot write). On a GPU, packed deltas, LoRA factors,
+        norms and biases are copied from pinned host memory, and dense replacements go through the
+        dedup registry, as ``write_slot`` would put them.
+        """
+        if self.device.type == "cpu" and not self.ctx.dequantize:
+            return host
+        out = HostDelta(host.name)
+        for mname, kw in host.modules.items():
+            staged = {k: self._stage_value(k, v) for k, v in kw.items()}
+            if self.ctx.dequantize and "packed" in staged:
+                staged["dequantized"] = delta_weight(staged.pop("packed")).to(self.dtype)
+            out.modules[mname] = staged
+        return out
+
+    def _stage_value(self, key: str, v: Any) -> Any:
+        if self.device.type == "cpu":
+            return v
+        if isinstance(v, PackedDelta):
+            return v.to(self.device)
+        if not isinstance(v, torch.Tensor):
+            return v
+        if key in ("dense", "weight"):
+            return share_tensor(self.registry, v, self.device)[0]
+        return v.to(self.device, non_blocking=True)
+
     def write_slot(self, slot: int, name: str, host: HostDelta) -> None:
-        """Put a decoded variant into device slot ``slot`` (engine thread, between forwards).
+        """Put a decoded (or staged) variant into device slot ``slot`` (engine thread, between forwards).
 
         Dense replacements (linears, embeddings) are referenced by the slot, not copied: on the
         host device they are the host tier's tensors; on a GPU the registry's device copy, which
@@ -561,8 +716,8 @@ class DeltaModel:
                 mod.clear_slot(slot)
                 continue
             if self.device.type != "cpu":
-                kw = {k: share_tensor(self.registry, t, self.device)[0] if k in ("dense", "weight") else t
-                      for k, t in kw.items()}
+                kw = {k: share_tensor(self.registry, t, self.device)[0]
+                      if k in ("dense", "weight") and t.device.type == "cpu" else t for k, t in kw.items()}
             mod.load_slot(slot, **kw)
 
     def clear_slot(self, slot: int) -> None:
@@ -602,7 +757,9 @@ class DeltaModel:
         Args:
             row_slots: slot of each row (``-1`` base).
             input_ids, position_ids: ``[B, T]``.
-            attention_mask: bool ``[B, 1, T, K]`` (True = attend).
+            attention_mask: the step's mask argument (``deltazip.runtime.serve.masks.attention_masks_for``:
+                ``[B, 1, T, K]``, a dict of them per layer type, or ``[B, K]`` for ALiBi models; a
+                placeholder with the paged attention, which masks from the step's layout).
             kv: the step's cache object (``kv_cache.PagedStep``, or ``engine.StepKV`` for models
                 without the paged attention).
         """

@@ -33,10 +33,17 @@ without preemption the same pattern starves H).
 The base model is served without a delta: its requests need no slot in ``delta`` mode. In ``swap``
 mode (``base_needs_slot=True``, ``max_deltas=1``) the base is one more whole model and every step
 serves one model only — the baseline's "batch only requests of the same model".
+
+**Loads in flight** (``ready`` hook): a waiting request whose variant is not resident yet is not
+admitted; its variant is *reserved* (it counts towards ``max_deltas``, so a slot is free for it when
+its load lands) and listed in ``ScheduleOutput.loading``, and the walk goes on past it, so sequences
+of resident variants keep running and later requests of them keep being admitted meanwhile. The step
+after the load completes (``ready`` turns True) admits it in its FCFS place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 BASE_KEY = "\x00base"  # the base model's variant key (cannot collide with a directory name)
@@ -81,6 +88,8 @@ class ScheduleOutput:
         selected: variants of the running requests (needing a device slot), at most ``max_deltas``.
         blocked: waiting requests blocked by the delta limit, oldest first (prefetch candidates).
         waiting: waiting requests after this step's admissions, oldest first.
+        loading: variants with waiting requests whose load is in flight (``ready`` was False);
+            each holds a reserved place among the ``max_deltas``.
     """
 
     prefill: list[SchedRequest] = field(default_factory=list)
@@ -89,6 +98,7 @@ class ScheduleOutput:
     selected: list[str] = field(default_factory=list)
     blocked: list[SchedRequest] = field(default_factory=list)
     waiting: list[SchedRequest] = field(default_factory=list)
+    loading: list[str] = field(default_factory=list)
 
 
 class Scheduler:
@@ -101,16 +111,21 @@ class Scheduler:
         preemption: preempt line-skippers when their parent finishes (paper §5.4); False only to
             demonstrate starvation in tests and benchmarks.
         base_needs_slot: the base model occupies a slot like a variant (swap mode).
+        ready: ``variant -> bool``, asked (at most once per variant per step) before admitting a
+            request of a variant no running request uses: False while its load is in flight (see
+            module docstring). None: every variant is ready (it is loaded when selected).
     """
 
     def __init__(self, max_deltas: int, max_num_seqs: int, max_batch_tokens: int, preemption: bool = True,
-                 base_needs_slot: bool = False, chunked_prefill: bool = False):
+                 base_needs_slot: bool = False, chunked_prefill: bool = False,
+                 ready: Callable[[str], bool] | None = None):
         if max_deltas < 1 or max_num_seqs < 1 or max_batch_tokens < 1:
             raise ValueError(f"max_deltas ({max_deltas}), max_num_seqs ({max_num_seqs}) and max_batch_tokens "
                              f"({max_batch_tokens}) must be >= 1")
         self.max_deltas, self.max_num_seqs, self.max_batch_tokens = max_deltas, max_num_seqs, max_batch_tokens
         self.preemption, self.base_needs_slot = preemption, base_needs_slot
         self.chunked_prefill = chunked_prefill
+        self.ready = ready
         self.waiting: list[SchedRequest] = []  # kept sorted by arrival
         self.running: dict[str, SchedRequest] = {}  # insertion order = admission order
         self._arrivals = 0
@@ -163,10 +178,16 @@ class Scheduler:
         tokens_left = self.max_batch_tokens - sum(self._cost(r, True) for r in self.running.values())
         blocked_seen = False
         admitted: list[SchedRequest] = []
+        readiness = {v: True for v in selected}  # running variants are resident
         for r in self.waiting:
             if self._needs_slot(r) and r.variant not in sel_set and len(sel_set) >= self.max_deltas:
                 blocked_seen = True
                 out.blocked.append(r)
+                continue
+            if self._needs_slot(r) and not self._is_ready(r.variant, readiness):
+                if r.variant not in sel_set:  # reserve its place among the max_deltas
+                    sel_set.add(r.variant)
+                    out.loading.append(r.variant)
                 continue
             cost = self._cost(r, False)
             if seqs_left < 1 or cost > tokens_left and not (self.chunked_prefill and tokens_left >= 1):
@@ -202,6 +223,13 @@ class Scheduler:
         if self.chunked_prefill:
             return max(1, r.prompt_len if r.prefill_left < 0 else r.prefill_left)
         return 1 if running or r.has_state else r.prompt_len
+
+    def _is_ready(self, variant: str, readiness: dict[str, bool]) -> bool:
+        if self.ready is None:
+            return True
+        if variant not in readiness:
+            readiness[variant] = bool(self.ready(variant))
+        return readiness[variant]
 
     def _parent_for(self, variant: str, admitted: list[SchedRequest]) -> str:
         for r in self.running.values():  # admission order: the earliest non-skipper of the variant

@@ -17,37 +17,29 @@ Errors use OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}
 invalid parameters 400, prompt longer than the context 400 (``context_length_exceeded``), wrong or
 missing key 401, full queue 429 (``--max-queue``). Bad input never yields a 500. A client that
 disconnects (mid-stream or while waiting) cancels its request; the engine frees the sequence.
+
+This module builds the runtime (engine, model, tokenizers, variants) and the app; the handlers,
+streaming, auth and error shaping are in :mod:`deltazip.runtime.serve.routes`, the OpenAI wire
+format in :mod:`deltazip.runtime.serve.openai_schema`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import logging
 import os
 import socket
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from starlette.requests import Request  # at module level: FastAPI resolves endpoint annotations here
 
-from deltazip.formats.errors import DeltazipError, InputError
+from deltazip.formats.errors import InputError
 from deltazip.formats.report import human_bytes
-from deltazip.runtime.serve.engine import (
-    Engine,
-    EngineConfig,
-    EngineError,
-    FinishEvent,
-    SamplingParams,
-    ServedVariant,
-    TokenEvent,
-)
+from deltazip.runtime.serve import routes
+from deltazip.runtime.serve.engine import Engine, EngineConfig, ServedVariant
 from deltazip.runtime.serve.model import (
     DeltaModel,
     SwapModels,
@@ -68,8 +60,6 @@ from deltazip.runtime.serve.variant_sources import (
 from deltazip.runtime.share.dedup_serving import DedupLedger, new_serving_registry
 
 log = logging.getLogger("deltazip.serve")
-# One line per request at INFO: method, route template, model, status, latency, tokens.
-access_log = logging.getLogger("deltazip.access")
 MODES = ("delta", "swap")
 
 
@@ -426,6 +416,8 @@ class _EngineCollector:
             ("deltazip_queue_length", "Requests waiting to be scheduled", st["queue_length"]),
             ("deltazip_running_seqs", "Sequences in the running batch", st["running_seqs"]),
             ("deltazip_resident_deltas", "Variants in device slots", len(st["resident_deltas"])),
+            ("deltazip_loading_deltas", "Variants being loaded in the background (their requests wait)",
+             len(st["loading_deltas"])),
             ("deltazip_host_deltas", "Variants decoded in host memory", len(st["host_deltas"])),
             ("deltazip_tokens_per_second", "Generated tokens per second over the last 10 s", st["tokens_per_second"]),
             ("deltazip_device_weight_bytes", "Bytes of model weights on the device: the base plus every filled slot "
@@ -478,559 +470,21 @@ class _EngineCollector:
 
 
 # --------------------------------------------------------------------------------------------------
-# Request bodies
+# The app (handlers, streaming and error shaping: routes.py; the wire format: openai_schema.py)
 # --------------------------------------------------------------------------------------------------
-
-
-def _models():
-    """Pydantic request models (built lazily so importing this module does not need pydantic)."""
-    from pydantic import BaseModel, ConfigDict, Field
-
-    class _Common(BaseModel):
-        # Unknown fields are ignored, as OpenAI-compatible servers do (clients send extras).
-        model_config = ConfigDict(extra="ignore")
-        # Optional fields accept an explicit null (some clients send one) and mean the default then.
-        model: str
-        max_tokens: int | None = Field(default=None, ge=1)
-        temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-        top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-        n: int | None = None
-        stop: str | list[str] | None = None
-        seed: int | None = None
-        stream: bool | None = None
-        stream_options: dict[str, Any] | None = None
-        presence_penalty: float | None = None
-        frequency_penalty: float | None = None
-        logprobs: Any = None
-        logit_bias: dict[str, float] | None = None
-        user: str | None = None
-
-    class CompletionRequest(_Common):
-        prompt: str | list[str] | list[int] | list[list[int]]
-        echo: bool | None = None
-        best_of: int | None = None
-        suffix: str | None = None
-
-    class ChatMessage(BaseModel):
-        model_config = ConfigDict(extra="allow")
-        role: Literal["system", "user", "assistant", "developer", "tool"]
-        content: str | list[dict[str, Any]] | None = None
-
-    class ChatRequest(_Common):
-        messages: list[ChatMessage] = Field(min_length=1)
-        max_completion_tokens: int | None = Field(default=None, ge=1)
-        tools: list[Any] | None = None
-
-    return CompletionRequest, ChatRequest
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-
-def _error_body(status: int, message: str, type_: str, param: str | None, code: str | None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def _unsupported(req, *, chat: bool) -> None:
-    """400 for OpenAI features this server does not implement (rather than silently ignoring them)."""
-    checks = [
-        (req.n not in (None, 1), "n", "only n=1 is supported"),
-        (bool(req.presence_penalty) or bool(req.frequency_penalty), "presence_penalty",
-         "presence_penalty and frequency_penalty are not supported (use 0)"),
-        (req.logprobs not in (None, False, 0), "logprobs", "logprobs are not supported"),
-        (bool(req.logit_bias), "logit_bias", "logit_bias is not supported"),
-    ]
-    if chat:
-        checks.append((bool(req.tools), "tools", "tools are not supported"))
-    else:
-        checks += [(bool(req.echo), "echo", "echo is not supported"),
-                   (req.best_of not in (None, 1), "best_of", "best_of is not supported"),
-                   (req.suffix is not None, "suffix", "suffix is not supported")]
-    for bad, param, msg in checks:
-        if bad:
-            raise ApiError(400, msg, param=param)
-
-
-def _stop_list(stop) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
-
-
-def _params(req, max_tokens: int) -> SamplingParams:
-    try:
-        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                              top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=_stop_list(req.stop))
-    except EngineError as e:
-        raise ApiError(400, str(e), param=e.param) from e
-
-
-# --------------------------------------------------------------------------------------------------
-# The app
-# --------------------------------------------------------------------------------------------------
-
-
-class _Stream:
-    """Bridges one engine request (engine thread) to the event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.rid: str | None = None
-        self.done = False
-
-    def sink(self, event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
 def create_app(rt: Runtime, metrics: Metrics | None = None):
     """The FastAPI application of a built :class:`Runtime`."""
     from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    CompletionRequest, ChatRequest = _models()
-    engine = rt.engine
-    api_key = rt.config.api_key
     metrics = metrics or Metrics()
-    metrics.engine = engine
+    metrics.engine = rt.engine
     metrics.runtime = rt
-
-    from contextlib import asynccontextmanager
-
-    @asynccontextmanager
-    async def lifespan(_app):
-        engine.start()
-        try:
-            yield
-        finally:
-            engine.shutdown()
-
-    app = FastAPI(title="deltazip", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-
-    def error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
-        return JSONResponse(_error_body(status, message, type_, param, code), status_code=status)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_request, exc: ApiError):
-        return error(exc.status, exc.message, exc.type, exc.param, exc.code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", []) if p != "body"]
-        param = ".".join(loc) or None
-        msg = first.get("msg", "invalid request")
-        return error(400, f"{msg}" + (f" (param: {param})" if param else ""), param=param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_request, exc: StarletteHTTPException):
-        return error(exc.status_code, str(exc.detail), "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def _internal(_request, exc: Exception):
-        log.exception("internal error")
-        return error(500, f"internal server error: {type(exc).__name__}", "server_error")
-
-    def route_of(scope) -> str:
-        """The route template a request matches (``/v1/models/{model_id:path}``), ``unmatched`` for
-        any other path: metric labels and log lines never carry a raw path (unbounded cardinality)."""
-        from starlette.routing import Match
-
-        partial = None
-        for route in app.router.routes:
-            match, _ = route.matches(scope)
-            if match == Match.FULL:
-                return route.path
-            if match == Match.PARTIAL and partial is None:
-                partial = route.path  # the path matches, the method does not (405)
-        return partial or "unmatched"
-
-    def log_access(request: Request, route: str, status: int, t0: float) -> None:
-        st = request.state
-        usage = getattr(st, "usage", None) or {}
-        access_log.info("%s %s model=%s status=%d latency=%.3fs prompt_tokens=%s completion_tokens=%s",
-                        request.method, route, getattr(st, "model", "-"), status, time.perf_counter() - t0,
-                        usage.get("prompt_tokens", "-"), usage.get("completion_tokens", "-"))
-
-    @app.middleware("http")
-    async def _auth_and_count(request: Request, call_next):
-        t0 = time.perf_counter()
-        route = route_of(request.scope)
-        if api_key is not None and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-                metrics.http_c.labels(route, "401").inc()
-                log_access(request, route, 401, t0)
-                return error(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer KEY'.",
-                             "invalid_request_error", code="invalid_api_key")
-        response = await call_next(request)
-        metrics.http_c.labels(route, str(response.status_code)).inc()
-        body = response.body_iterator
-
-        async def logged_body():  # the line is written once the body is sent (streams: at their end)
-            try:
-                async for chunk in body:
-                    yield chunk
-            finally:
-                log_access(request, route, response.status_code, t0)
-
-        response.body_iterator = logged_body()
-        return response
-
-    # -- plain endpoints ------------------------------------------------------------------------
-    @app.get("/health")
-    async def health():
-        alive = engine._thread is not None and engine._thread.is_alive()
-        if not alive:
-            return error(503, "the engine is not running", "server_error")
-        return {"status": "ok", "models": 1 + len(rt.variants)}
-
-    @app.get("/metrics")
-    async def prom():
-        body, ctype = metrics.render()
-        return Response(body, media_type=ctype)
-
-    def model_card(name: str) -> dict:
-        parent = None if name == rt.base_name else rt.base_name
-        return {"id": name, "object": "model", "created": rt.created, "owned_by": "deltazip",
-                "root": name, "parent": parent}
-
-    @app.get("/v1/models")
-    async def list_models():
-        return {"object": "list", "data": [model_card(rt.base_name)] + [model_card(v.name) for v in rt.variants]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str):
-        if model_id != rt.base_name and model_id not in engine.served:
-            raise ApiError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
-        return model_card(model_id)
-
-    # -- generation -----------------------------------------------------------------------------
-    def served_entry(name: str) -> ServedVariant:
-        # A variant can be deleted between check_model and here: still a 404, never a KeyError.
-        sv = engine.served.get(name)
-        if sv is None:
-            raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-        return sv
-
-    # -- live variant management --------------------------------------------------------------
-    @app.get("/v1/variants")
-    async def list_variants():
-        rows = await asyncio.wrap_future(engine.run_on_engine(lambda: variant_table(rt)))
-        return {"object": "list", "data": rows}
-
-    @app.post("/v1/variants")
-    async def add_variant(request: Request):
-        body = await _json_body(request)
-        path, name = body.get("path"), body.get("name")
-        if not isinstance(path, str) or not path:
-            raise ApiError(400, "path must be a non-empty string: a variant directory inside the served directory",
-                           param="path")
-        if name is not None and not isinstance(name, str):
-            raise ApiError(400, "name must be a string", param="name")
-        try:
-            v = await asyncio.to_thread(register_variant, rt, path, name)
-        except VariantConflict as e:
-            raise ApiError(409, str(e), param="name", code="variant_exists") from e
-        except DeltazipError as e:
-            param = "name" if str(e).startswith("variant name") else "path"
-            raise ApiError(400, str(e).splitlines()[0], param=param, code="invalid_variant") from e
-        row = await asyncio.wrap_future(engine.run_on_engine(lambda: variant_table(rt, only=v.name)))
-        return JSONResponse(row[0] if row else {"id": v.name, "object": "variant"}, status_code=201)
-
-    @app.delete("/v1/variants/{name:path}")
-    async def delete_variant(name: str):
-        def unload() -> None:  # engine thread, once the variant's requests are done
-            rt.backend.remove_variant(name)
-            rt.variants[:] = [v for v in rt.variants if v.name != name]
-
-        try:
-            fut = engine.remove_model(name, unload)
-        except EngineError as e:
-            raise ApiError(404, f"No variant named `{name}` is served (the base cannot be deleted).", param="name",
-                           code="model_not_found") from e
-        await asyncio.wrap_future(fut)
-        log.info("variant %s deleted: its requests drained, unloaded from every tier", name)
-        return {"id": name, "object": "model", "deleted": True}
-
-    def check_model(name: str) -> None:
-        if name not in engine.served:
-            raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-
-    def encode_prompts(name: str, prompt) -> list[list[int]]:
-        tok = served_entry(name).encoder
-        if isinstance(prompt, str):
-            return [tok(prompt)["input_ids"]]
-        if not prompt:
-            raise ApiError(400, "prompt must not be empty", param="prompt")
-        if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]
-        if all(isinstance(p, str) for p in prompt):
-            return [tok(p)["input_ids"] for p in prompt]
-        if all(isinstance(p, list) for p in prompt):
-            return [list(p) for p in prompt]
-        raise ApiError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
-
-    def encode_chat(name: str, messages) -> list[int]:
-        tok = served_entry(name).encoder
-        # The variant's own template, else the base's (a fine-tune that kept tokenizer files without
-        # one still chats as its base does).
-        template = getattr(tok, "chat_template", None) or getattr(engine.served[rt.base_name].encoder,
-                                                                  "chat_template", None)
-        if not template:
-            raise ApiError(400, f"model `{name}` has no chat template (nor has the base); use /v1/completions",
-                           param="messages")
-        msgs = []
-        for m in messages:
-            content = m.content
-            if isinstance(content, list):  # OpenAI content parts: only text is meaningful here
-                if any(p.get("type") != "text" for p in content):
-                    raise ApiError(400, "only text content parts are supported", param="messages")
-                content = "".join(str(p.get("text", "")) for p in content)
-            msgs.append({"role": m.role, "content": content or ""})
-        try:
-            ids = tok.apply_chat_template(msgs, chat_template=template, add_generation_prompt=True, tokenize=True)
-        except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
-            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from e
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
-
-    def submit_all(name: str, prompts: list[list[int]], params: SamplingParams, loop) -> list[_Stream]:
-        try:
-            for p in prompts:
-                engine.validate(name, p, params)
-        except EngineError as e:
-            raise ApiError(e.status, str(e), param=e.param, code=e.code) from e
-        streams: list[_Stream] = []
-        try:
-            for p in prompts:
-                s = _Stream(loop)
-                s.rid = engine.submit(name, p, params, s.sink)
-                streams.append(s)
-        except EngineError as e:
-            for s in streams:
-                engine.cancel(s.rid)
-            type_ = "rate_limit_error" if e.status == 429 else "invalid_request_error"
-            raise ApiError(e.status, str(e), type_, param=e.param, code=e.code) from e
-        return streams
-
-    async def collect(request: Request, s: _Stream) -> FinishEvent | None:
-        """Wait for a request's end; cancel it (and return None) if the client goes away."""
-        while True:
-            try:
-                ev = await asyncio.wait_for(s.queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    engine.cancel(s.rid)
-                    return None
-                continue
-            if isinstance(ev, FinishEvent):
-                s.done = True
-                return ev
-
-    def check_finish(ev: FinishEvent) -> None:
-        if ev.reason == "error":
-            raise ApiError(500, ev.error or "generation failed", "server_error")
-
-    def usage(evs: list[FinishEvent]) -> dict:
-        p = sum(e.prompt_tokens for e in evs)
-        c = sum(e.completion_tokens for e in evs)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    async def sse(request: Request, streams: list[_Stream], make_chunk, make_final, include_usage: bool,
-                  head_chunks: list[dict]) -> AsyncIterator[str]:
-        import json
-
-        finished: list[FinishEvent] = []
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, s: _Stream):
-            while True:
-                ev = await s.queue.get()
-                await merged.put((i, ev))
-                if isinstance(ev, FinishEvent):
-                    s.done = True
-                    return
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        try:
-            for c in head_chunks:
-                yield f"data: {json.dumps(c)}\n\n"
-            left = len(streams)
-            while left:
-                i, ev = await merged.get()
-                if isinstance(ev, TokenEvent):
-                    if ev.text:
-                        yield f"data: {json.dumps(make_chunk(i, ev.text))}\n\n"
-                    continue
-                left -= 1
-                finished.append(ev)
-                if ev.reason == "error":
-                    body = _error_body(500, ev.error or "generation failed", "server_error", None, None)
-                    yield f"data: {json.dumps(body)}\n\n"
-                    continue
-                yield f"data: {json.dumps(make_final(i, ev.reason))}\n\n"
-            request.state.usage = usage(finished)
-            if include_usage:
-                yield f"data: {json.dumps(make_final(None, None) | {'choices': [], 'usage': usage(finished)})}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            # Reached on normal completion and when the client disconnects (the response task is
-            # cancelled): anything still running is cancelled so the engine frees its sequence.
-            for t in tasks:
-                t.cancel()
-            for s in streams:
-                if not s.done:
-                    engine.cancel(s.rid)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = _parse(CompletionRequest, await _json_body(request))
-        request.state.model = req.model
-        _unsupported(req, chat=False)
-        check_model(req.model)
-        prompts = encode_prompts(req.model, req.prompt)
-        params = _params(req, req.max_tokens or 16)
-        streams = submit_all(req.model, prompts, params, asyncio.get_running_loop())
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def chunk(i, text):
-            return {"id": cid, "object": "text_completion", "created": created, "model": req.model,
-                    "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]}
-
-        def final(i, reason):
-            choices = [] if i is None else [{"index": i, "text": "", "logprobs": None, "finish_reason": reason}]
-            return {"id": cid, "object": "text_completion", "created": created, "model": req.model,
-                    "choices": choices}
-
-        if req.stream:
-            include = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(sse(request, streams, chunk, final, include, []), media_type="text/event-stream")
-        evs = []
-        for s in streams:
-            ev = await collect(request, s)
-            if ev is None:
-                for t in streams:
-                    engine.cancel(t.rid)
-                return Response(status_code=499)
-            check_finish(ev)
-            evs.append(ev)
-        request.state.usage = usage(evs)
-        return {"id": cid, "object": "text_completion", "created": created, "model": req.model,
-                "choices": [{"index": i, "text": e.text, "logprobs": None, "finish_reason": e.reason}
-                            for i, e in enumerate(evs)], "usage": request.state.usage}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        req = _parse(ChatRequest, await _json_body(request))
-        request.state.model = req.model
-        _unsupported(req, chat=True)
-        check_model(req.model)
-        ids = encode_chat(req.model, req.messages)
-        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, engine.max_len - len(ids))
-        params = _params(req, max_tokens)
-        streams = submit_all(req.model, [ids], params, asyncio.get_running_loop())
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def chunk(i, text):
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                    "choices": [{"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]}
-
-        def final(i, reason):
-            choices = [] if i is None else [{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}]
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                    "choices": choices}
-
-        if req.stream:
-            include = bool((req.stream_options or {}).get("include_usage"))
-            head = [{"id": cid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}]}]
-            return StreamingResponse(sse(request, streams, chunk, final, include, head),
-                                     media_type="text/event-stream")
-        ev = await collect(request, streams[0])
-        if ev is None:
-            return Response(status_code=499)
-        check_finish(ev)
-        request.state.usage = usage([ev])
-        return {"id": cid, "object": "chat.completion", "created": created, "model": req.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": ev.text},
-                             "logprobs": None, "finish_reason": ev.reason}], "usage": request.state.usage}
-
+    app = FastAPI(title="deltazip", lifespan=routes.engine_lifespan(rt.engine), docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    routes.install(app, routes.AppState(rt, metrics))
     return app
-
-
-def variant_table(rt: Runtime, only: str | None = None) -> list[dict[str, Any]]:
-    """``GET /v1/variants`` rows (run on the engine thread, so slots and tiers do not move meanwhile).
-
-    Per variant: kind, tier (``device``/``host``/``loading``/``disk``, or ``draining`` while a delete
-    waits for its requests), bytes on disk, in the host tier (tensors its host object references,
-    shared ones included), in its device slot, bytes dedup saves it, last request (unix time) and
-    the latest disk->host and host->device load times (seconds).
-    """
-    eng, be = rt.engine, rt.backend
-    removing = eng.removing()
-    root = Path(rt.config.artifacts).resolve()
-    rows = []
-    for v in list(rt.variants):
-        if only is not None and v.name != only:
-            continue
-        slot = eng.cache.slot_of(v.name)
-        host = eng.cache.host_object(v.name)
-        st = eng.cache.stats.get(v.name)
-        try:
-            rel = str(Path(v.path).resolve().relative_to(root))
-        except ValueError:
-            rel = str(v.path)
-        rows.append({
-            "id": v.name, "object": "variant", "kind": v.kind, "path": rel,
-            "state": "draining" if v.name in removing else eng.cache.state(v.name),
-            "bytes_on_disk": v.disk_bytes,
-            "bytes_host": host.nbytes() if host is not None and hasattr(host, "nbytes") else 0,
-            "bytes_device": be.slot_bytes(slot) if slot is not None else 0,
-            "bytes_device_estimate": be.resident_estimate(v.name),
-            "bytes_dedup_saved": be.ledger.get(v.name).saved,
-            "last_used": eng.last_used.get(v.name),
-            "load_seconds": {"disk": st.disk_seconds_last if st and st.disk_loads else None,
-                             "device": st.device_seconds_last if st and st.device_loads else None},
-        })
-    return rows
-
-
-async def _json_body(request) -> Any:
-    import json
-
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})") from e
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return body
-
-
-def _parse(model_cls, body: dict):
-    """Validate a request body; pydantic's complaint becomes a 400 naming the parameter."""
-    from pydantic import ValidationError
-
-    try:
-        return model_cls.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        raise ApiError(400, f"{first.get('msg', 'invalid value')} (param: {param})", param=param) from e
 
 
 # --------------------------------------------------------------------------------------------------

@@ -437,8 +437,9 @@ class SharedWeights:
     def base(self) -> Path:
         return Path(self.meta.base)
 
-    def build_model(self, dtype, device):
-        """The base causal LM (SDPA attention, eval mode) with every weight a view of the buffer.
+    def build_model(self, dtype, device, attn_implementation: str = "sdpa"):
+        """The base causal LM (eval mode, attention ``attn_implementation``) with every weight a view
+        of the buffer.
 
         The skeleton is built on the meta device (no memory, no random init); non-persistent
         buffers (rotary tables) are computed as ``from_pretrained`` computes them; tied weights are
@@ -457,7 +458,7 @@ class SharedWeights:
         from deltazip.runtime.share.dedup_loader import _no_init_weights
 
         with init_empty_weights(include_buffers=False), _no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
         from deltazip.runtime.share.dedup_loader import state_slots  # torch-side; the owner never imports it
 
         slots = state_slots(model)
@@ -587,7 +588,7 @@ def install(shared: SharedWeights | None) -> None:
     _ATTACHED = shared
 
 
-def attached_model(base_path: Path, dtype, device):
+def attached_model(base_path: Path, dtype, device, attn_implementation: str = "sdpa"):
     """The base model over the installed shared weights, or None when none are installed here.
 
     Raises WeightShareError when the installed weights belong to another base, dtype or device
@@ -598,7 +599,7 @@ def attached_model(base_path: Path, dtype, device):
         return None
     if Path(base_path).resolve() != shared.base.resolve():
         raise WeightShareError(f"this worker maps the weights of {shared.base}, not {base_path}")
-    return shared.build_model(dtype, device)
+    return shared.build_model(dtype, device, attn_implementation)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -20,9 +20,21 @@ workers first (they may still be using the owner's CUDA slab) and the owner last
 
 **Front: one HTTP port, a small reverse proxy in the supervisor** (``--host``/``--port``), not one
 public port per worker. Why: clients get one OpenAI ``base_url``; the proxy knows how many requests
-each worker has open and sends a new one to the least busy (ties round-robin) — kernel balancing
-(``SO_REUSEPORT``) hashes connections and pins a keep-alive client to one worker; and only the proxy
-can turn a worker's death into an OpenAI-shaped error for exactly the requests that were on it:
+each worker has open and which variants it sent where — kernel balancing (``SO_REUSEPORT``) hashes
+connections and pins a keep-alive client to one worker; and only the proxy can turn a worker's death
+into an OpenAI-shaped error for exactly the requests that were on it.
+
+**Routing: variant affinity, then least busy.** Every worker loads a variant into its own device
+slots, so spreading one variant's requests over K workers pays its load K times and holds it K
+times. A generation request for a variant goes to a worker that got that variant's earlier requests
+(its *home*: the variant is likely still in its slots or host tier) while the home has fewer than
+``--max-num-seqs`` requests open (capacity); otherwise to the least busy worker (ties round-robin),
+which becomes a home too. In delta mode the base model needs no slot, so its requests always go to
+the least busy worker (in swap mode it is routed like a variant). A worker that dies loses its homes. The response header
+``x-deltazip-worker`` names the worker; ``deltazip_front_routed_total{how="affinity"|"least_busy"}``
+counts the choices.
+
+Failures:
 
 - a request that cannot connect to its worker (dead, restarting) is sent to another one;
 - a request in flight on a worker that dies gets ``502`` ``{"error": {..., "code": "worker_failed"}}``,
@@ -161,6 +173,9 @@ class WorkerPool:
         self._front = None
         self._rr = 0
         self.errors: dict[str, int] = {}
+        self.homes: dict[str, list[int]] = {}  # variant -> workers that served it (affinity routing)
+        self.capacity = cfg.max_num_seqs  # open requests a home takes before others are considered
+        self.routed = {"affinity": 0, "least_busy": 0}
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> WorkerPool:
@@ -322,6 +337,9 @@ class WorkerPool:
             quick = time.perf_counter() - w.started_at < 10
             delay = min(10.0, self.restart_backoff * 2 ** min(w.restarts, 5)) if quick else self.restart_backoff
             w.state, w.port, w.restart_at = "dead", None, time.perf_counter() + delay
+            for homes in self.homes.values():  # its slots and host tier are gone with it
+                if w.index in homes:
+                    homes.remove(w.index)
         self._close_pipes(w)
         if w.proc is not None:
             with contextlib.suppress(Exception):
@@ -360,8 +378,10 @@ class WorkerPool:
                     self._spawn(w)
 
     # -- routing ----------------------------------------------------------------------------------
-    def pick(self, exclude: set[int]) -> WorkerState | None:
-        """The ready worker with the fewest open requests (ties: round-robin); None if none."""
+    def pick(self, exclude: set[int], model: str | None = None) -> WorkerState | None:
+        """The worker for a request for ``model`` (see "Routing" in the module docstring): a home of
+        the variant with capacity, else the ready worker with the fewest open requests (ties:
+        round-robin); None if no worker is ready."""
         with self.lock:
             ready = [w for w in self.workers if w.state == "ready" and w.index not in exclude]
             # A SIGKILLed worker is a zombie until the supervisor notices; waitpid here catches it now.
@@ -370,9 +390,24 @@ class WorkerPool:
                 return None
             self._rr += 1
             n = len(self.workers)
-            best = min(ready, key=lambda w: (w.outstanding, (w.index - self._rr) % n))
+
+            def load(w: WorkerState) -> tuple[int, int]:
+                return w.outstanding, (w.index - self._rr) % n
+
+            affine = model is not None and (model != self.base_name_seen(ready) or self.cfg.mode == "swap")
+            homes = self.homes.setdefault(model, []) if affine else []
+            at_home = [w for w in ready if w.index in homes and w.outstanding < self.capacity]
+            best = min(at_home or ready, key=load)
+            self.routed["affinity" if at_home else "least_busy"] += 1
+            if affine and best.index not in homes:
+                homes.append(best.index)
             best.outstanding += 1
             return best
+
+    @staticmethod
+    def base_name_seen(ready: list[WorkerState]) -> str | None:
+        """The base model's served name, as the workers report it (None before any did)."""
+        return next((w.report["base"] for w in ready if w.report.get("base")), None)
 
     def release(self, w: WorkerState) -> None:
         with self.lock:
@@ -394,7 +429,8 @@ class WorkerPool:
         with self.lock:
             ws = [{"index": w.index, "state": w.state, "pid": w.pid, "port": w.port, "outstanding": w.outstanding,
                    "restarts": w.restarts, "ready_seconds": None if w.ready_seconds is None else round(w.ready_seconds, 3),
-                   "weights": w.report.get("weights")} for w in self.workers]
+                   "weights": w.report.get("weights"),
+                   "variants": sorted(m for m, homes in self.homes.items() if w.index in homes)} for w in self.workers]
         n = sum(w["state"] == "ready" for w in ws)
         return {"status": "ok" if n == len(ws) else ("degraded" if n else "down"), "workers_ready": n,
                 "workers": ws, "owner": {"pid": self.owner.pid if self.owner else None,
@@ -453,32 +489,49 @@ def _error(status: int, message: str, type_: str = "server_error", code: str | N
 
 def create_front(pool: WorkerPool):
     """The front's Starlette app: proxy ``/v1/*`` to the workers, answer ``/health`` and ``/metrics``."""
-    import httpx
     from starlette.applications import Starlette
-    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    state: dict[str, Any] = {}
+    front = _Front(pool)
+    methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
+    return Starlette(routes=[Route("/health", front.health), Route("/metrics", front.metrics),
+                             Route("/{path:path}", front.proxy, methods=methods)], lifespan=front.lifespan)
+
+
+class _Front:
+    """The front's handlers over one pool and one pooled HTTP client (created by the lifespan)."""
+
+    def __init__(self, pool: WorkerPool):
+        self.pool = pool
+        self.client = None
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app):
+    async def lifespan(self, _app):
+        import httpx
+
         # No read timeout: a long generation may take minutes; connects are local and quick.
-        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         try:
             yield
         finally:
-            await state["client"].aclose()
+            await self.client.aclose()
 
-    async def health(_request):
-        h = pool.health()
+    async def health(self, _request):
+        from starlette.responses import JSONResponse
+
+        h = self.pool.health()
         return JSONResponse(h, status_code=200 if h["workers_ready"] else 503)
 
-    async def metrics(_request):
-        body = await _gather_metrics(pool, state["client"])
+    async def metrics(self, _request):
+        from starlette.responses import Response
+
+        body = await _gather_metrics(self.pool, self.client)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def proxy(request):
+    async def proxy(self, request):
+        from starlette.responses import StreamingResponse
+
         path = request.url.path
         if not path.startswith("/v1"):
             return _error(404, f"no route {path}; the API is under /v1", "invalid_request_error", "not_found")
@@ -486,53 +539,72 @@ def create_front(pool: WorkerPool):
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
         target = path + (f"?{request.url.query}" if request.url.query else "")
         if path.startswith("/v1/variants") and request.method in ("POST", "PUT", "DELETE", "PATCH"):
-            return await _broadcast(pool, state["client"], request.method, target, headers, body)
-        client: httpx.AsyncClient = state["client"]
+            return await _broadcast(self.pool, self.client, request.method, target, headers, body)
+        sent = await self._send(request.method, target, headers, body, _model_of(request.method, path, body))
+        if not isinstance(sent, tuple):
+            return sent  # an error response
+        w, resp = sent
+        out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
+        out_headers["x-deltazip-worker"] = str(w.index)
+        return StreamingResponse(self._relay(w, resp), status_code=resp.status_code, headers=out_headers)
+
+    async def _send(self, method: str, target: str, headers, body: bytes, model: str | None):
+        """``(worker, streamed response)`` from the worker chosen for ``model``; a worker that cannot
+        be connected to (dead, restarting) is skipped for another. Else an error response."""
+        import httpx
+
         tried: set[int] = set()
         while True:
-            w = pool.pick(tried)
+            w = self.pool.pick(tried, model)
             if w is None:
-                pool.count_error("no_worker")
+                self.pool.count_error("no_worker")
                 return _error(503, "no server worker is ready (restarting); retry shortly", code="no_worker")
             try:
-                req = client.build_request(request.method, w.url + target, headers=headers, content=body)
-                resp = await client.send(req, stream=True)
-                break
+                req = self.client.build_request(method, w.url + target, headers=headers, content=body)
+                return w, await self.client.send(req, stream=True)
             except httpx.ConnectError:
                 # The request never reached this worker (it died or is restarting): try another.
-                pool.release(w)
+                self.pool.release(w)
                 tried.add(w.index)
             except httpx.HTTPError as e:
-                pool.release(w)
-                pool.count_error("worker_failed")
+                self.pool.release(w)
+                self.pool.count_error("worker_failed")
                 return _error(502, f"server worker {w.index} failed while handling this request "
                                    f"({type(e).__name__}); retry it", code="worker_failed")
             except BaseException:
-                pool.release(w)
+                self.pool.release(w)
                 raise
+
+    async def _relay(self, w: WorkerState, resp):
+        """The worker's body, chunk by chunk; a worker dying mid-stream ends an SSE stream with an
+        OpenAI-shaped error event (the status line is gone already)."""
+        import httpx
+
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            self.pool.count_error("worker_failed")
+            if sse:
+                err = {"error": {"message": f"server worker {w.index} failed mid-stream ({type(e).__name__})",
+                                 "type": "server_error", "param": None, "code": "worker_failed"}}
+                yield f"data: {json.dumps(err)}\n\n".encode()
+        finally:
+            self.pool.release(w)
+            await resp.aclose()
 
-        async def relay():
-            try:
-                async for chunk in resp.aiter_raw():
-                    yield chunk
-            except httpx.HTTPError as e:
-                pool.count_error("worker_failed")
-                if sse:  # the status line is gone already: end the stream with an OpenAI-shaped error event
-                    err = {"error": {"message": f"server worker {w.index} failed mid-stream ({type(e).__name__})",
-                                     "type": "server_error", "param": None, "code": "worker_failed"}}
-                    yield f"data: {json.dumps(err)}\n\n".encode()
-            finally:
-                pool.release(w)
-                await resp.aclose()
 
-        out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
-        out_headers["x-deltazip-worker"] = str(w.index)
-        return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers)
-
-    methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
-    return Starlette(routes=[Route("/health", health), Route("/metrics", metrics),
-                             Route("/{path:path}", proxy, methods=methods)], lifespan=lifespan)
+def _model_of(method: str, path: str, body: bytes) -> str | None:
+    """The ``model`` of a generation request (for affinity routing); None for anything else or a
+    body that is not a JSON object (the worker answers that one with its 400)."""
+    if method != "POST" or path not in ("/v1/completions", "/v1/chat/completions"):
+        return None
+    try:
+        model = json.loads(body).get("model")
+    except (ValueError, AttributeError):
+        return None
+    return model if isinstance(model, str) else None
 
 
 async def _broadcast(pool: WorkerPool, client, method: str, target: str, headers, body: bytes):
@@ -592,14 +664,18 @@ async def _gather_metrics(pool: WorkerPool, client) -> bytes:
         out.add_metric([str(w["index"])], w["outstanding"])
         restarts.add_metric([str(w["index"])], w["restarts"])
     errors = CounterMetricFamily("deltazip_front_errors", "Requests the front failed, by cause", labels=["cause"])
+    routed = CounterMetricFamily("deltazip_front_routed", "Requests routed to a worker, by how it was chosen "
+                                 "(affinity: a home of the variant; least_busy)", labels=["how"])
     with pool.lock:
         for cause, n in sorted(pool.errors.items()):
             errors.add_metric([cause], n)
+        for how, n in sorted(pool.routed.items()):
+            routed.add_metric([how], n)
 
     class _Collector:
         def collect(self):
             yield from families.values()
-            yield from (up, out, restarts, errors)
+            yield from (up, out, restarts, errors, routed)
 
     reg = CollectorRegistry()
     reg.register(_Collector())
@@ -673,6 +749,7 @@ def worker_main(argv: list[str] | None = None) -> int:
                 return
             time.sleep(0.01)
         rep = {"port": sock.getsockname()[1], "pid": os.getpid(), "weights": "mapped" if a.owner else "loaded",
+               "base": rt.base_name,
                "import_s": round(t_imported - t_start, 3), "attach_s": attach_s, "build_runtime_s": round(build_s, 3),
                "ready_s": round(time.perf_counter() - t_start, 3)}
         os.write(a.ready_fd, (json.dumps(rep) + "\n").encode())

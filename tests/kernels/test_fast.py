@@ -398,3 +398,110 @@ def test_warmup_runs_every_variant(backend):
         assert warmup_stack(stack, (torch.float16,), force=True) == 4
         if backend == "cpu":
             assert warmup_stack(stack, (torch.float16,)) == 0  # nothing to compile off CUDA
+
+
+# ------------------------------------------------------------------------------------------------
+# every variant with awkward activations; the accumulate mode (out=)
+# ------------------------------------------------------------------------------------------------
+
+
+def awkward(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a slice view whose storage starts one element in (2 or 4 bytes: not 16-byte aligned)
+    with an odd row stride."""
+    n, in_f = x.shape
+    wide = torch.zeros(n, in_f + 9, dtype=x.dtype)
+    view = wide[:, 1:1 + in_f]
+    view.copy_(x)
+    return view
+
+
+VARIANTS = ([("fast", b) for b in (2, 4, 8)] + [("legacy", b) for b in (2, 3, 4, 8)])
+
+
+@pytest.mark.parametrize("kernel,bits", VARIANTS)
+@pytest.mark.parametrize("sparse", [True, False], ids=["24", "dense"])
+@pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_every_variant_matches_the_reference_on_misaligned_strided_x(backend, kernel, bits, sparse, asym, dtype):
+    """Both kernels, every bit width they take, 2:4 and dense, symmetric and asymmetric, fp16 and fp32,
+    with ``x`` a misaligned slice view. (bf16 runs only on a GPU: the interpreter has no bf16, see
+    ``test_sbmm_fast_gpu_matches_reference``.)"""
+    gen = torch.Generator().manual_seed(hash((kernel, bits, sparse, asym, str(dtype))) % 2**31)
+    n, in_f, out_f = 19, 256, 80
+    deltas = [make_delta(out_f, in_f, bits, 64, sparse, asym and s != 1, gen) for s in range(3)]
+    index = random_index(n, 3, gen)
+    x = awkward(torch.randn(n, in_f, generator=gen).to(dtype))
+    assert x.storage_offset() == 1 and not x.is_contiguous()
+    stack = repack(deltas, device=backend, layout="mma" if kernel == "fast" else "transposed")
+    run = sbmm_fast if kernel == "fast" else sbmm_triton
+    xd = x if backend == "cpu" else _same_layout_on(x, backend)
+    y = run(xd, index.to(backend), stack).cpu()
+    assert_matches(y, reference.sbmm(x, index, deltas), magnitude(x, index, [reference.delta_weight(d) for d in deltas]))
+
+
+def _check_added(out, y0, ref, mag, index):
+    """``out == y0 + ref`` up to the kernels' tolerance plus one rounding of the sum; rows with index
+    -1 keep ``y0`` exactly."""
+    eps = torch.finfo(out.dtype).eps
+    want = y0.float() + ref.float()
+    bound = 2 * eps * (mag + want.abs() + y0.float().abs()) + 1e-5 * mag + 1e-6
+    assert ((out.float() - want).abs() <= bound).all()
+    assert torch.equal(out[index == -1], y0[index == -1])
+
+
+@pytest.mark.parametrize("path,split_k", [("fast", 1), ("fast", 2), ("legacy", None), ("reference", None)])
+def test_sbmm_out_adds_onto_the_base_output(backend, monkeypatch, path, split_k):
+    gen = torch.Generator().manual_seed(31)
+    deltas = [make_delta(96, 256, 4, 128, True, s == 0, gen) for s in range(3)]
+    index = random_index(12, 3, gen)
+    x = torch.randn(12, 256, generator=gen).half()
+    y0 = torch.randn(12, 96, generator=gen).half()
+    ref = reference.sbmm(x, index, deltas)
+    mag = magnitude(x, index, [reference.delta_weight(d) for d in deltas])
+    stack = repack(deltas, device=backend, layout="transposed" if path == "legacy" else "mma")
+    out = y0.clone().to(backend)  # .to() on the CPU would alias y0
+    if path == "fast":
+        got = sbmm_fast(x.to(backend), index.to(backend), stack, out=out, split_k=split_k)
+    else:
+        if path == "reference":
+            monkeypatch.setenv("DELTAZIP_FORCE_TRITON", "0")
+        before = dict(dispatch.CALLS)
+        got = dispatch.sbmm(x.to(backend), index.to(backend), stack, out=out)
+        assert dispatch.CALLS[path] == before.get(path, 0) + 1
+    assert got is out  # in place
+    _check_added(out.cpu(), y0, ref, mag, index)
+
+
+def test_sbmm_out_is_checked(backend):
+    gen = torch.Generator().manual_seed(32)
+    stack = repack([make_delta(64, 128, 4, 128, False, False, gen)], device=backend, layout="mma")
+    x = torch.randn(4, 128, generator=gen).half().to(backend)
+    idx = torch.zeros(4, dtype=torch.long, device=backend)
+    for bad in (torch.zeros(4, 65, dtype=torch.float16), torch.zeros(4, 64), torch.zeros(64, 4).half().t()):
+        with pytest.raises(ValueError, match="out must be"):
+            sbmm_fast(x, idx, stack, out=bad.to(backend))
+    with pytest.raises(ValueError, match="StackedDeltas"):
+        dispatch.sbmm(x, idx, [make_delta(64, 128, 4, 128, False, False, gen)], out=torch.zeros(4, 64).half())
+
+
+@pytest.mark.parametrize("layout", ["mma", "transposed"])
+def test_write_rows_builds_a_merged_stack_and_clear_rows_zeroes_a_member(layout):
+    """Deltas of [64, in], [64, in] and [32, in] written at rows 0, 64, 128 of one [160, in] stack give
+    the row-concatenated delta; clearing one member's rows leaves a zero delta there."""
+    gen = torch.Generator().manual_seed(41)
+    parts = [make_delta(o, 256, 4, 128, True, i == 1, gen) for i, o in enumerate((64, 64, 32))]
+    stack = StackedDeltas.allocate(2, bits=4, group_size=128, in_features=256, out_features=160, sparse=True,
+                                   asymmetric=True, layout=layout)
+    for r0, d in zip((0, 64, 128), parts):
+        stack.write(1, d, r0)
+    want = torch.cat([reference.delta_weight(d) for d in parts])
+    torch.testing.assert_close(stack.delta_weight(1), want, rtol=0, atol=0)
+    stack.clear_rows(1, 64, 64)
+    want[64:128] = 0
+    torch.testing.assert_close(stack.delta_weight(1), want, rtol=0, atol=0)
+    assert not stack.delta_weight(0).any()
+    if layout == "mma":
+        with pytest.raises(ValueError, match="multiple of 64"):
+            stack.write(1, make_delta(32, 256, 4, 128, True, False, gen), 32)  # would share a 64-row tile
+    with pytest.raises(ValueError, match="does not fit"):
+        stack.write(1, parts[0], 128)  # past the last row

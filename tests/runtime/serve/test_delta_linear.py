@@ -16,9 +16,9 @@ from torch import nn
 
 from deltazip.formats.packing import pack_delta
 from deltazip.kernels.reference import delta_weight
+from deltazip.runtime.serve.delta_embedding import decouple_embedding
 from deltazip.runtime.serve.delta_linear import (
     DeltaContext,
-    DeltaEmbedding,
     DeltaLinear,
     DeltaRMSNorm,
     is_llama_rmsnorm,
@@ -156,7 +156,7 @@ def test_base_only_batch_is_the_plain_linear_and_unbound_context_is_an_error():
 def test_embedding_and_norm_rows_read_their_variant_and_same_costs_nothing():
     torch.manual_seed(0)
     ctx = DeltaContext(3)
-    emb = DeltaEmbedding(nn.Embedding(10, 4), ctx)
+    emb = decouple_embedding(nn.Embedding(10, 4), ctx)
     own = torch.randn(10, 4)
     emb.load_slot(1, own)
     ids = torch.tensor([[1, 2], [3, 4], [5, 6]])
@@ -296,3 +296,33 @@ def test_phi_variant_with_changed_layernorms_matches_its_merged_model(tmp_path, 
                 ref = (merged if s >= 0 else base)(torch.tensor([i])).logits[0, -1]
                 torch.testing.assert_close(logits[r], ref, rtol=1e-4, atol=1e-4)
             assert (logits[2] - logits[0]).abs().max() > 1e-2  # the variant's rows differ from the base's
+
+
+@pytest.mark.parametrize("dequantize", [False, True], ids=["packed-sbmm", "dequantized"])
+def test_conv1d_rows_follow_their_slot(dequantize):
+    """GPT-2's Conv1D (weight stored [in, out], y = x W + b): packed deltas are [out, in] as for any
+    linear; a dense replacement comes in the parameter's layout; biases per row. The [B * t, in]
+    input some models pass (flattened batch-first rows) routes like [B, t, in]."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    base = Conv1D(32, 32)  # square: a dense [in, out] is told apart by layout, not by shape
+    with torch.no_grad():
+        base.bias.copy_(torch.randn(32))
+    ctx = DeltaContext(num_slots=2, dequantize=dequantize)
+    lin = DeltaLinear(base, ctx)
+    assert (lin.in_features, lin.out_features) == (32, 32)
+    d0 = _packed(32, 32, 4, False, False, 1)
+    dense, bias1 = torch.randn(32, 32), torch.randn(32)  # [in, out], as Conv1D stores it
+    lin.load_slot(0, packed=d0)
+    lin.load_slot(1, dense=dense, bias=bias1)
+    x = torch.randn(3, 4, 32)
+    ctx.bind([1, -1, 0], "cpu")
+    with torch.no_grad():
+        y = lin(x)
+        y_flat = lin(x.reshape(-1, 32)).reshape(3, 4, 32)
+    W, b = base.weight.detach(), base.bias.detach()
+    torch.testing.assert_close(y[0], x[0] @ dense + bias1)
+    torch.testing.assert_close(y[1], base(x[1:2])[0])
+    torch.testing.assert_close(y[2], x[2] @ (W + delta_weight(d0).t()) + b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y_flat, y)

@@ -333,15 +333,20 @@ def test_kv_pool_rows_grow_offload_restores_and_idle_pool_holds_nothing():
     # Each row holds exactly its real (right-aligned) new tokens.
     for i, (s, n) in enumerate(zip(seqs, new)):
         torch.testing.assert_close(pool.k[0][s.row, :, :n], k[i, :, 5 - n:])
-    # A decode step gathers every row's past in front of the new token (rows in any order).
+    # A decode step gathers every row's past right in front of its new token, right-aligned (rows in
+    # any order); the slots before a shorter row's past hold no key of it (key position -1).
     order = [3, 0, 7]
     step2 = StepKV(pool, [seqs[i] for i in order], [new[i] for i in order], [1, 1, 1])
     k2 = torch.randn(3, 2, 1, 4)
     keys2, _ = step2.update(k2, k2, 0)
-    assert keys2.shape == (3, 2, max(new[i] for i in order) + 1, 4)
+    length = max(new[i] for i in order) + 1
+    assert keys2.shape == (3, 2, length, 4)
+    key_pos, query_pos = step2.positions("cpu")
     for j, i in enumerate(order):
-        torch.testing.assert_close(keys2[j, :, :new[i]], k[i, :, 5 - new[i]:])
+        torch.testing.assert_close(keys2[j, :, length - 1 - new[i]:-1], k[i, :, 5 - new[i]:])
         torch.testing.assert_close(keys2[j, :, -1], k2[j, :, 0])
+        assert key_pos[j].tolist() == [-1] * (length - 1 - new[i]) + list(range(new[i] + 1))
+        assert query_pos[j].tolist() == [new[i]]
         seqs[i].length += 1
     # Preemption: the cache goes to the host and comes back bit for bit into another row.
     before = pool.k[0][seqs[3].row, :, :seqs[3].length].clone()
@@ -381,10 +386,12 @@ def test_kv_pool_against_per_sequence_lists_under_random_churn():
         for layer in range(2):
             ks = torch.randn(len(batch), 2, tm, 4)
             keys, values = step.update(ks, -ks, layer)
+            length = max(p + n for p, n in zip(past, new))
             for i, s in enumerate(batch):
-                got = keys[i, :, :past[i]].transpose(0, 1)
+                got = keys[i, :, length - new[i] - past[i]: length - new[i]].transpose(0, 1)
                 want = torch.stack([t[layer] for t in ref[s]]) if past[i] else got
-                assert torch.equal(got, want) and torch.equal(values[i, :, :past[i]].transpose(0, 1), -want)
+                got_v = values[i, :, length - new[i] - past[i]: length - new[i]].transpose(0, 1)
+                assert torch.equal(got, want) and torch.equal(got_v, -want)
                 assert torch.equal(keys[i, :, -new[i]:], ks[i, :, tm - new[i]:])
             if layer == 0:
                 new_tokens = [[ks[i, :, tm - n + j].clone() for j in range(n)] for i, n in enumerate(new)]
@@ -421,6 +428,9 @@ def test_chunked_prefill_keeps_decodes_going_and_outputs_equal_generate(served):
             return forward(group, row_slots)
 
         eng._forward = spy
+        # beta resident from the start: its background load would otherwise hold the long prompt back
+        # while the decoders run towards their end.
+        eng.cache.ensure(["beta"])
         rids = {eng.submit(m, tok(PROMPTS[i])["input_ids"], SamplingParams(max_tokens=40, temperature=0.0),
                            col.sink(m)): m for i, m in enumerate(("alpha", "base"))}
         eng.start()

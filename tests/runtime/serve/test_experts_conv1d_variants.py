@@ -1,10 +1,8 @@
-"""GPT-2 (Conv1D) and mixture-of-experts artifacts: refused in delta mode with one line naming the
-tensor and ``--mode swap``; served in swap mode (through merge) with the merged model's logits."""
+"""GPT-2 (Conv1D) and mixture-of-experts artifacts: served in swap mode (through merge) and in delta
+mode, both with the merged model's logits. Greedy serving of these families:
+tests/runtime/serve/test_arch_params.py (GPT-2) and tests/runtime/serve/test_moe_serving.py."""
 
 from __future__ import annotations
-
-import dataclasses
-import re
 
 import pytest
 import torch
@@ -16,16 +14,13 @@ from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
-from deltazip.runtime.serve.model import DeltaModel, SwapModels, UnsupportedVariant, discover_artifacts
+from deltazip.runtime.serve.model import DeltaModel, SwapModels, discover_artifacts
 
-# the first tensor refused names the reason: a Conv1D weight or bias, a per-expert checkpoint name that
-# is no module parameter, the router or a fused expert tensor
-CASES = [("gpt2", False, "Conv1D"), ("mixtral", False, "not a parameter"),
-         ("mixtral", True, "fused mixture-of-experts|TopKRouter")]
+CASES = [("gpt2", False), ("mixtral", False), ("mixtral", True)]
 
 
-@pytest.mark.parametrize("arch,fused,why", CASES, ids=["gpt2", "mixtral-ckpt", "mixtral-fused"])
-def test_refused_in_delta_mode_and_served_in_swap_mode(tmp_path, arch, fused, why):
+@pytest.mark.parametrize("arch,fused", CASES, ids=["gpt2", "mixtral-ckpt", "mixtral-fused"])
+def test_served_in_delta_mode_and_in_swap_mode(tmp_path, arch, fused):
     cpu = torch.device("cpu")
     with single_thread():
         base, ft = make_pair(tmp_path, arch, module_names=fused)
@@ -33,18 +28,7 @@ def test_refused_in_delta_mode_and_served_in_swap_mode(tmp_path, arch, fused, wh
         compress_delta(base, ft, None, tmp_path / "arts" / arch, cfg)
         (v,) = discover_artifacts(tmp_path / "arts")
         ck = Checkpoint(base)
-        with pytest.raises(UnsupportedVariant, match="--mode swap") as err:
-            DeltaModel(ck, [v], num_slots=1, device=cpu, dtype=torch.float32)
-        msg = str(err.value)
-        assert "\n" not in msg and re.search(why, msg) and v.name in msg
-        # the packed entries themselves, alone, are refused for what they are
-        for name, e in v.tensors.items():
-            if e.get("transposed") or e.get("experts"):
-                alone = dataclasses.replace(v, tensors={name: e})
-                what = "Conv1D weight stored" if e.get("transposed") else "fused mixture-of-experts tensor"
-                with pytest.raises(UnsupportedVariant, match=f"{re.escape(name)} is a {what}.*--mode swap"):
-                    DeltaModel(ck, [alone], num_slots=1, device=cpu, dtype=torch.float32)
-
+        _delta_mode_equals_merged(ck, v)
         swap = SwapModels(ck, [v], num_slots=1, device=cpu, dtype=torch.float32, base_name="base")
         swap.write_slot(0, v.name, swap.load_host(v.name))
         merged = load_merged_model(Artifact(v.path), ck)
@@ -52,3 +36,19 @@ def test_refused_in_delta_mode_and_served_in_swap_mode(tmp_path, arch, fused, wh
         with torch.no_grad():
             got, want = swap.models[0](input_ids=ids).logits, merged(input_ids=ids).logits
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _delta_mode_equals_merged(ck, v):
+    """Delta mode (GPT-2's Conv1D; both MoE checkpoint layouts, per-expert and fused names): the merged logits."""
+    model = DeltaModel(ck, [v], num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
+    model.write_slot(1, v.name, model.load_host(v.name))
+    merged = load_merged_model(Artifact(v.path), ck)
+    ids = torch.randint(4, 51, (2, 24), generator=torch.Generator().manual_seed(0))
+    model.ctx.bind([1, 1], "cpu")
+    try:
+        with torch.no_grad():
+            got = model.model(input_ids=ids).logits
+    finally:
+        model.ctx.unbind()
+    with torch.no_grad():
+        torch.testing.assert_close(got, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

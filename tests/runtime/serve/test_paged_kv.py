@@ -20,7 +20,7 @@ class Backend:
     """The engine's backend contract over a plain transformers model (base rows only)."""
 
     def __init__(self, model):
-        self.model, self.config, self.device = model, model.config, torch.device("cpu")
+        self.model, self.config, self.device, self.dtype = model, model.config, torch.device("cpu"), model.dtype
 
     def forward(self, row_slots, input_ids, position_ids, attention_mask, kv):
         return run_model(self.model, input_ids, position_ids, attention_mask, kv)

@@ -88,8 +88,15 @@ def test_two_workers_sharing_weights_match_the_merged_models(pool, served):
         assert got == want, f"worker {w.index}"
     via_front = [complete(pool.url, m, p, 10) for m, p in jobs]
     assert [r.json()["choices"][0]["text"] for r in via_front] == want
-    # Least-outstanding with round-robin ties spreads sequential requests over both workers.
-    assert {r.headers["x-deltazip-worker"] for r in via_front} == {"0", "1"}
+    # Affinity: under light load every request for one variant lands on one worker (it loads the
+    # variant once); the base's, which need no slot, spread least-busy with round-robin ties.
+    where: dict[str, set[str]] = {}
+    for (m, _), r in zip(jobs, via_front):
+        where.setdefault(m, set()).add(r.headers["x-deltazip-worker"])
+    assert all(len(where[m]) == 1 for m in MODELS if m != BASE), where
+    assert where[BASE] == {"0", "1"}
+    homes = {m: {w["index"] for w in pool.health()["workers"] if m in w["variants"]} for m in MODELS}
+    assert all(homes[m] == {int(i) for i in where[m]} for m in MODELS if m != BASE) and not homes[BASE]
     # SSE passes through the front chunk by chunk.
     with httpx.stream("POST", pool.url + "/v1/completions", headers=AUTH, timeout=60,
                       json={"model": "alpha", "prompt": PROMPTS[1], "max_tokens": 10, "temperature": 0,
@@ -111,6 +118,9 @@ def test_front_models_auth_health_and_metrics(pool):
     text = httpx.get(pool.url + "/metrics").text
     assert 'deltazip_worker_up{worker="0"} 1.0' in text and 'deltazip_worker_up{worker="1"} 1.0' in text
     gen = [line for line in text.splitlines() if line.startswith("deltazip_generated_tokens_total{")]
+    routed = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("deltazip_front_routed_total{")}
+    assert routed["affinity"] >= 3 and routed["least_busy"] >= 3  # 3 variants' repeats; first picks + base
     assert {line.split('worker="')[1][0] for line in gen} == {"0", "1"}  # per-worker series
     assert httpx.get(pool.url + "/nope").status_code == 404
 
@@ -248,7 +258,7 @@ def test_no_worker_ready_is_503(served):
     class Empty:
         workers, lock = [], threading.RLock()
 
-        def pick(self, exclude):
+        def pick(self, exclude, model=None):
             return None
 
         def count_error(self, kind):
@@ -364,3 +374,29 @@ def test_cuda_ipc_workers_map_the_same_device_bytes(tmp_path):
         owner.stdin.close()
         owner.terminate()
         owner.wait(30)
+
+
+def test_affinity_routing_keeps_a_variant_on_its_home_until_it_is_full(monkeypatch, tmp_path):
+    """No processes: the front's choice alone. A variant sticks to the worker that got it first while
+    that one has capacity (--max-num-seqs open requests), then overflows to the least busy, which
+    becomes a second home; the base goes least-busy; a dead worker loses its homes."""
+    from deltazip.runtime.share.workers import WorkerState
+
+    pool = WorkerPool(ServeConfig(artifacts=tmp_path, max_num_seqs=2), workers=2)
+    monkeypatch.setattr(WorkerState, "alive", lambda self: True)
+    for w in pool.workers:
+        w.state, w.report = "ready", {"base": "tiny-base"}
+    first = pool.pick(set(), "alpha")
+    other = pool.workers[1 - first.index]
+    assert pool.pick(set(), "alpha") is first  # home, though the other worker is idle
+    assert pool.pick(set(), "beta") is other  # a new variant: least busy
+    assert pool.pick(set(), "alpha") is other  # home full (2 open): overflow to the least busy
+    assert pool.homes["alpha"] == [first.index, other.index]
+    pool.release(first)
+    assert pool.pick(set(), "alpha") is first  # back under capacity: its first home again
+    busy = [w.outstanding for w in pool.workers]
+    base = pool.pick(set(), "tiny-base")
+    assert base.outstanding - 1 == min(busy) and "tiny-base" not in pool.homes
+    pool._mark_dead(first, -9)
+    assert pool.homes["alpha"] == [other.index] and pool.pick(set(), "alpha") is other
+    assert pool.routed == {"affinity": 2, "least_busy": 5}

@@ -1,0 +1,304 @@
+"""Support matrix: which architectures compress, merge, serve (delta and swap mode) and evaluate.
+
+    python bench/support.py [--quick] [--families llama,gpt2] [--doc docs/support.md] [--out DIR]
+
+For every family a tiny model (2 layers, hidden 64, the demo's 128-character vocabulary) is built in
+code from its transformers config, fine-tuned for real (Adam on a repeating-pattern task: every
+tensor moves, norms, biases, embeddings and positions included), then:
+
+- compress: ``deltazip compress`` (ΔCompress 4-bit, group 32, calibrated) of the fine-tune;
+- merge: ``deltazip merge`` of the artifact loads with transformers and is closer to the fine-tune
+  than the base is (mean squared logit error on held-out sequences);
+- serve delta / serve swap: the engine in that mode, the variant's rows in one batch with base rows;
+  every greedy output equals the merged model's ``generate``;
+- eval: ``deltazip eval``'s perplexity (default ``--batch-size 8``) of the artifact equals that of the
+  merged checkpoint (relative difference below 1e-4).
+
+A cell is ``ok``, or the first line of the error (``refused: ...`` for a one-line refusal the tool
+gives, ``fails: ...`` for anything else). Prints one JSON document (``{"bench": "support", ...}``);
+``--doc`` writes the Markdown table (docs/support.md). ``--quick``: 10 fine-tuning steps, fewer
+prompts and tokens (a few minutes on a 2-core CPU for every family).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
+             max_position_embeddings=128)
+GQA = dict(SHAPE, num_key_value_heads=2)
+FAMILIES: dict[str, tuple[str, dict, torch.dtype]] = {
+    "llama": ("llama", dict(GQA, tie_word_embeddings=True), torch.float32),
+    "llama-untied": ("llama", dict(GQA, tie_word_embeddings=False), torch.float32),
+    "llama-bf16": ("llama", dict(GQA, tie_word_embeddings=False), torch.bfloat16),
+    "mistral": ("mistral", dict(GQA, sliding_window=None), torch.float32),
+    "qwen2": ("qwen2", GQA, torch.float32),
+    "qwen3": ("qwen3", dict(GQA, head_dim=16), torch.float32),
+    "phi3": ("phi3", dict(SHAPE, num_key_value_heads=4), torch.float32),
+    "falcon": ("falcon", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, alibi=False,
+                              max_position_embeddings=128), torch.float32),
+    "falcon-alibi": ("falcon", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, alibi=True,
+                                    max_position_embeddings=128), torch.float32),
+    "stablelm": ("stablelm", dict(GQA), torch.float32),
+    "gpt_bigcode": ("gpt_bigcode", dict(n_embd=64, n_head=4, n_layer=2, n_positions=128), torch.float32),
+    "gemma": ("gemma", dict(GQA, head_dim=16), torch.float32),
+    "gemma2": ("gemma2", dict(GQA, head_dim=16, sliding_window=16), torch.float32),
+    "gemma3": ("gemma3_text", dict(GQA, head_dim=16, layer_types=["full_attention"] * 2, sliding_window=128),
+               torch.float32),
+    "gemma3-sliding": ("gemma3_text", dict(GQA, head_dim=16, layer_types=["sliding_attention", "full_attention"],
+                                           sliding_window=16), torch.float32),
+    "gpt_neox": ("gpt_neox", dict(SHAPE, rotary_pct=0.5), torch.float32),
+    "opt": ("opt", dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=2,
+                        max_position_embeddings=128, word_embed_proj_dim=64), torch.float32),
+    "gpt2": ("gpt2", dict(n_embd=64, n_head=4, n_layer=2, n_positions=128), torch.float32),
+    "bloom": ("bloom", dict(hidden_size=64, n_head=4, n_layer=2), torch.float32),
+    "mpt": ("mpt", dict(d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=128), torch.float32),
+    "mixtral": ("mixtral", dict(GQA, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=None), torch.float32),
+    "qwen2_moe": ("qwen2_moe", dict(GQA, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                                    num_experts=4, num_experts_per_tok=2), torch.float32),
+}
+CHECKS = ("compress", "merge", "serve_delta", "serve_swap", "eval")
+TEXT = ("the quick brown fox jumps over the lazy dog. " * 12
+        + "0123456789 abcdefghij klmnopqrst uvwxyz, pack my box with five dozen liquor jugs. " * 6)
+
+
+def log(msg: str) -> None:
+    print(f"[bench/support] {msg}", file=sys.stderr, flush=True)
+
+
+def machine() -> dict:
+    import os
+
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count()}
+
+
+def tiny(family: str, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, cfg, dtype = FAMILIES[family]
+    config = AutoConfig.for_model(model_type, vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2, **cfg)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def finetune(model, tok, steps: int, seed: int = 1):
+    """Adam on next-token loss over windows of a repeating sentence (fp32 master weights for bf16)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor(tok(TEXT)["input_ids"][1:])
+    dtype = next(model.parameters()).dtype
+    model.float().train()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        starts = torch.randint(0, ids.numel() - 33, (4,), generator=g)
+        batch = torch.stack([ids[s:s + 32] for s in starts.tolist()])
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.to(dtype).eval()
+
+
+def one_line(e: BaseException) -> str:
+    from deltazip.formats.errors import DeltazipError
+
+    msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    kind = "refused" if isinstance(e, DeltazipError) else "fails"
+    return f"{kind}: {msg if isinstance(e, DeltazipError) else f'{type(e).__name__}: {msg}'}"[:300]
+
+
+class Family:
+    """One family's base, fine-tune, artifact and merged checkpoint under ``root``."""
+
+    def __init__(self, name: str, root: Path, steps: int, prompts: int, tokens: int):
+        from deltazip.demo.pair import build_char_tokenizer
+
+        self.name, self.root, self.tokens = name, root, tokens
+        self.tok = build_char_tokenizer()
+        self.base_dir, self.ft_dir = root / "base", root / "ft"
+        for d, model in ((self.base_dir, tiny(name)), (self.ft_dir, finetune(tiny(name), self.tok, steps))):
+            model.save_pretrained(d, safe_serialization=True)
+            self.tok.save_pretrained(d)
+        self.art = root / "arts" / "ft"
+        self.merged_dir = root / "merged"
+        self.prompts = [self.tok(p)["input_ids"] for p in ("the quick", "pack my box", "0123", "lazy dog")[:prompts]]
+        (root / "text.txt").write_text(TEXT)
+
+    def compress(self) -> None:
+        from deltazip.compress.config import CompressConfig
+        from deltazip.compress.pipeline import compress_delta
+
+        calib = self.root / "calib.jsonl"
+        calib.write_text("".join(json.dumps({"text": TEXT[i:i + 80]}) + "\n" for i in range(0, 640, 40)))
+        cfg = CompressConfig(method="deltazip", bits=4, group_size=32, sparsity="none", nsamples=8, seqlen=32,
+                             device="cpu")
+        compress_delta(self.base_dir, self.ft_dir, str(calib), self.art, cfg)
+
+    def merge(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from deltazip.compress.checkpoint import Checkpoint
+        from deltazip.compress.merge import merge_to_dir
+        from deltazip.formats.artifact import Artifact
+
+        merge_to_dir(Artifact(self.art), Checkpoint(self.base_dir), self.merged_dir)
+        ids = torch.tensor([self.tok(TEXT[i:i + 40])["input_ids"] for i in (3, 50, 120)])
+        logits = {}
+        for k, d in (("base", self.base_dir), ("ft", self.ft_dir), ("merged", self.merged_dir)):
+            m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+            with torch.no_grad():
+                logits[k] = m(input_ids=ids).logits
+        err_m = float((logits["merged"] - logits["ft"]).pow(2).mean())
+        err_b = float((logits["base"] - logits["ft"]).pow(2).mean())
+        if not err_m < err_b:
+            raise AssertionError(f"merged model is not closer to the fine-tune than the base ({err_m:.3g} vs {err_b:.3g})")
+
+    def reference(self, model_dir: Path, prompt: list[int]) -> str:
+        from transformers import AutoModelForCausalLM
+
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.tokens, do_sample=False,
+                             pad_token_id=2, eos_token_id=1)
+        return self.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    def serve(self, mode: str) -> None:
+        from deltazip.compress.checkpoint import Checkpoint
+        from deltazip.runtime.serve.engine import (
+            Engine,
+            EngineConfig,
+            FinishEvent,
+            SamplingParams,
+            ServedVariant,
+        )
+        from deltazip.runtime.serve.model import DeltaModel, SwapModels, discover_artifacts
+
+        variants = discover_artifacts(self.art.parent)
+        ck = Checkpoint(self.base_dir)
+        if mode == "delta":
+            backend = DeltaModel(ck, variants, 2, torch.device("cpu"), torch.float32)
+        else:
+            backend = SwapModels(ck, variants, 2, torch.device("cpu"), torch.float32, "base")
+        table = {"base": ServedVariant("base", self.tok, [1], None), "ft": ServedVariant("ft", self.tok, [1], "base")}
+        eng = Engine(backend, table, "base", EngineConfig(max_deltas=2, max_cpu_deltas=2))
+        jobs = [(m, p) for p in self.prompts for m in ("ft", "base")]
+        got: dict[int, str] = {}
+        done = threading.Semaphore(0)
+
+        def sink(i):
+            def fn(ev):
+                if isinstance(ev, FinishEvent):
+                    got[i] = ev.text if ev.reason in ("stop", "length") else f"<{ev.reason}: {ev.error}>"
+                    done.release()
+            return fn
+
+        for i, (m, p) in enumerate(jobs):
+            eng.submit(m, p, SamplingParams(max_tokens=self.tokens, temperature=0.0), sink(i))
+        eng.start()
+        try:
+            for _ in jobs:
+                if not done.acquire(timeout=300):
+                    raise TimeoutError("the engine did not finish")
+        finally:
+            eng.shutdown()
+        for i, (m, p) in enumerate(jobs):
+            want = self.reference(self.merged_dir if m == "ft" else self.base_dir, p)
+            if got[i] != want:
+                raise AssertionError(f"{m} greedy output differs from the merged model's generate ({got[i]!r} vs {want!r})")
+
+    def eval(self) -> None:
+        from deltazip.runtime.eval.run import EvalOptions, run_eval
+
+        opts = EvalOptions(base=str(self.base_dir), perplexity=self.root / "text.txt", ppl_window=32,
+                           device="cpu", dtype="float32")
+        ppl = run_eval([str(self.art), str(self.merged_dir)], opts)["summary"]["perplexity"]
+        a, b = ppl["ft"]["perplexity"], ppl["merged"]["perplexity"]
+        if abs(a - b) > 1e-4 * b:
+            raise AssertionError(f"eval perplexity {a:.6g} differs from the merged checkpoint's {b:.6g}")
+
+
+def run_family(name: str, root: Path, quick: bool) -> dict:
+    t0 = time.perf_counter()
+    row: dict = {"family": name}
+    try:
+        fam = Family(name, root, steps=10 if quick else 30, prompts=2 if quick else 4, tokens=6 if quick else 12)
+    except Exception as e:  # the model cannot even be built or fine-tuned here
+        why = one_line(e).replace(f"{root.parent}/", "")
+        return {**row, **dict.fromkeys(CHECKS, why), "seconds": round(time.perf_counter() - t0, 1)}
+    needs = {"merge": "compress", "serve_delta": "merge", "serve_swap": "merge", "eval": "merge"}
+    for check in CHECKS:
+        if check in needs and row.get(needs[check]) != "ok":
+            row[check] = f"not run ({needs[check]} did not pass)"
+            continue
+        try:
+            {"compress": fam.compress, "merge": fam.merge, "serve_delta": lambda: fam.serve("delta"),
+             "serve_swap": lambda: fam.serve("swap"), "eval": fam.eval}[check]()
+            row[check] = "ok"
+        except Exception as e:  # one cell per failure: the matrix goes on
+            row[check] = one_line(e).replace(f"{root.parent}/", "")  # no temporary paths in the table
+            log(f"{name} {check}: {row[check]}")
+            if "DELTAZIP_DEBUG" in __import__("os").environ:
+                traceback.print_exc()
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def markdown(rows: list[dict], cmd: str, seconds: float) -> str:
+    """The Markdown page: the table (cells cut at 150 characters; the JSON has them whole)."""
+    head = ("# Support matrix\n\nGenerated by `" + cmd + "` (tiny models built in code, fine-tuned briefly; "
+            "see the script's docstring for what each check asserts). `ok`: the check passed; otherwise "
+            "the first line of the refusal or failure. A family that fails a check the others pass is a "
+            "bug or a missing feature, not a limit of the method.\n\n")
+    cols = ["family", *CHECKS]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [str(r[c]) if len(str(r[c])) <= 150 else str(r[c])[:149] + "…" for c in cols]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return head + "\n".join(lines) + f"\n\n{len(rows)} families in {seconds:.0f} s.\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer fine-tuning steps, prompts and tokens")
+    ap.add_argument("--families", default=None, help=f"comma-separated subset of: {','.join(FAMILIES)}")
+    ap.add_argument("--doc", type=Path, default=None, help="write the Markdown table here (docs/support.md)")
+    ap.add_argument("--out", type=Path, default=None, help="also write support.json here")
+    args = ap.parse_args(argv)
+    names = list(FAMILIES) if not args.families else [f.strip() for f in args.families.split(",") if f.strip()]
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        print(f"unknown family {unknown[0]!r}; choose from {', '.join(FAMILIES)}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="deltazip-support-") as tmp:
+        for n in names:
+            log(f"{n} ...")
+            rows.append(run_family(n, Path(tmp) / n, args.quick))
+            log(f"{n}: {json.dumps(rows[-1])}")
+    doc = {"bench": "support", "machine": machine(), "config": {"quick": args.quick, "families": names},
+           "results": rows}
+    print(json.dumps(doc, indent=1))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "support.json").write_text(json.dumps(doc, indent=1) + "\n")
+    if args.doc:
+        cmd = "python bench/support.py" + (" --quick" if args.quick else "")
+        args.doc.write_text(markdown(rows, cmd, sum(r["seconds"] for r in rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,520 @@
+"""``deltazip serve --ray``: the OpenAI-compatible server as a Ray Serve application.
+
+Two deployments behind Ray Serve's HTTP proxy (one endpoint, ``--host``/``--port``):
+
+- ``Ingress`` (one replica, no CPU reserved) reads each request's body, and forwards the raw HTTP
+  request to an engine replica through a deployment handle. Generation requests for a variant carry
+  the variant name as the multiplexed model id (what the ``serve_multiplexed_model_id`` header sets),
+  so Ray Serve routes them to a replica that already holds the variant; base-model and other requests
+  go to any replica. A request whose replica dies before answering is retried on another one.
+- ``Engine`` (``--replicas N``, or autoscaled between ``--min-replicas`` and ``--max-replicas``): each
+  replica is today's server, ``build_runtime`` + ``create_app`` (base + tiered delta cache, API key
+  check, SSE, OpenAI error shapes), called in-process as an ASGI app. Responses carry
+  ``x-deltazip-replica`` (the replica's id), which makes routing observable.
+
+``POST /v1/variants`` and ``DELETE /v1/variants/{name}`` run on one replica; when it succeeds, the
+ingress appends the change to a named Ray actor (``VariantLog``). Every forwarded request carries the
+log's version, and a replica behind it replays the missing changes (through its own app, so the
+route's checks are the same) before serving the request; health checks replay them too, so an idle
+replica catches up within ``HEALTH_PERIOD_S``; a new replica (scale-up, restart) replays the whole log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from deltazip.formats.errors import InputError
+from deltazip.runtime.serve.server import ServeConfig
+
+log = logging.getLogger("deltazip.cluster")
+APP_NAME = "deltazip"
+REPLICA_HEADER = b"x-deltazip-replica"
+HEALTH_PERIOD_S = 2.0
+RETRIES = 4  # attempts of a request whose replica died before answering
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+INSTALL_HINT = "pip install 'deltazip[cluster]'"
+
+
+@dataclass
+class RayOptions:
+    """How many engine replicas, and which Ray cluster (validated on construction).
+
+    Args:
+        address: an existing cluster (``host:port``, ``ray://host:port`` or ``auto``); None starts a
+            local one on this machine.
+        replicas: a fixed count; or ``min_replicas``/``max_replicas`` for autoscaling (default: 1 fixed).
+    """
+
+    address: str | None = None
+    replicas: int | None = None
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+
+    def __post_init__(self) -> None:
+        scaled = self.min_replicas is not None or self.max_replicas is not None
+        if self.replicas is not None and scaled:
+            raise InputError("--replicas is a fixed count; drop it or drop --min-replicas/--max-replicas")
+        if self.replicas is not None and self.replicas < 1:
+            raise InputError(f"--replicas must be >= 1, got {self.replicas}")
+        if scaled:
+            self.min_replicas = 1 if self.min_replicas is None else self.min_replicas
+            if self.max_replicas is None:
+                raise InputError("--min-replicas needs --max-replicas (the autoscaling range)")
+            if self.min_replicas < 0 or self.max_replicas < 1:
+                raise InputError(f"replica range {self.min_replicas}..{self.max_replicas}: need --min-replicas >= 0 "
+                                 f"and --max-replicas >= 1")
+            if self.min_replicas > self.max_replicas:
+                raise InputError(f"--min-replicas {self.min_replicas} is above --max-replicas {self.max_replicas}")
+        if self.address is not None and not self.address.strip():
+            raise InputError("--ray-address is empty; give host:port of the head node, or drop it for a local cluster")
+
+    @property
+    def most_replicas(self) -> int:
+        return self.max_replicas if self.max_replicas is not None else (self.replicas or 1)
+
+    def describe(self) -> str:
+        if self.max_replicas is None:
+            return f"{self.replicas or 1} engine replica(s)"
+        return f"{self.min_replicas} to {self.max_replicas} engine replicas (autoscaled)"
+
+    def scaling(self, cfg: ServeConfig) -> dict[str, Any]:
+        """Ray Serve deployment options: a fixed count, or an autoscaling range that adds a replica
+        when replicas average more than half a batch (``max_num_seqs``) of ongoing requests."""
+        if self.max_replicas is None:
+            return {"num_replicas": self.replicas or 1}
+        return {"autoscaling_config": {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                                       "initial_replicas": max(1, self.min_replicas),
+                                       "target_ongoing_requests": max(1, cfg.max_num_seqs // 2)}}
+
+
+def require_ray():
+    """``(ray, ray.serve)``, or a one-line InputError saying how to install them."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError as e:
+        raise InputError(f"--ray needs Ray Serve, which is not installed ({e}); {INSTALL_HINT}") from None
+    return ray, serve
+
+
+# --------------------------------------------------------------------------------------------------
+# The variant change log (one named actor per application)
+# --------------------------------------------------------------------------------------------------
+
+
+class VariantLog:
+    """Ordered ``/v1/variants`` changes that succeeded: ``{"method", "path", "body"}`` each."""
+
+    def __init__(self):
+        self.ops: list[dict] = []
+
+    def append(self, op: dict) -> int:
+        self.ops.append(op)
+        return len(self.ops)
+
+    def since(self, n: int) -> list[dict]:
+        return self.ops[n:]
+
+    def version(self) -> int:
+        return len(self.ops)
+
+
+def variant_log(app_name: str = APP_NAME):
+    """The application's log actor (created by whoever asks first; detached: it outlives a replica)."""
+    import ray
+
+    return ray.remote(VariantLog).options(name=f"deltazip-variant-log-{app_name}", namespace="serve",
+                                          get_if_exists=True, lifetime="detached", num_cpus=0).remote()
+
+
+# --------------------------------------------------------------------------------------------------
+# Engine replicas
+# --------------------------------------------------------------------------------------------------
+
+
+async def call_asgi(app, req: dict, extra_headers: list) -> AsyncIterator[tuple]:
+    """Run one HTTP request through an ASGI app in this process.
+
+    Args:
+        req: ``{"method", "path", "query", "headers": [(bytes, bytes)], "body": bytes}``.
+    Yields:
+        ``("start", status, headers)`` once (``extra_headers`` appended), then ``("body", bytes)``.
+        Closing the generator early (the client went away) tells the app the client disconnected.
+    """
+    out: asyncio.Queue = asyncio.Queue()
+    gone = asyncio.Event()
+    state = {"sent": False}
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": req["method"], "scheme": "http", "path": req["path"], "raw_path": req["path"].encode(),
+             "query_string": req["query"], "root_path": "", "headers": req["headers"],
+             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80)}
+
+    async def receive() -> dict:
+        if not state["sent"]:
+            state["sent"] = True
+            return {"type": "http.request", "body": req["body"], "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg: dict) -> None:
+        if msg["type"] == "http.response.start":
+            await out.put(("start", msg["status"], [*msg.get("headers", []), *extra_headers]))
+        elif msg["type"] == "http.response.body" and msg.get("body"):
+            await out.put(("body", bytes(msg["body"])))
+
+    task = asyncio.create_task(app(scope, receive, send))
+    task.add_done_callback(lambda _t: out.put_nowait(None))
+    started = False
+    try:
+        while (item := await out.get()) is not None:
+            started = True
+            yield item
+        failure = None if task.cancelled() else task.exception()
+        if failure is not None:
+            log.error("request %s %s failed: %r", req["method"], req["path"], failure)
+        if not started:  # the app raised before answering: the server's 500 shape
+            yield ("start", 500, [(b"content-type", b"application/json"), *extra_headers])
+            yield ("body", _error_json(500, f"internal server error: {type(failure).__name__}"))
+    finally:
+        gone.set()  # the app's disconnect checks see it, and cancel the engine's work
+
+
+def _engine_class(max_models: int):
+    """The engine deployment's class; ``max_models``: variants a replica reports as held (its
+    device slots), the set Ray Serve routes a variant's requests by."""
+    from ray import serve
+
+    class Engine:
+        async def __init__(self, cfg: ServeConfig, app_name: str = APP_NAME):
+            from deltazip.runtime.serve.server import Metrics, build_runtime, create_app
+
+            metrics = Metrics()
+            self.rt = await asyncio.to_thread(build_runtime, cfg, metrics)
+            self.app = create_app(self.rt, metrics)
+            self.rt.engine.start()  # create_app's lifespan is not run: no uvicorn here
+            ctx = serve.get_replica_context()
+            self.replica = ctx.replica_id.unique_id
+            self.log = variant_log(app_name)
+            self.applied, self.sync_lock, self.syncing = 0, asyncio.Lock(), None
+            await self.sync(None)
+
+        async def info(self) -> dict:
+            """The base's name, this replica's id, and how many log changes it has applied."""
+            return {"base": self.rt.base_name, "replica": self.replica, "applied": self.applied}
+
+        @serve.multiplexed(max_num_models_per_replica=max_models)
+        async def hold(self, name: str) -> str:
+            """Multiplexed "model load": start the variant's host load (no-op for unknown names,
+            which the app answers with a 404)."""
+            if name in self.rt.engine.served:
+                self.rt.engine.cache.prefetch([name])
+            return name
+
+        async def forward(self, req: dict) -> AsyncIterator[tuple]:
+            await self.sync(req.get("version"))
+            name = serve.get_multiplexed_model_id()
+            if name:
+                await self.hold(name)
+            async for item in call_asgi(self.app, req, [(REPLICA_HEADER, self.replica.encode())]):
+                yield item
+
+        async def sync(self, upto: int | None) -> None:
+            """Replay the log's changes this replica has not applied (all of them when ``upto`` is
+            None, else only if it is behind ``upto``)."""
+            if upto is not None and upto <= self.applied:
+                return
+            async with self.sync_lock:
+                for op in await self.log.since.remote(self.applied):
+                    await self.replay(op)
+                    self.applied += 1
+
+        async def replay(self, op: dict) -> None:
+            key = self.rt.config.api_key
+            headers = [(b"content-type", b"application/json")]
+            if key:
+                headers.append((b"authorization", f"Bearer {key}".encode()))
+            req = {"method": op["method"], "path": op["path"], "query": b"", "headers": headers,
+                   "body": json.dumps(op["body"]).encode() if op["body"] is not None else b""}
+            status = None
+            async for item in call_asgi(self.app, req, []):
+                status = item[1] if item[0] == "start" else status
+            # 409/404: this replica made the change itself (it answered the original request).
+            log.info("replica %s replayed %s %s: %s", self.replica, op["method"], op["path"], status)
+
+        async def check_health(self) -> None:
+            eng = self.rt.engine
+            if eng._thread is None or not eng._thread.is_alive():
+                raise RuntimeError("the engine thread is not running")
+            if self.syncing is None or self.syncing.done():  # an idle replica catches up here
+                self.syncing = asyncio.create_task(self.sync(None))
+
+        def __del__(self):
+            rt = getattr(self, "rt", None)
+            if rt is not None:
+                rt.engine.shutdown()
+
+    return Engine
+
+
+# --------------------------------------------------------------------------------------------------
+# Ingress
+# --------------------------------------------------------------------------------------------------
+
+
+def _error_json(status: int, message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": None}}).encode()
+
+
+def routing_model(method: str, path: str, body: bytes) -> str | None:
+    """The ``model`` of a generation request (None for other routes or a body that is not JSON: the
+    replica answers those, with the usual errors)."""
+    if method != "POST" or path.rstrip("/") not in GENERATE_PATHS:
+        return None
+    try:
+        model = json.loads(body).get("model")
+    except (ValueError, AttributeError):
+        return None
+    return model if isinstance(model, str) else None
+
+
+def admin_op(method: str, path: str, body: bytes, status: int, answer: bytes) -> dict | None:
+    """The log entry of a ``/v1/variants`` change that succeeded, else None."""
+    if not 200 <= status < 300:
+        return None
+    if method == "POST" and path.rstrip("/") == "/v1/variants":
+        sent = json.loads(body)
+        return {"method": "POST", "path": "/v1/variants",
+                "body": {"path": sent["path"], "name": json.loads(answer).get("id", sent.get("name"))}}
+    if method == "DELETE" and path.startswith("/v1/variants/"):
+        return {"method": "DELETE", "path": path, "body": None}
+    return None
+
+
+class Ingress:
+    """Forwards every HTTP request to an engine replica (see the module docstring)."""
+
+    def __init__(self, engine, app_name: str = APP_NAME):
+        self.engine = engine
+        self.log = variant_log(app_name)
+        self.version: int | None = None
+        self.base: str | None = None
+        self.admin_lock = asyncio.Lock()
+
+    async def __call__(self, request):
+        from ray.exceptions import RayActorError
+        from starlette.responses import Response, StreamingResponse
+
+        if self.version is None:  # first request (or a restarted ingress): where the log stands
+            self.version = await self.log.version.remote()
+            self.base = (await self.engine.info.remote())["base"]
+        body = await request.body()
+        method, path = request.method, request.url.path
+        req = {"method": method, "path": path, "query": request.url.query.encode(), "body": body,
+               "headers": [(k.encode(), v.encode()) for k, v in request.headers.items()], "version": self.version}
+        model = routing_model(method, path, body)
+        variant = model if model and model != self.base else ""  # base requests: any replica
+        admin = path.startswith("/v1/variants") and method in ("POST", "DELETE")
+        try:
+            async with self.admin_lock if admin else contextlib.nullcontext():  # changes: one at a time, in order
+                start, gen = await self._open(req, variant)
+                if admin:
+                    answer = b"".join([item[1] async for item in gen])
+                    op = admin_op(method, path, body, start[1], answer)
+                    if op is not None:
+                        self.version = await self.log.append.remote(op)
+                    return self._response(start, Response(answer, status_code=start[1]))
+        except RayActorError as e:
+            return Response(_error_json(503, f"no engine replica could take the request ({type(e).__name__}); "
+                                             "retry later"), status_code=503, media_type="application/json")
+        sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start[2])
+        return self._response(start, StreamingResponse(self._relay(gen, sse), status_code=start[1]))
+
+    @staticmethod
+    def _response(start: tuple, resp):
+        resp.raw_headers = [(k, v) for k, v in start[2] if k.lower() != b"content-length"] + \
+            [(k, v) for k, v in resp.raw_headers if k.lower() == b"content-length"]
+        return resp
+
+    async def _open(self, req: dict, variant: str):
+        """Send ``req`` to a replica; returns its start message and the rest of its answer. Retries
+        on another replica when the chosen one dies before answering (nothing reached the client)."""
+        from ray.exceptions import RayActorError
+
+        for attempt in range(RETRIES):
+            gen = self.engine.options(stream=True, multiplexed_model_id=variant).forward.remote(req)
+            try:
+                return await gen.__anext__(), gen
+            except RayActorError:
+                if attempt == RETRIES - 1:
+                    raise
+                log.warning("an engine replica died before answering %s %s; retrying", req["method"], req["path"])
+                await asyncio.sleep(0.5 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    async def _relay(gen, sse: bool) -> AsyncIterator[bytes]:
+        from ray.exceptions import RayActorError
+
+        try:
+            async for item in gen:
+                yield item[1]
+        except RayActorError as e:  # the replica died mid-answer: a stream ends with an error event
+            log.warning("an engine replica died while answering: %s", type(e).__name__)
+            if sse:
+                yield b"data: " + _error_json(503, "the engine replica serving this request died") + b"\n\n"
+        finally:
+            gen.cancel()  # the client went away (or we are done): the replica's app sees a disconnect
+
+
+# --------------------------------------------------------------------------------------------------
+# The application and the command
+# --------------------------------------------------------------------------------------------------
+
+
+def build_app(cfg: ServeConfig, opts: RayOptions, num_gpus: float = 0.0, app_name: str = APP_NAME):
+    """The Ray Serve application (``serve.run(build_app(...), route_prefix="/")``)."""
+    from ray import serve
+
+    engine = serve.deployment(
+        _engine_class(cfg.max_deltas), name="Engine", **opts.scaling(cfg),
+        # The engine queues and batches; Serve only bounds what it sends one replica (queue + batch).
+        max_ongoing_requests=cfg.max_queue + cfg.max_num_seqs, health_check_period_s=HEALTH_PERIOD_S,
+        ray_actor_options={"num_cpus": 1, "num_gpus": num_gpus},
+    ).bind(cfg, app_name)
+    ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=100_000,
+                               ray_actor_options={"num_cpus": 0})
+    return ingress.bind(engine, app_name)
+
+
+def app_builder(args: dict):
+    """``serve run deltazip.runtime.cluster.ray_app:app_builder artifacts=DIR [replicas=N | min_replicas=A
+    max_replicas=B] [KEY=VALUE of ServeConfig...]`` (and a KubeRay RayService's ``import_path``)."""
+    args = dict(args)
+    opts = RayOptions(**{k: int(args.pop(k)) for k in ("replicas", "min_replicas", "max_replicas") if k in args})
+    fields = ServeConfig.__dataclass_fields__
+    unknown = sorted(set(args) - set(fields))
+    if unknown:
+        raise InputError(f"unknown application args {unknown}; use ServeConfig's fields (artifacts, base, max_deltas...)")
+
+    def typed(k: str, v):  # args from a YAML config arrive as strings (or YAML scalars)
+        kind = fields[k].type
+        if kind == "bool":
+            return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes")
+        return int(v) if kind in ("int", "int | None") and v is not None else v
+
+    cfg = ServeConfig(**{k: typed(k, v) for k, v in args.items()})
+    return build_app(cfg, opts, num_gpus=1.0 if cfg.device.startswith("cuda") else 0.0)
+
+
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """A one-line InputError when ``host:port`` (or ``ray://host:port``) does not accept connections."""
+    hostport = address.removeprefix("ray://")
+    if address == "auto" or ":" not in hostport:
+        return
+    host, _, port = hostport.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except (OSError, ValueError) as e:
+        raise InputError(f"--ray-address {address} cannot be reached ({e}); start the head with `ray start --head` "
+                         f"and pass its address, or drop --ray-address for a local cluster") from None
+
+
+def connect(opts: RayOptions) -> bool:
+    """Join the cluster at ``opts.address``, or start a local one; True when one was started here."""
+    import ray
+
+    if opts.address is None:
+        # Logical CPUs: one per engine replica; the ingress and the log actor take none.
+        ray.init(num_cpus=opts.most_replicas + 1, include_dashboard=False, namespace="deltazip",
+                 logging_level=logging.WARNING)
+        return True
+    check_reachable(opts.address)
+    try:
+        ray.init(address=opts.address, namespace="deltazip", logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise InputError(f"--ray-address {opts.address}: cannot join the Ray cluster ({str(e).splitlines()[0]}); "
+                         f"check the head's address (`ray status` on it)") from None
+    return False
+
+
+def replica_gpus(cfg: ServeConfig) -> float:
+    """One GPU per replica when the replicas compute on CUDA (``--device cuda``, or ``auto`` on a
+    cluster that has GPUs)."""
+    import ray
+
+    if cfg.device.startswith("cuda"):
+        return 1.0
+    return 1.0 if cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+
+
+def deploy(cfg: ServeConfig, opts: RayOptions, app_name: str = APP_NAME) -> None:
+    """Start Serve's HTTP proxy on ``cfg.host:cfg.port`` and run the application (returns when every
+    replica is up). Needs a connected Ray (``connect``)."""
+    from ray import serve
+
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    try:
+        serve.run(build_app(cfg, opts, replica_gpus(cfg), app_name), name=app_name, route_prefix="/")
+    except RuntimeError as e:  # a replica that cannot start (its error is in the message)
+        raise InputError(f"the Ray Serve application did not start: {str(e).strip().splitlines()[-1]}") from None
+
+
+def serve_forever(cfg: ServeConfig, opts: RayOptions, on_ready=None) -> None:
+    """``deltazip serve --ray``: check the input, connect (or start a local cluster), deploy, and
+    serve until SIGINT/SIGTERM, then delete the application and stop a cluster started here.
+
+    Args:
+        on_ready: ``(cfg) -> None``, called once every replica is up (``cfg.port``: the bound port).
+    """
+    import signal
+    import threading
+
+    from deltazip.runtime.serve.listen import bind_listen_socket
+    from deltazip.runtime.serve.model import open_served_base
+    from deltazip.runtime.serve.variant_sources import discover_variants
+
+    require_ray()
+    # Bad artifacts and a busy port are one line now, not a replica's traceback once Ray is up. On a
+    # remote cluster the proxy binds on the head node, whose ports this machine cannot check.
+    open_served_base(discover_variants(cfg.artifacts, allow_empty=cfg.base is not None), cfg.base)
+    if opts.address is None:
+        with bind_listen_socket(cfg.host, cfg.port) as sock:
+            cfg.port = sock.getsockname()[1]  # --port 0: a free one (Serve's proxy needs a number)
+    started = connect(opts)  # raises (one line) before anything needs undoing
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        deploy(cfg, opts)
+        if on_ready is not None:
+            on_ready(cfg)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        shutdown(started)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def shutdown(started_here: bool, app_name: str = APP_NAME) -> None:
+    """Delete the application (and its log actor); stop the local cluster if this process started it."""
+    import ray
+    from ray import serve
+
+    try:
+        if started_here:
+            serve.shutdown()
+        else:  # a shared cluster: remove only what this command deployed
+            serve.delete(app_name)
+        ray.kill(ray.get_actor(f"deltazip-variant-log-{app_name}", namespace="serve"))
+    except (ValueError, RuntimeError):
+        pass  # never deployed, or already gone
+    finally:
+        ray.shutdown()

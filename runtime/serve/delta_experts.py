@@ -1,0 +1,419 @@
+"""Mixture-of-experts layers in delta mode: per-row routers and per-(slot, expert) expert deltas.
+
+transformers 5 keeps a MoE layer's experts fused (``MixtralExperts``, ``Qwen2MoeExperts``,
+``Qwen3MoeExperts``: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) beside a router module
+(``*TopKRouter``, weight ``[E, H]``, not an ``nn.Linear``). Shared experts and their gate
+(Qwen2-MoE) are plain ``nn.Linear`` and are decoupled like any other linear.
+
+- :class:`DeltaRouter`: the router with a per-row weight. Rows of a slot whose variant changed the
+  router go through transformers' own router forward with that slot's weight
+  (``torch.func.functional_call``), so softmax, top-k and renormalisation are the model's code.
+- :class:`DeltaExperts`: the experts module. A batch with no expert delta runs the original module
+  (whatever ``experts_implementation`` the model uses). Otherwise every routed (token, expert) pair
+  ``p`` is a row: ``gate_up = x W_gu[e]ᵀ + x Δ_gu(s, e)ᵀ``, the module's own ``_apply_gate``,
+  ``y = h W_d[e]ᵀ + h Δ_d(s, e)ᵀ``, times the pair's routing weight, summed over the token's ``k``
+  pairs (as transformers' grouped/batched forwards do). The base products are grouped by expert, the
+  delta products by (slot, expert) in one SBMM call per configuration
+  (``deltazip.kernels.dispatch.sbmm_experts``; a stack of ``N * E`` entries, entry ``s * E + e``).
+- :class:`MoeLayout`: where an artifact's tensors land: the fused names themselves or the
+  per-expert names ``save_pretrained`` writes (``block_sparse_moe.experts.3.w1.weight``), mapped
+  through ``deltazip.compress.layer_map`` (transformers' own save-side conversion).
+
+A variant's expert tensor is held per piece: rows ``[row0, row1)`` of the parameter seen as
+``[E * out, in]`` (always within one expert, or all experts of a fused tensor), keyed
+``"param:row0:row1"`` in the host entry; a packed additive piece stays packed (or is dequantized in
+``dequantized`` compute mode), anything else becomes a dense delta in the model dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltazip.kernels import dispatch
+from deltazip.kernels.packed import PackedDelta
+from deltazip.kernels.reference import delta_weight
+from deltazip.kernels.stacked import StackedDeltas, config_key
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+def is_fused_experts(mod: nn.Module) -> bool:
+    """A transformers 5 fused-experts module this runtime can decouple (``[E, out, in]``, gated, no bias)."""
+    n = getattr(mod, "num_experts", None)
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        return False
+    ps = dict(mod.named_parameters(recurse=False))
+    return (all(p in ps and ps[p].dim() == 3 and ps[p].shape[0] == n for p in EXPERT_PARAMS)
+            and not getattr(mod, "is_transposed", False) and not getattr(mod, "has_bias", False)
+            and getattr(mod, "has_gate", True) and hasattr(mod, "_apply_gate"))
+
+
+def token_slots(ctx, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Slot of every row of a MoE block's flattened input ``[B * t, H]``: int64 ``[B * t]``."""
+    b = ctx.row_slot.shape[0]
+    return ctx.token_index(hidden_states.reshape(b, -1, hidden_states.shape[-1]))
+
+
+def grouped_matmul(x: torch.Tensor, groups: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``y[p] = x[p] @ weights[groups[p]].T``; zeros where the group is -1. One GEMM per group present.
+
+    Args:
+        x: ``[P, in]``; groups: int64 ``[P]``; weights: ``[G, out, in]``.
+    Returns:
+        ``[P, out]`` in ``weights.dtype``.
+    """
+    y = torch.zeros(x.shape[0], weights.shape[1], dtype=weights.dtype, device=x.device)
+    valid = (groups >= 0).nonzero(as_tuple=True)[0]
+    if not valid.numel():
+        return y
+    order = valid[torch.argsort(groups[valid], stable=True)]
+    ids, counts = torch.unique_consecutive(groups[order], return_counts=True)
+    start = 0
+    for g, c in zip(ids.tolist(), counts.tolist()):  # one host sync for the whole layout
+        rows = order[start:start + c]
+        y[rows] = F.linear(x[rows].to(weights.dtype), weights[g])
+        start += c
+    return y
+
+
+# --------------------------------------------------------------------------------------------------
+# Router
+# --------------------------------------------------------------------------------------------------
+
+
+class DeltaRouter(nn.Module):
+    """A MoE router whose rows of a changed variant use that variant's router weight ``[E, H]``.
+
+    The slot references the weight it is given (no copy). Outputs are the router's own
+    ``(logits, scores, indices)``, each row computed by transformers' forward with its slot's weight.
+    """
+
+    def __init__(self, base: nn.Module, ctx):
+        super().__init__()
+        self.weight = base.weight
+        self._inner = [base]  # not a submodule: its parameter is ours already
+        self.ctx = ctx
+        self._tables: dict[int, torch.Tensor] = {}
+
+    def clear_slot(self, slot: int) -> None:
+        self._tables.pop(slot, None)
+
+    def load_slot(self, slot: int, weight: torch.Tensor) -> None:
+        if tuple(weight.shape) != tuple(self.weight.shape):
+            raise ValueError(f"router weight {tuple(weight.shape)} != base {tuple(self.weight.shape)}")
+        self._tables[slot] = weight.to(device=self.weight.device, dtype=self.weight.dtype)
+
+    def resident_bytes(self, slot: int) -> int:
+        return 0 if slot not in self._tables else self.weight.numel() * self.weight.element_size()
+
+    def forward(self, hidden_states: torch.Tensor):
+        inner = self._inner[0]
+        changed = self._tables.keys() & self.ctx.active
+        if not changed:
+            return inner(hidden_states)
+        h = hidden_states.reshape(-1, hidden_states.shape[-1])
+        idx = token_slots(self.ctx, h)
+        outs = [t.clone() for t in inner(h)]
+        for s in sorted(changed):
+            rows = (idx == s).nonzero(as_tuple=True)[0]
+            if not rows.numel():
+                continue
+            mine = torch.func.functional_call(inner, {"weight": self._tables[s]}, (h[rows],))
+            for o, m in zip(outs, mine):
+                o[rows] = m.to(o.dtype)
+        return tuple(outs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Experts
+# --------------------------------------------------------------------------------------------------
+
+
+def piece_key(param: str, row0: int, row1: int) -> str:
+    """Host-entry key of a piece of an expert parameter (rows of its ``[E * out, in]`` view)."""
+    return f"{param}:{row0}:{row1}"
+
+
+def parse_piece_key(key: str) -> tuple[str, int, int]:
+    param, r0, r1 = key.rsplit(":", 2)
+    return param, int(r0), int(r1)
+
+
+def _rows(d: PackedDelta, r0: int, r1: int) -> PackedDelta:
+    def cut(t):
+        return None if t is None else t[r0:r1]
+
+    return PackedDelta(cut(d.qweight), cut(d.scales), cut(d.zeros), cut(d.positions), d.bits, d.group_size,
+                       d.in_features, r1 - r0)
+
+
+def _zero_packed(like: PackedDelta, rows: int) -> PackedDelta:
+    """An all-zero delta of ``rows`` rows in ``like``'s configuration (scale 0: every value is 0)."""
+    def z(t):
+        return None if t is None else torch.zeros(rows, *t.shape[1:], dtype=t.dtype, device=t.device)
+
+    return PackedDelta(z(like.qweight), z(like.scales), z(like.zeros), z(like.positions), like.bits,
+                       like.group_size, like.in_features, rows)
+
+
+def _cat_rows(parts: list[PackedDelta]) -> PackedDelta | None:
+    """Rows of deltas of one configuration stacked into one delta (None when configurations differ)."""
+    first = parts[0]
+    if any(config_key(p)[:3] != config_key(first)[:3] for p in parts):
+        return None
+    asym = any(p.zeros is not None for p in parts)
+
+    def zeros(p):
+        if p.zeros is not None:
+            return p.zeros
+        return torch.full(tuple(p.scales.shape), 2 ** (p.bits - 1), dtype=torch.uint8, device=p.scales.device)
+
+    return PackedDelta(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                       torch.cat([zeros(p) for p in parts]) if asym else None,
+                       None if first.positions is None else torch.cat([p.positions for p in parts]),
+                       first.bits, first.group_size, first.in_features, sum(p.out_features for p in parts))
+
+
+@dataclass
+class _ParamDeltas:
+    """The deltas of one expert parameter ``[E, out, in]`` across slots: packed stacks of ``N * E``
+    entries (one per configuration) and a dense ``[N * E, out, in]`` table, entry ``s * E + e``."""
+
+    stacks: dict[tuple, StackedDeltas] = field(default_factory=dict)
+    present: dict[tuple, torch.Tensor] = field(default_factory=dict)  # bool [N * E + 1] by entry + 1
+    packed_at: dict[int, tuple] = field(default_factory=dict)  # entry -> its stack's configuration
+    dense: torch.Tensor | None = None
+    dense_at: set[int] = field(default_factory=set)
+
+
+class DeltaExperts(nn.Module):
+    """Fused experts with per-(slot, expert) deltas (module docstring).
+
+    Args:
+        base: the model's fused experts module (``gate_up_proj``, ``down_proj``, ``_apply_gate``).
+        ctx: the model's ``DeltaContext`` (``ctx.dequantize``: packed pieces are held dense).
+    """
+
+    def __init__(self, base: nn.Module, ctx):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = base.gate_up_proj, base.down_proj
+        self.num_experts = base.num_experts
+        self._inner = [base]
+        self.ctx = ctx
+        self._deltas = {p: _ParamDeltas() for p in EXPERT_PARAMS}
+        self._slot_entries: dict[int, set[tuple[str, int]]] = {}  # slot -> {(param, entry)}
+
+    @property
+    def _slots(self) -> set[int]:
+        return set(self._slot_entries)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, slots={self.ctx.num_slots}"
+
+    # -- host side ------------------------------------------------------------------------------
+    def host_dense(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A piece given as the variant's full tensor (checkpoint shape): its delta to the base,
+        ``[row1 - row0, in]`` in the model dtype (computed in fp32)."""
+        param, r0, r1 = parse_piece_key(key)
+        base = getattr(self, param)
+        rows = base.detach().reshape(-1, base.shape[-1])[r0:r1].to(device=tensor.device, dtype=torch.float32)
+        return (tensor.reshape(r1 - r0, -1).float() - rows).to(base.dtype)
+
+    def host_weight(self, key: str, delta: PackedDelta) -> torch.Tensor:
+        """A packed non-additive piece (a full compressed weight): its delta to the base, dense."""
+        return self.host_dense(key, delta_weight(delta))
+
+    # -- slot management (engine thread, between forwards) ---------------------------------------
+    def clear_slot(self, slot: int) -> None:
+        for param, entry in self._slot_entries.pop(slot, set()):
+            d = self._deltas[param]
+            cfg = d.packed_at.pop(entry, None)
+            if cfg is not None:
+                d.present[cfg][entry + 1] = False
+            d.dense_at.discard(entry)
+
+    def load_slot(self, slot: int, **pieces) -> None:
+        """Put a variant's expert pieces (keys ``"param:row0:row1"``; values an additive
+        ``PackedDelta`` or a dense delta ``[rows, in]``) into ``slot``; experts without a piece stay base."""
+        self.clear_slot(slot)
+        by_expert: dict[tuple[str, int], list[tuple[int, object]]] = {}
+        for key, value in pieces.items():
+            param, r0, r1 = parse_piece_key(key)
+            out = getattr(self, param).shape[1]
+            for e in range(r0 // out, (r1 - 1) // out + 1):  # a fused piece covers every expert
+                lo, hi = max(r0, e * out), min(r1, (e + 1) * out)
+                part = value[lo - r0:hi - r0] if isinstance(value, torch.Tensor) else _rows(value, lo - r0, hi - r0)
+                by_expert.setdefault((param, e), []).append((lo - e * out, part))
+        entries = set()
+        for (param, e), parts in by_expert.items():
+            self._write(param, slot * self.num_experts + e, sorted(parts, key=lambda p: p[0]))
+            entries.add((param, slot * self.num_experts + e))
+        if entries:
+            self._slot_entries[slot] = entries
+
+    def _write(self, param: str, entry: int, parts: list[tuple[int, object]]) -> None:
+        base = getattr(self, param)
+        out, in_f = base.shape[1], base.shape[2]
+        d = self._deltas[param]
+        packed = [p for _, p in parts if isinstance(p, PackedDelta)]
+        whole = None
+        if len(packed) == len(parts) and not self.ctx.dequantize:
+            filled, pos = [], 0
+            for r0, p in parts + [(out, None)]:
+                if r0 > pos:
+                    filled.append(_zero_packed(packed[0], r0 - pos))
+                if p is not None:
+                    filled.append(p)
+                    pos = r0 + p.out_features
+            whole = _cat_rows(filled)
+        if whole is not None:
+            cfg = config_key(whole)
+            stack = d.stacks.get(cfg)
+            if stack is not None and whole.zeros is not None and not stack.asymmetric:
+                stack = self._regrow(d, cfg, asymmetric=True)
+            if stack is None:
+                n = self.ctx.num_slots * self.num_experts
+                stack = d.stacks[cfg] = StackedDeltas.allocate(
+                    n, bits=whole.bits, group_size=whole.group_size, in_features=in_f, out_features=out,
+                    sparse=whole.sparse, asymmetric=whole.zeros is not None, device=base.device)
+                d.present[cfg] = torch.zeros(n + 1, dtype=torch.bool, device=base.device)
+            stack.write(entry, whole)
+            d.present[cfg][entry + 1] = True
+            d.packed_at[entry] = cfg
+            return
+        if d.dense is None:
+            d.dense = torch.zeros(self.ctx.num_slots * self.num_experts, out, in_f, dtype=base.dtype,
+                                  device=base.device)
+        rows = d.dense[entry]
+        rows.zero_()
+        for r0, p in parts:
+            w = delta_weight(p) if isinstance(p, PackedDelta) else p
+            rows[r0:r0 + w.shape[0]].copy_(w.to(device=rows.device, dtype=rows.dtype))
+        d.dense_at.add(entry)
+
+    def _regrow(self, d: _ParamDeltas, cfg: tuple, asymmetric: bool) -> StackedDeltas:
+        """A symmetric stack rebuilt asymmetric (explicit zero points), keeping its entries."""
+        old = d.stacks[cfg]
+        new = StackedDeltas.allocate(old.num_deltas, bits=old.bits, group_size=old.group_size,
+                                     in_features=old.in_features, out_features=old.out_features, sparse=old.sparse,
+                                     asymmetric=asymmetric, device=old.device)
+        for entry, c in d.packed_at.items():
+            if c == cfg:
+                new.write(entry, old.unstack(entry))
+        d.stacks[cfg] = new
+        return new
+
+    def resident_bytes(self, slot: int) -> int:
+        """Device bytes of slot ``slot``'s expert deltas (its entries of the stacks and dense tables)."""
+        total = 0
+        for param, entry in self._slot_entries.get(slot, ()):
+            d = self._deltas[param]
+            if entry in d.packed_at:
+                stack = d.stacks[d.packed_at[entry]]
+                total += stack.nbytes() // stack.num_deltas
+            elif entry in d.dense_at:
+                total += d.dense[entry].numel() * d.dense.element_size()
+        return total
+
+    # -- forward --------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """``hidden_states [T, H]``, ``top_k_index``/``top_k_weights [T, k]`` -> ``[T, H]``."""
+        inner = self._inner[0]
+        if not (self._slots & self.ctx.active):
+            return inner(hidden_states, top_k_index, top_k_weights)
+        t, k = top_k_index.shape
+        expert = top_k_index.reshape(-1).to(torch.int64)  # [P], P = T * k, token-major
+        slot = token_slots(self.ctx, hidden_states).repeat_interleave(k)  # [P]
+        x = hidden_states.repeat_interleave(k, dim=0)  # [P, H]
+        h = inner._apply_gate(self._project("gate_up_proj", x, slot, expert))
+        y = self._project("down_proj", h, slot, expert)
+        y = y * top_k_weights.reshape(-1, 1)
+        return y.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _project(self, param: str, x: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """``x[p] @ (W[e] + Δ(s, e)).T`` for every pair ``p = (s, e)``: ``[P, in]`` -> ``[P, out]``."""
+        weight = getattr(self, param)
+        y = grouped_matmul(x, expert, weight)
+        d = self._deltas[param]
+        entry = torch.where(slot >= 0, slot * self.num_experts + expert, torch.full_like(slot, -1))
+        for cfg, stack in d.stacks.items():
+            has = d.present[cfg][entry + 1]
+            local = torch.where(has, slot, torch.full_like(slot, -1))
+            y = y + dispatch.sbmm_experts(x, local, expert, stack, self.num_experts).to(y.dtype)
+        if d.dense_at:
+            dense = torch.zeros(d.dense.shape[0] + 1, dtype=torch.bool, device=x.device)
+            dense[[e + 1 for e in d.dense_at]] = True
+            y = y + grouped_matmul(x, torch.where(dense[entry + 1], entry, torch.full_like(entry, -1)), d.dense)
+        return y
+
+
+# --------------------------------------------------------------------------------------------------
+# Where an artifact's tensors land
+# --------------------------------------------------------------------------------------------------
+
+
+class MoeLayout:
+    """The fused-experts modules and routers of a model, and the checkpoint names that land on them.
+
+    Args:
+        model: the base causal LM (transformers 5).
+    """
+
+    def __init__(self, model: nn.Module):
+        from deltazip.compress.model_walk import decoder_layers
+
+        self.model = model
+        self.experts: dict[str, nn.Module] = {}  # qualified module name -> fused experts module
+        self.routers: dict[str, nn.Module] = {}
+        self.layers: dict[str, nn.Module] = {}  # layer prefix ("model.layers.3.") -> layer
+        self._maps: dict[tuple[str, frozenset], dict[str, object]] = {}
+        modules = dict(model.named_modules())
+        if not any(is_fused_experts(m) for m in modules.values()):
+            return
+        lname, layers = decoder_layers(model)
+        for i, layer in enumerate(layers):
+            for name, m in layer.named_modules():
+                if not is_fused_experts(m):
+                    continue
+                qual = f"{lname}.{i}.{name}"
+                self.experts[qual] = m
+                self.layers[f"{lname}.{i}."] = layer
+                parent = qual.rpartition(".")[0]
+                for cname, child in modules[parent].named_children():
+                    w = getattr(child, "weight", None)
+                    if (child is not m and not isinstance(child, nn.Linear) and isinstance(w, torch.Tensor)
+                            and w.dim() == 2 and w.shape[0] == m.num_experts):
+                        self.routers[f"{parent}.{cname}"] = child
+
+    def targets(self, shapes: dict[str, list[int]]) -> dict[str, tuple[str, str, str]]:
+        """Where a variant's tensors on experts modules and routers land: checkpoint name ->
+        ``(module, kind, attr)``, kind ``"experts"`` (attr a piece key) or ``"router"`` (attr
+        ``"weight"``). Other tensors are not in the answer.
+
+        Args:
+            shapes: every tensor name of the variant -> its shape (checkpoint layout).
+        """
+        if not self.layers:
+            return {}
+        from deltazip.compress.layer_map import map_layer
+
+        out: dict[str, tuple[str, str, str]] = {}
+        for prefix, layer in self.layers.items():
+            key = (prefix, frozenset(n for n in shapes if n.startswith(prefix)))
+            pieces = self._maps.get(key)
+            if pieces is None:
+                m = map_layer(self.model, prefix, layer, key[1], lambda n: tuple(shapes[n]))
+                pieces = self._maps[key] = m.pieces
+            for name, pc in pieces.items():
+                mname, _, attr = (prefix + pc.param).rpartition(".")
+                if mname in self.experts and attr in EXPERT_PARAMS:
+                    out[name] = (mname, "experts", piece_key(attr, pc.row0, pc.row1))
+                elif (mname in self.routers and attr == "weight"
+                      and (pc.row0, pc.row1) == (0, self.routers[mname].weight.shape[0])):
+                    out[name] = (mname, "router", "weight")
+        return out

@@ -1,0 +1,522 @@
+"""The HTTP side of ``deltazip serve``: route handlers, streaming, auth, access log and error shaping.
+
+:func:`install` puts everything on a FastAPI app: :class:`Routes` (one small method per endpoint,
+over a shared :class:`AppState`), the auth/metrics/access-log middleware and the exception
+handlers that turn every failure into OpenAI's error shape. The wire format itself (request models,
+response and chunk JSON) is in :mod:`deltazip.runtime.serve.openai_schema`; the server's start-up
+(building the runtime) in :mod:`deltazip.runtime.serve.server`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request  # at module level: FastAPI resolves endpoint annotations here
+
+from deltazip.formats.errors import DeltazipError
+from deltazip.runtime.serve.engine import EngineError, FinishEvent, SamplingParams, ServedVariant, TokenEvent
+from deltazip.runtime.serve.openai_schema import (
+    ApiError,
+    ChatShape,
+    CompletionShape,
+    check_unsupported,
+    error_body,
+    json_body,
+    not_found,
+    parse_body,
+    request_models,
+    sampling_params,
+    usage,
+)
+
+log = logging.getLogger("deltazip.serve")
+# One line per request at INFO: method, route template, model, status, latency, tokens.
+access_log = logging.getLogger("deltazip.access")
+
+
+class EngineStream:
+    """Bridges one engine request (engine thread) to the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.rid: str | None = None
+        self.done = False
+
+    def sink(self, event) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+@dataclass
+class AppState:
+    """What every handler shares: the runtime (engine, variants), metrics and the request models."""
+
+    rt: Any  # deltazip.runtime.serve.server.Runtime
+    metrics: Any  # deltazip.runtime.serve.server.Metrics
+    models: tuple = field(default_factory=request_models)
+
+    @property
+    def engine(self):
+        return self.rt.engine
+
+    def served_entry(self, name: str) -> ServedVariant:
+        # A variant can be deleted between check_model and here: still a 404, never a KeyError.
+        sv = self.engine.served.get(name)
+        if sv is None:
+            raise not_found(name)
+        return sv
+
+    def model_card(self, name: str) -> dict:
+        parent = None if name == self.rt.base_name else self.rt.base_name
+        return {"id": name, "object": "model", "created": self.rt.created, "owned_by": "deltazip",
+                "root": name, "parent": parent}
+
+
+def error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(error_body(status, message, type_, param, code), status_code=status)
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompts and engine requests
+# --------------------------------------------------------------------------------------------------
+
+
+def encode_prompts(state: AppState, name: str, prompt) -> list[list[int]]:
+    tok = state.served_entry(name).encoder
+    if isinstance(prompt, str):
+        return [tok(prompt)["input_ids"]]
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [tok(p)["input_ids"] for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [list(p) for p in prompt]
+    raise ApiError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+
+
+def _chat_messages(messages) -> list[dict[str, str]]:
+    msgs = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):  # OpenAI content parts: only text is meaningful here
+            if any(p.get("type") != "text" for p in content):
+                raise ApiError(400, "only text content parts are supported", param="messages")
+            content = "".join(str(p.get("text", "")) for p in content)
+        msgs.append({"role": m.role, "content": content or ""})
+    return msgs
+
+
+def encode_chat(state: AppState, name: str, messages) -> list[int]:
+    tok = state.served_entry(name).encoder
+    # The variant's own template, else the base's (a fine-tune that kept tokenizer files without
+    # one still chats as its base does).
+    template = getattr(tok, "chat_template", None) or getattr(state.engine.served[state.rt.base_name].encoder,
+                                                              "chat_template", None)
+    if not template:
+        raise ApiError(400, f"model `{name}` has no chat template (nor has the base); use /v1/completions",
+                       param="messages")
+    try:
+        ids = tok.apply_chat_template(_chat_messages(messages), chat_template=template, add_generation_prompt=True,
+                                      tokenize=True)
+    except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
+        raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from e
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def submit_all(state: AppState, name: str, prompts: list[list[int]], params: SamplingParams) -> list[EngineStream]:
+    """Queue one engine request per prompt (all validated first: all or none are queued)."""
+    engine, loop = state.engine, asyncio.get_running_loop()
+    try:
+        for p in prompts:
+            engine.validate(name, p, params)
+    except EngineError as e:
+        raise ApiError(e.status, str(e), param=e.param, code=e.code) from e
+    streams: list[EngineStream] = []
+    try:
+        for p in prompts:
+            s = EngineStream(loop)
+            s.rid = engine.submit(name, p, params, s.sink)
+            streams.append(s)
+    except EngineError as e:
+        for s in streams:
+            engine.cancel(s.rid)
+        type_ = "rate_limit_error" if e.status == 429 else "invalid_request_error"
+        raise ApiError(e.status, str(e), type_, param=e.param, code=e.code) from e
+    return streams
+
+
+async def collect(state: AppState, request: Request, s: EngineStream) -> FinishEvent | None:
+    """Wait for a request's end; cancel it (and return None) if the client goes away."""
+    while True:
+        try:
+            ev = await asyncio.wait_for(s.queue.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                state.engine.cancel(s.rid)
+                return None
+            continue
+        if isinstance(ev, FinishEvent):
+            s.done = True
+            return ev
+
+
+async def collect_all(state: AppState, request: Request, streams: list[EngineStream]) -> list[FinishEvent] | None:
+    """Every stream's finish event (a failed generation is a 500); None when the client went away."""
+    evs = []
+    for s in streams:
+        ev = await collect(state, request, s)
+        if ev is None:
+            for t in streams:
+                state.engine.cancel(t.rid)
+            return None
+        if ev.reason == "error":
+            raise ApiError(500, ev.error or "generation failed", "server_error")
+        evs.append(ev)
+    return evs
+
+
+# --------------------------------------------------------------------------------------------------
+# Streaming
+# --------------------------------------------------------------------------------------------------
+
+
+async def _pump(i: int, s: EngineStream, merged: asyncio.Queue) -> None:
+    while True:
+        ev = await s.queue.get()
+        await merged.put((i, ev))
+        if isinstance(ev, FinishEvent):
+            s.done = True
+            return
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def sse_events(state: AppState, request: Request, streams: list[EngineStream], shape: CompletionShape,
+                     include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body of a streamed answer: text chunks of all choices as they come, a final chunk per
+    choice (an error event for a failed one), the usage chunk if asked, then ``[DONE]``."""
+    finished: list[FinishEvent] = []
+    merged: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(i, s, merged)) for i, s in enumerate(streams)]
+    try:
+        for c in shape.head():
+            yield _sse(c)
+        left = len(streams)
+        while left:
+            i, ev = await merged.get()
+            if isinstance(ev, TokenEvent):
+                if ev.text:
+                    yield _sse(shape.chunk(i, ev.text))
+                continue
+            left -= 1
+            finished.append(ev)
+            if ev.reason == "error":
+                yield _sse(error_body(500, ev.error or "generation failed", "server_error", None, None))
+                continue
+            yield _sse(shape.final(i, ev.reason))
+        request.state.usage = usage(finished)
+        if include_usage:
+            yield _sse(shape.final(None, None) | {"choices": [], "usage": usage(finished)})
+        yield "data: [DONE]\n\n"
+    finally:
+        # Reached on normal completion and when the client disconnects (the response task is
+        # cancelled): anything still running is cancelled so the engine frees its sequence.
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            if not s.done:
+                state.engine.cancel(s.rid)
+
+
+async def answer(state: AppState, request: Request, req, streams: list[EngineStream], shape: CompletionShape):
+    """The response of a generation request: an SSE stream, or the whole JSON answer (499 if the
+    client left before the end)."""
+    from fastapi.responses import Response, StreamingResponse
+
+    if req.stream:
+        include = bool((req.stream_options or {}).get("include_usage"))
+        return StreamingResponse(sse_events(state, request, streams, shape, include), media_type="text/event-stream")
+    evs = await collect_all(state, request, streams)
+    if evs is None:
+        return Response(status_code=499)
+    body = shape.response(evs)
+    request.state.usage = body["usage"]
+    return body
+
+
+# --------------------------------------------------------------------------------------------------
+# Endpoints
+# --------------------------------------------------------------------------------------------------
+
+
+class Routes:
+    """One method per endpoint, over a shared :class:`AppState`."""
+
+    def __init__(self, state: AppState):
+        self.s = state
+
+    async def health(self):
+        eng = self.s.engine
+        if eng._thread is None or not eng._thread.is_alive():
+            return error(503, "the engine is not running", "server_error")
+        return {"status": "ok", "models": 1 + len(self.s.rt.variants)}
+
+    async def prom(self):
+        from fastapi.responses import Response
+
+        body, ctype = self.s.metrics.render()
+        return Response(body, media_type=ctype)
+
+    async def list_models(self):
+        rt = self.s.rt
+        return {"object": "list", "data": [self.s.model_card(rt.base_name)] + [self.s.model_card(v.name)
+                                                                                for v in rt.variants]}
+
+    async def get_model(self, model_id: str):
+        if model_id != self.s.rt.base_name and model_id not in self.s.engine.served:
+            raise not_found(model_id)
+        return self.s.model_card(model_id)
+
+    async def list_variants(self):
+        rows = await asyncio.wrap_future(self.s.engine.run_on_engine(lambda: variant_table(self.s.rt)))
+        return {"object": "list", "data": rows}
+
+    async def add_variant(self, request: Request):
+        from fastapi.responses import JSONResponse
+
+        from deltazip.runtime.serve.server import VariantConflict, register_variant
+
+        body = await json_body(request)
+        path, name = body.get("path"), body.get("name")
+        if not isinstance(path, str) or not path:
+            raise ApiError(400, "path must be a non-empty string: a variant directory inside the served directory",
+                           param="path")
+        if name is not None and not isinstance(name, str):
+            raise ApiError(400, "name must be a string", param="name")
+        try:
+            v = await asyncio.to_thread(register_variant, self.s.rt, path, name)
+        except VariantConflict as e:
+            raise ApiError(409, str(e), param="name", code="variant_exists") from e
+        except DeltazipError as e:
+            param = "name" if str(e).startswith("variant name") else "path"
+            raise ApiError(400, str(e).splitlines()[0], param=param, code="invalid_variant") from e
+        row = await asyncio.wrap_future(self.s.engine.run_on_engine(lambda: variant_table(self.s.rt, only=v.name)))
+        return JSONResponse(row[0] if row else {"id": v.name, "object": "variant"}, status_code=201)
+
+    async def delete_variant(self, name: str):
+        rt = self.s.rt
+
+        def unload() -> None:  # engine thread, once the variant's requests are done
+            rt.backend.remove_variant(name)
+            rt.variants[:] = [v for v in rt.variants if v.name != name]
+
+        try:
+            fut = self.s.engine.remove_model(name, unload)
+        except EngineError as e:
+            raise ApiError(404, f"No variant named `{name}` is served (the base cannot be deleted).", param="name",
+                           code="model_not_found") from e
+        await asyncio.wrap_future(fut)
+        log.info("variant %s deleted: its requests drained, unloaded from every tier", name)
+        return {"id": name, "object": "model", "deleted": True}
+
+    def _request(self, request: Request, cls, body: dict, chat: bool):
+        req = parse_body(cls, body)
+        request.state.model = req.model
+        check_unsupported(req, chat=chat)
+        if req.model not in self.s.engine.served:
+            raise not_found(req.model)
+        return req
+
+    async def completions(self, request: Request):
+        req = self._request(request, self.s.models[0], await json_body(request), chat=False)
+        prompts = encode_prompts(self.s, req.model, req.prompt)
+        streams = submit_all(self.s, req.model, prompts, sampling_params(req, req.max_tokens or 16))
+        return await answer(self.s, request, req, streams, CompletionShape(req.model))
+
+    async def chat(self, request: Request):
+        req = self._request(request, self.s.models[1], await json_body(request), chat=True)
+        ids = encode_chat(self.s, req.model, req.messages)
+        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.s.engine.max_len - len(ids))
+        streams = submit_all(self.s, req.model, [ids], sampling_params(req, max_tokens))
+        return await answer(self.s, request, req, streams, ChatShape(req.model))
+
+    def add_to(self, app) -> None:
+        for path, fn, method in (
+            ("/health", self.health, "GET"), ("/metrics", self.prom, "GET"),
+            ("/v1/models", self.list_models, "GET"), ("/v1/models/{model_id:path}", self.get_model, "GET"),
+            ("/v1/variants", self.list_variants, "GET"), ("/v1/variants", self.add_variant, "POST"),
+            ("/v1/variants/{name:path}", self.delete_variant, "DELETE"),
+            ("/v1/completions", self.completions, "POST"), ("/v1/chat/completions", self.chat, "POST"),
+        ):
+            app.add_api_route(path, fn, methods=[method])
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors, auth, access log
+# --------------------------------------------------------------------------------------------------
+
+
+def install_error_handlers(app) -> None:
+    """Every failure answers in OpenAI's error shape; bad input never yields a 500."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    async def api_error(_request, exc: ApiError):
+        return error(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    async def validation(_request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        param = ".".join(loc) or None
+        msg = first.get("msg", "invalid request")
+        return error(400, f"{msg}" + (f" (param: {param})" if param else ""), param=param)
+
+    async def http(_request, exc: StarletteHTTPException):
+        return error(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    async def internal(_request, exc: Exception):
+        log.exception("internal error")
+        return error(500, f"internal server error: {type(exc).__name__}", "server_error")
+
+    for exc_type, handler in ((ApiError, api_error), (RequestValidationError, validation),
+                              (StarletteHTTPException, http), (Exception, internal)):
+        app.add_exception_handler(exc_type, handler)
+
+
+def route_of(app, scope) -> str:
+    """The route template a request matches (``/v1/models/{model_id:path}``), ``unmatched`` for
+    any other path: metric labels and log lines never carry a raw path (unbounded cardinality)."""
+    from starlette.routing import Match
+
+    partial = None
+    for route in app.router.routes:
+        match, _ = route.matches(scope)
+        if match == Match.FULL:
+            return route.path
+        if match == Match.PARTIAL and partial is None:
+            partial = route.path  # the path matches, the method does not (405)
+    return partial or "unmatched"
+
+
+def log_access(request: Request, route: str, status: int, t0: float) -> None:
+    st = request.state
+    used = getattr(st, "usage", None) or {}
+    access_log.info("%s %s model=%s status=%d latency=%.3fs prompt_tokens=%s completion_tokens=%s",
+                    request.method, route, getattr(st, "model", "-"), status, time.perf_counter() - t0,
+                    used.get("prompt_tokens", "-"), used.get("completion_tokens", "-"))
+
+
+def _authorized(api_key: str | None, request: Request) -> bool:
+    if api_key is None or not request.url.path.startswith("/v1"):
+        return True
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def install_middleware(app, state: AppState) -> None:
+    """``/v1/*`` needs the API key (when one is set); every request is counted by route template and
+    status, and logged once its body has been sent (streams: at their end)."""
+    api_key, counter = state.rt.config.api_key, state.metrics.http_c
+
+    async def auth_and_count(request: Request, call_next):
+        t0 = time.perf_counter()
+        route = route_of(app, request.scope)
+        if not _authorized(api_key, request):
+            counter.labels(route, "401").inc()
+            log_access(request, route, 401, t0)
+            return error(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer KEY'.",
+                         "invalid_request_error", code="invalid_api_key")
+        response = await call_next(request)
+        counter.labels(route, str(response.status_code)).inc()
+        body = response.body_iterator
+
+        async def logged_body():
+            try:
+                async for chunk in body:
+                    yield chunk
+            finally:
+                log_access(request, route, response.status_code, t0)
+
+        response.body_iterator = logged_body()
+        return response
+
+    app.middleware("http")(auth_and_count)
+
+
+def engine_lifespan(engine):
+    """The app's lifespan: the engine thread runs while the server does."""
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    return lifespan
+
+
+def install(app, state: AppState) -> None:
+    install_error_handlers(app)
+    install_middleware(app, state)
+    Routes(state).add_to(app)
+
+
+# --------------------------------------------------------------------------------------------------
+# GET /v1/variants
+# --------------------------------------------------------------------------------------------------
+
+
+def variant_table(rt, only: str | None = None) -> list[dict[str, Any]]:
+    """``GET /v1/variants`` rows (run on the engine thread, so slots and tiers do not move meanwhile).
+
+    Per variant: kind, tier (``device``/``host``/``loading``/``disk``, or ``draining`` while a delete
+    waits for its requests), bytes on disk, in the host tier (tensors its host object references,
+    shared ones included), in its device slot, bytes dedup saves it, last request (unix time) and
+    the latest disk->host and host->device load times (seconds).
+    """
+    removing = rt.engine.removing()
+    root = Path(rt.config.artifacts).resolve()
+    return [_variant_row(rt, v, root, removing) for v in list(rt.variants) if only is None or v.name == only]
+
+
+def _variant_row(rt, v, root: Path, removing: set[str]) -> dict[str, Any]:
+    eng, be = rt.engine, rt.backend
+    slot = eng.cache.slot_of(v.name)
+    host = eng.cache.host_object(v.name)
+    st = eng.cache.stats.get(v.name)
+    try:
+        rel = str(Path(v.path).resolve().relative_to(root))
+    except ValueError:
+        rel = str(v.path)
+    return {
+        "id": v.name, "object": "variant", "kind": v.kind, "path": rel,
+        "state": "draining" if v.name in removing else eng.cache.state(v.name),
+        "bytes_on_disk": v.disk_bytes,
+        "bytes_host": host.nbytes() if host is not None and hasattr(host, "nbytes") else 0,
+        "bytes_device": be.slot_bytes(slot) if slot is not None else 0,
+        "bytes_device_estimate": be.resident_estimate(v.name),
+        "bytes_dedup_saved": be.ledger.get(v.name).saved,
+        "last_used": eng.last_used.get(v.name),
+        "load_seconds": {"disk": st.disk_seconds_last if st and st.disk_loads else None,
+                         "device": st.device_seconds_last if st and st.device_loads else None},
+    }

@@ -1,0 +1,294 @@
+"""``deltazip serve --ray``: a local Ray cluster running the Serve application with 2 engine replicas
+over the tiny model pair, driven by the official ``openai`` client and raw HTTP. One cluster for the
+module (starting Ray is most of the cost); the last test shuts it down and checks nothing is left."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import time
+
+import httpx
+import pytest
+from _cli import run_cli
+from _serving import PROMPTS, served_set, single_thread
+
+pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+from deltazip.formats.errors import InputError  # noqa: E402
+from deltazip.runtime.cluster import ray_app  # noqa: E402
+from deltazip.runtime.serve.server import ServeConfig  # noqa: E402
+
+pytestmark = pytest.mark.slow
+KEY = "sk-ray-key"
+BASE = "tiny-base"
+SERVED = ["alpha", "beta", "gamma"]
+HEADER = "x-deltazip-replica"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with single_thread():
+        yield served_set(tmp_path_factory.getbasetemp() / "serving")
+
+
+@pytest.fixture(scope="module")
+def cluster(served, tmp_path_factory):
+    """The application on a local cluster; yields (url, artifacts dir, the cluster's process ids)."""
+    import psutil
+    import ray
+
+    arts = tmp_path_factory.mktemp("ray-arts")
+    for name in SERVED:
+        shutil.copytree(served.artifacts / name, arts / name)
+    cfg = ServeConfig(artifacts=arts, base=str(served.base_dir), api_key=KEY, port=0, max_deltas=2,
+                      max_cpu_deltas=4, max_num_seqs=8, cpu_threads=1)
+    opts = ray_app.RayOptions(replicas=2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        cfg.port = s.getsockname()[1]
+    started = ray_app.connect(opts)
+    assert started
+    procs = {p.pid for p in psutil.Process().children(recursive=True)}
+    try:
+        ray_app.deploy(cfg, opts)
+        yield {"url": f"http://127.0.0.1:{cfg.port}", "arts": arts, "procs": procs}
+    finally:
+        if ray.is_initialized():
+            ray_app.shutdown(started)
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def auth():
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def expected(served, model, prompt, n):
+    return served.expected("base" if model == BASE else model, prompt, n)
+
+
+def completion(cluster, model, prompt, n=8, **kw):
+    r = httpx.post(cluster["url"] + "/v1/completions", headers=auth(), timeout=120,
+                   json={"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, **kw})
+    return r
+
+
+def _engine_deployment(app):
+    return app._bound_deployment.init_args[0]._bound_deployment  # Ingress.bind(Engine.bind(...))
+
+
+def test_app_builder_scaling_and_typed_args(served):
+    """The KubeRay / ``serve run`` entry: string args become ServeConfig's types; fixed or autoscaled."""
+    app = ray_app.app_builder({"artifacts": str(served.artifacts), "replicas": "3", "max_deltas": "5",
+                               "preemption": "false"})
+    eng = _engine_deployment(app)
+    cfg = eng.init_args[0]
+    assert eng.num_replicas == 3 and eng._deployment_config.autoscaling_config is None
+    assert cfg.max_deltas == 5 and cfg.preemption is False
+    assert eng.max_ongoing_requests == cfg.max_queue + cfg.max_num_seqs
+    auto = _engine_deployment(ray_app.app_builder({"artifacts": str(served.artifacts), "min_replicas": "0",
+                                                   "max_replicas": "4", "max_num_seqs": "8"}))
+    sc = auto._deployment_config.autoscaling_config
+    assert (sc.min_replicas, sc.max_replicas, sc.initial_replicas, sc.target_ongoing_requests) == (0, 4, 1, 4)
+    with pytest.raises(InputError, match="unknown application args"):
+        ray_app.app_builder({"artifacts": str(served.artifacts), "replica": "2"})
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--replicas", "2"], "go with --ray"),
+    (["--ray", "--replicas", "2", "--max-replicas", "3"], "--replicas is a fixed count"),
+    (["--ray", "--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 is above --max-replicas 2"),
+    (["--ray", "--min-replicas", "1"], "--min-replicas needs --max-replicas"),
+    (["--ray", "--replicas", "0"], "--replicas must be >= 1"),
+    (["--ray", "--workers", "2"], "--workers is for a single machine"),
+])
+def test_bad_options_are_one_line(capsys, monkeypatch, served, args, match):
+    code, out, err = run_cli(capsys, monkeypatch, "serve", served.artifacts, *args)
+    assert code == 1 and err.count("\n") == 1 and match in err, err
+
+
+def test_unreachable_address_and_missing_ray_are_one_line(capsys, monkeypatch, served):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    code, _, err = run_cli(capsys, monkeypatch, "serve", served.artifacts, "--ray", "--ray-address", f"127.0.0.1:{port}")
+    assert code == 1 and err.count("\n") == 1 and f"--ray-address 127.0.0.1:{port} cannot be reached" in err, err
+    monkeypatch.setitem(__import__("sys").modules, "ray", None)  # as if ray were not installed
+    code, _, err = run_cli(capsys, monkeypatch, "serve", served.artifacts, "--ray")
+    assert code == 1 and err.count("\n") == 1 and "pip install 'deltazip[cluster]'" in err, err
+
+
+def test_outputs_equal_merged_greedy_generate_through_openai_client(client, served):
+    for m in [BASE, *SERVED]:
+        for p in PROMPTS[:2]:
+            want = expected(served, m, p, 10)
+            r = client.completions.create(model=m, prompt=p, max_tokens=10, temperature=0)
+            assert r.choices[0].text == want, (m, p)
+            chunks = list(client.completions.create(model=m, prompt=p, max_tokens=10, temperature=0, stream=True))
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    messages = [{"role": "user", "content": "zip the model"}]
+    ids = served.tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    chat = client.chat.completions.create(model="alpha", messages=messages, max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == \
+        served.expected_ids("alpha", tuple(ids), 6)
+
+
+def test_errors_and_api_key_keep_the_single_server_shapes(cluster):
+    url = cluster["url"]
+    r = httpx.post(url + "/v1/completions", json={"model": "alpha", "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = completion(cluster, "nope", "x")
+    assert r.status_code == 404 and r.json() == {"error": {
+        "message": "The model `nope` does not exist.", "type": "invalid_request_error", "param": "model",
+        "code": "model_not_found"}}
+    r = httpx.post(url + "/v1/completions", headers=auth(), content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = completion(cluster, "beta", "x", logit_bias={"1": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_a_variants_requests_stay_on_one_replica(cluster):
+    for m in SERVED:  # each variant is loaded by one replica, which then reports it to the router
+        assert completion(cluster, m, "alpha").status_code == 200
+    time.sleep(1.0)
+    seen = {m: {completion(cluster, m, p).headers[HEADER] for p in PROMPTS for _ in range(2)} for m in SERVED}
+    assert all(len(replicas) == 1 for replicas in seen.values()), seen
+    base = {completion(cluster, BASE, p).headers[HEADER] for p in PROMPTS * 2}
+    assert base  # the base can go anywhere (no assertion on spreading: the router picks by load)
+
+
+def test_variant_added_through_one_replica_reaches_every_replica(cluster, served):
+    url = cluster["url"]
+    shutil.copytree(served.artifacts / "alpha", cluster["arts"] / "alpha-live")
+    r = httpx.post(url + "/v1/variants", headers=auth(), json={"path": "alpha-live"}, timeout=120)
+    assert r.status_code == 201 and r.json()["id"] == "alpha-live"
+    # Without any request, the health checks bring both replicas up to the log (``info`` does not sync).
+    assert applied_by_replica(want=1) == 2
+    r = httpx.post(url + "/v1/variants", headers=auth(), json={"path": "alpha-live"}, timeout=120)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "variant_exists"
+    # Requests without a variant spread over the replicas: every replica lists the new variant...
+    listed = models_by_replica(url)
+    assert len(listed) == 2 and all("alpha-live" in ids for ids in listed.values()), listed
+    want = served.expected("alpha", "zip model tune", 8)
+    assert completion(cluster, "alpha-live", "zip model tune").json()["choices"][0]["text"] == want
+    assert httpx.delete(url + "/v1/variants/alpha-live", headers=auth(), timeout=120).status_code == 200
+    # ...and, once it is deleted through one of them, none does.
+    listed = models_by_replica(url)
+    assert len(listed) == 2 and all("alpha-live" not in ids and "alpha" in ids for ids in listed.values()), listed
+    assert completion(cluster, "alpha-live", "x").status_code == 404
+
+
+def applied_by_replica(want: int, timeout: float = 30) -> int:
+    """Replicas that report at least ``want`` applied changes (polled through Serve's handle)."""
+    import ray
+    from ray import serve
+
+    assert ray.get(ray_app.variant_log().version.remote()) == want
+    handle = serve.get_deployment_handle("Engine", ray_app.APP_NAME)
+    deadline, seen = time.time() + timeout, {}
+    while time.time() < deadline:
+        for _ in range(10):
+            info = handle.info.remote().result()
+            seen[info["replica"]] = info["applied"]
+        if len(seen) == 2 and min(seen.values()) >= want:
+            break
+        time.sleep(0.5)
+    return sum(v >= want for v in seen.values())
+
+
+def models_by_replica(url: str) -> dict[str, set[str]]:
+    """``GET /v1/models`` until both replicas answered: {replica: model ids}."""
+    seen: dict[str, set[str]] = {}
+    for _ in range(60):
+        r = httpx.get(url + "/v1/models", headers=auth())
+        seen[r.headers[HEADER]] = {m["id"] for m in r.json()["data"]}
+        if len(seen) == 2:
+            break
+    return seen
+
+
+async def _stream(http: httpx.AsyncClient, model: str, prompt: str, seen: dict) -> str | None:
+    """One streaming request; records the replica that answered; returns the text, None if cut."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 48, "temperature": 0, "stream": True}
+    text, done = "", False
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        seen["replica"] = r.headers.get(HEADER)
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                text += "".join(c.get("text", "") for c in chunk.get("choices", []))
+    return text if done else None
+
+
+def test_killed_replica_costs_only_its_in_flight_requests(cluster, served):
+    import ray
+
+    victim = completion(cluster, "alpha", "x").headers[HEADER]
+    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(victim))
+    work = [(m, p) for m in [BASE, *SERVED] for p in PROMPTS[:3]]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=cluster["url"], headers=auth(), timeout=120) as http:
+            seen = [{} for _ in work]
+            tasks = [asyncio.create_task(_stream(http, m, p, s)) for (m, p), s in zip(work, seen)]
+            await asyncio.sleep(0.3)
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+            return await asyncio.gather(*tasks, return_exceptions=True), seen
+
+    results, seen = asyncio.run(run())
+    for (m, p), out, s in zip(work, results, seen):
+        if isinstance(out, str):
+            assert out == expected(served, m, p, 48), (m, p)
+        else:  # cut short: only a request that was streaming from the killed replica
+            assert s.get("replica") == victim, (m, p, out, s)
+    # The application recovers: every model answers, and Serve brings the replica count back to 2.
+    for m in [BASE, *SERVED]:
+        r = completion(cluster, m, "zip model tune")
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected(served, m, "zip model tune", 8)
+    from ray import serve
+
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        st = serve.status().applications[ray_app.APP_NAME].deployments["Engine"]
+        if st.replica_states.get("RUNNING", 0) == 2 and st.status == "HEALTHY":
+            break
+        time.sleep(1)
+    assert st.replica_states.get("RUNNING", 0) == 2, st
+
+
+def test_shutdown_leaves_no_ray_process(cluster):
+    """Last: stops the module's cluster, then no process it started may remain."""
+    import psutil
+    import ray
+
+    procs = cluster["procs"] | {p.pid for p in psutil.Process().children(recursive=True)}
+    assert any("raylet" in " ".join(_cmdline(pid)) for pid in procs)  # the check below sees the cluster
+    ray_app.shutdown(True)
+    assert not ray.is_initialized()
+    deadline = time.time() + 60
+    while time.time() < deadline and (alive := [p for p in procs if psutil.pid_exists(p) and _cmdline(p)]):
+        time.sleep(0.5)
+    assert not alive, [" ".join(_cmdline(p))[:120] for p in alive]
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(cluster["url"] + "/health", timeout=5)
+
+
+def _cmdline(pid: int) -> list[str]:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return [] if p.status() == psutil.STATUS_ZOMBIE else p.cmdline()
+    except psutil.Error:
+        return []
