@@ -39,6 +39,8 @@ def serve(
                                                                         "(for experiments; can starve requests).")] = False,
     workers: Annotated[int, typer.Option(help="Engine processes behind one HTTP front, sharing one copy of the "
                                               "base weights (1: a single process, no front).")] = 1,
+    tensor_parallel: Annotated[int, typer.Option("--tensor-parallel", help="Shard every layer over N processes "
+                                                 "(N GPUs; gloo on CPU).")] = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Serve the base model and every variant under ARTIFACTS (artifacts, full checkpoints, LoRA adapters) with an OpenAI-compatible API."""
@@ -49,7 +51,7 @@ def serve(
                       max_deltas=max_deltas, max_cpu_deltas=max_cpu_deltas, max_batch_tokens=max_batch_tokens,
                       max_num_seqs=max_num_seqs, max_queue=max_queue, device=device, dtype=dtype,
                       delta_compute=delta_compute, cpu_threads=cpu_threads, preemption=not no_preemption,
-                      workers=workers)
+                      workers=workers, tensor_parallel=tensor_parallel)
     # The port before any model: a busy one is one line now, not a traceback once every model has loaded.
     sock = bind_listen_socket(host, port)
     cfg.port = sock.getsockname()[1]  # --port 0: the one the system picked
