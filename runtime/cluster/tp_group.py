@@ -160,18 +160,25 @@ class TPWorker:
             op = cmd[0]
             if op == "stop":
                 return
-            if op == "forward":
+            if op == "forward":  # an error here ends the worker: rank 0's all-reduce then fails too
                 self.forward(*cmd[1:])
             elif op == "write":
                 self.write(*cmd[1:])
-            elif op == "clear":
-                self.model.clear_slot(cmd[1])
-            elif op == "commit":
-                wanted: dict[str, str] = {}
-                self.model.commit_variant(cmd[1], self.model.prepare_variant(cmd[1], wanted), wanted)
-            elif op == "remove":
-                self.model.remove_variant(cmd[1])
-                self.hosts.pop(cmd[1], None)
+            else:
+                try:
+                    self.apply(op, cmd[1])
+                except Exception:  # rank 0 ran the same call and reports its own failure
+                    log.exception("rank %d: %s %s failed", self.group.rank, op, cmd[1])
+
+    def apply(self, op: str, arg) -> None:
+        if op == "clear":
+            self.model.clear_slot(arg)
+        elif op == "commit":
+            wanted: dict[str, str] = {}
+            self.model.commit_variant(arg, self.model.prepare_variant(arg, wanted), wanted)
+        elif op == "remove":
+            self.model.remove_variant(arg)
+            self.hosts.pop(arg, None)
 
     def write(self, slot: int, name: str) -> None:
         error = None

@@ -21,7 +21,7 @@ from _serving import PROMPTS, VARIANTS, served_set, single_thread
 from deltazip.formats.errors import InputError
 from deltazip.formats.packing import pack_delta
 from deltazip.kernels.reference import delta_weight, sbmm
-from deltazip.runtime.cluster.tensor_parallel import check_variants, shard_packed
+from deltazip.runtime.cluster.tensor_parallel import check_variants, shard_packed, shard_slot_args
 from deltazip.runtime.serve.engine import Engine, EngineConfig, SamplingParams, ServedVariant, prefill_logits
 
 # fp32 on both sides; the sharded sums add the same products in another order.
@@ -109,6 +109,44 @@ def test_engine_greedy_text_equals_the_single_process_engine(pair, served):
         assert evs[-1].reason in ("stop", "length"), evs[-1]
         assert evs[-1].text == served.expected(m, p, 8), (m, p)
     assert eng.kv_pool.nbytes() == 0
+
+
+def test_variants_removed_and_added_while_serving_are_mirrored(pair, served):
+    """``remove_variant`` / ``commit_variant`` (what DELETE and POST /v1/variants run) reach the worker:
+    the re-added variant loads into a slot on both ranks and computes the same logits."""
+    ref, tp = pair
+    v = tp.variants["beta"]
+    with single_thread():
+        tp.clear_slot(1)
+        tp.remove_variant("beta")
+        assert "beta" not in tp.variants
+        wanted: dict = {}
+        tp.commit_variant(v, tp.prepare_variant(v, wanted), wanted)
+        tp.write_slot(1, "beta", tp.load_host("beta"))
+        ref.write_slot(1, "beta", ref.load_host("beta"))
+        tokens = [served.tokenizer()(p)["input_ids"] for p in PROMPTS[:2]]
+        got, want = prefill_logits(tp, [1, -1], tokens), prefill_logits(ref, [1, -1], tokens)
+    assert (got - want).abs().max().item() < LOGIT_ATOL
+
+
+def test_lora_dense_and_bias_shards_add_up():
+    """LoRA factors (B rows for column shards, A columns for row shards), dense replacements and
+    biases: the per-rank products concatenate / sum to the unsharded ones."""
+    g = torch.Generator().manual_seed(0)
+    out_f, in_f, r, world = 12, 16, 3, 2
+    kw = {"lora_a": torch.randn(r, in_f, generator=g), "lora_b": torch.randn(out_f, r, generator=g), "lora_scale": 0.5,
+          "dense": torch.randn(out_f, in_f, generator=g), "bias": torch.randn(out_f, generator=g)}
+    x = torch.randn(4, in_f, generator=g)
+
+    def apply(k, xs):
+        return (xs @ k["lora_a"].T) @ k["lora_b"].T * k["lora_scale"] + xs @ k["dense"].T + k["bias"]
+
+    want = apply(kw, x)
+    cols = torch.cat([apply(shard_slot_args(kw, "column", i, world), x) for i in range(world)], dim=1)
+    w = in_f // world
+    rows = sum(apply(shard_slot_args(kw, "row", i, world), x[:, i * w:(i + 1) * w]) for i in range(world))
+    torch.testing.assert_close(cols, want)
+    torch.testing.assert_close(rows, want)  # the bias is added by rank 0 only
 
 
 @pytest.mark.parametrize("bits", [2, 4])
