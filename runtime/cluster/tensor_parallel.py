@@ -28,9 +28,7 @@ from deltazip.formats.errors import InputError
 from deltazip.formats.packing import pack_int32
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import unpack_int32
-from deltazip.runtime.serve.delta_linear import DeltaLinear
-from deltazip.runtime.serve.model import DeltaModel, HostDelta, VariantInfo
-from deltazip.runtime.share.dedup_serving import share_parameters
+from deltazip.runtime.serve.model import DeltaModel, HostDelta, VariantInfo, load_base_model
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -177,27 +175,22 @@ def shard_slot_args(kw: dict[str, Any], kind: str, rank: int, world: int) -> dic
     return out
 
 
-def _shard_module(mod: nn.Module, kind: str, rank: int, world: int) -> None:
-    """Shard an ``nn.Linear`` or a (still empty) ``DeltaLinear`` in place."""
+def _shard_module(mod: nn.Linear, kind: str, rank: int, world: int) -> None:
+    """Shard an ``nn.Linear`` in place (its full weight is dropped)."""
     w = shard_dense(mod.weight.detach(), kind, rank, world)
     mod.weight = nn.Parameter(w, requires_grad=False)
     if mod.bias is not None:
         mod.bias = nn.Parameter(shard_bias(mod.bias.detach(), kind, rank, world), requires_grad=False)
     mod.out_features, mod.in_features = w.shape
-    if isinstance(mod, DeltaLinear):
-        if mod.groups or mod._dense or mod._dq_slots or mod._lora_rank:
-            raise RuntimeError("a DeltaLinear must be sharded before any slot is loaded")
-        mod._dq = None
-        if mod._bias_table is not None:
-            mod._bias_table = mod.bias.detach().unsqueeze(0).repeat(mod.ctx.num_slots + 1, 1)
 
 
 class ShardedDeltaModel(DeltaModel):
     """A :class:`DeltaModel` holding rank ``rank``'s shard of the base and of every variant.
 
-    Built whole (so that variants are planned and checked against the full shapes), then sharded
-    in place before any variant is loaded; the base's full tensors are freed. Host copies of
-    variants (:meth:`load_host`) are sharded too, so the delta cache of each rank holds its shard.
+    The base is loaded on the host, sharded, and only the shard moves to ``device`` (a rank never
+    holds the whole model on its GPU). Variants are planned and checked against the full shapes.
+    Host copies of variants (:meth:`load_host`) are sharded too, so the delta cache of each rank
+    holds its shard.
 
     Args:
         group: the :class:`deltazip.runtime.cluster.tp_group.TPGroup` (rank, degree, all-reduce).
@@ -207,21 +200,24 @@ class ShardedDeltaModel(DeltaModel):
     def __init__(self, base, variants: list[VariantInfo], num_slots: int, device, dtype, group,
                  delta_compute: str = "auto", registry=None, ledger=None):
         self.group = group
-        self._sharded = False
         self._hooked: set[int] = set()
         super().__init__(base, variants, num_slots, device, dtype, delta_compute=delta_compute, registry=registry,
                          ledger=ledger)
-        check_config(self.config, group.world)
-        # Planning compares artifact shapes with the parameters: keep the full shapes only (meta tensors).
-        self._params = {n: torch.empty(p.shape, device="meta") for n, p in self._params.items()}
-        self._kinds = {n: k for n, _ in self.model.named_modules() if (k := shard_kind(n)) is not None}
-        for name, kind in self._kinds.items():
-            mod = self.model.get_submodule(name)
-            _shard_module(mod, kind, group.rank, group.world)
-            self._hook(mod, kind)
-        self._base_held, new, reused = share_parameters(self.model, self.registry)
-        self.ledger.base_new_bytes, self.ledger.base_reused_bytes = new, reused
-        self._sharded = True
+
+    def _load_model(self, base, dtype, device) -> nn.Module:
+        model = load_base_model(base, dtype, torch.device("cpu"))
+        check_config(model.config, self.group.world)
+        # Planning compares artifact and adapter shapes with the full model's (meta tensors: shapes only).
+        self._full_params = {n: torch.empty(p.shape, device="meta")
+                             for n, p in model.named_parameters(remove_duplicate=False)}
+        self._full_linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules()
+                              if isinstance(m, nn.Linear)}
+        for name, mod in model.named_modules():
+            kind = shard_kind(name)
+            if kind is not None and isinstance(mod, nn.Linear):
+                _shard_module(mod, kind, self.group.rank, self.group.world)
+                self._hook(mod, kind)
+        return model.to(device)
 
     def _hook(self, mod: nn.Module, kind: str) -> None:
         if kind == "row" and id(mod) not in self._hooked:
@@ -229,18 +225,24 @@ class ShardedDeltaModel(DeltaModel):
             self._hooked.add(id(mod))
 
     def prepare_variant(self, v: VariantInfo, wanted: dict[str, str] | None = None):
-        plan = super().prepare_variant(v, wanted)
+        wanted = {} if wanted is None else wanted
+        if v.kind == "lora":  # checked against the full linears, not this rank's shards
+            from deltazip.runtime.serve.lora_variant import read_lora_spec
+
+            spec = read_lora_spec(v.path, self._full_linears, type(self.model).__name__)
+            wanted.update({m: "linear" for m in spec.modules})
+            return spec
+        plan = self._plan_variant(v, self._full_params, wanted)
         if v.kind == "artifact":
-            check_variant(v, {n: s[1] for n, s in self._linears.items() if shard_kind(n) == "row"},
+            check_variant(v, {n: s[1] for n, s in self._full_linears.items() if shard_kind(n) == "row"},
                           self.group.world)
         return plan
 
     def _replace(self, mname: str, kind: str) -> nn.Module:
         new = super()._replace(mname, kind)  # built over the (already sharded) base linear
-        if self._sharded and shard_kind(mname) is not None:
+        if shard_kind(mname) is not None:
             self._hook(new, shard_kind(mname))
         return new
-
     def load_host(self, name: str) -> HostDelta:
         """The variant decoded from disk, then cut to this rank's shard (the full copy is dropped)."""
         full = super().load_host(name)

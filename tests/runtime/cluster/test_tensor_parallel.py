@@ -81,8 +81,10 @@ def test_mixed_batch_logits_equal_the_single_process_model(pair, served):
         got = prefill_logits(tp, slots, tokens)
     assert (got - want).abs().max().item() < LOGIT_ATOL
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-    # Each rank holds half of every sharded linear: the resident slot is about half the size.
+    # Each rank holds half of every sharded linear, of the base and of a resident delta.
     assert tp.slot_bytes(0) < 0.75 * ref.slot_bytes(0)
+    layers = sum(p.numel() for n, p in ref.model.named_parameters() if "layers." in n and n.endswith("proj.weight"))
+    assert ref.base_bytes() - tp.base_bytes() == layers * 4 // 2
 
 
 def test_engine_greedy_text_equals_the_single_process_engine(pair, served):
