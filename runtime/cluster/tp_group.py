@@ -255,16 +255,18 @@ class TPLeader:
 
     def _sequence_keys(self, caches) -> tuple[list[int], list[int]]:
         """A stable key per row's KV cache, and the keys of caches freed since the last step."""
-        keys = []
+        keys, freed = [], []
         for c in caches:
             held = self._keys.get(id(c))
-            if held is None or held[0]() is not c:
+            if held is not None and held[0]() is not c:  # the id of a collected cache, reused
+                freed.append(held[1])
+                held = None
+            if held is None:
                 held = (weakref.ref(c), self._next_key)
                 self._next_key += 1
                 self._keys[id(c)] = held
             keys.append(held[1])
         here = {id(c) for c in caches}
-        freed = []
         for ident, (ref, key) in list(self._keys.items()):
             c = ref()
             # Gone, or given back (no pool row, no host copy): a finished sequence. A preempted

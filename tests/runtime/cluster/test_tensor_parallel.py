@@ -87,7 +87,7 @@ def test_mixed_batch_logits_equal_the_single_process_model(pair, served):
     assert ref.base_bytes() - tp.base_bytes() == layers * 4 // 2
 
 
-def test_engine_greedy_text_equals_the_single_process_engine(pair, served):
+def test_engine_greedy_text_equals_the_merged_models(pair, served):
     """Continuous batching through 2 slots and a 1-entry host tier (slot churn mirrored on the
     worker, KV caches kept per sequence on both ranks): every text equals the merged model's."""
     _, tp = pair
