@@ -87,30 +87,46 @@ def test_mixed_batch_logits_equal_the_single_process_model(pair, served):
     assert ref.base_bytes() - tp.base_bytes() == layers * 4 // 2
 
 
+def _run_all(eng, jobs, tok) -> dict:
+    done: dict = {}
+    for i, (m, p, n) in enumerate(jobs):  # queued before the engine starts: one FCFS walk sees them all
+        eng.submit(m, tok(p)["input_ids"], SamplingParams(max_tokens=n, temperature=0.0),
+                   lambda ev, i=i: done.setdefault(i, []).append(ev))
+    eng.start()
+    try:
+        deadline = time.time() + 240
+        while sum(1 for evs in done.values() if hasattr(evs[-1], "reason")) < len(jobs):
+            assert time.time() < deadline, "requests did not finish"
+            time.sleep(0.05)
+        return {"stats": eng.stats(), **{i: evs[-1] for i, evs in done.items()}}
+    finally:
+        eng.shutdown()
+
+
 def test_engine_greedy_text_equals_the_merged_models(pair, served):
     """Continuous batching through 2 slots and a 1-entry host tier (slot churn mirrored on the
     worker, KV caches kept per sequence on both ranks): every text equals the merged model's."""
     _, tp = pair
-    tok = served.tokenizer()
+    jobs = [(m, p, 8) for m in MODELS for p in PROMPTS[:3]]
     with single_thread():
         eng = _engine(served, tp, max_deltas=2, max_cpu_deltas=1, max_num_seqs=8)
-        done: dict = {}
-        eng.start()
-        try:
-            for m in MODELS:
-                for p in PROMPTS[:3]:
-                    eng.submit(m, tok(p)["input_ids"], SamplingParams(max_tokens=8, temperature=0.0),
-                               lambda ev, k=(m, p): done.setdefault(k, []).append(ev))
-            deadline = time.time() + 240
-            while sum(1 for evs in done.values() if evs and hasattr(evs[-1], "reason")) < len(MODELS) * 3:
-                assert time.time() < deadline, "requests did not finish"
-                time.sleep(0.05)
-        finally:
-            eng.shutdown()
-    for (m, p), evs in done.items():
-        assert evs[-1].reason in ("stop", "length"), evs[-1]
-        assert evs[-1].text == served.expected(m, p, 8), (m, p)
+        out = _run_all(eng, jobs, served.tokenizer())
+    for i, (m, p, n) in enumerate(jobs):
+        assert out[i].reason in ("stop", "length"), out[i]
+        assert out[i].text == served.expected(m, p, n), (m, p)
     assert eng.kv_pool.nbytes() == 0
+
+
+def test_preempted_sequences_resume_on_every_rank(pair, served):
+    """One slot: alpha's long requests skip the line past beta and are preempted when their parent
+    ends (rank 0 moves their KV to the host; the worker keeps its own), then resume: same texts."""
+    _, tp = pair
+    jobs = [("alpha", PROMPTS[0], 4), ("beta", PROMPTS[1], 6), ("alpha", PROMPTS[2], 20), ("alpha", PROMPTS[3], 20)]
+    with single_thread():
+        out = _run_all(_engine(served, tp, max_deltas=1, max_cpu_deltas=4), jobs, served.tokenizer())
+    assert out["stats"]["preempted"] == 2
+    for i, (m, p, n) in enumerate(jobs):
+        assert out[i].text == served.expected(m, p, n), (m, p)
 
 
 def test_variants_removed_and_added_while_serving_are_mirrored(pair, served):
