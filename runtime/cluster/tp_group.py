@@ -318,7 +318,8 @@ def start_tensor_parallel(base, variants: list, num_slots: int, device: torch.de
     check_config(config, world)
     check_variants(variants, config, world)
     if device.type == "cuda" and torch.cuda.device_count() < world:
-        raise InputError(f"--tensor-parallel {world} needs {world} GPUs, {torch.cuda.device_count()} visible")
+        raise InputError(f"--tensor-parallel {world} needs {world} GPUs, {torch.cuda.device_count()} visible; lower "
+                         f"the degree or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
     port = free_port()
     spec = WorkerSpec(str(base.path), variants, num_slots, device.type, dtype, delta_compute, max_cpu,
                       torch.get_num_threads(), os.getpid())
