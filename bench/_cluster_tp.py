@@ -6,8 +6,8 @@ The demo pair's base (tiny Llama, cached under ~/.cache/deltazip-bench) with RTN
 group 64 (the demo's default group of 128 would straddle the two shards of ``o_proj``'s 128 input
 columns, which tensor parallel refuses). The same closed batch of requests — variants drawn from a
 zipf-1.5 popularity, base rows among them — runs through the engine (no HTTP) over a single-process
-``DeltaModel`` and over a 2-rank ``ShardedDeltaModel`` group; greedy texts are checked equal. One
-intra-op thread per rank. ``tp_rows(quick)`` returns the rows (``bench/cluster.py`` imports it);
+``DeltaModel`` and over a 2-rank ``ShardedDeltaModel`` group, alternating, 3 repeats (5 without
+``--quick``), medians reported; greedy texts are checked equal. One intra-op thread per rank. ``tp_rows(quick)`` returns the rows (``bench/cluster.py`` imports it);
 ``main()`` prints ``{"bench": "cluster_tp", "machine", "config", "results"}``.
 """
 
@@ -104,32 +104,38 @@ def tp_rows(quick: bool) -> list[dict]:
     # Row-parallel layers (o_proj, down_proj) each all-reduce [tokens, hidden] fp32 activations.
     comm = {"allreduces_per_forward": 2 * cfg["num_hidden_layers"],
             "allreduce_bytes_per_token": 2 * cfg["num_hidden_layers"] * cfg["hidden_size"] * 4}
+    repeats = 3 if quick else 5
+    base_dir = Path(pair["base"])
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
-    rows = []
+    cpu = torch.device("cpu")
+    backends = {1: DeltaModel(base, variants, slots, cpu, torch.float32)}
+    runs: dict[int, list[dict]] = {1: [], 2: []}
     try:
-        for world in (1, 2):
-            cpu = torch.device("cpu")
-            if world == 1:
-                backend = DeltaModel(base, variants, slots, cpu, torch.float32)
-            else:
-                backend = start_tensor_parallel(base, variants, slots, cpu, torch.float32, world)
-            try:
-                _run(backend, Path(pair["base"]), names, work[:4], max_tokens, slots)  # warm-up: loads, allocations
-                r = _run(backend, Path(pair["base"]), names, work, max_tokens, slots)
-            finally:
-                if world > 1:
-                    backend.close()
-            _log(f"tp={world}: {r['tokens_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_s'] * 1e3:.0f} ms")
-            rows.append({"candidate": f"tensor-parallel {world}", "tensor_parallel": world, "backend": "gloo" if world > 1
-                         else "none", "device": "cpu", "threads_per_rank": 1, "requests": len(work),
-                         "variants": len(names), "distribution": "zipf-1.5", "max_tokens": max_tokens,
-                         **(comm if world > 1 else {}), **r})
+        backends[2] = start_tensor_parallel(base, variants, slots, cpu, torch.float32, 2)
+        for b in backends.values():
+            _run(b, base_dir, names, work[:4], max_tokens, slots)  # warm-up: loads, allocations
+        # Alternate the candidates so that both see the same (shared, noisy) machine.
+        for _ in range(repeats):
+            for world, b in backends.items():
+                runs[world].append(_run(b, base_dir, names, work, max_tokens, slots))
     finally:
+        if 2 in backends:
+            backends[2].close()
         torch.set_num_threads(prev)
-    same = rows[0].pop("texts") == rows[1].pop("texts")
+    rows = []
+    for world, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "ttft_mean_s", "ttft_p50_s",
+                                                                  "makespan_s")}
+        _log(f"tp={world}: {med['tokens_per_s']:.1f} tok/s, TTFT p50 {med['ttft_p50_s'] * 1e3:.0f} ms (medians)")
+        rows.append({"candidate": f"tensor-parallel {world}", "tensor_parallel": world,
+                     "backend": "gloo" if world > 1 else "none", "device": "cpu", "threads_per_rank": 1,
+                     "requests": len(work), "variants": len(names), "distribution": "zipf-1.5",
+                     "max_tokens": max_tokens, "repeats": repeats, **(comm if world > 1 else {}), **med,
+                     "tokens_per_s_runs": [round(r["tokens_per_s"], 1) for r in rs],
+                     "generated_tokens": rs[0]["generated_tokens"],
+                     "greedy_texts_equal_tp1": all(r["texts"] == runs[1][0]["texts"] for r in rs)})
     for r in rows:
-        r["greedy_texts_equal_tp1"] = same
         r["tokens_per_s_vs_tp1"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
     return rows
 

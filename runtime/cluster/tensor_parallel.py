@@ -200,7 +200,6 @@ class ShardedDeltaModel(DeltaModel):
     def __init__(self, base, variants: list[VariantInfo], num_slots: int, device, dtype, group,
                  delta_compute: str = "auto", registry=None, ledger=None):
         self.group = group
-        self._hooked: set[int] = set()
         super().__init__(base, variants, num_slots, device, dtype, delta_compute=delta_compute, registry=registry,
                          ledger=ledger)
 
@@ -220,9 +219,12 @@ class ShardedDeltaModel(DeltaModel):
         return model.to(device)
 
     def _hook(self, mod: nn.Module, kind: str) -> None:
-        if kind == "row" and id(mod) not in self._hooked:
+        # Marked on the module itself: an id() could be reused by a new module once the linear that
+        # a DeltaLinear replaced is collected, and a row-parallel layer without its all-reduce would
+        # leave the ranks out of step.
+        if kind == "row" and not getattr(mod, "_tp_all_reduce", False):
             mod.register_forward_hook(lambda _m, _i, out: self.group.all_reduce(out))
-            self._hooked.add(id(mod))
+            mod._tp_all_reduce = True
 
     def prepare_variant(self, v: VariantInfo, wanted: dict[str, str] | None = None):
         wanted = {} if wanted is None else wanted

@@ -145,6 +145,12 @@ def test_variants_removed_and_added_while_serving_are_mirrored(pair, served):
         tokens = [served.tokenizer()(p)["input_ids"] for p in PROMPTS[:2]]
         got, want = prefill_logits(tp, [1, -1], tokens), prefill_logits(ref, [1, -1], tokens)
     assert (got - want).abs().max().item() < LOGIT_ATOL
+    # Every row-parallel layer, decoupled or not, ends in its all-reduce (one forward hook each).
+    from deltazip.runtime.cluster.tensor_parallel import shard_kind
+
+    rows = [m for n, m in tp.model.named_modules() if shard_kind(n) == "row"]
+    assert len(rows) == 2 * tp.config.num_hidden_layers
+    assert all(getattr(m, "_tp_all_reduce", False) and len(m._forward_hooks) == 1 for m in rows)
 
 
 def test_lora_dense_and_bias_shards_add_up():
