@@ -245,6 +245,7 @@ class ShardedDeltaModel(DeltaModel):
         if shard_kind(mname) is not None:
             self._hook(new, shard_kind(mname))
         return new
+
     def load_host(self, name: str) -> HostDelta:
         """The variant decoded from disk, then cut to this rank's shard (the full copy is dropped)."""
         full = super().load_host(name)
