@@ -14,7 +14,7 @@ the PSS summed over the server's processes after the trace, and the processes le
 server was stopped by SIGINT (must be 0).
 
 Tensor-parallel rows: if ``bench/_cluster_tp.py`` exists (written with ``--tensor-parallel``), its
-``tp_rows(arts, base, trace, args, slo) -> list[dict]`` adds rows to the same document; without it
+``tp_rows(quick) -> list[dict]`` adds rows to the same document; without it
 there are none and ``config["tensor_parallel"]`` says so.
 
 Prints ONE JSON document ``{"bench": "cluster", "machine", "config", "results"}``; with ``--out``,
@@ -217,7 +217,7 @@ def main() -> None:
         if tp_rows is None:
             config["tensor_parallel"] = "bench/_cluster_tp.py is missing: no tensor-parallel rows"
         else:
-            results += tp_rows(arts, base, trace, a, slo)
+            results += tp_rows(a.quick)  # its own pair and variants (group 64: two ranks split it)
             config["tensor_parallel"] = "rows from bench/_cluster_tp.py"
         doc = {"bench": "cluster", "machine": machine(), "config": config, "results": results}
         if a.out:

@@ -47,6 +47,8 @@ def serve(
     max_replicas: Annotated[int | None, typer.Option(help="...up to this many.")] = None,
     ray_address: Annotated[str | None, typer.Option(help="--ray: join this cluster (head host:port, or auto) "
                                                          "instead of starting a local one.")] = None,
+    tensor_parallel: Annotated[int, typer.Option("--tensor-parallel", help="Shard every layer over N processes "
+                                                 "(N GPUs; gloo on CPU).")] = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Serve the base model and every variant under ARTIFACTS (artifacts, full checkpoints, LoRA adapters) with an OpenAI-compatible API."""
@@ -57,8 +59,12 @@ def serve(
                       max_deltas=max_deltas, max_cpu_deltas=max_cpu_deltas, max_batch_tokens=max_batch_tokens,
                       max_num_seqs=max_num_seqs, max_queue=max_queue, device=device, dtype=dtype,
                       delta_compute=delta_compute, cpu_threads=cpu_threads, preemption=not no_preemption,
-                      workers=workers)
+                      workers=workers, tensor_parallel=tensor_parallel)
     if ray or replicas is not None or min_replicas is not None or max_replicas is not None or ray_address:
+        if tensor_parallel != 1:
+            from deltazip.formats.errors import InputError
+
+            raise InputError("--tensor-parallel does not combine with --ray yet: serve with one or the other")
         return _serve_ray(cfg, ray, replicas, min_replicas, max_replicas, ray_address, json_out)
     # The port before any model: a busy one is one line now, not a traceback once every model has loaded.
     sock = bind_listen_socket(host, port)

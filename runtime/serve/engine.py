@@ -344,6 +344,7 @@ class StepKV:
 
     def __init__(self, pool: KVPool, caches: list[SeqKV], past: list[int], new: list[int]):
         self.pool, self.past, self.new = pool, past, new
+        self.caches = caches  # which sequence each row extends (tensor-parallel ranks mirror their caches)
         self.lp, self.tm = max(past), max(new)
         self.length = max(p + n for p, n in zip(past, new))  # L
         for c in caches:

@@ -455,7 +455,7 @@ class DeltaModel:
         # deltas are kept dequantized (see DeltaContext).
         self.delta_compute = ("packed" if device.type == "cuda" else "dequantized") if delta_compute == "auto" \
             else delta_compute
-        self.model = load_base_model(base, dtype, device)
+        self.model = self._load_model(base, dtype, device)
         # The base goes through the registry first: later variant tensors identical to a base
         # tensor are answered with it. Its own memory is kept (no copy).
         self._base_held, new, reused = share_parameters(self.model, self.registry)
@@ -486,6 +486,10 @@ class DeltaModel:
         warm_up_kernels(self)  # CUDA + packed only: compile and tune every SBMM launch before serving
 
     # -- building -------------------------------------------------------------------------------
+    def _load_model(self, base: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """The base model on ``device`` (tensor parallel overrides it to shard the model first)."""
+        return load_base_model(base, dtype, device)
+
     def prepare_variant(self, v: VariantInfo, wanted: dict[str, str] | None = None):
         """Check a variant against the model and plan which modules it needs; changes nothing.
 

@@ -471,6 +471,8 @@ def engine_lifespan(engine):
             yield
         finally:
             engine.shutdown()
+            if hasattr(engine.backend, "close"):  # tensor parallel: stop the worker ranks
+                engine.backend.close()
 
     return lifespan
 

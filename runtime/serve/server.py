@@ -89,6 +89,7 @@ class ServeConfig:
     cpu_threads: int | None = None
     preemption: bool = True
     workers: int = 1  # >1: engine processes sharing one weight owner (deltazip.runtime.share.workers)
+    tensor_parallel: int = 1  # >1: each layer sharded over that many processes (deltazip.runtime.cluster)
 
     def __post_init__(self) -> None:
         self.artifacts = Path(self.artifacts)
@@ -107,6 +108,11 @@ class ServeConfig:
             raise InputError(f"--device {self.device} was asked for but no CUDA device is available")
         if self.workers < 1:
             raise InputError(f"--workers must be >= 1, got {self.workers}")
+        if self.tensor_parallel < 1:
+            raise InputError(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and (self.mode != "delta" or self.workers > 1):
+            raise InputError("--tensor-parallel shards the delta-mode model of one server; it does not combine with "
+                             "--mode swap or --workers > 1 (drop one of them)")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise InputError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if self.api_key == "":
@@ -243,7 +249,13 @@ def build_runtime(cfg: ServeConfig, observer: Any = None) -> Runtime:
     for v in variants:
         if v.kind != "artifact":  # artifacts were checked by open_served_base
             check_against_base(v, base, index, itemsize, base_fp)
-    if cfg.mode == "delta":
+    if cfg.tensor_parallel > 1:
+        from deltazip.runtime.cluster.tp_group import start_tensor_parallel
+
+        backend = start_tensor_parallel(base, variants, cfg.max_deltas, device, dtype, cfg.tensor_parallel,
+                                        delta_compute=cfg.delta_compute, max_cpu=cfg.max_cpu_deltas,
+                                        registry=registry, ledger=ledger)
+    elif cfg.mode == "delta":
         backend = DeltaModel(base, variants, cfg.max_deltas, device, dtype, delta_compute=cfg.delta_compute,
                              registry=registry, ledger=ledger)
     else:
@@ -543,4 +555,9 @@ def serve_forever(cfg: ServeConfig, runtime: Runtime | None = None, metrics: Met
     app = create_app(rt, metrics)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="on", timeout_graceful_shutdown=5,
                             log_level=os.environ.get("DELTAZIP_LOG_LEVEL", "info").lower(), access_log=False)
-    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
+    try:
+        uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
+    finally:  # also on SIGTERM/SIGINT, which may stop uvicorn before its lifespan shutdown runs
+        if hasattr(rt.backend, "close"):  # tensor parallel: stop the worker ranks once the engine has stopped
+            rt.engine.shutdown()
+            rt.backend.close()

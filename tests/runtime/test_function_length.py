@@ -39,12 +39,21 @@ REQUEST_PATH = [
     "share/workers.py",  # the front (proxy, routing)
     "share/dedup_registry.py",  # every load goes through the registry
     "share/dedup_serving.py",
+    "serve/delta_embedding.py",  # per-row embedding gathers in the forward
+    "serve/delta_experts.py",  # MoE experts and routers in the forward
+    "serve/masks.py",  # attention masks of every step
+    "serve/projections.py",  # merged q/k/v and gate/up in the forward
+    "cluster/ray_app.py",  # the Ray Serve ingress and replicas
+    "cluster/tensor_parallel.py",  # sharded forward, all-reduce hooks
+    "cluster/tp_group.py",  # per-step broadcast to the worker ranks
 ]
 OFF_PATH = {
     "serve/listen.py": "binds the port before start-up",
     "serve/kv_meter.py": "counts KV bytes copied for bench/step.py and the tests, never while serving",
     "share/dedup_loader.py": "loads whole models for start-up and eval, never per request",
     "share/weight_share.py": "the weight owner process and a worker's attach at start-up",
+    "serve/param_names.py": "maps checkpoint names once, when a variant is planned",
+    "serve/kernel_warmup.py": "compiles and tunes kernels at start-up and when a variant is added",
 }
 
 
@@ -55,7 +64,7 @@ def _lengths(path: Path) -> list[tuple[str, int, int]]:
 
 
 def test_every_runtime_module_is_classified():
-    found = {str(f.relative_to(ROOT)) for d in ("serve", "share") for f in (ROOT / d).glob("*.py")
+    found = {str(f.relative_to(ROOT)) for d in ("serve", "share", "cluster") for f in (ROOT / d).glob("*.py")
              if f.name != "__init__.py"}
     assert found == set(REQUEST_PATH) | set(OFF_PATH), "classify new modules as on or off the request path"
 

@@ -1,0 +1,273 @@
+"""Tensor-parallel sharding of the base model and of every packed delta (Megatron-style, at load time).
+
+Each decoder layer of a Llama-family model has two kinds of linears:
+
+- column-parallel (``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj``): rank ``r`` of ``n``
+  keeps output rows ``[r * out/n, (r + 1) * out/n)``. Attention heads split with them (the attention
+  reshapes to ``-1`` heads, so each rank attends over its own ``H/n`` query and ``H_kv/n`` KV heads);
+- row-parallel (``o_proj``, ``down_proj``): rank ``r`` keeps input columns ``[r * in/n, (r + 1) * in/n)``;
+  its output is a partial sum, completed by one all-reduce (a forward hook, see
+  :class:`ShardedDeltaModel`). A row-parallel bias is kept on rank 0 only, so it is added once.
+
+A packed delta (``deltazip.kernels.packed``) shards the same way. Column shards slice every part by
+rows. Row shards slice codes, 2:4 positions and group scales/zeros along the input dimension, which
+only works when a shard holds whole quantization groups (and so whole 2:4 blocks): that is checked
+before serving (:func:`check_variant`). Embeddings, norms and ``lm_head`` stay replicated.
+
+The artifact layout does not change: everything here runs when a model or a variant is loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from deltazip.formats.errors import InputError
+from deltazip.formats.packing import pack_int32
+from deltazip.kernels.packed import PackedDelta
+from deltazip.kernels.reference import unpack_int32
+from deltazip.runtime.serve.model import DeltaModel, HostDelta, VariantInfo, load_base_model
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def shard_kind(module_name: str) -> str | None:
+    """``"column"``, ``"row"`` or None (replicated) for a module name such as ``model.layers.3.self_attn.q_proj``."""
+    if ".layers." not in f".{module_name}":
+        return None
+    leaf = module_name.rsplit(".", 1)[-1]
+    return "column" if leaf in COLUMN_PARALLEL else "row" if leaf in ROW_PARALLEL else None
+
+
+def check_config(config, world: int) -> None:
+    """Refuse (one line) a model that ``world`` ranks cannot shard.
+
+    Raises:
+        InputError: unsupported architecture, or ``world`` not dividing the attention heads, the
+            KV heads or the MLP intermediate size.
+    """
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise InputError(f"--tensor-parallel supports the Llama family ({', '.join(SUPPORTED_MODEL_TYPES)}), not "
+                         f"model_type {mt!r}; serve this base with --tensor-parallel 1")
+    for key, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
+                      ("intermediate_size", "intermediate size")):
+        value = getattr(config, key, None)
+        if value is None and key == "num_key_value_heads":
+            value = config.num_attention_heads  # no GQA: as many KV heads as query heads
+        if value % world:
+            raise InputError(f"--tensor-parallel {world} does not divide the model's {what} ({value}); use a "
+                             f"degree that divides it")
+
+
+def check_variant(v: VariantInfo, row_in: dict[str, int], world: int) -> None:
+    """Refuse a variant whose packed row-parallel deltas a shard boundary would cut through.
+
+    Args:
+        v: the variant (its manifest entries).
+        row_in: per row-parallel module name, its full input width.
+        world: tensor-parallel degree.
+    Raises:
+        InputError: a quantization group (or a 2:4 block) would straddle two ranks.
+    """
+    for tname, e in v.tensors.items():
+        mname = tname.rsplit(".", 1)[0]
+        if e.get("kind") != "packed" or mname not in row_in:
+            continue
+        width = row_in[mname] // world
+        group = row_in[mname] if e.get("group_size", -1) == -1 else int(e["group_size"])
+        block = 4 if e.get("sparsity") == "2:4" else 1
+        if width % group or width % block:
+            raise InputError(f"variant {v.name}: {tname} has quantization groups of {group} input columns, which "
+                             f"--tensor-parallel {world} shards of {width} columns would split; use a degree whose "
+                             f"shard width is a multiple of the group size")
+
+
+def check_variants(variants: list[VariantInfo], config, world: int) -> None:
+    """:func:`check_variant` for every artifact, from the manifests and the base config alone."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    widths = {"o_proj": heads * head_dim, "down_proj": config.intermediate_size}
+    for v in variants:
+        if v.kind == "artifact":
+            mods = {t.rsplit(".", 1)[0] for t in v.tensors}
+            check_variant(v, {m: widths[m.rsplit(".", 1)[-1]] for m in mods if shard_kind(m) == "row"}, world)
+
+
+def _span(size: int, rank: int, world: int) -> slice:
+    per = size // world
+    return slice(rank * per, (rank + 1) * per)
+
+
+def _slice_codes(packed: torch.Tensor, bits: int, n: int, cols: slice) -> torch.Tensor:
+    """Codes ``cols`` of every row of int32-packed ``packed`` (``n`` codes per row), packed again."""
+    return pack_int32(unpack_int32(packed, bits, n)[:, cols], bits)
+
+
+def shard_packed(d: PackedDelta, kind: str, rank: int, world: int) -> PackedDelta:
+    """Rank ``rank``'s shard of a packed delta ``[out, in]``.
+
+    Column: ``[out/n, in]``, every part sliced by rows. Row: ``[out, in/n]``; kept values ``in/2n``
+    per row under 2:4, groups ``G/n`` (the caller checked that groups do not straddle ranks).
+    """
+    if kind == "column":
+        rows = _span(d.out_features, rank, world)
+
+        def cut(t):
+            return None if t is None else t[rows].contiguous()
+
+        return PackedDelta(cut(d.qweight), cut(d.scales), cut(d.zeros), cut(d.positions), d.bits, d.group_size,
+                           d.in_features, rows.stop - rows.start)
+    width = d.in_features // world
+    g = d.effective_group
+    if world > 1 and (d.group_size == -1 or width % g or (d.sparse and width % 4)):
+        raise InputError(f"a packed delta with groups of {g} columns cannot be split into {world} shards of {width} "
+                         f"input columns; use a degree whose shard width is a multiple of the group size")
+    kept = _span(d.kept_per_row, rank, world)
+    groups = _span(d.num_groups, rank, world)
+    qweight = _slice_codes(d.qweight, d.bits, d.kept_per_row, kept)
+    positions = None if d.positions is None else _slice_codes(d.positions, 2, d.kept_per_row, kept)
+    zeros = None if d.zeros is None else d.zeros[:, groups].contiguous()
+    out = PackedDelta(qweight, d.scales[:, groups].contiguous(), zeros, positions, d.bits, d.group_size, width,
+                      d.out_features)
+    out.validate()
+    return out
+
+
+def shard_dense(t: torch.Tensor, kind: str, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of a weight ``[out, in]`` (column: rows; row: columns), a fresh tensor."""
+    t = t.as_subclass(torch.Tensor)  # a read-only registry tensor: the shard is new memory we own
+    if kind == "column":
+        return t[_span(t.shape[0], rank, world)].clone()
+    return t[:, _span(t.shape[1], rank, world)].clone()
+
+
+def shard_bias(b: torch.Tensor, kind: str, rank: int, world: int) -> torch.Tensor:
+    """Column: the rank's slice of ``[out]``; row: the whole bias on rank 0, zeros elsewhere (added once)."""
+    b = b.as_subclass(torch.Tensor)
+    if kind == "column":
+        return b[_span(b.shape[0], rank, world)].clone()
+    return b.clone() if rank == 0 else torch.zeros_like(b)
+
+
+def shard_slot_args(kw: dict[str, Any], kind: str, rank: int, world: int) -> dict[str, Any]:
+    """The ``DeltaLinear.load_slot`` arguments of one variant, sharded for ``rank``.
+
+    LoRA: a column shard keeps its rows of ``B [out, r]`` (``A`` whole); a row shard its columns of
+    ``A [r, in]`` (``B`` whole), so its partial product sums to the full one in the all-reduce.
+    """
+    out = dict(kw)
+    if kw.get("packed") is not None:
+        out["packed"] = shard_packed(kw["packed"], kind, rank, world)
+    if kw.get("dense") is not None:
+        out["dense"] = shard_dense(kw["dense"], kind, rank, world)
+    if kw.get("bias") is not None:
+        out["bias"] = shard_bias(kw["bias"], kind, rank, world)
+    if kw.get("lora_a") is not None:
+        if kind == "column":
+            out["lora_b"] = shard_dense(kw["lora_b"], "column", rank, world)
+        else:
+            out["lora_a"] = shard_dense(kw["lora_a"], "row", rank, world)
+    return out
+
+
+def _shard_module(mod: nn.Linear, kind: str, rank: int, world: int) -> None:
+    """Shard an ``nn.Linear`` in place (its full weight is dropped)."""
+    w = shard_dense(mod.weight.detach(), kind, rank, world)
+    mod.weight = nn.Parameter(w, requires_grad=False)
+    if mod.bias is not None:
+        mod.bias = nn.Parameter(shard_bias(mod.bias.detach(), kind, rank, world), requires_grad=False)
+    mod.out_features, mod.in_features = w.shape
+
+
+class ShardedDeltaModel(DeltaModel):
+    """A :class:`DeltaModel` holding rank ``rank``'s shard of the base and of every variant.
+
+    The base is loaded on the host, sharded, and only the shard moves to ``device`` (a rank never
+    holds the whole model on its GPU). Variants are planned and checked against the full shapes.
+    Host copies of variants (:meth:`load_host`) are sharded too, so the delta cache of each rank
+    holds its shard.
+
+    Args:
+        group: the :class:`deltazip.runtime.cluster.tp_group.TPGroup` (rank, degree, all-reduce).
+        (the rest as :class:`DeltaModel`)
+    """
+
+    def __init__(self, base, variants: list[VariantInfo], num_slots: int, device, dtype, group,
+                 delta_compute: str = "auto", registry=None, ledger=None):
+        self.group = group
+        super().__init__(base, variants, num_slots, device, dtype, delta_compute=delta_compute, registry=registry,
+                         ledger=ledger)
+
+    def _load_model(self, base, dtype, device) -> nn.Module:
+        model = load_base_model(base, dtype, torch.device("cpu"))
+        check_config(model.config, self.group.world)
+        # Planning compares artifact and adapter shapes with the full model's (meta tensors: shapes only).
+        self._full_params = {n: torch.empty(p.shape, device="meta")
+                             for n, p in model.named_parameters(remove_duplicate=False)}
+        self._full_linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules()
+                              if isinstance(m, nn.Linear)}
+        for name, mod in model.named_modules():
+            kind = shard_kind(name)
+            if kind is not None and isinstance(mod, nn.Linear):
+                _shard_module(mod, kind, self.group.rank, self.group.world)
+                self._hook(mod, kind)
+        return model.to(device)
+
+    def _hook(self, mod: nn.Module, kind: str) -> None:
+        # Marked on the module itself: an id() could be reused by a new module once the linear that
+        # a DeltaLinear replaced is collected, and a row-parallel layer without its all-reduce would
+        # leave the ranks out of step.
+        if kind == "row" and not getattr(mod, "_tp_all_reduce", False):
+            mod.register_forward_hook(lambda _m, _i, out: self.group.all_reduce(out))
+            mod._tp_all_reduce = True
+
+    def prepare_variant(self, v: VariantInfo, wanted: dict[str, str] | None = None):
+        wanted = {} if wanted is None else wanted
+        if v.kind == "lora":  # checked against the full linears, not this rank's shards
+            from deltazip.runtime.serve.lora_variant import read_lora_spec
+
+            spec = read_lora_spec(v.path, self._full_linears, type(self.model).__name__)
+            wanted.update({m: "linear" for m in spec.modules})
+            return spec
+        plan = self._plan_variant(v, self._full_params, wanted)
+        if v.kind == "artifact":
+            check_variant(v, {n: s[1] for n, s in self._full_linears.items() if shard_kind(n) == "row"},
+                          self.group.world)
+        return plan
+
+    def _replace(self, mname: str, kind: str) -> nn.Module:
+        new = super()._replace(mname, kind)  # built over the (already sharded) base linear
+        if shard_kind(mname) is not None:
+            self._hook(new, shard_kind(mname))
+        return new
+
+    def load_host(self, name: str) -> HostDelta:
+        """The variant decoded from disk, then cut to this rank's shard (the full copy is dropped)."""
+        full = super().load_host(name)
+        host = HostDelta(name)
+        for mname, kw in full.modules.items():
+            kind = shard_kind(mname)
+            host.modules[mname] = kw if kind is None else shard_slot_args(kw, kind, self.group.rank, self.group.world)
+        return host
+
+    def resident_estimate(self, name: str) -> int:
+        """Device bytes of this rank's shard of a variant (sharded linears count ``1/n``)."""
+        v = self.variants[name]
+        full = super().resident_estimate(name)
+        if v.kind != "artifact":
+            return full
+        part = 0
+        esize = torch.tensor([], dtype=self.dtype).element_size()
+        for tname, targets in self._targets[name].items():
+            e = v.tensors[tname]
+            if shard_kind(tname.rsplit(".", 1)[0]) is None or len(e["shape"]) != 2:
+                continue
+            packed_here = e["kind"] == "packed" and self.delta_compute == "packed"
+            per = int(e.get("stored_bytes", 0)) if packed_here else e["shape"][0] * e["shape"][1] * esize
+            part += per * len(targets)
+        return full - part + part // self.group.world

@@ -1,0 +1,346 @@
+"""The tensor-parallel process group: rank 0 serves, ranks ``1..n-1`` mirror every forward.
+
+Process model (``deltazip serve --tensor-parallel N``): rank 0 is the usual server process (HTTP,
+scheduler, engine); it spawns ``N - 1`` worker processes (``torch.multiprocessing``, spawn) that
+join a ``torch.distributed`` group on ``127.0.0.1``. Every rank holds a
+:class:`~deltazip.runtime.cluster.tensor_parallel.ShardedDeltaModel`. The engine talks to
+:class:`TPLeader`, which has the backend interface of a ``DeltaModel``: each call that changes
+what the model computes (slot writes and clears, variants added or removed, forwards) is first
+broadcast to the workers as one small command, then run locally; the workers run the same call
+on their shard, in the same order, so the all-reduces of the row-parallel layers pair up.
+
+A forward command carries the step's token ids, positions, attention mask and slot per row (CPU
+tensors), plus one key per row naming the sequence whose KV cache the row extends. Workers keep
+their own KV caches (their heads only) keyed that way, in the engine's own pool classes; rank 0
+names the sequences whose caches it freed since the last step so that workers free them too
+(a preempted sequence keeps its worker-side cache until it resumes or ends). Logits come from
+rank 0 (``lm_head`` is replicated; workers compute and drop theirs).
+
+Commands travel over a gloo group (pickled Python objects between our own processes); the
+all-reduces over NCCL on GPUs (rank ``r`` on ``cuda:r``), gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deltazip.formats.errors import InputError
+
+log = logging.getLogger(__name__)
+
+# Workers wait for the next command as long as the server runs (an idle server sends none).
+_CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TPGroup:
+    """This process's place in the group: ``rank`` of ``world``, the device it computes on.
+
+    ``all_reduce`` sums a tensor over ranks in place (NCCL on CUDA, gloo on CPU); ``broadcast``
+    sends a Python object from rank 0 to every rank over the gloo control group.
+    """
+
+    def __init__(self, rank: int, world: int, port: int, device: torch.device):
+        self.rank, self.world, self.device = rank, world, device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        # Commands on their own gloo group (host objects, and a long timeout for an idle server).
+        self.control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)
+        return t
+
+    def broadcast(self, obj: Any = None) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def gather_errors(self, error: str | None) -> list[str]:
+        """Every rank's error (None for success) after a collective step; the non-None ones."""
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, error, group=self.control)
+        return [e for e in out if e]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: ``cuda:rank`` when serving on CUDA, else the CPU."""
+    return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker needs to build its shard of the served model (picklable)."""
+
+    base: str
+    variants: list
+    num_slots: int
+    device: str
+    dtype: torch.dtype
+    delta_compute: str
+    max_cpu: int
+    threads: int
+    parent_pid: int
+
+
+def _build(spec: WorkerSpec, group: TPGroup):
+    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.runtime.cluster.tensor_parallel import ShardedDeltaModel
+
+    return ShardedDeltaModel(Checkpoint(spec.base, "base"), spec.variants, spec.num_slots, group.device, spec.dtype,
+                             group, delta_compute=spec.delta_compute)
+
+
+def _watch_parent(pid: int) -> None:
+    """Exit when the serving process is gone (killed without telling us), instead of waiting forever."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != pid:
+            os._exit(0)
+
+
+def worker_main(index: int, world: int, port: int, spec: WorkerSpec) -> None:
+    """Entry point of rank ``index + 1`` (``torch.multiprocessing`` passes the process index)."""
+    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
+    torch.set_num_threads(spec.threads)
+    rank = index + 1
+    group = TPGroup(rank, world, port, rank_device(torch.device(spec.device), rank))
+    try:
+        model, error = _build(spec, group), None
+    except Exception as e:  # reported to rank 0, which fails the start-up with it
+        model, error = None, f"rank {rank}: {type(e).__name__}: {e}"
+    if group.gather_errors(error) or model is None:
+        group.close()
+        return
+    try:
+        TPWorker(model, group, spec.max_cpu).run()
+    finally:
+        group.close()
+
+
+class TPWorker:
+    """A worker's command loop: mirror rank 0's slot changes and forwards on its own shard."""
+
+    def __init__(self, model, group: TPGroup, max_cpu: int):
+        from deltazip.runtime.serve.engine import KVPool
+
+        self.model, self.group = model, group
+        self.hosts: OrderedDict[str, Any] = OrderedDict()  # variant -> sharded host copy (LRU)
+        self.max_hosts = max(1, max_cpu + model.num_slots)
+        self.pool = KVPool()
+        self.kv: dict[int, Any] = {}  # rank 0's sequence key -> this rank's SeqKV
+
+    def run(self) -> None:
+        while True:
+            cmd = self.group.broadcast()
+            op = cmd[0]
+            if op == "stop":
+                return
+            if op == "forward":  # an error here ends the worker: rank 0's all-reduce then fails too
+                self.forward(*cmd[1:])
+            elif op == "write":
+                self.write(*cmd[1:])
+            else:
+                try:
+                    self.apply(op, cmd[1])
+                except Exception:  # rank 0 ran the same call and reports its own failure
+                    log.exception("rank %d: %s %s failed", self.group.rank, op, cmd[1])
+
+    def apply(self, op: str, arg) -> None:
+        if op == "clear":
+            self.model.clear_slot(arg)
+        elif op == "commit":
+            wanted: dict[str, str] = {}
+            self.model.commit_variant(arg, self.model.prepare_variant(arg, wanted), wanted)
+        elif op == "remove":
+            self.model.remove_variant(arg)
+            self.hosts.pop(arg, None)
+
+    def write(self, slot: int, name: str) -> None:
+        error = None
+        try:
+            host = self.hosts.pop(name, None) or self.model.load_host(name)
+            self.hosts[name] = host
+            while len(self.hosts) > self.max_hosts:
+                self.hosts.popitem(last=False)
+            self.model.write_slot(slot, name, host)
+        except Exception as e:  # the leader fails the load for every rank
+            error = f"rank {self.group.rank}: {type(e).__name__}: {e}"
+            self.model.clear_slot(slot)
+        self.group.gather_errors(error)
+
+    def forward(self, row_slots, ids, pos, mask, keys, past, new, freed) -> None:
+        from deltazip.runtime.serve.engine import SeqKV, StepKV
+
+        for k in freed:
+            c = self.kv.pop(k, None)
+            if c is not None:
+                c.free()
+        caches = [self.kv.setdefault(k, SeqKV()) for k in keys]
+        dev = self.group.device
+        with torch.inference_mode():
+            self.model.forward(row_slots, ids.to(dev), pos.to(dev), mask.to(dev),
+                               StepKV(self.pool, caches, past, new))
+        for c, n in zip(caches, new):
+            c.length += n
+
+
+class TPLeader:
+    """Rank 0's backend for the engine: a ``ShardedDeltaModel`` whose state changes are mirrored.
+
+    Everything the engine or the server reads (``config``, ``variants``, ``slot_bytes``...) comes
+    from the local model; the calls listed in the module docstring are broadcast first.
+    """
+
+    def __init__(self, model, group: TPGroup, processes):
+        self._model, self._group, self._processes = model, group, processes
+        self._keys: dict[int, tuple[weakref.ref, int]] = {}  # id(SeqKV) -> (ref, key)
+        self._next_key = 0
+        self._closed = False
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self._group.world
+
+    def write_slot(self, slot: int, name: str, host) -> None:
+        self._group.broadcast(("write", slot, name))
+        error = None
+        try:
+            self._model.write_slot(slot, name, host)
+        except Exception as e:
+            error = f"rank 0: {type(e).__name__}: {e}"
+            self._model.clear_slot(slot)
+        errors = self._group.gather_errors(error)
+        if errors:
+            raise RuntimeError(f"loading {name} into slot {slot} failed on {len(errors)} rank(s): {errors[0]}")
+
+    def clear_slot(self, slot: int) -> None:
+        self._group.broadcast(("clear", slot))
+        self._model.clear_slot(slot)
+
+    def commit_variant(self, v, plan, wanted=None) -> None:
+        self._group.broadcast(("commit", v))
+        self._model.commit_variant(v, plan, wanted)
+
+    def remove_variant(self, name: str) -> None:
+        self._group.broadcast(("remove", name))
+        self._model.remove_variant(name)
+
+    def _sequence_keys(self, caches) -> tuple[list[int], list[int]]:
+        """A stable key per row's KV cache, and the keys of caches freed since the last step."""
+        keys, freed = [], []
+        for c in caches:
+            held = self._keys.get(id(c))
+            if held is not None and held[0]() is not c:  # the id of a collected cache, reused
+                freed.append(held[1])
+                held = None
+            if held is None:
+                held = (weakref.ref(c), self._next_key)
+                self._next_key += 1
+                self._keys[id(c)] = held
+            keys.append(held[1])
+        here = {id(c) for c in caches}
+        for ident, (ref, key) in list(self._keys.items()):
+            c = ref()
+            # Gone, or given back (no pool row, no host copy): a finished sequence. A preempted
+            # one keeps a host copy, and so keeps its worker-side cache.
+            if ident not in here and (c is None or (c.row is None and c.host is None)):
+                freed.append(key)
+                del self._keys[ident]
+        return keys, freed
+
+    def forward(self, row_slots: list[int], input_ids, position_ids, attention_mask, kv) -> torch.Tensor:
+        keys, freed = self._sequence_keys(kv.caches)
+        cpu = torch.device("cpu")
+        self._group.broadcast(("forward", list(row_slots), input_ids.to(cpu), position_ids.to(cpu),
+                               attention_mask.to(cpu), keys, list(kv.past), list(kv.new), freed))
+        return self._model.forward(row_slots, input_ids, position_ids, attention_mask, kv)
+
+    def close(self) -> None:
+        """Stop the workers and leave the group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._group.broadcast(("stop",))
+        except Exception as e:  # a worker already gone: terminate the rest below
+            log.warning("stopping tensor-parallel workers: %s", e)
+        finally:
+            self._processes.join(timeout=60)
+            for p in self._processes.processes:
+                if p.is_alive():
+                    p.terminate()
+                    p.join(5)
+            self._group.close()
+
+
+def start_tensor_parallel(base, variants: list, num_slots: int, device: torch.device, dtype: torch.dtype,
+                          world: int, delta_compute: str = "auto", max_cpu: int = 16, registry=None,
+                          ledger=None) -> TPLeader:
+    """Spawn ranks ``1..world-1``, join the group as rank 0 and build every rank's shard.
+
+    Raises:
+        InputError: a model or variant the group cannot shard (checked before any process starts),
+            too few GPUs, or a rank that failed to build its shard (its message).
+    """
+    import torch.multiprocessing as mp
+
+    from deltazip.runtime.cluster.tensor_parallel import ShardedDeltaModel, check_config, check_variants
+
+    config = _base_config(base)
+    check_config(config, world)
+    check_variants(variants, config, world)
+    if device.type == "cuda" and torch.cuda.device_count() < world:
+        raise InputError(f"--tensor-parallel {world} needs {world} GPUs, {torch.cuda.device_count()} visible; lower "
+                         f"the degree or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    port = free_port()
+    spec = WorkerSpec(str(base.path), variants, num_slots, device.type, dtype, delta_compute, max_cpu,
+                      torch.get_num_threads(), os.getpid())
+    procs = mp.start_processes(worker_main, args=(world, port, spec), nprocs=world - 1, join=False, daemon=True,
+                               start_method="spawn")
+    group = TPGroup(0, world, port, rank_device(device, 0))
+    try:
+        model, error = ShardedDeltaModel(base, variants, num_slots, group.device, dtype, group,
+                                         delta_compute=delta_compute, registry=registry, ledger=ledger), None
+    except Exception as e:
+        model, error = None, f"rank 0: {type(e).__name__}: {e}"
+    errors = group.gather_errors(error)
+    if errors:
+        procs.join(timeout=60)
+        group.close()
+        raise InputError(f"tensor-parallel start-up failed on {len(errors)} rank(s): {errors[0]}")
+    return TPLeader(model, group, procs)
+
+
+def _base_config(base):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(base.path))
+
