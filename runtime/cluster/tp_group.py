@@ -146,13 +146,13 @@ class TPWorker:
     """A worker's command loop: mirror rank 0's slot changes and forwards on its own shard."""
 
     def __init__(self, model, group: TPGroup, max_cpu: int):
-        from deltazip.runtime.serve.engine import KVPool
+        from deltazip.runtime.serve.engine import new_kv_pool
 
         self.model, self.group = model, group
         self.hosts: OrderedDict[str, Any] = OrderedDict()  # variant -> sharded host copy (LRU)
         self.max_hosts = max(1, max_cpu + model.num_slots)
-        self.pool = KVPool()
-        self.kv: dict[int, Any] = {}  # rank 0's sequence key -> this rank's SeqKV
+        self.pool = new_kv_pool(model)  # the engine's kind of pool: paged, or contiguous (ALiBi models)
+        self.kv: dict[int, Any] = {}  # rank 0's sequence key -> this rank's SeqKV / SeqBlocks
 
     def run(self) -> None:
         while True:
@@ -194,19 +194,24 @@ class TPWorker:
         self.group.gather_errors(error)
 
     def forward(self, row_slots, ids, pos, mask, keys, past, new, freed) -> None:
-        from deltazip.runtime.serve.engine import SeqKV, StepKV
+        from deltazip.runtime.serve.engine import new_seq_kv, step_cache
 
         for k in freed:
             c = self.kv.pop(k, None)
             if c is not None:
                 c.free()
-        caches = [self.kv.setdefault(k, SeqKV()) for k in keys]
+        caches = [self.kv.setdefault(k, new_seq_kv(self.pool)) for k in keys]
         dev = self.group.device
         with torch.inference_mode():
-            self.model.forward(row_slots, ids.to(dev), pos.to(dev), mask.to(dev),
-                               StepKV(self.pool, caches, past, new))
+            kv = step_cache(self.pool, caches, past, new, dev)
+            self.model.forward(row_slots, ids.to(dev), pos.to(dev), mask.to(dev), kv)
         for c, n in zip(caches, new):
             c.length += n
+
+
+def _in_pool(c) -> bool:
+    """Whether a sequence's KV cache holds pool memory (a ``SeqKV`` row or ``SeqBlocks`` blocks)."""
+    return getattr(c, "row", None) is not None or bool(getattr(c, "blocks", None))
 
 
 class TPLeader:
@@ -271,7 +276,7 @@ class TPLeader:
             c = ref()
             # Gone, or given back (no pool row, no host copy): a finished sequence. A preempted
             # one keeps a host copy, and so keeps its worker-side cache.
-            if ident not in here and (c is None or (c.row is None and c.host is None)):
+            if ident not in here and (c is None or (not _in_pool(c) and c.host is None)):
                 freed.append(key)
                 del self._keys[ident]
         return keys, freed

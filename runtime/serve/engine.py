@@ -433,12 +433,19 @@ def step_args(pool: KVPool | BlockPool, caches: list, past: list[int], new: list
     the 4-D tensor passed as ``attention_mask`` is a placeholder, so that transformers builds no mask
     of its own (the paged attention masks per layer, sliding windows included, from the layout); on
     the contiguous pool the masks come from :func:`step_inputs`."""
-    if isinstance(pool, BlockPool):
-        kv = PagedStep(pool, caches, past, new, device)
+    kv = step_cache(pool, caches, past, new, device)
+    if isinstance(kv, PagedStep):
         return kv, kv.q_pos, torch.ones(len(new), 1, max(new), 1, dtype=torch.bool, device=device)
-    kv = StepKV(pool, caches, past, new)
     mask, pos = step_inputs(kv, config, dtype, device)
     return kv, pos, mask
+
+
+def step_cache(pool: KVPool | BlockPool, caches: list, past: list[int], new: list[int], device) -> PagedStep | StepKV:
+    """The ``past_key_values`` object of one forward over ``pool`` (row ``b``: ``past[b]`` cached
+    tokens in ``caches[b]``, ``new[b]`` new ones)."""
+    if isinstance(pool, BlockPool):
+        return PagedStep(pool, caches, past, new, device)
+    return StepKV(pool, caches, past, new)
 
 
 def forward_step(backend, pool: KVPool | BlockPool, caches: list, row_slots: list[int], tokens: list[list[int]],
@@ -573,7 +580,9 @@ class Engine:
         self.kv_pool = new_kv_pool(backend, config.kv_block_size)
         self.paged = isinstance(self.kv_pool, BlockPool)
         self.graphs = None
-        if self.paged and self.device.type == "cuda" and config.cuda_graphs and backend.mode == "delta":
+        # Not under tensor parallel: each forward is mirrored on the worker ranks, eagerly.
+        if (self.paged and self.device.type == "cuda" and config.cuda_graphs and backend.mode == "delta"
+                and getattr(backend, "tensor_parallel", 1) == 1):
             from deltazip.runtime.serve.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(backend, self.kv_pool)

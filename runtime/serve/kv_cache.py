@@ -187,6 +187,7 @@ class PagedStep:
     def __init__(self, pool: BlockPool, caches: list[SeqBlocks], past: list[int], new: list[int],
                  device: torch.device | str):
         self.pool, self.past, self.new = pool, past, new
+        self.caches = caches  # which sequence each row extends (tensor-parallel ranks mirror their caches)
         self.tm = max(new)
         self.block_size = pool.block_size
         for c, p, n in zip(caches, past, new):

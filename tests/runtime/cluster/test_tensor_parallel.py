@@ -110,6 +110,7 @@ def test_engine_greedy_text_equals_the_merged_models(pair, served):
     jobs = [(m, p, 8) for m in MODELS for p in PROMPTS[:3]]
     with single_thread():
         eng = _engine(served, tp, max_deltas=2, max_cpu_deltas=1, max_num_seqs=8)
+        assert eng.paged and eng.graphs is None  # the paged cache on every rank, eager (mirrored) forwards
         out = _run_all(eng, jobs, served.tokenizer())
     for i, (m, p, n) in enumerate(jobs):
         assert out[i].reason in ("stop", "length"), out[i]
