@@ -124,6 +124,61 @@ def test_a_slow_load_does_not_stall_running_variants_and_outputs_stay_exact(serv
     assert loads["beta"]["device_loads"] == 1 and loads["beta"]["disk_seconds_last"] >= SLOW
 
 
+def test_a_long_prompt_of_a_loading_variant_is_chunked_after_its_load(served, monkeypatch):
+    """Background load, ``ready`` hook and chunked prefill together: ``beta``'s prompt is longer than
+    the step's token budget and its load is held until ``alpha`` has decoded a while alone. Then the
+    prompt is read in chunks of what the budget leaves after ``alpha``'s token, ``alpha`` decoding in
+    every one of those steps; both texts equal the merged models' ``generate``."""
+    from deltazip.runtime.serve.model import DeltaModel
+
+    real, release = DeltaModel.load_host, threading.Event()
+
+    def held_load(self, name):
+        if name == "beta":
+            assert release.wait(60)
+        return real(self, name)
+
+    monkeypatch.setattr(DeltaModel, "load_host", held_load)
+    tok = served.tokenizer()
+    long_ids = tok(" ".join(PROMPTS) + " zip")["input_ids"]
+    budget, n_alpha = 12, 100
+    assert len(long_ids) > 3 * budget
+    with single_thread():
+        eng = _engine(served, max_deltas=2, max_cpu_deltas=2, max_batch_tokens=budget)
+        steps: list[dict[str, tuple[int, bool]]] = []
+        forward = eng._forward
+
+        def spy(group, row_slots):  # engine thread: per forward, each row's model, new tokens, decoding?
+            steps.append({s.model: (len(t), bool(s.output_ids)) for s, t in group})
+            return forward(group, row_slots)
+
+        eng._forward = spy
+        eng.start()
+        try:
+            alpha, beta = Timed(), Timed()
+            a_ids = tok(PROMPTS[0])["input_ids"]
+            eng.submit("alpha", a_ids, SamplingParams(max_tokens=n_alpha, temperature=0.0, ignore_eos=True), alpha)
+            assert alpha.first.wait(60)
+            eng.submit("beta", long_ids, SamplingParams(max_tokens=6, temperature=0.0), beta)
+            deadline = time.time() + 60
+            while len(alpha.token_times()) < 10:
+                assert time.time() < deadline and not alpha.done.is_set()
+                time.sleep(0.005)
+            assert eng.stats()["loading_deltas"] == ["beta"] and not beta.first.is_set()
+            release.set()
+            assert alpha.done.wait(120) and beta.done.wait(120)
+        finally:
+            release.set()
+            eng.shutdown()
+    assert beta.final.text == served.expected_ids("beta", tuple(long_ids), 6)
+    assert alpha.final.completion_tokens == n_alpha
+    chunks = [i for i, st in enumerate(steps) if "beta" in st and not st["beta"][1]]
+    assert len(chunks) >= 3 and sum(steps[i]["beta"][0] for i in chunks) == len(long_ids)
+    for i in chunks:  # each chunk step: the budget minus alpha's decode (the decode forward follows it)
+        assert steps[i]["beta"][0] <= budget - 1 and steps[i + 1].get("alpha") == (1, True)
+    assert chunks == list(range(chunks[0], chunks[-1] + 1, 2))  # consecutive steps: prefill, decode, ...
+
+
 def test_a_load_that_fails_in_the_background_fails_only_its_requests(served, monkeypatch):
     from deltazip.runtime.serve.model import DeltaModel
 
