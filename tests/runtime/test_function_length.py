@@ -39,10 +39,6 @@ REQUEST_PATH = [
     "share/workers.py",  # the front (proxy, routing)
     "share/dedup_registry.py",  # every load goes through the registry
     "share/dedup_serving.py",
-    "serve/delta_embedding.py",  # per-row embedding gathers in the forward
-    "serve/delta_experts.py",  # MoE experts and routers in the forward
-    "serve/masks.py",  # attention masks of every step
-    "serve/projections.py",  # merged q/k/v and gate/up in the forward
     "cluster/ray_app.py",  # the Ray Serve ingress and replicas
     "cluster/tensor_parallel.py",  # sharded forward, all-reduce hooks
     "cluster/tp_group.py",  # per-step broadcast to the worker ranks
@@ -52,8 +48,6 @@ OFF_PATH = {
     "serve/kv_meter.py": "counts KV bytes copied for bench/step.py and the tests, never while serving",
     "share/dedup_loader.py": "loads whole models for start-up and eval, never per request",
     "share/weight_share.py": "the weight owner process and a worker's attach at start-up",
-    "serve/param_names.py": "maps checkpoint names once, when a variant is planned",
-    "serve/kernel_warmup.py": "compiles and tunes kernels at start-up and when a variant is added",
 }
 
 
