@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -72,6 +73,39 @@ def demo_pair(seed: int = 0) -> dict:
             "calib": str(pair.calib_path), "eval": str(pair.eval_path), "task": pair.task_name, "group_size": 128}
     done.write_text(json.dumps(info))
     return info
+
+
+def synthetic_llama(name: str, seeds: list[int], log=print) -> tuple[Path, Path]:
+    """A 31.6 M-parameter Llama (fp16 on disk, 8 layers, hidden 512) and one RTN 4-bit variant per
+    seed (a perturbed copy, scale 0.2), cached under ``CACHE/name``: ``(artifacts dir, base dir)``
+    with variants ``v1, v2, ...``. Shapes big enough that loads and copies are measurable."""
+    d = CACHE / name
+    arts, base = d / "arts", d / "base"
+    if (d / "done").is_file():
+        return arts, base
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from _factories import calib_file, perturb, tiny_model
+
+    from deltazip.compress.config import CompressConfig
+    from deltazip.compress.pipeline import compress_delta
+    from deltazip.demo.pair import build_char_tokenizer
+
+    ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    shape = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=4)
+    tok = build_char_tokenizer()
+    m = tiny_model("llama", dtype=torch.float16, **ids, **shape)
+    m.save_pretrained(base)
+    tok.save_pretrained(base)
+    cfg = CompressConfig(method="rtn", bits=4, sparsity="none", group_size=128, nsamples=4, seqlen=16, device="cpu")
+    calib = str(calib_file(d / "calib", n=8))
+    for i, seed in enumerate(seeds, 1):
+        log(f"building variant v{i}")
+        perturb(m, scale=0.2, seed=seed).save_pretrained(d / f"ft{i}")
+        tok.save_pretrained(d / f"ft{i}")
+        compress_delta(base, d / f"ft{i}", calib, arts / f"v{i}", cfg, overwrite=True)
+    (d / "done").write_text("ok")
+    return arts, base
 
 
 def smollm2_dir() -> Path:

@@ -147,6 +147,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help="accepted for the bench convention: the default configuration already runs in seconds")
     args = ap.parse_args(argv)
     doc = run(args)
     doc["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in doc["config"].items()}

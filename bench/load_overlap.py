@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import CACHE, machine  # noqa: E402
+from _pairs import machine, synthetic_llama  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -40,33 +40,7 @@ def log(msg: str) -> None:
 
 def pair() -> tuple[Path, Path]:
     """Base + two RTN variants (artifacts folder, base folder), cached."""
-    d = CACHE / "load-overlap-v1"
-    arts, base = d / "arts", d / "base"
-    if (d / "done").is_file():
-        return arts, base
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from _factories import calib_file, perturb, tiny_model
-
-    from deltazip.compress.config import CompressConfig
-    from deltazip.compress.pipeline import compress_delta
-    from deltazip.demo.pair import build_char_tokenizer
-
-    ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    shape = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
-                 num_key_value_heads=4)
-    tok = build_char_tokenizer()
-    m = tiny_model("llama", dtype=torch.float16, **ids, **shape)
-    m.save_pretrained(base)
-    tok.save_pretrained(base)
-    cfg = CompressConfig(method="rtn", bits=4, sparsity="none", group_size=128, nsamples=4, seqlen=16, device="cpu")
-    calib = str(calib_file(d / "calib", n=8))
-    for i in (1, 2):
-        log(f"building variant v{i}")
-        perturb(m, scale=0.2, seed=10 + i).save_pretrained(d / f"ft{i}")
-        tok.save_pretrained(d / f"ft{i}")
-        compress_delta(base, d / f"ft{i}", calib, arts / f"v{i}", cfg, overwrite=True)
-    (d / "done").write_text("ok")
-    return arts, base
+    return synthetic_llama("load-overlap-v1", seeds=[11, 12], log=log)
 
 
 def one_run(arts: Path, base: Path, overlapped: bool, tokens: int, threads: int) -> dict:
@@ -123,7 +97,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
     ap.add_argument("--tokens", type=int, default=48, help="v1's completion length")
+    ap.add_argument("--quick", action="store_true", help="1 repeat, 24 tokens")
+    ap.add_argument("--out", type=Path, default=None, help="also write DIR/load_overlap.json")
     a = ap.parse_args()
+    if a.quick:
+        a.repeats, a.tokens = 1, 24
     torch.set_num_threads(a.threads)
     arts, base = pair()
     runs: dict[str, list[dict]] = {"sync": [], "overlapped": []}
@@ -133,10 +111,15 @@ def main() -> None:
             log(f"repeat {r} {mode}: {json.dumps(res)}")
             runs[mode].append(res)
     summary = {mode: {k: round(statistics.median(x[k] for x in rs), 2) for k in rs[0]} for mode, rs in runs.items()}
-    print(json.dumps({"bench": "load_overlap", "machine": machine(),
-                      "config": {"repeats": a.repeats, "threads": a.threads, "tokens": a.tokens, "params": "31.6M",
-                                 "device": "cpu"},
-                      "median": summary, "runs": runs}, indent=1))
+    results = [{"mode": mode, "median": summary[mode], "runs": rs} for mode, rs in runs.items()]
+    text = json.dumps({"bench": "load_overlap", "machine": machine(),
+                       "config": {"repeats": a.repeats, "threads": a.threads, "tokens": a.tokens, "params": "31.6M",
+                                  "device": "cpu"},
+                       "results": results}, indent=1)
+    print(text)
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "load_overlap.json").write_text(text)
 
 
 if __name__ == "__main__":

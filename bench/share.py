@@ -35,10 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import CACHE, demo_pair, machine  # noqa: E402
+from _pairs import demo_pair, machine, synthetic_llama  # noqa: E402
 
 from deltazip.runtime.share.weight_share import smaps_rollup  # noqa: E402
 
@@ -54,30 +52,8 @@ def log(msg: str) -> None:
 
 def synthetic_pair() -> tuple[Path, str]:
     """A 31.6 M-parameter Llama (fp16 on disk) and one RTN variant, cached."""
-    d = CACHE / "share-synthetic-v1"
-    arts = d / "arts"
-    if (d / "done").is_file():
-        return arts, str(d / "base")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from _factories import calib_file, perturb, tiny_model
-
-    from deltazip.compress.config import CompressConfig
-    from deltazip.compress.pipeline import compress_delta
-    from deltazip.demo.pair import build_char_tokenizer
-
-    ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    shape = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
-                 num_key_value_heads=4)
-    tok = build_char_tokenizer()
-    m = tiny_model("llama", dtype=torch.float16, **ids, **shape)
-    m.save_pretrained(d / "base")
-    tok.save_pretrained(d / "base")
-    perturb(m, scale=0.2, seed=3).save_pretrained(d / "ft")
-    tok.save_pretrained(d / "ft")
-    cfg = CompressConfig(method="rtn", bits=4, sparsity="none", group_size=128, nsamples=4, seqlen=16, device="cpu")
-    compress_delta(d / "base", d / "ft", str(calib_file(d / "calib", n=8)), arts / "v1", cfg, overwrite=True)
-    (d / "done").write_text("ok")
-    return arts, str(d / "base")
+    arts, base = synthetic_llama("share-synthetic-v2", seeds=[3], log=log)
+    return arts, str(base)
 
 
 def get_pair(name: str) -> tuple[Path, str]:

@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
     ap.add_argument("--quick", action="store_true", help="rows 8 32, variants 1 4, 7 repeats")
+    ap.add_argument("--out", type=Path, default=None, help="also write DIR/step.json")
     a = ap.parse_args()
     if a.quick:
         a.rows, a.variants, a.repeats = [8, 32], [1, 4], 7
@@ -156,11 +157,15 @@ def main() -> None:
                               for m in ("delta", "delta_contiguous")}
             results.append(row)
             log(json.dumps(row))
-    print(json.dumps({"bench": "step", "machine": machine(),
-                      "config": {"pair": a.pair, "context": a.context, "repeats": a.repeats, "threads": a.threads,
-                                 "delta_compute": dm.delta_compute, "device": str(device),
-                                 "paged_kv": is_paged(dm)},
-                      "results": results}, indent=1))
+    text = json.dumps({"bench": "step", "machine": machine(),
+                       "config": {"pair": a.pair, "context": a.context, "repeats": a.repeats, "threads": a.threads,
+                                  "delta_compute": dm.delta_compute, "device": str(device),
+                                  "paged_kv": is_paged(dm)},
+                       "results": results}, indent=1)
+    print(text)
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "step.json").write_text(text)
 
 
 if __name__ == "__main__":
