@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltazip.formats.errors import InputError
+from deltazip.runtime.serve.openai_schema import generation_model
 from deltazip.runtime.serve.server import ServeConfig
 
 log = logging.getLogger("deltazip.cluster")
@@ -38,7 +39,6 @@ APP_NAME = "deltazip"
 REPLICA_HEADER = b"x-deltazip-replica"
 HEALTH_PERIOD_S = 2.0
 RETRIES = 4  # attempts of a request whose replica died before answering
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 INSTALL_HINT = "pip install 'deltazip[cluster]'"
 
 
@@ -272,18 +272,6 @@ def _error_json(status: int, message: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": None}}).encode()
 
 
-def routing_model(method: str, path: str, body: bytes) -> str | None:
-    """The ``model`` of a generation request (None for other routes or a body that is not JSON: the
-    replica answers those, with the usual errors)."""
-    if method != "POST" or path.rstrip("/") not in GENERATE_PATHS:
-        return None
-    try:
-        model = json.loads(body).get("model")
-    except (ValueError, AttributeError):
-        return None
-    return model if isinstance(model, str) else None
-
-
 def admin_op(method: str, path: str, body: bytes, status: int, answer: bytes) -> dict | None:
     """The log entry of a ``/v1/variants`` change that succeeded, else None."""
     if not 200 <= status < 300:
@@ -318,7 +306,7 @@ class Ingress:
         method, path = request.method, request.url.path
         req = {"method": method, "path": path, "query": request.url.query.encode(), "body": body,
                "headers": [(k.encode(), v.encode()) for k, v in request.headers.items()], "version": self.version}
-        model = routing_model(method, path, body)
+        model = generation_model(method, path, body)
         variant = model if model and model != self.base else ""  # base requests: any replica
         admin = path.startswith("/v1/variants") and method in ("POST", "DELETE")
         try:

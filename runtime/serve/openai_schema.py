@@ -15,6 +15,21 @@ from typing import Any, Literal
 
 from deltazip.runtime.serve.engine import EngineError, FinishEvent, SamplingParams
 
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+"""The routes that generate for one ``model``: what a front routes on (workers, Ray ingress)."""
+
+
+def generation_model(method: str, path: str, body: bytes) -> str | None:
+    """The ``model`` a generation request names; None for any other route or a body that is not a
+    JSON object (the server behind answers that one with its own 400)."""
+    if method != "POST" or path.rstrip("/") not in GENERATE_PATHS:
+        return None
+    try:
+        model = json.loads(body).get("model")
+    except (ValueError, AttributeError):
+        return None
+    return model if isinstance(model, str) else None
+
 
 class ApiError(Exception):
     """An error answered in OpenAI's shape."""

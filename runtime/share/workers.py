@@ -596,15 +596,9 @@ class _Front:
 
 
 def _model_of(method: str, path: str, body: bytes) -> str | None:
-    """The ``model`` of a generation request (for affinity routing); None for anything else or a
-    body that is not a JSON object (the worker answers that one with its 400)."""
-    if method != "POST" or path not in ("/v1/completions", "/v1/chat/completions"):
-        return None
-    try:
-        model = json.loads(body).get("model")
-    except (ValueError, AttributeError):
-        return None
-    return model if isinstance(model, str) else None
+    from deltazip.runtime.serve.openai_schema import generation_model
+
+    return generation_model(method, path, body)
 
 
 async def _broadcast(pool: WorkerPool, client, method: str, target: str, headers, body: bytes):
