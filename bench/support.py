@@ -11,8 +11,10 @@ tensor moves, norms, biases, embeddings and positions included), then:
   than the base is (mean squared logit error on held-out sequences);
 - serve delta / serve swap: the engine in that mode, the variant's rows in one batch with base rows;
   every greedy output equals the merged model's ``generate``;
-- eval: ``deltazip eval``'s perplexity (default ``--batch-size 8``) of the artifact equals that of the
-  merged checkpoint (relative difference below 1e-4).
+- eval: ``deltazip eval`` at its default ``--batch-size 8``: the artifact's perplexity equals the
+  merged checkpoint's (relative difference below 1e-4), and on two lm-eval tasks (``deltazip_ticket``,
+  multiple choice by loglikelihood; ``deltazip_copy``, generation; 8 examples each) it scores exactly
+  what the merged checkpoint scores.
 
 A cell is ``ok``, or the first line of the error (``refused: ...`` for a one-line refusal the tool
 gives, ``fails: ...`` for anything else). Prints one JSON document (``{"bench": "support", ...}``);
@@ -69,6 +71,7 @@ FAMILIES: dict[str, tuple[str, dict, torch.dtype]] = {
                                     num_experts=4, num_experts_per_tok=2), torch.float32),
 }
 CHECKS = ("compress", "merge", "serve_delta", "serve_swap", "eval")
+EVAL_TASKS = ("deltazip_ticket", "deltazip_copy")  # lm-eval: multiple choice (loglikelihood), generation
 TEXT = ("the quick brown fox jumps over the lazy dog. " * 12
         + "0123456789 abcdefghij klmnopqrst uvwxyz, pack my box with five dozen liquor jugs. " * 6)
 
@@ -221,12 +224,21 @@ class Family:
     def eval(self) -> None:
         from deltazip.runtime.eval.run import EvalOptions, run_eval
 
+        # lm-eval: one loglikelihood task (multiple choice) and one generation task, at the default
+        # batch size; the artifact must score what the merged checkpoint scores
         opts = EvalOptions(base=str(self.base_dir), perplexity=self.root / "text.txt", ppl_window=32,
-                           device="cpu", dtype="float32")
-        ppl = run_eval([str(self.art), str(self.merged_dir)], opts)["summary"]["perplexity"]
+                           tasks=list(EVAL_TASKS), limit=8, device="cpu", dtype="float32")
+        summary = run_eval([str(self.art), str(self.merged_dir)], opts)["summary"]
+        ppl = summary["perplexity"]
         a, b = ppl["ft"]["perplexity"], ppl["merged"]["perplexity"]
         if abs(a - b) > 1e-4 * b:
             raise AssertionError(f"eval perplexity {a:.6g} differs from the merged checkpoint's {b:.6g}")
+        rows = [r for r in summary["metrics"] if r["task"] in EVAL_TASKS]
+        if {r["task"] for r in rows} != set(EVAL_TASKS):
+            raise AssertionError(f"lm-eval reported {sorted({r['task'] for r in rows})}, not {list(EVAL_TASKS)}")
+        for r in rows:
+            if r["values"].get("ft") != r["values"].get("merged"):
+                raise AssertionError(f"lm-eval {r['task']} {r['metric']}: {r['values']} (artifact != merged)")
 
 
 def run_family(name: str, root: Path, quick: bool) -> dict:

@@ -107,11 +107,12 @@ def _unbound(module, query, key, value, attention_mask, scale, window, softcap, 
     b, hq, t, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
     g = hq // hkv
-    scores = torch.matmul(query.view(b, hkv, g * t, d), key.transpose(-1, -2)).mul_(scale)
+    # reshape, not view: the model hands over a transposed (non-contiguous) query outside a paged step
+    scores = torch.matmul(query.reshape(b, hkv, g * t, d), key.transpose(-1, -2)).mul_(scale)
     scores = torch.tanh(scores.div_(softcap)).mul_(softcap).view(b, hkv, g, t, s)
     if attention_mask is None:  # transformers left the mask to SDPA's is_causal: bottom-right causal
-        attention_mask = torch.ones(t, s, dtype=torch.bool, device=query.device).tril(s - t)
-    mask = attention_mask.view(attention_mask.shape[0], 1, 1, t, s)
+        attention_mask = torch.ones(1, 1, t, s, dtype=torch.bool, device=query.device).tril(s - t)
+    mask = attention_mask.reshape(attention_mask.shape[0], 1, 1, t, s)
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype).view(b, hkv, g * t, s)
     return torch.matmul(probs, value).view(b, hq, t, -1).transpose(1, 2).contiguous(), None

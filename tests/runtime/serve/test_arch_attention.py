@@ -266,7 +266,7 @@ def _direct_ppl(model, ids: torch.Tensor, window: int) -> float:
     return math.exp(sum(nll) / n)
 
 
-@pytest.mark.parametrize("family", ["bloom", "gemma3"], indirect=True)  # one ALiBi, one mixed-window family
+@pytest.mark.parametrize("family", ["bloom", "gemma2", "gemma3"], indirect=True)  # ALiBi, soft-capped, mixed-window
 def test_eval_perplexity_equals_the_merged_models(family, tmp_path, capsys, monkeypatch):
     from transformers import AutoTokenizer
 
