@@ -50,6 +50,15 @@ MIN_ACC_GAIN = 0.25
 """A SmolLM2 fine-tune must beat its base's held-out exact-match accuracy by at least this much."""
 
 
+def emit(doc: dict, out: Path | None, filename: str) -> None:
+    """Print the bench's one JSON document, and write it to ``out/filename`` when ``--out`` is given."""
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / filename).write_text(text)
+
+
 def machine() -> dict:
     """What a bench ran on (its JSON's ``machine``)."""
     return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,

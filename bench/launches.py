@@ -23,7 +23,6 @@ Prints ONE JSON document; with ``--out`` also writes ``DIR/launches.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -33,6 +32,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _pairs import emit  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -152,11 +154,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     doc = run(args)
     doc["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in doc["config"].items()}
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "launches.json").write_text(text)
+    emit(doc, args.out, "launches.json")
     return 0
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import machine, synthetic_llama  # noqa: E402
+from _pairs import emit, machine, synthetic_llama  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -112,14 +112,11 @@ def main() -> None:
             runs[mode].append(res)
     summary = {mode: {k: round(statistics.median(x[k] for x in rs), 2) for k in rs[0]} for mode, rs in runs.items()}
     results = [{"mode": mode, "median": summary[mode], "runs": rs} for mode, rs in runs.items()]
-    text = json.dumps({"bench": "load_overlap", "machine": machine(),
-                       "config": {"repeats": a.repeats, "threads": a.threads, "tokens": a.tokens, "params": "31.6M",
-                                  "device": "cpu"},
-                       "results": results}, indent=1)
-    print(text)
-    if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "load_overlap.json").write_text(text)
+    emit({"bench": "load_overlap", "machine": machine(),
+          "config": {"repeats": a.repeats, "threads": a.threads, "tokens": a.tokens, "params": "31.6M",
+                     "device": "cpu"},
+          "results": results},
+         a.out, "load_overlap.json")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import demo_pair, machine, smollm2_pair  # noqa: E402
+from _pairs import demo_pair, emit, machine, smollm2_pair  # noqa: E402
 from serve import build_variants, log  # noqa: E402
 
 
@@ -157,15 +157,12 @@ def main() -> None:
                               for m in ("delta", "delta_contiguous")}
             results.append(row)
             log(json.dumps(row))
-    text = json.dumps({"bench": "step", "machine": machine(),
-                       "config": {"pair": a.pair, "context": a.context, "repeats": a.repeats, "threads": a.threads,
-                                  "delta_compute": dm.delta_compute, "device": str(device),
-                                  "paged_kv": is_paged(dm)},
-                       "results": results}, indent=1)
-    print(text)
-    if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "step.json").write_text(text)
+    emit({"bench": "step", "machine": machine(),
+          "config": {"pair": a.pair, "context": a.context, "repeats": a.repeats, "threads": a.threads,
+                     "delta_compute": dm.delta_compute, "device": str(device),
+                     "paged_kv": is_paged(dm)},
+          "results": results},
+         a.out, "step.json")
 
 
 if __name__ == "__main__":

@@ -76,3 +76,16 @@ def without_progress(err: str) -> str:
     if _PROGRESS is None:
         _PROGRESS = re.compile(r"^(?!deltazip: ).+: (\d+/\d+( \(\d+ s\))?|done \(\d+/\d+\) in \d+\.\d s)$")
     return "".join(ln for ln in err.splitlines(keepends=True) if not _PROGRESS.match(ln.rstrip("\n")))
+
+
+def read_json_document(proc) -> dict:
+    """The one JSON document a ``--json`` command prints on stdout (read line by line up to its closing
+    brace, so a server started with ``subprocess.Popen`` can keep running); stderr on early exit."""
+    import json
+
+    lines: list[str] = []
+    while not lines or lines[-1] != "}\n":
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        lines.append(line)
+    return json.loads("".join(lines))

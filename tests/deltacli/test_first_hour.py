@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from _cli import cli_command, run_cli, run_cli_process, without_progress
+from _cli import cli_command, read_json_document, run_cli, run_cli_process, without_progress
 from _factories import calib_file, make_pair, perturb, save_model, tiny_model
 
 HEAVY = ("torch", "transformers", "datasets", "lm_eval")
@@ -252,12 +252,7 @@ def test_serve_cli_serves_on_the_port_it_bound_first(pair):
     proc = subprocess.Popen(cli_command("serve", art, "--base", base, "--port", "0", "--json"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        lines = []
-        while not lines or lines[-1] != "}\n":
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()
-            lines.append(line)
-        url = json.loads("".join(lines))["serving"]
+        url = read_json_document(proc)["serving"]
         assert not url.endswith(":0")
         deadline = time.time() + 60
         while True:

@@ -6,7 +6,6 @@ the single-process model: logits to fp32 rounding, greedy tokens exactly.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _cli import cli_command, run_cli
+from _cli import cli_command, read_json_document, run_cli
 from _serving import PROMPTS, VARIANTS, served_set, single_thread
 
 from deltazip.formats.errors import InputError
@@ -293,12 +292,7 @@ def test_serve_tensor_parallel_2_answers_like_one_process_and_leaves_no_children
                                         "--tensor-parallel", "2", "--cpu-threads", "1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        lines = []
-        while not lines or lines[-1] != "}\n":
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()
-            lines.append(line)
-        url = json.loads("".join(lines))["serving"]
+        url = read_json_document(proc)["serving"]
         kids = _children(proc.pid)
         assert kids, "the worker rank runs as a child process"
         for m, w in want.items():
