@@ -4,6 +4,8 @@ PY := $(VENV)/bin/python
 # The CPU build of torch 2.13.0 is what CI and the developers' machines have; on a GPU machine
 # override it, e.g. `make test TORCH=torch`, or install torch first: an installed torch is kept.
 TORCH ?= torch==2.13.0
+# Extra Triton versions the offline kernel checks compile with (tests/kernels/test_sass.py).
+TRITON_OFFLINE ?= 3.6.0
 
 .PHONY: install demo test lint
 
@@ -15,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
 	@echo "make: installing deltazip (editable) with the dev, kernels, serve, eval and cluster extras"
 	$(PY) -m pip install -q -e ".[dev,kernels,serve,eval,cluster]"
+	@echo "make: installing Triton $(TRITON_OFFLINE) beside it (offline SASS screens of the version torch 2.11 pins)"
+	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-$(TRITON_OFFLINE) triton==$(TRITON_OFFLINE)
 	touch $@
 
 install: $(VENV)/.installed

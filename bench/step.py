@@ -1,7 +1,14 @@
 """One engine step, measured without HTTP: serving B rows of k variants in one delta step against the
 k whole-model steps that swap mode needs for the same rows.
 
-    python bench/step.py [--pair demo|smollm2] [--rows 8 32 64] [--variants 1 4 8] [--repeats 15] [--quick]
+    python bench/step.py [--pair demo|smollm2|synthetic-7b] [--rows 8 32 64] [--variants 1 4 8] [--repeats 15]
+        [--dtype auto|float32|bfloat16|float16] [--layers 4] [--max-swap 8] [--generate] [--quick]
+
+``--pair synthetic-7b``: a Llama with Llama-2-7B layer shapes and random weights (``--layers`` of them,
+bf16), its variants RTN-compressed perturbations (``bench/_pairs.synthetic_7b``); defaults to rows 32,
+variants 1 8 32, the served dtype bf16 on CUDA, and transformers' ``generate`` timed on the same model
+and batch (``--generate`` adds it for the other pairs): ``generate_ms_per_token`` is the decode time per
+generated token (a run of 17 new tokens minus a run of 1, over 16), against ``base_ms`` per step.
 
 Builds the models the serving engine builds (``DeltaModel`` with ``k`` filled slots, ``SwapModels``
 with ``k`` whole merged models) over the cached variants of ``bench/serve.py`` and times decode steps
@@ -37,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import demo_pair, emit, machine, smollm2_pair  # noqa: E402
+from _pairs import demo_pair, emit, machine, smollm2_pair, synthetic_7b  # noqa: E402
 from serve import build_variants, log  # noqa: E402
 
 
@@ -92,35 +99,76 @@ def profile_step(step, cuda: bool) -> dict:
     return out
 
 
+def generate_ms_per_token(base_dir, rows: int, context: int, dtype, device, sync, new: int = 16) -> float:
+    """transformers' greedy ``generate`` on the base model, batch ``rows``: ms per decoded token
+    (``new + 1`` tokens minus 1 token, over ``new``; median of 3)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).to(device).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, hf.config.vocab_size, (rows, context), generator=g).to(device)
+
+    def run(n: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        sync()
+        return time.perf_counter() - t0
+
+    run(2)
+    one = statistics.median(run(1) for _ in range(3))
+    many = statistics.median(run(new + 1) for _ in range(3))
+    return round((many - one) / new * 1e3, 3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", choices=("demo", "smollm2"), default="demo")
-    ap.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64])
-    ap.add_argument("--variants", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--pair", choices=("demo", "smollm2", "synthetic-7b"), default="demo")
+    ap.add_argument("--rows", type=int, nargs="+", default=None, help="default 8 32 64 (synthetic-7b: 32)")
+    ap.add_argument("--variants", type=int, nargs="+", default=None, help="default 1 4 8 (synthetic-7b: 1 8 32)")
+    ap.add_argument("--layers", type=int, default=4, help="synthetic-7b: decoder layers")
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                    help="served dtype (auto: fp32 for the demo and smollm2 pairs, bf16 for synthetic-7b on CUDA)")
+    ap.add_argument("--max-swap", type=int, default=8, help="swap mode up to this many variants (whole models each)")
+    ap.add_argument("--generate", action="store_true", help="also time transformers' generate on the base")
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
     ap.add_argument("--quick", action="store_true", help="rows 8 32, variants 1 4, 7 repeats")
     ap.add_argument("--out", type=Path, default=None, help="also write DIR/step.json")
     a = ap.parse_args()
+    synthetic = a.pair == "synthetic-7b"
+    a.rows = a.rows or ([32] if synthetic else [8, 32, 64])
+    a.variants = a.variants or ([1, 8, 32] if synthetic else [1, 4, 8])
     if a.quick:
-        a.rows, a.variants, a.repeats = [8, 32], [1, 4], 7
+        a.rows, a.variants, a.repeats = ([32], [1, 8], 7) if synthetic else ([8, 32], [1, 4], 7)
     torch.set_num_threads(a.threads)
     from deltazip.compress.checkpoint import Checkpoint
     from deltazip.runtime.serve.attention import is_paged
     from deltazip.runtime.serve.model import DeltaModel, SwapModels, discover_artifacts
 
-    pair = demo_pair() if a.pair == "demo" else smollm2_pair(log=log)
-    arts = build_variants(pair, max(a.variants), "rtn")
-    variants = discover_artifacts(arts)[: max(a.variants)]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    base = Checkpoint(pair["base"])
+    if synthetic:
+        arts, base_dir = synthetic_7b(a.layers, names=max(a.variants), shape="7b" if device.type == "cuda" else "small",
+                                      log=log)
+    else:
+        pair = demo_pair() if a.pair == "demo" else smollm2_pair(log=log)
+        arts, base_dir = build_variants(pair, max(a.variants), "rtn"), pair["base"]
+    dtype = getattr(torch, a.dtype) if a.dtype != "auto" else (
+        torch.bfloat16 if synthetic and device.type == "cuda" else torch.float32)
+    variants = discover_artifacts(arts)[: max(a.variants)]
+    base = Checkpoint(base_dir)
     k_max = max(a.variants)
-    dm = DeltaModel(base, variants, k_max, device, torch.float32)
-    sw = SwapModels(base, variants, k_max, device, torch.float32, "base")
+    t0 = time.perf_counter()
+    dm = DeltaModel(base, variants, k_max, device, dtype)
+    build_s = time.perf_counter() - t0
+    n_swap = min(k_max, a.max_swap)
+    sw = SwapModels(base, variants[:n_swap], n_swap, device, dtype, "base")
     for i, v in enumerate(variants):
         dm.write_slot(i, v.name, dm.load_host(v.name))
-        sw.write_slot(i, v.name, sw.load_host(v.name))
+        if i < n_swap:
+            sw.write_slot(i, v.name, sw.load_host(v.name))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results = []
     for rows in a.rows:
@@ -130,10 +178,14 @@ def main() -> None:
             per = rows // k
             runs = {
                 "delta": [decode_timer(dm, [i // per for i in range(rows)], a.context)],
-                "swap": [decode_timer(sw, [s] * per, a.context) for s in range(k)],
                 "base": [decode_timer(dm, [-1] * rows, a.context)],
-                "delta_contiguous": [decode_timer(dm, [i // per for i in range(rows)], a.context, kv="contiguous")],
             }
+            if k <= n_swap:
+                runs["swap"] = [decode_timer(sw, [s] * per, a.context) for s in range(k)]
+            if not synthetic:
+                runs["delta_contiguous"] = [decode_timer(dm, [i // per for i in range(rows)], a.context,
+                                                         kv="contiguous")]
+            host = []  # host time to issue one delta step (no sync: with CUDA graphs the GPU runs on)
             times: dict[str, list[float]] = {m: [] for m in runs}
             for _ in range(2):  # warm-up
                 for fns in runs.values():
@@ -145,20 +197,28 @@ def main() -> None:
                     t0 = time.perf_counter()
                     for f in fns:
                         f()
+                    if m == "delta":
+                        host.append((time.perf_counter() - t0) * 1e3)
                     sync()
                     times[m].append((time.perf_counter() - t0) * 1e3)
-            row = {"rows": rows, "variants": k}
+            row = {"rows": rows, "variants": k, "delta_host_ms": round(statistics.median(host), 3)}
             for m, ts in times.items():
                 ts.sort()
                 row[f"{m}_ms"] = {"p50": round(statistics.median(ts), 3), "p90": round(ts[int(0.9 * (len(ts) - 1))], 3)}
-            row["swap_over_delta"] = round(row["swap_ms"]["p50"] / row["delta_ms"]["p50"], 3)
+            if "swap_ms" in row:
+                row["swap_over_delta"] = round(row["swap_ms"]["p50"] / row["delta_ms"]["p50"], 3)
             row["delta_over_base"] = round(row["delta_ms"]["p50"] / row["base_ms"]["p50"], 3)
             row["profile"] = {"paged" if m == "delta" else "contiguous": profile_step(runs[m][0], device.type == "cuda")
-                              for m in ("delta", "delta_contiguous")}
+                              for m in ("delta", "delta_contiguous") if m in runs}
+            if synthetic or a.generate:
+                row["generate_ms_per_token"] = generate_ms_per_token(base_dir, rows, a.context, dtype, device, sync)
+                row["generate_over_base"] = round(row["generate_ms_per_token"] / row["base_ms"]["p50"], 3)
             results.append(row)
             log(json.dumps(row))
     emit({"bench": "step", "machine": machine(),
           "config": {"pair": a.pair, "context": a.context, "repeats": a.repeats, "threads": a.threads,
+                     "dtype": str(dtype).removeprefix("torch."), "layers": a.layers if synthetic else None,
+                     "delta_model_build_s": round(build_s, 2), "swap_variants": n_swap,
                      "delta_compute": dm.delta_compute, "device": str(device),
                      "paged_kv": is_paged(dm)},
           "results": results},

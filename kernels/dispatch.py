@@ -26,11 +26,11 @@ from collections import Counter
 
 import torch
 
-from deltazip.kernels import reference
+from deltazip.kernels import cuda_sbmm, dispatch_table, reference
 from deltazip.kernels.fast_layout import fast_supported
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.stacked import StackedDeltas, config_key, repack
-from deltazip.kernels.triton_fast import can_run_fast, fast_dtypes, sbmm_fast
+from deltazip.kernels.triton_fast import can_run_fast, fast_dtypes, fast_enabled, sbmm_fast
 from deltazip.kernels.triton_sbmm import (
     RowPlan,
     group_rows,
@@ -44,8 +44,8 @@ __all__ = ["CALLS", "RowPlan", "group_rows", "lora", "sbmm", "sbmm_experts", "tr
 
 _ENV = "DELTAZIP_FORCE_TRITON"
 
-# Calls per path ("fast", "legacy", "reference", "lora", "lora_reference"): one kernel launch each on
-# the Triton paths (plus one fp32 ``add_`` when split-K adds onto ``out``). A host-side count, read by
+# Calls per path ("cuda", "dequant_mm", "fast", "legacy", "reference", "lora", "lora_reference"): one
+# kernel launch each on the CUDA and Triton paths (plus one fp32 ``add_`` when split-K adds onto ``out``). A host-side count, read by
 # bench/launches.py and the launch-count tests; ``CALLS.clear()`` resets it.
 CALLS: Counter = Counter()
 
@@ -76,6 +76,39 @@ def use_triton(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
     return all(t.device == x.device for t in tensors)
 
 
+def cuda_path(x: torch.Tensor, stack: StackedDeltas) -> bool:
+    """Whether a call with activations ``x`` on ``stack`` runs on the CUDA kernel (``mma`` layout, fp16 or
+    bf16 on a GPU with NVRTC, a group size the kernel has a variant for); ``DELTAZIP_FORCE_TRITON=1``
+    keeps the Triton kernels (their parity tests)."""
+    return (x.is_cuda and stack.layout == "mma" and x.dim() == 2 and x.shape[-1] == stack.in_features
+            and stack.device == x.device and triton_mode() != "force" and cuda_sbmm.supported(stack, x.dtype)
+            and cuda_sbmm.available(x.device.index or 0))
+
+
+def _packed_plan(plan: RowPlan) -> RowPlan:
+    """A device plan (``group_rows``) with the packed tensor the CUDA kernel reads (one device concat)."""
+    from dataclasses import replace
+
+    packed = torch.cat([plan.perm, plan.tile_slot, plan.tile_start, plan.tile_end])
+    return replace(plan, packed=packed)
+
+
+def _sbmm_cuda(x, delta_index, stack, plan, out, present, held) -> torch.Tensor:
+    """The CUDA paths, chosen by measurement (``deltazip.kernels.dispatch_table``)."""
+    n = x.shape[0]
+    if plan is None or plan.packed is None or plan.block_m != 16:
+        if plan is None or plan.block_m != 16:
+            plan = group_rows(delta_index, stack.num_deltas, 16)
+        plan = _packed_plan(plan)
+    deltas = len(plan.slot_rows) if plan.slot_rows is not None else min(n, stack.num_deltas)
+    choice = dispatch_table.lookup(stack, x.dtype, n, deltas) or dispatch_table.default_choice(stack, n, deltas)
+    if choice.path == "dequant_mm" and plan.slot_rows is not None and not torch.cuda.is_current_stream_capturing():
+        CALLS["dequant_mm"] += 1
+        return cuda_sbmm.dequant_mm(x, stack, plan, out=out, slots=held)
+    CALLS["cuda"] += 1
+    return cuda_sbmm.sbmm_cuda(x, stack, plan, out=out, present=present, config=choice.config)
+
+
 def sbmm(
     x: torch.Tensor,
     delta_index: torch.Tensor,
@@ -83,6 +116,8 @@ def sbmm(
     *,
     plan: RowPlan | None = None,
     out: torch.Tensor | None = None,
+    present: torch.Tensor | None = None,
+    held: set[int] | None = None,
 ) -> torch.Tensor:
     """``y[r] = x[r] @ W[delta_index[r]].T``; rows with index -1 get zeros.
 
@@ -97,15 +132,21 @@ def sbmm(
         out: ``[N, out]`` in ``x.dtype`` (a ``StackedDeltas`` only): the product is added onto it in
             place (``out += x W^T``, in the fast kernel's epilogue: no zero-filled buffer, no separate
             add) and ``out`` is returned.
+        present, held: CUDA path only: which slots the stack holds, as a device bool ``[D + 1]``
+            indexed by ``slot + 1`` and a host set (rows of other slots get nothing added; the plan
+            can then be the batch's shared one).
     Returns:
         ``[N, out]`` in ``x.dtype``.
     """
+    if isinstance(deltas, StackedDeltas) and cuda_path(x, deltas):
+        return _sbmm_cuda(x, delta_index, deltas, plan, out, present, held)
     if isinstance(deltas, StackedDeltas):
         if x.dim() != 2 or x.shape[-1] != deltas.in_features or not use_triton(x, delta_index, deltas.qweight):
             CALLS["reference"] += 1
             return _add_into(out, reference.sbmm(x, delta_index, deltas))
         if deltas.layout == "mma":
-            if can_run_fast(x, deltas) and (plan is None or plan.block_m >= 16):
+            if (can_run_fast(x, deltas) and (plan is None or plan.block_m >= 16)
+                    and (triton_mode() == "force" or fast_enabled() or not x.is_cuda)):
                 CALLS["fast"] += 1
                 return sbmm_fast(x, delta_index, deltas, plan=plan, out=out)
             CALLS["reference"] += 1
@@ -169,9 +210,12 @@ def _add_into(out: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
 def _sbmm_list(x: torch.Tensor, index: torch.Tensor, deltas: list[PackedDelta], plan: RowPlan | None) -> torch.Tensor:
     """One configuration of canonical deltas, repacked for this call into the layout it runs best on."""
     d = deltas[0]
-    if (fast_supported(d.bits, d.group_size, d.in_features) and x.dtype in fast_dtypes(x.device)
-            and (plan is None or plan.block_m >= 16)):
-        return sbmm_fast(x, index, repack(deltas, device=x.device, layout="mma"), plan=plan)
+    if fast_supported(d.bits, d.group_size, d.in_features) and (plan is None or plan.block_m >= 16):
+        stack = repack(deltas, device=x.device, layout="mma")
+        if cuda_path(x, stack):
+            return _sbmm_cuda(x, index, stack, plan, None, None, None)
+        if x.dtype in fast_dtypes(x.device) and (triton_mode() == "force" or fast_enabled() or not x.is_cuda):
+            return sbmm_fast(x, index, stack, plan=plan)
     return sbmm_triton(x, index, repack(deltas, device=x.device, layout="transposed"), plan=plan)
 
 

@@ -197,13 +197,14 @@ def _mma_per_step(v: Variant, arch: int, launch: dict) -> int:
     return k16 * (launch["block_n"] // launch["num_warps"]) // 8
 
 
-def analyze(cubin: bytes) -> dict:
-    """Disassemble a cubin and describe its main K loop.
+def analyze(cubin: bytes, function: str | None = None) -> dict:
+    """Disassemble a cubin (or one ``function`` of it) and describe its main K loop.
 
     Returns a dict: ``loop_instructions`` (SASS instructions in the loop body), ``loop_mma``,
-    ``loop_opcodes`` (histogram, opcode without modifiers), ``loop_smem_stores`` (``STS``: the
-    round trip of a dequantized tile would show here), ``registers``, ``loops`` (bodies of every
-    backward branch), ``total_instructions``.
+    ``loop_opcodes`` (histogram, opcode without modifiers), ``loop_full_opcodes`` (with modifiers:
+    ``LDGSTS.E.BYPASS.128`` is a 16-byte copy), ``loop_smem_stores`` (``STS``: the round trip of a
+    dequantized tile would show here), ``registers``, ``loops`` (bodies of every backward branch),
+    ``all_opcodes`` (every instruction's opcode with modifiers), ``total_instructions``.
     """
     bindir = triton_bin_dir()
     if bindir is None:
@@ -212,10 +213,13 @@ def analyze(cubin: bytes) -> dict:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", path], capture_output=True, text=True,
-                              check=True).stdout
+        only = ["-fun", function] if function else []
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", *only, path], capture_output=True,
+                              text=True, check=True).stdout
         res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", path], capture_output=True, text=True,
                              check=True).stdout
+    if function:  # the resource line of that function: "Function <name>:\n  REG:..."
+        res = res[res.find(f"Function {function}:"):]
     regs = re.search(r"REG:(\d+)", res)
     ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_SASS_LINE.search, sass.splitlines()) if m]
     loops = []
@@ -227,7 +231,8 @@ def analyze(cubin: bytes) -> dict:
                 body = [o for a, o, _ in ins if lo <= a <= addr]
                 hist = collections.Counter(o.split(".")[0] for o in body)
                 mma = sum(n for o, n in hist.items() if o in _MMA_OPS)
-                loops.append({"start": lo, "end": addr, "instructions": len(body), "mma": mma, "opcodes": hist})
+                loops.append({"start": lo, "end": addr, "instructions": len(body), "mma": mma, "opcodes": hist,
+                              "full": collections.Counter(body)})
     if not loops:
         raise RuntimeError("no backward branch (loop) found in the SASS")
     main = max(loops, key=lambda lp: (lp["mma"], -lp["instructions"]))
@@ -236,6 +241,8 @@ def analyze(cubin: bytes) -> dict:
         "loop_mma": main["mma"],
         "loop_smem_stores": main["opcodes"].get("STS", 0),
         "loop_opcodes": dict(main["opcodes"].most_common()),
+        "loop_full_opcodes": dict(main["full"].most_common()),
+        "all_opcodes": sorted({o for _, o, _ in ins}),
         "registers": int(regs.group(1)) if regs else None,
         "loops": [{k: lp[k] for k in ("start", "end", "instructions", "mma")} for lp in loops],
         "total_instructions": len(ins),
@@ -287,7 +294,32 @@ def describe(v: Variant, arch: int) -> dict:
            "loop_opcodes_top": dict(list(r["loop_opcodes"].items())[:10])}
     row["bound"] = [hbm_bound(r["instr_per_weight"], own, floor, gpu) for gpu, spec in GPUS.items()
                     if spec["arch"] == arch]
+    row["loop_full_opcodes"] = r["loop_full_opcodes"]
+    # a 2-bit thread-row holds 2 words: its run is 8 bytes by layout, not by compiler choice
+    row["screens"] = screens(r, min_copy_bytes=8 if (v.kernel == "fast" and v.bits == 2) else 16)
+    try:
+        import triton
+
+        row["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        row["triton"] = None
     return row
+
+
+def screens(r: dict, min_copy_bytes: int = 16) -> dict[str, bool]:
+    """Version-independent checks of a streaming kernel's main loop (what the H200 run showed matters,
+    kernel-diagnosis.md in shared/measurements/h200-2026-11): every global->shared copy as wide as the
+    layout's run (16 bytes; 8 for the 2-bit fast layout),
+    no shared-memory store (no staging of the dequantized tile through shared memory), at most one
+    barrier per K step. Instruction counts are not screened: they barely differed between a fast and a
+    slow build."""
+    full = r["loop_full_opcodes"]
+    steps = max(1, r.get("k_steps_per_iteration", 1))
+    copies = [op for op in full if op.startswith("LDGSTS")]
+    wide = (".128",) if min_copy_bytes >= 16 else (".128", ".64")
+    return {"wide_copies": all(op.endswith(wide) for op in copies),
+            "no_shared_stores": r["loop_smem_stores"] == 0,
+            "one_barrier_per_k_step": sum(n for op, n in full.items() if op.startswith("BAR.SYNC")) <= steps}
 
 
 def _parse_variant(text: str) -> Variant:

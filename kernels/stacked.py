@@ -60,8 +60,8 @@ def choose_layout(layout: str, *, bits: int, group_size: int, in_features: int,
                   device: torch.device | str) -> str:
     """Resolve ``"auto"`` to ``"mma"`` or ``"transposed"``.
 
-    ``"auto"`` is ``"mma"`` when the stack lives on CUDA, Triton imports and the configuration has a
-    fast kernel (:func:`deltazip.kernels.fast_layout.fast_supported`). ``DELTAZIP_SBMM_LAYOUT``
+    ``"auto"`` is ``"mma"`` when the stack lives on CUDA, the CUDA kernel (NVRTC) or Triton is there and
+    the configuration has a fast kernel (:func:`deltazip.kernels.fast_layout.fast_supported`). ``DELTAZIP_SBMM_LAYOUT``
     overrides ``"auto"``: ``transposed`` always, ``mma`` wherever the configuration has a fast kernel
     (any device). An explicit ``layout="mma"`` for a configuration without one raises.
     """
@@ -81,9 +81,13 @@ def choose_layout(layout: str, *, bits: int, group_size: int, in_features: int,
                          f"(needs bits in {fast_layout.FAST_BITS}, in_features % 128 == 0, a group size that "
                          "is a multiple of 32, or 64 at 2 bits)")
     if layout == "auto":
-        from deltazip.kernels.triton_sbmm import triton_importable  # lazy: no import cycle
+        from deltazip.kernels import cuda_sbmm  # lazy: no import cycle
+        from deltazip.kernels.triton_fast import fast_enabled
+        from deltazip.kernels.triton_sbmm import triton_importable
 
-        layout = "mma" if ok and torch.device(device).type == "cuda" and triton_importable() else "transposed"
+        dev = torch.device(device)
+        kernel = dev.type == "cuda" and (cuda_sbmm.available(dev.index or 0) or (triton_importable() and fast_enabled()))
+        layout = "mma" if ok and kernel else "transposed"
     return layout
 
 

@@ -109,6 +109,8 @@ class RowPlan:
     block_m: int
     num_rows: int
     num_slots: int
+    packed: torch.Tensor | None = None  # host-built plans: int32 [N + 3T], perm ++ tile_slot ++ start ++ end
+    slot_rows: dict | None = None  # host-built plans: {slot: numpy row ids}
 
     @property
     def num_tiles(self) -> int:

@@ -64,7 +64,12 @@ def warmup_stack(stack: StackedDeltas, dtypes: tuple[torch.dtype, ...] = (torch.
         rows = block_m  # one full row tile of slot 0
         x = torch.zeros(rows, stack.in_features, dtype=dtype, device=stack.device)
         index = torch.zeros(rows, dtype=torch.int64, device=stack.device)
-        run(x, index, stack, plan=group_rows(index, stack.num_deltas, block_m), split_k=split_k)
+        try:
+            run(x, index, stack, plan=group_rows(index, stack.num_deltas, block_m), split_k=split_k)
+        except Exception as e:  # noqa: BLE001 - a variant that does not fit the device is never launched
+            # by a forward either (tuning skips it too); it must not stop a server from starting
+            SKIPPED.append(f"{signature(stack)} {dtype} BLOCK_M={block_m} SPLIT_K={split_k}: {type(e).__name__}")
+            continue
         count += 1
     if stack.device.type == "cuda":
         torch.cuda.synchronize(stack.device)
@@ -76,6 +81,7 @@ def warmup_stack(stack: StackedDeltas, dtypes: tuple[torch.dtype, ...] = (torch.
 TUNE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 _warmed: set[tuple] = set()  # signatures warmed in this process
+SKIPPED: list[str] = []  # warm-up launches that raised (a variant the device cannot run)
 
 
 def signature(stack: StackedDeltas) -> tuple:
@@ -95,16 +101,52 @@ def warmup_stacks(stacks: list[StackedDeltas], dtypes: tuple[torch.dtype, ...], 
         sig = signature(stack) + tuple(dtypes)
         if sig in _warmed:
             continue
-        n = warmup_stack(stack, dtypes, force=force)
+        cuda_dtypes = tuple(dt for dt in dtypes if _cuda_path(stack, dt))
+        if cuda_dtypes:  # the CUDA kernel serves these: compile its variants by tuning every bucket
+            count += _warm_cuda(stack, cuda_dtypes, tune)
+            dtypes_left = tuple(dt for dt in dtypes if dt not in cuda_dtypes)
+            if not dtypes_left:
+                _warmed.add(sig)
+                continue
+        else:
+            dtypes_left = dtypes
+        n = warmup_stack(stack, dtypes_left, force=force)
         count += n
         if tune and stack.layout == "mma" and stack.device.type == "cuda" and autotune.enabled():
             from deltazip.kernels.triton_fast import fast_dtypes
 
-            for dt in dtypes:
+            for dt in dtypes_left:
                 if dt in fast_dtypes(stack.device):
                     for rows in buckets:
                         autotune.tune(stack, dt, rows, save=False)
             autotune.cache_for(stack.device).save()
         if n:
             _warmed.add(sig)
+    return count
+
+
+def _cuda_path(stack: StackedDeltas, dtype: torch.dtype) -> bool:
+    from deltazip.kernels import cuda_sbmm
+    from deltazip.kernels.dispatch import triton_mode
+
+    return (stack.device.type == "cuda" and triton_mode() != "force" and cuda_sbmm.supported(stack, dtype)
+            and cuda_sbmm.available(stack.device.index or 0))
+
+
+def _warm_cuda(stack: StackedDeltas, dtypes: tuple[torch.dtype, ...], tune: bool) -> int:
+    """Tune (which compiles every launch variant) or, untuned, launch the default variant once per
+    activation dtype; returns the launches made."""
+    from deltazip.kernels import cuda_sbmm, dispatch_table
+    from deltazip.kernels.host_plan import plan_rows
+
+    count = 0
+    for dt in dtypes:
+        if tune and autotune.enabled():
+            count += dispatch_table.tune_stack(stack, dt)
+            continue
+        for rows in (1, 16):
+            x = torch.zeros(rows, stack.in_features, dtype=dt, device=stack.device)
+            cuda_sbmm.sbmm_cuda(x, stack, plan_rows([0] * rows, stack.num_deltas, stack.device))
+            count += 1
+    torch.cuda.synchronize(stack.device)
     return count

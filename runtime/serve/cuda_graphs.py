@@ -137,7 +137,7 @@ class DecodeGraphs:
                 # pool (one per graph: graphs replay in any order, so they share no memory).
                 ctx.unbind()
                 ctx.bind(slots, self.backend.device)
-                g.keep = [ctx.row_slot]
+                g.keep = ctx.device_tensors()
                 step._masks.clear()
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: the cache's loader thread may use the device while this thread captures.

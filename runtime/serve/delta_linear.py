@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,6 +76,8 @@ class DeltaContext:
         self._token_index.clear()
         self._plans.clear()
         self._segments.clear()
+        if self.row_slot.device.type == "cuda" and self.active:
+            self.plan(self.row_slot)  # the decode step's plan, built here: outside any graph capture
 
     def unbind(self) -> None:
         self.row_slot = None
@@ -114,15 +117,27 @@ class DeltaContext:
         return self._segments[key]
 
     def plan(self, idx: torch.Tensor):
-        """The Triton row plan for ``idx`` (built once per token count, shared by every linear)."""
+        """The row plan for ``idx`` (built once per token count, shared by every linear): on CUDA from
+        the host copy of the slots (numpy, one host-to-device copy, no GPU sort), else on the device."""
         key = idx.shape[0]
         plan = self._plans.get(key)
         if plan is None:
-            from deltazip.kernels.triton_sbmm import default_block_m
+            host = self._row_slot_host
+            if idx.device.type == "cuda" and host is not None and key % max(1, host.shape[0]) == 0:
+                from deltazip.kernels.host_plan import plan_rows
 
-            plan = dispatch.group_rows(idx, self.num_slots, default_block_m(key))
+                plan = plan_rows(np.repeat(host.numpy(), key // max(1, host.shape[0])), self.num_slots, idx.device)
+            else:
+                from deltazip.kernels.triton_sbmm import default_block_m
+
+                plan = dispatch.group_rows(idx, self.num_slots, default_block_m(key))
             self._plans[key] = plan
         return plan
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """What the bound routing keeps on the device (a captured graph must keep it alive)."""
+        kept = [self.row_slot] if self.row_slot is not None else []
+        return kept + [p.packed if p.packed is not None else p.perm for p in self._plans.values()]
 
 
 @dataclass
@@ -348,6 +363,10 @@ class PackedStore:
         ctx, active = self.ctx, self.ctx.active
         for g in self.groups.values():
             if not (g.slots & active):
+                continue
+            if dispatch.cuda_path(x, g.stack):  # one shared plan; the kernel skips slots the stack lacks
+                y = dispatch.sbmm(x, idx, g.stack, plan=ctx.plan(idx), out=y,
+                                  present=None if g.slots >= active else g.present, held=g.slots)
                 continue
             if g.slots >= active:  # every row with a slot has a delta here: the shared plan applies
                 local = idx

@@ -120,6 +120,36 @@ def test_tune_picks_the_fastest_caches_it_and_does_not_time_again(tune_dir, monk
     assert len(calls) == 3  # cached: no new timing
 
 
+def test_a_config_that_does_not_fit_is_skipped_and_recorded_not_raised(tune_dir, monkeypatch):
+    """The H200 start-up crash: a candidate needing 253,952 B of shared memory (limit 232,448) raised
+    OutOfResources out of the model build. Now it is skipped, recorded, and the others compete."""
+    monkeypatch.setattr("deltazip.kernels.triton_fast.sbmm_fast",
+                        lambda x, index, stack, plan=None, config=None: config)
+    stack = _stack(layout="mma") if _mma_ok() else pytest.skip("no mma layout")
+    cands = [dict(CFG, num_stages=s) for s in (2, 3, 4)]
+
+    class OutOfResources(Exception):
+        pass
+
+    def timer(fn):
+        cfg = fn()
+        if cfg["num_stages"] == 4:
+            raise OutOfResources("out of resource: shared memory, Required: 253952, Hardware limit: 232448")
+        return {2: 2.0, 3: 1.0}[cfg["num_stages"]]
+
+    cache = autotune.TuneCache(tune_dir / "gpu.json")
+    assert autotune.tune(stack, torch.float32, 64, cache=cache, timer=timer, candidates=cands) == dict(CFG, num_stages=3)
+    key = autotune.tune_key(stack, torch.float32, 64)
+    assert any("OutOfResources" in r and "253952" in r for r in autotune.SKIPPED[key])
+
+    def always(fn):
+        raise OutOfResources("out of resource")
+
+    with pytest.warns(UserWarning, match="no autotune candidate"):
+        assert autotune.tune(stack, torch.float32, 2, cache=cache, timer=always, candidates=cands) == {}
+    assert cache.get(autotune.tune_key(stack, torch.float32, 2)) is None  # nothing cached: retried next start
+
+
 def test_candidates_fit_the_k_steps():
     stack = _stack(layout="mma", in_features=128, group_size=128) if _mma_ok() else pytest.skip("no mma layout")
     cands = autotune.candidates_for(stack)  # one K step of 128: no split

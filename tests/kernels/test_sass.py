@@ -1,16 +1,16 @@
-"""The offline proof (issue 14): the fast SBMM kernel's SASS, compiled for sm_80/sm_90 without a GPU.
+"""Offline SASS of the Triton SBMM kernels, compiled for sm_80/sm_90 without a GPU, under every Triton
+this machine has: the installed one and each extra one ``make install`` puts under
+``.venv/triton-<version>`` (3.6.0: what torch 2.11 pins, and what the H200 run used).
+
+Version-independent screens (``deltazip.kernels.sass.screens``): 16-byte global->shared copies, no
+shared-memory store in the main loop, at most one barrier per K step. What the first GPU run taught
+(docs/kernels.md): instruction counts did not tell a fast build from a slow one, so none is asserted.
+A version known to fail a screen is an expected failure (strict: a Triton that fixes it is noticed),
+and the runtime never picks the fast Triton kernel on a version that fails them.
 
 Runs ``python -m deltazip.kernels.sass`` in a process of its own (this test session may run Triton in
-its interpreter, which replaces ``@triton.jit`` functions) and asserts:
-
-- at 4 bits on sm_90 the default configuration (2:4, symmetric) stays at or under
-  ``GOAL_INSTR_PER_WEIGHT`` SASS instructions per weight in the main loop, fp16 and bf16;
-- no fast variant stores to shared memory in its main loop (the dequantized tile goes straight into
-  the MMA registers), on sm_80 and sm_90, and the asymmetric ones stay close to the goal;
-- the legacy kernel, measured the same way, is the one the issue describes (instruction-bound), and
-  its 3-bit 2:4 variant fits in shared memory.
-
-Skipped only where Triton's bundled compiler or cuobjdump is missing.
+its interpreter, which replaces ``@triton.jit`` functions). Skipped only where Triton's bundled compiler
+or cuobjdump is missing.
 """
 
 from __future__ import annotations
@@ -24,63 +24,63 @@ from pathlib import Path
 import pytest
 
 from deltazip.kernels import sass
+from deltazip.kernels.triton_fast import KNOWN_BAD_TRITON, VALIDATED_TRITON
 
 pytestmark = pytest.mark.skipif(sass.tools_available() is not None,
                                 reason=f"offline SASS needs Triton's compiler and cuobjdump: {sass.tools_available()}")
 
 ROOT = Path(__file__).resolve().parents[2]
+EXTRA = sorted(str(p) for p in (ROOT / ".venv").glob("triton-*") if (p / "triton").is_dir())
+INSTALLS = [None, *EXTRA]  # None: the installed Triton
+VARIANTS = ["fast:4:24:sym:fp16", "fast:4:24:sym:bf16", "fast:4:24:asym:fp16", "fast:2:24:sym:bf16",
+            "fast:8:dense:sym:fp16", "legacy:4:24:sym:fp16", "legacy:3:24:sym:fp16"]
 
 
-VARIANTS = (["fast:4:24:sym:fp16", "fast:4:24:sym:bf16", "fast:4:24:asym:fp16", "fast:4:24:asym:bf16",
-             "legacy:4:24:sym:fp16", "legacy:3:24:sym:fp16"] + [f"fast:{b}:dense:sym:{dt}" for b in (2, 4, 8) for dt in ("fp16", "bf16")])
-
-
-@pytest.fixture(scope="module")
-def rows() -> dict[tuple, dict]:
-    """Every variant of this module, compiled once for sm_80 and sm_90 in one process."""
+def _compile(extra: str | None) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if extra:
+        env["PYTHONPATH"] = os.pathsep.join([extra, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["TRITON_CACHE_DIR"] = str(Path(extra) / ".cache")  # one cache per version
     cmd = [sys.executable, "-m", "deltazip.kernels.sass", "--arch", "80,90"]
     for v in VARIANTS:
         cmd += ["--variant", v]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return {(r["kernel"], r["bits"], r["sparse"], r["asym"], r["dtype"], r["arch"]): r for r in json.loads(proc.stdout)}
+    return json.loads(proc.stdout)
 
 
-def test_fast_kernel_meets_the_goal_at_4_bits_on_sm90(rows):
-    for asym in (False, True):
-        for dtype in ("fp16", "bf16"):
-            r = rows[("fast", 4, True, asym, dtype, "sm_90")]
-            assert r["loop_smem_stores"] == 0, r
-            assert r["bound"][0]["limited_by"] == "HBM", r["bound"]
-            if not asym:
-                assert r["instr_per_weight"] <= sass.GOAL_INSTR_PER_WEIGHT, r
-            else:  # one packed zero point per row and step costs a little more
-                assert r["instr_per_weight"] <= sass.GOAL_INSTR_PER_WEIGHT + 0.25, r
+@pytest.fixture(scope="module", params=INSTALLS, ids=[Path(p).name if p else "installed" for p in INSTALLS])
+def rows(request) -> list[dict]:
+    return _compile(request.param)
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_fast_kernel_dequantizes_in_registers_for_every_bit_width(rows, arch):
-    for bits in (2, 4, 8):
-        for dtype in ("fp16", "bf16"):
-            r = rows[("fast", bits, False, False, dtype, arch)]
-            assert r["loop_smem_stores"] == 0, r
-            assert r["k_steps_per_iteration"] >= 1
-            # 8-bit bf16 converts fp16 -> bf16 per weight; the rest is one LOP3 + one HFMA2 a pair.
-            limit = 5.0 if (bits, dtype) == (8, "bf16") else 3.6
-            assert r["instr_per_weight"] <= limit, r
+def test_ci_screens_the_triton_torch_2_11_pins():
+    """At least two Triton versions are screened, 3.6.0 among them (``make install`` adds it)."""
+    names = [Path(p).name for p in EXTRA]
+    assert "triton-3.6.0" in names, f"make install puts Triton 3.6.0 under .venv/triton-3.6.0; found {names}"
 
 
-def test_legacy_kernel_is_instruction_bound_as_the_issue_says(rows):
-    legacy, fast = rows[("legacy", 4, True, False, "fp16", "sm_90")], rows[("fast", 4, True, False, "fp16", "sm_90")]
-    assert legacy["loop_smem_stores"] > 0  # the dequantized tile goes through shared memory
-    assert legacy["bound"][0]["limited_by"] == "instructions"
-    assert legacy["instr_per_weight"] > 3 * fast["instr_per_weight"]
+def test_fast_kernel_passes_the_screens(rows, request):
+    version = rows[0]["triton"]
+    if version in KNOWN_BAD_TRITON:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"Triton {version}: {KNOWN_BAD_TRITON[version]}"))
+    failed = {(r["bits"], r["dtype"], r["asym"], r["arch"]): [k for k, ok in r["screens"].items() if not ok]
+              for r in rows if r["kernel"] == "fast"}
+    assert not any(failed.values()), f"Triton {version}: {failed}"
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_legacy_3_bit_24_fits_in_shared_memory(rows, arch):
-    """3-bit 2:4 (no fast kernel) used to need 280 KiB of shared memory at its default tile: more than
-    an A100 (164 KiB) or H100 (228 KiB) has, so it could not launch."""
-    assert rows[("legacy", 3, True, False, "fp16", arch)]["shared_bytes"] <= 160 * 1024
+def test_runtime_never_picks_a_triton_that_fails_the_screens(rows):
+    version = rows[0]["triton"]
+    passes = all(all(r["screens"].values()) for r in rows if r["kernel"] == "fast")
+    assert version not in VALIDATED_TRITON or passes, f"Triton {version} is validated but fails the screens"
+    assert not (set(VALIDATED_TRITON) & set(KNOWN_BAD_TRITON))
+
+
+def test_legacy_kernel_stages_its_dequantized_tile_through_shared_memory(rows):
+    """What the transposed layout's kernel is on every version: it stores the dequantized tile, and its
+    3-bit 2:4 variant fits in shared memory."""
+    for r in rows:
+        if r["kernel"] == "legacy" and r["arch"] == "sm_90":
+            assert r["loop_smem_stores"] > 0, r["triton"]
+            assert r["shared_bytes"] <= 232448, r

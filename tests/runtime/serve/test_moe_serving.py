@@ -253,8 +253,14 @@ def test_delta_experts_on_the_fast_kernel_in_the_interpreter(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_delta_experts_on_cuda_take_the_triton_path_and_equal_the_loop(dtype, monkeypatch):
-    _check_triton_path("cuda", dtype, monkeypatch)
+def test_delta_experts_on_cuda_take_the_cuda_kernel_and_equal_the_loop(dtype):
+    """On a GPU the ``mma`` stacks of fp16/bf16 experts run on the CUDA kernel (the dispatcher's
+    measured path), never the reference."""
+    from deltazip.kernels import dispatch
+
+    dispatch.CALLS.clear()
+    _check_delta_experts(False, "cuda", dtype, hidden_size=128, intermediate_size=128)
+    assert dispatch.CALLS["cuda"] > 0 and dispatch.CALLS["reference"] == 0, dict(dispatch.CALLS)
 
 
 def test_router_rows_use_their_slots_weight():

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One prepared GPU check (issues 22 and 23): on one H100/H200 with no network, in about 6 minutes.
+#
+#   bash bench/gpu_check.sh            # writes $OUT (default /tmp/gpu_check): gpu_check.log, summary.md,
+#                                      # sbmm_table.json, table.md, step.json
+#
+# Works with whatever torch and Triton the machine has. Python packages the image lacks travel as
+# wheels in .whl/ (see docs/kernels.md, "GPU check"), installed with --no-deps beside the image's own. nvCOMP must match the CUDA major version: nvidia-nvcomp-cu13 under CUDA 13,
+# nvidia-nvcomp-cu12 under CUDA 12; a mismatch is named in one line and the nvCOMP tests skip.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+SUM="$OUT/summary.md"
+: >"$LOG"
+: >"$SUM"
+export PYTHONUNBUFFERED=1 DELTAZIP_CUDA_CACHE=/tmp/deltazip-cuda HF_HUB_OFFLINE=1
+PY=${PY:-python3}
+t0=$(date +%s)
+step() { echo "=== [$(( $(date +%s) - t0 ))s] $*" | tee -a "$LOG"; }
+note() { echo "$*" | tee -a "$SUM"; }
+
+step "setup"
+if compgen -G ".whl/*.whl" >/dev/null; then  # packages the image lacks (none of them is replaced)
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl >>"$LOG" 2>&1
+fi
+$PY -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || { echo "pip install -e . failed" | tee -a "$SUM"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
+versions=$($PY - <<'EOF'
+import torch, sys
+try:
+    import triton; tv = triton.__version__
+except Exception:
+    tv = "none"
+print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__} (CUDA {torch.version.cuda}), triton {tv}, "
+      f"python {sys.version.split()[0]}")
+EOF
+)
+note "# GPU check: $versions"
+cuda_major=$($PY -c "import torch; print((torch.version.cuda or '0').split('.')[0])")
+if ! $PY -c "import nvidia.nvcomp" 2>/dev/null; then
+  note "- nvCOMP: not importable; install nvidia-nvcomp-cu${cuda_major} (the package must match CUDA ${cuda_major})"
+fi
+
+run() {  # run NAME TIMEOUT CMD...: one line per step in the summary
+  local name=$1 limit=$2; shift 2
+  step "$name: $*"
+  local s=$(date +%s)
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  local tail_line
+  tail_line=$(grep -E "passed|failed|error" "$LOG" | tail -1)
+  note "- $name: exit $rc in $(( $(date +%s) - s ))s${tail_line:+ ($tail_line)}"
+  return $rc
+}
+
+xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
+run "CUDA kernel parity" 90 $PY -m pytest -q -x -p no:cacheprovider tests/kernels/test_cuda_sbmm.py
+run "delta matmul table" ${TABLE_LIMIT:-150} $PY bench/sbmm_table.py --out "$OUT" --table ${TABLE_ARGS:-}
+run "gpu-marked tests" ${TESTS_LIMIT:-110} $PY -m pytest -q -p no:cacheprovider $xdist -m gpu --require-gpu tests \
+  --deselect tests/kernels/test_cuda_sbmm.py
+[ -n "${SKIP_STEP:-}" ] || run "decode step bench (synthetic 7B-shaped Llama)" ${STEP_LIMIT:-150} \
+  $PY bench/step.py --pair synthetic-7b --repeats 5 --out "$OUT"
+if [ -f "$OUT/step.json" ]; then
+  note ""
+  note "## Decode step (bench/step.py --pair synthetic-7b)"
+  $PY bench/_step_table.py "$OUT/step.json" >>"$SUM"
+fi
+if [ -f "$OUT/table.md" ]; then
+  note ""
+  note "## Delta matmul (graph replay, µs per launch)"
+  cat "$OUT/table.md" >>"$SUM"
+fi
+step "done"
+cat "$SUM"

@@ -1,0 +1,255 @@
+"""The delta-matmul table of issue 22, timed the way serving runs it (GPU only).
+
+For Llama-7B shapes (4096x4096, 11008x4096, 4096x11008), 2:4 deltas at 4 and 2 bits, group 128, fp16 and
+bf16 activations, D deltas in the batch (1, 4, 16, 64) with R rows each (1, 16), side by side:
+
+- ``cuda``: what the server runs: the path and launch config the dispatcher measured best for this
+  key (``deltazip.kernels.dispatch_table.tune``: the CUDA SBMM kernel's configs, and dequantize +
+  cuBLAS at 16+ rows per delta), with the host-built plan;
+- ``triton_fast`` / ``triton_transposed``: the Triton kernels (4096x4096 only: each compiles for a while);
+- ``bmm_fp16``: ``torch.bmm`` over the deltas kept dense in fp16 (rows pre-grouped: cheaper than real);
+- ``loop_fp16``: one dense fp16 matmul per delta (at D = 1: the dense matmul of that delta).
+
+Protocol: each candidate is captured in a CUDA graph of L launches, each on other weights (a ring of
+stacks and slots larger than 4x the L2), replayed 3 times to warm up, then each of ``--replays`` replays
+is timed with events; a launch's time is the median replay / L. The floor is the canonical compressed
+bytes (2:4 values, positions, scales; activations in and out) over the device-to-device copy bandwidth
+measured in the same run (bytes read + written). Prints one JSON document; ``--table`` adds markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _pairs import emit, machine  # noqa: E402
+
+SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))  # (out, in)
+MAX_D = 64
+
+
+def log(msg: str) -> None:
+    print(f"[bench/sbmm_table] {msg}", file=sys.stderr, flush=True)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + written), median of 10."""
+    a = torch.empty(1 << 29, dtype=torch.float16, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * a.numel() * 2 / statistics.median(times[2:])
+
+
+def graph_time(launches: list, replays: int) -> float:
+    """Median µs per launch of a CUDA graph holding ``launches`` (callables), after a warm-up."""
+    for fn in launches:  # compile, allocate, autotune caches: outside the capture
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in launches:
+            fn()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / len(launches))
+    del g
+    return statistics.median(times)
+
+
+def canonical_bytes(out_f: int, in_f: int, bits: int, group: int, rows: int) -> int:
+    """2:4 canonical bytes of one delta (kept codes, 2-bit positions, fp16 scales) + its rows' I/O."""
+    kept = out_f * in_f // 2
+    return kept * bits // 8 + kept * 2 // 8 + out_f * (in_f // group) * 2 + rows * (in_f + out_f) * 2
+
+
+def mma_stacks(out_f, in_f, bits, count):
+    from deltazip.kernels import fast_layout
+    from deltazip.kernels.stacked import StackedDeltas
+
+    stacks = []
+    for _ in range(count):
+        words = fast_layout.slot_words(out_f, in_f, bits)
+        q = torch.randint(-2**31, 2**31 - 1, (MAX_D, words), dtype=torch.int32, device="cuda")
+        sc = (torch.rand(MAX_D, in_f // 128, fast_layout.padded_rows(out_f), device="cuda") * 0.02 + 0.002).half()
+        stacks.append(StackedDeltas(q, sc, None, None, bits, 128, in_f, out_f, layout="mma", sparse24=True))
+    return stacks
+
+
+def transposed_stacks(out_f, in_f, bits, count):
+    from deltazip.kernels.packed import packed_words
+    from deltazip.kernels.stacked import StackedDeltas
+
+    stacks = []
+    for _ in range(count):
+        kept = in_f // 2
+        q = torch.randint(-2**31, 2**31 - 1, (MAX_D, packed_words(kept, bits), out_f), dtype=torch.int32, device="cuda")
+        pos = torch.full((MAX_D, packed_words(kept, 2), out_f), 0x44444444, dtype=torch.int32, device="cuda")  # 0,1 pairs
+        sc = (torch.rand(MAX_D, in_f // 128, out_f, device="cuda") * 0.02 + 0.002).half()
+        stacks.append(StackedDeltas(q, sc, None, pos, bits, 128, in_f, out_f))
+    return stacks
+
+
+def point(out_f, in_f, bits, dtype, d, r, rings, bw, quick, replays, with_triton) -> dict:
+    from deltazip.kernels.host_plan import plan_rows
+
+    stacks, dense, tstacks = rings
+    n = d * r
+    # launch i reads stack i % 2, slots [o_i, o_i + d): distinct weights per launch across the ring
+    n_launch = max(2, min(32, 2 * MAX_D // d))
+    windows = [((i % 2), (i // 2 * d) % MAX_D) for i in range(n_launch)]
+    x = torch.randn(n, in_f, device="cuda").to(dtype)
+    y = torch.zeros(n, out_f, device="cuda", dtype=dtype)
+    rows = [[o + (k % d) for k in range(n)] for _, o in windows]  # rows interleaved over the deltas
+    plans = [plan_rows(rw, MAX_D, "cuda") for rw in rows]
+    res = {}
+    from deltazip.kernels import dispatch_table
+
+    # what the server runs: the dispatcher's measured choice for this key (tuned now if not cached)
+    choice = dispatch_table.tune(stacks[0], dtype, n, d)
+    t = graph_time([lambda s=s, p=p: dispatch_table.run_choice(choice, x, stacks[s], p, out=y)
+                    for (s, _), p in zip(windows, plans)], replays)
+    best = (t, choice)
+    res["cuda"] = round(best[0], 2)
+    xb = x.view(r, d, in_f).transpose(0, 1).contiguous()  # [d, r, in]: rows grouped per delta
+    res["bmm_fp16"] = round(graph_time([lambda s=s, o=o: torch.bmm(xb, dense[s][o:o + d].transpose(1, 2))
+                                        for s, o in windows], replays), 2)
+    res["loop_fp16"] = round(graph_time([lambda s=s, o=o: [torch.mm(xb[k], dense[s][o + k].T) for k in range(d)]
+                                         for s, o in windows], replays), 2)
+    if with_triton:
+        from deltazip.kernels.triton_fast import sbmm_fast
+        from deltazip.kernels.triton_sbmm import group_rows, sbmm_triton
+
+        idx = [torch.tensor(rw, device="cuda") for rw in rows]
+        dplans = [group_rows(i, MAX_D, 16) for i in idx]
+        res["triton_fast"] = round(graph_time([lambda s=s, i=i, p=p: sbmm_fast(x, i, stacks[s], plan=p)
+                                               for (s, _), i, p in zip(windows, idx, dplans)], replays), 2)
+        res["triton_transposed"] = round(graph_time([lambda s=s, i=i, p=p: sbmm_triton(x, i, tstacks[s], plan=p)
+                                                     for (s, _), i, p in zip(windows, idx, dplans)], replays), 2)
+    floor = d * canonical_bytes(out_f, in_f, bits, 128, r) / bw * 1e6
+    compressed = {k: v for k, v in res.items() if k in ("cuda", "triton_fast", "triton_transposed")}
+    chosen = min(compressed, key=compressed.get)
+    return {"shape": f"{out_f}x{in_f}", "bits": bits, "dtype": str(dtype).removeprefix("torch."), "deltas": d,
+            "rows_per_delta": r, "us": res, "floor_us": round(floor, 2), "chosen": chosen,
+            "chosen_over_floor": round(res[chosen] / floor, 2), "dispatch": best[1].to_json(),
+            "chosen_vs_bmm": round(res[chosen] / res["bmm_fp16"], 3),
+            "chosen_vs_loop": round(res[chosen] / res["loop_fp16"], 3)}
+
+
+def parity(bits, dtype) -> float:
+    """Relative L2 error of the CUDA kernel against the reference on a small random stack."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from _sbmm import make_delta
+
+    from deltazip.kernels import cuda_sbmm, reference
+    from deltazip.kernels.host_plan import plan_rows
+    from deltazip.kernels.stacked import repack
+
+    gen = torch.Generator().manual_seed(0)
+    deltas = [make_delta(256, 1024, bits, 128, True, False, gen) for _ in range(4)]
+    stack = repack(deltas, device="cuda", layout="mma")
+    rows = [0, 3, 1, 1, 2, -1, 0, 3]
+    x = torch.randn(len(rows), 1024, generator=gen).to(dtype).cuda()
+    y = torch.full((len(rows), 256), float("nan"), dtype=dtype, device="cuda")
+    y[torch.tensor(rows) < 0] = 0
+    ref = reference.sbmm(x, torch.tensor(rows).cuda(), deltas).float()
+    got = cuda_sbmm.sbmm_cuda(x, stack, plan_rows(rows, 4, "cuda")).float()
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+def table(results: list[dict]) -> str:
+    head = "| shape | bits | dtype | D | R | cuda µs | bmm fp16 | loop fp16 | floor | chosen/floor | vs bmm | vs loop |"
+    lines = [head, "|" + "---|" * 12]
+    for p in results:
+        u = p["us"]
+        lines.append(f"| {p['shape']} | {p['bits']} | {p['dtype']} | {p['deltas']} | {p['rows_per_delta']} | "
+                     f"{u['cuda']} | {u['bmm_fp16']} | {u['loop_fp16']} | {p['floor_us']} | "
+                     f"{p['chosen_over_floor']} | {p['chosen_vs_bmm']} | {p['chosen_vs_loop']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="4096x4096 only")
+    ap.add_argument("--out", type=Path, default=None, help="write sbmm_table.json (and table.md) here")
+    ap.add_argument("--replays", type=int, default=15)
+    ap.add_argument("--shapes", default=None, help="e.g. 4096x4096,11008x4096")
+    ap.add_argument("--no-triton", action="store_true", help="skip the Triton kernels")
+    ap.add_argument("--table", action="store_true", help="print a markdown table on stderr")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/sbmm_table.py needs a CUDA GPU", file=sys.stderr)
+        return 1
+    t0 = time.time()
+    bw = copy_bandwidth()
+    log(f"{torch.cuda.get_device_name(0)}: copy bandwidth {bw / 1e9:.0f} GB/s")
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    checks = {f"{b}-bit {str(dt).removeprefix('torch.')}": parity(b, dt)
+              for b in (4, 2) for dt in (torch.float16, torch.bfloat16)}
+    log(f"parity (relative L2 vs reference): {checks}")
+    results = []
+    for out_f, in_f in shapes:
+        for bits in (4, 2):
+            triton_here = not args.no_triton and (out_f, in_f) == (4096, 4096)
+            rings = (mma_stacks(out_f, in_f, bits, 2),
+                     [torch.randn(MAX_D, out_f, in_f, device="cuda", dtype=torch.float16) for _ in range(2)],
+                     transposed_stacks(out_f, in_f, bits, 2) if triton_here else None)
+            for dtype in (torch.float16, torch.bfloat16):
+                for d in (1, 4, 16, 64):
+                    for r in (1, 16):
+                        dense = [w if dtype == torch.float16 else None for w in rings[1]]
+                        if dtype == torch.bfloat16:
+                            dense = [w.view(torch.bfloat16) for w in rings[1]]  # same bytes, bf16 bits
+                        p = point(out_f, in_f, bits, dtype, d, r, (rings[0], dense, rings[2]), bw, args.quick,
+                                  args.replays, triton_here and r == 1 and d in (1, 16))
+                        results.append(p)
+                        log(json.dumps(p))
+            del rings
+            torch.cuda.empty_cache()
+    doc = {"bench": "sbmm_table",
+           "machine": {**machine(), "triton": _triton_version(), "copy_GBps": round(bw / 1e9, 1),
+                       "cuda_runtime": torch.version.cuda},
+           "config": {"quick": args.quick, "replays": args.replays, "group": 128, "sparsity": "2:4"},
+           "parity": checks, "results": results, "seconds": round(time.time() - t0, 1)}
+    if args.table:
+        print(table(results), file=sys.stderr)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "table.md").write_text(table(results) + "\n")
+    emit(doc, args.out, "sbmm_table.json")
+    return 0
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,463 @@
+// SBMM over stacks in the mma layout (deltazip/kernels/fast_layout.py): y[r] (+)= x[r] @ W[slot(r)]^T.
+//
+// Host side: deltazip/kernels/cuda_sbmm.py (plans, launch, split-K workspace); compiled at first use
+// by NVRTC (deltazip/kernels/cuda_rtc.py) with these macros:
+//   BITS    code width: 2, 4 or 8
+//   BF16    activations bf16 (else fp16)
+//   ASYM    explicit fp16 zero points per group (else 2**(BITS-1))
+//   GK16    16-column mma steps per quantization group when a group is narrower than a 128-column tile
+//           (1, 2 or 4); 8 when a group spans whole tiles (2**group_shift of them, or the whole row)
+//   RB      64-row weight blocks per CTA (1 or 2): 4 warps each
+//   STAGES  depth of the cp.async pipeline (>= 2)
+//   KT      128-column K tiles per pipeline stage (1 or 2: 2 halves the loop's fixed work per weight)
+// No CUDA header is included (NVRTC needs none): every fp16/bf16 operation is inline PTX.
+//
+// Why it is shaped like this (docs/kernels.md has the measurements):
+// - weights are the A operand of mma.sync m16n8k16 ("swap AB": y^T = W x^T), so 16 output features per
+//   warp and up to 16 activation rows per tile (two n8 tiles) share every weight byte;
+// - the mma layout stores each thread's codes contiguously, so a stage of one 64x128 tile is one
+//   contiguous 1024*BITS-byte copy (16-byte cp.async, coalesced), read back by each thread as its own
+//   16-byte (8 at 2 bits) vector: no bank conflict, no shuffle;
+// - scales (and zero points) of a tile travel in the same stage as its codes, and so do the tile's
+//   activations (16 rows x 128 columns), read into mma B fragments by ldmatrix from rows padded to 272
+//   bytes (8 rows at distinct banks);
+// - codes are dequantized in registers straight into the A fragment: one LOP3 turns two codes into
+//   two fp16 (bf16) numbers 1024 + q (128 + q), one packed subtract makes them the exact integers q - z;
+//   the fp32 group scale multiplies each group's fp32 partial product, so the result is the reference's
+//   up to fp32 summation order;
+// - split-K partials are reduced in the kernel: each split stores its fp32 partials in its own
+//   workspace slice, the last CTA of a tile (a per-tile counter) sums them in split order, writes the
+//   output and resets the counter, so a call is one launch and a CUDA graph can replay it.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+#define NWARPS (4 * RB)
+#define NTHREADS (32 * NWARPS)
+#define BM 16                          // activation rows per tile
+
+#define XS (128 * KT + 8)              // halves per staged activation row (+8: ldmatrix rows on distinct banks)
+#define RUN (BITS < 4 ? BITS : 4)      // words of one thread-row stored together (one vector load)
+#define HV (BITS / RUN)
+#define PPW (16 / BITS)                // pairs of codes per word
+#define TILE_WORDS (256 * BITS)        // one 64 x 128 tile
+#define SG (GK16 < 8 ? 8 / GK16 : 1)   // quantization groups in one tile
+#define W_BYTES (RB * KT * TILE_WORDS * 4)  // [rb][u]: a block's KT tiles are contiguous in memory too
+#define S_HALVES (RB * KT * SG * 64)          // [rb][u][group][64 rows]
+#define Z_HALVES (ASYM ? S_HALVES : 0)
+#define X_HALVES (BM * XS)
+#define STAGE_BYTES (W_BYTES + (S_HALVES + Z_HALVES + X_HALVES) * 2)
+// CTAs per SM the register budget is cut for: what the pipeline's shared memory allows (of ~220 KiB),
+// at most 4 of 8 warps (RB 2) or 6 of 4 warps, fewer at 8 bits (more registers per code word)
+#define SMEM_CTAS ((220 * 1024) / (STAGES * STAGE_BYTES))
+#define REG_CTAS (RB == 2 ? (BITS == 8 ? 3 : 4) : (BITS == 8 ? 5 : 6))
+#define MIN_CTAS (SMEM_CTAS < 1 ? 1 : (SMEM_CTAS < REG_CTAS ? SMEM_CTAS : REG_CTAS))
+#if BF16 && BITS < 8
+#define MAGIC 0x43004300u              // bf16 128.0 twice: OR-ing q < 128 into the mantissa gives 128 + q
+#define MANT 7                         // mantissa bits of the magic number's dtype
+#define MVAL 128
+#else
+#define MAGIC 0x64006400u              // fp16 1024.0 twice: 1024 + q for q < 1024
+#define MANT 10
+#define MVAL 1024
+#endif
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+__device__ __forceinline__ void cp16(u32 dst, const void* src, int bytes) {
+  // bytes 0 zero-fills the 16 destination bytes (rows past the tile's end, blocks past the matrix)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ float h2f(u16 v) {
+  float f;
+  asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(v));
+  return f;
+}
+
+// Pair j of a thread-row word sits at bit BITS * j of each 16-bit half. Dequantizing it takes one LOP3
+// that ORs the two codes into the mantissas of MAGIC, in place when they fit below the mantissa's top
+// (`place` = their bit offset, the word shifted by whole bytes only), else shifted down to bit 0 first;
+// then one packed FMA: (MVAL + q * 2^place) * 2^-place - (MVAL * 2^-place + z) = q - z, exact.
+__device__ __host__ constexpr int pair_off(int j) { return (BITS * j) % 8; }
+__device__ __host__ constexpr bool pair_shifted(int j) { return pair_off(j) + BITS > MANT; }
+__device__ __host__ constexpr int pair_place(int j) { return pair_shifted(j) ? 0 : pair_off(j); }
+__device__ __host__ constexpr u32 pow2_neg(int p) {  // 2^-p in both halves
+  return (BF16 && BITS < 8 ? 0x3F80u - ((u32)p << 7) : 0x3C00u - ((u32)p << 10)) * 0x10001u;
+}
+
+// -(v) in both halves, for an integer 0 < v < 2048 (fp16) or < 256 (bf16): exact in either.
+__device__ __forceinline__ u32 neg_int2(int v) {
+  const int e = 31 - __clz(v);
+#if BF16 && BITS < 8
+  const u32 h = 0x8000u | ((u32)(e + 127) << 7) | (((u32)v << (7 - e)) & 0x7Fu);
+#else
+  const u32 h = 0x8000u | ((u32)(e + 15) << 10) | (((u32)v << (10 - e)) & 0x3FFu);
+#endif
+  return h * 0x10001u;
+}
+
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {  // (a & b) | c
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+  u32 d;
+#if BF16 && BITS < 8
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#else
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#endif
+  return d;
+}
+
+// Pair j (0 <= j < PPW) of word w, zero point z: the exact pair (q - z) in the mma dtype.
+template <int J>
+__device__ __forceinline__ u32 dequant_pair(u32 w, int z) {
+  const u32 v = w >> (8 * ((BITS * J) / 8) + (pair_shifted(J) ? pair_off(J) : 0));
+  const u32 t = lop3_and_or(v, (((1u << BITS) - 1u) << pair_place(J)) * 0x10001u, MAGIC);
+  u32 d = hfma2(t, pow2_neg(pair_place(J)), neg_int2((MVAL >> pair_place(J)) + z));
+#if BF16 && BITS == 8  // 8-bit codes under bf16: the fp16 integer |q - z| <= 255 converts to bf16 exactly
+  float lo, hi;
+  asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
+      : "=f"(lo), "=f"(hi) : "r"(d));
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#endif
+  return d;
+}
+
+// The PPW pairs of one word.
+template <int J = 0>
+__device__ __forceinline__ void dequant_word(u32 w, const int* z, u32* out) {
+  out[J] = dequant_pair<J>(w, z[J]);
+  if constexpr (J + 1 < PPW) dequant_word<J + 1>(w, z, out);
+}
+
+__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if BF16
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+#else
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+#endif
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float to_f32(u16 v) {
+#if BF16
+  float f;
+  asm("mov.b32 %0, %1;" : "=f"(f) : "r"(((u32)v) << 16));
+  return f;
+#else
+  return h2f(v);
+#endif
+}
+
+__device__ __forceinline__ u16 from_f32(float f) {
+  u16 r;
+#if BF16
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ float lds_h2f(u32 addr) {  // an fp16 in shared memory, as fp32
+  u16 v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+  return h2f(v);
+}
+
+__device__ __forceinline__ int zero_of(u32 addr) { return (int)lds_h2f(addr); }  // fp16 integer zero point
+
+// acc += cg * scale (rows l and l + 8 of the warp's 16: scales at addr and addr + 16), then cg = 0.
+__device__ __forceinline__ void flush(float (*acc)[4], float (*cg)[4], u32 addr) {
+  const float s0 = lds_h2f(addr), s1 = lds_h2f(addr + 16);
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    acc[t][0] += cg[t][0] * s0; acc[t][1] += cg[t][1] * s0;
+    acc[t][2] += cg[t][2] * s1; acc[t][3] += cg[t][3] * s1;
+    cg[t][0] = cg[t][1] = cg[t][2] = cg[t][3] = 0.f;
+  }
+}
+
+// Args (all strides in elements):
+//   x [n_rows, K] (row stride sx), y [n_rows, out_f] (row stride sy);
+//   plan int32: perm[n_rows] ++ tile_slot[n_tiles] ++ tile_start[n_tiles] ++ tile_end[n_tiles];
+//   present uint8 [num_slots + 1] indexed by slot + 1 (0: the stack holds nothing for that slot);
+//   qw int32 [D, slot_words]; scales, zeros fp16 [D, G, outp] (slot stride slot_sz);
+//   ws fp32 [splits, n_rows, out_f] (split K only) and counters int32 [n_tiles * gridDim.x], zero on
+//   entry and on exit (the last CTA of each tile resets its counter).
+// Grid: (ceil(outp / (64 * RB)), n_tiles, splits); each split covers tiles_per_split K tiles.
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
+    const u16* __restrict__ x, int sx, u16* __restrict__ y, int sy, const int* __restrict__ plan,
+    int n_rows, int n_tiles, const unsigned char* __restrict__ present, const u32* __restrict__ qw,
+    i64 slot_words, const u16* __restrict__ scales, const u16* __restrict__ zeros, i64 slot_sz,
+    int out_f, int outp, int k_tiles, int group_shift, int tiles_per_split, int acc_into,
+    float* __restrict__ ws, int* __restrict__ counters) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int xrow[BM];
+  __shared__ int last;
+  const int tile = blockIdx.y;
+  const int slot = plan[n_rows + tile];
+  if (slot < 0 || !present[slot + 1]) return;  // the whole CTA: no barrier has been reached
+  const int start = plan[n_rows + n_tiles + tile];
+  const int cnt = imin(plan[n_rows + 2 * n_tiles + tile] - start, BM);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rb = warp >> 2, wi = warp & 3;
+  const int nb0 = blockIdx.x * RB, nblocks = outp >> 6;
+  const bool active = nb0 + rb < nblocks;
+  const int kt0 = blockIdx.z * tiles_per_split, kt1 = imin(k_tiles, kt0 + tiles_per_split);
+  const int group_mask = (1 << group_shift) - 1;  // K tiles per group: a power of two (or the whole row)
+  if (tid < BM) xrow[tid] = tid < cnt ? plan[start + tid] : 0;
+  __syncthreads();
+
+  // Copy sources of this thread, advanced KT K tiles per load (a piece outside the matrix or past the
+  // tile's rows stays put and is zero-filled), and their offsets inside a stage.
+  constexpr int WP = KT * BITS / 2;  // RB * KT * 64 * BITS pieces of 16 bytes over NTHREADS threads
+  // Piece i = tid + j * NTHREADS lands at stage byte 16 i; its source is one 32-bit word offset from
+  // the slot's first K tile of this split (fewer registers than a pointer per piece).
+  const u32* wbase = qw + slot * slot_words + (i64)kt0 * TILE_WORDS;
+  u32 woff[WP];
+  u32 wok = 0;
+#pragma unroll
+  for (int j = 0; j < WP; ++j) {
+    const int i = tid + j * NTHREADS, r = i / (KT * 64 * BITS), p = i % (KT * 64 * BITS);
+    woff[j] = (u32)((nb0 + r) * k_tiles * TILE_WORDS + p * 4);
+    wok |= (nb0 + r < nblocks ? 1u : 0u) << j;
+  }
+  // 64 scales (128 bytes, 8 pieces) per block, tile and group: RB * KT * SG * 8 <= NTHREADS
+  const bool sload = tid < RB * KT * SG * 8;
+  const int s_r = tid / (KT * SG * 8), s_u = (tid / (SG * 8)) % KT, s_g = (tid / 8) % SG, s_p = tid % 8;
+  const bool s_ok = sload && nb0 + s_r < nblocks;
+  const i64 s_off = s_ok ? slot * slot_sz + (i64)(nb0 + s_r) * 64 + s_p * 8 + (GK16 < 8 ? (i64)s_g * outp : 0) : 0;
+  const u32 s_dst = W_BYTES + (((s_r * KT + s_u) * SG + s_g) * 64 + s_p * 8) * 2;
+  constexpr int XP = (BM * 16 * KT) / NTHREADS;  // activation pieces per thread: 16 KT per row
+  const u16* xsrc[XP];
+  u32 xdst[XP];
+  int xstep[XP];
+#pragma unroll
+  for (int j = 0; j < XP; ++j) {
+    const int i = tid + j * NTHREADS, r = i / (16 * KT), p = i % (16 * KT);
+    xsrc[j] = r < cnt ? x + (i64)xrow[r] * sx + kt0 * 128 + p * 8 : x;
+    xstep[j] = r < cnt ? 128 * KT : 0;
+    xdst[j] = W_BYTES + (S_HALVES + Z_HALVES + r * XS + p * 8) * 2;
+  }
+  const u32 sbase = smem_u32(smem), send = sbase + STAGES * STAGE_BYTES;
+
+  u32 wr = sbase;  // stage the next load writes
+  auto load = [&](int kt) {  // K tiles kt .. kt + KT - 1
+#pragma unroll
+    for (int j = 0; j < WP; ++j) {
+      const bool ok = (wok >> j) & 1u;
+      cp16(wr + 16 * (tid + j * NTHREADS), ok ? wbase + woff[j] + (u32)(kt - kt0) * TILE_WORDS : qw, ok ? 16 : 0);
+    }
+    if (sload) {
+      const int t = kt + s_u;
+      const i64 off = s_off + (GK16 < 8 ? (i64)t * SG * outp : (i64)(t >> group_shift) * outp);
+      cp16(wr + s_dst, s_ok ? (const void*)(scales + off) : (const void*)scales, s_ok ? 16 : 0);
+#if ASYM
+      cp16(wr + s_dst + S_HALVES * 2, s_ok ? (const void*)(zeros + off) : (const void*)zeros, s_ok ? 16 : 0);
+#endif
+    }
+#pragma unroll
+    for (int j = 0; j < XP; ++j) {
+      cp16(wr + xdst[j], xsrc[j], xstep[j] ? 16 : 0);
+      xsrc[j] += xstep[j];
+    }
+    wr += STAGE_BYTES;
+    if (wr == send) wr = sbase;
+  };
+
+  float acc[2][4], cg[2][4];
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[t][c] = cg[t][c] = 0.f;
+  const int row = 16 * wi + (lane >> 2);  // the thread's first weight row in its 64-row block
+  const bool two = cnt > 8;                // second n8 tile of activation rows in use
+  const int ns = (kt1 - kt0) / KT;         // stages to compute (the host makes every split a multiple of KT)
+  // Offsets inside a stage of what this thread reads: its words, its rows' scales, its ldmatrix row.
+  const u32 w_rd = rb * KT * TILE_WORDS * 4 + (wi * 32 * RUN + lane * RUN) * 4;
+  const u32 sc_rd = W_BYTES + (rb * KT * SG * 64 + row) * 2;
+  const u32 x_rd = W_BYTES + (S_HALVES + Z_HALVES + ((lane & 7) + 8 * (lane >> 4)) * XS + 8 * ((lane >> 3) & 1)) * 2;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ns) load(kt0 + s * KT);
+    cp_commit();
+  }
+  u32 rd = sbase;  // stage the compute reads
+  for (int it = 0; it < ns; ++it) {
+    cp_wait<STAGES - 2>();
+    __syncthreads();  // stage `it` landed for every thread; the stage computed last is free again
+    if (it + STAGES - 1 < ns) load(kt0 + (it + STAGES - 1) * KT);
+    cp_commit();
+    if (active) {
+#pragma unroll
+      for (int u = 0; u < KT; ++u) {
+        const u32 wu = rd + w_rd + u * TILE_WORDS * 4, su = rd + sc_rd + u * SG * 128, xu = rd + x_rd + u * 256;
+        u32 w[2][BITS];
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+          for (int hv = 0; hv < HV; ++hv) {
+            const u32 p = wu + (hv * 2 + rr) * 4 * 32 * RUN * 4;
+#if RUN == 4
+            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(w[rr][hv * 4]), "=r"(w[rr][hv * 4 + 1]), "=r"(w[rr][hv * 4 + 2]), "=r"(w[rr][hv * 4 + 3])
+                         : "r"(p));
+#else
+            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(w[rr][0]), "=r"(w[rr][1]) : "r"(p));
+#endif
+          }
+#pragma unroll
+        for (int iw = 0; iw < BITS; ++iw) {  // word iw holds the pairs of mma steps iw * PPW / 2 ...
+          int z[2][PPW];
+#pragma unroll
+          for (int pj = 0; pj < PPW; ++pj) {
+#if ASYM
+            const int g = GK16 < 8 ? ((iw * PPW + pj) / 2) / GK16 : 0;
+            z[0][pj] = zero_of(su + (S_HALVES + g * 64) * 2);
+            z[1][pj] = zero_of(su + (S_HALVES + g * 64 + 8) * 2);
+#else
+            z[0][pj] = z[1][pj] = 1 << (BITS - 1);
+#endif
+          }
+          u32 a[2][PPW];
+          dequant_word(w[0][iw], z[0], a[0]);
+          dequant_word(w[1][iw], z[1], a[1]);
+#pragma unroll
+          for (int sp = 0; sp < PPW / 2; ++sp) {
+            const int s = iw * PPW / 2 + sp;
+            u32 b0, b1, b2, b3;
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(xu + s * 32));
+            mma(cg[0], a[0][2 * sp], a[1][2 * sp], a[0][2 * sp + 1], a[1][2 * sp + 1], b0, b1);
+            if (two) mma(cg[1], a[0][2 * sp], a[1][2 * sp], a[0][2 * sp + 1], a[1][2 * sp + 1], b2, b3);
+            if (GK16 < 8 && (s + 1) % GK16 == 0) flush(acc, cg, su + (s / GK16) * 128);
+          }
+        }
+        if (GK16 == 8) {
+          const int kt = kt0 + it * KT + u;
+          if (((kt + 1) & group_mask) == 0 || kt + 1 == kt1) flush(acc, cg, su);
+        }
+      }
+    }
+    rd += STAGE_BYTES;
+    if (rd == send) rd = sbase;
+  }
+  cp_wait<0>();
+
+  // Epilogue: c0, c1 are weight row `row` for activation rows 8t + 2q + {0, 1}; c2, c3 row + 8.
+  const int mrow = (nb0 + rb) * 64 + row, q2 = 2 * (lane & 3);
+  if (gridDim.z == 1) {
+    if (!active) return;
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int n = 8 * t + q2 + (c & 1), m = mrow + 8 * (c >> 1);
+        if (n < cnt && m < out_f) {
+          u16* p = y + (i64)xrow[n] * sy + m;
+          *p = from_f32(acc_into ? acc[t][c] + to_f32(*p) : acc[t][c]);
+        }
+      }
+    return;
+  }
+  // Split K: each split stores its partials in its own workspace slice (plain stores, no atomics: their
+  // cost grew with rows x outputs x splits); the last CTA of the tile to finish sums the slices in split
+  // order (run-to-run identical) and writes the output.
+  const i64 slice = (i64)n_rows * out_f;
+  if (active) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int n = 8 * t + q2 + (c & 1), m = mrow + 8 * (c >> 1);
+        if (n < cnt && m < out_f)
+          asm volatile("st.global.cg.f32 [%0], %1;" ::"l"(ws + blockIdx.z * slice + (i64)xrow[n] * out_f + m),
+                       "f"(acc[t][c]) : "memory");
+      }
+  }
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  __syncthreads();
+  int* counter = counters + tile * gridDim.x + blockIdx.x;
+  if (tid == 0) {
+    int prev;
+    asm volatile("atom.global.acq_rel.gpu.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(counter) : "memory");
+    last = prev == (int)gridDim.z - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  if (active) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int n = 8 * t + q2 + (c & 1), m = mrow + 8 * (c >> 1);
+        if (n < cnt && m < out_f) {
+          const float* wp = ws + (i64)xrow[n] * out_f + m;
+          float v = 0.f;
+          for (int z = 0; z < (int)gridDim.z; ++z) {
+            float part;
+            asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(part) : "l"(wp + z * slice) : "memory");
+            v += part;
+          }
+          u16* p = y + (i64)xrow[n] * sy + m;
+          *p = from_f32(acc_into ? v + to_f32(*p) : v);
+        }
+      }
+  }
+  if (tid == 0) *counter = 0;
+}
+
+// Dense delta of one slot: out [out_f, K] (row stride so) = scale * (q - z), in the activation dtype.
+// Grid (outp / 64, K / 128), 128 threads: each thread its fragment elements of one 64 x 128 tile.
+extern "C" __global__ void __launch_bounds__(128) dz_dequant(
+    const u32* __restrict__ qw, const u16* __restrict__ scales, const u16* __restrict__ zeros, int slot,
+    i64 slot_words, i64 slot_sz, int out_f, int outp, int k_tiles, int group, u16* __restrict__ out, int so) {
+  const int nb = blockIdx.x, kt = blockIdx.y, tid = threadIdx.x, lane = tid & 31, wi = tid >> 5;
+  const u32* wq = qw + slot * slot_words + ((i64)nb * k_tiles + kt) * TILE_WORDS;
+  u32 w[2][BITS];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+    for (int iw = 0; iw < BITS; ++iw)
+      w[rr][iw] = wq[(((iw / RUN) * 2 + rr) * 4 + wi) * 32 * RUN + lane * RUN + iw % RUN];
+  const int q2 = 2 * (lane & 3);
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int m = nb * 64 + 16 * wi + 8 * rr + (lane >> 2);
+    if (m >= out_f) continue;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {  // pair j = 2 * step + h: columns 16 * step + 8 * h + q2 + {0, 1}
+      const int col = kt * 128 + 16 * (j >> 1) + 8 * (j & 1) + q2;
+      const i64 gp = slot * slot_sz + (i64)(col / group) * outp + m;
+      const float s = h2f(scales[gp]);
+#if ASYM
+      const float z = h2f(zeros[gp]);
+#else
+      const float z = (float)(1 << (BITS - 1));
+#endif
+      const u32 v = w[rr][j / PPW] >> (BITS * (j % PPW));
+      const float lo = ((float)(v & ((1u << BITS) - 1u)) - z) * s;
+      const float hi = ((float)((v >> 16) & ((1u << BITS) - 1u)) - z) * s;
+      *(u32*)(out + (i64)m * so + col) = (u32)from_f32(lo) | ((u32)from_f32(hi) << 16);
+    }
+  }
+}

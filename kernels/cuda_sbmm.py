@@ -1,0 +1,294 @@
+"""SBMM on the CUDA kernel of ``kernels/cuda/sbmm.cu``, for stacks in the ``mma`` layout.
+
+Same semantics as ``deltazip.kernels.reference.sbmm``; what runs it is decided by
+``deltazip.kernels.dispatch`` (by measurement, ``deltazip.kernels.autotune``). The kernel is compiled
+at first use for the GPU at hand by NVRTC (``deltazip.kernels.cuda_rtc``); one launch per call, no
+host synchronisation, nothing allocated per call when ``out`` is given (split-K partials go through a
+per-device workspace whose counters every launch leaves at zero), so a CUDA graph can replay it.
+
+Launch options (:class:`CudaConfig`): ``rb`` 64-row weight blocks per CTA (1 or 2: 4 or 8 warps),
+``stages`` cp.async pipeline depth, ``split`` K splits reduced in the kernel, ``kt`` 128-column K tiles
+per pipeline stage. None of them changes the result beyond fp32 summation order.
+
+Prefill-sized calls (many rows per slot) are better served by dequantizing each used slot once and
+calling cuBLAS: :func:`dequant_mm`, the second candidate the dispatcher measures.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+from deltazip.kernels.fast_layout import padded_rows
+from deltazip.kernels.stacked import StackedDeltas
+from deltazip.kernels.triton_sbmm import RowPlan
+
+DTYPES = (torch.float16, torch.bfloat16)
+BITS = (2, 4, 8)
+BM = 16
+
+
+@dataclass(frozen=True)
+class CudaConfig:
+    """Launch options of the CUDA SBMM kernel (module docstring)."""
+
+    rb: int = 2
+    stages: int = 4
+    split: int = 1
+    kt: int = 1
+
+    def __post_init__(self):
+        if self.rb not in (1, 2) or not 2 <= self.stages <= 8 or self.split < 1 or self.kt not in (1, 2):
+            raise ValueError(f"CudaConfig {self}: rb in (1, 2), 2 <= stages <= 8, split >= 1, kt in (1, 2)")
+
+
+@functools.cache
+def source() -> str:
+    return resources.files("deltazip.kernels").joinpath("cuda/sbmm.cu").read_text()
+
+
+def group_params(stack: StackedDeltas) -> tuple[int, int] | None:
+    """``(GK16, group_shift)`` of a stack, or None when the kernel has no variant for its group size.
+
+    Groups narrower than a 128-column tile need ``GK16 = group / 16`` steps per group (16, 32 or 64
+    columns); wider ones must span a power of two of tiles, or the whole row (``group_shift`` 30)."""
+    g, k = stack.effective_group, stack.in_features
+    if g in (16, 32, 64):
+        return g // 16, 0
+    if g == k:
+        return 8, 30
+    tiles = g // 128
+    if g % 128 or tiles & (tiles - 1):
+        return None
+    return 8, tiles.bit_length() - 1
+
+
+def supported(stack: StackedDeltas, dtype: torch.dtype) -> bool:
+    """Whether the kernel has a variant for this stack and activation dtype (device checks aside)."""
+    return (stack.layout == "mma" and stack.bits in BITS and dtype in DTYPES and stack.in_features % 128 == 0
+            and group_params(stack) is not None)
+
+
+def stage_bytes(stack: StackedDeltas, rb: int, kt: int = 1) -> int:
+    """Shared memory of one pipeline stage: codes, scales (and zero points) and activations."""
+    gk16, _ = group_params(stack)
+    sg = 8 // gk16 if gk16 < 8 else 1
+    s_halves = rb * kt * sg * 64
+    return rb * kt * 1024 * stack.bits + (s_halves * (2 if stack.asymmetric else 1) + BM * (128 * kt + 8)) * 2
+
+
+def macros(stack: StackedDeltas, dtype: torch.dtype, cfg: CudaConfig) -> dict[str, int]:
+    gk16, _ = group_params(stack)
+    return {"BITS": stack.bits, "BF16": int(dtype == torch.bfloat16), "ASYM": int(stack.asymmetric),
+            "GK16": gk16, "RB": cfg.rb, "STAGES": cfg.stages, "KT": cfg.kt}
+
+
+@functools.cache
+def _smem_limit(device_index: int) -> int:
+    """Shared memory a CTA may opt in to (Hopper's 227 KiB when no GPU is there to ask: offline planning)."""
+    if not torch.cuda.is_available():
+        return 232448
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
+
+
+@functools.cache
+def available(device_index: int = 0) -> bool:
+    """A CUDA device of compute capability 8.0+ (mma.sync bf16, cp.async) and NVRTC that loads."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device_index) < (8, 0):
+        return False
+    try:
+        from deltazip.kernels.cuda_rtc import nvrtc
+
+        nvrtc()
+    except Exception:  # noqa: BLE001 - no NVRTC: the dispatcher uses another path
+        return False
+    return True
+
+
+def fits(stack: StackedDeltas, cfg: CudaConfig, device_index: int) -> bool:
+    """Whether the pipeline's shared memory fits the device (checked before any launch)."""
+    return (cfg.stages * stage_bytes(stack, cfg.rb, cfg.kt) + 1024 <= _smem_limit(device_index)
+            and kt_ok(stack, cfg.kt))
+
+
+def kt_ok(stack: StackedDeltas, kt: int) -> bool:
+    """Two K tiles per stage: at 2 and 4 bits, groups of whole tiles, an even number of tiles (8-bit
+    codes and narrower groups would spill registers)."""
+    gk16, _ = group_params(stack)
+    return kt == 1 or (stack.bits <= 4 and gk16 == 8 and (stack.in_features // 128) % kt == 0)
+
+
+MAX_WORKSPACE = 1 << 25  # fp32 partials of one split-K launch (128 MiB)
+
+
+class _Workspace:
+    """fp32 partials (one slice per split) and per-tile counters of split-K launches; counters are zero
+    between launches (each launch resets them); grown by replacement, never freed (a captured graph may
+    hold the old ones)."""
+
+    def __init__(self):
+        self.ws: dict[int, torch.Tensor] = {}
+        self.counters: dict[int, torch.Tensor] = {}
+        self.kept: list[torch.Tensor] = []
+
+    def get(self, device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = device.index
+        ws, cn = self.ws.get(i), self.counters.get(i)
+        if ws is None or ws.numel() < floats:
+            if ws is not None:
+                self.kept.append(ws)
+            ws = self.ws[i] = torch.zeros(max(floats, 1 << 20), dtype=torch.float32, device=device)
+        if cn is None or cn.numel() < counters:
+            if cn is not None:
+                self.kept.append(cn)
+            cn = self.counters[i] = torch.zeros(max(counters, 1 << 14), dtype=torch.int32, device=device)
+        return ws, cn
+
+
+_WORKSPACE = _Workspace()
+_ALL_PRESENT: dict[tuple, torch.Tensor] = {}
+
+
+def default_config(stack: StackedDeltas, plan: RowPlan, device: torch.device) -> CudaConfig:
+    """Untuned launch options: 2 blocks per CTA, 4 stages, K split until the grid fills the SMs twice
+    (at least 4 K tiles per split), two K tiles per stage at 2 and 4 bits."""
+    rb = 2 if padded_rows(stack.out_features) >= 128 else 1
+    ctas = -(-padded_rows(stack.out_features) // (64 * rb)) * max(plan.num_tiles, 1)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    k_tiles, split = stack.in_features // 128, 1
+    kt = 2 if kt_ok(stack, 2) else 1
+    while ctas * split < 2 * sms and k_tiles // (split * 2) >= 4:
+        split *= 2
+    stages = 4 if fits(stack, CudaConfig(rb, 4, 1, kt), device.index or 0) else 3
+    return CudaConfig(rb=rb, stages=stages, split=split, kt=kt)
+
+
+def sbmm_cuda(x: torch.Tensor, stack: StackedDeltas, plan: RowPlan, *, out: torch.Tensor | None = None,
+              present: torch.Tensor | None = None, config: CudaConfig | None = None) -> torch.Tensor:
+    """``y[r] (+)= x[r] @ W[slot(r)]^T`` over the rows of a host-built plan, one launch.
+
+    Args:
+        x: ``[N, in]`` fp16 or bf16 on the stack's device (unit column stride).
+        stack: ``D`` deltas in the ``mma`` layout.
+        plan: ``deltazip.kernels.host_plan.plan_rows`` of the rows' slots (its ``packed`` tensor).
+        out: ``[N, out]`` in ``x.dtype``, unit column stride: the product is added onto it (rows without
+            a slot untouched); when None a zero-filled one is returned.
+        present: bool/uint8 ``[D + 1]`` indexed by ``slot + 1``: tiles of slots this stack does not hold
+            are skipped (they would add zeros). None: every slot.
+        config: launch options (default: :func:`default_config`).
+    Returns:
+        ``[N, out]`` in ``x.dtype`` (``out`` itself when given).
+    """
+    if plan.packed is None:
+        raise ValueError("sbmm_cuda needs a host-built plan (deltazip.kernels.host_plan.plan_rows)")
+    if not supported(stack, x.dtype):
+        raise ValueError(f"no CUDA SBMM variant for {x.dtype} and this stack (layout {stack.layout}, "
+                         f"bits {stack.bits}, group {stack.effective_group})")
+    n, out_f, in_f = x.shape[0], stack.out_features, stack.in_features
+    if x.dim() != 2 or x.shape[1] != in_f or plan.num_rows != n:
+        raise ValueError(f"x must be [{plan.num_rows}, {in_f}], got {tuple(x.shape)}")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous()  # 16-byte copies of each row
+    y = out if out is not None else torch.zeros(n, out_f, dtype=x.dtype, device=x.device)
+    if out is not None and (out.shape != (n, out_f) or out.dtype != x.dtype or (out_f > 1 and out.stride(1) != 1)):
+        raise ValueError(f"out must be [{n}, {out_f}] {x.dtype} with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    if plan.num_tiles == 0:
+        return y
+    cfg = config or default_config(stack, plan, x.device)
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    from deltazip.kernels.cuda_rtc import load
+
+    kernel = load(source(), macros(stack, x.dtype, cfg), "dz_sbmm", dev)
+    smem = cfg.stages * stage_bytes(stack, cfg.rb, cfg.kt)
+    kernel.allow_smem(smem)
+    k_tiles = in_f // 128
+    if k_tiles % cfg.kt:
+        raise ValueError(f"kt={cfg.kt} does not divide the {k_tiles} K tiles of in_features {in_f}")
+    per_split = -(-k_tiles // (cfg.split * cfg.kt)) * cfg.kt  # whole stages per split
+    split = -(-k_tiles // per_split)  # no empty split: every CTA of a tile reaches its counter
+    if split > 1 and split * n * out_f > MAX_WORKSPACE:  # a prefill-sized call has CTAs enough without
+        per_split, split = k_tiles, 1
+    grid_x = -(-padded_rows(out_f) // (64 * cfg.rb))
+    ws, counters = _WORKSPACE.get(x.device, split * n * out_f if split > 1 else 0, plan.num_tiles * grid_x)
+    if present is None:
+        present = _ALL_PRESENT.get((x.device, stack.num_deltas))
+        if present is None:
+            present = _ALL_PRESENT[(x.device, stack.num_deltas)] = torch.ones(
+                stack.num_deltas + 1, dtype=torch.uint8, device=x.device)
+    _, group_shift = group_params(stack)
+    zr = stack.zeros if stack.asymmetric else stack.scales
+    c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+    args = [ptr(x.data_ptr()), c_int(x.stride(0)), ptr(y.data_ptr()), c_int(y.stride(0)), ptr(plan.packed.data_ptr()),
+            c_int(n), c_int(plan.num_tiles), ptr(present.data_ptr()), ptr(stack.qweight.data_ptr()),
+            c_ll(stack.qweight[0].numel()), ptr(stack.scales.data_ptr()), ptr(zr.data_ptr()),
+            c_ll(stack.scales[0].numel()), c_int(out_f), c_int(padded_rows(out_f)), c_int(k_tiles),
+            c_int(group_shift), c_int(per_split), c_int(int(out is not None)), ptr(ws.data_ptr()),
+            ptr(counters.data_ptr())]
+    kernel((grid_x, plan.num_tiles, split), 128 * cfg.rb, smem, torch.cuda.current_stream(x.device).cuda_stream, args)
+    return y
+
+
+def dequantize_slot(stack: StackedDeltas, slot: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense ``[out, in]`` delta of one slot in ``dtype`` (one launch): ``scale * (code - zero)``."""
+    out_f, in_f = stack.out_features, stack.in_features
+    w = out if out is not None else torch.empty(out_f, in_f, dtype=dtype, device=stack.device)
+    dev = stack.device.index if stack.device.index is not None else torch.cuda.current_device()
+    from deltazip.kernels.cuda_rtc import load
+
+    kernel = load(source(), macros(stack, dtype, CudaConfig(rb=1, stages=2, kt=1)), "dz_dequant", dev)
+    zr = stack.zeros if stack.asymmetric else stack.scales
+    c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+    args = [ptr(stack.qweight.data_ptr()), ptr(stack.scales.data_ptr()), ptr(zr.data_ptr()), c_int(slot),
+            c_ll(stack.qweight[0].numel()), c_ll(stack.scales[0].numel()), c_int(out_f),
+            c_int(padded_rows(out_f)), c_int(in_f // 128), c_int(stack.effective_group), ptr(w.data_ptr()),
+            c_int(w.stride(0))]
+    kernel((padded_rows(out_f) // 64, in_f // 128, 1), 128, 0, torch.cuda.current_stream(stack.device).cuda_stream,
+           args)
+    return w
+
+
+def dequant_mm(x: torch.Tensor, stack: StackedDeltas, plan: RowPlan, *, out: torch.Tensor | None = None,
+               slots: set[int] | None = None) -> torch.Tensor:
+    """The prefill path: per used slot, dequantize once (:func:`dequantize_slot`) and multiply with
+    cuBLAS; ``y[rows] (+)= x[rows] @ W^T``. Arguments as :func:`sbmm_cuda`, with a host plan
+    (``plan.slot_rows``); ``slots``: the slots this stack holds (others are skipped), None for all."""
+    n, out_f = x.shape[0], stack.out_features
+    y = out if out is not None else torch.zeros(n, out_f, dtype=x.dtype, device=x.device)
+    scratch = _scratch(x.device, out_f * stack.in_features, x.dtype).view(out_f, stack.in_features)
+    for slot, rows in plan.slot_rows.items():
+        if slots is not None and slot not in slots:
+            continue
+        w = dequantize_slot(stack, slot, x.dtype, out=scratch)
+        if rows.shape[0] == rows[-1] - rows[0] + 1 and (rows[1:] > rows[:-1]).all():  # one contiguous run
+            r0, r1 = int(rows[0]), int(rows[-1]) + 1
+            y[r0:r1].addmm_(x[r0:r1], w.T)
+        else:
+            idx = torch.from_numpy(rows).to(x.device, non_blocking=True)
+            y.index_add_(0, idx, x.index_select(0, idx) @ w.T)
+    return y
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    key = (device, dtype)
+    t = _SCRATCH.get(key)
+    if t is None or t.numel() < numel:
+        t = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+    return t[:numel]
+
+
+def waves(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig, sms: int, ctas_per_sm: int) -> float:
+    """Grid size over what the device runs at once (a wave count; fractional tails waste SMs)."""
+    k_tiles = stack.in_features // 128
+    split = math.ceil(k_tiles / (math.ceil(k_tiles / (cfg.split * cfg.kt)) * cfg.kt))
+    ctas = -(-padded_rows(stack.out_features) // (64 * cfg.rb)) * num_tiles * split
+    return ctas / (sms * ctas_per_sm)

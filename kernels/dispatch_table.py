@@ -1,0 +1,281 @@
+"""Dispatch by measurement: which delta-matmul path serves a call, per GPU, shape, bits, dtype and batch.
+
+For a stack in the ``mma`` layout on a GPU with the CUDA kernel, the candidates are the CUDA SBMM kernel
+under each of its launch configurations (``deltazip.kernels.cuda_sbmm.CudaConfig``) and the prefill
+path that dequantizes each used slot once and calls cuBLAS (``dequant_mm``). :func:`tune` times every
+candidate on the device for one key and keeps the fastest; a candidate that does not fit (shared
+memory, ``OutOfResources``) or fails to compile is skipped and recorded, never raised.
+
+Key: the stack's configuration (bits, group, 2:4, zero points, ``in x out``), the activation dtype, the
+batch's row count and the number of slots it uses, each rounded up to a power of two. Results live
+in one JSON file per GPU model and torch / Triton / NVRTC versions (``$DELTAZIP_AUTOTUNE_DIR``, default
+``~/.cache/deltazip/autotune``), written atomically. :func:`lookup` is a dict access on the host;
+tuning runs when a server starts (before ``/health`` reports ready, ``deltazip.kernels.warmup``),
+never on the request path: an untuned key gets :func:`default_choice`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from deltazip.kernels import cuda_sbmm
+from deltazip.kernels.autotune import cache_dir, cuda_timer, enabled, rows_bucket
+from deltazip.kernels.stacked import StackedDeltas
+
+FORMAT_VERSION = 1
+PATHS = ("cuda", "dequant_mm")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The path a key runs: ``cuda`` with its launch config, or ``dequant_mm``; ``us``: measured time."""
+
+    path: str
+    config: cuda_sbmm.CudaConfig | None = None
+    us: float | None = None
+
+    def to_json(self) -> dict:
+        d = {"path": self.path, "us": self.us}
+        if self.config is not None:
+            d.update(asdict(self.config))
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> Choice:
+        if not isinstance(d, dict) or d.get("path") not in PATHS:
+            raise ValueError(f"not a dispatch choice: {d!r}")
+        cfg = None
+        if d["path"] == "cuda":
+            cfg = cuda_sbmm.CudaConfig(**{k: int(d[k]) for k in ("rb", "stages", "split", "kt")})
+        us = d.get("us")
+        return cls(d["path"], cfg, float(us) if us is not None else None)
+
+
+def deltas_bucket(deltas: int) -> int:
+    return rows_bucket(max(1, deltas))
+
+
+def key(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int) -> str:
+    return (f"{stack.layout}/b{stack.bits}/g{stack.effective_group}/{'24' if stack.sparse else 'dense'}/"
+            f"{'asym' if stack.asymmetric else 'sym'}/{stack.in_features}x{stack.out_features}/"
+            f"{str(dtype).removeprefix('torch.')}/r{rows_bucket(rows)}/d{deltas_bucket(min(deltas, rows))}")
+
+
+def device_tag(device: torch.device) -> str:
+    """``<gpu>-torch-<v>-triton-<v>-nvrtc-<v>``, reduced to file-safe characters."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    try:
+        import triton
+
+        tv = triton.__version__
+    except Exception:  # noqa: BLE001 - no Triton: the tag only names a file
+        tv = "none"
+    try:
+        from deltazip.kernels.cuda_rtc import nvrtc_version
+
+        nv = "{}.{}".format(*nvrtc_version())
+    except Exception:  # noqa: BLE001
+        nv = "none"
+    tag = f"dispatch-{name}-torch-{torch.__version__}-triton-{tv}-nvrtc-{nv}"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", tag).strip("-")
+
+
+class Table:
+    """The measured choices of one GPU model and software stack (one JSON file)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.entries: dict[str, Choice] = {}
+        self.skipped: dict[str, list[str]] = {}
+
+    def load(self) -> Table:
+        try:
+            raw = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return self
+        except (OSError, ValueError) as e:
+            warnings.warn(f"dispatch table {self.path} is unreadable ({e}); it will be rewritten", stacklevel=2)
+            return self
+        if not isinstance(raw, dict) or raw.get("version") != FORMAT_VERSION:
+            warnings.warn(f"dispatch table {self.path} is not a version-{FORMAT_VERSION} table; ignoring it",
+                          stacklevel=2)
+            return self
+        for k, v in (raw.get("entries") or {}).items():
+            try:
+                self.entries[k] = Choice.from_json(v)
+            except (ValueError, TypeError, KeyError):
+                continue  # a malformed entry is retuned, not fatal
+        self.skipped = {k: list(v) for k, v in (raw.get("skipped") or {}).items() if isinstance(v, list)}
+        return self
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        doc = {"version": FORMAT_VERSION, "entries": {k: c.to_json() for k, c in sorted(self.entries.items())},
+               "skipped": dict(sorted(self.skipped.items()))}
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, self.path)
+
+
+_TABLES: dict[tuple[str, str], Table] = {}
+
+
+def table_for(device: torch.device) -> Table:
+    memo = (str(device), str(cache_dir()))
+    t = _TABLES.get(memo)
+    if t is None:
+        t = _TABLES[memo] = Table(cache_dir() / f"{device_tag(device)}.json").load()
+    return t
+
+
+def forget_loaded() -> None:
+    _TABLES.clear()
+
+
+def lookup(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int) -> Choice | None:
+    if not enabled():
+        return None
+    return table_for(stack.device).entries.get(key(stack, dtype, rows, deltas))
+
+
+def default_choice(stack: StackedDeltas, rows: int, deltas: int) -> Choice:
+    """Untuned: the CUDA kernel while weights are read a few times at most, the cuBLAS path beyond."""
+    if rows // max(1, min(deltas, rows)) >= 128:
+        return Choice("dequant_mm")
+    return Choice("cuda")
+
+
+def candidates(stack: StackedDeltas, rows: int, deltas: int) -> list[Choice]:
+    """Every CUDA launch config worth timing for this key, and ``dequant_mm`` for batches of at least
+    16 rows per slot."""
+    k_tiles = stack.in_features // 128
+    out = []
+    for kt in (1, 2):
+        if not cuda_sbmm.kt_ok(stack, kt):
+            continue
+        for rb in (1, 2):
+            for split in (1, 2, 4, 8):
+                if k_tiles // (split * kt) < 2:
+                    continue
+                out.append(Choice("cuda", cuda_sbmm.CudaConfig(rb=rb, stages=4, split=split, kt=kt)))
+    if rows // max(1, min(deltas, rows)) >= 16:
+        out.append(Choice("dequant_mm"))
+    return out
+
+
+def _probe(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int):
+    """Random activations of ``rows`` rows spread over ``deltas`` slots, and their host plan."""
+    from deltazip.kernels.host_plan import plan_rows
+
+    n, d = rows_bucket(rows), min(deltas_bucket(deltas), stack.num_deltas, rows_bucket(rows))
+    x = torch.randn(n, stack.in_features, device=stack.device).to(dtype)
+    plan = plan_rows([i % d for i in range(n)], stack.num_deltas, stack.device)
+    return x, plan
+
+
+def run_choice(choice: Choice, x: torch.Tensor, stack: StackedDeltas, plan, out: torch.Tensor | None = None,
+               present: torch.Tensor | None = None) -> torch.Tensor:
+    if choice.path == "dequant_mm":
+        return cuda_sbmm.dequant_mm(x, stack, plan, out=out)
+    return cuda_sbmm.sbmm_cuda(x, stack, plan, out=out, present=present, config=choice.config)
+
+
+def graph_timer(fn: Callable[[], object], launches: int = 8, replays: int = 5) -> float:
+    """Median milliseconds per launch of ``fn`` replayed in a CUDA graph of ``launches`` calls: what a
+    decode step pays, without the host's launch overhead (the first H200 run's tuner, timing single
+    launches with events, measured mostly that overhead)."""
+    fn()  # compile and allocate outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(launches):
+            fn()
+    g.replay()
+    times = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / launches)
+    return sorted(times)[len(times) // 2]
+
+
+def _default_timer(choice: Choice) -> Callable[[Callable[[], object]], float]:
+    # dequant_mm gathers rows with a host-to-device copy, which a graph cannot capture
+    return graph_timer if choice.path == "cuda" else (lambda fn: cuda_timer(fn, repeats=7))
+
+
+def tune(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int, *, table: Table | None = None,
+         timer: Callable[[Callable[[], object]], float] | None = None, cands: list[Choice] | None = None,
+         save: bool = True) -> Choice:
+    """Time every candidate of a key (skipping and recording the ones that fail); cache the fastest.
+
+    ``timer`` (default: :func:`graph_timer` for the kernel, CUDA events for ``dequant_mm``) takes a
+    zero-argument launch and returns milliseconds; tests inject one.
+    """
+    table = table_for(stack.device) if table is None else table
+    k = key(stack, dtype, rows, deltas)
+    have = table.entries.get(k)
+    if have is not None:
+        return have
+    x, plan = _probe(stack, dtype, rows, deltas)
+    y = torch.zeros(x.shape[0], stack.out_features, dtype=dtype, device=stack.device)
+    best, skipped = None, []
+    for c in candidates(stack, rows, deltas) if cands is None else cands:
+        if c.config is not None and not cuda_sbmm.fits(stack, c.config, stack.device.index or 0):
+            skipped.append(f"{c.to_json()}: shared memory does not fit")
+            continue
+        try:
+            t = (timer or _default_timer(c))(lambda c=c: run_choice(c, x, stack, plan, out=y))
+        except Exception as e:  # noqa: BLE001 - OutOfResources, a compile error: skip this candidate
+            skipped.append(f"{c.to_json()}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            continue
+        if best is None or t < best.us / 1e3:
+            best = Choice(c.path, c.config, round(t * 1e3, 2))
+    if skipped:
+        table.skipped[k] = skipped
+    if best is None:
+        best = default_choice(stack, rows, deltas)
+        warnings.warn(f"no dispatch candidate ran for {k}; using the default ({skipped[:2]})", stacklevel=2)
+    table.entries[k] = best
+    if save:
+        table.save()
+    return best
+
+
+DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PREFILL_ROWS = (512, 2048)
+
+
+def buckets(num_slots: int, rows: tuple[int, ...] = DECODE_ROWS + PREFILL_ROWS) -> list[tuple[int, int]]:
+    """(rows, deltas) pairs tuned at start: every decode row bucket with every slot bucket it can hold,
+    prefill chunks with one or two variants."""
+    out = []
+    for r in rows:
+        ds = [1, 2] if r in PREFILL_ROWS else [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= min(r, num_slots)]
+        out += [(r, d) for d in ds]
+    return out
+
+
+def tune_stack(stack: StackedDeltas, dtype: torch.dtype, pairs: list[tuple[int, int]] | None = None) -> int:
+    """Tune every (rows, deltas) pair of a stack; returns how many keys were timed now (not cached)."""
+    table = table_for(stack.device)
+    pairs = buckets(stack.num_deltas) if pairs is None else pairs
+    timed = 0
+    for rows, deltas in pairs:
+        if key(stack, dtype, rows, deltas) not in table.entries:
+            tune(stack, dtype, rows, deltas, table=table, save=False)
+            timed += 1
+    if timed:
+        table.save()
+    return timed

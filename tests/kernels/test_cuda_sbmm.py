@@ -1,0 +1,180 @@
+"""The CUDA SBMM kernel (kernels/cuda/sbmm.cu): host plans and offline compiles on any machine, parity
+against the reference on a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _sbmm import make_delta, random_index
+
+from deltazip.kernels import cuda_sbmm, reference
+from deltazip.kernels.host_plan import plan_rows
+from deltazip.kernels.stacked import repack
+from deltazip.kernels.triton_sbmm import group_rows
+
+
+def _nvrtc_or_skip():
+    from deltazip.kernels import cuda_rtc
+
+    try:
+        cuda_rtc.nvrtc()
+    except cuda_rtc.CudaCompileError as e:
+        pytest.skip(str(e))
+    return cuda_rtc
+
+
+# ---------------------------------------------------------------------------------------------- plans
+
+
+@pytest.mark.parametrize("slots", [[0, 0, 1, -1, 1, 2, 0], [-1, -1], [3] * 40 + [0] * 3 + [-1], []])
+def test_host_plan_groups_rows_like_the_device_plan(slots):
+    host = plan_rows(slots, 4, "cpu")
+    dev = group_rows(torch.tensor(slots, dtype=torch.int64), 4, 16)
+    assert torch.equal(host.perm, dev.perm)
+    used = dev.tile_slot >= 0
+    assert torch.equal(host.tile_slot, dev.tile_slot[used])
+    assert torch.equal(host.tile_start, dev.tile_start[used])
+    assert torch.equal(host.tile_end, dev.tile_end[used])
+    assert torch.equal(host.packed, torch.cat([host.perm, host.tile_slot, host.tile_start, host.tile_end]))
+    for s, rows in host.slot_rows.items():
+        assert rows.tolist() == [i for i, v in enumerate(slots) if v == s]
+
+
+def test_host_plan_refuses_slots_out_of_range():
+    with pytest.raises(ValueError, match=r"\[-1, 2\)"):
+        plan_rows([0, 2], 2, "cpu")
+
+
+# ------------------------------------------------------------------------------------ offline compiles
+
+VARIANTS = [(bits, dt, asym, group, rb, kt)
+            for bits in (2, 4, 8) for dt in (torch.float16, torch.bfloat16) for asym in (False, True)
+            for group, rb, kt in ((128, 2, 1), (64, 1, 1), (-1, 2, 1), (128, 2, 2), (-1, 1, 2)) if kt == 1 or bits <= 4]
+
+
+def _stack(bits, group, asym, sparse=True, out_f=128, in_f=256, n=2, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    deltas = [make_delta(out_f, in_f, bits, group, sparse, asym, gen) for _ in range(n)]
+    return deltas, repack(deltas, device=device, layout="mma")
+
+
+@pytest.mark.parametrize("bits,dtype,asym,group,rb,kt", VARIANTS)
+def test_every_variant_compiles_offline_to_a_streaming_loop(bits, dtype, asym, group, rb, kt):
+    """NVRTC for sm_90 without a GPU; the SASS main loop is what the design needs on any compiler
+    version: 16-byte global->shared copies only, no shared-memory store, one barrier per K tile, the
+    two n8 MMAs of each of the 8 k16 steps, no local memory."""
+    rtc = _nvrtc_or_skip()
+    from deltazip.kernels import sass
+
+    if sass.tools_available():
+        pytest.skip(sass.tools_available())
+    _, stack = _stack(bits, group if group != -1 else -1, asym, in_f=512)
+    cfg = cuda_sbmm.CudaConfig(rb=rb, stages=4, kt=kt)
+    cubin = rtc.compile_cubin(cuda_sbmm.source(), cuda_sbmm.macros(stack, dtype, cfg), 90)
+    info = sass.analyze(cubin, function="dz_sbmm")
+    full = info["loop_full_opcodes"]
+    copies = {op: n for op, n in full.items() if op.startswith("LDGSTS")}
+    assert copies and all(op.endswith(".128") for op in copies), copies
+    assert info["loop_smem_stores"] == 0, full
+    assert sum(n for op, n in full.items() if op.startswith("BAR.SYNC")) == 1, full
+    assert info["loop_mma"] == 16 * kt, full
+    assert not any(op.startswith(("LDL", "STL")) for op in info["all_opcodes"]), "local memory (spills)"
+    assert info["registers"] <= 128  # 2 CTAs of 8 warps (or 4 of 4) fit an SM's register file
+
+
+def test_group_params_cover_the_mma_layouts_group_sizes():
+    _, s128 = _stack(4, 128, False)
+    _, s64 = _stack(4, 64, False)
+    _, srow = _stack(4, -1, False)
+    assert cuda_sbmm.group_params(s128) == (8, 0)
+    assert cuda_sbmm.group_params(s64) == (4, 0)
+    assert cuda_sbmm.group_params(srow) == (8, 30)
+    _, s256 = _stack(4, 256, False, in_f=1024)
+    assert cuda_sbmm.group_params(s256) == (8, 1)
+    _, s384 = _stack(4, 384, False, in_f=768)
+    assert cuda_sbmm.group_params(s384) is None and not cuda_sbmm.supported(s384, torch.float16)
+
+
+# ----------------------------------------------------------------------------------------- on a GPU
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _check(y, ref, dtype):
+    rel = ((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+    assert rel < (2e-3 if dtype == torch.float16 else 1e-2), rel
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("asym,group", [(False, 128), (True, 64), (False, -1), (True, 256)])
+def test_cuda_sbmm_matches_the_reference(bits, dtype, asym, group):
+    gen = torch.Generator().manual_seed(bits * 7 + int(asym))
+    out_f, in_f, n_slots = 192, 512, 5  # 3 row blocks: an odd count leaves half of the last CTA idle
+    deltas = [make_delta(out_f, in_f, bits, group, True, asym, gen) for _ in range(n_slots)]
+    stack = repack(deltas, device="cuda", layout="mma")
+    for rows in ([2, 0, 4, -1, 2, 2, 1], [3] * 21 + [0] * 9 + [-1] * 2, [1]):
+        index = torch.tensor(rows)
+        x = torch.randn(len(rows), in_f, generator=gen).to(dtype).cuda()
+        ref = reference.sbmm(x, index.cuda(), deltas)
+        plan = plan_rows(rows, n_slots, "cuda")
+        cfgs = [cuda_sbmm.CudaConfig(2, 4, 1), cuda_sbmm.CudaConfig(1, 3, 2), cuda_sbmm.CudaConfig(2, 2, 4),
+                cuda_sbmm.CudaConfig(2, 4, 2, kt=2), cuda_sbmm.CudaConfig(1, 4, 1, kt=2)]
+        for cfg in [c for c in cfgs if cuda_sbmm.kt_ok(stack, c.kt)]:
+            y = cuda_sbmm.sbmm_cuda(x, stack, plan, config=cfg)
+            _check(y, ref, dtype)
+            assert torch.equal(y[index.cuda() < 0], torch.zeros_like(y[index.cuda() < 0]))
+            base = (0.01 * torch.randn(len(rows), out_f, generator=gen)).to(dtype).cuda()
+            y2 = cuda_sbmm.sbmm_cuda(x, stack, plan, out=base.clone(), config=cfg)
+            _check(y2 - base, ref, dtype)
+
+
+@pytest.mark.gpu
+@cuda
+def test_split_k_resets_its_counters_is_deterministic_and_replays_in_a_graph():
+    gen = torch.Generator().manual_seed(3)
+    deltas = [make_delta(256, 1024, 4, 128, True, False, gen) for _ in range(3)]
+    stack = repack(deltas, device="cuda", layout="mma")
+    rows = [0, 1, 2, 2, 1, -1]
+    x = torch.randn(len(rows), 1024, generator=gen).half().cuda()
+    plan = plan_rows(rows, 3, "cuda")
+    ref = reference.sbmm(x, torch.tensor(rows).cuda(), deltas)
+    cfg = cuda_sbmm.CudaConfig(2, 4, 4)
+    y = torch.zeros(len(rows), 256, dtype=torch.float16, device="cuda")
+    cuda_sbmm.sbmm_cuda(x, stack, plan, out=y, config=cfg)  # compile and warm up outside the capture
+    counters = cuda_sbmm._WORKSPACE.counters[0]
+    torch.cuda.synchronize()
+    assert int(counters.count_nonzero()) == 0
+    first = y.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y.zero_()
+        cuda_sbmm.sbmm_cuda(x, stack, plan, out=y, config=cfg)
+    for _ in range(3):
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        _check(y, ref, torch.float16)
+        assert torch.equal(y, first)  # splits summed in a fixed order: identical on every run
+    assert int(counters.count_nonzero()) == 0
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequant_mm_matches_the_reference(dtype):
+    gen = torch.Generator().manual_seed(5)
+    deltas = [make_delta(128, 256, 4, 64, True, True, gen) for _ in range(3)]
+    stack = repack(deltas, device="cuda", layout="mma")
+    for s in range(3):
+        w = cuda_sbmm.dequantize_slot(stack, s, dtype)
+        _check(w, reference.delta_weight(deltas[s]).to(dtype).cuda(), dtype)
+    rows = random_index(300, 3, gen).tolist()
+    x = torch.randn(300, 256, generator=gen).to(dtype).cuda()
+    plan = plan_rows(rows, 3, "cuda")
+    y = cuda_sbmm.dequant_mm(x, stack, plan)
+    _check(y, reference.sbmm(x, torch.tensor(rows).cuda(), deltas), dtype)
+    assert np.array_equal(sorted(plan.slot_rows), sorted({r for r in rows if r >= 0}))
