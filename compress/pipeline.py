@@ -44,6 +44,7 @@ from deltazip.formats.artifact import Artifact, ArtifactWriter
 from deltazip.formats.errors import DeltazipWarning, InputError
 from deltazip.formats.exact import bitwise_equal
 from deltazip.formats.gdeflate import DEFAULT_LEVEL
+from deltazip.formats.outputs import check_output
 
 Progress = Callable[[str, int, int], None]
 
@@ -376,8 +377,11 @@ def compress_delta(
     t0 = time.time()
     if calib and cfg.method != "rtn":
         check_calibration_source(calib)  # a typo fails now, before any model is read
+    inputs = [("--base", base_spec), ("--finetuned", ft_spec), ("--calib", calib)]
+    check_output(out_dir, "--out", inputs, overwrite)  # before a model is read (local paths; hub ids next)
     torch.manual_seed(cfg.seed)
     base, ft = Checkpoint(base_spec, "base"), Checkpoint(ft_spec, "fine-tuned")
+    check_output(out_dir, "--out", [("--base", base.path), ("--finetuned", ft.path)], overwrite)
     check_pair(base, ft)
     base_fp, ft_fp = base.fingerprint(), ft.fingerprint()
     if base_fp == ft_fp:

@@ -26,7 +26,8 @@ err_console = Console(stderr=True)
 out_console = Console()
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout; no progress bars.")]
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the output directory if it exists.")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the output if it exists (never one of the "
+                                             "command's inputs).")]
 ArtifactArg = Annotated[Path, typer.Argument(help="A deltazip artifact directory.", show_default=False)]
 
 
