@@ -251,8 +251,9 @@ class ArtifactWriter:
             self.side_files[arcname] = side_file_record(data, "base")
             return
         dst = self.tmp / SIDE_DIR / arcname
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_bytes(data)
+        with self._no_space(len(data)):
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(data)
         self.side_files[arcname] = side_file_record(data, "artifact")
 
     def add_file_reference(self, arcname: str, info: dict[str, Any]) -> None:
