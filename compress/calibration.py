@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from deltazip.compress.hub import hub_offline, offline_miss, require_hub
-from deltazip.formats.errors import InputError
+from deltazip.formats.errors import DeltazipWarning, InputError
 
 _LOADERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
 # A missing source with one of these extensions is a mistyped file, never a hub dataset id.
@@ -188,15 +189,50 @@ def _sha256(p: Path) -> str:
     return "sha256:" + hashlib.sha256(p.read_bytes()).hexdigest()
 
 
-def load_calibration(source: str, tokenizer, nsamples: int, seqlen: int, seed: int) -> CalibrationSet:
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len")
+
+
+def model_context(config: dict) -> int | None:
+    """The longest sequence a model's ``config.json`` allows (None when it does not say)."""
+    for cfg in (config, config.get("text_config") or {}):
+        for key in CONTEXT_KEYS:
+            v = cfg.get(key)
+            if isinstance(v, int) and v > 0:
+                return v
+    return None
+
+
+def window_plan(nsamples: int, seqlen: int, context: int | None, stream: int) -> tuple[int, int, str | None]:
+    """``(windows, tokens per window, why capped or None)``: a window never exceeds the model's
+    context nor the data, and there are no more windows than the data holds side by side (beyond
+    that they would only repeat the same tokens, at the cost of more forwards)."""
+    n, L, why = nsamples, seqlen, []
+    if context is not None and L > context:
+        L = context
+        why.append(f"the model's context is {context} tokens")
+    if L > stream:
+        L = stream
+    if n * L > stream:
+        n = max(1, stream // L)
+    if (n, L) != (nsamples, seqlen):
+        why.append(f"the data holds {stream} tokens")
+        return n, L, (f"calibrating on {n} windows of {L} tokens instead of --nsamples {nsamples} x --seqlen "
+                      f"{seqlen}: {' and '.join(why)}")
+    return n, L, None
+
+
+def load_calibration(source: str, tokenizer, nsamples: int, seqlen: int, seed: int,
+                     context: int | None = None) -> CalibrationSet:
     """Tokenize a calibration source and draw windows.
 
     Args:
         source: local file path or hub dataset id.
         tokenizer: a transformers tokenizer.
-        nsamples: windows to draw.
-        seqlen: tokens per window; truncated to the stream length when the data is shorter.
+        nsamples: windows to draw (at most as many as the data holds side by side: ``window_plan``).
+        seqlen: tokens per window; capped at ``context`` and at the stream length (one warning line
+            says so).
         seed: seed of the window sampler.
+        context: the model's context (``model_context``), None when unknown.
     """
     ds, digest = _load_records(source)
     eos = tokenizer.eos_token_id
@@ -216,7 +252,9 @@ def load_calibration(source: str, tokenizer, nsamples: int, seqlen: int, seed: i
     if len(stream) < MIN_TOKENS:
         raise InputError(f"calibration data {source} is too short: {len(stream)} tokens, need at least "
                          f"{MIN_TOKENS}; add more text")
-    seqlen = min(seqlen, len(stream))
+    nsamples, seqlen, why = window_plan(nsamples, seqlen, context, len(stream))
+    if why:
+        warnings.warn(why, DeltazipWarning, stacklevel=2)
     data = torch.tensor(stream, dtype=torch.long)
     g = torch.Generator().manual_seed(seed)
     n_windows = len(stream) // seqlen

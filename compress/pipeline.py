@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from deltazip.compress.calibration import check_calibration_source, load_calibration
+from deltazip.compress.calibration import check_calibration_source, load_calibration, model_context
 from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.experts import Hessians, collect_hessians, solve_target
@@ -399,7 +399,7 @@ def compress_delta(
                 tok = AutoTokenizer.from_pretrained(ft.path)
             except Exception as e:
                 raise InputError(f"fine-tuned {ft.path}: no usable tokenizer for the calibration data ({e})") from e
-            cal = load_calibration(calib, tok, cfg.nsamples, cfg.seqlen, cfg.seed)
+            cal = load_calibration(calib, tok, cfg.nsamples, cfg.seqlen, cfg.seed, model_context(ft.config_dict()))
             calib_summary = cal.summary
         run.outside_layers()
         batches = run.first_inputs(cal.input_ids) if cfg.method != "rtn" else []

@@ -70,6 +70,9 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Before torch loads, for every command: OpenMP threads that spin while waiting made the demo ten
+    # times slower on busy cores, and compress on the demo pair a hundred times slower than the demo.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # transformers reads these variables when it is first imported; importing it here just to switch
     # its bars off would cost every command (``--version`` included) a second.
     if "transformers" in sys.modules:

@@ -9,7 +9,15 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from deltazip.deltacli.common import JsonOpt, human_bytes, out_console, print_json, progress_bar
+from deltazip.deltacli.common import (
+    JsonOpt,
+    activate_hint,
+    cli_name,
+    human_bytes,
+    out_console,
+    print_json,
+    progress_bar,
+)
 
 
 def demo(
@@ -43,8 +51,14 @@ def demo(
     out_console.print(t)
     out_console.print("answer loss: cross-entropy (nats/token) of the held-out answers given their prompts; "
                       "the closer to the fine-tune's, the more of the fine-tune a variant kept")
-    out_console.print(f"models and artifacts in {result['workdir']} (total {result['seconds']:.0f} s); try "
-                      f"`deltazip inspect {result['rows'][2]['artifact']}`")
+    out_console.print(closing_hint(result), markup=False, highlight=False)
+
+
+def closing_hint(result: dict) -> str:
+    """Where the demo's files are and a command to try next, runnable as printed (``deltazip`` is not
+    on PATH after ``make demo``: the full path of the script then)."""
+    return (f"models and artifacts in {result['workdir']} (total {result['seconds']:.0f} s); try "
+            f"`{cli_name()} inspect {result['rows'][2]['artifact']}`{activate_hint()}")
 
 
 def _new_workdir() -> Path:
