@@ -6,17 +6,24 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 # Extra Triton versions the offline kernel checks compile with (tests/kernels/test_sass.py).
 TRITON_OFFLINE ?= 3.6.0
+# Every other package is installed at the version pinned in the lock file, so that a new upstream
+# release cannot break `make test` overnight (pyproject.toml keeps ranges for users). `make lock`
+# rewrites it from $(VENV); `make test-latest` tests the newest releases the ranges allow, on purpose;
+# `CONSTRAINTS=` installs without it (e.g. next to a CUDA torch that needs another triton).
+CONSTRAINTS ?= constraints.txt
+PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
+EXTRAS := dev,kernels,serve,eval,cluster
 
-.PHONY: install demo test lint
+.PHONY: install demo test lint lock test-latest
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(wildcard $(CONSTRAINTS))
 	@echo "make: creating $(VENV) and installing deltazip with its dependencies (a few minutes; pip is quiet)"
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null || echo "make: installing $(TORCH) (the largest download)"
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	@echo "make: installing deltazip (editable) with the dev, kernels, serve, eval and cluster extras"
-	$(PY) -m pip install -q -e ".[dev,kernels,serve,eval,cluster]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)" $(PIN)
+	@echo "make: installing deltazip (editable) with the $(EXTRAS) extras$(if $(CONSTRAINTS), at the versions in $(CONSTRAINTS))"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]" $(PIN)
 	@echo "make: installing Triton $(TRITON_OFFLINE) beside it (offline SASS screens of the version torch 2.11 pins)"
 	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-$(TRITON_OFFLINE) triton==$(TRITON_OFFLINE)
 	touch $@
@@ -32,3 +39,21 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+
+# The lock file: every package of $(VENV) but deltazip itself and torch (installed above, per machine).
+lock:
+	@{ echo "# Lock file of make install/test/demo: pip freeze of a working venv (Python $$($(PY) -c 'import sys; print(*sys.version_info[:2], sep=".")')),"; \
+	   echo "# without deltazip and torch. Regenerate with \`make lock\`; pyproject.toml keeps ranges."; \
+	   $(PY) -m pip freeze --exclude-editable | grep -v -i -E '^(torch|deltazip)(==| @)'; } > constraints.txt
+	@echo "make: wrote constraints.txt ($$(grep -c '==' constraints.txt) pins)"
+
+# The newest releases the ranges in pyproject.toml allow, in their own venv; lists what differs from
+# the lock file first, so a failure points at the upgrade that caused it.
+test-latest:
+	$(MAKE) install VENV=.venv-latest CONSTRAINTS=
+	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[$(EXTRAS)]"
+	@echo "make: versions that differ from constraints.txt (lock -> latest):"
+	@.venv-latest/bin/python -m pip freeze --exclude-editable | grep -v -i -E '^(torch|deltazip)(==| @)' \
+		| diff constraints.txt - | grep '^[<>]' || echo "  none"
+	.venv-latest/bin/ruff check .
+	.venv-latest/bin/python -m pytest -q

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from deltazip.compress.hub import hub_offline, offline_miss, require_hub
 from deltazip.formats.checksum import Fingerprint
 from deltazip.formats.errors import InputError
 from deltazip.formats.safetensors_raw import TensorEntry, read_table
@@ -45,11 +46,14 @@ def resolve_model_dir(spec: str | Path, role: str) -> Path:
     looks_like_hub_id = s.count("/") == 1 and not s.startswith((".", "/", "~"))
     if not looks_like_hub_id:
         raise InputError(f"{role} {p} does not exist; pass a model directory or a hub id like org/name")
+    require_hub(f"{role} {s!r}", "a local model directory")  # once, now: not 30 s of retries later
     try:
         from huggingface_hub import snapshot_download
 
         local = snapshot_download(s, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
     except Exception as e:  # network, auth or missing repo: all end the same way for the user
+        if hub_offline():
+            raise offline_miss(f"{role} {s!r}", "a local model directory") from e
         raise InputError(f"{role} {s!r} is not a local directory and could not be downloaded from the hub "
                          f"({type(e).__name__}); pass a local model directory") from e
     return Path(local)

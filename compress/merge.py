@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from collections.abc import Callable
@@ -12,9 +11,10 @@ import torch
 from huggingface_hub import save_torch_state_dict
 
 from deltazip.compress.checkpoint import Checkpoint
-from deltazip.formats.artifact import Artifact, needs_base
+from deltazip.formats.artifact import Artifact, needs_base, parse_dtype
 from deltazip.formats.atomic import apply_umask, remove_stale_siblings, temp_sibling
 from deltazip.formats.errors import InputError
+from deltazip.formats.outputs import check_output, is_no_space, no_space_error, replace_dir
 from deltazip.formats.side_files import materialize_side_files
 
 
@@ -76,11 +76,36 @@ def merge_to_dir(art: Artifact, base: Checkpoint, out_dir: str | Path, overwrite
     """
     out_dir = Path(out_dir)
     shard_bytes = parse_shard_size(max_shard_size)
-    if out_dir.exists() and not overwrite:
-        raise InputError(f"output directory {out_dir} already exists; pass --overwrite to replace it")
+    need = merged_bytes(art)
+    check_output(out_dir, "--out", [("ARTIFACT", art.path), ("--base", base.path)], overwrite, nbytes=need)
     remove_stale_siblings(out_dir)  # temporaries of killed writers of the same output
     tmp = temp_sibling(out_dir)
     tmp.mkdir(parents=True)
+    try:
+        _write_merged(art, base, tmp, shard_bytes, progress, out_dir, need)
+        replace_dir(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def merged_bytes(art: Artifact) -> int:
+    """Bytes of the merged checkpoint's tensors: the fine-tune's, as the lineage recorded them (else
+    every entry's shape times its dtype's size)."""
+    known = art.lineage.get("finetuned_bytes")
+    if known:
+        return int(known)
+    total = 0
+    for e in art.tensors.values():
+        n = 1
+        for d in e["shape"]:
+            n *= d
+        total += n * parse_dtype(e["dtype"]).itemsize
+    return total
+
+
+def _write_merged(art: Artifact, base: Checkpoint, tmp: Path, shard_bytes: int, progress, out_dir: Path,
+                  need: int) -> None:
     try:
         if "side_files" in art.manifest:
             # The fine-tune's config/tokenizer files: copied ones from hf/, referenced ones from the base (checked).
@@ -94,12 +119,10 @@ def merge_to_dir(art: Artifact, base: Checkpoint, out_dir: str | Path, overwrite
         sd = reconstruct_state_dict(art, base, progress)
         save_torch_state_dict(sd, tmp, max_shard_size=shard_bytes)
         apply_umask(tmp)  # safetensors writes its files 0600
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    except Exception as e:
+        if not is_no_space(e):
+            raise
+        raise no_space_error(out_dir, "--out", need) from None
 
 
 def load_merged_model(art: Artifact, base: Checkpoint, dtype: torch.dtype | None = None):

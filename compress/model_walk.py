@@ -227,7 +227,7 @@ class Catcher(LayerStandIn):
         self.captured: list[tuple[torch.Tensor | None, dict]] = []
 
     def forward(self, hidden_states, *args, **kwargs):
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_value", "past_key_values")}
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_value", "past_key_values", "cache")}
         if args:
             kwargs["__args__"] = args
         self.captured.append((hidden_states if self.keep_hidden else None, kwargs))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from deltazip.compress.calibration import check_calibration_source, load_calibration
+from deltazip.compress.calibration import check_calibration_source, load_calibration, model_context
 from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.experts import Hessians, collect_hessians, solve_target
@@ -44,6 +44,7 @@ from deltazip.formats.artifact import Artifact, ArtifactWriter
 from deltazip.formats.errors import DeltazipWarning, InputError
 from deltazip.formats.exact import bitwise_equal
 from deltazip.formats.gdeflate import DEFAULT_LEVEL
+from deltazip.formats.outputs import check_output
 
 Progress = Callable[[str, int, int], None]
 
@@ -376,8 +377,11 @@ def compress_delta(
     t0 = time.time()
     if calib and cfg.method != "rtn":
         check_calibration_source(calib)  # a typo fails now, before any model is read
+    inputs = [("--base", base_spec), ("--finetuned", ft_spec), ("--calib", calib)]
+    check_output(out_dir, "--out", inputs, overwrite)  # before a model is read (local paths; hub ids next)
     torch.manual_seed(cfg.seed)
     base, ft = Checkpoint(base_spec, "base"), Checkpoint(ft_spec, "fine-tuned")
+    check_output(out_dir, "--out", [("--base", base.path), ("--finetuned", ft.path)], overwrite)
     check_pair(base, ft)
     base_fp, ft_fp = base.fingerprint(), ft.fingerprint()
     if base_fp == ft_fp:
@@ -395,7 +399,7 @@ def compress_delta(
                 tok = AutoTokenizer.from_pretrained(ft.path)
             except Exception as e:
                 raise InputError(f"fine-tuned {ft.path}: no usable tokenizer for the calibration data ({e})") from e
-            cal = load_calibration(calib, tok, cfg.nsamples, cfg.seqlen, cfg.seed)
+            cal = load_calibration(calib, tok, cfg.nsamples, cfg.seqlen, cfg.seed, model_context(ft.config_dict()))
             calib_summary = cal.summary
         run.outside_layers()
         batches = run.first_inputs(cal.input_ids) if cfg.method != "rtn" else []

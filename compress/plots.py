@@ -8,9 +8,27 @@ import torch
 
 from deltazip.compress.merge import open_base
 from deltazip.formats.artifact import Artifact
+from deltazip.formats.errors import InputError
+from deltazip.formats.outputs import atomic_file
 from deltazip.kernels.reference import delta_weight
 
 _MAX_VALUES = 2_000_000
+PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+"""File extensions ``--plot`` writes (matplotlib's, without those that need LaTeX or are raw pixels)."""
+
+
+def plot_format(out: str | Path) -> str:
+    """The image format of ``out`` from its extension.
+
+    Raises:
+        InputError: an extension that is not one of ``PLOT_FORMATS`` (checked before any work).
+    """
+    ext = Path(out).suffix.lower().lstrip(".")
+    if ext not in PLOT_FORMATS:
+        what = f"extension .{ext}" if ext else "no extension"
+        raise InputError(f"--plot {out}: {what} is not an image format; end the name with one of "
+                         f"{', '.join('.' + f for f in PLOT_FORMATS)} (e.g. delta.png)")
+    return ext
 
 
 def plot_artifact(art: Artifact, base_spec: str | None, out: str | Path) -> Path:
@@ -56,7 +74,7 @@ def plot_artifact(art: Artifact, base_spec: str | None, out: str | Path) -> Path
     ax.set_title("per-layer error on calibration data")
     fig.tight_layout()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    with atomic_file(out) as tmp:  # a reader never sees half an image
+        fig.savefig(tmp, dpi=110, format=plot_format(out))
     plt.close(fig)
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -20,13 +21,53 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+PIPE_WIDTH = 10_000
+"""Columns of a console that is not a terminal (a pipe, a file, a CI log): no line is wrapped or cut."""
+
+
+class _Console(Console):
+    """A rich Console that, when not writing to a terminal, is as wide as its text: piped output never
+    breaks a command in two or cuts a path, and tables get the full width their cells need."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = Console.size.fget(self)
+        return size if self.is_terminal else ConsoleDimensions(PIPE_WIDTH, size.height)
+
+    @size.setter
+    def size(self, new_size) -> None:
+        Console.size.fset(self, new_size)
+
+
 # Logs, tables meant for people and progress go to stderr; stdout carries only --json output
 # (or the human report when --json is off).
-err_console = Console(stderr=True)
-out_console = Console()
+err_console = _Console(stderr=True)
+out_console = _Console()
+
+
+def cli_name() -> str:
+    """How to run this deltazip again from any directory: ``deltazip`` when that is what was run from
+    PATH (or is on it), else the full path of the script that was run (``.venv/bin/deltazip`` after
+    ``make demo``, which does not put it on PATH), else ``python -m deltazip.deltacli.app``."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if Path(argv0).name != "deltazip":
+        return f"{sys.executable} -m deltazip.deltacli.app"
+    if "/" not in argv0:
+        return "deltazip"  # found on PATH
+    me = Path(argv0).resolve()
+    found = shutil.which("deltazip")
+    return "deltazip" if found and Path(found).resolve() == me else str(me)
+
+
+def activate_hint() -> str:
+    """``; or `source VENV/bin/activate` first ...`` when deltazip is not on PATH and runs in a venv."""
+    if cli_name() == "deltazip" or sys.prefix == sys.base_prefix:
+        return ""
+    return f" (or run `source {Path(sys.prefix) / 'bin' / 'activate'}` once, then just `deltazip`)"
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout; no progress bars.")]
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the output directory if it exists.")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the output if it exists (never one of the "
+                                             "command's inputs).")]
 ArtifactArg = Annotated[Path, typer.Argument(help="A deltazip artifact directory.", show_default=False)]
 
 

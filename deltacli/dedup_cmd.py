@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from deltazip.deltacli.common import JsonOpt, human_bytes, out_console, print_json, progress_bar
+from deltazip.deltacli.common import JsonOpt, OverwriteOpt, human_bytes, out_console, print_json, progress_bar
 
 _MIB = 1024 * 1024
 
@@ -43,14 +43,15 @@ def dedup_scan(
     top: Annotated[int, typer.Option("--top", min=1, help="Rows of the groups table (JSON lists all).")] = 15,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="Reader/hasher threads (default: 2 per CPU, max 8).",
                                                 show_default=False)] = None,
+    overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Find bit-identical tensors across checkpoints and the memory a deduplicating loader saves."""
-    from deltazip.formats.atomic import check_writable
     from deltazip.formats.dedup_scan import ScanConfig, scan_checkpoints
+    from deltazip.formats.outputs import check_output
 
-    if manifest is not None:
-        check_writable(manifest, "--manifest")  # before the scan, which can take minutes
+    if manifest is not None:  # before the scan, which can take minutes
+        check_output(manifest, "--manifest", [("CHECKPOINT", c) for c in checkpoints], overwrite, kind="file")
     cfg = ScanConfig(hash=hash_algo.value, min_bytes=min_bytes, verify_bytes=verify_bytes, diff_stats=diff_stats,
                      threads=threads)
     with progress_bar(json_out) as report:

@@ -9,24 +9,33 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from deltazip.deltacli.common import JsonOpt, human_bytes, out_console, print_json, progress_bar
+from deltazip.deltacli.common import (
+    JsonOpt,
+    activate_hint,
+    cli_name,
+    human_bytes,
+    out_console,
+    print_json,
+    progress_bar,
+)
 
 
 def demo(
     workdir: Annotated[Path | None, typer.Option("--workdir", help="Where the models and artifacts go "
                                                  "(default: a new temporary directory, kept).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of data, training and calibration.")] = 0,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Use a --workdir that is not empty, replacing "
+                                            "the demo's own files in it.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Build a tiny base model and a full fine-tune of it, compress the delta, compare quality."""
-    import os
+    from deltazip.formats.outputs import check_output
 
-    # Before torch loads: OpenMP threads that spin while waiting made this demo ten times slower on
-    # busy cores (the demo then runs torch on one thread: its models are tiny).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if workdir is not None and not (workdir.is_dir() and not any(workdir.iterdir())):  # an empty one is fine
+        check_output(workdir, "--workdir", (), overwrite, kind="dir")
     from deltazip.demo.run import run_demo
 
-    wd = workdir or Path(tempfile.mkdtemp(prefix="deltazip-demo-"))
+    wd = workdir or _new_workdir()
     with progress_bar(json_out) as report:
         result = run_demo(wd, seed=seed, progress=report)
     if json_out:
@@ -42,8 +51,25 @@ def demo(
     out_console.print(t)
     out_console.print("answer loss: cross-entropy (nats/token) of the held-out answers given their prompts; "
                       "the closer to the fine-tune's, the more of the fine-tune a variant kept")
-    out_console.print(f"models and artifacts in {result['workdir']} (total {result['seconds']:.0f} s); try "
-                      f"`deltazip inspect {result['rows'][2]['artifact']}`")
+    out_console.print(closing_hint(result), markup=False, highlight=False)
+
+
+def closing_hint(result: dict) -> str:
+    """Where the demo's files are and a command to try next, runnable as printed (``deltazip`` is not
+    on PATH after ``make demo``: the full path of the script then)."""
+    return (f"models and artifacts in {result['workdir']} (total {result['seconds']:.0f} s); try "
+            f"`{cli_name()} inspect {result['rows'][2]['artifact']}`{activate_hint()}")
+
+
+def _new_workdir() -> Path:
+    """A new temporary directory with the mode the umask gives (``mkdtemp`` makes it 0700)."""
+    import os
+
+    from deltazip.formats.atomic import current_umask
+
+    wd = Path(tempfile.mkdtemp(prefix="deltazip-demo-"))
+    os.chmod(wd, 0o777 & ~current_umask())
+    return wd
 
 
 def register(app: typer.Typer) -> None:

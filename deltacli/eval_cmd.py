@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from deltazip.deltacli.common import JsonOpt, err_console, human_bytes, out_console, print_json
+from deltazip.deltacli.common import JsonOpt, OverwriteOpt, err_console, human_bytes, out_console, print_json
 from deltazip.formats.errors import InputError
 
 
@@ -49,9 +49,17 @@ def eval_targets(
                             "an artifact's lineage fine-tune).", show_default=False)] = None,
     output: Annotated[Path | None, typer.Option("--output", help="Write lm-eval's results and the summary here "
                                                                  "(JSON).", show_default=False)] = None,
+    overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Evaluate compressed variants with lm-eval through the same model code that `deltazip serve` runs."""
+    if output is not None:  # before lm-eval loads and long before the evaluation
+        from deltazip.formats.outputs import artifact_inputs, check_output
+
+        inputs = [i for t in targets for i in artifact_inputs("TARGET", t)]
+        inputs += [("--base", base), ("--perplexity", perplexity), ("--reference", reference)]
+        inputs += [("--include-path", p) for p in include_path or []]
+        check_output(output, "--output", inputs, overwrite, kind="file")
     if json_out or not sys.stderr.isatty():
         # lm-eval's bars: stdout stays one JSON document, and a log file gets no carriage-return soup.
         os.environ.setdefault("TQDM_DISABLE", "1")
@@ -68,16 +76,14 @@ def eval_targets(
                        num_fewshot=num_fewshot, limit=int(limit) if limit is not None and limit >= 1 else limit,
                        batch_size=batch_size, device=device, dtype=dtype, perplexity=perplexity,
                        ppl_window=ppl_window, reference=reference)
-    if output is not None and not output.parent.is_dir():
-        raise InputError(f"--output {output}: directory {output.parent} does not exist")
     say = None if json_out else (lambda msg: err_console.print(f"[dim]{msg}[/dim]"))
     res = run_eval(targets, opts, progress=say)
     summary = res["summary"]
     if output is not None:
+        from deltazip.formats.outputs import write_text_atomic
+
         doc = {"deltazip": summary, "lm_eval": {k: _without_samples(v) for k, v in res["lm_eval"].items()}}
-        tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(serialisable(doc), indent=2) + "\n")
-        tmp.replace(output)  # atomic: a reader never sees half a file
+        write_text_atomic(output, json.dumps(serialisable(doc), indent=2) + "\n")  # never half a file
         summary["output"] = str(output)
     if json_out:
         print_json(serialisable(summary))

@@ -8,15 +8,16 @@ from typing import Annotated
 
 import typer
 
-from deltazip.deltacli.common import ArtifactArg, JsonOpt, print_json
+from deltazip.deltacli.common import ArtifactArg, JsonOpt, OverwriteOpt, print_json
 from deltazip.deltacli.render import render_summary
 
 
 def inspect(
     artifact: ArtifactArg,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG: delta vs base weight magnitudes and "
-                                              "per-layer error (needs the base model).")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write an image (.png, .pdf, .svg, ...): delta vs base "
+                                              "weight magnitudes and per-layer error (needs the base model).")] = None,
     base: Annotated[str | None, typer.Option("--base", help="Base model for --plot (default: the lineage's).")] = None,
+    overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Show what an artifact holds: sizes and bits per weight by tensor kind, compression ratios against
@@ -24,6 +25,13 @@ def inspect(
     from deltazip.formats.artifact import Artifact
     from deltazip.formats.report import summarize
 
+    if plot is not None:  # the name and the location first: drawing reads the base model
+        from deltazip.compress.plots import plot_format
+        from deltazip.formats.outputs import artifact_inputs, check_output
+
+        check_output(plot, "--plot", [*artifact_inputs("ARTIFACT", artifact), ("--base", base)], overwrite,
+                     kind="file")
+        plot_format(plot)
     art = Artifact(artifact)
     summary = summarize(art)
     if plot is not None:

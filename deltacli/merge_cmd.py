@@ -21,9 +21,12 @@ def merge(
     """Write BASE + the artifact's delta as a checkpoint that AutoModelForCausalLM loads."""
     from deltazip.compress.merge import merge_to_dir, open_base, parse_shard_size
     from deltazip.formats.artifact import Artifact
+    from deltazip.formats.outputs import artifact_inputs, check_output
 
     parse_shard_size(max_shard_size)  # a typo fails now, not after the base is read
     art = Artifact(artifact)
+    # Before the base is fingerprinted (every byte read); merge_to_dir checks again with the base it opened.
+    check_output(out, "--out", [*artifact_inputs("ARTIFACT", artifact), ("--base", base)], overwrite)
     b = open_base(art, base)
     with progress_bar(json_out) as report:
         path = merge_to_dir(art, b, out, overwrite=overwrite, max_shard_size=max_shard_size, progress=report)

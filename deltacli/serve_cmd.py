@@ -29,6 +29,8 @@ def serve(
     max_batch_tokens: Annotated[int, typer.Option(help="Tokens per engine step (prompts + one per sequence).")] = 2048,
     max_num_seqs: Annotated[int, typer.Option(help="Sequences per engine step.")] = 32,
     max_queue: Annotated[int, typer.Option(help="Waiting requests before new ones get 429.")] = 256,
+    max_request_bytes: Annotated[int, typer.Option(help="Largest request body accepted (larger ones get 413); "
+                                                        "prompts longer than the model's context get 400.")] = 4 * 2**20,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, the checkpoint's half dtype on CUDA), float32, "
                                             "float16, bfloat16.")] = "auto",
@@ -59,7 +61,7 @@ def serve(
                       max_deltas=max_deltas, max_cpu_deltas=max_cpu_deltas, max_batch_tokens=max_batch_tokens,
                       max_num_seqs=max_num_seqs, max_queue=max_queue, device=device, dtype=dtype,
                       delta_compute=delta_compute, cpu_threads=cpu_threads, preemption=not no_preemption,
-                      workers=workers, tensor_parallel=tensor_parallel)
+                      workers=workers, tensor_parallel=tensor_parallel, max_request_bytes=max_request_bytes)
     if ray or replicas is not None or min_replicas is not None or max_replicas is not None or ray_address:
         if tensor_parallel != 1:
             from deltazip.formats.errors import InputError

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import random
+import shutil
 import string
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +29,8 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from deltazip.formats.atomic import apply_umask, temp_sibling
+from deltazip.formats.outputs import replace_dir, write_text_atomic
 from deltazip.runtime.eval.generated_tasks import (
     DEMO_DIGITS,
     TERMINATOR,
@@ -297,9 +300,7 @@ def relative_delta_norms(base: torch.nn.Module, finetuned: torch.nn.Module) -> d
 
 
 def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def _save(model: LlamaForCausalLM, tok, out: Path, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -310,8 +311,14 @@ def _save(model: LlamaForCausalLM, tok, out: Path, dtype: torch.dtype) -> LlamaF
         evaluation sees exactly the stored values, and fp32 matmuls are ~5x faster than bf16 on CPU.
     """
     saved = copy.deepcopy(model).to(dtype).eval()
-    saved.save_pretrained(str(out), safe_serialization=True)
-    tok.save_pretrained(str(out))
+    tmp = temp_sibling(out)
+    try:  # atomic, and with the modes the umask gives (safetensors writes its files 0600)
+        saved.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+        apply_umask(tmp)
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return saved.float()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +27,11 @@ from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.demo.pair import make_demo_pair
 from deltazip.formats.artifact import Artifact
+from deltazip.formats.errors import DeltazipWarning
 from deltazip.runtime.eval.generated_tasks import answer_loss, exact_match_accuracy, heldout_loss
+
+ALL_WINDOWS = 1 << 20
+"""``--nsamples`` that compress caps at the windows the calibration data holds side by side."""
 
 # (row name, method, bits): the variants the demo compresses.
 VARIANTS = (
@@ -45,11 +50,12 @@ def _evaluate(model, tok, eval_rows: list[dict]) -> dict:
             "accuracy": exact_match_accuracy(model, tok, examples, max_new_tokens=max_new)}
 
 
-def run_demo(workdir: str | Path, seed: int = 0, nsamples: int = 128, progress: Callable | None = None,
+def run_demo(workdir: str | Path, seed: int = 0, nsamples: int = 0, progress: Callable | None = None,
              threads: int | None = 1) -> dict:
     """Run the whole demo in ``workdir``; returns ``{"pair": ..., "rows": [...]}``.
 
     Args:
+        nsamples: calibration windows of 64 tokens; 0: every window the calibration data holds.
         threads: torch intra-op threads for the run (restored after); None keeps torch's setting.
     """
     previous = torch.get_num_threads()
@@ -79,12 +85,15 @@ def _run_demo(workdir: Path, seed: int, nsamples: int, progress: Callable) -> di
     progress("compressing variants", 0, len(VARIANTS))
     for i, (label, method, bits) in enumerate(VARIANTS):
         out = workdir / "artifacts" / label.replace(" ", "-").replace(":", "")
-        cfg = CompressConfig(method=method, bits=bits, group_size=128, nsamples=nsamples, seqlen=64, seed=seed,
-                             device="cpu")
+        cfg = CompressConfig(method=method, bits=bits, group_size=128, nsamples=nsamples or ALL_WINDOWS, seqlen=64,
+                             seed=seed, device="cpu")
         t = time.time()
-        summary = compress_delta(pair.base_dir, pair.finetuned_dir, str(pair.calib_path), out, cfg, overwrite=True,
-                                 progress=lambda desc, done, total, label=label: progress(f"{label}: {desc}", done,
-                                                                                          total))
+        with warnings.catch_warnings():
+            if not nsamples:  # all the windows the data holds, as asked: no line saying they were capped
+                warnings.filterwarnings("ignore", message="calibrating on", category=DeltazipWarning)
+            summary = compress_delta(pair.base_dir, pair.finetuned_dir, str(pair.calib_path), out, cfg,
+                                     overwrite=True, progress=lambda desc, done, total, label=label:
+                                     progress(f"{label}: {desc}", done, total))
         secs = time.time() - t
         model = load_merged_model(Artifact(out), base)
         rows.append({"model": label, "bytes": summary["artifact_bytes"], "ratio": ft_bytes / summary["artifact_bytes"],

@@ -32,6 +32,7 @@ artifact never looks valid.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -52,6 +53,7 @@ from deltazip.formats.atomic import apply_umask, remove_stale_siblings, temp_sib
 from deltazip.formats.checksum import sha256_file, sha256_tensors
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.formats.exact import apply_xor
+from deltazip.formats.outputs import check_output, is_no_space, no_space_error, replace_dir
 from deltazip.formats.rows import dequantize_rows
 from deltazip.formats.side_files import (
     SIDE_DIR,
@@ -168,7 +170,7 @@ class ArtifactWriter:
     """
 
     def __init__(self, out_dir: str | Path, overwrite: bool = False, shard_bytes: int = _SHARD_BYTES,
-                 lossless: str = "none", lossless_level: int = gdeflate.DEFAULT_LEVEL):
+                 lossless: str = "none", lossless_level: int = gdeflate.DEFAULT_LEVEL, option: str = "--out"):
         lossless = resolve_lossless(lossless)
         if lossless not in LOSSLESS:
             raise InputError(f"unknown lossless stage {lossless!r}; use one of auto, {', '.join(LOSSLESS)}")
@@ -184,7 +186,7 @@ class ArtifactWriter:
             raise InputError(f"output directory {self.out_dir} already exists; pass --overwrite to replace it")
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise InputError(f"output path {self.out_dir} exists and is not a directory")
-        self.overwrite = overwrite
+        self.overwrite, self.option = overwrite, option
         remove_stale_siblings(self.out_dir)  # temporaries of killed writers of the same output
         self.tmp = temp_sibling(self.out_dir)
         self.tmp.mkdir(parents=True)
@@ -249,8 +251,9 @@ class ArtifactWriter:
             self.side_files[arcname] = side_file_record(data, "base")
             return
         dst = self.tmp / SIDE_DIR / arcname
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_bytes(data)
+        with self._no_space(len(data)):
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(data)
         self.side_files[arcname] = side_file_record(data, "artifact")
 
     def add_file_reference(self, arcname: str, info: dict[str, Any]) -> None:
@@ -350,8 +353,9 @@ class ArtifactWriter:
             return
         self._shards += 1
         fname = f"deltas-{self._shards:05d}.safetensors"
-        save_file(self._pending, str(self.tmp / fname), metadata={"format": FORMAT_NAME,
-                                                                   "format_version": str(FORMAT_VERSION)})
+        with self._no_space(self._pending_bytes):
+            save_file(self._pending, str(self.tmp / fname), metadata={"format": FORMAT_NAME,
+                                                                       "format_version": str(FORMAT_VERSION)})
         for name in self._pending_names:
             self.entries[name]["file"] = fname
         self._pending, self._pending_names, self._pending_bytes = {}, [], 0
@@ -377,20 +381,26 @@ class ArtifactWriter:
         # SmolLM2 artifact); `deltazip inspect --json` or `jq .` print it readably.
         text = json.dumps(manifest, separators=(",", ":"), ensure_ascii=False).encode()
         for fname, data in ((MANIFEST, text), (MANIFEST_SUM, f"sha256:{hashlib.sha256(text).hexdigest()}\n".encode())):
-            with open(self.tmp / fname, "wb") as f:
+            with self._no_space(len(data)), open(self.tmp / fname, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
         apply_umask(self.tmp)
-        old = None
-        if self.out_dir.exists():
-            old = temp_sibling(self.out_dir, "old")
-            os.rename(self.out_dir, old)
-        os.rename(self.tmp, self.out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(self.tmp, self.out_dir)
         self._done = True
         return self.out_dir
+
+    @contextlib.contextmanager
+    def _no_space(self, pending: int):
+        """A full disk while writing becomes one line naming the output and the bytes it needed (the
+        ones written so far plus ``pending``); the caller's ``with`` removes what was written."""
+        try:
+            yield
+        except Exception as e:
+            if not is_no_space(e):
+                raise
+            written = sum(p.stat().st_size for p in self.tmp.rglob("*") if p.is_file())
+            raise no_space_error(self.out_dir, self.option, written + pending) from None
 
     def abort(self) -> None:
         if not self._done:
@@ -828,6 +838,8 @@ def repack(src: str | Path, dst: str | Path | None = None, lossless: str = "gdef
     t0 = time.time()
     src = Path(src)
     art = Artifact(src)
+    if dst is not None:  # in place (no --out, or --out ARTIFACT itself) is what pack/unpack are for
+        check_output(dst, "--out", [("ARTIFACT", src)], overwrite, kind="dir", allow_same=True)
     same_dir = dst is None or Path(dst).resolve() == src.resolve()
     dst = src if dst is None else Path(dst)
     before = art.nbytes()

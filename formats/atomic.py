@@ -96,23 +96,3 @@ def apply_umask(root: str | Path) -> None:
             p = Path(dirpath) / f
             if not p.is_symlink():
                 os.chmod(p, 0o666 & ~mask)
-
-
-def check_writable(out: str | Path, option: str) -> None:
-    """Fail now, not after the work, when ``out`` cannot be written: its directory must exist and
-    take a new file (tried for real: permission bits, read-only mounts and quotas all show).
-
-    Raises:
-        InputError: the directory is missing; OSError: it cannot be written (the CLI turns both into
-            one line naming the directory).
-    """
-    from deltazip.formats.errors import InputError
-
-    out = Path(out)
-    parent = out.parent
-    if not parent.is_dir():
-        raise InputError(f"{option} {out}: directory {parent} does not exist; create it first")
-    probe = temp_sibling(out)
-    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    os.close(fd)
-    os.unlink(probe)

@@ -39,6 +39,7 @@ import xxhash
 
 from deltazip.formats.checkpoint_files import CheckpointFiles, read_weight_table, resolve_checkpoint
 from deltazip.formats.errors import InputError
+from deltazip.formats.outputs import is_no_space, no_space_error, write_text_atomic
 
 MANIFEST_FORMAT = "deltazip-dedup-manifest"
 MANIFEST_VERSION = 1
@@ -455,16 +456,12 @@ def write_json_atomic(path: str | Path, doc: dict) -> Path:
     path = Path(path)
     if not path.parent.is_dir():
         raise InputError(f"{path}: parent directory {path.parent} does not exist")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
+        return write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        if is_no_space(e):
+            raise no_space_error(path, "--manifest", None) from None
         raise InputError(f"{path}: cannot write manifest ({e.strerror or e})") from e
-    return path
 
 
 def read_manifest(path: str | Path) -> dict:

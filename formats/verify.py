@@ -84,12 +84,26 @@ class _Verifier:
     def __init__(self, path: Path, progress: Progress):
         self.path, self.progress = path, progress
         self.problems: list[str] = []
+        self.first: dict[str, int] = {}  # path -> index of its first problem
+        self.unchecked: dict[Path, list[str]] = {}  # container -> tensors that could not be checked in it
         self.warnings: list[str] = []
         self.checked = {"files": 0, "containers": 0, "tensors": 0, "parts": 0, "lossless_parts": 0, "chunks": 0,
                         "side_files_referenced": 0}
 
     def bad(self, where: str | Path, msg: str) -> None:
+        self.first.setdefault(str(where), len(self.problems))
         self.problems.append(f"{where}: {msg}")
+
+    def group_unchecked(self) -> None:
+        """One problem per cause: the tensors of a missing or unreadable container are counted on the
+        line that reports the container, not listed one line each."""
+        for fpath, names in self.unchecked.items():
+            what = f"{len(names)} tensor{'s' if len(names) > 1 else ''} in it cannot be checked ({_some(names)})"
+            i = self.first.get(str(fpath))
+            if i is None:
+                self.bad(fpath, f"container missing or unreadable; {what}")
+            else:
+                self.problems[i] += f"; {what}"
 
     # -- 1. manifest --------------------------------------------------------------------------------
     def run(self, base_fingerprint: str | None, base_dir: Path | None = None) -> None:
@@ -194,19 +208,30 @@ class _Verifier:
                 self.bad(fpath, f"container header unreadable ({e})")
                 continue
             self.checked["containers"] += 1
-            want = by_file.get(fname, {})
-            for key in sorted(set(want) - set(tables[fname])):
-                name, part = want[key]
-                self.bad(fpath, f"the manifest lists tensor {name!r} part {part!r} (stored as {key!r}) but the "
-                                "container lacks it")
-            for key in sorted(set(tables[fname]) - set(want)):
-                self.bad(fpath, f"the container holds tensor {key!r}, which the manifest does not list")
+            self.compare_keys(fpath, by_file.get(fname, {}), set(tables[fname]))
         handles: dict[str, Any] = {}
         names = [n for n in tensors if n not in broken]
         for i, name in enumerate(names):
             self.check_tensor(name, tensors[name], tables, handles)
             self.checked["tensors"] += 1
             self.progress("checking tensors", i + 1, len(names))
+        self.group_unchecked()
+
+    def compare_keys(self, fpath: Path, want: dict[str, tuple[str, str]], have: set[str]) -> None:
+        """The container's keys against the manifest's: one line for what it lacks, one for what it
+        holds unlisted (each naming the first few)."""
+        lacks = sorted(set(want) - have)
+        if len(lacks) == 1:
+            name, part = want[lacks[0]]
+            self.bad(fpath, f"the manifest lists tensor {name!r} part {part!r} (stored as {lacks[0]!r}) but the "
+                            "container lacks it")
+        elif lacks:
+            self.bad(fpath, f"the manifest lists {len(lacks)} tensor parts that the container lacks ({_some(lacks)})")
+        extra = sorted(have - set(want))
+        if len(extra) == 1:
+            self.bad(fpath, f"the container holds tensor {extra[0]!r}, which the manifest does not list")
+        elif extra:
+            self.bad(fpath, f"the container holds {len(extra)} tensors the manifest does not list ({_some(extra)})")
 
     def check_tensor(self, name: str, e: dict[str, Any], tables: dict[str, dict], handles: dict[str, Any]) -> None:
         if e["kind"] == "alias":
@@ -221,7 +246,7 @@ class _Verifier:
         fpath = self.path / fname
         table = tables.get(fname)
         if table is None:
-            self.bad(fpath, f"tensor {name!r} cannot be checked: its container is missing or unreadable")
+            self.unchecked.setdefault(fpath, []).append(name)  # one line per container (group_unchecked)
             return
         lossless = e.get("lossless") or {}
         parts: dict[str, torch.Tensor] = {}
@@ -274,6 +299,12 @@ class _Verifier:
 
 
 # -- layout invariants ----------------------------------------------------------------------------
+
+def _some(names: list[str], shown: int = 3) -> str:
+    """``'a', 'b', 'c' and 38 more``."""
+    head = ", ".join(repr(n) for n in names[:shown])
+    return head + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
 
 def layout_problems(e: dict[str, Any], parts: dict[str, torch.Tensor]) -> list[str]:
     """Shape/dtype/packing problems of one entry's decoded parts (empty when sound)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -774,12 +775,27 @@ class DeltaModel:
             self.ctx.unbind()
 
 
+def cache_kwarg(model: nn.Module) -> str:
+    """The name under which ``model.forward`` takes its KV cache object: ``cache`` from transformers
+    5.24 on (where ``past_key_values`` still works but warns on every call), ``past_key_values``
+    before, and in any architecture that has not been renamed yet."""
+    cls = type(model)
+    name = _CACHE_KWARG.get(cls)
+    if name is None:
+        params = inspect.signature(cls.forward).parameters
+        name = _CACHE_KWARG[cls] = "cache" if "cache" in params else "past_key_values"
+    return name
+
+
+_CACHE_KWARG: dict[type, str] = {}
+
+
 def run_model(model: nn.Module, input_ids, position_ids, attention_mask, kv) -> torch.Tensor:
     """One forward of a transformers causal LM over a prepared batch; last-position logits, fp32.
     A paged step (``kv_cache.PagedStep``) is bound for the attention function while it runs."""
     with kv.bound() if hasattr(kv, "bound") else contextlib.nullcontext():
         out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                    past_key_values=kv, use_cache=True, logits_to_keep=1)
+                    use_cache=True, logits_to_keep=1, **{cache_kwarg(model): kv})
     return out.logits[:, -1, :].float()
 
 

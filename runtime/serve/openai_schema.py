@@ -90,9 +90,34 @@ def request_models():
     return CompletionRequest, ChatRequest
 
 
-async def json_body(request) -> Any:
-    """The request's JSON object, or a 400 naming what is wrong with it."""
-    raw = await request.body()
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+"""``--max-request-bytes``: the largest request body read (a prompt of 128k tokens is ~0.5 MB of text)."""
+
+
+async def read_body(request, limit: int | None) -> bytes:
+    """The request body, refused with a 413 as soon as it is known to exceed ``limit`` bytes (from its
+    Content-Length before reading anything, else while it streams in)."""
+    if limit is None:
+        return await request.body()
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise too_large(n, limit, more=True)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(n: int, limit: int, more: bool = False) -> ApiError:
+    return ApiError(413, f"the request body has {'more than ' if more else ''}{n} bytes; this server accepts at most "
+                    f"{limit} (--max-request-bytes)", code="request_too_large")
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body's JSON object, or a 400 naming what is wrong with it."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -100,6 +125,11 @@ async def json_body(request) -> Any:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
+
+
+async def json_body(request, limit: int | None = DEFAULT_MAX_REQUEST_BYTES) -> Any:
+    """The request's JSON object (at most ``limit`` bytes: else 413), or a 400 naming what is wrong."""
+    return parse_json(await read_body(request, limit))
 
 
 def parse_body(model_cls, body: dict):

@@ -25,6 +25,7 @@ from starlette.requests import Request  # at module level: FastAPI resolves endp
 from deltazip.formats.errors import DeltazipError
 from deltazip.runtime.serve.engine import EngineError, FinishEvent, SamplingParams, ServedVariant, TokenEvent
 from deltazip.runtime.serve.openai_schema import (
+    DEFAULT_MAX_REQUEST_BYTES,
     ApiError,
     ChatShape,
     CompletionShape,
@@ -33,6 +34,8 @@ from deltazip.runtime.serve.openai_schema import (
     json_body,
     not_found,
     parse_body,
+    parse_json,
+    read_body,
     request_models,
     sampling_params,
     usage,
@@ -74,6 +77,11 @@ class AppState:
         if sv is None:
             raise not_found(name)
         return sv
+
+    @property
+    def max_body(self) -> int:
+        """``--max-request-bytes`` (configs that predate it: the default)."""
+        return getattr(self.rt.config, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
 
     def model_card(self, name: str) -> dict:
         parent = None if name == self.rt.base_name else self.rt.base_name
@@ -303,7 +311,7 @@ class Routes:
 
         from deltazip.runtime.serve.server import VariantConflict, register_variant
 
-        body = await json_body(request)
+        body = await json_body(request, self.s.max_body)
         path, name = body.get("path"), body.get("name")
         if not isinstance(path, str) or not path:
             raise ApiError(400, "path must be a non-empty string: a variant directory inside the served directory",
@@ -345,14 +353,24 @@ class Routes:
         return req
 
     async def completions(self, request: Request):
-        req = self._request(request, self.s.models[0], await json_body(request), chat=False)
-        prompts = encode_prompts(self.s, req.model, req.prompt)
+        raw = await read_body(request, self.s.max_body)
+        # Parsing and tokenizing take seconds for a large prompt: off the event loop, so that /health and
+        # every other request go on meanwhile.
+        req, prompts = await asyncio.to_thread(self._completion_prompts, request, raw)
         streams = submit_all(self.s, req.model, prompts, sampling_params(req, req.max_tokens or 16))
         return await answer(self.s, request, req, streams, CompletionShape(req.model))
 
+    def _completion_prompts(self, request: Request, raw: bytes):
+        req = self._request(request, self.s.models[0], parse_json(raw), chat=False)
+        return req, encode_prompts(self.s, req.model, req.prompt)
+
+    def _chat_prompt(self, request: Request, raw: bytes):
+        req = self._request(request, self.s.models[1], parse_json(raw), chat=True)
+        return req, encode_chat(self.s, req.model, req.messages)
+
     async def chat(self, request: Request):
-        req = self._request(request, self.s.models[1], await json_body(request), chat=True)
-        ids = encode_chat(self.s, req.model, req.messages)
+        raw = await read_body(request, self.s.max_body)
+        req, ids = await asyncio.to_thread(self._chat_prompt, request, raw)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.s.engine.max_len - len(ids))
         streams = submit_all(self.s, req.model, [ids], sampling_params(req, max_tokens))
         return await answer(self.s, request, req, streams, ChatShape(req.model))

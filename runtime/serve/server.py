@@ -49,6 +49,7 @@ from deltazip.runtime.serve.model import (
     open_served_base,
     resolve_dtype,
 )
+from deltazip.runtime.serve.openai_schema import DEFAULT_MAX_REQUEST_BYTES
 from deltazip.runtime.serve.variant_sources import (
     BaseTensorIndex,
     check_variant_name,
@@ -90,6 +91,7 @@ class ServeConfig:
     preemption: bool = True
     workers: int = 1  # >1: engine processes sharing one weight owner (deltazip.runtime.share.workers)
     tensor_parallel: int = 1  # >1: each layer sharded over that many processes (deltazip.runtime.cluster)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get 413
 
     def __post_init__(self) -> None:
         self.artifacts = Path(self.artifacts)
@@ -113,6 +115,8 @@ class ServeConfig:
         if self.tensor_parallel > 1 and (self.mode != "delta" or self.workers > 1):
             raise InputError("--tensor-parallel shards the delta-mode model of one server; it does not combine with "
                              "--mode swap or --workers > 1 (drop one of them)")
+        if self.max_request_bytes < 1024:
+            raise InputError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise InputError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if self.api_key == "":

@@ -390,3 +390,25 @@ def test_every_importable_folder_is_a_listed_package():
     data = st.get("package-data", {})
     assert data.get("deltazip.runtime.eval.lm_eval_tasks") == ["*.yaml"]
     assert list((root / "runtime" / "eval" / "lm_eval_tasks").glob("*.yaml"))
+
+
+def test_an_interrupt_that_lands_in_a_destructor_is_not_lost():
+    """Issue 25 (CI): SIGTERM whose handler ran inside a ``__del__`` (regex's, during compress) was
+    printed as "Exception ignored" and dropped, and the command ran on to exit 0. It is sent again."""
+    code = ("import os, signal, time\n"
+            "from deltazip.deltacli import app\n"
+            "app._install_signal_handlers()\n"
+            "class D:\n"
+            "    def __del__(self):\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        for _ in range(100000): pass  # the handler runs in here; what it raises is dropped\n"
+            "try:\n"
+            "    D()\n"
+            "    t = time.time()\n"
+            "    while time.time() - t < 5: pass\n"
+            "    print('ran on')\n"
+            "except app.Interrupted as e:\n"
+            "    print('interrupted', e.signum, round(time.time() - t, 1))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split()[:2] == ["interrupted", str(int(signal.SIGTERM))], (r.stdout, r.stderr)
+    assert float(r.stdout.split()[2]) < 1 and "Exception ignored" not in r.stderr, r.stderr

@@ -225,3 +225,21 @@ def test_same_seed_gives_bit_identical_checkpoints(tmp_path):
         assert digest != _sha256(other.base_dir.parent / sub / "model.safetensors"), sub
     assert first.calib_path.read_bytes() == second.calib_path.read_bytes()
     assert first.eval_path.read_bytes() == second.eval_path.read_bytes()
+
+
+def test_pair_files_honour_the_umask_and_no_temporaries_are_left(tmp_path):
+    """Issue 25: the demo wrote its weights 0600 (safetensors' mode), so a service account could not
+    read them; every file gets 0666 & ~umask, like every other write."""
+    import os
+
+    cfg = ToyConfig(pretrain_steps=2, finetune_steps=2, pretrain_warmup=1, finetune_warmup=1, n_eval=4, n_calib=4)
+    old = os.umask(0o027)
+    try:
+        pair = make_demo_pair(tmp_path / "w", seed=0, config=cfg)
+    finally:
+        os.umask(old)
+    root = pair.base_dir.parent
+    modes = {p.relative_to(root).as_posix(): p.stat().st_mode & 0o777 for p in root.rglob("*")}
+    assert modes["base/model.safetensors"] == modes["finetuned/model.safetensors"] == 0o640
+    assert set(modes.values()) == {0o640, 0o750}, modes
+    assert sorted(p.name for p in root.iterdir()) == ["base", "calib.jsonl", "eval.jsonl", "finetuned"]

@@ -121,6 +121,11 @@ def test_missing_container_file(arts, tmp_path, which):
     assert not r["ok"] and any("deltas-00001.safetensors: missing" in p for p in r["problems"])
     with pytest.raises(ArtifactError, match="container file deltas-00001.safetensors is missing"):
         _load_all(a)
+    # Issue 25: one line for one cause (it was one line per tensor in the container, 41 on a SmolLM2).
+    stored = [n for n, e in Artifact(arts[1 if which == "plain" else 2]).tensors.items() if e.get("file")]
+    assert len(stored) > 3 and len(r["problems"]) == 1, r["problems"]
+    assert r["problems"][0].endswith(f"deltas-00001.safetensors: missing; {len(stored)} tensors in it cannot be "
+                                     f"checked ({', '.join(repr(n) for n in stored[:3])} and {len(stored) - 3} more)")
 
 
 def test_manifest_lists_tensor_not_in_container_and_the_reverse(arts, tmp_path):
