@@ -134,7 +134,7 @@ def synthetic_7b(layers: int = 4, distinct: int = 2, names: int = 32, shape: str
     arts, base = d / "arts", d / "base"
     if not (d / "done").is_file():
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from _factories import calib_file, perturb
+        from _factories import calib_file
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from deltazip.compress.config import CompressConfig
@@ -143,21 +143,31 @@ def synthetic_7b(layers: int = 4, distinct: int = 2, names: int = 32, shape: str
 
         cfg = AutoConfig.for_model("llama", num_hidden_layers=layers, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                                    max_position_embeddings=4096, **SHAPES_7B[shape])
+        dev = "cuda" if torch.cuda.is_available() else "cpu"  # 1B parameters: initialise and perturb there
         torch.manual_seed(0)
-        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+        with torch.device(dev):
+            m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
         tok = build_char_tokenizer()
         m.save_pretrained(base)
         tok.save_pretrained(base)
+        original = {k: v.clone() for k, v in m.state_dict().items()}
         calib = str(calib_file(d / "calib", n=8))
         ccfg = CompressConfig(method="rtn", bits=4, sparsity="2:4", group_size=128, nsamples=4, seqlen=16,
                               device="auto")
         t0 = time.time()
         for i in range(distinct):
-            perturb(m, scale=0.05, seed=i + 1).save_pretrained(d / "ft")
+            g = torch.Generator(dev).manual_seed(i + 1)
+            with torch.no_grad():  # a full fine-tune's delta: every weight moved by 5% of its std
+                for k, p in m.state_dict().items():
+                    o = original[k]
+                    if "norm" not in k:
+                        noise = torch.randn(o.shape, generator=g, device=dev, dtype=torch.float32)
+                        p.copy_((o.float() + 0.05 * o.float().std() * noise).to(p.dtype))
+            m.save_pretrained(d / "ft")
             tok.save_pretrained(d / "ft")
             compress_delta(base, d / "ft", calib, d / "distinct" / f"v{i}", ccfg, overwrite=True)
-            m = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()  # unperturbed again
             log(f"synthetic variant {i} compressed ({time.time() - t0:.0f}s)")
+        del m, original
         (d / "done").write_text("ok")
     for i in range(names):  # hard links: one copy of the bytes on disk, distinct variants to the server
         dst = arts / f"v{i:02d}"

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import CACHE, demo_pair, machine, smollm2_pair  # noqa: E402
+from _pairs import CACHE, demo_pair, machine, smollm2_pair, synthetic_7b  # noqa: E402
 
 DISTS = ("uniform", "zipf-1.5", "azure-like")
 
@@ -316,8 +316,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="short traces and RTN-compressed variants (a few minutes)")
     ap.add_argument("--out", type=Path, default=None, help="directory for serve.json and serve.png")
-    ap.add_argument("--pair", choices=("demo", "smollm2"), default=None,
-                    help="model pair (default: demo on CPU, smollm2 on a GPU)")
+    ap.add_argument("--pair", choices=("demo", "smollm2", "synthetic-7b"), default=None,
+                    help="model pair (default: demo on CPU, smollm2 on a GPU); synthetic-7b: Llama-2-7B layer "
+                         "shapes, random weights, --layers of them, RTN variants (bench/_pairs.synthetic_7b)")
+    ap.add_argument("--layers", type=int, default=4, help="synthetic-7b: decoder layers")
     ap.add_argument("--variants", type=int, default=32)
     ap.add_argument("--rate", type=float, default=None, help="arrivals per second (default: 6 CPU, 20 GPU)")
     ap.add_argument("--duration", type=float, default=None, help="trace length in seconds (default 20 quick, 60)")
@@ -342,6 +344,9 @@ def main() -> None:
     a.cpu_threads = a.cpu_threads or (None if gpu else 1)
     method = "rtn" if a.quick else "deltazip"
 
+    if a.pair == "synthetic-7b" and a.artifacts is None:
+        a.artifacts, a.base = synthetic_7b(a.layers, names=a.variants, shape="7b" if gpu else "small", log=log)
+        a.base = str(a.base)
     if a.artifacts is not None:
         if not a.base:
             raise SystemExit("--artifacts needs --base")
