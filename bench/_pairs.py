@@ -98,6 +98,7 @@ def synthetic_llama(name: str, seeds: list[int], log=print) -> tuple[Path, Path]
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.pipeline import compress_delta
     from deltazip.demo.pair import build_char_tokenizer
+    from deltazip.kernels.scheme import DeltaScheme
 
     ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     shape = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
@@ -106,7 +107,8 @@ def synthetic_llama(name: str, seeds: list[int], log=print) -> tuple[Path, Path]
     m = tiny_model("llama", dtype=torch.float16, **ids, **shape)
     m.save_pretrained(base)
     tok.save_pretrained(base)
-    cfg = CompressConfig(method="rtn", bits=4, sparsity="none", group_size=128, nsamples=4, seqlen=16, device="cpu")
+    cfg = CompressConfig(scheme=DeltaScheme(bits=4, sparsity="none", group_size=128),
+                         method="rtn", nsamples=4, seqlen=16, device="cpu")
     calib = str(calib_file(d / "calib", n=8))
     for i, seed in enumerate(seeds, 1):
         log(f"building variant v{i}")

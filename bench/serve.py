@@ -64,6 +64,7 @@ def build_variants(pair: dict, n: int, method: str, log=log) -> Path:
 
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.pipeline import compress_delta
+    from deltazip.kernels.scheme import DeltaScheme
 
     recipe = {"pair": pair["base"], "n": n, "method": method, "noise": 0.02, "group": pair["group_size"]}
     d = CACHE / f"serve-{pair['name']}-{hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]}"
@@ -79,7 +80,8 @@ def build_variants(pair: dict, n: int, method: str, log=log) -> Path:
     ft = AutoModelForCausalLM.from_pretrained(pair["finetuned"], dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(pair["finetuned"])
     original = {k: v.clone() for k, v in ft.state_dict().items()}
-    cfg = CompressConfig(method=method, bits=4, group_size=pair["group_size"], nsamples=32, seqlen=64, device="auto")
+    cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=pair["group_size"]),
+                         method=method, nsamples=32, seqlen=64, device="auto")
     t0 = time.time()
     for i in range(n):
         name = f"v{i:02d}"

@@ -141,10 +141,12 @@ class Family:
     def compress(self) -> None:
         from deltazip.compress.config import CompressConfig
         from deltazip.compress.pipeline import compress_delta
+        from deltazip.kernels.scheme import DeltaScheme
 
         calib = self.root / "calib.jsonl"
         calib.write_text("".join(json.dumps({"text": TEXT[i:i + 80]}) + "\n" for i in range(0, 640, 40)))
-        cfg = CompressConfig(method="deltazip", bits=4, group_size=32, sparsity="none", nsamples=8, seqlen=32,
+        cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"), method="deltazip",
+                             nsamples=8, seqlen=32,
                              device="cpu")
         compress_delta(self.base_dir, self.ft_dir, str(calib), self.art, cfg)
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from deltazip.formats.errors import InputError
 from deltazip.kernels.packed import SUPPORTED_BITS
+from deltazip.kernels.scheme import DeltaScheme, SchemeError
 
 METHODS = ("deltazip", "sparsegpt", "rtn")
-SPARSITIES = ("2:4", "none")
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CALIB_ACTIVATIONS = ("reconstructed", "base")
 
@@ -18,6 +18,10 @@ CALIB_ACTIVATIONS = ("reconstructed", "base")
 @dataclass
 class CompressConfig:
     """Options of ``deltazip compress`` (see docs/compress.md).
+
+    ``scheme``: what every compressed linear becomes (bits, group size, sparsity, symmetry and the
+    manifest kind that stores it; validated when it is built, see :func:`scheme_from_options`).
+    ``bits``, ``group_size``, ``sparsity``, ``sym`` and ``sparse24`` read it.
 
     ``embed_bits`` / ``embed_group_size``: code width and hidden columns per group of the row-wise
     embedding deltas (0 = the same as ``bits`` / ``group_size``; a group that does not divide the
@@ -28,10 +32,7 @@ class CompressConfig:
     activations, which the paper shows to be worse).
     """
 
-    bits: int = 4
-    sparsity: str = "2:4"
-    group_size: int = 128
-    sym: bool = True
+    scheme: DeltaScheme = field(default_factory=DeltaScheme)
     nsamples: int = 256
     seqlen: int = 2048
     damp: float = 0.01
@@ -45,14 +46,8 @@ class CompressConfig:
     embed_group_size: int = 0
 
     def __post_init__(self) -> None:
-        if self.bits not in SUPPORTED_BITS:
-            raise InputError(f"--bits {self.bits} is not supported; use one of {', '.join(map(str, SUPPORTED_BITS))}")
-        if self.sparsity not in SPARSITIES:
-            raise InputError(f"--sparsity {self.sparsity!r} is not supported; use 2:4 or none")
-        if self.group_size != -1 and self.group_size <= 0:
-            raise InputError(f"--group-size {self.group_size} must be positive, or -1 for one group per row")
-        if self.sparse24 and self.group_size != -1 and self.group_size % 4:
-            raise InputError(f"--group-size {self.group_size} must be divisible by 4 with 2:4 sparsity")
+        if not isinstance(self.scheme, DeltaScheme):
+            raise InputError(f"scheme must be a DeltaScheme, got {type(self.scheme).__name__}")
         if self.method not in METHODS:
             raise InputError(f"--method {self.method!r} is unknown; use one of {', '.join(METHODS)}")
         if self.nsamples < 1 or self.seqlen < 2:
@@ -87,8 +82,24 @@ class CompressConfig:
         return self.embed_group_size or self.group_size
 
     @property
+    def bits(self) -> int:
+        return self.scheme.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.scheme.group_size
+
+    @property
+    def sparsity(self) -> str:
+        return self.scheme.sparsity
+
+    @property
+    def sym(self) -> bool:
+        return self.scheme.sym
+
+    @property
     def sparse24(self) -> bool:
-        return self.sparsity == "2:4"
+        return self.scheme.sparse
 
     @property
     def additive(self) -> bool:
@@ -109,4 +120,34 @@ class CompressConfig:
         return torch.float32
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The manifest's ``config``: the scheme's grid first, flat, as before the scheme existed
+        (``scheme_kind`` only for a kind other than ``packed``), then every other option."""
+        s = self.scheme
+        out = {"bits": s.bits, "sparsity": s.sparsity, "group_size": s.group_size, "sym": s.sym}
+        if s.kind != "packed":
+            out["scheme_kind"] = s.kind
+        return out | {f.name: getattr(self, f.name) for f in fields(self) if f.name != "scheme"}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CompressConfig:
+        """Inverse of :meth:`to_dict` (a manifest's ``config``, or a v1 one without the newer options)."""
+        scheme = scheme_from_options(d["bits"], d["sparsity"], d["group_size"], d["sym"], d.get("scheme_kind", "packed"))
+        rest = {f.name: d[f.name] for f in fields(cls) if f.name != "scheme" and f.name in d}
+        return cls(scheme=scheme, **rest)
+
+
+_FLAGS = {"bits": "--bits", "group_size": "--group-size", "sparsity": "--sparsity", "sym": "--sym",
+          "kind": "--scheme"}
+
+
+def scheme_from_options(bits: int, sparsity: str, group_size: int, sym: bool, kind: str = "packed") -> DeltaScheme:
+    """The scheme ``deltazip compress`` options name.
+
+    Raises:
+        InputError: naming the option that is out of range (``--group-size 6 must be divisible by 4
+            with 2:4 sparsity``).
+    """
+    try:
+        return DeltaScheme(bits=bits, group_size=group_size, sparsity=sparsity, sym=sym, kind=kind)
+    except SchemeError as e:
+        raise InputError(f"{_FLAGS.get(e.field, e.field)} {e.value} {e.reason}") from e

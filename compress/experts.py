@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ from deltazip.compress.obs import SolveResult
 from deltazip.formats.errors import CompressionError
 from deltazip.formats.packing import pack_delta
 from deltazip.kernels.packed import PackedDelta
+from deltazip.kernels.scheme import DeltaScheme
 
 NO_TOKENS = "none: no routed tokens, rtn"
 NO_INPUT = "none: no calibration input reached it, rtn"
@@ -172,8 +173,7 @@ def _stack(results: list[SolveResult]) -> SolveResult:
 
 
 def solve_target(t: Target, target: torch.Tensor, hs: Hessians | None,
-                 solve: Callable[[torch.Tensor, torch.Tensor | None], SolveResult], bits: int, group_size: int,
-                 sym: bool) -> TargetResult:
+                 solve: Callable[[torch.Tensor, torch.Tensor | None], SolveResult], scheme: DeltaScheme) -> TargetResult:
     """Compress one target, matrix by matrix (one per expert for a fused tensor).
 
     Args:
@@ -181,7 +181,7 @@ def solve_target(t: Target, target: torch.Tensor, hs: Hessians | None,
         target: fp32 tensor in the checkpoint's shape (the delta, or the full weight for SparseGPT).
         hs: the Hessians of its group, or None for an uncalibrated method (RTN).
         solve: ``solve(matrix [out, in], H or None) -> SolveResult`` (None: round-to-nearest).
-        bits, group_size, sym: the grid, for packing.
+        scheme: the grid, for packing.
     Returns:
         The packed delta (rows of the E experts stacked, ``[E*out, in]``, for a fused tensor), the
         compressed values in the checkpoint's shape, and per-tensor stats: the solver's, plus for
@@ -202,8 +202,8 @@ def solve_target(t: Target, target: torch.Tensor, hs: Hessians | None,
         results.append(r)
         tokens.append(n)
     res = _stack(results)
-    packed = pack_delta(res.codes.cpu(), res.scales.cpu(), None if sym else res.zeros.cpu(),
-                        None if res.mask is None else res.mask.cpu(), bits, group_size)
+    packed = pack_delta(res.codes.cpu(), res.scales.cpu(), None if scheme.sym else res.zeros.cpu(),
+                        None if res.mask is None else res.mask.cpu(), scheme.bits, scheme.group_size)
     stats = dict(res.stats)
     if hs is not None:
         if den > 0 or num > 0:
@@ -220,3 +220,28 @@ def solve_target(t: Target, target: torch.Tensor, hs: Hessians | None,
             if t.experts:
                 stats["rtn_experts"] = rtn
     return TargetResult(packed, t.stored(res.values), stats)
+
+
+@dataclass
+class EncodedTarget:
+    """One target compressed by a solver-free scheme: its codec's parts, their matrix ``shape`` as the
+    manifest states it (``[out, in]`` or ``[E, out, in]``), the values in the checkpoint's layout."""
+
+    parts: dict[str, torch.Tensor]
+    shape: list[int]
+    values: torch.Tensor
+    stats: dict = field(default_factory=dict)
+
+
+def encode_target(t: Target, target: torch.Tensor, codec, scheme: DeltaScheme) -> EncodedTarget:
+    """Compress a target with ``codec.encode`` (a ``deltazip.formats.codecs.MatrixCodec`` that needs no
+    solver): the ``[out, in]`` matrices stacked along rows, as the packed kind stacks fused experts.
+
+    Args:
+        target: fp32 tensor in the checkpoint's shape (the delta, or the full weight).
+    """
+    rows = torch.cat(t.matrices(target)).float().cpu()  # [E*out, in]
+    parts, values = codec.encode(rows, scheme)
+    shape = [t.experts, rows.shape[0] // t.experts, rows.shape[1]] if t.experts else list(rows.shape)
+    return EncodedTarget(parts, shape, t.stored(values.to(target.device)))
+

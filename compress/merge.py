@@ -12,7 +12,7 @@ import torch
 from huggingface_hub import save_torch_state_dict
 
 from deltazip.compress.checkpoint import Checkpoint
-from deltazip.formats.artifact import Artifact, needs_base
+from deltazip.formats.artifact import Artifact
 from deltazip.formats.atomic import apply_umask, remove_stale_siblings, temp_sibling
 from deltazip.formats.errors import InputError
 from deltazip.formats.side_files import materialize_side_files
@@ -35,11 +35,11 @@ def reconstruct_state_dict(art: Artifact, base: Checkpoint,
                            progress: Callable[[str, int, int], None] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the fine-tuned model, rebuilt as the compressor produced it (CPU, stored dtypes)."""
     out = {}
-    names = list(art.tensors)
-    for i, name in enumerate(names):
-        out[name] = art.reconstruct(name, base.get(name) if needs_base(art.tensors[name]) else None)
+    entries = art.entries()
+    for i, (name, entry) in enumerate(entries.items()):
+        out[name] = art.reconstruct(name, base.get(name) if entry.needs_base else None)
         if progress:
-            progress("rebuilding tensors", i + 1, len(names))
+            progress("rebuilding tensors", i + 1, len(entries))
     return out
 
 

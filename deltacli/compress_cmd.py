@@ -47,10 +47,10 @@ def compress(
     json_out: JsonOpt = False,
 ) -> None:
     """Compress the delta between FINETUNED and BASE (2:4 prune + GPTQ quantize, layer by layer)."""
-    from deltazip.compress.config import CompressConfig
+    from deltazip.compress.config import CompressConfig, scheme_from_options
     from deltazip.compress.pipeline import compress_delta
 
-    cfg = CompressConfig(bits=bits, sparsity=sparsity, group_size=group_size, sym=sym, nsamples=nsamples,
+    cfg = CompressConfig(scheme=scheme_from_options(bits, sparsity, group_size, sym), nsamples=nsamples,
                          seqlen=seqlen, damp=damp, method=method, device=device, dtype=dtype, seed=seed,
                          batch_size=batch_size, calib_activations=calib_activations, embed_bits=embed_bits,
                          embed_group_size=embed_group_size)

@@ -26,6 +26,7 @@ from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.demo.pair import make_demo_pair
 from deltazip.formats.artifact import Artifact
+from deltazip.kernels.scheme import DeltaScheme
 from deltazip.runtime.eval.generated_tasks import answer_loss, exact_match_accuracy, heldout_loss
 
 # (row name, method, bits): the variants the demo compresses.
@@ -79,7 +80,8 @@ def _run_demo(workdir: Path, seed: int, nsamples: int, progress: Callable) -> di
     progress("compressing variants", 0, len(VARIANTS))
     for i, (label, method, bits) in enumerate(VARIANTS):
         out = workdir / "artifacts" / label.replace(" ", "-").replace(":", "")
-        cfg = CompressConfig(method=method, bits=bits, group_size=128, nsamples=nsamples, seqlen=64, seed=seed,
+        cfg = CompressConfig(scheme=DeltaScheme(bits=bits, group_size=128), method=method, nsamples=nsamples,
+                             seqlen=64, seed=seed,
                              device="cpu")
         t = time.time()
         summary = compress_delta(pair.base_dir, pair.finetuned_dir, str(pair.calib_path), out, cfg, overwrite=True,

@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 from deltazip.compress.checkpoint import Checkpoint
-from deltazip.formats.artifact import MANIFEST, Artifact, needs_base, stored_shape
+from deltazip.formats.artifact import MANIFEST, Artifact
+from deltazip.formats.codecs import Entry, entries
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
@@ -92,6 +93,14 @@ class VariantInfo:
     fingerprints: dict[str, Any] = field(default_factory=dict, repr=False)
 
     _side_dirs: dict[Path, Path] = field(default_factory=dict, repr=False, compare=False)
+    _entries: tuple[int, dict[str, Entry]] = field(default=(0, {}), repr=False, compare=False)
+
+    @property
+    def entries(self) -> dict[str, Entry]:
+        """``tensors`` as typed entries (kind, scheme, additive...); rebuilt when ``tensors`` is replaced."""
+        if self._entries[0] != id(self.tensors):
+            self._entries = (id(self.tensors), entries(self.tensors))
+        return self._entries[1]
 
     def side_dir(self, base_dir: Path) -> Path:
         """Where the variant's config/tokenizer/generation files live: for an artifact, every side file
@@ -409,11 +418,7 @@ def _pin(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pin_packed(d: PackedDelta) -> PackedDelta:
-    def p(t):
-        return None if t is None else _pin(t)
-
-    return PackedDelta(p(d.qweight), p(d.scales), p(d.zeros), p(d.positions), d.bits, d.group_size,
-                       d.in_features, d.out_features)
+    return d.map_parts(_pin)
 
 
 class UnsupportedVariant(InputError):
@@ -548,10 +553,10 @@ class DeltaModel:
         """``checkpoint tensor -> [(module, attribute)]`` of every tensor ``v`` changes (names mapped to
         parameters by transformers' own rules, ``param_names``); ``wanted`` gets each module's kind."""
         plan: dict[str, list[tuple[str, str]]] = {}
-        on_moe = self._moe.targets({n: x["shape"] for n, x in v.tensors.items()})
+        on_moe = self._moe.targets({n: list(x.shape) for n, x in v.entries.items()})
         changed = []
-        for name, e in v.tensors.items():
-            if e["kind"] == "same":
+        for name, e in v.entries.items():
+            if e.kind == "same":
                 continue
             moe = on_moe.get(name)
             if moe is not None:  # a fused expert parameter (or one expert's rows of it), or a router
@@ -561,8 +566,8 @@ class DeltaModel:
                 changed.append(name)
         to_param = module_names(self.model, changed)
         for name in changed:
-            e = v.tensors[name]
-            if e["kind"] == "packed" and e.get("experts"):
+            e = v.entries[name]
+            if e.is_matrix and e.experts:
                 raise UnsupportedVariant(f"variant {v.name}: tensor {name} is a fused mixture-of-experts tensor, which "
                                          f"the decoupled runtime does not apply per request; serve it with --mode swap")
             pname = to_param.get(name)
@@ -571,7 +576,7 @@ class DeltaModel:
                     f"variant {v.name}: tensor {name!r} is not a parameter of {type(self.model).__name__} and "
                     f"transformers does not load it into one by a plain rename; the decoupled runtime cannot apply "
                     f"it — serve this one with --mode swap")
-            shape = stored_shape(e) if e["kind"] == "packed" else list(e["shape"])
+            shape = list(e.stored_shape)
             if list(params[pname].shape) != shape:
                 raise UnsupportedVariant(f"variant {v.name}: tensor {name} has shape {shape}, the base has "
                                          f"{list(params[pname].shape)}; it cannot share the base model")
@@ -584,8 +589,9 @@ class DeltaModel:
                     raise UnsupportedVariant(
                         f"variant {v.name}: it changes {t} ({type(self.model.get_submodule(mname)).__name__}.{attr}), "
                         f"which the decoupled runtime cannot apply per request; serve it with --mode swap")
-                if e["kind"] == "packed" and (kind != "linear" or attr != "weight"):
-                    raise UnsupportedVariant(f"variant {v.name}: tensor {name} is stored packed but is not a linear weight")
+                if e.is_matrix and (kind != "linear" or attr != "weight"):
+                    raise UnsupportedVariant(f"variant {v.name}: tensor {name} is stored {e.kind} but is not a linear "
+                                             "weight")
                 wanted[mname] = kind
                 plan[name].append((mname, attr))
         return plan
@@ -645,23 +651,19 @@ class DeltaModel:
         # pinned host memory, which is what the host tier holds.
         decode_on = self.device if self.device.type == "cuda" and art.lossless != "none" else None
         for tname, targets in self._targets[v.name].items():
-            e = art.tensors[tname]
-            if e["kind"] == "packed":
+            e = art.entry(tname)
+            if e.kernel_ready:
                 d = _pin_packed(art.packed(tname, device=decode_on).to("cpu"))
 
-                def share(t):
-                    return None if t is None else tally.share(t)
-
-                delta = PackedDelta(share(d.qweight), share(d.scales), share(d.zeros), share(d.positions), d.bits,
-                                    d.group_size, d.in_features, d.out_features)
+                delta = d.map_parts(tally.share)
                 for mname, attr in targets:
                     mod = self.modules[mname]
                     if isinstance(mod, DeltaExperts):  # one piece of an expert parameter
-                        host.modules.setdefault(mname, {})[attr] = delta if e["additive"] else mod.host_weight(attr, delta)
+                        host.modules.setdefault(mname, {})[attr] = delta if e.additive else mod.host_weight(attr, delta)
                     else:
-                        host.modules.setdefault(mname, {}).update(packed=delta, additive=bool(e["additive"]))
+                        host.modules.setdefault(mname, {}).update(packed=delta, additive=e.additive)
                 continue
-            tensor = art.reconstruct(tname, self.base.get(tname) if needs_base(e) else None)
+            tensor = art.reconstruct(tname, self.base.get(tname) if e.needs_base else None)
             self._put_dense(host, targets, tally.share(_pin(tensor.to(self.dtype))))
 
     def _put_dense(self, host: HostDelta, targets: list[tuple[str, str]], tensor: torch.Tensor) -> None:
@@ -741,12 +743,9 @@ class DeltaModel:
             spec = self._lora[name]
             return sum((a[0] * a[1] + b[0] * b[1]) * esize for a, b in spec.shapes.values())
         for tname, targets in self._targets[name].items():
-            e = v.tensors[tname]
-            numel = 1
-            for d in e["shape"]:
-                numel *= d
-            packed_here = e["kind"] == "packed" and self.delta_compute == "packed"
-            per = int(e.get("stored_bytes", 0)) if packed_here else numel * esize
+            e = v.entries[tname]
+            packed_here = e.kernel_ready and self.delta_compute == "packed"
+            per = e.stored_bytes if packed_here else e.numel * esize
             total += per * len(targets)
         return total
 

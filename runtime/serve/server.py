@@ -188,12 +188,10 @@ def _variant_costs(v: VariantInfo, backend, seen: dict) -> dict[str, Any]:
            "dedup_same_as_base_bytes": v.same_as_base_bytes, "dedup_shared_bytes": 0}
     if v.kind == "full":
         itemsize = torch.tensor([], dtype=backend.dtype).element_size()
-        changed = [n for n, e in v.tensors.items() if e["kind"] != "same"]
-        for n in changed:
-            numel = 1
-            for d in v.tensors[n]["shape"]:
-                numel *= d
-            fp = v.fingerprints[n]
+        changed = [e for e in v.entries.values() if e.kind != "same"]
+        for e in changed:
+            numel = e.numel
+            fp = v.fingerprints[e.name]
             if fp in seen:
                 out["dedup_shared_bytes"] += numel * itemsize
             seen[fp] = numel * itemsize

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from deltazip.compress.checkpoint import Checkpoint
 from deltazip.formats.artifact import MANIFEST, Artifact, file_problem
+from deltazip.formats.dtypes import ST_TO_TORCH, dtype_name
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.runtime.serve.lora_variant import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from deltazip.runtime.serve.model import VariantInfo
@@ -232,7 +233,8 @@ def compare_full_checkpoint(v: VariantInfo, index: BaseTensorIndex, served_items
             raise InputError(f"checkpoint {v.name} ({v.path}): tensor {name} has shape {list(e.shape)}, the base "
                              f"{list(be.shape)}; it is not a fine-tune of the served base")
         same = e.dtype == be.dtype and fps[name] == base_fps[name]
-        tensors[name] = {"kind": "same" if same else "full", "shape": list(e.shape), "dtype": e.dtype}
+        tensors[name] = {"kind": "same" if same else "full", "shape": list(e.shape),
+                         "dtype": dtype_name(ST_TO_TORCH[e.dtype]) if e.dtype in ST_TO_TORCH else e.dtype}
         if same:
             numel = 1
             for d in e.shape:

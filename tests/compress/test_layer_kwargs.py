@@ -16,11 +16,12 @@ from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import _Run, compress_delta
 from deltazip.formats.artifact import Artifact
+from deltazip.kernels.scheme import DeltaScheme
 
 TYPES = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 ARCH = dict(layer_types=TYPES, num_hidden_layers=4, sliding_window=8)
-CFG = dict(method="deltazip", bits=2, group_size=32, sparsity="none", nsamples=8, seqlen=32, batch_size=4,
-           device="cpu")
+CFG = dict(method="deltazip", scheme=DeltaScheme(bits=2, group_size=32, sparsity="none"), nsamples=8, seqlen=32,
+           batch_size=4, device="cpu")
 
 
 def same(a, b) -> bool:

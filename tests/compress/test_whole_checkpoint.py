@@ -16,8 +16,9 @@ from deltazip.compress.merge import load_merged_model, merge_to_dir, reconstruct
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.formats.verify import verify_artifact
+from deltazip.kernels.scheme import DeltaScheme
 
-CFG = dict(group_size=32, nsamples=16, seqlen=48, batch_size=4)
+CFG = dict(scheme=DeltaScheme(group_size=32), nsamples=16, seqlen=48, batch_size=4)
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "v1"
 
 

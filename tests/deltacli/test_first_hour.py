@@ -304,13 +304,15 @@ def test_unchanged_linears_are_stored_same(tmp_path):
     from deltazip.compress.merge import merge_to_dir
     from deltazip.compress.pipeline import compress_delta
     from deltazip.formats.artifact import Artifact
+    from deltazip.kernels.scheme import DeltaScheme
 
     base = save_model(tiny_model("llama"), tmp_path / "base")
     ft = save_model(perturb(tiny_model("llama"), skip=("norm", "q_proj", "layers.1.mlp.down_proj")), tmp_path / "ft")
     for method in ("deltazip", "sparsegpt", "rtn"):
         out = tmp_path / f"art-{method}"
         compress_delta(base, ft, str(calib_file(tmp_path)), out,
-                       CompressConfig(method=method, group_size=32, nsamples=4, seqlen=32, device="cpu"))
+                       CompressConfig(scheme=DeltaScheme(group_size=32),
+                                      method=method, nsamples=4, seqlen=32, device="cpu"))
         tensors = Artifact(out).tensors
         same = sorted(n for n, e in tensors.items() if e["kind"] == "same" and n.endswith("proj.weight"))
         assert same == ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",

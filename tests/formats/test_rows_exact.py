@@ -6,8 +6,7 @@ import torch
 
 from deltazip.compress.others import exact_candidates, new_stats, record_embedding, record_exact
 from deltazip.formats.artifact import FORMAT_VERSION, Artifact, ArtifactWriter
-from deltazip.formats.exact import bitwise_equal
-from deltazip.formats.rows import (
+from deltazip.formats.codecs.rows import (
     changed_rows,
     dequantize_rows,
     effective_group,
@@ -16,6 +15,7 @@ from deltazip.formats.rows import (
     quantize_rows,
     unpack_bitmap,
 )
+from deltazip.formats.codecs.xor import bitwise_equal
 from deltazip.formats.verify import verify_artifact
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -19,8 +19,9 @@ from deltazip.formats.checksum import sha256_file
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.formats.side_files import materialize_side_files
 from deltazip.formats.verify import verify_artifact
+from deltazip.kernels.scheme import DeltaScheme
 
-RTN = CompressConfig(method="rtn", bits=4, group_size=32)
+RTN = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32), method="rtn")
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v1"
 
 

@@ -61,7 +61,7 @@ def test_compress_writes_the_bytes_76f9b76_wrote(tmp_path, tag):
     args = json.loads((FIXTURE / f"art-{tag}.args.json").read_text())
     out = tmp_path / "art"
     compress_delta(FIXTURE / f"{tag}-base", FIXTURE / f"{tag}-ft", str(FIXTURE / "calib.jsonl"), out,
-                   CompressConfig(**args["config"]), lossless=args["lossless"])
+                   CompressConfig.from_dict(args["config"]), lossless=args["lossless"])
     got = json.loads((out / "manifest.json").read_text())
     want = json.loads((FIXTURE / f"art-{tag}" / "manifest.json").read_text())
     for m in (got, want):  # compared below, after the header's key order (see _container)

@@ -30,6 +30,7 @@ from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.formats.errors import InputError
+from deltazip.kernels.scheme import DeltaScheme
 from deltazip.runtime.serve.engine import FinishEvent, SamplingParams, TokenEvent
 from deltazip.runtime.serve.server import ServeConfig, build_runtime
 
@@ -86,7 +87,8 @@ class Family:
         self.served = root / "served"
         save(perturb(tiny(model_type, cfg), scale=0.5, seed=3, skip=skip), self.served / "ft")
         ft2 = save(perturb(tiny(model_type, cfg), scale=0.5, seed=4, skip=skip), root / "ft2")
-        cc = CompressConfig(method="rtn", bits=4, sparsity="none", group_size=32, nsamples=4, seqlen=16,
+        cc = CompressConfig(scheme=DeltaScheme(bits=4, sparsity="none", group_size=32), method="rtn",
+                            nsamples=4, seqlen=16,
                             device="cpu")
         compress_delta(self.base_dir, ft2, str(calib_file(root / "calib")), self.served / "art", cc)
         self.refs = {

@@ -21,6 +21,7 @@ from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
+from deltazip.kernels.scheme import DeltaScheme
 from deltazip.runtime.serve.engine import (
     Engine,
     EngineConfig,
@@ -50,8 +51,8 @@ def build_family(root, arch):
         ft = finetune(tiny_model(arch, **IDS), steps=30, seed=spec["seed"])
         ft_dir = save_model(ft, root / f"ft-{name}", tokenizer=False)
         tok.save_pretrained(ft_dir)
-        cfg = CompressConfig(method=spec["method"], bits=spec["bits"], group_size=spec["group_size"],
-                             sparsity=spec["sparsity"], nsamples=8, seqlen=32, device="cpu")
+        cfg = CompressConfig(scheme=DeltaScheme(bits=spec["bits"], group_size=spec["group_size"], sparsity=spec["sparsity"]),
+                             method=spec["method"], nsamples=8, seqlen=32, device="cpu")
         compress_delta(base_dir, ft_dir, str(calib), root / "arts" / name, cfg)
     return base_dir, root / "arts", tok
 

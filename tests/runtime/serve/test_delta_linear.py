@@ -267,6 +267,7 @@ def test_phi_variant_with_changed_layernorms_matches_its_merged_model(tmp_path, 
     from deltazip.compress.merge import load_merged_model
     from deltazip.compress.pipeline import compress_delta
     from deltazip.formats.artifact import Artifact
+    from deltazip.kernels.scheme import DeltaScheme
     from deltazip.runtime.serve.delta_linear import DeltaLayerNorm
     from deltazip.runtime.serve.engine import prefill_logits
     from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
@@ -277,7 +278,8 @@ def test_phi_variant_with_changed_layernorms_matches_its_merged_model(tmp_path, 
         save_model(perturb(tiny_model("phi"), scale=0.2, seed=3, skip=()), tmp_path / "ft")
         calib = tmp_path / "calib.jsonl"
         calib.write_text("".join(json.dumps({"text": ("abc def ghi jkl " * 6)[i:i + 60]}) + "\n" for i in range(8)))
-        cfg = CompressConfig(method="deltazip", bits=4, group_size=32, nsamples=4, seqlen=32, device="cpu")
+        cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32),
+                             method="deltazip", nsamples=4, seqlen=32, device="cpu")
         compress_delta(tmp_path / "base", tmp_path / "ft", str(calib), tmp_path / "arts" / "phi", cfg)
         (v,) = discover_artifacts(tmp_path / "arts")
         ck = Checkpoint(tmp_path / "base")

@@ -28,6 +28,7 @@ from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.kernels.reference import delta_weight
+from deltazip.kernels.scheme import DeltaScheme
 from deltazip.runtime.serve.delta_experts import DeltaExperts, DeltaRouter, piece_key
 from deltazip.runtime.serve.delta_linear import DeltaContext, DeltaLinear
 from deltazip.runtime.serve.engine import Engine, EngineConfig, FinishEvent, SamplingParams, ServedVariant
@@ -59,8 +60,8 @@ class MoeSet:
             ft = perturb(tiny_model(arch, **ids), scale=0.3, seed=spec["seed"], skip=("norm",))
             ft_dir = save_model(ft, root / f"ft-{name}", tokenizer=False)
             tok.save_pretrained(ft_dir)
-            cfg = CompressConfig(method=spec["method"], bits=spec["bits"], sym=spec["sym"], group_size=32,
-                                 nsamples=8, seqlen=32, device="cpu")
+            cfg = CompressConfig(scheme=DeltaScheme(bits=spec["bits"], sym=spec["sym"], group_size=32),
+                                 method=spec["method"], nsamples=8, seqlen=32, device="cpu")
             compress_delta(self.base_dir, ft_dir, str(calib), self.arts / name, cfg)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

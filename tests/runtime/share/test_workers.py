@@ -278,6 +278,7 @@ def big(tmp_path_factory):
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.pipeline import compress_delta
     from deltazip.demo.pair import build_char_tokenizer
+    from deltazip.kernels.scheme import DeltaScheme
 
     root = tmp_path_factory.mktemp("big")
     ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
@@ -290,7 +291,8 @@ def big(tmp_path_factory):
         tok.save_pretrained(root / "base")
         perturb(m, scale=0.2, seed=3).save_pretrained(root / "ft")
         tok.save_pretrained(root / "ft")
-        cfg = CompressConfig(method="rtn", bits=4, sparsity="none", group_size=128, nsamples=4, seqlen=16, device="cpu")
+        cfg = CompressConfig(scheme=DeltaScheme(bits=4, sparsity="none", group_size=128),
+                             method="rtn", nsamples=4, seqlen=16, device="cpu")
         compress_delta(root / "base", root / "ft", str(calib_file(root / "calib", n=8)), root / "arts" / "v1", cfg)
     weights = sum(p.numel() for p in m.parameters()) * 4
     return root / "arts", weights
