@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from deltazip.formats import codecs
 from deltazip.formats.errors import InputError
 from deltazip.kernels.packed import SUPPORTED_BITS
 from deltazip.kernels.scheme import DeltaScheme, SchemeError
@@ -147,6 +148,10 @@ def scheme_from_options(bits: int, sparsity: str, group_size: int, sym: bool, ki
         InputError: naming the option that is out of range (``--group-size 6 must be divisible by 4
             with 2:4 sparsity``).
     """
+    # Looking the kinds up registers their rules (the codec modules of deltazip.formats.codecs).
+    linear = [k for k in codecs.kinds() if isinstance(codecs.get(k), codecs.MatrixCodec)]
+    if kind not in linear:
+        raise InputError(f"--scheme {kind!r} is unknown; use one of {', '.join(linear)}")
     try:
         return DeltaScheme(bits=bits, group_size=group_size, sparsity=sparsity, sym=sym, kind=kind)
     except SchemeError as e:

@@ -27,6 +27,8 @@ def compress(
     embed_group_size: Annotated[int, typer.Option(help="Hidden columns per group of embedding rows; 0 = same as "
                                                   "--group-size, -1 = one per row.")] = 0,
     sym: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric grid or asymmetric with zero points.")] = True,
+    scheme: Annotated[str, typer.Option(help="Kind of the compressed linears: 'packed' (2:4 + GPTQ codes) or "
+                                        "another registered scheme (deltazip.formats.codecs).")] = "packed",
     nsamples: Annotated[int, typer.Option(help="Calibration windows.")] = 256,
     seqlen: Annotated[int, typer.Option(help="Tokens per window (truncated to what the data has).")] = 2048,
     damp: Annotated[float, typer.Option(help="Hessian dampening relative to its mean diagonal.")] = 0.01,
@@ -50,7 +52,7 @@ def compress(
     from deltazip.compress.config import CompressConfig, scheme_from_options
     from deltazip.compress.pipeline import compress_delta
 
-    cfg = CompressConfig(scheme=scheme_from_options(bits, sparsity, group_size, sym), nsamples=nsamples,
+    cfg = CompressConfig(scheme=scheme_from_options(bits, sparsity, group_size, sym, scheme), nsamples=nsamples,
                          seqlen=seqlen, damp=damp, method=method, device=device, dtype=dtype, seed=seed,
                          batch_size=batch_size, calib_activations=calib_activations, embed_bits=embed_bits,
                          embed_group_size=embed_group_size)
