@@ -46,8 +46,14 @@ def decode_timer(model, slots: list[int], context: int, kv: str = "paged"):
     on the paged pool (``kv="paged"``, when the model runs the paged attention) or the contiguous one.
     On CUDA the paged delta step replays CUDA graphs, as the engine does. Its ``pool`` attribute
     is the KV pool."""
-    from deltazip.runtime.serve.engine import KVPool, forward_step, new_kv_pool, new_seq_kv, prefill_logits
     from deltazip.runtime.serve.kv_cache import BlockPool
+    from deltazip.runtime.serve.model_runner import (
+        KVPool,
+        forward_step,
+        new_kv_pool,
+        new_seq_kv,
+        prefill_logits,
+    )
 
     pool = new_kv_pool(model) if kv == "paged" else KVPool()
     kvs = [new_seq_kv(pool) for _ in slots]

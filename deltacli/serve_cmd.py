@@ -52,8 +52,8 @@ def serve(
     json_out: JsonOpt = False,
 ) -> None:
     """Serve the base model and every variant under ARTIFACTS (artifacts, full checkpoints, LoRA adapters) with an OpenAI-compatible API."""
+    from deltazip.runtime.serve.assembly import ServeConfig
     from deltazip.runtime.serve.listen import bind_listen_socket
-    from deltazip.runtime.serve.server import ServeConfig
 
     cfg = ServeConfig(artifacts=artifacts, base=base, host=host, port=port, api_key=api_key, mode=mode,
                       max_deltas=max_deltas, max_cpu_deltas=max_cpu_deltas, max_batch_tokens=max_batch_tokens,
@@ -76,7 +76,8 @@ def serve(
 
 
 def _serve(cfg, sock, json_out: bool) -> None:
-    from deltazip.runtime.serve.server import Metrics, build_runtime, serve_forever
+    from deltazip.runtime.serve.assembly import build_runtime
+    from deltazip.runtime.serve.server import Metrics, serve_forever
 
     url, mode = f"http://{cfg.host}:{cfg.port}", cfg.mode
     if not json_out:
@@ -84,7 +85,7 @@ def _serve(cfg, sock, json_out: bool) -> None:
         logging.basicConfig(level=os.environ.get("DELTAZIP_LOG_LEVEL", "INFO").upper(),
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if cfg.workers > 1:
-        from deltazip.runtime.share.workers import serve_workers
+        from deltazip.runtime.cluster.workers import serve_workers
 
         def ready(pool) -> None:
             if json_out:
@@ -97,7 +98,10 @@ def _serve(cfg, sock, json_out: bool) -> None:
         serve_workers(cfg, on_ready=ready, sock=sock)
         return
     metrics = Metrics()
-    rt = build_runtime(cfg, observer=metrics)
+    parallel = None
+    if cfg.tensor_parallel > 1:  # the server does not import cluster/: the sharded model is handed in
+        from deltazip.runtime.cluster.tp_group import start_tensor_parallel as parallel
+    rt = build_runtime(cfg, observer=metrics, parallel=parallel)
     if json_out:
         print_json({"serving": url, "mode": mode, "models": rt.report})
     else:  # the per-model lines were logged by build_runtime

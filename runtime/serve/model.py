@@ -27,7 +27,6 @@ so serves any causal LM it can load.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from deltazip.runtime.serve.delta_linear import (
     rms_norm_style,
 )
 from deltazip.runtime.serve.kernel_warmup import warm_up_kernels
+from deltazip.runtime.serve.model_runner import left_pad, new_kv_pool, new_seq_kv, run_model, step_args
 from deltazip.runtime.serve.param_names import module_names
 from deltazip.runtime.serve.projections import merge_projections
 from deltazip.runtime.share.dedup_registry import TensorDedupRegistry
@@ -311,8 +311,6 @@ def _engine_logits(model: nn.Module, steps: list[list[list[int]]], device: torch
                    dtype: torch.dtype) -> torch.Tensor:
     """Last-position logits ``[len(steps) * B, V]`` of ``steps`` (per step, the new tokens of each of
     the ``B`` rows) run one after the other through the engine's KV pool for ``model``."""
-    from deltazip.runtime.serve.engine import left_pad, new_kv_pool, new_seq_kv, step_args
-
     pool = new_kv_pool(model)
     caches = [new_seq_kv(pool) for _ in steps[0]]
     out = []
@@ -771,15 +769,6 @@ class DeltaModel:
             return run_model(self.model, input_ids, position_ids, attention_mask, kv)
         finally:
             self.ctx.unbind()
-
-
-def run_model(model: nn.Module, input_ids, position_ids, attention_mask, kv) -> torch.Tensor:
-    """One forward of a transformers causal LM over a prepared batch; last-position logits, fp32.
-    A paged step (``kv_cache.PagedStep``) is bound for the attention function while it runs."""
-    with kv.bound() if hasattr(kv, "bound") else contextlib.nullcontext():
-        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                    past_key_values=kv, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1, :].float()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """IPC weight sharing: one owner process holds the base weights, server workers map them.
 
 The owner (``python -m deltazip.runtime.share.weight_share``, started by ``deltazip serve --workers K``
-through :mod:`deltazip.runtime.share.workers`) reads the base checkpoint one tensor at a time, converts
+through :mod:`deltazip.runtime.cluster.workers`) reads the base checkpoint one tensor at a time, converts
 floating tensors to the served dtype, and lays them out back to back (64-byte aligned) in ONE
 buffer. Workers attach over a local socket, get the buffer and the metadata (name, dtype, shape,
 offset of every tensor), and build their model over views of it instead of loading the checkpoint.

@@ -21,9 +21,11 @@ from deltazip.formats.errors import InputError
 from deltazip.formats.packing import pack_delta
 from deltazip.kernels.reference import delta_weight, sbmm
 from deltazip.runtime.cluster.tensor_parallel import check_variants, shard_packed, shard_slot_args
-from deltazip.runtime.serve.engine import Engine, EngineConfig, SamplingParams, ServedVariant, prefill_logits
+from deltazip.runtime.serve.engine import Engine, EngineConfig, SamplingParams, ServedVariant
 
 # fp32 on both sides; the sharded sums add the same products in another order.
+from deltazip.runtime.serve.model_runner import prefill_logits
+
 LOGIT_ATOL = 1e-4
 MODELS = ["base", *sorted(VARIANTS)]
 
@@ -278,7 +280,8 @@ def test_serve_tensor_parallel_2_answers_like_one_process_and_leaves_no_children
     single-process server's greedy text; SIGTERM stops it and its worker rank."""
     import httpx
 
-    from deltazip.runtime.serve.server import Metrics, ServeConfig, ServerThread, build_runtime, create_app
+    from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
+    from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
 
     messages = [{"role": "user", "content": "zip the model"}]
     body = {"messages": messages, "max_tokens": 8, "temperature": 0}

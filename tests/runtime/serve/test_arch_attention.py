@@ -31,8 +31,8 @@ from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.formats.errors import InputError
 from deltazip.kernels.scheme import DeltaScheme
+from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
 from deltazip.runtime.serve.engine import FinishEvent, SamplingParams, TokenEvent
-from deltazip.runtime.serve.server import ServeConfig, build_runtime
 
 WINDOW = 6
 GEMMA = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -176,10 +176,10 @@ def test_engine_logits_equal_a_plain_forward(family):
     """Prefill of three prompts of different lengths, then decode steps with three different pasts,
     through the engine's cache (paged, or contiguous for the ALiBi models) and masks: every row's
     logits equal a plain forward of its sequence."""
-    from deltazip.runtime.serve.engine import forward_step, new_kv_pool, new_seq_kv, prefill_logits
     from deltazip.runtime.serve.kv_cache import BlockPool
     from deltazip.runtime.serve.masks import uses_padding_mask_bias
     from deltazip.runtime.serve.model import DeltaModel
+    from deltazip.runtime.serve.model_runner import forward_step, new_kv_pool, new_seq_kv, prefill_logits
 
     with single_thread():
         dm = DeltaModel(Checkpoint(family.base_dir), [], 1, torch.device("cpu"), torch.float32)

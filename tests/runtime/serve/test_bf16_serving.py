@@ -14,7 +14,8 @@ from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.kernels.scheme import DeltaScheme
-from deltazip.runtime.serve.server import Metrics, ServeConfig, ServerThread, build_runtime, create_app
+from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
+from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
 
 openai = pytest.importorskip("openai")
 

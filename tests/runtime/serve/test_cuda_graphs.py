@@ -28,7 +28,7 @@ def _delta_model(served, slots=2):
 
 def test_replayed_decode_steps_equal_eager_steps(served):
     from deltazip.runtime.serve.cuda_graphs import DecodeGraphs
-    from deltazip.runtime.serve.engine import forward_step, new_kv_pool, new_seq_kv, prefill_logits
+    from deltazip.runtime.serve.model_runner import forward_step, new_kv_pool, new_seq_kv, prefill_logits
 
     dm = _delta_model(served)
     tok = served.tokenizer()

@@ -216,8 +216,8 @@ def served(tmp_path_factory):
 def test_mixed_batch_logits_match_each_merged_model(served, compute):
     """One forward over rows of the base and all three variants = each row's merged model."""
     from deltazip.compress.checkpoint import Checkpoint
-    from deltazip.runtime.serve.engine import prefill_logits
     from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+    from deltazip.runtime.serve.model_runner import prefill_logits
 
     with single_thread():
         variants = discover_artifacts(served.artifacts)
@@ -269,8 +269,8 @@ def test_phi_variant_with_changed_layernorms_matches_its_merged_model(tmp_path, 
     from deltazip.formats.artifact import Artifact
     from deltazip.kernels.scheme import DeltaScheme
     from deltazip.runtime.serve.delta_linear import DeltaLayerNorm
-    from deltazip.runtime.serve.engine import prefill_logits
     from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+    from deltazip.runtime.serve.model_runner import prefill_logits
 
     with single_thread():
         base = tiny_model("phi")

@@ -251,8 +251,8 @@ def test_a_staged_variant_fills_a_slot_exactly_like_a_direct_write(served, devic
     staged object gives bit-identical logits to one written from the host object."""
     from deltazip.compress.checkpoint import Checkpoint
     from deltazip.runtime.serve.delta_loader import DeltaLoader, device_tensors
-    from deltazip.runtime.serve.engine import prefill_logits
     from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+    from deltazip.runtime.serve.model_runner import prefill_logits
 
     dev = torch.device(device)
     with single_thread():

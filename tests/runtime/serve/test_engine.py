@@ -317,7 +317,7 @@ def test_a_variant_that_fails_to_load_fails_only_its_requests(served, tmp_path):
 
 
 def test_kv_pool_rows_grow_offload_restores_and_idle_pool_holds_nothing():
-    from deltazip.runtime.serve.engine import KVPool, SeqKV, StepKV
+    from deltazip.runtime.serve.model_runner import KVPool, SeqKV, StepKV
 
     torch.manual_seed(0)
     pool = KVPool()
@@ -364,7 +364,7 @@ def test_kv_pool_against_per_sequence_lists_under_random_churn():
     grows in rows and length: every step's gathered past equals what each sequence wrote."""
     import random
 
-    from deltazip.runtime.serve.engine import KVPool, SeqKV, StepKV
+    from deltazip.runtime.serve.model_runner import KVPool, SeqKV, StepKV
 
     rng = random.Random(0)
     torch.manual_seed(0)
@@ -464,7 +464,7 @@ def test_models_without_the_attention_interface_use_the_contiguous_cache(served,
     contiguous ``StepKV`` pool, selected automatically; its outputs still equal ``generate``."""
     from transformers import LlamaForCausalLM
 
-    from deltazip.runtime.serve.engine import KVPool
+    from deltazip.runtime.serve.model_runner import KVPool
 
     monkeypatch.setattr(LlamaForCausalLM, "_supports_attention_backend", False)
     with single_thread():

@@ -14,7 +14,8 @@ import torch
 from _serving import PROMPTS, VARIANTS, served_set, single_thread
 
 from deltazip.formats.errors import InputError
-from deltazip.runtime.serve.server import Metrics, ServeConfig, ServerThread, build_runtime, create_app
+from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
+from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
 
 openai = pytest.importorskip("openai")
 

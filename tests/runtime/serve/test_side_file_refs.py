@@ -14,7 +14,7 @@ from deltazip.formats.artifact import Artifact
 from deltazip.formats.errors import InputError
 from deltazip.kernels.scheme import DeltaScheme
 from deltazip.runtime.eval.targets import EvalBank, parse_targets
-from deltazip.runtime.serve.server import _served_entry, _TokenizerPool
+from deltazip.runtime.serve.assembly import _served_entry, _TokenizerPool
 from deltazip.runtime.serve.variant_sources import inspect_variant
 
 RTN = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32), method="rtn")
