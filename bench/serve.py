@@ -73,7 +73,7 @@ def build_variants(pair: dict, n: int, method: str, log=log) -> Path:
     if done.is_file():
         return arts
     d.mkdir(parents=True, exist_ok=True)
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
 
     ckpt = Checkpoint(pair["finetuned"])
     dtype = ckpt.dtype(next(n for n in ckpt.names if ckpt.dtype(n).is_floating_point))  # saved dtype of the variants
@@ -347,10 +347,10 @@ def main() -> None:
     if a.artifacts is not None:
         if not a.base:
             raise SystemExit("--artifacts needs --base")
-        from deltazip.runtime.serve.model import discover_artifacts
+        from deltazip.runtime.serve.variant_sources import discover_variants
 
         arts, base = a.artifacts, a.base
-        names = [v.name for v in discover_artifacts(arts)]
+        names = [v.name for v in discover_variants(arts)]
         prompts = ["alpha beta", "zip model tune", "12 + 345 =", "delta gamma"]
         a.pair, method = f"given: {arts}", "as given"
     else:

@@ -80,9 +80,9 @@ def run_deployment(arts: Path, base: str, k: int, share: bool, threads: int) -> 
 
     from deltazip.runtime.cluster.workers import WorkerPool
     from deltazip.runtime.serve.assembly import ServeConfig
-    from deltazip.runtime.serve.model import discover_artifacts
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
-    variant = discover_artifacts(arts)[0].name
+    variant = discover_variants(arts)[0].name
     cfg = ServeConfig(artifacts=arts, base=base, max_deltas=1, max_cpu_deltas=1, cpu_threads=threads)
     t0 = time.perf_counter()
     with WorkerPool(cfg, workers=k, share=share, front=False, env={"OMP_NUM_THREADS": str(threads)}) as pool:

@@ -112,13 +112,14 @@ def main() -> None:
     if a.quick:
         a.rows, a.variants, a.repeats = [8, 32], [1, 4], 7
     torch.set_num_threads(a.threads)
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
     from deltazip.runtime.serve.attention import is_paged
-    from deltazip.runtime.serve.model import DeltaModel, SwapModels, discover_artifacts
+    from deltazip.runtime.serve.model import DeltaModel, SwapModels
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
     pair = demo_pair() if a.pair == "demo" else smollm2_pair(log=log)
     arts = build_variants(pair, max(a.variants), "rtn")
-    variants = discover_artifacts(arts)[: max(a.variants)]
+    variants = discover_variants(arts)[: max(a.variants)]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     base = Checkpoint(pair["base"])
     k_max = max(a.variants)

@@ -25,8 +25,8 @@ class CompressConfig:
     ``bits``, ``group_size``, ``sparsity``, ``sym`` and ``sparse24`` read it.
 
     ``embed_bits`` / ``embed_group_size``: code width and hidden columns per group of the row-wise
-    embedding deltas (0 = the same as ``bits`` / ``group_size``; a group that does not divide the
-    hidden size becomes the whole row).
+    embedding deltas (0 = the same as ``bits`` / ``group_size``, see :attr:`row_bits`; a group that
+    does not divide the hidden size becomes the whole row).
 
     ``calib_activations``: "reconstructed" (ΔCompress: every layer is calibrated on the inputs that
     the base + compressed-delta model produces) or "base" (ablation: the base model's own
@@ -74,8 +74,9 @@ class CompressConfig:
 
     @property
     def row_bits(self) -> int:
-        """Code width of embedding rows."""
-        return self.embed_bits or self.bits
+        """Code width of embedding rows: ``embed_bits``, else ``bits`` when rows take that width (a
+        scheme of other widths, such as 1-bit signs, leaves embeddings at 4 bits)."""
+        return self.embed_bits or (self.bits if self.bits in SUPPORTED_BITS else 4)
 
     @property
     def row_group(self) -> int:

@@ -18,66 +18,23 @@ its delta (``obs.rtn_compress``) and flagged in the manifest's per-layer stats; 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from deltazip.compress.layer_map import Target
-from deltazip.compress.model_walk import Site
 from deltazip.compress.obs import SolveResult
 from deltazip.formats.errors import CompressionError
 from deltazip.formats.packing import pack_delta
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.expert_tap import tap_experts
+from deltazip.models.layer_map import Target
+from deltazip.models.model_walk import Site
 
 NO_TOKENS = "none: no routed tokens, rtn"
 NO_INPUT = "none: no calibration input reached it, rtn"
-
-
-class ExpertTap(TorchFunctionMode):
-    """Calls ``fn(key, expert, x)`` for each ``F.linear(x, w)`` whose ``w`` is expert ``e``'s matrix
-    (or rows of it) of a tracked fused parameter ``[E, out, in]``.
-
-    Args:
-        params: site key -> fused parameter (real tensors).
-        fn: callback; ``x`` is the input as passed (``[..., in]``).
-    """
-
-    def __init__(self, params: dict[str, torch.Tensor], fn: Callable[[str, int, torch.Tensor], None]):
-        super().__init__()
-        self.fn = fn
-        self._by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        for key, p in params.items():
-            self._by_storage.setdefault(p.untyped_storage().data_ptr(), []).append((key, p))
-
-    def which(self, w) -> tuple[str, int] | None:
-        """``(key, expert)`` when ``w`` is a view of one expert's rows of a tracked parameter."""
-        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.device.type == "meta":
-            return None
-        for key, p in self._by_storage.get(w.untyped_storage().data_ptr(), ()):
-            e = (w.storage_offset() - p.storage_offset()) // p.stride(0)
-            if 0 <= e < p.shape[0] and w.shape[-1] == p.shape[-1] and tuple(w.stride()) == tuple(p.stride()[1:]):
-                return key, e
-        return None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x = args[0] if args else kwargs.get("input")
-            hit = self.which(args[1] if len(args) > 1 else kwargs.get("weight"))
-            if hit is not None:
-                self.fn(hit[0], hit[1], x)
-        return func(*args, **kwargs)
-
-
-def tap_experts(params: dict[str, torch.Tensor], fn) -> contextlib.AbstractContextManager:
-    """``ExpertTap`` when there is a fused parameter to watch (else nothing: no per-op overhead)."""
-    return ExpertTap(params, fn) if params else contextlib.nullcontext()
 
 
 class Hessians:

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from huggingface_hub import save_torch_state_dict
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.formats.artifact import Artifact
 from deltazip.formats.atomic import apply_umask, remove_stale_siblings, temp_sibling
 from deltazip.formats.errors import InputError
 from deltazip.formats.side_files import materialize_side_files
+from deltazip.models.checkpoint import Checkpoint
 
 
 def open_base(art: Artifact, base_spec: str | Path | None, check_fingerprint: bool = True) -> Checkpoint:

@@ -10,7 +10,7 @@ and every other tensor exactly (compress/others.py).
 
 Linears are ``nn.Linear``, GPT-2's ``Conv1D`` (stored ``[in, out]``, solved transposed) and
 mixture-of-experts weights, whose every expert is solved with the Hessian of the tokens routed to it
-(compress/experts.py); checkpoint names are mapped to the layer's parameters by compress/layer_map.py.
+(compress/experts.py); checkpoint names are mapped to the layer's parameters by models/layer_map.py.
 """
 
 from __future__ import annotations
@@ -24,11 +24,18 @@ from pathlib import Path
 import torch
 
 from deltazip.compress.calibration import check_calibration_source, load_calibration
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.experts import Hessians, collect_hessians, encode_target, solve_target
-from deltazip.compress.layer_map import LayerMap, Piece, Target, map_layer
-from deltazip.compress.model_walk import (
+from deltazip.compress.obs import SolveResult, obs_compress, rtn_compress
+from deltazip.compress.others import embedding_weight_names, new_stats, record_embedding, record_exact
+from deltazip.formats import codecs
+from deltazip.formats.artifact import Artifact, ArtifactWriter
+from deltazip.formats.codecs.xor import bitwise_equal
+from deltazip.formats.errors import DeltazipWarning, InputError
+from deltazip.formats.gdeflate import DEFAULT_LEVEL
+from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.layer_map import LayerMap, Piece, Target, map_layer
+from deltazip.models.model_walk import (
     Catcher,
     LayerStandIn,
     Site,
@@ -38,13 +45,6 @@ from deltazip.compress.model_walk import (
     sequential_groups,
     set_param,
 )
-from deltazip.compress.obs import SolveResult, obs_compress, rtn_compress
-from deltazip.compress.others import embedding_weight_names, new_stats, record_embedding, record_exact
-from deltazip.formats import codecs
-from deltazip.formats.artifact import Artifact, ArtifactWriter
-from deltazip.formats.codecs.xor import bitwise_equal
-from deltazip.formats.errors import DeltazipWarning, InputError
-from deltazip.formats.gdeflate import DEFAULT_LEVEL
 
 Progress = Callable[[str, int, int], None]
 

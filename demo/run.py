@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.demo.pair import make_demo_pair
 from deltazip.formats.artifact import Artifact
 from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 from deltazip.runtime.eval.generated_tasks import answer_loss, exact_match_accuracy, heldout_loss
 
 # (row name, method, bits): the variants the demo compresses.

@@ -61,7 +61,7 @@ def verify_artifact(path: str | Path, base_fingerprint: str | None = None,
     Args:
         path: artifact directory.
         base_fingerprint: ``"xxh3-128:<hex>"`` of the base model to check the lineage against
-            (``deltazip.compress.checkpoint.Checkpoint(base).fingerprint()``), or None to skip.
+            (``deltazip.models.checkpoint.Checkpoint(base).fingerprint()``), or None to skip.
         progress: optional ``progress(description, done, total)`` callback.
         base_dir: the base model directory, to check the side files kept by reference to it; None
             to skip (a warning then names them).

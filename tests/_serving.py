@@ -49,9 +49,9 @@ class ServedSet:
         """The reference model of ``name``: the base itself, or the merged fine-tune (fp32)."""
         from transformers import AutoModelForCausalLM
 
-        from deltazip.compress.checkpoint import Checkpoint
         from deltazip.compress.merge import load_merged_model
         from deltazip.formats.artifact import Artifact
+        from deltazip.models.checkpoint import Checkpoint
 
         if name == "base":
             return AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32).eval()

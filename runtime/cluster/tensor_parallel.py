@@ -28,7 +28,8 @@ from deltazip.formats.errors import InputError
 from deltazip.formats.packing import pack_int32
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import unpack_int32
-from deltazip.runtime.serve.model import DeltaModel, HostDelta, VariantInfo, load_base_model
+from deltazip.runtime.serve.model import DeltaModel, HostDelta, load_base_model
+from deltazip.runtime.serve.variant_sources import VariantInfo
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")

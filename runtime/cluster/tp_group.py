@@ -108,7 +108,7 @@ class WorkerSpec:
 
 
 def _build(spec: WorkerSpec, group: TPGroup):
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
     from deltazip.runtime.cluster.tensor_parallel import ShardedDeltaModel
 
     return ShardedDeltaModel(Checkpoint(spec.base, "base"), spec.variants, spec.num_slots, group.device, spec.dtype,

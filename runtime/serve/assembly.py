@@ -4,7 +4,9 @@ model, the tokenizers and the engine.
 - :func:`build_engine`: the one public builder of an :class:`~deltazip.runtime.serve.engine.Engine`
   from a :class:`ServeConfig` (what eval, cluster, benches and tests call);
   :func:`build_model` is its model half (the decoupled or swapping model with its dedup registry,
-  the variants checked against the base), which eval runs directly.
+  the variants checked against the base), which eval runs directly; :func:`engine_for` puts the
+  engine's half over a model built elsewhere (a test's model with slots filled, a tensor-parallel
+  group).
 - :func:`build_runtime`: the engine plus what the HTTP layer shows (variants, start-up report,
   tokenizers), for ``deltazip serve``, the worker processes and the Ray replicas.
 - :func:`register_variant`: add a variant to a running runtime.
@@ -28,6 +30,7 @@ import torch
 
 from deltazip.formats.errors import InputError
 from deltazip.formats.report import human_bytes
+from deltazip.models.checkpoint import Checkpoint
 from deltazip.runtime.serve.engine import Engine, EngineConfig, ServedVariant
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE
 from deltazip.runtime.serve.model import (
@@ -60,10 +63,15 @@ MODES = ("delta", "swap")
 
 @dataclass
 class ServeConfig:
-    """Everything ``deltazip serve`` takes (validated on construction)."""
+    """Everything ``deltazip serve`` takes (validated on construction).
 
-    artifacts: Path
+    ``artifacts``: the served directory (None: the variants are handed to :func:`build_model`);
+    ``base_name``: the base's served model name (default: its directory name).
+    """
+
+    artifacts: Path | None = None
     base: str | None = None
+    base_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -86,7 +94,7 @@ class ServeConfig:
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
-        self.artifacts = Path(self.artifacts)
+        self.artifacts = None if self.artifacts is None else Path(self.artifacts)
         if self.mode not in MODES:
             raise InputError(f"--mode {self.mode!r} is unknown; use delta or swap")
         for name in ("max_deltas", "max_batch_tokens", "max_num_seqs", "max_queue"):
@@ -243,7 +251,7 @@ class Assembly:
 
 
 def build_model(cfg: ServeConfig, variants: list[VariantInfo] | None = None,
-                parallel: Callable[..., Any] | None = None) -> Assembly:
+                parallel: Callable[..., Any] | None = None, base: Checkpoint | None = None) -> Assembly:
     """Discover the variants (unless given), check them against the base and build the model.
 
     Args:
@@ -252,15 +260,19 @@ def build_model(cfg: ServeConfig, variants: list[VariantInfo] | None = None,
         variants: the variants to serve instead of those under ``cfg.artifacts``.
         parallel: with ``cfg.tensor_parallel > 1``, the factory of the sharded model
             (``deltazip.runtime.cluster.tp_group.start_tensor_parallel``).
+        base: the base, already opened and checked against the artifacts (eval picks its own);
+            default: ``cfg.base`` or the artifacts' lineage, fingerprint-checked.
     """
     if cfg.cpu_threads is not None:
         torch.set_num_threads(cfg.cpu_threads)
     if variants is None:
+        if cfg.artifacts is None:
+            raise InputError("no served directory and no variants given")
         variants = discover_variants(cfg.artifacts, allow_empty=cfg.base is not None)
-    base = open_served_base(variants, cfg.base)
+    base = base if base is not None else open_served_base(variants, cfg.base)
     # The base's own directory may sit among its variants: it is the base, not a full-checkpoint copy of it.
     variants = [v for v in variants if not (v.kind == "full" and v.path.resolve() == base.path.resolve())]
-    base_name = Path(base.spec.rstrip("/")).name
+    base_name = cfg.base_name or Path(base.spec.rstrip("/")).name
     if base_name in {v.name for v in variants}:
         raise InputError(f"variant name {base_name!r} is also the base model's name; rename the variant directory")
     device = cfg.torch_device()
@@ -292,23 +304,32 @@ def _backend(cfg: ServeConfig, asm: Assembly, registry, parallel: Callable[..., 
                       ledger=asm.ledger)
 
 
-def _engine(asm: Assembly, cfg: ServeConfig, tokenizers: _TokenizerPool, observer: Any = None) -> Engine:
-    """The engine over an assembled model: every served name with its tokenizer and EOS ids."""
-    base, backend = asm.base, asm.backend
+def _engine(backend, base_name: str, variants: list[VariantInfo], cfg: ServeConfig, tokenizers: _TokenizerPool,
+            observer: Any = None) -> Engine:
+    """The engine over a built model: every served name with its tokenizer and EOS ids."""
+    base = backend.base
     dec, enc = tokenizers.get(base.path)
-    served = {asm.base_name: ServedVariant(asm.base_name, dec, eos_token_ids(base.path, dec, backend.config), None,
-                                           enc)}
-    for v in asm.variants:
-        served[v.name] = _served_entry(tokenizers, v, base.path, backend.config, asm.base_name)
-    return Engine(backend, served, asm.base_name, cfg.engine_config(), observer=observer)
+    served = {base_name: ServedVariant(base_name, dec, eos_token_ids(base.path, dec, backend.config), None, enc)}
+    for v in variants:
+        served[v.name] = _served_entry(tokenizers, v, base.path, backend.config, base_name)
+    return Engine(backend, served, base_name, cfg.engine_config(), observer=observer)
+
+
+def engine_for(backend, cfg: ServeConfig | None = None, base_name: str = "base", observer: Any = None) -> Engine:
+    """An engine over a model built elsewhere (a test's ``DeltaModel`` with slots already filled, a
+    bench's tensor-parallel group): the served names, tokenizers and EOS ids as :func:`build_engine`
+    gives them; ``cfg``: the engine knobs (default ``ServeConfig()``'s)."""
+    cfg = cfg or ServeConfig()
+    return _engine(backend, base_name, list(backend.variants.values()), cfg, _TokenizerPool(), observer)
 
 
 def build_engine(cfg: ServeConfig, variants: list[VariantInfo] | None = None, observer: Any = None,
-                 parallel: Callable[..., Any] | None = None) -> Engine:
+                 parallel: Callable[..., Any] | None = None, base: Checkpoint | None = None) -> Engine:
     """The engine of a configuration: :func:`build_model`, then tokenizers and the engine (not
     started; nothing prefetched). Arguments as :func:`build_model`; ``observer``: the engine's
     metrics sink."""
-    return _engine(build_model(cfg, variants, parallel), cfg, _TokenizerPool(), observer)
+    asm = build_model(cfg, variants, parallel, base)
+    return _engine(asm.backend, asm.base_name, asm.variants, cfg, _TokenizerPool(), observer)
 
 
 def build_runtime(cfg: ServeConfig, observer: Any = None, parallel: Callable[..., Any] | None = None) -> Runtime:
@@ -320,7 +341,7 @@ def build_runtime(cfg: ServeConfig, observer: Any = None, parallel: Callable[...
     """
     asm = build_model(cfg, parallel=parallel)
     tokenizers = _TokenizerPool()
-    engine = _engine(asm, cfg, tokenizers, observer)
+    engine = _engine(asm.backend, asm.base_name, asm.variants, cfg, tokenizers, observer)
     report = _startup_report(asm, cfg)
     # Warm the host tier with as many variants as it holds, in the background.
     engine.cache.prefetch(([asm.base_name] if cfg.mode == "swap" else []) + [v.name for v in asm.variants])

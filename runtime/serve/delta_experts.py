@@ -17,7 +17,7 @@ transformers 5 keeps a MoE layer's experts fused (``MixtralExperts``, ``Qwen2Moe
   (``deltazip.kernels.dispatch.sbmm_experts``; a stack of ``N * E`` entries, entry ``s * E + e``).
 - :class:`MoeLayout`: where an artifact's tensors land: the fused names themselves or the
   per-expert names ``save_pretrained`` writes (``block_sparse_moe.experts.3.w1.weight``), mapped
-  through ``deltazip.compress.layer_map`` (transformers' own save-side conversion).
+  through ``deltazip.models.layer_map`` (transformers' own save-side conversion).
 
 A variant's expert tensor is held per piece: rows ``[row0, row1)`` of the parameter seen as
 ``[E * out, in]`` (always within one expert, or all experts of a fused tensor), keyed
@@ -356,7 +356,7 @@ class MoeLayout:
     """
 
     def __init__(self, model: nn.Module):
-        from deltazip.compress.model_walk import decoder_layers
+        from deltazip.models.model_walk import decoder_layers
 
         self.model = model
         self.experts: dict[str, nn.Module] = {}  # qualified module name -> fused experts module
@@ -391,7 +391,7 @@ class MoeLayout:
         """
         if not self.layers:
             return {}
-        from deltazip.compress.layer_map import map_layer
+        from deltazip.models.layer_map import map_layer
 
         out: dict[str, tuple[str, str, str]] = {}
         for prefix, layer in self.layers.items():

@@ -206,7 +206,7 @@ def check_lora_base(adapter: Path, named: str | None, base_path: Path, base_fing
     if local.is_dir() and (local / "config.json").is_file():
         if local.resolve() == Path(base_path).resolve():
             return
-        from deltazip.compress.checkpoint import Checkpoint
+        from deltazip.models.checkpoint import Checkpoint
 
         if Checkpoint(local, "adapter base").fingerprint() == base_fingerprint():
             return

@@ -1,7 +1,7 @@
 """The served models: one base model with decoupled delta modules, or whole models to swap.
 
-- :func:`discover_artifacts` finds every artifact under a directory (variant name = directory name);
-  :func:`open_served_base` picks the base and refuses artifacts compressed against another one.
+- :func:`open_served_base` picks the base and refuses artifacts compressed against another one
+  (variants are found by ``deltazip.runtime.serve.variant_sources.discover_variants``).
 - :class:`DeltaModel` (``--mode delta``, paper §5.1): the base model built by transformers from its
   checkpoint, each module that some variant changes replaced by its decoupled counterpart
   (``deltazip.runtime.serve.delta_linear``), ``N`` device slots. A variant is loaded from disk into a
@@ -36,12 +36,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from deltazip.compress.checkpoint import Checkpoint
-from deltazip.formats.artifact import MANIFEST, Artifact
-from deltazip.formats.codecs import Entry, entries
+from deltazip.formats.artifact import Artifact
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
+from deltazip.models.checkpoint import Checkpoint
 from deltazip.runtime.serve.delta_embedding import can_decouple, decouple_embedding
 from deltazip.runtime.serve.delta_experts import DeltaExperts, DeltaRouter, MoeLayout
 from deltazip.runtime.serve.delta_linear import (
@@ -56,6 +55,7 @@ from deltazip.runtime.serve.kernel_warmup import warm_up_kernels
 from deltazip.runtime.serve.model_runner import left_pad, new_kv_pool, new_seq_kv, run_model, step_args
 from deltazip.runtime.serve.param_names import module_names
 from deltazip.runtime.serve.projections import merge_projections
+from deltazip.runtime.serve.variant_sources import VariantInfo
 from deltazip.runtime.share.dedup_registry import TensorDedupRegistry
 from deltazip.runtime.share.dedup_serving import (
     DedupLedger,
@@ -66,97 +66,11 @@ from deltazip.runtime.share.dedup_serving import (
 )
 
 BASE_SLOT = -1
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 # --------------------------------------------------------------------------------------------------
 # Discovery
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class VariantInfo:
-    """One variant found under the served directory (manifest or config only; nothing decoded).
-
-    ``kind``: ``artifact`` (deltazip artifact), ``full`` (plain HF checkpoint; ``tensors`` filled by
-    ``deltazip.runtime.serve.variant_sources.compare_full_checkpoint``) or ``lora`` (PEFT adapter;
-    ``tensors`` empty, its factors are described by a ``deltazip.runtime.serve.lora_variant.LoraSpec``).
-    """
-
-    name: str
-    path: Path
-    tensors: dict[str, dict[str, Any]]
-    lineage: dict[str, Any]
-    disk_bytes: int
-    kind: str = "artifact"
-    same_as_base_bytes: int = 0  # full checkpoints: bytes (served dtype) of tensors equal to the base's
-    fingerprints: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    _side_dirs: dict[Path, Path] = field(default_factory=dict, repr=False, compare=False)
-    _entries: tuple[int, dict[str, Entry]] = field(default=(0, {}), repr=False, compare=False)
-
-    @property
-    def entries(self) -> dict[str, Entry]:
-        """``tensors`` as typed entries (kind, scheme, additive...); rebuilt when ``tensors`` is replaced."""
-        if self._entries[0] != id(self.tensors):
-            self._entries = (id(self.tensors), entries(self.tensors))
-        return self._entries[1]
-
-    def side_dir(self, base_dir: Path) -> Path:
-        """Where the variant's config/tokenizer/generation files live: for an artifact, every side file
-        (those it copied into hf/ and those it keeps by reference to ``base_dir``, checked; see
-        ``Artifact.side_file_dir``); for other kinds, the variant's own directory.
-
-        Raises:
-            InputError: a side file the artifact references differs in ``base_dir`` (wrong base).
-        """
-        if self.kind != "artifact":
-            return self.path
-        key = Path(base_dir).resolve()
-        if key not in self._side_dirs:
-            self._side_dirs[key] = Artifact(self.path).side_file_dir(base_dir)
-        return self._side_dirs[key]
-
-    def tokenizer_dir(self, base_dir: Path) -> Path:
-        """The variant's own tokenizer files when it has them, else the base's."""
-        side = self.side_dir(base_dir)
-        if any((side / f).is_file() for f in _TOKENIZER_FILES):
-            return side
-        return base_dir
-
-
-def discover_artifacts(root: str | Path) -> list[VariantInfo]:
-    """Every artifact (directory with a ``manifest.json``) at or under ``root``, sorted by name.
-
-    Hidden directories (including the ``.name.tmp-*`` of unfinished writes) are skipped. Names must
-    be unique: two artifacts in different folders with the same directory name are refused.
-    """
-    root = Path(root)
-    if not root.is_dir():
-        raise InputError(f"{root}: no such directory; pass the directory that holds your artifacts")
-    found: list[Path] = []
-    if (root / MANIFEST).is_file():
-        found.append(root)
-    else:
-        for m in sorted(root.rglob(MANIFEST)):
-            rel = m.parent.relative_to(root)
-            if any(part.startswith(".") for part in rel.parts):
-                continue
-            if any((p / MANIFEST).is_file() for p in m.parent.parents if p != root and root in p.parents):
-                continue  # an artifact nested in another one's folder (e.g. its hf/) is part of it
-            found.append(m.parent)
-    if not found:
-        raise InputError(f"{root}: no deltazip artifacts found (no */manifest.json); create some with "
-                         f"`deltazip compress`")
-    out: dict[str, VariantInfo] = {}
-    for path in found:
-        art = Artifact(path, check_tensors=False)
-        name = path.name
-        if name in out:
-            raise InputError(f"two artifacts are named {name!r} ({out[name].path} and {path}); variant names are "
-                             f"directory names and must be unique")
-        out[name] = VariantInfo(name, path, art.tensors, art.lineage, art.nbytes())
-    return [out[k] for k in sorted(out)]
 
 
 def open_served_base(variants: list[VariantInfo], base_spec: str | None, command: str = "serve") -> Checkpoint:

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from _factories import calib_file, make_pair
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.experts import NO_TOKENS
 from deltazip.compress.merge import load_merged_model, merge_to_dir, reconstruct_state_dict
@@ -26,6 +25,7 @@ from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.formats.verify import verify_artifact
 from deltazip.kernels.reference import delta_weight
 from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 
 CFG = dict(scheme=DeltaScheme(group_size=32), nsamples=16, seqlen=48, batch_size=4)
 # Only linears and experts change: the logit margin then measures the packed deltas alone.

@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import merge_to_dir, reconstruct_state_dict
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.formats.verify import verify_artifact
+from deltazip.models.checkpoint import Checkpoint
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v2"
 TAGS = ("llama", "gpt2")

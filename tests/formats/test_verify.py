@@ -10,7 +10,6 @@ import torch
 from _factories import calib_file, edit_json, make_pair
 from safetensors.torch import load_file, save_file
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import FORMAT_VERSION, MANIFEST, MANIFEST_SUM, Artifact, ArtifactWriter, repack
@@ -20,6 +19,7 @@ from deltazip.formats.packing import pack_int32
 from deltazip.formats.verify import verify_artifact
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from deltazip.formats.errors import InputError
 from deltazip.formats.packing import pack_delta
 from deltazip.kernels.reference import delta_weight, sbmm
 from deltazip.runtime.cluster.tensor_parallel import check_variants, shard_packed, shard_slot_args
-from deltazip.runtime.serve.engine import Engine, EngineConfig, SamplingParams, ServedVariant
+from deltazip.runtime.serve.engine import Engine, SamplingParams
 
 # fp32 on both sides; the sharded sums add the same products in another order.
 from deltazip.runtime.serve.model_runner import prefill_logits
@@ -39,11 +39,12 @@ def served(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(served):
     """(single-process DeltaModel, rank 0 of a 2-rank group) over the same base and variants."""
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
     from deltazip.runtime.cluster.tp_group import start_tensor_parallel
-    from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+    from deltazip.runtime.serve.model import DeltaModel
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
-    variants = discover_artifacts(served.artifacts)
+    variants = discover_variants(served.artifacts)
     base = Checkpoint(served.base_dir)
     with single_thread():
         ref = DeltaModel(base, variants, 3, torch.device("cpu"), torch.float32)
@@ -56,15 +57,9 @@ def pair(served):
 
 
 def _engine(served, backend, **cfg) -> Engine:
-    from transformers import AutoTokenizer
+    from deltazip.runtime.serve.assembly import ServeConfig, engine_for
 
-    from deltazip.runtime.serve.model import eos_token_ids
-
-    tok = AutoTokenizer.from_pretrained(served.base_dir)
-    eos = eos_token_ids(served.base_dir, tok, backend.config)
-    table = {"base": ServedVariant("base", tok, eos, None)}
-    table.update({n: ServedVariant(n, tok, eos, "base") for n in VARIANTS})
-    return Engine(backend, table, "base", EngineConfig(**cfg))
+    return engine_for(backend, ServeConfig(**cfg))
 
 
 def test_mixed_batch_logits_equal_the_single_process_model(pair, served):
@@ -206,13 +201,13 @@ def test_sharded_packed_delta_products_add_up_to_the_unsharded_one(bits, sparse,
 
 
 def test_a_row_shard_that_would_split_a_group_is_refused(served):
-    from deltazip.runtime.serve.model import discover_artifacts
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
     d = pack_delta(torch.zeros(8, 64, dtype=torch.long), torch.ones(8, 1), None, None, 4, 64)
     with pytest.raises(InputError, match="cannot be split into 2 shards of 32"):
         shard_packed(d, "row", 0, 2)
     config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=4, hidden_size=64, intermediate_size=128)
-    variants = discover_artifacts(served.artifacts)
+    variants = discover_variants(served.artifacts)
     check_variants(variants, config, 2)  # shards of 32 (o_proj) and 64 (down_proj) hold whole groups of 32
     with pytest.raises(InputError, match=r"groups of 32 input columns.*--tensor-parallel 4 shards of 16") as e:
         check_variants(variants, config, 4)

@@ -10,13 +10,13 @@ import torch
 from _factories import calib_file, finetune, save_model, tiny_model
 from _serving import single_thread
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import merge_to_dir
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.formats.errors import InputError
 from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 from deltazip.runtime.eval.perplexity import perplexity
 from deltazip.runtime.eval.run import EvalOptions
 from deltazip.runtime.eval.targets import EvalBank, parse_targets

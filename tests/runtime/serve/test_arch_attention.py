@@ -24,13 +24,13 @@ from _factories import calib_file, perturb
 from _serving import single_thread
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.formats.errors import InputError
 from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
 from deltazip.runtime.serve.engine import FinishEvent, SamplingParams, TokenEvent
 

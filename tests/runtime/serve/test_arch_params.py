@@ -16,12 +16,12 @@ import torch
 from _factories import calib_file, finetune, save_model, tiny_model
 from _serving import single_thread
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 from deltazip.runtime.serve.engine import (
     Engine,
     EngineConfig,
@@ -29,7 +29,8 @@ from deltazip.runtime.serve.engine import (
     SamplingParams,
     ServedVariant,
 )
-from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+from deltazip.runtime.serve.model import DeltaModel
+from deltazip.runtime.serve.variant_sources import discover_variants
 
 FAMILIES = ["gemma", "gemma3", "gpt_neox", "opt", "gpt2"]
 IDS = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)  # the demo's character tokenizer
@@ -109,7 +110,7 @@ def test_delta_mode_serves_the_merged_greedy_output(tmp_path, arch):
     n = 8
     with single_thread():
         base_dir, arts, tok = build_family(tmp_path, arch)
-        variants = discover_artifacts(arts)
+        variants = discover_variants(arts)
         ck = Checkpoint(base_dir)
         refs = {v.name: load_merged_model(Artifact(v.path), ck) for v in variants}
         refs["base"] = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()

@@ -8,12 +8,12 @@ import torch
 from _factories import calib_file, perturb, tiny_model
 from _serving import PROMPTS, single_thread
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
 from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
 

@@ -12,10 +12,8 @@ from _serving import PROMPTS, served_set, single_thread
 from deltazip.runtime.serve.delta_cache import TieredCache
 from deltazip.runtime.serve.engine import (
     Engine,
-    EngineConfig,
     FinishEvent,
     SamplingParams,
-    ServedVariant,
     TokenEvent,
 )
 from deltazip.runtime.serve.scheduler import BASE_KEY, SchedRequest, Scheduler
@@ -30,19 +28,10 @@ def served(tmp_path_factory):
 
 
 def _engine(served, **cfg) -> Engine:
-    from transformers import AutoTokenizer
+    from deltazip.runtime.serve.assembly import ServeConfig, build_engine
 
-    from deltazip.compress.checkpoint import Checkpoint
-    from deltazip.runtime.serve.model import DeltaModel, discover_artifacts, eos_token_ids
-
-    variants = discover_artifacts(served.artifacts)
-    ec = EngineConfig(**cfg)
-    backend = DeltaModel(Checkpoint(served.base_dir), variants, ec.max_deltas, torch.device("cpu"), torch.float32)
-    tok = AutoTokenizer.from_pretrained(served.base_dir)
-    eos = eos_token_ids(served.base_dir, tok, backend.config)
-    table = {"base": ServedVariant("base", tok, eos, None)}
-    table.update({v.name: ServedVariant(v.name, tok, eos, "base") for v in variants})
-    return Engine(backend, table, "base", ec)
+    return build_engine(ServeConfig(served.artifacts, base=str(served.base_dir), base_name="base", device="cpu",
+                                    dtype="float32", **cfg))
 
 
 class Timed:
@@ -249,14 +238,15 @@ def test_a_staged_variant_fills_a_slot_exactly_like_a_direct_write(served, devic
     """The loader's staging (CPU: packed deltas dequantized off the engine thread; CUDA: copies to the
     device on a side stream) changes where the work happens, not the numbers: a slot written from the
     staged object gives bit-identical logits to one written from the host object."""
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
     from deltazip.runtime.serve.delta_loader import DeltaLoader, device_tensors
-    from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+    from deltazip.runtime.serve.model import DeltaModel
     from deltazip.runtime.serve.model_runner import prefill_logits
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
     dev = torch.device(device)
     with single_thread():
-        dm = DeltaModel(Checkpoint(served.base_dir), discover_artifacts(served.artifacts), 2, dev, torch.float32)
+        dm = DeltaModel(Checkpoint(served.base_dir), discover_variants(served.artifacts), 2, dev, torch.float32)
         cache = TieredCache(dm.load_host, dm.write_slot, dm.clear_slot, num_slots=2, max_cpu=2)
         loader = DeltaLoader(cache, dm.stage_slot, dev)
         try:

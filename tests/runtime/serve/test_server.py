@@ -409,13 +409,13 @@ def test_chat_falls_back_to_the_base_template(served, tmp_path):
 
     from _factories import perturb, tiny_model
 
-    from deltazip.compress.checkpoint import Checkpoint
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.merge import load_merged_model
     from deltazip.compress.pipeline import compress_delta
     from deltazip.demo.pair import build_char_tokenizer
     from deltazip.formats.artifact import Artifact
     from deltazip.kernels.scheme import DeltaScheme
+    from deltazip.models.checkpoint import Checkpoint
 
     ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     ft_dir = tmp_path / "ft-plain"

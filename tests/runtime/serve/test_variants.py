@@ -454,7 +454,7 @@ def _header_bytes(ckpt_dir) -> int:
 @pytest.mark.gpu
 def test_identical_checkpoints_share_device_memory_on_cuda(fleet):
     """Two slots holding A/B copies of a full fine-tune reference one device copy of each tensor."""
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
     from deltazip.runtime.serve.model import DeltaModel
     from deltazip.runtime.serve.variant_sources import (
         BaseTensorIndex,
