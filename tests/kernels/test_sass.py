@@ -7,7 +7,7 @@ its interpreter, which replaces ``@triton.jit`` functions) and asserts:
   ``GOAL_INSTR_PER_WEIGHT`` SASS instructions per weight in the main loop, fp16 and bf16;
 - no fast variant stores to shared memory in its main loop (the dequantized tile goes straight into
   the MMA registers), on sm_80 and sm_90, and the asymmetric ones stay close to the goal;
-- the legacy kernel, measured the same way, is the one the issue describes (instruction-bound), and
+- the transposed kernel, measured the same way, is the one the issue describes (instruction-bound), and
   its 3-bit 2:4 variant fits in shared memory.
 
 Skipped only where Triton's bundled compiler or cuobjdump is missing.
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 VARIANTS = (["fast:4:24:sym:fp16", "fast:4:24:sym:bf16", "fast:4:24:asym:fp16", "fast:4:24:asym:bf16",
-             "legacy:4:24:sym:fp16", "legacy:3:24:sym:fp16"] + [f"fast:{b}:dense:sym:{dt}" for b in (2, 4, 8) for dt in ("fp16", "bf16")])
+             "transposed:4:24:sym:fp16", "transposed:3:24:sym:fp16"] + [f"fast:{b}:dense:sym:{dt}" for b in (2, 4, 8) for dt in ("fp16", "bf16")])
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +72,15 @@ def test_fast_kernel_dequantizes_in_registers_for_every_bit_width(rows, arch):
             assert r["instr_per_weight"] <= limit, r
 
 
-def test_legacy_kernel_is_instruction_bound_as_the_issue_says(rows):
-    legacy, fast = rows[("legacy", 4, True, False, "fp16", "sm_90")], rows[("fast", 4, True, False, "fp16", "sm_90")]
-    assert legacy["loop_smem_stores"] > 0  # the dequantized tile goes through shared memory
-    assert legacy["bound"][0]["limited_by"] == "instructions"
-    assert legacy["instr_per_weight"] > 3 * fast["instr_per_weight"]
+def test_transposed_kernel_is_instruction_bound_as_the_issue_says(rows):
+    transposed, fast = rows[("transposed", 4, True, False, "fp16", "sm_90")], rows[("fast", 4, True, False, "fp16", "sm_90")]
+    assert transposed["loop_smem_stores"] > 0  # the dequantized tile goes through shared memory
+    assert transposed["bound"][0]["limited_by"] == "instructions"
+    assert transposed["instr_per_weight"] > 3 * fast["instr_per_weight"]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_legacy_3_bit_24_fits_in_shared_memory(rows, arch):
+def test_transposed_3_bit_24_fits_in_shared_memory(rows, arch):
     """3-bit 2:4 (no fast kernel) used to need 280 KiB of shared memory at its default tile: more than
     an A100 (164 KiB) or H100 (228 KiB) has, so it could not launch."""
-    assert rows[("legacy", 3, True, False, "fp16", arch)]["shared_bytes"] <= 160 * 1024
+    assert rows[("transposed", 3, True, False, "fp16", arch)]["shared_bytes"] <= 160 * 1024
