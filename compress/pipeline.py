@@ -6,7 +6,7 @@ group of linears, accumulate the Hessian of their input on the calibration activ
 groups and the next layer see the reconstructed fine-tuned model; then run the layer to produce the
 next layer's inputs. After the last layer an untied ``lm_head`` is compressed the same way, its
 Hessian taken from the final hidden states after the final norm. Embeddings are stored row by row
-and every other tensor exactly (compress/others.py).
+and every other tensor exactly (compress/rows_and_exact.py).
 
 Linears are ``nn.Linear``, GPT-2's ``Conv1D`` (stored ``[in, out]``, solved transposed) and
 mixture-of-experts weights, whose every expert is solved with the Hessian of the tokens routed to it
@@ -27,7 +27,7 @@ from deltazip.compress.calibration import check_calibration_source, load_calibra
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.experts import Hessians, collect_hessians, encode_target, solve_target
 from deltazip.compress.obs import SolveResult, obs_compress, rtn_compress
-from deltazip.compress.others import embedding_weight_names, new_stats, record_embedding, record_exact
+from deltazip.compress.rows_and_exact import embedding_weight_names, new_stats, record_embedding, record_exact
 from deltazip.formats import codecs
 from deltazip.formats.artifact import Artifact, ArtifactWriter
 from deltazip.formats.codecs.xor import bitwise_equal

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from deltazip.formats.checksum import Fingerprint
+from deltazip.formats.checksum import CheckpointFingerprint
 from deltazip.formats.errors import InputError
 from deltazip.formats.safetensors_raw import TensorEntry, read_table
 
@@ -158,9 +158,9 @@ class Checkpoint:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def fingerprint(self) -> str:
-        """xxh3-128 fingerprint over every tensor's raw bytes (see formats.checksum.Fingerprint),
+        """xxh3-128 fingerprint over every tensor's raw bytes (see formats.checksum.CheckpointFingerprint),
         hashed from file reads in chunks, so it holds at most one chunk in memory."""
-        fp = Fingerprint()
+        fp = CheckpointFingerprint()
         for f in self.files:
             entries, _ = read_table(f)
             for name, e in entries.items():

@@ -241,7 +241,7 @@ class BaseTensorIndex:
 
 
 def checkpoint_fingerprints(ck: Checkpoint, fingerprint_bytes: Callable) -> dict:
-    """``name -> Fingerprint`` of every tensor of ``ck`` from its file bytes (as ``dedup-scan``)."""
+    """``name -> TensorFingerprint`` of every tensor of ``ck`` from its file bytes (as ``dedup-scan``)."""
     from deltazip.formats.safetensors_raw import RawFile
 
     out = {}

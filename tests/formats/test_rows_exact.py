@@ -1,10 +1,10 @@
 """Format v2 kinds: ``rows`` (embedding deltas row by row, with an error bound), ``xor`` (exact in any
-dtype), ``alias``; and the exact-kind choice of compress/others.py."""
+dtype), ``alias``; and the exact-kind choice of compress/rows_and_exact.py."""
 
 import pytest
 import torch
 
-from deltazip.compress.others import exact_candidates, new_stats, record_embedding, record_exact
+from deltazip.compress.rows_and_exact import exact_candidates, new_stats, record_embedding, record_exact
 from deltazip.formats.artifact import FORMAT_VERSION, Artifact, ArtifactWriter
 from deltazip.formats.codecs.rows import (
     changed_rows,
