@@ -10,9 +10,9 @@ from deltazip.formats import codecs
 from deltazip.formats.errors import InputError
 from deltazip.kernels.packed import SUPPORTED_BITS
 from deltazip.kernels.scheme import DeltaScheme, SchemeError
+from deltazip.models.devices import check_device, check_dtype, resolve_device, resolve_dtype
 
 METHODS = ("deltazip", "sparsegpt", "rtn")
-DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CALIB_ACTIVATIONS = ("reconstructed", "base")
 
 
@@ -55,12 +55,8 @@ class CompressConfig:
             raise InputError("--nsamples must be >= 1 and --seqlen >= 2")
         if not 0 < self.damp < 1:
             raise InputError(f"--damp {self.damp} must lie in (0, 1)")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise InputError(f"--device {self.device!r} is unknown; use auto, cpu or cuda")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise InputError("--device cuda was asked for but no CUDA device is available; use --device cpu")
-        if self.dtype not in DTYPES:
-            raise InputError(f"--dtype {self.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
+        check_device(self.device)
+        check_dtype(self.dtype)
         if self.calib_activations not in CALIB_ACTIVATIONS:
             raise InputError(f"calib_activations must be one of {CALIB_ACTIVATIONS}")
         if self.batch_size < 1:
@@ -109,17 +105,12 @@ class CompressConfig:
         return self.method != "sparsegpt"
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return resolve_device(self.device)
 
     def compute_dtype(self, device: torch.device, stored: torch.dtype) -> torch.dtype:
-        """Dtype of layer forwards: fp32 on CPU; the checkpoint's half dtype on CUDA unless told."""
-        if DTYPES[self.dtype] is not None:
-            return DTYPES[self.dtype]
-        if device.type == "cuda" and stored in (torch.float16, torch.bfloat16):
-            return stored
-        return torch.float32
+        """Dtype of layer forwards: fp32 on CPU; the checkpoint's half dtype on CUDA unless told
+        (``deltazip.models.devices``)."""
+        return resolve_dtype(self.dtype, device, stored, serving=False)
 
     def to_dict(self) -> dict:
         """The manifest's ``config``: the scheme's grid first, flat, as before the scheme existed

@@ -16,6 +16,7 @@ from deltazip.formats.atomic import apply_umask, remove_stale_siblings, temp_sib
 from deltazip.formats.errors import InputError
 from deltazip.formats.side_files import materialize_side_files
 from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.loader import load_causal_lm
 
 
 def open_base(art: Artifact, base_spec: str | Path | None, check_fingerprint: bool = True) -> Checkpoint:
@@ -110,9 +111,6 @@ def load_merged_model(art: Artifact, base: Checkpoint, dtype: torch.dtype | None
     """
     import tempfile
 
-    from transformers import AutoModelForCausalLM
-
     with tempfile.TemporaryDirectory(prefix="deltazip-merge-") as tmp:
         path = merge_to_dir(art, base, Path(tmp) / "model")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
-    return model.eval()
+        return load_causal_lm(path, dtype or torch.float32, what=f"the merge of {art.path}")

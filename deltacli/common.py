@@ -20,6 +20,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from deltazip.models.devices import DEVICES, DTYPES
+
 # Logs, tables meant for people and progress go to stderr; stdout carries only --json output
 # (or the human report when --json is off).
 err_console = Console(stderr=True)
@@ -28,6 +30,14 @@ out_console = Console()
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout; no progress bars.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the output directory if it exists.")]
 ArtifactArg = Annotated[Path, typer.Argument(help="A deltazip artifact directory.", show_default=False)]
+# One --base, --device and --dtype for every command, with one accepted set (deltazip.models.devices).
+BaseOpt = Annotated[str | None, typer.Option("--base", help="Base model: local HF directory or hub id (default: "
+                                             "the base the artifacts' lineage names).", show_default=False)]
+RequiredBaseOpt = Annotated[str, typer.Option("--base", help="Base model: local HF directory or hub id.",
+                                              show_default=False)]
+DeviceOpt = Annotated[str, typer.Option("--device", help=f"{DEVICES}.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help=f"Compute dtype: {DTYPES} (auto: float32 on CPU, on CUDA the "
+                                       "checkpoint's half dtype).")]
 
 
 def human_bytes(n: float) -> str:

@@ -7,13 +7,21 @@ from typing import Annotated
 
 import typer
 
-from deltazip.deltacli.common import JsonOpt, OverwriteOpt, print_json, progress_bar
+from deltazip.deltacli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    OverwriteOpt,
+    RequiredBaseOpt,
+    print_json,
+    progress_bar,
+)
 from deltazip.deltacli.render import render_summary
 from deltazip.formats.gdeflate import DEFAULT_LEVEL, MAX_LEVEL, MIN_LEVEL
 
 
 def compress(
-    base: Annotated[str, typer.Option("--base", help="Base model: local HF directory or hub id.", show_default=False)],
+    base: RequiredBaseOpt,
     finetuned: Annotated[str, typer.Option("--finetuned", help="Fine-tuned model: local HF directory or hub id.",
                                            show_default=False)],
     out: Annotated[Path, typer.Option("--out", help="Artifact directory to create.", show_default=False)],
@@ -34,8 +42,8 @@ def compress(
     damp: Annotated[float, typer.Option(help="Hessian dampening relative to its mean diagonal.")] = 0.01,
     method: Annotated[str, typer.Option(help="deltazip (delta + reconstructed calibration), sparsegpt (solver on "
                                         "full weights) or rtn (round-to-nearest delta).")] = "deltazip",
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="Dtype of layer forwards: auto, float32, float16, bfloat16.")] = "auto",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the calibration sampler.")] = 0,
     batch_size: Annotated[int, typer.Option(help="Calibration windows per layer forward.")] = 8,
     calib_activations: Annotated[str, typer.Option(help="'reconstructed' (ΔCompress) or 'base' (ablation: "

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from deltazip.deltacli.common import ArtifactArg, JsonOpt, print_json
+from deltazip.deltacli.common import ArtifactArg, BaseOpt, JsonOpt, print_json
 from deltazip.deltacli.render import render_summary
 
 
@@ -16,7 +16,7 @@ def inspect(
     artifact: ArtifactArg,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG: delta vs base weight magnitudes and "
                                               "per-layer error (needs the base model).")] = None,
-    base: Annotated[str | None, typer.Option("--base", help="Base model for --plot (default: the lineage's).")] = None,
+    base: BaseOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Show what an artifact holds: sizes and bits per weight by tensor kind, compression ratios against

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from deltazip.deltacli.common import JsonOpt, err_console, print_json
+from deltazip.deltacli.common import BaseOpt, DeviceOpt, DtypeOpt, JsonOpt, err_console, print_json
 
 
 def serve(
@@ -17,7 +17,7 @@ def serve(
                                                    "full HF checkpoints, PEFT LoRA adapters (one per directory; the "
                                                    "variant name is the directory name).",
                                               show_default=False)],
-    base: Annotated[str | None, typer.Option("--base", help="Base model (default: the artifacts' lineage base).")] = None,
+    base: BaseOpt = None,
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default; 0.0.0.0 exposes it).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="DELTAZIP_API_KEY", show_envvar=True,
@@ -29,9 +29,8 @@ def serve(
     max_batch_tokens: Annotated[int, typer.Option(help="Tokens per engine step (prompts + one per sequence).")] = 2048,
     max_num_seqs: Annotated[int, typer.Option(help="Sequences per engine step.")] = 32,
     max_queue: Annotated[int, typer.Option(help="Waiting requests before new ones get 429.")] = 256,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, the checkpoint's half dtype on CUDA), float32, "
-                                            "float16, bfloat16.")] = "auto",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     delta_compute: Annotated[str, typer.Option(help="auto, packed (SBMM on stacked low-bit deltas) or dequantized "
                                                     "(dense deltas per slot; auto picks it on CPU).")] = "auto",
     cpu_threads: Annotated[int | None, typer.Option(help="torch intra-op threads (default: torch's choice).")] = None,

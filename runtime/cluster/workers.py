@@ -181,7 +181,7 @@ class WorkerPool:
     def start(self) -> WorkerPool:
         """Validate the inputs here (one-line errors before any process starts), start the owner,
         then the workers; return when all are ready."""
-        from deltazip.runtime.serve.model import open_served_base, resolve_dtype
+        from deltazip.runtime.serve.model import open_served_base, served_dtype
         from deltazip.runtime.serve.variant_sources import discover_variants
         from deltazip.runtime.share.weight_share import st_dtype
 
@@ -190,7 +190,7 @@ class WorkerPool:
         base = open_served_base(variants, self.cfg.base)
         self.base_dir = base.path
         self.device = self.cfg.torch_device()
-        self.dtype = resolve_dtype(self.cfg.dtype, self.device, base)
+        self.dtype = served_dtype(self.cfg.dtype, self.device, base)
         self._config = _config_json(self.cfg)
         try:
             if self.share:

@@ -31,6 +31,8 @@ from torch import nn
 from deltazip.formats.artifact import MANIFEST
 from deltazip.formats.errors import InputError
 from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.devices import check_dtype, resolve_device
+from deltazip.models.loader import load_causal_lm
 from deltazip.runtime.serve.assembly import ServeConfig, build_model
 from deltazip.runtime.serve.lora_variant import ADAPTER_CONFIG
 from deltazip.runtime.serve.model import (
@@ -40,7 +42,7 @@ from deltazip.runtime.serve.model import (
     VariantInfo,
     load_tokenizer,
     open_served_base,
-    resolve_dtype,
+    served_dtype,
 )
 from deltazip.runtime.serve.variant_sources import inspect_variant
 
@@ -138,11 +140,8 @@ class EvalBank:
 
     def __init__(self, targets: list[Target], base: str | None, device: str = "auto", dtype: str = "auto"):
         self.targets = targets
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise InputError(f"--device {device} was asked for but no CUDA device is available")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
+        check_dtype(dtype)
         self._dtype_name = dtype
         self._hf: tuple[str, nn.Module] | None = None
         variants = [t.variant for t in targets if t.variant is not None]
@@ -209,12 +208,6 @@ class EvalBank:
         return load_tokenizer(target.variant.tokenizer_dir(self.base.path))
 
     def _load_hf(self, path: Path) -> nn.Module:
-        from transformers import AutoModelForCausalLM
-
         ck = Checkpoint(str(path), "model")  # refuses pickled weights, names the problem
-        dtype = self.dtype or resolve_dtype(self._dtype_name, self.device, ck)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(ck.path), dtype=dtype)
-        except Exception as e:  # unknown architecture, broken weights
-            raise InputError(f"{path}: cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
-        return model.to(self.device).eval()
+        dtype = self.dtype or served_dtype(self._dtype_name, self.device, ck)
+        return load_causal_lm(ck.path, dtype, what="model").to(self.device)

@@ -31,6 +31,7 @@ import torch
 from deltazip.formats.errors import InputError
 from deltazip.formats.report import human_bytes
 from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.devices import check_device, check_dtype, resolve_device
 from deltazip.runtime.serve.engine import Engine, EngineConfig, ServedVariant
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE
 from deltazip.runtime.serve.model import (
@@ -40,7 +41,7 @@ from deltazip.runtime.serve.model import (
     eos_token_ids,
     load_tokenizer,
     open_served_base,
-    resolve_dtype,
+    served_dtype,
 )
 from deltazip.runtime.serve.variant_sources import (
     BaseTensorIndex,
@@ -104,10 +105,8 @@ class ServeConfig:
             raise InputError(f"--max-cpu-deltas must be >= 0, got {self.max_cpu_deltas}")
         if not 0 <= self.port <= 65535:
             raise InputError(f"--port {self.port} is not a TCP port")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise InputError(f"--device {self.device!r} is unknown; use auto, cpu or cuda[:N]")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise InputError(f"--device {self.device} was asked for but no CUDA device is available")
+        check_device(self.device)
+        check_dtype(self.dtype)
         if self.workers < 1:
             raise InputError(f"--workers must be >= 1, got {self.workers}")
         if self.tensor_parallel < 1:
@@ -121,9 +120,7 @@ class ServeConfig:
             self.api_key = None
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return resolve_device(self.device)
 
     def engine_config(self) -> EngineConfig:
         """The engine's part of the configuration."""
@@ -276,7 +273,7 @@ def build_model(cfg: ServeConfig, variants: list[VariantInfo] | None = None,
     if base_name in {v.name for v in variants}:
         raise InputError(f"variant name {base_name!r} is also the base model's name; rename the variant directory")
     device = cfg.torch_device()
-    dtype = resolve_dtype(cfg.dtype, device, base)
+    dtype = served_dtype(cfg.dtype, device, base)
     registry, ledger = new_serving_registry(), DedupLedger()
     asm = Assembly(base, base_name, variants, None, device, dtype, BaseTensorIndex(base, registry.fingerprint_bytes),
                    ledger)

@@ -41,6 +41,8 @@ from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
 from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.devices import resolve_dtype
+from deltazip.models.loader import load_causal_lm
 from deltazip.runtime.serve.delta_embedding import can_decouple, decouple_embedding
 from deltazip.runtime.serve.delta_experts import DeltaExperts, DeltaRouter, MoeLayout
 from deltazip.runtime.serve.delta_linear import (
@@ -123,18 +125,13 @@ def load_tokenizer(path: Path):
         raise InputError(f"{path}: no usable tokenizer ({type(e).__name__}: {e})") from e
 
 
-def resolve_dtype(name: str, device: torch.device, base: Checkpoint) -> torch.dtype:
-    """``auto``: fp32 on CPU; on CUDA the checkpoint's half dtype, fp16 for an fp32 checkpoint."""
-    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+def served_dtype(name: str, device: torch.device, base: Checkpoint) -> torch.dtype:
+    """The dtype ``base`` is served in for a ``--dtype`` value (``deltazip.models.devices``: ``auto`` is
+    fp32 on CPU; on CUDA the checkpoint's half dtype, fp16 for an fp32 checkpoint)."""
     if name != "auto":
-        if name not in table:
-            raise InputError(f"--dtype {name!r} is unknown; use auto, float32, float16 or bfloat16")
-        return table[name]
-    if device.type != "cuda":
-        return torch.float32
+        return resolve_dtype(name, device, torch.float32, serving=True)
     first = next((n for n in base.names if base.dtype(n).is_floating_point), None)
-    stored = base.dtype(first) if first else torch.float32
-    return stored if stored in (torch.float16, torch.bfloat16) else torch.float16
+    return resolve_dtype(name, device, base.dtype(first) if first else torch.float32, serving=True)
 
 
 def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -150,7 +147,7 @@ def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) 
             or fails a few test forwards through the engine's cache and masks (one line, at start-up,
             instead of a server that answers every request with an error).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from deltazip.runtime.serve.masks import attention_implementation, unsupported_layer_types
     from deltazip.runtime.share.weight_share import attached_model
@@ -162,11 +159,8 @@ def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) 
         raise InputError(f"base {base.path} cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
     # A worker of `deltazip serve --workers K` builds the model over the weight owner's mapped tensors.
     model = attached_model(base.path, dtype, device, attn_implementation=impl)
-    try:
-        if model is None:
-            model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype=dtype, attn_implementation=impl)
-    except Exception as e:  # unknown architecture, broken weights
-        raise InputError(f"base {base.path} cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
+    if model is None:
+        model = load_causal_lm(base.path, dtype, attn_implementation=impl, what="base")
     bad = unsupported_layer_types(model.config)
     if bad:
         raise InputError(f"base {base.path} uses {', '.join(bad)} layers, which the serving engine builds no attention "
@@ -749,9 +743,7 @@ class SwapModels:
     def _state_dict_of(self, path: Path, ck: Checkpoint) -> dict[str, torch.Tensor]:
         if self._names_match:
             return {n: ck.get(n) for n in ck.names}
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype).state_dict()
+        return load_causal_lm(path, self.dtype, what="checkpoint").state_dict()
 
     def load_host(self, name: str) -> dict[str, torch.Tensor]:
         from deltazip.compress.merge import load_merged_model, reconstruct_state_dict

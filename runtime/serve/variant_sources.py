@@ -28,13 +28,12 @@ from typing import Any
 
 from deltazip.formats.artifact import MANIFEST, Artifact, file_problem
 from deltazip.formats.codecs import Entry, entries
-from deltazip.formats.dtypes import ST_TO_TORCH, dtype_name
+from deltazip.formats.dtypes import ST_FLOATS, ST_TO_TORCH, dtype_name
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.runtime.serve.lora_variant import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
-_ELEMENT_SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -295,5 +294,5 @@ def compare_full_checkpoint(v: VariantInfo, index: BaseTensorIndex, served_items
             numel = 1
             for d in e.shape:
                 numel *= d
-            same_bytes += numel * (served_itemsize if e.dtype in _ELEMENT_SIZE else e.nbytes // max(numel, 1))
+            same_bytes += numel * (served_itemsize if e.dtype in ST_FLOATS else e.nbytes // max(numel, 1))
     v.tensors, v.same_as_base_bytes, v.fingerprints = tensors, same_bytes, fps

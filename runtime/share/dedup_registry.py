@@ -36,17 +36,8 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from deltazip.formats.dedup_scan import TensorFingerprint, hash_bytes, hash_name
+from deltazip.formats.dtypes import ST_TO_TORCH, TORCH_TO_ST
 from deltazip.formats.errors import DeltazipError, InputError
-
-# safetensors dtype string <-> torch dtype. The registry fingerprints by the safetensors name so
-# that its fingerprints equal the scan's.
-ST_TO_TORCH: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-}
-TORCH_TO_ST: dict[torch.dtype, str] = {v: k for k, v in ST_TO_TORCH.items()}
 
 
 class SharedTensorWriteError(DeltazipError, RuntimeError):
