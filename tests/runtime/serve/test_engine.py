@@ -413,8 +413,10 @@ def test_chunked_prefill_keeps_decodes_going_and_outputs_equal_generate(served):
 
         eng._forward = spy
         # beta resident from the start: its background load would otherwise hold the long prompt back
-        # while the decoders run towards their end.
-        eng.cache.ensure(["beta"])
+        # while the decoders run towards their end. alpha too: when its background load landed a few
+        # steps late, base (which stops at its EOS around step 16) was too far ahead to overlap the
+        # long prefill (a race that failed about one run in ten).
+        eng.cache.ensure(["alpha", "beta"])
         rids = {eng.submit(m, tok(PROMPTS[i])["input_ids"], SamplingParams(max_tokens=40, temperature=0.0),
                            col.sink(m)): m for i, m in enumerate(("alpha", "base"))}
         eng.start()
