@@ -50,15 +50,11 @@ def _workload(names: list[str], n: int, seed: int = 0) -> list[tuple[str, str]]:
 
 
 def _run(backend, base_dir: Path, names: list[str], work, max_tokens: int, slots: int) -> dict:
-    from transformers import AutoTokenizer
+    from deltazip.runtime.serve.assembly import ServeConfig, engine_for
+    from deltazip.runtime.serve.engine import FinishEvent, SamplingParams
 
-    from deltazip.runtime.serve.engine import Engine, EngineConfig, FinishEvent, SamplingParams, ServedVariant
-    from deltazip.runtime.serve.model import eos_token_ids
-
-    tok = AutoTokenizer.from_pretrained(base_dir)
-    eos = eos_token_ids(base_dir, tok, backend.config)
-    table = {"base": ServedVariant("base", tok, eos, None)} | {n: ServedVariant(n, tok, eos, "base") for n in names}
-    eng = Engine(backend, table, "base", EngineConfig(max_deltas=slots, max_num_seqs=16))
+    eng = engine_for(backend, ServeConfig(max_deltas=slots, max_num_seqs=16))
+    tok = eng.served["base"].encoder
     first: dict[int, float] = {}
     done: dict[int, FinishEvent] = {}
     cond = threading.Condition()
@@ -90,12 +86,13 @@ def _run(backend, base_dir: Path, names: list[str], work, max_tokens: int, slots
 
 def tp_rows(quick: bool) -> list[dict]:
     """One row per tensor-parallel degree (1, 2) on CPU with gloo, same workload and variants."""
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
     from deltazip.runtime.cluster.tp_group import start_tensor_parallel
-    from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+    from deltazip.runtime.serve.model import DeltaModel
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
     pair, arts = _variants(quick)
-    variants = discover_artifacts(arts)
+    variants = discover_variants(arts)
     names = [v.name for v in variants]
     base = Checkpoint(pair["base"])
     work = _workload(names, 24 if quick else 64)

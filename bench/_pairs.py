@@ -98,6 +98,7 @@ def synthetic_llama(name: str, seeds: list[int], log=print) -> tuple[Path, Path]
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.pipeline import compress_delta
     from deltazip.demo.pair import build_char_tokenizer
+    from deltazip.kernels.scheme import DeltaScheme
 
     ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     shape = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
@@ -106,7 +107,8 @@ def synthetic_llama(name: str, seeds: list[int], log=print) -> tuple[Path, Path]
     m = tiny_model("llama", dtype=torch.float16, **ids, **shape)
     m.save_pretrained(base)
     tok.save_pretrained(base)
-    cfg = CompressConfig(method="rtn", bits=4, sparsity="none", group_size=128, nsamples=4, seqlen=16, device="cpu")
+    cfg = CompressConfig(scheme=DeltaScheme(bits=4, sparsity="none", group_size=128),
+                         method="rtn", nsamples=4, seqlen=16, device="cpu")
     calib = str(calib_file(d / "calib", n=8))
     for i, seed in enumerate(seeds, 1):
         log(f"building variant v{i}")
@@ -140,6 +142,7 @@ def synthetic_7b(layers: int = 4, distinct: int = 2, names: int = 32, shape: str
         from deltazip.compress.config import CompressConfig
         from deltazip.compress.pipeline import compress_delta
         from deltazip.demo.pair import build_char_tokenizer
+        from deltazip.kernels.scheme import DeltaScheme
 
         cfg = AutoConfig.for_model("llama", num_hidden_layers=layers, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                                    max_position_embeddings=4096, **SHAPES_7B[shape])
@@ -152,8 +155,8 @@ def synthetic_7b(layers: int = 4, distinct: int = 2, names: int = 32, shape: str
         tok.save_pretrained(base)
         original = {k: v.clone() for k, v in m.state_dict().items()}
         calib = str(calib_file(d / "calib", n=8))
-        ccfg = CompressConfig(method="rtn", bits=4, sparsity="2:4", group_size=128, nsamples=4, seqlen=16,
-                              device="auto")
+        ccfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=128, sparsity="2:4"), method="rtn", nsamples=4,
+                              seqlen=16, device="auto")
         t0 = time.time()
         for i in range(distinct):
             g = torch.Generator(dev).manual_seed(i + 1)

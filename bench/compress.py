@@ -94,9 +94,9 @@ def run_cli(pair: dict, args: list[str], nsamples: int, seqlen: int, art: Path, 
             ) -> dict:
     """`deltazip compress --json` in a fresh process; the merged model and the compressor's stats.
     ``pythonpath``: run another checkout's deltazip (``v1_shim``); its artifact is read by this one."""
-    from deltazip.compress.checkpoint import Checkpoint
     from deltazip.compress.merge import load_merged_model
     from deltazip.formats.artifact import Artifact
+    from deltazip.models.checkpoint import Checkpoint
 
     cmd = [sys.executable, "-m", "deltazip.deltacli.app", "compress", "--base", pair["base"], "--finetuned",
            pair["finetuned"], "--calib", pair["calib"], "--out", str(art), "--group-size",
@@ -179,7 +179,7 @@ def bench_pair(pair: dict, quick: bool, workdir: Path, llmc: tuple[Path | None, 
                methods=METHODS, v1: Path | None = None) -> list[dict]:
     from transformers import AutoTokenizer
 
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
 
     tok = AutoTokenizer.from_pretrained(pair["finetuned"])
     rows = read_eval_rows(pair)

@@ -18,7 +18,7 @@ run, medians of CUDA-event timings with the L2 cache flushed before every repeat
   plans prebuilt);
 - ``bmm_fp16``: gather rows grouped by delta, ``torch.bmm`` over the stacked fp16 deltas, scatter back
   (needs every delta dense in fp16: 16x the memory of a 4-bit 2:4 delta);
-- ``sbmm``: the legacy Triton SBMM (``triton_sbmm``, transposed layout) with the row plan built
+- ``sbmm``: the transposed Triton SBMM (``triton_sbmm``, transposed layout) with the row plan built
   beforehand (a server builds it once per step and shares it across all linears); ``sbmm_with_plan``
   includes building the plan;
 - ``sbmm_fast``: the bandwidth-bound kernel (``triton_fast``, mma layout: 2:4 expanded to dense codes

@@ -7,7 +7,7 @@ Prints ONE JSON document ``{"bench": "kernels_sass", "machine": {...}, "config":
 only Triton (its compiler, ptxas and cuobjdump ship with it); without them it prints one line on
 stderr and exits 1.
 
-For every variant (legacy kernel ``triton_sbmm`` and the fast kernel ``triton_fast``; bits 2/3/4/8,
+For every variant (transposed kernel ``triton_sbmm`` and the fast kernel ``triton_fast``; bits 2/3/4/8,
 2:4 or dense, symmetric or asymmetric, fp16 or bf16 activations) and arch, a result row has:
 
 - ``instr_per_weight``: SASS instructions in the main K loop (the body of the backward branch that
@@ -18,9 +18,9 @@ For every variant (legacy kernel ``triton_sbmm`` and the fast kernel ``triton_fa
   multiple of the floor (the time to read the compressed delta once); the model is in
   ``deltazip.kernels.sass`` and docs/kernels.md.
 
-``summary`` puts legacy and fast side by side per (bits, sparse, asym, dtype, arch) with the ratio of
+``summary`` puts transposed and fast side by side per (bits, sparse, asym, dtype, arch) with the ratio of
 their instruction counts, and checks the issue's goal (fast kernel, 4 bits, sm_90: at most 3
-instructions per weight). The fast kernel has no 3-bit variant (those deltas stay on the legacy
+instructions per weight). The fast kernel has no 3-bit variant (those deltas stay on the transposed
 kernel).
 """
 
@@ -64,14 +64,14 @@ def summarize(results: list[dict]) -> dict:
         by.setdefault((r["bits"], r["sparse"], r["asym"], r["dtype"], r["arch"]), {})[r["kernel"]] = r
     pairs = []
     for (bits, sparse, asym, dtype, arch), ks in sorted(by.items()):
-        old, new = ks.get("legacy"), ks.get("fast")
+        old, new = ks.get("transposed"), ks.get("fast")
         row = {"bits": bits, "sparse": sparse, "asym": asym, "dtype": dtype, "arch": arch,
-               "legacy_instr_per_weight": old and old["instr_per_weight"],
+               "transposed_instr_per_weight": old and old["instr_per_weight"],
                "fast_instr_per_weight": new and new["instr_per_weight"],
-               "legacy_bound_x_floor": old and [b["bound_x_floor"] for b in old["bound"]],
+               "transposed_bound_x_floor": old and [b["bound_x_floor"] for b in old["bound"]],
                "fast_bound_x_floor": new and [b["bound_x_floor"] for b in new["bound"]]}
         if old and new:
-            row["instr_ratio_legacy_over_fast"] = round(old["instr_per_weight"] / new["instr_per_weight"], 2)
+            row["instr_ratio_transposed_over_fast"] = round(old["instr_per_weight"] / new["instr_per_weight"], 2)
         pairs.append(row)
     goal_rows = [r for r in results if r["kernel"] == "fast" and r["bits"] == 4 and r["arch"] == "sm_90"]
     worst = max(goal_rows, key=lambda r: r["instr_per_weight"], default=None)

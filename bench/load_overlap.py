@@ -44,8 +44,8 @@ def pair() -> tuple[Path, Path]:
 
 
 def one_run(arts: Path, base: Path, overlapped: bool, tokens: int, threads: int) -> dict:
+    from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
     from deltazip.runtime.serve.engine import FinishEvent, SamplingParams, TokenEvent
-    from deltazip.runtime.serve.server import ServeConfig, build_runtime
 
     rt = build_runtime(ServeConfig(artifacts=arts, base=str(base), max_deltas=2, max_cpu_deltas=0, cpu_threads=threads,
                                    device="cpu"))

@@ -62,13 +62,15 @@ def make_artifact(pair: dict, bits: int, quick: bool) -> Path:
     """A ΔCompress artifact of ``pair`` at ``bits`` (2:4), cached; no lossless stage."""
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.pipeline import compress_delta
+    from deltazip.kernels.scheme import DeltaScheme
 
     nsamples, seqlen = (16, 64) if quick else (64, 128)
     d = CACHE / "lossless" / f"{pair['name']}-{_key(pair)}-{bits}bit-{nsamples}x{seqlen}"
     if (d / "manifest.json").is_file():
         return d
     log(f"compressing {pair['name']} at {bits} bits -> {d}")
-    cfg = CompressConfig(bits=bits, group_size=pair["group_size"], nsamples=nsamples, seqlen=seqlen, device="cpu")
+    cfg = CompressConfig(scheme=DeltaScheme(bits=bits, group_size=pair["group_size"]),
+                         nsamples=nsamples, seqlen=seqlen, device="cpu")
     compress_delta(pair["base"], pair["finetuned"], pair["calib"], d, cfg, overwrite=True)
     return d
 

@@ -196,7 +196,7 @@ def _dir_bytes(p: Path) -> int:
 
 def study(pair: str, task: str, base: str, ft: dict, group: int, quick: bool, out: Path,
           ppl_window: int = 256) -> list[dict]:
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
     from deltazip.runtime.eval.run import EvalOptions, run_eval
 
     ft_bytes = Checkpoint(ft["finetuned"]).nbytes()

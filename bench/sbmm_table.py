@@ -85,6 +85,7 @@ def canonical_bytes(out_f: int, in_f: int, bits: int, group: int, rows: int) -> 
 
 def mma_stacks(out_f, in_f, bits, count):
     from deltazip.kernels import fast_layout
+    from deltazip.kernels.scheme import DeltaScheme
     from deltazip.kernels.stacked import StackedDeltas
 
     stacks = []
@@ -92,12 +93,14 @@ def mma_stacks(out_f, in_f, bits, count):
         words = fast_layout.slot_words(out_f, in_f, bits)
         q = torch.randint(-2**31, 2**31 - 1, (MAX_D, words), dtype=torch.int32, device="cuda")
         sc = (torch.rand(MAX_D, in_f // 128, fast_layout.padded_rows(out_f), device="cuda") * 0.02 + 0.002).half()
-        stacks.append(StackedDeltas(q, sc, None, None, bits, 128, in_f, out_f, layout="mma", sparse24=True))
+        stacks.append(StackedDeltas(q, sc, None, None, DeltaScheme(bits=bits, group_size=128, sparsity="2:4"), in_f,
+                                    out_f, layout="mma"))
     return stacks
 
 
 def transposed_stacks(out_f, in_f, bits, count):
     from deltazip.kernels.packed import packed_words
+    from deltazip.kernels.scheme import DeltaScheme
     from deltazip.kernels.stacked import StackedDeltas
 
     stacks = []
@@ -106,7 +109,8 @@ def transposed_stacks(out_f, in_f, bits, count):
         q = torch.randint(-2**31, 2**31 - 1, (MAX_D, packed_words(kept, bits), out_f), dtype=torch.int32, device="cuda")
         pos = torch.full((MAX_D, packed_words(kept, 2), out_f), 0x44444444, dtype=torch.int32, device="cuda")  # 0,1 pairs
         sc = (torch.rand(MAX_D, in_f // 128, out_f, device="cuda") * 0.02 + 0.002).half()
-        stacks.append(StackedDeltas(q, sc, None, pos, bits, 128, in_f, out_f))
+        stacks.append(StackedDeltas(q, sc, None, pos, DeltaScheme(bits=bits, group_size=128, sparsity="2:4"), in_f,
+                                    out_f))
     return stacks
 
 

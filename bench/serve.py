@@ -64,6 +64,7 @@ def build_variants(pair: dict, n: int, method: str, log=log) -> Path:
 
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.pipeline import compress_delta
+    from deltazip.kernels.scheme import DeltaScheme
 
     recipe = {"pair": pair["base"], "n": n, "method": method, "noise": 0.02, "group": pair["group_size"]}
     d = CACHE / f"serve-{pair['name']}-{hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]}"
@@ -72,14 +73,15 @@ def build_variants(pair: dict, n: int, method: str, log=log) -> Path:
     if done.is_file():
         return arts
     d.mkdir(parents=True, exist_ok=True)
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
 
     ckpt = Checkpoint(pair["finetuned"])
     dtype = ckpt.dtype(next(n for n in ckpt.names if ckpt.dtype(n).is_floating_point))  # saved dtype of the variants
     ft = AutoModelForCausalLM.from_pretrained(pair["finetuned"], dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(pair["finetuned"])
     original = {k: v.clone() for k, v in ft.state_dict().items()}
-    cfg = CompressConfig(method=method, bits=4, group_size=pair["group_size"], nsamples=32, seqlen=64, device="auto")
+    cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=pair["group_size"]),
+                         method=method, nsamples=32, seqlen=64, device="auto")
     t0 = time.time()
     for i in range(n):
         name = f"v{i:02d}"
@@ -350,10 +352,10 @@ def main() -> None:
     if a.artifacts is not None:
         if not a.base:
             raise SystemExit("--artifacts needs --base")
-        from deltazip.runtime.serve.model import discover_artifacts
+        from deltazip.runtime.serve.variant_sources import discover_variants
 
         arts, base = a.artifacts, a.base
-        names = [v.name for v in discover_artifacts(arts)]
+        names = [v.name for v in discover_variants(arts)]
         prompts = ["alpha beta", "zip model tune", "12 + 345 =", "delta gamma"]
         a.pair, method = f"given: {arts}", "as given"
     else:

@@ -83,7 +83,7 @@ def main() -> None:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     from _pairs import CACHE, smollm2_pair
 
-    from deltazip.runtime.serve.server import ServeConfig, build_runtime
+    from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
 
     pair = smollm2_pair(log=lambda *a: print(*a, file=sys.stderr))
     arts = build_set(pair, CACHE / "serve-dedup")

@@ -7,7 +7,7 @@ Llama stored in fp16, served in fp32 = 126 MB of weights, built on the spot; ``s
 SmolLM2-135M pair when its package is installed) and each K, it starts, side by side in one run:
 
 - ``shared``: ``deltazip serve --workers K``'s processes (the weight owner + K workers mapping its
-  sealed memfd; :class:`deltazip.runtime.share.workers.WorkerPool`);
+  sealed memfd; :class:`deltazip.runtime.cluster.workers.WorkerPool`);
 - ``independent``: K workers of the same code that each load the base themselves (= K separate
   single-process servers).
 
@@ -78,11 +78,11 @@ def get_pair(name: str) -> tuple[Path, str]:
 def run_deployment(arts: Path, base: str, k: int, share: bool, threads: int) -> dict:
     import httpx
 
-    from deltazip.runtime.serve.model import discover_artifacts
-    from deltazip.runtime.serve.server import ServeConfig
-    from deltazip.runtime.share.workers import WorkerPool
+    from deltazip.runtime.cluster.workers import WorkerPool
+    from deltazip.runtime.serve.assembly import ServeConfig
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
-    variant = discover_artifacts(arts)[0].name
+    variant = discover_variants(arts)[0].name
     cfg = ServeConfig(artifacts=arts, base=base, max_deltas=1, max_cpu_deltas=1, cpu_threads=threads)
     t0 = time.perf_counter()
     with WorkerPool(cfg, workers=k, share=share, front=False, env={"OMP_NUM_THREADS": str(threads)}) as pool:

@@ -53,8 +53,14 @@ def decode_timer(model, slots: list[int], context: int, kv: str = "paged"):
     on the paged pool (``kv="paged"``, when the model runs the paged attention) or the contiguous one.
     On CUDA the paged delta step replays CUDA graphs, as the engine does. Its ``pool`` attribute
     is the KV pool."""
-    from deltazip.runtime.serve.engine import KVPool, forward_step, new_kv_pool, new_seq_kv, prefill_logits
     from deltazip.runtime.serve.kv_cache import BlockPool
+    from deltazip.runtime.serve.model_runner import (
+        KVPool,
+        forward_step,
+        new_kv_pool,
+        new_seq_kv,
+        prefill_logits,
+    )
 
     pool = new_kv_pool(model) if kv == "paged" else KVPool()
     kvs = [new_seq_kv(pool) for _ in slots]
@@ -144,9 +150,10 @@ def main() -> None:
     if a.quick:
         a.rows, a.variants, a.repeats = ([32], [1, 8], 7) if synthetic else ([8, 32], [1, 4], 7)
     torch.set_num_threads(a.threads)
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
     from deltazip.runtime.serve.attention import is_paged
-    from deltazip.runtime.serve.model import DeltaModel, SwapModels, discover_artifacts
+    from deltazip.runtime.serve.model import DeltaModel, SwapModels
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if synthetic:
@@ -157,7 +164,7 @@ def main() -> None:
         arts, base_dir = build_variants(pair, max(a.variants), "rtn"), pair["base"]
     dtype = getattr(torch, a.dtype) if a.dtype != "auto" else (
         torch.bfloat16 if synthetic and device.type == "cuda" else torch.float32)
-    variants = discover_artifacts(arts)[: max(a.variants)]
+    variants = discover_variants(arts)[: max(a.variants)]
     base = Checkpoint(base_dir)
     k_max = max(a.variants)
     t0 = time.perf_counter()

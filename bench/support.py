@@ -141,19 +141,21 @@ class Family:
     def compress(self) -> None:
         from deltazip.compress.config import CompressConfig
         from deltazip.compress.pipeline import compress_delta
+        from deltazip.kernels.scheme import DeltaScheme
 
         calib = self.root / "calib.jsonl"
         calib.write_text("".join(json.dumps({"text": TEXT[i:i + 80]}) + "\n" for i in range(0, 640, 40)))
-        cfg = CompressConfig(method="deltazip", bits=4, group_size=32, sparsity="none", nsamples=8, seqlen=32,
+        cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"), method="deltazip",
+                             nsamples=8, seqlen=32,
                              device="cpu")
         compress_delta(self.base_dir, self.ft_dir, str(calib), self.art, cfg)
 
     def merge(self) -> None:
         from transformers import AutoModelForCausalLM
 
-        from deltazip.compress.checkpoint import Checkpoint
         from deltazip.compress.merge import merge_to_dir
         from deltazip.formats.artifact import Artifact
+        from deltazip.models.checkpoint import Checkpoint
 
         merge_to_dir(Artifact(self.art), Checkpoint(self.base_dir), self.merged_dir)
         ids = torch.tensor([self.tok(TEXT[i:i + 40])["input_ids"] for i in (3, 50, 120)])
@@ -178,7 +180,7 @@ class Family:
         return self.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
     def serve(self, mode: str) -> None:
-        from deltazip.compress.checkpoint import Checkpoint
+        from deltazip.models.checkpoint import Checkpoint
         from deltazip.runtime.serve.engine import (
             Engine,
             EngineConfig,
@@ -186,9 +188,10 @@ class Family:
             SamplingParams,
             ServedVariant,
         )
-        from deltazip.runtime.serve.model import DeltaModel, SwapModels, discover_artifacts
+        from deltazip.runtime.serve.model import DeltaModel, SwapModels
+        from deltazip.runtime.serve.variant_sources import discover_variants
 
-        variants = discover_artifacts(self.art.parent)
+        variants = discover_variants(self.art.parent)
         ck = Checkpoint(self.base_dir)
         if mode == "delta":
             backend = DeltaModel(ck, variants, 2, torch.device("cpu"), torch.float32)

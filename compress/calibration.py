@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from deltazip.compress.hub import hub_offline, offline_miss, require_hub
 from deltazip.formats.errors import DeltazipWarning, InputError
+from deltazip.models.hub import hub_offline, offline_miss, require_hub
 
 _LOADERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
 # A missing source with one of these extensions is a mistyped file, never a hub dataset id.

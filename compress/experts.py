@@ -18,65 +18,23 @@ its delta (``obs.rtn_compress``) and flagged in the manifest's per-layer stats; 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from deltazip.compress.layer_map import Target
-from deltazip.compress.model_walk import Site
 from deltazip.compress.obs import SolveResult
 from deltazip.formats.errors import CompressionError
 from deltazip.formats.packing import pack_delta
 from deltazip.kernels.packed import PackedDelta
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.expert_tap import tap_experts
+from deltazip.models.layer_map import Target
+from deltazip.models.model_walk import Site
 
 NO_TOKENS = "none: no routed tokens, rtn"
 NO_INPUT = "none: no calibration input reached it, rtn"
-
-
-class ExpertTap(TorchFunctionMode):
-    """Calls ``fn(key, expert, x)`` for each ``F.linear(x, w)`` whose ``w`` is expert ``e``'s matrix
-    (or rows of it) of a tracked fused parameter ``[E, out, in]``.
-
-    Args:
-        params: site key -> fused parameter (real tensors).
-        fn: callback; ``x`` is the input as passed (``[..., in]``).
-    """
-
-    def __init__(self, params: dict[str, torch.Tensor], fn: Callable[[str, int, torch.Tensor], None]):
-        super().__init__()
-        self.fn = fn
-        self._by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        for key, p in params.items():
-            self._by_storage.setdefault(p.untyped_storage().data_ptr(), []).append((key, p))
-
-    def which(self, w) -> tuple[str, int] | None:
-        """``(key, expert)`` when ``w`` is a view of one expert's rows of a tracked parameter."""
-        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.device.type == "meta":
-            return None
-        for key, p in self._by_storage.get(w.untyped_storage().data_ptr(), ()):
-            e = (w.storage_offset() - p.storage_offset()) // p.stride(0)
-            if 0 <= e < p.shape[0] and w.shape[-1] == p.shape[-1] and tuple(w.stride()) == tuple(p.stride()[1:]):
-                return key, e
-        return None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x = args[0] if args else kwargs.get("input")
-            hit = self.which(args[1] if len(args) > 1 else kwargs.get("weight"))
-            if hit is not None:
-                self.fn(hit[0], hit[1], x)
-        return func(*args, **kwargs)
-
-
-def tap_experts(params: dict[str, torch.Tensor], fn) -> contextlib.AbstractContextManager:
-    """``ExpertTap`` when there is a fused parameter to watch (else nothing: no per-op overhead)."""
-    return ExpertTap(params, fn) if params else contextlib.nullcontext()
 
 
 class Hessians:
@@ -172,8 +130,7 @@ def _stack(results: list[SolveResult]) -> SolveResult:
 
 
 def solve_target(t: Target, target: torch.Tensor, hs: Hessians | None,
-                 solve: Callable[[torch.Tensor, torch.Tensor | None], SolveResult], bits: int, group_size: int,
-                 sym: bool) -> TargetResult:
+                 solve: Callable[[torch.Tensor, torch.Tensor | None], SolveResult], scheme: DeltaScheme) -> TargetResult:
     """Compress one target, matrix by matrix (one per expert for a fused tensor).
 
     Args:
@@ -181,7 +138,7 @@ def solve_target(t: Target, target: torch.Tensor, hs: Hessians | None,
         target: fp32 tensor in the checkpoint's shape (the delta, or the full weight for SparseGPT).
         hs: the Hessians of its group, or None for an uncalibrated method (RTN).
         solve: ``solve(matrix [out, in], H or None) -> SolveResult`` (None: round-to-nearest).
-        bits, group_size, sym: the grid, for packing.
+        scheme: the grid, for packing.
     Returns:
         The packed delta (rows of the E experts stacked, ``[E*out, in]``, for a fused tensor), the
         compressed values in the checkpoint's shape, and per-tensor stats: the solver's, plus for
@@ -202,8 +159,8 @@ def solve_target(t: Target, target: torch.Tensor, hs: Hessians | None,
         results.append(r)
         tokens.append(n)
     res = _stack(results)
-    packed = pack_delta(res.codes.cpu(), res.scales.cpu(), None if sym else res.zeros.cpu(),
-                        None if res.mask is None else res.mask.cpu(), bits, group_size)
+    packed = pack_delta(res.codes.cpu(), res.scales.cpu(), None if scheme.sym else res.zeros.cpu(),
+                        None if res.mask is None else res.mask.cpu(), scheme.bits, scheme.group_size)
     stats = dict(res.stats)
     if hs is not None:
         if den > 0 or num > 0:
@@ -220,3 +177,28 @@ def solve_target(t: Target, target: torch.Tensor, hs: Hessians | None,
             if t.experts:
                 stats["rtn_experts"] = rtn
     return TargetResult(packed, t.stored(res.values), stats)
+
+
+@dataclass
+class EncodedTarget:
+    """One target compressed by a solver-free scheme: its codec's parts, their matrix ``shape`` as the
+    manifest states it (``[out, in]`` or ``[E, out, in]``), the values in the checkpoint's layout."""
+
+    parts: dict[str, torch.Tensor]
+    shape: list[int]
+    values: torch.Tensor
+    stats: dict = field(default_factory=dict)
+
+
+def encode_target(t: Target, target: torch.Tensor, codec, scheme: DeltaScheme) -> EncodedTarget:
+    """Compress a target with ``codec.encode`` (a ``deltazip.formats.codecs.MatrixCodec`` that needs no
+    solver): the ``[out, in]`` matrices stacked along rows, as the packed kind stacks fused experts.
+
+    Args:
+        target: fp32 tensor in the checkpoint's shape (the delta, or the full weight).
+    """
+    rows = torch.cat(t.matrices(target)).float().cpu()  # [E*out, in]
+    parts, values = codec.encode(rows, scheme)
+    shape = [t.experts, rows.shape[0] // t.experts, rows.shape[1]] if t.experts else list(rows.shape)
+    return EncodedTarget(parts, shape, t.stored(values.to(target.device)))
+

@@ -10,12 +10,14 @@ from pathlib import Path
 import torch
 from huggingface_hub import save_torch_state_dict
 
-from deltazip.compress.checkpoint import Checkpoint
-from deltazip.formats.artifact import Artifact, needs_base, parse_dtype
+from deltazip.formats.artifact import Artifact
 from deltazip.formats.atomic import apply_umask, remove_stale_siblings, temp_sibling
+from deltazip.formats.dtypes import parse_dtype
 from deltazip.formats.errors import InputError
 from deltazip.formats.outputs import check_output, is_no_space, no_space_error, replace_dir
 from deltazip.formats.side_files import materialize_side_files
+from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.loader import load_causal_lm
 
 
 def open_base(art: Artifact, base_spec: str | Path | None, check_fingerprint: bool = True) -> Checkpoint:
@@ -35,11 +37,11 @@ def reconstruct_state_dict(art: Artifact, base: Checkpoint,
                            progress: Callable[[str, int, int], None] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the fine-tuned model, rebuilt as the compressor produced it (CPU, stored dtypes)."""
     out = {}
-    names = list(art.tensors)
-    for i, name in enumerate(names):
-        out[name] = art.reconstruct(name, base.get(name) if needs_base(art.tensors[name]) else None)
+    entries = art.entries()
+    for i, (name, entry) in enumerate(entries.items()):
+        out[name] = art.reconstruct(name, base.get(name) if entry.needs_base else None)
         if progress:
-            progress("rebuilding tensors", i + 1, len(names))
+            progress("rebuilding tensors", i + 1, len(entries))
     return out
 
 
@@ -133,9 +135,6 @@ def load_merged_model(art: Artifact, base: Checkpoint, dtype: torch.dtype | None
     """
     import tempfile
 
-    from transformers import AutoModelForCausalLM
-
     with tempfile.TemporaryDirectory(prefix="deltazip-merge-") as tmp:
         path = merge_to_dir(art, base, Path(tmp) / "model")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
-    return model.eval()
+        return load_causal_lm(path, dtype or torch.float32, what=f"the merge of {art.path}")

@@ -14,6 +14,7 @@ import torch
 
 from deltazip.compress.quantizer import dequantize_codes, find_params, quantize_codes
 from deltazip.formats.errors import CompressionError
+from deltazip.kernels.scheme import DeltaScheme
 
 _MAX_DAMP_TRIES = 6
 
@@ -56,28 +57,20 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float
                            f"calibration data may be too small or degenerate: add more samples")
 
 
-def obs_compress(
-    W: torch.Tensor,
-    H: torch.Tensor,
-    bits: int,
-    sym: bool,
-    group_size: int,
-    sparse24: bool,
-    damp: float = 0.01,
-) -> SolveResult:
+def obs_compress(W: torch.Tensor, H: torch.Tensor, scheme: DeltaScheme, damp: float = 0.01) -> SolveResult:
     """Compress ``W`` minimising ``||(W - Q⊙M) X||²`` where ``H = 2 X Xᵀ / n``.
 
     Args:
         W: fp32 ``[R, C]`` matrix (the delta, or full weights for the SparseGPT baseline).
         H: fp32 ``[C, C]`` Hessian of the layer input.
-        bits, sym, group_size: grid (``group_size`` -1 = one group per row).
-        sparse24: choose a 2:4 mask along the columns.
+        scheme: the grid (bits, symmetry, group size; -1 = one group per row) and whether a 2:4 mask
+            is chosen along the columns.
         damp: dampening relative to ``mean(diag(H))``.
     """
     R, C = W.shape
-    gs = C if group_size == -1 else group_size
-    assert C % gs == 0, f"columns {C} not divisible by group size {gs}"
-    assert not sparse24 or gs % 4 == 0, "2:4 needs a group size divisible by 4"
+    bits, sym, sparse24 = scheme.bits, scheme.sym, scheme.sparse
+    gs = scheme.effective_group(C)
+    assert scheme.shape_problem(C) is None, scheme.shape_problem(C)
     W = W.clone().float()
     H = H.clone().float()
     dead = torch.diag(H) == 0
@@ -132,16 +125,16 @@ def obs_compress(
     return SolveResult(codes, scales, zeros, keep, values, stats)
 
 
-def rtn_compress(W: torch.Tensor, bits: int, sym: bool, group_size: int, sparse24: bool) -> SolveResult:
+def rtn_compress(W: torch.Tensor, scheme: DeltaScheme) -> SolveResult:
     """Round-to-nearest baseline: magnitude 2:4 mask, then per-group min/max grid, no calibration.
 
     Args/returns as ``obs_compress`` (no Hessian).
     """
     R, C = W.shape
-    gs = C if group_size == -1 else group_size
+    bits, sym, gs = scheme.bits, scheme.sym, scheme.effective_group(C)
     W = W.float()
     keep = None
-    if sparse24:
+    if scheme.sparse:
         top = torch.topk(W.abs().reshape(R, C // 4, 4), 2, dim=-1).indices
         keep = torch.zeros(R, C // 4, 4, dtype=torch.bool, device=W.device)
         keep.scatter_(-1, top, True)

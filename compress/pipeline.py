@@ -6,11 +6,11 @@ group of linears, accumulate the Hessian of their input on the calibration activ
 groups and the next layer see the reconstructed fine-tuned model; then run the layer to produce the
 next layer's inputs. After the last layer an untied ``lm_head`` is compressed the same way, its
 Hessian taken from the final hidden states after the final norm. Embeddings are stored row by row
-and every other tensor exactly (compress/others.py).
+and every other tensor exactly (compress/rows_and_exact.py).
 
 Linears are ``nn.Linear``, GPT-2's ``Conv1D`` (stored ``[in, out]``, solved transposed) and
 mixture-of-experts weights, whose every expert is solved with the Hessian of the tokens routed to it
-(compress/experts.py); checkpoint names are mapped to the layer's parameters by compress/layer_map.py.
+(compress/experts.py); checkpoint names are mapped to the layer's parameters by models/layer_map.py.
 """
 
 from __future__ import annotations
@@ -24,11 +24,19 @@ from pathlib import Path
 import torch
 
 from deltazip.compress.calibration import check_calibration_source, load_calibration, model_context
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
-from deltazip.compress.experts import Hessians, collect_hessians, solve_target
-from deltazip.compress.layer_map import LayerMap, Piece, Target, map_layer
-from deltazip.compress.model_walk import (
+from deltazip.compress.experts import Hessians, collect_hessians, encode_target, solve_target
+from deltazip.compress.obs import SolveResult, obs_compress, rtn_compress
+from deltazip.compress.rows_and_exact import embedding_weight_names, new_stats, record_embedding, record_exact
+from deltazip.formats import codecs
+from deltazip.formats.artifact import Artifact, ArtifactWriter
+from deltazip.formats.codecs.xor import bitwise_equal
+from deltazip.formats.errors import DeltazipWarning, InputError
+from deltazip.formats.gdeflate import DEFAULT_LEVEL
+from deltazip.formats.outputs import check_output
+from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.layer_map import LayerMap, Piece, Target, map_layer
+from deltazip.models.model_walk import (
     Catcher,
     LayerStandIn,
     Site,
@@ -38,13 +46,6 @@ from deltazip.compress.model_walk import (
     sequential_groups,
     set_param,
 )
-from deltazip.compress.obs import SolveResult, obs_compress, rtn_compress
-from deltazip.compress.others import embedding_weight_names, new_stats, record_embedding, record_exact
-from deltazip.formats.artifact import Artifact, ArtifactWriter
-from deltazip.formats.errors import DeltazipWarning, InputError
-from deltazip.formats.exact import bitwise_equal
-from deltazip.formats.gdeflate import DEFAULT_LEVEL
-from deltazip.formats.outputs import check_output
 
 Progress = Callable[[str, int, int], None]
 
@@ -95,8 +96,8 @@ def _check_in_features(name: str, in_f: int, cfg: CompressConfig) -> None:
 
 def _solve(target: torch.Tensor, H: torch.Tensor | None, cfg: CompressConfig) -> SolveResult:
     if H is None:
-        return rtn_compress(target, cfg.bits, cfg.sym, cfg.group_size, cfg.sparse24)
-    return obs_compress(target, H, cfg.bits, cfg.sym, cfg.group_size, cfg.sparse24, cfg.damp)
+        return rtn_compress(target, cfg.scheme)
+    return obs_compress(target, H, cfg.scheme, cfg.damp)
 
 
 def _peak_rss_mib() -> float:
@@ -336,9 +337,15 @@ class _Run:
         wf = ff.float().to(self.device)
         wb = fb.float().to(self.device)
         target = wf - wb if cfg.additive else wf
-        res = solve_target(t, target, hs, lambda m, H: _solve(m, H, cfg), cfg.bits, cfg.group_size, cfg.sym)
-        self.writer.add_packed(n, res.packed, self.ft.dtype(n), additive=cfg.additive, sym=cfg.sym,
-                               transposed=t.transposed, experts=t.experts)
+        codec = codecs.get(cfg.scheme.kind)
+        if codec.solver_free:  # a scheme that needs no Hessian: its codec encodes the matrix itself
+            res = encode_target(t, target, codec, cfg.scheme)
+            self.writer.add_matrix(n, cfg.scheme, res.parts, res.shape, self.ft.dtype(n), cfg.additive,
+                                   t.transposed, t.experts)
+        else:
+            res = solve_target(t, target, hs, lambda m, H: _solve(m, H, cfg), cfg.scheme)
+            self.writer.add_packed(n, res.packed, self.ft.dtype(n), additive=cfg.additive,
+                                   transposed=t.transposed, experts=t.experts)
         rec = wb + res.values if cfg.additive else res.values
         err = target - res.values
         st = {"rel_weight_err": float(err.norm() / target.norm()) if float(target.norm()) else 0.0,

@@ -10,7 +10,6 @@ from deltazip.compress.merge import open_base
 from deltazip.formats.artifact import Artifact
 from deltazip.formats.errors import InputError
 from deltazip.formats.outputs import atomic_file
-from deltazip.kernels.reference import delta_weight
 
 _MAX_VALUES = 2_000_000
 PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
@@ -41,10 +40,11 @@ def plot_artifact(art: Artifact, base_spec: str | None, out: str | Path) -> Path
     base = open_base(art, base_spec, check_fingerprint=False)
     g = torch.Generator().manual_seed(0)
     w_vals, d_vals = [], []
-    packed = [n for n, e in art.tensors.items() if e["kind"] == "packed"]
-    per = max(1, _MAX_VALUES // max(1, len(packed)))
-    for n in packed:
-        d = delta_weight(art.packed(n)).flatten()
+    linears = [e for e in art.entries().values() if e.is_matrix]  # compressed linears, of any scheme
+    per = max(1, _MAX_VALUES // max(1, len(linears)))
+    for e in linears:
+        n = e.name
+        d = e.codec.dense(e, art.parts(n)).flatten()
         d = d[d != 0]
         w = base.get(n).float().flatten()
         d_vals.append(d[torch.randint(0, d.numel(), (min(per, d.numel()),), generator=g)] if d.numel() else d)

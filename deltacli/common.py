@@ -21,6 +21,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from deltazip.models.devices import DEVICES, DTYPES
+
 PIPE_WIDTH = 10_000
 """Columns of a console that is not a terminal (a pipe, a file, a CI log): no line is wrapped or cut."""
 
@@ -69,6 +71,14 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document o
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the output if it exists (never one of the "
                                              "command's inputs).")]
 ArtifactArg = Annotated[Path, typer.Argument(help="A deltazip artifact directory.", show_default=False)]
+# One --base, --device and --dtype for every command, with one accepted set (deltazip.models.devices).
+BaseOpt = Annotated[str | None, typer.Option("--base", help="Base model: local HF directory or hub id (default: "
+                                             "the base the artifacts' lineage names).", show_default=False)]
+RequiredBaseOpt = Annotated[str, typer.Option("--base", help="Base model: local HF directory or hub id.",
+                                              show_default=False)]
+DeviceOpt = Annotated[str, typer.Option("--device", help=f"{DEVICES}.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help=f"Compute dtype: {DTYPES} (auto: float32 on CPU, on CUDA the "
+                                       "checkpoint's half dtype).")]
 
 
 def human_bytes(n: float) -> str:

@@ -7,13 +7,21 @@ from typing import Annotated
 
 import typer
 
-from deltazip.deltacli.common import JsonOpt, OverwriteOpt, print_json, progress_bar
+from deltazip.deltacli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    OverwriteOpt,
+    RequiredBaseOpt,
+    print_json,
+    progress_bar,
+)
 from deltazip.deltacli.render import render_summary
 from deltazip.formats.gdeflate import DEFAULT_LEVEL, MAX_LEVEL, MIN_LEVEL
 
 
 def compress(
-    base: Annotated[str, typer.Option("--base", help="Base model: local HF directory or hub id.", show_default=False)],
+    base: RequiredBaseOpt,
     finetuned: Annotated[str, typer.Option("--finetuned", help="Fine-tuned model: local HF directory or hub id.",
                                            show_default=False)],
     out: Annotated[Path, typer.Option("--out", help="Artifact directory to create.", show_default=False)],
@@ -27,13 +35,15 @@ def compress(
     embed_group_size: Annotated[int, typer.Option(help="Hidden columns per group of embedding rows; 0 = same as "
                                                   "--group-size, -1 = one per row.")] = 0,
     sym: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric grid or asymmetric with zero points.")] = True,
+    scheme: Annotated[str, typer.Option(help="Kind of the compressed linears: 'packed' (2:4 + GPTQ codes) or "
+                                        "another registered scheme (deltazip.formats.codecs).")] = "packed",
     nsamples: Annotated[int, typer.Option(help="Calibration windows.")] = 256,
     seqlen: Annotated[int, typer.Option(help="Tokens per window (truncated to what the data has).")] = 2048,
     damp: Annotated[float, typer.Option(help="Hessian dampening relative to its mean diagonal.")] = 0.01,
     method: Annotated[str, typer.Option(help="deltazip (delta + reconstructed calibration), sparsegpt (solver on "
                                         "full weights) or rtn (round-to-nearest delta).")] = "deltazip",
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="Dtype of layer forwards: auto, float32, float16, bfloat16.")] = "auto",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the calibration sampler.")] = 0,
     batch_size: Annotated[int, typer.Option(help="Calibration windows per layer forward.")] = 8,
     calib_activations: Annotated[str, typer.Option(help="'reconstructed' (ΔCompress) or 'base' (ablation: "
@@ -47,10 +57,10 @@ def compress(
     json_out: JsonOpt = False,
 ) -> None:
     """Compress the delta between FINETUNED and BASE (2:4 prune + GPTQ quantize, layer by layer)."""
-    from deltazip.compress.config import CompressConfig
+    from deltazip.compress.config import CompressConfig, scheme_from_options
     from deltazip.compress.pipeline import compress_delta
 
-    cfg = CompressConfig(bits=bits, sparsity=sparsity, group_size=group_size, sym=sym, nsamples=nsamples,
+    cfg = CompressConfig(scheme=scheme_from_options(bits, sparsity, group_size, sym, scheme), nsamples=nsamples,
                          seqlen=seqlen, damp=damp, method=method, device=device, dtype=dtype, seed=seed,
                          batch_size=batch_size, calib_activations=calib_activations, embed_bits=embed_bits,
                          embed_group_size=embed_group_size)

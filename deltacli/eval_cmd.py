@@ -12,7 +12,17 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from deltazip.deltacli.common import JsonOpt, OverwriteOpt, err_console, human_bytes, out_console, print_json
+from deltazip.deltacli.common import (
+    BaseOpt,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    OverwriteOpt,
+    err_console,
+    human_bytes,
+    out_console,
+    print_json,
+)
 from deltazip.formats.errors import InputError
 
 
@@ -26,8 +36,7 @@ def eval_targets(
              "model directories, or the word 'base'.", show_default=False)],
     tasks: Annotated[str, typer.Option("--tasks", help="Comma-separated lm-eval task names (deltazip's own "
                                                        "tasks, e.g. deltazip_shift, are always available).")] = "",
-    base: Annotated[str | None, typer.Option("--base", help="Base model (default: the artifacts' lineage base).",
-                                             show_default=False)] = None,
+    base: BaseOpt = None,
     include_path: Annotated[list[Path] | None, typer.Option(
         "--include-path", help="Directory of extra lm-eval task YAMLs (repeatable).", show_default=False)] = None,
     num_fewshot: Annotated[int | None, typer.Option("--num-fewshot", help="Few-shot examples per prompt.",
@@ -35,9 +44,8 @@ def eval_targets(
     limit: Annotated[float | None, typer.Option("--limit", help="Examples per task (a count, or a fraction < 1).",
                                                 show_default=False)] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Requests per forward.")] = 8,
-    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="auto (fp32 on CPU, the checkpoint's half dtype on CUDA), "
-                                                       "float32, float16, bfloat16.")] = "auto",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     perplexity: Annotated[Path | None, typer.Option(
         "--perplexity", help="Text file: perplexity in non-overlapping windows of the model's context.",
         show_default=False)] = None,

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from deltazip.deltacli.common import ArtifactArg, JsonOpt, OverwriteOpt, print_json
+from deltazip.deltacli.common import ArtifactArg, BaseOpt, JsonOpt, OverwriteOpt, print_json
 from deltazip.deltacli.render import render_summary
 
 
@@ -16,7 +16,7 @@ def inspect(
     artifact: ArtifactArg,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write an image (.png, .pdf, .svg, ...): delta vs base "
                                               "weight magnitudes and per-layer error (needs the base model).")] = None,
-    base: Annotated[str | None, typer.Option("--base", help="Base model for --plot (default: the lineage's).")] = None,
+    base: BaseOpt = None,
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:

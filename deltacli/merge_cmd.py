@@ -7,13 +7,13 @@ from typing import Annotated
 
 import typer
 
-from deltazip.deltacli.common import ArtifactArg, JsonOpt, OverwriteOpt, print_json, progress_bar
+from deltazip.deltacli.common import ArtifactArg, BaseOpt, JsonOpt, OverwriteOpt, print_json, progress_bar
 
 
 def merge(
     artifact: ArtifactArg,
     out: Annotated[Path, typer.Option("--out", help="Directory of the merged checkpoint.", show_default=False)],
-    base: Annotated[str | None, typer.Option("--base", help="Base model (default: the lineage's).")] = None,
+    base: BaseOpt = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard: e.g. 2GB, 500MB (powers of 1000), 1GiB, or bytes.")] = "2GB",
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from deltazip.deltacli.common import JsonOpt, err_console, print_json
+from deltazip.deltacli.common import BaseOpt, DeviceOpt, DtypeOpt, JsonOpt, err_console, print_json
 
 
 def serve(
@@ -17,7 +17,7 @@ def serve(
                                                    "full HF checkpoints, PEFT LoRA adapters (one per directory; the "
                                                    "variant name is the directory name).",
                                               show_default=False)],
-    base: Annotated[str | None, typer.Option("--base", help="Base model (default: the artifacts' lineage base).")] = None,
+    base: BaseOpt = None,
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default; 0.0.0.0 exposes it).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="DELTAZIP_API_KEY", show_envvar=True,
@@ -31,9 +31,8 @@ def serve(
     max_queue: Annotated[int, typer.Option(help="Waiting requests before new ones get 429.")] = 256,
     max_request_bytes: Annotated[int, typer.Option(help="Largest request body accepted (larger ones get 413); "
                                                         "prompts longer than the model's context get 400.")] = 4 * 2**20,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, the checkpoint's half dtype on CUDA), float32, "
-                                            "float16, bfloat16.")] = "auto",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     delta_compute: Annotated[str, typer.Option(help="auto, packed (SBMM on stacked low-bit deltas) or dequantized "
                                                     "(dense deltas per slot; auto picks it on CPU).")] = "auto",
     cpu_threads: Annotated[int | None, typer.Option(help="torch intra-op threads (default: torch's choice).")] = None,
@@ -54,8 +53,8 @@ def serve(
     json_out: JsonOpt = False,
 ) -> None:
     """Serve the base model and every variant under ARTIFACTS (artifacts, full checkpoints, LoRA adapters) with an OpenAI-compatible API."""
+    from deltazip.runtime.serve.assembly import ServeConfig
     from deltazip.runtime.serve.listen import bind_listen_socket
-    from deltazip.runtime.serve.server import ServeConfig
 
     cfg = ServeConfig(artifacts=artifacts, base=base, host=host, port=port, api_key=api_key, mode=mode,
                       max_deltas=max_deltas, max_cpu_deltas=max_cpu_deltas, max_batch_tokens=max_batch_tokens,
@@ -78,7 +77,8 @@ def serve(
 
 
 def _serve(cfg, sock, json_out: bool) -> None:
-    from deltazip.runtime.serve.server import Metrics, build_runtime, serve_forever
+    from deltazip.runtime.serve.assembly import build_runtime
+    from deltazip.runtime.serve.server import Metrics, serve_forever
 
     url, mode = f"http://{cfg.host}:{cfg.port}", cfg.mode
     if not json_out:
@@ -86,7 +86,7 @@ def _serve(cfg, sock, json_out: bool) -> None:
         logging.basicConfig(level=os.environ.get("DELTAZIP_LOG_LEVEL", "INFO").upper(),
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if cfg.workers > 1:
-        from deltazip.runtime.share.workers import serve_workers
+        from deltazip.runtime.cluster.workers import serve_workers
 
         def ready(pool) -> None:
             if json_out:
@@ -99,7 +99,10 @@ def _serve(cfg, sock, json_out: bool) -> None:
         serve_workers(cfg, on_ready=ready, sock=sock)
         return
     metrics = Metrics()
-    rt = build_runtime(cfg, observer=metrics)
+    parallel = None
+    if cfg.tensor_parallel > 1:  # the server does not import cluster/: the sharded model is handed in
+        from deltazip.runtime.cluster.tp_group import start_tensor_parallel as parallel
+    rt = build_runtime(cfg, observer=metrics, parallel=parallel)
     if json_out:
         print_json({"serving": url, "mode": mode, "models": rt.report})
     else:  # the per-model lines were logged by build_runtime

@@ -24,7 +24,7 @@ def verify(
     fingerprint, base_dir, base_problems = None, None, []
     if base is not None:
         # compress/ computes the fingerprint; formats/ (below it) only compares it with the lineage.
-        from deltazip.compress.checkpoint import Checkpoint
+        from deltazip.models.checkpoint import Checkpoint
 
         try:
             ck = Checkpoint(base, "base")

@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.demo.pair import make_demo_pair
 from deltazip.formats.artifact import Artifact
 from deltazip.formats.errors import DeltazipWarning
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 from deltazip.runtime.eval.generated_tasks import answer_loss, exact_match_accuracy, heldout_loss
 
 ALL_WINDOWS = 1 << 20
@@ -85,8 +86,8 @@ def _run_demo(workdir: Path, seed: int, nsamples: int, progress: Callable) -> di
     progress("compressing variants", 0, len(VARIANTS))
     for i, (label, method, bits) in enumerate(VARIANTS):
         out = workdir / "artifacts" / label.replace(" ", "-").replace(":", "")
-        cfg = CompressConfig(method=method, bits=bits, group_size=128, nsamples=nsamples or ALL_WINDOWS, seqlen=64,
-                             seed=seed, device="cpu")
+        cfg = CompressConfig(scheme=DeltaScheme(bits=bits, group_size=128), method=method,
+                             nsamples=nsamples or ALL_WINDOWS, seqlen=64, seed=seed, device="cpu")
         t = time.time()
         with warnings.catch_warnings():
             if not nsamples:  # all the windows the data holds, as asked: no line saying they were capped

@@ -1,18 +1,22 @@
 """The deltazip artifact (format version 2): ``manifest.json`` + safetensors containers.
 
 See docs/format.md for the full description. In short, each tensor of the fine-tuned model has one
-manifest entry whose ``kind`` says how to rebuild it from the base:
+manifest entry whose ``kind`` says how to rebuild it from the base; each kind has one codec
+(``deltazip.formats.codecs``) that owns its parts, checks and rebuild, and this module reaches kinds
+only through that registry:
 
 - ``packed``: a compressed linear delta (``deltazip.kernels.packed`` layout); the weight is
   ``base + delta`` when ``additive`` (ΔCompress, RTN) or the delta alone when not (SparseGPT on the
   full weights). ``transposed`` entries rebuild a Conv1D weight stored ``[in, out]``; ``experts``
-  entries a fused ``[E, out, in]`` expert tensor whose experts' rows are stacked in the parts.
+  entries a fused ``[E, out, in]`` expert tensor whose experts' rows are stacked in the parts. The
+  entry's ``scheme`` (``deltazip.kernels.scheme.DeltaScheme``, versioned) names the grid; v1/v2
+  entries without it are read from their loose ``bits``/``group_size``/``sparsity``/``sym``.
 - ``same``: bit-identical to the base tensor; nothing stored.
 - ``dense_delta``: ``base + delta`` with the delta stored densely (fp16 unless the tensor is wider).
 - ``full``: the fine-tuned tensor stored as it is (a tensor the base lacks or a changed shape).
 - ``rows`` (v2): an embedding delta row by row: a bitmap of changed rows, and the changed rows
-  group-quantized along the hidden dimension (``deltazip.formats.rows``).
-- ``xor`` (v2): the exact XOR of the raw bits of fine-tune and base (``deltazip.formats.exact``).
+  group-quantized along the hidden dimension (``deltazip.formats.codecs.rows``).
+- ``xor`` (v2): the exact XOR of the raw bits of fine-tune and base (``deltazip.formats.codecs.xor``).
 - ``alias`` (v2): the same tensor as entry ``of`` (tied weights stored once).
 
 Readers read format version 1 too (it lacks the v2 kinds).
@@ -35,11 +39,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -48,13 +50,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deltazip.formats import chunked, gdeflate
+from deltazip.formats import chunked, codecs, gdeflate
 from deltazip.formats.atomic import apply_umask, remove_stale_siblings, temp_sibling
 from deltazip.formats.checksum import sha256_file, sha256_tensors
+from deltazip.formats.codecs import Entry, MatrixCodec
 from deltazip.formats.errors import ArtifactError, InputError
-from deltazip.formats.exact import apply_xor
 from deltazip.formats.outputs import check_output, is_no_space, no_space_error, replace_dir
-from deltazip.formats.rows import dequantize_rows
 from deltazip.formats.side_files import (
     SIDE_DIR,
     plain_name,
@@ -64,17 +65,12 @@ from deltazip.formats.side_files import (
     side_file_table,
 )
 from deltazip.kernels.packed import PackedDelta
-from deltazip.kernels.reference import delta_weight
+from deltazip.kernels.scheme import DeltaScheme
 
 FORMAT_NAME = "deltazip"
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 MANIFEST_SUM = "manifest.sha256"
-KINDS = ("packed", "same", "dense_delta", "full", "rows", "xor", "alias")
-# Kinds rebuilt from the base tensor of the same name (``packed`` too when ``additive``).
-_BASE_KINDS = ("same", "dense_delta", "rows", "xor")
-# Kinds that store no bytes (no ``file``, ``parts`` or ``checksum``).
-STORELESS = ("same", "alias")
 LOSSLESS = ("none", "gdeflate")
 # The default: GDeflate where its library loads (every Linux install has it), else none. Measured in
 # bench/lossless.py and docs/quality.md: it saves ≥ 10% of a ΔCompress artifact (most on the 2:4
@@ -86,7 +82,6 @@ LOSSLESS_SUFFIX = ".gdeflate"
 # A part is stored compressed only when that (container + its chunk table in the manifest) saves at
 # least this fraction of its bytes: below it, decoding costs time on every load for next to nothing.
 MIN_SAVING = 0.03
-PACKED_PARTS = ("qweight", "positions", "scales", "zeros")
 _SHARD_BYTES = 1 << 30
 
 
@@ -102,11 +97,9 @@ def resolve_lossless(value: str) -> str:
     return "gdeflate"
 
 
-def needs_base(entry: dict[str, Any]) -> bool:
-    """Whether rebuilding an entry reads the base tensor of its name (for ``alias``: of ``entry['of']``,
-    which the writer only emits when the base's two tensors are bit-identical too)."""
-    kind = entry["kind"]
-    return kind in _BASE_KINDS or kind == "alias" or (kind == "packed" and bool(entry.get("additive")))
+def stores_bytes(entry: dict[str, Any]) -> bool:
+    """Whether an entry has stored parts (``file``, ``parts``, ``checksum``); ``same`` and ``alias`` do not."""
+    return codecs.get(entry["kind"]).stores_bytes
 
 
 def tool_version() -> str:
@@ -114,18 +107,6 @@ def tool_version() -> str:
         return version("deltazip")
     except PackageNotFoundError:
         return "0+unknown"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.float16 -> 'float16'."""
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ArtifactError(f"unknown dtype {name!r} in manifest")
-    return dt
 
 
 def container_key(name: str, part: str, codec: str | None = None) -> str:
@@ -200,35 +181,32 @@ class ArtifactWriter:
         self.side_files: dict[str, dict[str, Any]] = {}  # name -> sha256, bytes, source (docs/format.md)
 
     # -- adding tensors -------------------------------------------------------------------------
-    def add_packed(self, name: str, delta: PackedDelta, dtype: torch.dtype, additive: bool, sym: bool,
+    def add_packed(self, name: str, delta: PackedDelta, dtype: torch.dtype, additive: bool, sym: bool | None = None,
                    transposed: bool = False, experts: int = 0) -> None:
-        """A compressed linear (``[out, in]`` weight of fine-tuned ``dtype``).
+        """A compressed linear (``[out, in]`` weight of fine-tuned ``dtype``) of kind ``packed``.
 
         Args:
+            sym: if given, must agree with ``delta.scheme.sym`` (zero points stored or not).
             transposed: the checkpoint stores the weight ``[in, out]`` (GPT-2's ``Conv1D``); the
                 entry's ``shape`` stays ``[out, in]`` and gets ``"transposed": true``.
             experts: E > 0 for a fused expert tensor ``[E, out, in]``: ``delta`` holds the E experts'
                 ``[out, in]`` matrices stacked along rows (``[E*out, in]``); the entry's ``shape`` is
                 ``[E, out, in]`` and it gets ``"experts": E``.
         """
-        delta.validate()
-        parts = {"qweight": delta.qweight, "positions": delta.positions, "scales": delta.scales,
-                 "zeros": delta.zeros}
-        shape = [delta.out_features, delta.in_features]
-        if experts:
-            if delta.out_features % experts:
-                raise ValueError(f"{name}: {delta.out_features} rows do not split into {experts} experts")
-            shape = [experts, delta.out_features // experts, delta.in_features]
-        entry = {
-            "kind": "packed", "shape": shape, "dtype": dtype_name(dtype),
-            "bits": delta.bits, "group_size": delta.group_size, "sym": sym,
-            "sparsity": "2:4" if delta.sparse else "none", "additive": additive,
-        }
-        if transposed:
-            entry["transposed"] = True
-        if experts:
-            entry["experts"] = experts
-        self._add(name, entry, {k: v for k, v in parts.items() if v is not None})
+        if sym is not None and sym != delta.scheme.sym:
+            raise ValueError(f"{name}: sym={sym}, but the delta's scheme says sym={delta.scheme.sym}")
+        entry, parts = codecs.get("packed").encode_delta(delta, dtype, additive, transposed, experts, name)
+        self._add(name, entry, parts)
+
+    def add_matrix(self, name: str, scheme: DeltaScheme, parts: dict[str, torch.Tensor], shape: list[int],
+                   dtype: torch.dtype, additive: bool, transposed: bool = False, experts: int = 0) -> None:
+        """A compressed linear of any matrix kind (``scheme.kind``): ``parts`` as its codec's ``encode``
+        made them, ``shape`` ``[out, in]`` (``[E, out, in]`` for fused experts), orientation as
+        :meth:`add_packed`."""
+        codec = codecs.get(scheme.kind)
+        if not isinstance(codec, MatrixCodec):
+            raise ValueError(f"{name}: {scheme.kind!r} is not a compressed-linear kind")
+        self._add(name, codec.fields(scheme, list(shape), dtype, additive, transposed, experts), parts)
 
     def add_file(self, src: str | Path, arcname: str, base_dir: str | Path | None = None) -> None:
         """Keep a small side file (config, tokenizer) with the artifact.
@@ -265,37 +243,30 @@ class ArtifactWriter:
 
     def add_same(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """A tensor bit-identical to the base's: no bytes stored."""
-        self.entries[name] = {"kind": "same", "shape": list(shape), "dtype": dtype_name(dtype), "stored_bytes": 0}
+        self.entries[name] = codecs.get("same").fields(shape, dtype)
 
     def add_dense_delta(self, name: str, delta: torch.Tensor, dtype: torch.dtype) -> None:
         """``base + delta`` stored densely; ``delta`` in its storage dtype (e.g. fp16)."""
-        entry = {"kind": "dense_delta", "shape": list(delta.shape), "dtype": dtype_name(dtype),
-                 "delta_dtype": dtype_name(delta.dtype)}
-        self._add(name, entry, {"delta": delta})
+        self._add(name, codecs.get("dense_delta").fields(delta, dtype), {"delta": delta})
 
     def add_full(self, name: str, tensor: torch.Tensor) -> None:
         """The fine-tuned tensor stored as it is."""
-        entry = {"kind": "full", "shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype)}
-        self._add(name, entry, {"data": tensor})
+        self._add(name, codecs.get("full").fields(tensor), {"data": tensor})
 
     def add_rows(self, name: str, parts: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype,
                  bits: int, group_size: int, max_abs_err: float) -> None:
-        """An embedding delta row by row (``deltazip.formats.rows`` parts); ``max_abs_err`` is the
+        """An embedding delta row by row (``deltazip.formats.codecs.rows`` parts); ``max_abs_err`` is the
         largest element error the encoder measured against the exact float32 delta."""
-        entry = {"kind": "rows", "shape": list(shape), "dtype": dtype_name(dtype), "bits": bits,
-                 "group_size": group_size, "changed_rows": int(parts["qweight"].shape[0]),
-                 "max_abs_err": max_abs_err}
+        entry = codecs.get("rows").fields(shape, dtype, bits, group_size, int(parts["qweight"].shape[0]), max_abs_err)
         self._add(name, entry, parts)
 
     def add_xor(self, name: str, xor: torch.Tensor, dtype: torch.dtype) -> None:
-        """``bits(ft) ^ bits(base)`` (``deltazip.formats.exact``): exact in any dtype."""
-        entry = {"kind": "xor", "shape": list(xor.shape), "dtype": dtype_name(dtype)}
-        self._add(name, entry, {"xor": xor})
+        """``bits(ft) ^ bits(base)`` (``deltazip.formats.codecs.xor``): exact in any dtype."""
+        self._add(name, codecs.get("xor").fields(xor.shape, dtype), {"xor": xor})
 
     def add_alias(self, name: str, of: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """A tensor equal to entry ``of`` (tied weights): no bytes stored."""
-        self.entries[name] = {"kind": "alias", "of": of, "shape": list(shape), "dtype": dtype_name(dtype),
-                              "stored_bytes": 0}
+        self.entries[name] = codecs.get("alias").fields(of, shape, dtype)
 
     def stored_size(self, parts: dict[str, torch.Tensor]) -> int:
         """Bytes ``parts`` would take in a container (after the lossless stage), without storing them:
@@ -308,7 +279,7 @@ class ArtifactWriter:
         entry, ``parts`` its decoded parts. Storage fields are recomputed; the checksum must match."""
         entry = {k: v for k, v in entry.items() if k not in ("file", "parts", "checksum", "stored_bytes", "codec",
                                                               "lossless")}
-        if entry["kind"] in ("same", "alias"):
+        if not stores_bytes(entry):
             self.entries[name] = {**entry, "stored_bytes": 0}
             return
         self._add(name, entry, parts)
@@ -414,26 +385,6 @@ class ArtifactWriter:
         self.abort()
 
 
-@dataclass
-class EntryView:
-    """A manifest entry with typed accessors."""
-
-    name: str
-    raw: dict[str, Any]
-
-    @property
-    def kind(self) -> str:
-        return self.raw["kind"]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.raw["shape"])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return parse_dtype(self.raw["dtype"])
-
-
 class Artifact:
     """Read side of an artifact: validated manifest, integrity-checked lazy tensor access.
 
@@ -458,7 +409,7 @@ class Artifact:
         self._hf_checked = False
         self._keys: dict[str, dict[str, tuple[str, str]]] = {}
         for name, e in self.tensors.items():
-            if e["kind"] not in STORELESS:
+            if stores_bytes(e):
                 for key, part in expected_keys(e, name).items():
                     self._keys.setdefault(e["file"], {})[key] = (name, part)
 
@@ -476,10 +427,15 @@ class Artifact:
         """``"gdeflate"`` when any tensor is stored through the lossless stage, else ``"none"``."""
         return "gdeflate" if any(e.get("codec") for e in self.tensors.values()) else "none"
 
-    def entry(self, name: str) -> EntryView:
+    def entry(self, name: str) -> Entry:
+        """The typed entry of tensor ``name`` (kind, scheme, additive, shapes...)."""
         if name not in self.tensors:
             raise ArtifactError(f"{self.path}: no tensor {name!r} in the manifest")
-        return EntryView(name, self.tensors[name])
+        return Entry(name, self.tensors[name])
+
+    def entries(self) -> dict[str, Entry]:
+        """Every typed entry, in manifest order."""
+        return codecs.entries(self.tensors)
 
     def nbytes(self) -> int:
         """Bytes of every file in the artifact directory."""
@@ -593,80 +549,22 @@ class Artifact:
 
     def packed(self, name: str, device: torch.device | str | None = None) -> PackedDelta:
         """The PackedDelta of a ``packed`` entry (on ``device``, see ``parts``)."""
-        ev = self.entry(name)
-        if ev.kind != "packed":
-            raise ArtifactError(f"tensor {name!r} is {ev.kind}, not packed")
-        p = self.parts(name, device)
-        e = ev.raw
-        out_f, in_f = packed_dims(e)
-        d = PackedDelta(qweight=p["qweight"], scales=p["scales"], zeros=p.get("zeros"),
-                        positions=p.get("positions"), bits=e["bits"], group_size=e["group_size"],
-                        in_features=in_f, out_features=out_f)
-        try:
-            d.validate()
-        except ValueError as err:
-            raise ArtifactError(f"{self.path}: tensor {name!r} has an invalid packed layout: {err}") from err
-        return d
+        entry = self.entry(name)
+        if entry.kind != "packed":
+            raise ArtifactError(f"tensor {name!r} is {entry.kind}, not packed")
+        return entry.codec.read(self, entry, device)
 
     def reconstruct(self, name: str, base: torch.Tensor | None) -> torch.Tensor:
-        """The fine-tuned tensor as the compressor produced it, in its stored dtype.
+        """The fine-tuned tensor as the compressor produced it, in its stored dtype (its codec's rebuild).
 
         Args:
             name: tensor name.
             base: the base model's tensor of that name (unused for ``full`` and non-additive entries).
                 The result is on ``base``'s device (else the Artifact's ``device``, else CPU).
         """
-        ev = self.entry(name)
-        kind, dtype = ev.kind, ev.dtype
+        entry = self.entry(name)
         dev = base.device if base is not None else self.device
-        if kind == "alias":
-            return self.reconstruct(ev.raw["of"], base)
-        if kind == "full":
-            return self.parts(name, dev)["data"]
-        if kind == "packed" and not ev.raw["additive"]:
-            return packed_to_stored(ev.raw, delta_weight(self.packed(name, dev))).to(dtype)
-        if base is None:
-            raise ArtifactError(f"tensor {name!r} is stored relative to the base, but no base tensor was given")
-        want = stored_shape(ev.raw) if kind == "packed" else list(ev.shape)
-        if list(base.shape) != want:
-            raise InputError(f"base tensor {name} has shape {list(base.shape)}, the artifact expects "
-                             f"{want}: wrong base model?")
-        if kind == "same":
-            return base.to(dtype)
-        if kind == "xor":
-            return apply_xor(base.to(dtype), self.parts(name, dev)["xor"], dtype)
-        if kind == "packed":
-            delta = packed_to_stored(ev.raw, delta_weight(self.packed(name, dev)))
-        elif kind == "dense_delta":
-            delta = self.parts(name, dev)["delta"].float()
-        elif kind == "rows":
-            delta = dequantize_rows(self.parts(name, dev), ev.shape, ev.raw["bits"], ev.raw["group_size"])
-        else:
-            raise ArtifactError(f"tensor {name!r} has unknown kind {kind!r}")
-        return (base.float() + delta.to(base.device)).to(dtype)
-
-
-def packed_dims(e: dict[str, Any]) -> tuple[int, int]:
-    """``(out_features, in_features)`` of a packed entry's PackedDelta: ``[out, in]``, or for fused
-    experts (``shape`` ``[E, out, in]``) the E experts' rows stacked, ``[E*out, in]``."""
-    shape = e["shape"]
-    return math.prod(shape[:-1]), shape[-1]
-
-
-def stored_shape(e: dict[str, Any]) -> list[int]:
-    """Shape of the checkpoint tensor a packed entry rebuilds: ``shape``, with the last two dims
-    swapped when ``transposed`` (Conv1D ``[in, out]``)."""
-    shape = list(e["shape"])
-    if e.get("transposed"):
-        shape[-2], shape[-1] = shape[-1], shape[-2]
-    return shape
-
-
-def packed_to_stored(e: dict[str, Any], dense: torch.Tensor) -> torch.Tensor:
-    """The dense ``[rows, in]`` delta of a packed entry (``delta_weight``) in the checkpoint's layout:
-    reshaped to ``shape`` (``[E, out, in]`` for experts), then transposed when ``transposed``."""
-    t = dense.reshape(e["shape"])
-    return t.transpose(-1, -2).contiguous() if e.get("transposed") else t
+        return entry.codec.reconstruct(self, entry, base if entry.needs_base else None, dev)
 
 
 def file_problem(root: Path, rel: str, info: Any) -> str | None:
@@ -745,8 +643,9 @@ def header_problems(m: Any) -> list[str]:
 
 
 def entry_problems(name: str, e: Any, files: dict[str, Any]) -> list[str]:
-    """Problems of one tensor entry (empty when it is sound)."""
-    if not isinstance(e, dict) or e.get("kind") not in KINDS:
+    """Problems of one tensor entry (empty when it is sound): the fields every kind has, then the
+    kind's own (its codec's ``field_problems``)."""
+    if not isinstance(e, dict) or e.get("kind") not in codecs.kinds():
         return [f"tensor {name!r}: unknown kind {e.get('kind') if isinstance(e, dict) else e!r}"]
     out = []
     if (not isinstance(e.get("shape"), list) or not all(isinstance(s, int) and s >= 0 for s in e["shape"])
@@ -754,43 +653,15 @@ def entry_problems(name: str, e: Any, files: dict[str, Any]) -> list[str]:
         out.append(f"tensor {name!r}: missing or invalid shape or dtype")
     elif not isinstance(getattr(torch, e["dtype"], None), torch.dtype):
         out.append(f"tensor {name!r}: unknown dtype {e['dtype']!r}")
-    if e["kind"] == "alias":
-        if not isinstance(e.get("of"), str) or e["of"] == name:
-            out.append(f"tensor {name!r}: alias entry without the name of another tensor in 'of'")
-        return out
-    if e["kind"] != "same":
+    codec = codecs.get(e["kind"])
+    if codec.stores_bytes:
         if e.get("file") not in files:
             out.append(f"tensor {name!r}: container file {e.get('file')!r} is not listed in 'files'")
         if (not isinstance(e.get("parts"), list) or not all(isinstance(p, str) for p in e["parts"])
                 or not isinstance(e.get("checksum"), str)):
             return out + [f"tensor {name!r}: missing parts or checksum"]
-    if e["kind"] == "packed":
-        for key in ("bits", "group_size", "sparsity", "additive", "sym"):
-            if key not in e:
-                out.append(f"tensor {name!r}: packed entry lacks {key!r}")
-        out += _packed_layout_field_problems(name, e)
-    if e["kind"] == "rows":
-        for key in ("bits", "group_size"):
-            if not isinstance(e.get(key), int):
-                out.append(f"tensor {name!r}: rows entry lacks integer {key!r}")
+    out += codec.field_problems(name, e)
     return out + _codec_problems(name, e)
-
-
-def _packed_layout_field_problems(name: str, e: dict[str, Any]) -> list[str]:
-    """Problems of a packed entry's orientation fields: ``transposed`` (bool) and ``experts`` (E, with
-    ``shape`` ``[E, out, in]``; without it ``shape`` is ``[out, in]``)."""
-    if "transposed" in e and not isinstance(e["transposed"], bool):
-        return [f"tensor {name!r}: 'transposed' must be true or false"]
-    shape, experts = e.get("shape"), e.get("experts")
-    if not isinstance(shape, list):
-        return []  # reported with the common fields
-    if experts is None:
-        return [] if len(shape) == 2 else [f"tensor {name!r}: packed entry with shape {shape}, expected [out, in] "
-                                           "(or [E, out, in] with 'experts')"]
-    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1 or len(shape) != 3 \
-            or shape[0] != experts:
-        return [f"tensor {name!r}: 'experts' {experts!r} does not match shape {shape} (expected [E, out, in])"]
-    return []
 
 
 def _codec_problems(name: str, e: dict[str, Any]) -> list[str]:
@@ -802,7 +673,7 @@ def _codec_problems(name: str, e: dict[str, Any]) -> list[str]:
         return [f"tensor {name!r}: codec {codec!r} is unknown to this deltazip (it knows {', '.join(CODECS)}); "
                 "upgrade deltazip"]
     table = e.get("lossless")
-    if e["kind"] in STORELESS or not isinstance(table, dict) or not table:
+    if not stores_bytes(e) or not isinstance(table, dict) or not table:
         return [f"tensor {name!r}: codec {codec!r} without a 'lossless' table of its compressed parts"]
     out = []
     for part, meta in table.items():
@@ -852,8 +723,8 @@ def repack(src: str | Path, dst: str | Path | None = None, lossless: str = "gdef
     with ArtifactWriter(dst, overwrite=overwrite or same_dir, lossless=lossless, lossless_level=level) as w:
         for i, name in enumerate(names):
             e = art.tensors[name]
-            w.add_entry(name, e, art.parts(name) if e["kind"] not in STORELESS else {})
-            if e["kind"] not in STORELESS and w.entries[name]["checksum"] != e["checksum"]:
+            w.add_entry(name, e, art.parts(name) if stores_bytes(e) else {})
+            if stores_bytes(e) and w.entries[name]["checksum"] != e["checksum"]:
                 raise ArtifactError(f"{src / e['file']}: tensor {name!r} decodes to bytes whose checksum differs "
                                     "from the manifest; the artifact is corrupt (run `deltazip verify`)")
             if progress:

@@ -37,7 +37,7 @@ def sha256_tensors(*tensors: torch.Tensor | None) -> str:
     return "sha256:" + h.hexdigest()
 
 
-class Fingerprint:
+class CheckpointFingerprint:
     """Order-independent fingerprint of named tensors: xxh3-128 over sorted (name, dtype, shape, hash).
 
     Fast enough to run over a whole base checkpoint at load time (bounded by reading the bytes),

@@ -36,14 +36,12 @@ import torch
 import xxhash
 
 from deltazip.formats import gdeflate
+from deltazip.formats.dtypes import ST_OF_NAME, ST_SIZES, parse_dtype
 
 CODECS = ("gdeflate",)
 FILTERS = ("none", "bytegroup")
 DEFAULT_ALIGN = 16
 _HASH_RE = re.compile(r"^xxh3-128:[0-9a-f]{32}$")
-_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-           "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-           "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
 _FIELDS = ("codec", "level", "filter", "dtype", "shape", "nbytes", "chunk_bytes", "align", "chunks", "checksum",
            "stored_checksum")
 
@@ -62,7 +60,7 @@ def _is_int(v: Any) -> bool:
 
 
 def element_size(dtype: str) -> int:
-    return torch.empty((), dtype=_DTYPES[dtype]).element_size()
+    return ST_SIZES[ST_OF_NAME[dtype]]
 
 
 @dataclass(frozen=True)
@@ -88,7 +86,7 @@ class Container:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return parse_dtype(self.dtype)
 
     def to_json(self) -> dict[str, Any]:
         return {"codec": self.codec, "level": self.level, "filter": self.filter, "dtype": self.dtype,
@@ -113,7 +111,7 @@ class Container:
                                  "upgrade deltazip")
         if meta["filter"] not in FILTERS:
             raise ContainerError(f"unknown filter {meta['filter']!r} (known: {', '.join(FILTERS)}); upgrade deltazip")
-        if meta["dtype"] not in _DTYPES:
+        if meta["dtype"] not in ST_OF_NAME:
             raise ContainerError(f"unknown dtype {meta['dtype']!r}")
         for k in ("level", "nbytes", "chunk_bytes", "align"):
             if not _is_int(meta[k]) or meta[k] < 0:
@@ -198,7 +196,7 @@ def encode(t: torch.Tensor, level: int = gdeflate.DEFAULT_LEVEL, filter: str = "
         (stored uint8 ``[stored_nbytes]``, metadata dict as written to the manifest).
     """
     name = str(t.dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    if name not in ST_OF_NAME:
         raise ValueError(f"dtype {name} cannot be stored in a chunked container")
     if filter not in FILTERS:
         raise ValueError(f"unknown filter {filter!r}; use one of {FILTERS}")

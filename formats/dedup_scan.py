@@ -96,7 +96,7 @@ def _algo(algo: str) -> tuple[str, Callable[[], object]]:
 
 
 @dataclass(frozen=True)
-class Fingerprint:
+class TensorFingerprint:
     """Identity of a tensor's content: dtype string, shape and the hash of its raw bytes.
 
     ``id`` is the manifest key, e.g. ``xxh3_128:5d0c...e1:BF16[2048,576]``.
@@ -194,7 +194,7 @@ class TensorRef:
     shape: tuple[int, ...]
     start: int
     end: int
-    fingerprint: Fingerprint | None = None  # None: below min_bytes, not hashed
+    fingerprint: TensorFingerprint | None = None  # None: below min_bytes, not hashed
 
     @property
     def nbytes(self) -> int:
@@ -245,7 +245,7 @@ class ScanResult:
     config: ScanConfig
     checkpoints: list[CheckpointFiles]
     refs: list[TensorRef]
-    groups: dict[Fingerprint, list[int]]  # fingerprint -> indices into refs, scan order
+    groups: dict[TensorFingerprint, list[int]]  # fingerprint -> indices into refs, scan order
     diffs: list[DiffStat] = field(default_factory=list)
     collisions: int = 0
     verified_pairs: int = 0
@@ -535,10 +535,10 @@ def scan_checkpoints(paths: Sequence[str | Path], config: ScanConfig | None = No
     digests = _hash_all(refs, todo, cfg, progress)
     hash_seconds = time.perf_counter() - t1
     algo = hash_name(cfg.hash)
-    groups: dict[Fingerprint, list[int]] = {}
+    groups: dict[TensorFingerprint, list[int]] = {}
     for i in todo:
         r = refs[i]
-        r.fingerprint = Fingerprint(r.dtype, r.shape, algo, digests[i])
+        r.fingerprint = TensorFingerprint(r.dtype, r.shape, algo, digests[i])
         groups.setdefault(r.fingerprint, []).append(i)
 
     res = ScanResult(cfg, checkpoints, refs, groups, hash_seconds=hash_seconds)
@@ -733,7 +733,7 @@ def _verify_groups(res: ScanResult, cfg: ScanConfig, progress: ProgressFn | None
         # a distinguishing suffix so they stay separate unique tensors in the manifest.
         res.groups[fp] = classes[0]
         for k, cls in enumerate(classes[1:], start=1):
-            alt = Fingerprint(fp.dtype, fp.shape, fp.algo, f"{fp.digest}-collision{k}")
+            alt = TensorFingerprint(fp.dtype, fp.shape, fp.algo, f"{fp.digest}-collision{k}")
             res.groups[alt] = cls
             for i in cls:
                 refs[i].fingerprint = alt

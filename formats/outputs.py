@@ -23,6 +23,7 @@ from pathlib import Path
 
 from deltazip.formats.atomic import current_umask, remove_stale_siblings, temp_sibling
 from deltazip.formats.errors import InputError
+from deltazip.formats.units import human_bytes
 
 Inputs = Iterable[tuple[str, "str | Path | None"]]
 """``(label, path)`` pairs: the option (or argument) that named an input, and the path it named. Paths
@@ -124,8 +125,6 @@ def check_space(where: str | Path, nbytes: int, option: str, out: str | Path) ->
     Raises:
         NoSpace: one line naming the output, the bytes needed and the bytes free.
     """
-    from deltazip.formats.report import human_bytes
-
     need = int(nbytes * SPACE_MARGIN)
     free = shutil.disk_usage(where).free
     if need > free:
@@ -177,8 +176,6 @@ def is_no_space(e: OSError | Exception) -> bool:
 
 def no_space_error(out: str | Path, option: str, nbytes: int | None) -> NoSpace:
     """The one-line error for a write that ran out of space (what was written is removed by the caller)."""
-    from deltazip.formats.report import human_bytes
-
     where = _existing_ancestor(Path(out).absolute().parent)
     need = f"needs about {human_bytes(nbytes)} ({nbytes} bytes); " if nbytes else ""
     free = shutil.disk_usage(where).free

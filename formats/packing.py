@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from deltazip.kernels.packed import PackedDelta, codes_per_word, packed_words
+from deltazip.kernels.scheme import DeltaScheme
 
 
 def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -64,7 +65,8 @@ def pack_delta(
         scales: ``[out, G]`` group scales (already fp16-representable).
         zeros: ``[out, G]`` integer zero points, or None for symmetric.
         mask: bool ``[out, in]`` 2:4 keep-mask, or None for dense.
-        bits, group_size: quantization config (``group_size`` -1 = per row).
+        bits, group_size: quantization config (``group_size`` -1 = per row); with ``mask`` and
+            ``zeros`` they make the delta's scheme (2:4 with a mask, asymmetric with zero points).
     """
     out_f, in_f = codes.shape
     positions = None
@@ -76,8 +78,8 @@ def pack_delta(
         scales=scales.to(torch.float16).contiguous(),
         zeros=None if zeros is None else zeros.to(torch.uint8).contiguous(),
         positions=positions,
-        bits=bits,
-        group_size=group_size,
+        scheme=DeltaScheme(bits=bits, group_size=group_size, sparsity="none" if mask is None else "2:4",
+                           sym=zeros is None),
         in_features=in_f,
         out_features=out_f,
     )

@@ -6,7 +6,10 @@ import math
 
 import torch
 
-from deltazip.formats.artifact import Artifact, parse_dtype
+from deltazip.formats import codecs
+from deltazip.formats.artifact import Artifact
+from deltazip.formats.dtypes import parse_dtype
+from deltazip.formats.units import human_bytes  # noqa: F401 - re-exported: callers import it from here
 
 
 def _numel(shape) -> int:
@@ -32,6 +35,9 @@ def summarize(art: Artifact) -> dict:
     by_kind: dict[str, dict] = {}
     dtypes: dict[str, dict[str, int]] = {}
     lin_orig = lin_stored = 0
+    linear_kinds = {k for k in codecs.kinds() if isinstance(codecs.get(k), codecs.MatrixCodec)}
+    # Raw entries: the figures come from shape, dtype and stored_bytes, so a kind this version does
+    # not know is summarized too.
     for e in art.tensors.values():
         k = by_kind.setdefault(e["kind"], {"tensors": 0, "weights": 0, "stored_bytes": 0, "original_bytes": 0})
         n = _numel(e["shape"])
@@ -43,7 +49,7 @@ def summarize(art: Artifact) -> dict:
         d = dtypes.setdefault(e["dtype"], {"weights": 0, "bytes": 0})
         d["weights"] += n
         d["bytes"] += orig
-        if e["kind"] == "packed":
+        if e["kind"] in linear_kinds:  # compressed linears, of any scheme
             lin_orig += orig
             lin_stored += e["stored_bytes"]
     for k in by_kind.values():
@@ -86,10 +92,3 @@ def summarize(art: Artifact) -> dict:
     }
 
 
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"

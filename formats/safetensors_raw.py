@@ -12,15 +12,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from deltazip.formats.dtypes import ST_SIZES
 from deltazip.formats.errors import InputError
 
-# Bytes per element of each safetensors dtype string.
-DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
-}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -75,16 +69,16 @@ def read_table(path: str | Path) -> tuple[dict[str, TensorEntry], dict[str, str]
             dtype, shape, (b, e) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError) as err:
             raise InputError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from err
-        if dtype not in DTYPE_SIZES:
+        if dtype not in ST_SIZES:
             raise InputError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         numel = 1
         for s in shape:
             numel *= s
         if not (0 <= b <= e) or data_start + e > size:
             raise InputError(f"{path}: tensor {name!r} offsets [{b}, {e}) point past the end of the file")
-        if e - b != numel * DTYPE_SIZES[dtype] and dtype != "F4":
+        if e - b != numel * ST_SIZES[dtype] and dtype != "F4":
             raise InputError(f"{path}: tensor {name!r} has {e - b} bytes but shape {list(shape)} {dtype} needs "
-                             f"{numel * DTYPE_SIZES[dtype]}")
+                             f"{numel * ST_SIZES[dtype]}")
         entries[name] = TensorEntry(name, dtype, shape, data_start + b, data_start + e)
     spans = sorted((t.start, t.end, t.name) for t in entries.values() if t.end > t.start)
     for (_, e1, n1), (s2, _, n2) in zip(spans, spans[1:]):

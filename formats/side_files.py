@@ -19,12 +19,23 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from deltazip.formats.errors import InputError
 
-if TYPE_CHECKING:
-    from deltazip.formats.artifact import Artifact
+
+class Artifact(Protocol):
+    """What these functions read of a ``deltazip.formats.artifact.Artifact`` (named here so that this
+    module, which the artifact reader imports, does not import it back)."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def lineage(self) -> dict[str, Any]: ...
+
+    def hf_dir(self) -> Path: ...
+
 
 SIDE_DIR = "hf"
 SOURCES = ("artifact", "base")

@@ -20,13 +20,13 @@ Checks, in order (a later check is skipped only where an earlier failure makes i
    that they were not checked).
 
 This module reads the files itself instead of going through ``Artifact`` so that one problem does
-not hide the next.
+not hide the next. What a kind's parts must hold is its codec's to say (``deltazip.formats.codecs``:
+``layout_problems``, and ``manifest_problems`` for checks across entries such as an alias's target).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,22 +38,18 @@ from deltazip.formats import chunked
 from deltazip.formats.artifact import (
     MANIFEST,
     MANIFEST_SUM,
-    STORELESS,
     entry_problems,
     expected_keys,
     file_problem,
     header_problems,
     manifest_sum_problem,
-    packed_dims,
+    stores_bytes,
 )
 from deltazip.formats.checksum import sha256_tensors
+from deltazip.formats.codecs import Entry
 from deltazip.formats.errors import DeltazipError
-from deltazip.formats.exact import int_view
-from deltazip.formats.rows import layout_problems as rows_layout_problems
 from deltazip.formats.safetensors_raw import read_table
 from deltazip.formats.side_files import base_copy_problem, side_file_problems, side_file_table
-from deltazip.kernels.packed import PackedDelta, codes_per_word, packed_words
-from deltazip.kernels.reference import unpack_int32
 
 Progress = Callable[[str, int, int], None]
 
@@ -65,7 +61,7 @@ def verify_artifact(path: str | Path, base_fingerprint: str | None = None,
     Args:
         path: artifact directory.
         base_fingerprint: ``"xxh3-128:<hex>"`` of the base model to check the lineage against
-            (``deltazip.compress.checkpoint.Checkpoint(base).fingerprint()``), or None to skip.
+            (``deltazip.models.checkpoint.Checkpoint(base).fingerprint()``), or None to skip.
         progress: optional ``progress(description, done, total)`` callback.
         base_dir: the base model directory, to check the side files kept by reference to it; None
             to skip (a warning then names them).
@@ -192,7 +188,7 @@ class _Verifier:
     def check_tensors(self, tensors: dict[str, Any], broken: set[str]) -> None:
         by_file: dict[str, dict[str, tuple[str, str]]] = {}
         for name, e in tensors.items():
-            if name in broken or e["kind"] in STORELESS:
+            if name in broken or not stores_bytes(e):
                 continue
             for key, part in expected_keys(e, name).items():
                 by_file.setdefault(e["file"], {})[key] = (name, part)
@@ -234,13 +230,10 @@ class _Verifier:
             self.bad(fpath, f"the container holds {len(extra)} tensors the manifest does not list ({_some(extra)})")
 
     def check_tensor(self, name: str, e: dict[str, Any], tables: dict[str, dict], handles: dict[str, Any]) -> None:
-        if e["kind"] == "alias":
-            target = self.manifest["tensors"].get(e["of"])
-            if target is None or target["kind"] == "alias" or target["shape"] != e["shape"]:
-                self.bad(self.path / MANIFEST, f"tensor {name!r}: alias of {e['of']!r}, which is not a non-alias "
-                                               "entry of the same shape")
-            return
-        if e["kind"] == "same":
+        entry = Entry(name, e)
+        for msg in entry.codec.manifest_problems(entry, self.manifest["tensors"]):
+            self.bad(self.path / MANIFEST, msg)
+        if not entry.stores_bytes:
             return
         fname = e["file"]
         fpath = self.path / fname
@@ -271,7 +264,7 @@ class _Verifier:
         ordered = [parts[p] for p in e["parts"]]
         if sha256_tensors(*ordered) != e["checksum"]:
             self.bad(fpath, f"tensor {name!r}: checksum mismatch of its parts (corrupt data)")
-        for msg in layout_problems(e, parts):
+        for msg in entry.codec.layout_problems(entry, parts):
             self.bad(fpath, f"tensor {name!r}: {msg}")
 
     def read(self, fpath: Path, fname: str, key: str, handles: dict[str, Any], name: str) -> torch.Tensor | None:
@@ -298,98 +291,8 @@ class _Verifier:
         return t
 
 
-# -- layout invariants ----------------------------------------------------------------------------
-
 def _some(names: list[str], shown: int = 3) -> str:
     """``'a', 'b', 'c' and 38 more``."""
     head = ", ".join(repr(n) for n in names[:shown])
     return head + (f" and {len(names) - shown} more" if len(names) > shown else "")
-
-
-def layout_problems(e: dict[str, Any], parts: dict[str, torch.Tensor]) -> list[str]:
-    """Shape/dtype/packing problems of one entry's decoded parts (empty when sound)."""
-    kind, shape = e["kind"], e["shape"]
-    if kind == "full":
-        t = parts.get("data")
-        if t is None:
-            return ["full entry without a 'data' part"]
-        if list(t.shape) != shape or str(t.dtype).removeprefix("torch.") != e["dtype"]:
-            return [f"data is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, the entry says {e['dtype']} {shape}"]
-        return []
-    if kind == "dense_delta":
-        t = parts.get("delta")
-        if t is None:
-            return ["dense_delta entry without a 'delta' part"]
-        want = e.get("delta_dtype")
-        if list(t.shape) != shape or str(t.dtype).removeprefix("torch.") != want:
-            return [f"delta is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, the entry says {want} {shape}"]
-        return []
-    if kind == "xor":
-        t = parts.get("xor")
-        if t is None:
-            return ["xor entry without an 'xor' part"]
-        width = torch.empty((), dtype=getattr(torch, e["dtype"])).element_size()
-        if list(t.shape) != shape or t.dtype != int_view(torch.empty(0, dtype=getattr(torch, e["dtype"]))).dtype:
-            return [f"xor is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, want the {width}-byte integer "
-                    f"type of {e['dtype']} and shape {shape}"]
-        return []
-    if kind == "rows":
-        return rows_layout_problems(e, parts)
-    if kind != "packed":
-        return []
-    if len(shape) != (3 if e.get("experts") else 2) or not all(isinstance(s, int) for s in shape):
-        return [f"packed entry with shape {shape}, expected [out, in] (or [E, out, in] with 'experts')"]
-    sparse = e["sparsity"] == "2:4"
-    if sparse != ("positions" in parts):
-        return [f"sparsity {e['sparsity']!r} but positions {'absent' if sparse else 'present'}"]
-    if e["sym"] == ("zeros" in parts):
-        return [f"sym={e['sym']} but zero points {'present' if e['sym'] else 'absent'}"]
-    out_f, in_f = packed_dims(e)  # fused experts: the E experts' rows stacked, [E*out, in]
-    try:
-        d = PackedDelta(qweight=parts["qweight"], scales=parts["scales"], zeros=parts.get("zeros"),
-                        positions=parts.get("positions"), bits=e["bits"], group_size=e["group_size"],
-                        in_features=in_f, out_features=out_f)
-        d.validate()
-    except (KeyError, ValueError, ZeroDivisionError) as err:
-        return [f"invalid packed layout ({err})"]
-    return packed_problems(d)
-
-
-def _unused_bits(words: torch.Tensor, bits: int, n: int) -> int:
-    """Rows of int32 ``words`` (codes of ``bits`` bits, ``n`` per row) with a set bit outside any code."""
-    per = codes_per_word(bits)
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    full = (1 << (per * bits)) - 1
-    last = (1 << ((n - (packed_words(n, bits) - 1) * per) * bits)) - 1
-    allowed = torch.full((w.shape[1],), full, dtype=torch.int64)
-    if w.shape[1]:
-        allowed[-1] = last
-    return int(((w & ~allowed) != 0).any(dim=1).sum())
-
-
-def packed_problems(d: PackedDelta) -> list[str]:
-    """Invariants of a packed delta beyond its shapes (see docs/format.md, packed layout)."""
-    out = []
-    k = d.kept_per_row
-    rows = _unused_bits(d.qweight, d.bits, k)
-    if rows:
-        out.append(f"qweight: {rows} rows with padding codes or unused bits not zero")
-    if d.sparse:
-        rows = _unused_bits(d.positions, 2, k)
-        if rows:
-            out.append(f"positions: {rows} rows with padding codes not zero")
-        pos = unpack_int32(d.positions, 2, k).reshape(d.out_features, k // 2, 2)
-        bad = pos[..., 0] >= pos[..., 1]
-        if bool(bad.any()):
-            r, g = (int(x) for x in bad.nonzero()[0])
-            out.append(f"positions: {int(bad.sum())} groups of 4 whose two kept positions are not distinct and "
-                       f"ascending (first: row {r}, group {g})")
-    if d.zeros is not None:
-        over = int((d.zeros.int() >= 2 ** d.bits).sum())
-        if over:
-            out.append(f"zeros: {over} zero points outside [0, {2 ** d.bits})")
-    finite = torch.isfinite(d.scales.float())
-    if not bool(finite.all()):
-        out.append(f"scales: {int((~finite).sum())} of {math.prod(d.scales.shape)} are not finite")
-    return out
 

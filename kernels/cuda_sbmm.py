@@ -24,6 +24,7 @@ from importlib import resources
 
 import torch
 
+from deltazip.kernels.availability import cuda_kernel_available
 from deltazip.kernels.fast_layout import padded_rows
 from deltazip.kernels.stacked import StackedDeltas
 from deltazip.kernels.triton_sbmm import RowPlan
@@ -97,18 +98,9 @@ def _smem_limit(device_index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
 
 
-@functools.cache
 def available(device_index: int = 0) -> bool:
     """A CUDA device of compute capability 8.0+ (mma.sync bf16, cp.async) and NVRTC that loads."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device_index) < (8, 0):
-        return False
-    try:
-        from deltazip.kernels.cuda_rtc import nvrtc
-
-        nvrtc()
-    except Exception:  # noqa: BLE001 - no NVRTC: the dispatcher uses another path
-        return False
-    return True
+    return cuda_kernel_available(device_index)
 
 
 def fits(stack: StackedDeltas, cfg: CudaConfig, device_index: int) -> bool:

@@ -44,7 +44,7 @@ __all__ = ["CALLS", "RowPlan", "group_rows", "lora", "sbmm", "sbmm_experts", "tr
 
 _ENV = "DELTAZIP_FORCE_TRITON"
 
-# Calls per path ("cuda", "dequant_mm", "fast", "legacy", "reference", "lora", "lora_reference"): one
+# Calls per path ("cuda", "dequant_mm", "fast", "transposed", "reference", "lora", "lora_reference"): one
 # kernel launch each on the CUDA and Triton paths (plus one fp32 ``add_`` when split-K adds onto ``out``). A host-side count, read by
 # bench/launches.py and the launch-count tests; ``CALLS.clear()`` resets it.
 CALLS: Counter = Counter()
@@ -151,7 +151,7 @@ def sbmm(
                 return sbmm_fast(x, delta_index, deltas, plan=plan, out=out)
             CALLS["reference"] += 1
             return _add_into(out, reference.sbmm(x, delta_index, deltas))
-        CALLS["legacy"] += 1
+        CALLS["transposed"] += 1
         return _add_into(out, sbmm_triton(x, delta_index, deltas, plan=plan))
     if out is not None:
         raise ValueError("sbmm(out=...) takes a StackedDeltas; a list of deltas returns a new tensor")

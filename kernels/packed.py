@@ -19,16 +19,20 @@ Value of a kept entry: ``scale * (code - zero)``; pruned entries are exactly zer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
-SUPPORTED_BITS = (2, 3, 4, 8)
+from deltazip.kernels.scheme import DeltaScheme, kind_rules
+
+# Code widths of the packed kind (the scheme's rules for kind "packed"), kept as a name for readers.
+SUPPORTED_BITS = kind_rules("packed").bits
 
 
 def codes_per_word(bits: int) -> int:
     """How many ``bits``-wide codes one int32 word holds (3-bit codes waste 2 bits per word)."""
-    if bits not in SUPPORTED_BITS and bits != 2:
+    if not 1 <= bits <= 8:
         raise ValueError(f"unsupported bit width {bits}; use one of {SUPPORTED_BITS}")
     return 32 // bits
 
@@ -41,45 +45,58 @@ def packed_words(n: int, bits: int) -> int:
 
 @dataclass
 class PackedDelta:
-    """One compressed linear delta in canonical layout (shapes in the module docstring)."""
+    """One compressed linear delta in canonical layout (shapes in the module docstring).
+
+    ``scheme`` says what the parts hold (bits, group, sparsity, symmetry); :meth:`validate` checks the
+    parts against it: ``positions`` present exactly under 2:4, ``zeros`` exactly when asymmetric.
+    """
 
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor | None
     positions: torch.Tensor | None
-    bits: int
-    group_size: int
+    scheme: DeltaScheme
     in_features: int
     out_features: int
 
     @property
+    def bits(self) -> int:
+        return self.scheme.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.scheme.group_size
+
+    @property
     def sparse(self) -> bool:
         """True when the delta is 2:4 sparse (kept values plus positions are stored)."""
-        return self.positions is not None
+        return self.scheme.sparse
 
     @property
     def kept_per_row(self) -> int:
         """Stored values per row: ``in/2`` under 2:4, ``in`` when dense."""
-        return self.in_features // 2 if self.sparse else self.in_features
+        return self.scheme.kept_per_row(self.in_features)
 
     @property
     def effective_group(self) -> int:
         """Group size in input columns (``-1`` resolved to the whole row)."""
-        return self.in_features if self.group_size == -1 else self.group_size
+        return self.scheme.effective_group(self.in_features)
 
     @property
     def num_groups(self) -> int:
-        return self.in_features // self.effective_group
+        return self.scheme.num_groups(self.in_features)
 
     def validate(self) -> None:
         """Check shapes and dtypes against the layout; raises ValueError naming what is off."""
-        o, i = self.out_features, self.in_features
-        if self.bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits={self.bits} not in {SUPPORTED_BITS}")
-        if i % self.effective_group:
-            raise ValueError(f"in_features {i} not divisible by group size {self.effective_group}")
-        if self.sparse and (i % 4 or self.effective_group % 4):
-            raise ValueError(f"2:4 needs in_features ({i}) and group size divisible by 4")
+        o = self.out_features
+        problem = self.scheme.shape_problem(self.in_features)
+        if problem:
+            raise ValueError(problem)
+        if self.sparse != (self.positions is not None):
+            raise ValueError(f"sparsity {self.scheme.sparsity!r} but positions "
+                             f"{'absent' if self.sparse else 'present'}")
+        if self.scheme.sym != (self.zeros is None):
+            raise ValueError(f"sym={self.scheme.sym} but zero points {'present' if self.scheme.sym else 'absent'}")
         want_q = (o, packed_words(self.kept_per_row, self.bits))
         if tuple(self.qweight.shape) != want_q or self.qweight.dtype != torch.int32:
             raise ValueError(f"qweight {tuple(self.qweight.shape)} {self.qweight.dtype}, want {want_q} int32")
@@ -93,16 +110,28 @@ class PackedDelta:
         if self.zeros is not None and (tuple(self.zeros.shape) != want_s or self.zeros.dtype != torch.uint8):
             raise ValueError(f"zeros {tuple(self.zeros.shape)} {self.zeros.dtype}, want {want_s} uint8")
 
+    def parts(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by part name (``qweight``, ``positions``, ``scales``, ``zeros``: the
+        manifest's order), those the scheme stores only."""
+        ts = {"qweight": self.qweight, "positions": self.positions, "scales": self.scales, "zeros": self.zeros}
+        return {k: t for k, t in ts.items() if t is not None}
+
     def nbytes(self) -> int:
         """Bytes of all stored tensors."""
-        ts = [self.qweight, self.scales, self.zeros, self.positions]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.parts().values())
+
+    def map_parts(self, fn: Callable[[torch.Tensor], torch.Tensor], out_features: int | None = None,
+                  in_features: int | None = None) -> PackedDelta:
+        """A copy with ``fn`` applied to every stored tensor (a device move, pinning, a row slice...);
+        ``out_features``/``in_features`` give the copy's shape when ``fn`` changes it."""
+
+        def mv(t):
+            return None if t is None else fn(t)
+
+        return replace(self, qweight=mv(self.qweight), scales=mv(self.scales), zeros=mv(self.zeros),
+                       positions=mv(self.positions), out_features=self.out_features if out_features is None
+                       else out_features, in_features=self.in_features if in_features is None else in_features)
 
     def to(self, device: torch.device | str) -> PackedDelta:
         """A copy with every tensor on ``device``."""
-
-        def mv(t):
-            return None if t is None else t.to(device)
-
-        return PackedDelta(mv(self.qweight), mv(self.scales), mv(self.zeros), mv(self.positions),
-                           self.bits, self.group_size, self.in_features, self.out_features)
+        return self.map_parts(lambda t: t.to(device))

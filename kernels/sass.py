@@ -73,7 +73,7 @@ def tools_available() -> str | None:
 class Variant:
     """One compiled configuration of an SBMM kernel.
 
-    ``kernel``: ``"legacy"`` (``triton_sbmm.sbmm_kernel``, transposed layout) or ``"fast"``
+    ``kernel``: ``"transposed"`` (``triton_sbmm.sbmm_kernel``, transposed layout) or ``"fast"``
     (``triton_fast`` kernel, mma layout; 2:4 deltas run the dense kernel there, so ``sparse`` only
     changes the bytes). ``dtype``: activations, ``"fp16"`` or ``"bf16"``. ``acc``: the fast kernel's
     epilogue adds onto the base output (``ACC``, what ``DeltaLinear`` launches); the main loop is the same.
@@ -92,14 +92,14 @@ class Variant:
 
 
 def variants(quick: bool = False) -> list[Variant]:
-    """The grid of the bench: legacy and fast, bits 2/3/4/8, 2:4 or dense, sym/asym, fp16/bf16
+    """The grid of the bench: transposed and fast, bits 2/3/4/8, 2:4 or dense, sym/asym, fp16/bf16
     (the fast kernel has no 3-bit variant; ``quick``: 4 bits only)."""
     out = []
     for bits in ((4,) if quick else (2, 3, 4, 8)):
         for sparse in (True, False):
             for asym in (False, True):
                 for dtype in ("fp16", "bf16"):
-                    out.append(Variant("legacy", bits, sparse, asym, dtype))
+                    out.append(Variant("transposed", bits, sparse, asym, dtype))
                     if bits != 3:
                         out.append(Variant("fast", bits, sparse, asym, dtype))
     return out
@@ -115,7 +115,7 @@ def _build(v: Variant) -> tuple[object, dict, dict, list[str], dict]:
 
     dt = "*bf16" if v.dtype == "bf16" else "*fp16"
     out_f, in_f, group = v.out_features, v.in_features, v.group
-    if v.kernel == "legacy":
+    if v.kernel == "transposed":
         from deltazip.kernels import _triton_sbmm_kernels as mod
         from deltazip.kernels.packed import packed_words
         from deltazip.kernels.triton_sbmm import choose_block_k
@@ -188,7 +188,7 @@ def compile_variant(v: Variant, arch: int) -> dict:
 def _mma_per_step(v: Variant, arch: int, launch: dict) -> int:
     """Tensor-core instructions per warp and K step. The fast kernel's tile is ``[64 x BLOCK_K]``
     (A) times ``[BLOCK_K x BLOCK_M]``: one wgmma m64nMk16 per 16 columns on sm_90, or per warp
-    (16 rows) ``BLOCK_M / 8`` mma m16n8k16 per 16 columns on sm_80. The legacy tile is ``[BLOCK_M x
+    (16 rows) ``BLOCK_M / 8`` mma m16n8k16 per 16 columns on sm_80. The transposed tile is ``[BLOCK_M x
     BLOCK_K]`` times ``[BLOCK_K x 64]`` on mma.sync (M=16 is too small for wgmma), the 4 warps
     splitting the 64 columns."""
     k16 = launch["block_k"] // 16
@@ -284,7 +284,7 @@ def hbm_bound(instr_per_weight: float, own_bytes: float, floor_bytes: float, gpu
 def describe(v: Variant, arch: int) -> dict:
     """Compile, analyze and bound one variant for one arch: the bench's result row."""
     r = compile_variant(v, arch)
-    layout = "transposed" if v.kernel == "legacy" else "mma"
+    layout = "transposed" if v.kernel == "transposed" else "mma"
     own, floor = bytes_per_weight(v, layout), bytes_per_weight(v, "canonical")
     row = {**asdict(v), "arch": f"sm_{arch}", "instr_per_weight": r["instr_per_weight"],
            "loop_instructions": r["loop_instructions"], "weights_per_thread_iteration": r["weights_per_thread_iteration"],

@@ -48,8 +48,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from deltazip.kernels import fast_layout
-from deltazip.kernels.packed import SUPPORTED_BITS, PackedDelta, packed_words
+from deltazip.kernels.packed import PackedDelta, packed_words
 from deltazip.kernels.reference import delta_weight as _reference_delta_weight
+from deltazip.kernels.scheme import DeltaScheme
 
 LAYOUTS = ("transposed", "mma")
 _LAYOUT_ENV = "DELTAZIP_SBMM_LAYOUT"
@@ -81,12 +82,12 @@ def choose_layout(layout: str, *, bits: int, group_size: int, in_features: int,
                          f"(needs bits in {fast_layout.FAST_BITS}, in_features % 128 == 0, a group size that "
                          "is a multiple of 32, or 64 at 2 bits)")
     if layout == "auto":
-        from deltazip.kernels import cuda_sbmm  # lazy: no import cycle
-        from deltazip.kernels.triton_fast import fast_enabled
-        from deltazip.kernels.triton_sbmm import triton_importable
+        from deltazip.kernels.availability import cuda_kernel_available, triton_fast_enabled
+        from deltazip.kernels.triton_sbmm import triton_importable  # lazy: no import cycle
 
         dev = torch.device(device)
-        kernel = dev.type == "cuda" and (cuda_sbmm.available(dev.index or 0) or (triton_importable() and fast_enabled()))
+        kernel = dev.type == "cuda" and (cuda_kernel_available(dev.index or 0)
+                                         or (triton_importable() and triton_fast_enabled()))
         layout = "mma" if ok and kernel else "transposed"
     return layout
 
@@ -100,21 +101,28 @@ class StackedDeltas:
         scales: fp16 ``[D, G, out]`` (``mma``: ``[D, G, OUTP]``).
         zeros: uint8 ``[D, G, out]`` (``mma``: fp16 ``[D, G, OUTP]``) or None (symmetric).
         positions: int32 ``[D, Kp, out]`` or None (dense, no 2:4, or the ``mma`` layout).
-        bits, group_size, in_features, out_features: shared by every slot.
+        scheme: shared by every slot; ``scheme.sym`` is False exactly when ``zeros`` is stored (a
+            stack with zero points holds symmetric deltas too, their implicit zero point written out).
+        in_features, out_features: of every slot.
         layout: ``"transposed"`` or ``"mma"`` (module docstring).
-        sparse24: the ``mma`` layout holds 2:4 deltas (expanded; ``positions`` is None).
     """
 
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor | None
     positions: torch.Tensor | None
-    bits: int
-    group_size: int
+    scheme: DeltaScheme
     in_features: int
     out_features: int
     layout: str = "transposed"
-    sparse24: bool = False
+
+    @property
+    def bits(self) -> int:
+        return self.scheme.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.scheme.group_size
 
     @property
     def num_deltas(self) -> int:
@@ -122,7 +130,12 @@ class StackedDeltas:
 
     @property
     def sparse(self) -> bool:
-        return self.positions is not None or self.sparse24
+        return self.scheme.sparse
+
+    @property
+    def sparse24(self) -> bool:
+        """The ``mma`` layout holds 2:4 deltas (expanded to dense codes; ``positions`` is None)."""
+        return self.layout == "mma" and self.scheme.sparse
 
     @property
     def asymmetric(self) -> bool:
@@ -130,65 +143,69 @@ class StackedDeltas:
 
     @property
     def kept_per_row(self) -> int:
-        return self.in_features // 2 if self.sparse else self.in_features
+        return self.scheme.kept_per_row(self.in_features)
 
     @property
     def effective_group(self) -> int:
-        return self.in_features if self.group_size == -1 else self.group_size
+        return self.scheme.effective_group(self.in_features)
 
     @property
     def num_groups(self) -> int:
-        return self.in_features // self.effective_group
+        return self.scheme.num_groups(self.in_features)
 
     @property
     def device(self) -> torch.device:
         return self.qweight.device
 
     @classmethod
-    def allocate(
-        cls,
-        num_slots: int,
-        *,
-        bits: int,
-        group_size: int,
-        in_features: int,
-        out_features: int,
-        sparse: bool,
-        asymmetric: bool,
-        device: torch.device | str = "cpu",
-        layout: str = "auto",
-    ) -> StackedDeltas:
+    def allocate(cls, num_slots: int, scheme: DeltaScheme | None = None, *, in_features: int, out_features: int,
+                 device: torch.device | str = "cpu", layout: str = "auto", **fields) -> StackedDeltas:
         """An all-zero stack of ``num_slots`` slots (a zero slot is a zero delta: scale 0).
 
-        ``layout``: ``"transposed"``, ``"mma"`` or ``"auto"`` (:func:`choose_layout`)."""
+        Args:
+            scheme: what the slots hold; an asymmetric scheme allocates zero points.
+            layout: ``"transposed"``, ``"mma"`` or ``"auto"`` (:func:`choose_layout`).
+            fields: instead of ``scheme``, its loose fields ``bits``, ``group_size``, ``sparse``,
+                ``asymmetric`` (call sites that read them from a delta or a manifest).
+        """
+        if scheme is None:
+            scheme = DeltaScheme(bits=fields["bits"], group_size=fields["group_size"],
+                                 sparsity="2:4" if fields["sparse"] else "none", sym=not fields["asymmetric"])
         if num_slots < 1:
             raise ValueError(f"a stack needs at least one slot, got {num_slots}")
-        if bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits={bits} not in {SUPPORTED_BITS}")
-        group = in_features if group_size == -1 else group_size
-        if group <= 0 or in_features % group:
-            raise ValueError(f"in_features {in_features} not divisible by group size {group}")
-        if sparse and (in_features % 4 or group % 4):
-            raise ValueError(f"2:4 needs in_features ({in_features}) and group size divisible by 4")
-        layout = choose_layout(layout, bits=bits, group_size=group_size, in_features=in_features, device=device)
-        g = in_features // group
+        problem = scheme.shape_problem(in_features)
+        if problem:
+            raise ValueError(problem)
+        layout = choose_layout(layout, bits=scheme.bits, group_size=scheme.group_size, in_features=in_features,
+                               device=device)
+        g, asym = scheme.num_groups(in_features), not scheme.sym
         if layout == "mma":
             outp = fast_layout.padded_rows(out_features)
-            words = fast_layout.slot_words(out_features, in_features, bits)
+            words = fast_layout.slot_words(out_features, in_features, scheme.bits)
             return cls(
                 torch.zeros(num_slots, words, dtype=torch.int32, device=device),
                 torch.zeros(num_slots, g, outp, dtype=torch.float16, device=device),
-                torch.zeros(num_slots, g, outp, dtype=torch.float16, device=device) if asymmetric else None,
-                None, bits, group_size, in_features, out_features, layout="mma", sparse24=sparse,
+                torch.zeros(num_slots, g, outp, dtype=torch.float16, device=device) if asym else None,
+                None, scheme, in_features, out_features, layout="mma",
             )
-        kept = in_features // 2 if sparse else in_features
-        qweight = torch.zeros(num_slots, packed_words(kept, bits), out_features, dtype=torch.int32, device=device)
+        kept = scheme.kept_per_row(in_features)
+        qweight = torch.zeros(num_slots, packed_words(kept, scheme.bits), out_features, dtype=torch.int32,
+                              device=device)
         positions = None
-        if sparse:
+        if scheme.sparse:
             positions = torch.zeros(num_slots, packed_words(kept, 2), out_features, dtype=torch.int32, device=device)
         scales = torch.zeros(num_slots, g, out_features, dtype=torch.float16, device=device)
-        zeros = torch.zeros(num_slots, g, out_features, dtype=torch.uint8, device=device) if asymmetric else None
-        return cls(qweight, scales, zeros, positions, bits, group_size, in_features, out_features)
+        zeros = torch.zeros(num_slots, g, out_features, dtype=torch.uint8, device=device) if asym else None
+        return cls(qweight, scales, zeros, positions, scheme, in_features, out_features)
+
+    def slots(self, start: int, stop: int) -> StackedDeltas:
+        """A view of slots ``start .. stop - 1`` (no copy)."""
+
+        def cut(t):
+            return None if t is None else t[start:stop]
+
+        return replace(self, qweight=cut(self.qweight), scales=cut(self.scales), zeros=cut(self.zeros),
+                       positions=cut(self.positions))
 
     def _check_compatible(self, delta: PackedDelta, row0: int = 0) -> None:
         mine = (self.bits, self.effective_group, self.sparse, self.in_features)
@@ -249,10 +266,7 @@ class StackedDeltas:
         per_block = fast_layout.slot_words(fast_layout.ROW_BLOCK, self.in_features, bits)
         for r0 in range(0, out_f, _ROW_CHUNK):
             r1 = min(out_f, r0 + _ROW_CHUNK)
-            part = PackedDelta(delta.qweight[r0:r1], delta.scales[r0:r1],
-                               None if delta.zeros is None else delta.zeros[r0:r1],
-                               None if delta.positions is None else delta.positions[r0:r1],
-                               bits, delta.group_size, self.in_features, r1 - r0)
+            part = delta.map_parts(lambda t, r0=r0, r1=r1: t[r0:r1], out_features=r1 - r0)
             packed = fast_layout.pack_codes(fast_layout.dense_codes(part), bits)
             start = (row0 + r0) // fast_layout.ROW_BLOCK * per_block
             words[start:start + packed.numel()].copy_(packed)
@@ -283,7 +297,7 @@ class StackedDeltas:
                 poss.append(fast_layout.pack_int32(pos, 2))
             qws.append(fast_layout.pack_int32(codes, bits))
         return PackedDelta(torch.cat(qws), scales, zeros, torch.cat(poss) if self.sparse24 else None,
-                           bits, self.group_size, in_f, out_f)
+                           self._slot_scheme(), in_f, out_f)
 
     def unstack(self, slot: int) -> PackedDelta:
         """Slot ``slot`` back in canonical layout (asymmetric stacks return explicit zero points).
@@ -299,7 +313,11 @@ class StackedDeltas:
             return None if part is None else part[slot].T.contiguous()
 
         return PackedDelta(t(self.qweight), t(self.scales), t(self.zeros), t(self.positions),
-                           self.bits, self.group_size, self.in_features, self.out_features)
+                           self._slot_scheme(), self.in_features, self.out_features)
+
+    def _slot_scheme(self) -> DeltaScheme:
+        """The scheme of an unstacked slot: asymmetric stacks give explicit zero points back."""
+        return self.scheme if self.scheme.sym == (self.zeros is None) else self.scheme.replace(sym=self.zeros is None)
 
     def delta_weight(self, slot: int) -> torch.Tensor:
         """Dense fp32 ``[out, in]`` delta of ``slot``, through the reference math."""
@@ -336,12 +354,9 @@ def repack(deltas: list[PackedDelta], device: torch.device | str | None = None, 
     first = deltas[0]
     stack = StackedDeltas.allocate(
         len(deltas),
-        bits=first.bits,
-        group_size=first.group_size,
+        first.scheme.replace(sym=all(d.zeros is None for d in deltas)),
         in_features=first.in_features,
         out_features=first.out_features,
-        sparse=first.sparse,
-        asymmetric=any(d.zeros is not None for d in deltas),
         device=first.qweight.device if device is None else device,
         layout=layout,
     )

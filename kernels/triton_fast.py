@@ -27,6 +27,9 @@ from __future__ import annotations
 import torch
 
 from deltazip.kernels import autotune
+
+# the version gate lives in a leaf module that the layout choice (kernels/stacked.py) can import too
+from deltazip.kernels.availability import triton_fast_enabled as fast_enabled  # noqa: F401 - dispatch imports it
 from deltazip.kernels.fast_layout import block_k_for, fast_supported, padded_rows
 from deltazip.kernels.stacked import StackedDeltas
 from deltazip.kernels.triton_sbmm import (
@@ -41,28 +44,6 @@ from deltazip.kernels.triton_sbmm import (
 
 FAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Triton versions on which this kernel was measured fast on a GPU. The same source builds a
-# bank-conflicted, shared-memory-bound loop under Triton 3.6 (442 us against the CUDA kernel's 53 us at
-# D = 16 on an H200, docs/kernels.md) and 3.8; 3.9 builds the intended loop offline but has not been
-# timed. Elsewhere the dispatcher uses the CUDA kernel (or the transposed layout's kernel), unless
-# DELTAZIP_FORCE_TRITON=1 (the parity tests) or DELTAZIP_TRITON_FAST=1 asks for this one.
-VALIDATED_TRITON: tuple[str, ...] = ()
-# Versions whose offline build fails the version-independent screens (deltazip.kernels.sass.screens).
-KNOWN_BAD_TRITON = {"3.6.0": "4-byte copies, a 32-way bank-conflicted staging buffer, 3 extra barriers per step",
-                    "3.8.0": "64 scalar shared-memory stores per loop iteration"}
-
-
-def fast_enabled() -> bool:
-    """Whether the dispatcher may pick this kernel on a GPU (see :data:`VALIDATED_TRITON`)."""
-    import os
-
-    if os.environ.get("DELTAZIP_TRITON_FAST", "").strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    try:
-        import triton
-    except Exception:  # noqa: BLE001
-        return False
-    return triton.__version__ in VALIDATED_TRITON
 
 
 def fast_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:

@@ -2,7 +2,7 @@
 
 Tolerance (``assert_matches``): the reference computes in fp32 and rounds once to ``x.dtype``. The
 kernels feed integer codes (exact in fp16/bf16) to the tensor core and apply the fp32 scale
-afterwards when a K tile lies inside one quantization group; otherwise (the legacy kernel with group
+afterwards when a K tile lies inside one quantization group; otherwise (the transposed kernel with group
 sizes that are not a multiple of its K tile) they round each dequantized weight to ``x.dtype``
 first. So per element ``|y - ref| <= eps * sum_k |x_k w_k| + eps * |ref|`` (weight rounding, then
 one ulp of the final rounding, ``eps = torch.finfo(dtype).eps``), plus fp32 summation-order noise

@@ -49,9 +49,9 @@ class ServedSet:
         """The reference model of ``name``: the base itself, or the merged fine-tune (fp32)."""
         from transformers import AutoModelForCausalLM
 
-        from deltazip.compress.checkpoint import Checkpoint
         from deltazip.compress.merge import load_merged_model
         from deltazip.formats.artifact import Artifact
+        from deltazip.models.checkpoint import Checkpoint
 
         if name == "base":
             return AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32).eval()
@@ -80,6 +80,7 @@ def served_set(tmp_root: Path) -> ServedSet:
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.pipeline import compress_delta
     from deltazip.demo.pair import build_char_tokenizer
+    from deltazip.kernels.scheme import DeltaScheme
 
     tmp_root.mkdir(parents=True, exist_ok=True)
     # The demo's character tokenizer: <s>=0, </s>=1, <pad>=2; the model config must agree.
@@ -97,8 +98,8 @@ def served_set(tmp_root: Path) -> ServedSet:
         ft_dir = tmp_root / f"ft-{name}"
         ft.save_pretrained(ft_dir, safe_serialization=True)
         tok.save_pretrained(ft_dir)
-        cfg = CompressConfig(method=spec["method"], bits=spec["bits"], sparsity=spec["sparsity"], sym=spec["sym"],
-                             group_size=32, nsamples=8, seqlen=32, device="cpu")
+        cfg = CompressConfig(scheme=DeltaScheme(bits=spec["bits"], sparsity=spec["sparsity"], sym=spec["sym"], group_size=32),
+                             method=spec["method"], nsamples=8, seqlen=32, device="cpu")
         compress_delta(base_dir, ft_dir, str(calib), arts / name, cfg)
     _BUILT["set"] = ServedSet(tmp_root, base_dir, arts)
     return _BUILT["set"]

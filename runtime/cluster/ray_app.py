@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltazip.formats.errors import InputError
+from deltazip.runtime.serve.assembly import ServeConfig
 from deltazip.runtime.serve.openai_schema import generation_model
-from deltazip.runtime.serve.server import ServeConfig
 
 log = logging.getLogger("deltazip.cluster")
 APP_NAME = "deltazip"
@@ -193,7 +193,8 @@ def _engine_class(max_models: int):
 
     class Engine:
         async def __init__(self, cfg: ServeConfig, app_name: str = APP_NAME):
-            from deltazip.runtime.serve.server import Metrics, build_runtime, create_app
+            from deltazip.runtime.serve.assembly import build_runtime
+            from deltazip.runtime.serve.server import Metrics, create_app
 
             metrics = Metrics()
             self.rt = await asyncio.to_thread(build_runtime, cfg, metrics)

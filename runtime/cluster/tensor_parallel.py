@@ -28,7 +28,8 @@ from deltazip.formats.errors import InputError
 from deltazip.formats.packing import pack_int32
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import unpack_int32
-from deltazip.runtime.serve.model import DeltaModel, HostDelta, VariantInfo, load_base_model
+from deltazip.runtime.serve.model import DeltaModel, HostDelta, load_base_model
+from deltazip.runtime.serve.variant_sources import VariantInfo
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -74,13 +75,13 @@ def check_variant(v: VariantInfo, row_in: dict[str, int], world: int) -> None:
     Raises:
         InputError: a quantization group (or a 2:4 block) would straddle two ranks.
     """
-    for tname, e in v.tensors.items():
+    for tname, e in v.entries.items():
         mname = tname.rsplit(".", 1)[0]
-        if e.get("kind") != "packed" or mname not in row_in:
+        if not e.kernel_ready or mname not in row_in:
             continue
         width = row_in[mname] // world
-        group = row_in[mname] if e.get("group_size", -1) == -1 else int(e["group_size"])
-        block = 4 if e.get("sparsity") == "2:4" else 1
+        group = e.scheme.effective_group(row_in[mname])
+        block = 4 if e.scheme.sparse else 1
         if width % group or width % block:
             raise InputError(f"variant {v.name}: {tname} has quantization groups of {group} input columns, which "
                              f"--tensor-parallel {world} shards of {width} columns would split; use a degree whose "
@@ -117,11 +118,7 @@ def shard_packed(d: PackedDelta, kind: str, rank: int, world: int) -> PackedDelt
     if kind == "column":
         rows = _span(d.out_features, rank, world)
 
-        def cut(t):
-            return None if t is None else t[rows].contiguous()
-
-        return PackedDelta(cut(d.qweight), cut(d.scales), cut(d.zeros), cut(d.positions), d.bits, d.group_size,
-                           d.in_features, rows.stop - rows.start)
+        return d.map_parts(lambda t: t[rows].contiguous(), out_features=rows.stop - rows.start)
     width = d.in_features // world
     g = d.effective_group
     if world > 1 and (d.group_size == -1 or width % g or (d.sparse and width % 4)):
@@ -132,8 +129,7 @@ def shard_packed(d: PackedDelta, kind: str, rank: int, world: int) -> PackedDelt
     qweight = _slice_codes(d.qweight, d.bits, d.kept_per_row, kept)
     positions = None if d.positions is None else _slice_codes(d.positions, 2, d.kept_per_row, kept)
     zeros = None if d.zeros is None else d.zeros[:, groups].contiguous()
-    out = PackedDelta(qweight, d.scales[:, groups].contiguous(), zeros, positions, d.bits, d.group_size, width,
-                      d.out_features)
+    out = PackedDelta(qweight, d.scales[:, groups].contiguous(), zeros, positions, d.scheme, width, d.out_features)
     out.validate()
     return out
 
@@ -264,10 +260,10 @@ class ShardedDeltaModel(DeltaModel):
         part = 0
         esize = torch.tensor([], dtype=self.dtype).element_size()
         for tname, targets in self._targets[name].items():
-            e = v.tensors[tname]
-            if shard_kind(tname.rsplit(".", 1)[0]) is None or len(e["shape"]) != 2:
+            e = v.entries[tname]
+            if shard_kind(tname.rsplit(".", 1)[0]) is None or len(e.shape) != 2:
                 continue
-            packed_here = e["kind"] == "packed" and self.delta_compute == "packed"
-            per = int(e.get("stored_bytes", 0)) if packed_here else e["shape"][0] * e["shape"][1] * esize
+            packed_here = e.kernel_ready and self.delta_compute == "packed"
+            per = e.stored_bytes if packed_here else e.numel * esize
             part += per * len(targets)
         return full - part + part // self.group.world

@@ -108,7 +108,7 @@ class WorkerSpec:
 
 
 def _build(spec: WorkerSpec, group: TPGroup):
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
     from deltazip.runtime.cluster.tensor_parallel import ShardedDeltaModel
 
     return ShardedDeltaModel(Checkpoint(spec.base, "base"), spec.variants, spec.num_slots, group.device, spec.dtype,
@@ -146,7 +146,7 @@ class TPWorker:
     """A worker's command loop: mirror rank 0's slot changes and forwards on its own shard."""
 
     def __init__(self, model, group: TPGroup, max_cpu: int):
-        from deltazip.runtime.serve.engine import new_kv_pool
+        from deltazip.runtime.serve.model_runner import new_kv_pool
 
         self.model, self.group = model, group
         self.hosts: OrderedDict[str, Any] = OrderedDict()  # variant -> sharded host copy (LRU)
@@ -194,7 +194,7 @@ class TPWorker:
         self.group.gather_errors(error)
 
     def forward(self, row_slots, ids, pos, mask, keys, past, new, freed) -> None:
-        from deltazip.runtime.serve.engine import new_seq_kv, step_cache
+        from deltazip.runtime.serve.model_runner import new_seq_kv, step_cache
 
         for k in freed:
             c = self.kv.pop(k, None)

@@ -28,20 +28,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.formats.artifact import MANIFEST
 from deltazip.formats.errors import InputError
-from deltazip.runtime.serve.lora_variant import ADAPTER_CONFIG, check_lora_base
+from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.devices import check_dtype, resolve_device
+from deltazip.models.loader import load_causal_lm
+from deltazip.runtime.serve.assembly import ServeConfig, build_model
+from deltazip.runtime.serve.lora_variant import ADAPTER_CONFIG
 from deltazip.runtime.serve.model import (
     BASE_SLOT,
     DeltaModel,
     UnsupportedVariant,
     VariantInfo,
-    discover_artifacts,
     load_tokenizer,
     open_served_base,
-    resolve_dtype,
+    served_dtype,
 )
+from deltazip.runtime.serve.variant_sources import inspect_variant
 
 BASE_TARGET = "base"
 
@@ -84,11 +87,8 @@ def parse_targets(specs: list[str]) -> list[Target]:
                 raise InputError(f"{spec}: no such file or directory; pass an artifact directory, an HF model "
                                  f"directory or the word 'base'")
             if (path / MANIFEST).is_file():
-                (variant,) = discover_artifacts(path)
-                t = Target(spec, "artifact", path.resolve().name, path, variant)
+                t = Target(spec, "artifact", path.resolve().name, path, inspect_variant(path))
             elif (path / ADAPTER_CONFIG).is_file():
-                from deltazip.runtime.serve.variant_sources import inspect_variant
-
                 t = Target(spec, "lora", path.resolve().name, path, inspect_variant(path))
             elif (path / "config.json").is_file():
                 t = Target(spec, "hf", path.resolve().name, path)
@@ -140,11 +140,8 @@ class EvalBank:
 
     def __init__(self, targets: list[Target], base: str | None, device: str = "auto", dtype: str = "auto"):
         self.targets = targets
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise InputError(f"--device {device} was asked for but no CUDA device is available")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
+        check_dtype(dtype)
         self._dtype_name = dtype
         self._hf: tuple[str, nn.Module] | None = None
         variants = [t.variant for t in targets if t.variant is not None]
@@ -161,25 +158,21 @@ class EvalBank:
                     raise InputError("no artifact among the targets names its base; pass --base")
                 base = local[0]
             self.base = open_served_base(arts, base, command="eval") if arts else Checkpoint(base, "base")
-            for v in loras:
-                check_lora_base(v.path, v.lineage.get("base"), self.base.path, self._base_fingerprint)
-            self.dtype = resolve_dtype(dtype, self.device, self.base)
-            # One slot: targets are evaluated one after another and take turns in it.
+            # The model serve builds (LoRA adapters checked against the base there), with one slot:
+            # targets are evaluated one after another and take turns in it.
             try:
-                self.delta_model = DeltaModel(self.base, variants, 1, self.device, self.dtype)
+                asm = build_model(ServeConfig(device=str(self.device), dtype=dtype, max_deltas=1), variants,
+                                  base=self.base)
             except UnsupportedVariant as e:
                 raise InputError(eval_advice(str(e), self.base.path)) from e
+            self.delta_model = asm.backend
+            self.dtype = asm.dtype
             self._slot = BASE_SLOT
             self._loaded: str | None = None
             self.delta_model.model.register_forward_pre_hook(
                 _route_all_rows(self.delta_model.ctx, lambda: self._slot, self.device), with_kwargs=True)
         else:
             self.dtype = None
-
-    def _base_fingerprint(self) -> str:
-        if not hasattr(self, "_fp"):
-            self._fp = self.base.fingerprint()
-        return self._fp
 
     @property
     def base_path(self) -> Path | None:
@@ -215,12 +208,6 @@ class EvalBank:
         return load_tokenizer(target.variant.tokenizer_dir(self.base.path))
 
     def _load_hf(self, path: Path) -> nn.Module:
-        from transformers import AutoModelForCausalLM
-
         ck = Checkpoint(str(path), "model")  # refuses pickled weights, names the problem
-        dtype = self.dtype or resolve_dtype(self._dtype_name, self.device, ck)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(ck.path), dtype=dtype)
-        except Exception as e:  # unknown architecture, broken weights
-            raise InputError(f"{path}: cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
-        return model.to(self.device).eval()
+        dtype = self.dtype or served_dtype(self._dtype_name, self.device, ck)
+        return load_causal_lm(ck.path, dtype, what="model").to(self.device)

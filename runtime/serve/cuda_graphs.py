@@ -24,6 +24,7 @@ from collections import OrderedDict
 import torch
 
 from deltazip.runtime.serve.kv_cache import BlockPool, PagedStep, SeqBlocks
+from deltazip.runtime.serve.model_runner import run_model
 
 log = logging.getLogger("deltazip.serve")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -119,8 +120,6 @@ class DecodeGraphs:
         return g.logits[:b].clone()
 
     def _capture(self, key: tuple, step: StaticDecodeStep, slots: list[int]) -> _Graph | None:
-        from deltazip.runtime.serve.model import run_model
-
         model, ctx = self.backend.model, self.backend.ctx
         g = _Graph(step)
         try:

@@ -17,7 +17,7 @@ transformers 5 keeps a MoE layer's experts fused (``MixtralExperts``, ``Qwen2Moe
   (``deltazip.kernels.dispatch.sbmm_experts``; a stack of ``N * E`` entries, entry ``s * E + e``).
 - :class:`MoeLayout`: where an artifact's tensors land: the fused names themselves or the
   per-expert names ``save_pretrained`` writes (``block_sparse_moe.experts.3.w1.weight``), mapped
-  through ``deltazip.compress.layer_map`` (transformers' own save-side conversion).
+  through ``deltazip.models.layer_map`` (transformers' own save-side conversion).
 
 A variant's expert tensor is held per piece: rows ``[row0, row1)`` of the parameter seen as
 ``[E * out, in]`` (always within one expert, or all experts of a fused tensor), keyed
@@ -144,20 +144,13 @@ def parse_piece_key(key: str) -> tuple[str, int, int]:
 
 
 def _rows(d: PackedDelta, r0: int, r1: int) -> PackedDelta:
-    def cut(t):
-        return None if t is None else t[r0:r1]
-
-    return PackedDelta(cut(d.qweight), cut(d.scales), cut(d.zeros), cut(d.positions), d.bits, d.group_size,
-                       d.in_features, r1 - r0)
+    return d.map_parts(lambda t: t[r0:r1], out_features=r1 - r0)
 
 
 def _zero_packed(like: PackedDelta, rows: int) -> PackedDelta:
     """An all-zero delta of ``rows`` rows in ``like``'s configuration (scale 0: every value is 0)."""
-    def z(t):
-        return None if t is None else torch.zeros(rows, *t.shape[1:], dtype=t.dtype, device=t.device)
-
-    return PackedDelta(z(like.qweight), z(like.scales), z(like.zeros), z(like.positions), like.bits,
-                       like.group_size, like.in_features, rows)
+    return like.map_parts(lambda t: torch.zeros(rows, *t.shape[1:], dtype=t.dtype, device=t.device),
+                          out_features=rows)
 
 
 def _cat_rows(parts: list[PackedDelta]) -> PackedDelta | None:
@@ -175,7 +168,7 @@ def _cat_rows(parts: list[PackedDelta]) -> PackedDelta | None:
     return PackedDelta(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
                        torch.cat([zeros(p) for p in parts]) if asym else None,
                        None if first.positions is None else torch.cat([p.positions for p in parts]),
-                       first.bits, first.group_size, first.in_features, sum(p.out_features for p in parts))
+                       first.scheme.replace(sym=not asym), first.in_features, sum(p.out_features for p in parts))
 
 
 @dataclass
@@ -277,9 +270,8 @@ class DeltaExperts(nn.Module):
                 stack = self._regrow(d, cfg, asymmetric=True)
             if stack is None:
                 n = self.ctx.num_slots * self.num_experts
-                stack = d.stacks[cfg] = StackedDeltas.allocate(
-                    n, bits=whole.bits, group_size=whole.group_size, in_features=in_f, out_features=out,
-                    sparse=whole.sparse, asymmetric=whole.zeros is not None, device=base.device)
+                stack = d.stacks[cfg] = StackedDeltas.allocate(n, whole.scheme, in_features=in_f, out_features=out,
+                                                               device=base.device)
                 d.present[cfg] = torch.zeros(n + 1, dtype=torch.bool, device=base.device)
             stack.write(entry, whole)
             d.present[cfg][entry + 1] = True
@@ -298,9 +290,8 @@ class DeltaExperts(nn.Module):
     def _regrow(self, d: _ParamDeltas, cfg: tuple, asymmetric: bool) -> StackedDeltas:
         """A symmetric stack rebuilt asymmetric (explicit zero points), keeping its entries."""
         old = d.stacks[cfg]
-        new = StackedDeltas.allocate(old.num_deltas, bits=old.bits, group_size=old.group_size,
-                                     in_features=old.in_features, out_features=old.out_features, sparse=old.sparse,
-                                     asymmetric=asymmetric, device=old.device)
+        new = StackedDeltas.allocate(old.num_deltas, old.scheme.replace(sym=not asymmetric),
+                                     in_features=old.in_features, out_features=old.out_features, device=old.device)
         for entry, c in d.packed_at.items():
             if c == cfg:
                 new.write(entry, old.unstack(entry))
@@ -365,7 +356,7 @@ class MoeLayout:
     """
 
     def __init__(self, model: nn.Module):
-        from deltazip.compress.model_walk import decoder_layers
+        from deltazip.models.model_walk import decoder_layers
 
         self.model = model
         self.experts: dict[str, nn.Module] = {}  # qualified module name -> fused experts module
@@ -400,7 +391,7 @@ class MoeLayout:
         """
         if not self.layers:
             return {}
-        from deltazip.compress.layer_map import map_layer
+        from deltazip.models.layer_map import map_layer
 
         out: dict[str, tuple[str, str, str]] = {}
         for prefix, layer in self.layers.items():

@@ -33,6 +33,7 @@ from torch import nn
 from deltazip.kernels import dispatch
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
+from deltazip.kernels.scheme import DeltaScheme
 from deltazip.kernels.stacked import StackedDeltas
 
 
@@ -268,7 +269,8 @@ class PackedStore:
     def stack_for(self, bits: int, group_size: int, sparse: bool, asymmetric: bool) -> StackedDeltas:
         """The stack for deltas of this configuration, allocated now if needed (the kernel warm-up
         allocates the stacks the served variants will use before the first request)."""
-        d = PackedDelta(torch.empty(0), torch.empty(0), None, None, bits, group_size, self.in_features, 0)
+        scheme = DeltaScheme(bits=bits, group_size=group_size, sparsity="2:4" if sparse else "none", sym=not asymmetric)
+        d = PackedDelta(torch.empty(0), torch.empty(0), None, None, scheme, self.in_features, 0)
         return self._group_for(d, asymmetric, sparse).stack
 
     def _group_for(self, delta: PackedDelta, asymmetric: bool, sparse: bool | None = None) -> _PackedGroup:

@@ -24,15 +24,15 @@ def served_stacks(model) -> list[StackedDeltas]:
     for name, targets in model._targets.items():
         v = model.variants[name]
         for tname, where in targets.items():
-            e = v.tensors[tname]
-            if e["kind"] != "packed":
+            e = v.entries[tname]
+            if not e.kernel_ready:
                 continue
+            s = e.scheme
             for mname, attr in where:
                 mod = model.modules.get(mname)
                 if attr != "weight" or mod is None or not hasattr(mod, "_store"):
                     continue
-                st = mod._store.stack_for(int(e["bits"]), int(e["group_size"]), e.get("sparsity") == "2:4",
-                                          not e.get("sym", True))
+                st = mod._store.stack_for(s.bits, s.group_size, s.sparse, not s.sym)
                 stacks[id(st)] = st
     return list(stacks.values())
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from deltazip.formats import codecs
 from deltazip.formats.errors import InputError
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -205,7 +206,7 @@ def check_lora_base(adapter: Path, named: str | None, base_path: Path, base_fing
     if local.is_dir() and (local / "config.json").is_file():
         if local.resolve() == Path(base_path).resolve():
             return
-        from deltazip.compress.checkpoint import Checkpoint
+        from deltazip.models.checkpoint import Checkpoint
 
         if Checkpoint(local, "adapter base").fingerprint() == base_fingerprint():
             return
@@ -222,16 +223,19 @@ def load_lora_factors(spec: LoraSpec, dtype: torch.dtype) -> dict[str, LoraFacto
     from safetensors import safe_open
 
     out: dict[str, LoraFactors] = {}
+    codec = codecs.get("lora")
     with safe_open(str(spec.path / ADAPTER_WEIGHTS), framework="pt") as f:
         for mname, (ka, kb) in spec.modules.items():
             a, b = f.get_tensor(ka), f.get_tensor(kb)
-            for t, k in ((a, ka), (b, kb)):
-                if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
-                    raise InputError(f"adapter {spec.path}: {k} is not a finite floating-point tensor")
+            shape = [b.shape[0], a.shape[-1]] if a.dim() == 2 and b.dim() == 2 else [0, 0]
+            entry = codecs.Entry(mname, {"kind": "lora", "shape": shape, "dtype": "float32"})
+            for problem in codec.layout_problems(entry, {"lora_A": a, "lora_B": b}):
+                key = ka if problem.startswith("lora_A") else kb
+                raise InputError(f"adapter {spec.path}: {key} {problem.split(' ', 1)[1]}")
             out[mname] = LoraFactors(a.to(dtype), b.to(dtype), spec.scale(mname, a.shape[0]))
     return out
 
 
 def merged_weight(weight: torch.Tensor, f: LoraFactors) -> torch.Tensor:
-    """``W + scale · B A`` (``[out, in]``), computed in fp32 and cast back (what PEFT's merge does)."""
-    return (weight.float() + f.scale * (f.B.float() @ f.A.float())).to(weight.dtype)
+    """``W + scale · B A`` (``[out, in]``): the ``lora`` codec's merge (what PEFT's merge does)."""
+    return codecs.get("lora").merge(weight, f.A, f.B, f.scale)

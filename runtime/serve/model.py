@@ -1,7 +1,7 @@
 """The served models: one base model with decoupled delta modules, or whole models to swap.
 
-- :func:`discover_artifacts` finds every artifact under a directory (variant name = directory name);
-  :func:`open_served_base` picks the base and refuses artifacts compressed against another one.
+- :func:`open_served_base` picks the base and refuses artifacts compressed against another one
+  (variants are found by ``deltazip.runtime.serve.variant_sources.discover_variants``).
 - :class:`DeltaModel` (``--mode delta``, paper §5.1): the base model built by transformers from its
   checkpoint, each module that some variant changes replaced by its decoupled counterpart
   (``deltazip.runtime.serve.delta_linear``), ``N`` device slots. A variant is loaded from disk into a
@@ -27,9 +27,7 @@ so serves any causal LM it can load.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,11 +36,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from deltazip.compress.checkpoint import Checkpoint
-from deltazip.formats.artifact import MANIFEST, Artifact, needs_base, stored_shape
+from deltazip.formats.artifact import Artifact
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
+from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.devices import resolve_dtype
+from deltazip.models.loader import load_causal_lm
 from deltazip.runtime.serve.delta_embedding import can_decouple, decouple_embedding
 from deltazip.runtime.serve.delta_experts import DeltaExperts, DeltaRouter, MoeLayout
 from deltazip.runtime.serve.delta_linear import (
@@ -54,8 +54,10 @@ from deltazip.runtime.serve.delta_linear import (
     rms_norm_style,
 )
 from deltazip.runtime.serve.kernel_warmup import warm_up_kernels
+from deltazip.runtime.serve.model_runner import left_pad, new_kv_pool, new_seq_kv, run_model, step_args
 from deltazip.runtime.serve.param_names import module_names
 from deltazip.runtime.serve.projections import merge_projections
+from deltazip.runtime.serve.variant_sources import VariantInfo
 from deltazip.runtime.share.dedup_registry import TensorDedupRegistry
 from deltazip.runtime.share.dedup_serving import (
     DedupLedger,
@@ -66,89 +68,11 @@ from deltazip.runtime.share.dedup_serving import (
 )
 
 BASE_SLOT = -1
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 # --------------------------------------------------------------------------------------------------
 # Discovery
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class VariantInfo:
-    """One variant found under the served directory (manifest or config only; nothing decoded).
-
-    ``kind``: ``artifact`` (deltazip artifact), ``full`` (plain HF checkpoint; ``tensors`` filled by
-    ``deltazip.runtime.serve.variant_sources.compare_full_checkpoint``) or ``lora`` (PEFT adapter;
-    ``tensors`` empty, its factors are described by a ``deltazip.runtime.serve.lora_variant.LoraSpec``).
-    """
-
-    name: str
-    path: Path
-    tensors: dict[str, dict[str, Any]]
-    lineage: dict[str, Any]
-    disk_bytes: int
-    kind: str = "artifact"
-    same_as_base_bytes: int = 0  # full checkpoints: bytes (served dtype) of tensors equal to the base's
-    fingerprints: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    _side_dirs: dict[Path, Path] = field(default_factory=dict, repr=False, compare=False)
-
-    def side_dir(self, base_dir: Path) -> Path:
-        """Where the variant's config/tokenizer/generation files live: for an artifact, every side file
-        (those it copied into hf/ and those it keeps by reference to ``base_dir``, checked; see
-        ``Artifact.side_file_dir``); for other kinds, the variant's own directory.
-
-        Raises:
-            InputError: a side file the artifact references differs in ``base_dir`` (wrong base).
-        """
-        if self.kind != "artifact":
-            return self.path
-        key = Path(base_dir).resolve()
-        if key not in self._side_dirs:
-            self._side_dirs[key] = Artifact(self.path).side_file_dir(base_dir)
-        return self._side_dirs[key]
-
-    def tokenizer_dir(self, base_dir: Path) -> Path:
-        """The variant's own tokenizer files when it has them, else the base's."""
-        side = self.side_dir(base_dir)
-        if any((side / f).is_file() for f in _TOKENIZER_FILES):
-            return side
-        return base_dir
-
-
-def discover_artifacts(root: str | Path) -> list[VariantInfo]:
-    """Every artifact (directory with a ``manifest.json``) at or under ``root``, sorted by name.
-
-    Hidden directories (including the ``.name.tmp-*`` of unfinished writes) are skipped. Names must
-    be unique: two artifacts in different folders with the same directory name are refused.
-    """
-    root = Path(root)
-    if not root.is_dir():
-        raise InputError(f"{root}: no such directory; pass the directory that holds your artifacts")
-    found: list[Path] = []
-    if (root / MANIFEST).is_file():
-        found.append(root)
-    else:
-        for m in sorted(root.rglob(MANIFEST)):
-            rel = m.parent.relative_to(root)
-            if any(part.startswith(".") for part in rel.parts):
-                continue
-            if any((p / MANIFEST).is_file() for p in m.parent.parents if p != root and root in p.parents):
-                continue  # an artifact nested in another one's folder (e.g. its hf/) is part of it
-            found.append(m.parent)
-    if not found:
-        raise InputError(f"{root}: no deltazip artifacts found (no */manifest.json); create some with "
-                         f"`deltazip compress`")
-    out: dict[str, VariantInfo] = {}
-    for path in found:
-        art = Artifact(path, check_tensors=False)
-        name = path.name
-        if name in out:
-            raise InputError(f"two artifacts are named {name!r} ({out[name].path} and {path}); variant names are "
-                             f"directory names and must be unique")
-        out[name] = VariantInfo(name, path, art.tensors, art.lineage, art.nbytes())
-    return [out[k] for k in sorted(out)]
 
 
 def open_served_base(variants: list[VariantInfo], base_spec: str | None, command: str = "serve") -> Checkpoint:
@@ -201,18 +125,13 @@ def load_tokenizer(path: Path):
         raise InputError(f"{path}: no usable tokenizer ({type(e).__name__}: {e})") from e
 
 
-def resolve_dtype(name: str, device: torch.device, base: Checkpoint) -> torch.dtype:
-    """``auto``: fp32 on CPU; on CUDA the checkpoint's half dtype, fp16 for an fp32 checkpoint."""
-    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+def served_dtype(name: str, device: torch.device, base: Checkpoint) -> torch.dtype:
+    """The dtype ``base`` is served in for a ``--dtype`` value (``deltazip.models.devices``: ``auto`` is
+    fp32 on CPU; on CUDA the checkpoint's half dtype, fp16 for an fp32 checkpoint)."""
     if name != "auto":
-        if name not in table:
-            raise InputError(f"--dtype {name!r} is unknown; use auto, float32, float16 or bfloat16")
-        return table[name]
-    if device.type != "cuda":
-        return torch.float32
+        return resolve_dtype(name, device, torch.float32, serving=True)
     first = next((n for n in base.names if base.dtype(n).is_floating_point), None)
-    stored = base.dtype(first) if first else torch.float32
-    return stored if stored in (torch.float16, torch.bfloat16) else torch.float16
+    return resolve_dtype(name, device, base.dtype(first) if first else torch.float32, serving=True)
 
 
 def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -228,7 +147,7 @@ def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) 
             or fails a few test forwards through the engine's cache and masks (one line, at start-up,
             instead of a server that answers every request with an error).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from deltazip.runtime.serve.masks import attention_implementation, unsupported_layer_types
     from deltazip.runtime.share.weight_share import attached_model
@@ -240,11 +159,8 @@ def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) 
         raise InputError(f"base {base.path} cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
     # A worker of `deltazip serve --workers K` builds the model over the weight owner's mapped tensors.
     model = attached_model(base.path, dtype, device, attn_implementation=impl)
-    try:
-        if model is None:
-            model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype=dtype, attn_implementation=impl)
-    except Exception as e:  # unknown architecture, broken weights
-        raise InputError(f"base {base.path} cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
+    if model is None:
+        model = load_causal_lm(base.path, dtype, attn_implementation=impl, what="base")
     bad = unsupported_layer_types(model.config)
     if bad:
         raise InputError(f"base {base.path} uses {', '.join(bad)} layers, which the serving engine builds no attention "
@@ -303,8 +219,6 @@ def _engine_logits(model: nn.Module, steps: list[list[list[int]]], device: torch
                    dtype: torch.dtype) -> torch.Tensor:
     """Last-position logits ``[len(steps) * B, V]`` of ``steps`` (per step, the new tokens of each of
     the ``B`` rows) run one after the other through the engine's KV pool for ``model``."""
-    from deltazip.runtime.serve.engine import left_pad, new_kv_pool, new_seq_kv, step_args
-
     pool = new_kv_pool(model)
     caches = [new_seq_kv(pool) for _ in steps[0]]
     out = []
@@ -410,11 +324,7 @@ def _pin(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pin_packed(d: PackedDelta) -> PackedDelta:
-    def p(t):
-        return None if t is None else _pin(t)
-
-    return PackedDelta(p(d.qweight), p(d.scales), p(d.zeros), p(d.positions), d.bits, d.group_size,
-                       d.in_features, d.out_features)
+    return d.map_parts(_pin)
 
 
 class UnsupportedVariant(InputError):
@@ -549,10 +459,10 @@ class DeltaModel:
         """``checkpoint tensor -> [(module, attribute)]`` of every tensor ``v`` changes (names mapped to
         parameters by transformers' own rules, ``param_names``); ``wanted`` gets each module's kind."""
         plan: dict[str, list[tuple[str, str]]] = {}
-        on_moe = self._moe.targets({n: x["shape"] for n, x in v.tensors.items()})
+        on_moe = self._moe.targets({n: list(x.shape) for n, x in v.entries.items()})
         changed = []
-        for name, e in v.tensors.items():
-            if e["kind"] == "same":
+        for name, e in v.entries.items():
+            if e.kind == "same":
                 continue
             moe = on_moe.get(name)
             if moe is not None:  # a fused expert parameter (or one expert's rows of it), or a router
@@ -562,8 +472,8 @@ class DeltaModel:
                 changed.append(name)
         to_param = module_names(self.model, changed)
         for name in changed:
-            e = v.tensors[name]
-            if e["kind"] == "packed" and e.get("experts"):
+            e = v.entries[name]
+            if e.is_matrix and e.experts:
                 raise UnsupportedVariant(f"variant {v.name}: tensor {name} is a fused mixture-of-experts tensor, which "
                                          f"the decoupled runtime does not apply per request; serve it with --mode swap")
             pname = to_param.get(name)
@@ -572,7 +482,7 @@ class DeltaModel:
                     f"variant {v.name}: tensor {name!r} is not a parameter of {type(self.model).__name__} and "
                     f"transformers does not load it into one by a plain rename; the decoupled runtime cannot apply "
                     f"it — serve this one with --mode swap")
-            shape = stored_shape(e) if e["kind"] == "packed" else list(e["shape"])
+            shape = list(e.stored_shape)
             if list(params[pname].shape) != shape:
                 raise UnsupportedVariant(f"variant {v.name}: tensor {name} has shape {shape}, the base has "
                                          f"{list(params[pname].shape)}; it cannot share the base model")
@@ -585,8 +495,9 @@ class DeltaModel:
                     raise UnsupportedVariant(
                         f"variant {v.name}: it changes {t} ({type(self.model.get_submodule(mname)).__name__}.{attr}), "
                         f"which the decoupled runtime cannot apply per request; serve it with --mode swap")
-                if e["kind"] == "packed" and (kind != "linear" or attr != "weight"):
-                    raise UnsupportedVariant(f"variant {v.name}: tensor {name} is stored packed but is not a linear weight")
+                if e.is_matrix and (kind != "linear" or attr != "weight"):
+                    raise UnsupportedVariant(f"variant {v.name}: tensor {name} is stored {e.kind} but is not a linear "
+                                             "weight")
                 wanted[mname] = kind
                 plan[name].append((mname, attr))
         return plan
@@ -646,23 +557,19 @@ class DeltaModel:
         # pinned host memory, which is what the host tier holds.
         decode_on = self.device if self.device.type == "cuda" and art.lossless != "none" else None
         for tname, targets in self._targets[v.name].items():
-            e = art.tensors[tname]
-            if e["kind"] == "packed":
+            e = art.entry(tname)
+            if e.kernel_ready:
                 d = _pin_packed(art.packed(tname, device=decode_on).to("cpu"))
 
-                def share(t):
-                    return None if t is None else tally.share(t)
-
-                delta = PackedDelta(share(d.qweight), share(d.scales), share(d.zeros), share(d.positions), d.bits,
-                                    d.group_size, d.in_features, d.out_features)
+                delta = d.map_parts(tally.share)
                 for mname, attr in targets:
                     mod = self.modules[mname]
                     if isinstance(mod, DeltaExperts):  # one piece of an expert parameter
-                        host.modules.setdefault(mname, {})[attr] = delta if e["additive"] else mod.host_weight(attr, delta)
+                        host.modules.setdefault(mname, {})[attr] = delta if e.additive else mod.host_weight(attr, delta)
                     else:
-                        host.modules.setdefault(mname, {}).update(packed=delta, additive=bool(e["additive"]))
+                        host.modules.setdefault(mname, {}).update(packed=delta, additive=e.additive)
                 continue
-            tensor = art.reconstruct(tname, self.base.get(tname) if needs_base(e) else None)
+            tensor = art.reconstruct(tname, self.base.get(tname) if e.needs_base else None)
             self._put_dense(host, targets, tally.share(_pin(tensor.to(self.dtype))))
 
     def _put_dense(self, host: HostDelta, targets: list[tuple[str, str]], tensor: torch.Tensor) -> None:
@@ -742,12 +649,9 @@ class DeltaModel:
             spec = self._lora[name]
             return sum((a[0] * a[1] + b[0] * b[1]) * esize for a, b in spec.shapes.values())
         for tname, targets in self._targets[name].items():
-            e = v.tensors[tname]
-            numel = 1
-            for d in e["shape"]:
-                numel *= d
-            packed_here = e["kind"] == "packed" and self.delta_compute == "packed"
-            per = int(e.get("stored_bytes", 0)) if packed_here else numel * esize
+            e = v.entries[tname]
+            packed_here = e.kernel_ready and self.delta_compute == "packed"
+            per = e.stored_bytes if packed_here else e.numel * esize
             total += per * len(targets)
         return total
 
@@ -773,30 +677,6 @@ class DeltaModel:
             return run_model(self.model, input_ids, position_ids, attention_mask, kv)
         finally:
             self.ctx.unbind()
-
-
-def cache_kwarg(model: nn.Module) -> str:
-    """The name under which ``model.forward`` takes its KV cache object: ``cache`` from transformers
-    5.24 on (where ``past_key_values`` still works but warns on every call), ``past_key_values``
-    before, and in any architecture that has not been renamed yet."""
-    cls = type(model)
-    name = _CACHE_KWARG.get(cls)
-    if name is None:
-        params = inspect.signature(cls.forward).parameters
-        name = _CACHE_KWARG[cls] = "cache" if "cache" in params else "past_key_values"
-    return name
-
-
-_CACHE_KWARG: dict[type, str] = {}
-
-
-def run_model(model: nn.Module, input_ids, position_ids, attention_mask, kv) -> torch.Tensor:
-    """One forward of a transformers causal LM over a prepared batch; last-position logits, fp32.
-    A paged step (``kv_cache.PagedStep``) is bound for the attention function while it runs."""
-    with kv.bound() if hasattr(kv, "bound") else contextlib.nullcontext():
-        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                    use_cache=True, logits_to_keep=1, **{cache_kwarg(model): kv})
-    return out.logits[:, -1, :].float()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -863,9 +743,7 @@ class SwapModels:
     def _state_dict_of(self, path: Path, ck: Checkpoint) -> dict[str, torch.Tensor]:
         if self._names_match:
             return {n: ck.get(n) for n in ck.names}
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype).state_dict()
+        return load_causal_lm(path, self.dtype, what="checkpoint").state_dict()
 
     def load_host(self, name: str) -> dict[str, torch.Tensor]:
         from deltazip.compress.merge import load_merged_model, reconstruct_state_dict

@@ -48,7 +48,7 @@ class ProjectionGroup:
     Args:
         members: the ``DeltaLinear`` modules, in output order; same input size, dtype and device,
             all with a bias or none, no slot loaded yet. When a member boundary is not a multiple of
-            64 rows the stacks take the transposed layout (legacy kernel; a 64-row tile of the fast
+            64 rows the stacks take the transposed layout (transposed kernel; a 64-row tile of the fast
             kernel's layout belongs to one member), still one launch.
         ctx: the model's context.
     """

@@ -4,7 +4,7 @@
 over a shared :class:`AppState`), the auth/metrics/access-log middleware and the exception
 handlers that turn every failure into OpenAI's error shape. The wire format itself (request models,
 response and chunk JSON) is in :mod:`deltazip.runtime.serve.openai_schema`; the server's start-up
-(building the runtime) in :mod:`deltazip.runtime.serve.server`.
+(building the runtime) in :mod:`deltazip.runtime.serve.assembly`.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class EngineStream:
 class AppState:
     """What every handler shares: the runtime (engine, variants), metrics and the request models."""
 
-    rt: Any  # deltazip.runtime.serve.server.Runtime
+    rt: Any  # deltazip.runtime.serve.assembly.Runtime
     metrics: Any  # deltazip.runtime.serve.server.Metrics
     models: tuple = field(default_factory=request_models)
 
@@ -309,7 +309,7 @@ class Routes:
     async def add_variant(self, request: Request):
         from fastapi.responses import JSONResponse
 
-        from deltazip.runtime.serve.server import VariantConflict, register_variant
+        from deltazip.runtime.serve.assembly import VariantConflict, register_variant
 
         body = await json_body(request, self.s.max_body)
         path, name = body.get("path"), body.get("name")

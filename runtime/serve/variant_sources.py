@@ -22,16 +22,72 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.formats.artifact import MANIFEST, Artifact, file_problem
+from deltazip.formats.codecs import Entry, entries
+from deltazip.formats.dtypes import ST_FLOATS, ST_TO_TORCH, dtype_name
 from deltazip.formats.errors import ArtifactError, InputError
+from deltazip.models.checkpoint import Checkpoint
 from deltazip.runtime.serve.lora_variant import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from deltazip.runtime.serve.model import VariantInfo
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
-_ELEMENT_SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class VariantInfo:
+    """One variant found under the served directory (manifest or config only; nothing decoded).
+
+    ``kind``: ``artifact`` (deltazip artifact), ``full`` (plain HF checkpoint; ``tensors`` filled by
+    ``deltazip.runtime.serve.variant_sources.compare_full_checkpoint``) or ``lora`` (PEFT adapter;
+    ``tensors`` empty, its factors are described by a ``deltazip.runtime.serve.lora_variant.LoraSpec``).
+    """
+
+    name: str
+    path: Path
+    tensors: dict[str, dict[str, Any]]
+    lineage: dict[str, Any]
+    disk_bytes: int
+    kind: str = "artifact"
+    same_as_base_bytes: int = 0  # full checkpoints: bytes (served dtype) of tensors equal to the base's
+    fingerprints: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    _side_dirs: dict[Path, Path] = field(default_factory=dict, repr=False, compare=False)
+    _entries: tuple[int, dict[str, Entry]] = field(default=(0, {}), repr=False, compare=False)
+
+    @property
+    def entries(self) -> dict[str, Entry]:
+        """``tensors`` as typed entries (kind, scheme, additive...); rebuilt when ``tensors`` is replaced."""
+        if self._entries[0] != id(self.tensors):
+            self._entries = (id(self.tensors), entries(self.tensors))
+        return self._entries[1]
+
+    def side_dir(self, base_dir: Path) -> Path:
+        """Where the variant's config/tokenizer/generation files live: for an artifact, every side file
+        (those it copied into hf/ and those it keeps by reference to ``base_dir``, checked; see
+        ``Artifact.side_file_dir``); for other kinds, the variant's own directory.
+
+        Raises:
+            InputError: a side file the artifact references differs in ``base_dir`` (wrong base).
+        """
+        if self.kind != "artifact":
+            return self.path
+        key = Path(base_dir).resolve()
+        if key not in self._side_dirs:
+            self._side_dirs[key] = Artifact(self.path).side_file_dir(base_dir)
+        return self._side_dirs[key]
+
+    def tokenizer_dir(self, base_dir: Path) -> Path:
+        """The variant's own tokenizer files when it has them, else the base's."""
+        side = self.side_dir(base_dir)
+        if any((side / f).is_file() for f in _TOKENIZER_FILES):
+            return side
+        return base_dir
 
 
 def variant_kind(path: Path) -> str | None:
@@ -184,7 +240,7 @@ class BaseTensorIndex:
 
 
 def checkpoint_fingerprints(ck: Checkpoint, fingerprint_bytes: Callable) -> dict:
-    """``name -> Fingerprint`` of every tensor of ``ck`` from its file bytes (as ``dedup-scan``)."""
+    """``name -> TensorFingerprint`` of every tensor of ``ck`` from its file bytes (as ``dedup-scan``)."""
     from deltazip.formats.safetensors_raw import RawFile
 
     out = {}
@@ -232,10 +288,11 @@ def compare_full_checkpoint(v: VariantInfo, index: BaseTensorIndex, served_items
             raise InputError(f"checkpoint {v.name} ({v.path}): tensor {name} has shape {list(e.shape)}, the base "
                              f"{list(be.shape)}; it is not a fine-tune of the served base")
         same = e.dtype == be.dtype and fps[name] == base_fps[name]
-        tensors[name] = {"kind": "same" if same else "full", "shape": list(e.shape), "dtype": e.dtype}
+        tensors[name] = {"kind": "same" if same else "full", "shape": list(e.shape),
+                         "dtype": dtype_name(ST_TO_TORCH[e.dtype]) if e.dtype in ST_TO_TORCH else e.dtype}
         if same:
             numel = 1
             for d in e.shape:
                 numel *= d
-            same_bytes += numel * (served_itemsize if e.dtype in _ELEMENT_SIZE else e.nbytes // max(numel, 1))
+            same_bytes += numel * (served_itemsize if e.dtype in ST_FLOATS else e.nbytes // max(numel, 1))
     v.tensors, v.same_as_base_bytes, v.fingerprints = tensors, same_bytes, fps

@@ -35,18 +35,9 @@ import numpy as np
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from deltazip.formats.dedup_scan import Fingerprint, hash_bytes, hash_name
+from deltazip.formats.dedup_scan import TensorFingerprint, hash_bytes, hash_name
+from deltazip.formats.dtypes import ST_TO_TORCH, TORCH_TO_ST
 from deltazip.formats.errors import DeltazipError, InputError
-
-# safetensors dtype string <-> torch dtype. The registry fingerprints by the safetensors name so
-# that its fingerprints equal the scan's.
-ST_TO_TORCH: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-}
-TORCH_TO_ST: dict[torch.dtype, str] = {v: k for k, v in ST_TO_TORCH.items()}
 
 
 class SharedTensorWriteError(DeltazipError, RuntimeError):
@@ -288,17 +279,17 @@ class TensorDedupRegistry:
         self.weak = bool(weak)
         self._lock = threading.Lock()
         # Entries are tensors, or weakref.ref to tensors in weak mode (see _live).
-        self._store: dict[tuple[torch.device, Fingerprint], list] = {}
+        self._store: dict[tuple[torch.device, TensorFingerprint], list] = {}
         self._stats = DedupStats()
 
     # ---- fingerprints
-    def fingerprint_bytes(self, raw, dtype: str, shape: Sequence[int]) -> Fingerprint:
-        """Fingerprint of raw tensor bytes (e.g. a safetensors view) with a safetensors dtype string."""
-        return Fingerprint(dtype, tuple(int(s) for s in shape), hash_name(self.hash_algorithm),
+    def fingerprint_bytes(self, raw, dtype: str, shape: Sequence[int]) -> TensorFingerprint:
+        """The fingerprint of raw tensor bytes (e.g. a safetensors view) with a safetensors dtype string."""
+        return TensorFingerprint(dtype, tuple(int(s) for s in shape), hash_name(self.hash_algorithm),
                            hash_bytes(raw, self.hash_algorithm))
 
-    def fingerprint(self, t: torch.Tensor) -> Fingerprint:
-        """Fingerprint of a tensor's bytes in its own dtype; equals the scan's for the same tensor."""
+    def fingerprint(self, t: torch.Tensor) -> TensorFingerprint:
+        """The fingerprint of a tensor's bytes in its own dtype; equals the scan's for the same tensor."""
         if t.dtype not in TORCH_TO_ST:
             raise InputError(f"dtype {t.dtype} has no safetensors name; cannot fingerprint it")
         cpu = t.detach().cpu() if t.device.type != "cpu" else t
@@ -375,7 +366,7 @@ class TensorDedupRegistry:
         fp = self.fingerprint_bytes(raw, dtype, shape)
         return self._lookup_or_insert(dev, fp, build, nbytes)
 
-    def _lookup_or_insert(self, dev: torch.device, fp: Fingerprint, build, nbytes: int) -> tuple[ReadOnlyTensor, bool]:
+    def _lookup_or_insert(self, dev: torch.device, fp: TensorFingerprint, build, nbytes: int) -> tuple[ReadOnlyTensor, bool]:
         key = (dev, fp)
         with self._lock:
             held = self._live(key)

@@ -1,7 +1,7 @@
 """IPC weight sharing: one owner process holds the base weights, server workers map them.
 
 The owner (``python -m deltazip.runtime.share.weight_share``, started by ``deltazip serve --workers K``
-through :mod:`deltazip.runtime.share.workers`) reads the base checkpoint one tensor at a time, converts
+through :mod:`deltazip.runtime.cluster.workers`) reads the base checkpoint one tensor at a time, converts
 floating tensors to the served dtype, and lays them out back to back (64-byte aligned) in ONE
 buffer. Workers attach over a local socket, get the buffer and the metadata (name, dtype, shape,
 offset of every tensor), and build their model over views of it instead of loading the checkpoint.
@@ -56,10 +56,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deltazip.formats.dtypes import COMPUTE, ST_FLOATS, ST_OF_NAME, ST_SIZES, dtype_name
 from deltazip.formats.errors import DeltazipError, InputError
 
 ALIGN = 64  # bytes; every tensor starts on a cache-line boundary (and any dtype's alignment)
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors names; served dtypes are F32/F16/BF16
+FLOAT_DTYPES = ST_FLOATS  # safetensors names; served dtypes are F32/F16/BF16
 _LEN = struct.Struct("<Q")
 
 
@@ -69,11 +70,10 @@ class WeightShareError(DeltazipError, RuntimeError):
 
 def st_dtype(dtype) -> str:
     """The safetensors name (``F32``...) of a torch dtype or of a name like ``float32``."""
-    name = str(dtype).removeprefix("torch.")
-    table = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
-    if name not in table:
+    name = dtype_name(dtype)
+    if name not in ("float64", *COMPUTE):
         raise InputError(f"dtype {name!r} cannot be a served dtype; use float32, float16 or bfloat16")
-    return table[name]
+    return ST_OF_NAME[name]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -153,14 +153,10 @@ def plan_layout(base_dir: Path, dtype: str) -> list[TensorMeta]:
             numel = 1
             for s in e.shape:
                 numel *= int(s)
-            nbytes = numel * _ITEMSIZE[dt]
+            nbytes = numel * ST_SIZES[dt]
             out.append(TensorMeta(name, dt, [int(s) for s in e.shape], off, nbytes))
             off = (off + nbytes + ALIGN - 1) // ALIGN * ALIGN
     return out
-
-
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-             "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def convert_bytes(raw, src: str, dst: str):

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from _factories import calib_file, make_pair
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.experts import NO_TOKENS
 from deltazip.compress.merge import load_merged_model, merge_to_dir, reconstruct_state_dict
@@ -25,8 +24,10 @@ from deltazip.formats.artifact import Artifact
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.formats.verify import verify_artifact
 from deltazip.kernels.reference import delta_weight
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 
-CFG = dict(group_size=32, nsamples=16, seqlen=48, batch_size=4)
+CFG = dict(scheme=DeltaScheme(group_size=32), nsamples=16, seqlen=48, batch_size=4)
 # Only linears and experts change: the logit margin then measures the packed deltas alone.
 SKIP = ("norm", "ln_", "embed", "wte", "wpe", "lm_head", "bias")
 ROUTER = re.compile(r"\.gate\.weight$")  # the MoE router (not shared_expert_gate)
@@ -51,7 +52,7 @@ def _rel(a, b):
 def test_linears_and_experts_are_packed_and_beat_the_base(tmp_path, arch, fused, per_layer):
     base, ft = make_pair(tmp_path, arch, module_names=fused, skip=SKIP)
     art_dir = tmp_path / "art"
-    compress_delta(base, ft, str(calib_file(tmp_path)), art_dir, CompressConfig(method="deltazip", bits=4, **CFG))
+    compress_delta(base, ft, str(calib_file(tmp_path)), art_dir, CompressConfig(method="deltazip", **CFG))
     art = Artifact(art_dir)
     assert verify_artifact(art_dir)["ok"]
     bck = Checkpoint(base)
@@ -124,7 +125,7 @@ def test_expert_without_routed_tokens_gets_rtn_flagged(tmp_path, monkeypatch, fu
     base, ft = make_pair(tmp_path, "mixtral", module_names=fused, skip=SKIP)
     monkeypatch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", _router_without(3))
     art_dir = tmp_path / "art"
-    compress_delta(base, ft, str(calib_file(tmp_path)), art_dir, CompressConfig(method="deltazip", bits=4, **CFG))
+    compress_delta(base, ft, str(calib_file(tmp_path)), art_dir, CompressConfig(method="deltazip", **CFG))
     monkeypatch.undo()
     art = Artifact(art_dir)
     assert verify_artifact(art_dir)["ok"]
@@ -145,7 +146,7 @@ def test_expert_without_routed_tokens_gets_rtn_flagged(tmp_path, monkeypatch, fu
             assert "calibration" not in t and t.get("tokens", 1) > 0
             continue
         flagged += 1
-        want = rtn_compress(delta.float(), 4, True, CFG["group_size"], True).values
+        want = rtn_compress(delta.float(), DeltaScheme(bits=4, group_size=CFG["scheme"].group_size)).values
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # exactly the RTN fallback
     assert flagged == (2 * 2 if fused else 2 * 3)
 
@@ -167,7 +168,7 @@ def _rewrite_manifest(path, edit):
 def test_orientation_fields_are_checked(tmp_path, arch, field, bad, why):
     base, ft = make_pair(tmp_path, arch, module_names=arch != "gpt2")  # fused expert tensors
     art_dir = tmp_path / "art"
-    compress_delta(base, ft, None, art_dir, CompressConfig(method="rtn", group_size=32))
+    compress_delta(base, ft, None, art_dir, CompressConfig(scheme=DeltaScheme(group_size=32), method="rtn"))
     assert verify_artifact(art_dir)["ok"]
     victim = next(n for n, e in Artifact(art_dir).tensors.items() if e.get(field))
 
@@ -270,7 +271,7 @@ def test_per_expert_linear_modules(tmp_path, monkeypatch):
     assert "model.layers.0.mlp.experts.2.w3.weight" in Checkpoint(ft).names  # module names on disk
     monkeypatch.setattr(_ListMoe, "never", 1)
     art_dir = tmp_path / "art"
-    compress_delta(base, ft, str(calib_file(tmp_path)), art_dir, CompressConfig(method="deltazip", bits=4, **CFG))
+    compress_delta(base, ft, str(calib_file(tmp_path)), art_dir, CompressConfig(method="deltazip", **CFG))
     monkeypatch.undo()
     art = Artifact(art_dir)
     assert verify_artifact(art_dir)["ok"]

@@ -11,16 +11,17 @@ from _factories import calib_file, finetune, save_model, tiny_model
 from _serving import single_thread
 from transformers import AutoModelForCausalLM
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import _Run, compress_delta
 from deltazip.formats.artifact import Artifact
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 
 TYPES = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 ARCH = dict(layer_types=TYPES, num_hidden_layers=4, sliding_window=8)
-CFG = dict(method="deltazip", bits=2, group_size=32, sparsity="none", nsamples=8, seqlen=32, batch_size=4,
-           device="cpu")
+CFG = dict(method="deltazip", scheme=DeltaScheme(bits=2, group_size=32, sparsity="none"), nsamples=8, seqlen=32,
+           batch_size=4, device="cpu")
 
 
 def same(a, b) -> bool:

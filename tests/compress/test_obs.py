@@ -7,6 +7,7 @@ from deltazip.compress.obs import obs_compress, output_error, rtn_compress
 from deltazip.formats.errors import CompressionError
 from deltazip.formats.packing import pack_delta
 from deltazip.kernels.reference import delta_weight
+from deltazip.kernels.scheme import DeltaScheme
 
 
 def _problem(rows=96, cols=128, n=1024, seed=0):
@@ -23,8 +24,9 @@ def _problem(rows=96, cols=128, n=1024, seed=0):
 @pytest.mark.parametrize("sparse", [True, False])
 def test_obs_beats_rtn_and_keeps_invariants(bits, sparse):
     W, H = _problem()
-    res = obs_compress(W, H, bits, sym=True, group_size=32, sparse24=sparse)
-    rtn = rtn_compress(W, bits, sym=True, group_size=32, sparse24=sparse)
+    scheme = DeltaScheme(bits=bits, sym=True, group_size=32, sparsity="2:4" if sparse else "none")
+    res = obs_compress(W, H, scheme)
+    rtn = rtn_compress(W, scheme)
     assert int(res.codes.min()) >= 0 and int(res.codes.max()) < 2**bits
     if sparse:
         kept = res.mask.reshape(W.shape[0], -1, 4).sum(-1)
@@ -39,7 +41,7 @@ def test_obs_beats_rtn_and_keeps_invariants(bits, sparse):
 
 def test_asym_and_per_row_groups():
     W, H = _problem(seed=3)
-    res = obs_compress(W, H, 4, sym=False, group_size=-1, sparse24=True)
+    res = obs_compress(W, H, DeltaScheme(bits=4, sym=False, group_size=-1, sparsity="2:4"))
     assert res.scales.shape == (W.shape[0], 1)
     assert float(res.zeros.min()) >= 0 and float(res.zeros.max()) <= 15
     packed = pack_delta(res.codes, res.scales, res.zeros, res.mask, 4, -1)
@@ -51,7 +53,7 @@ def test_dead_columns_and_damping_retry_are_recorded():
     W, H = _problem(cols=64)
     H[:, 5] = 0
     H[5, :] = 0
-    res = obs_compress(W, H, 4, True, 32, True)
+    res = obs_compress(W, H, DeltaScheme(bits=4, group_size=32))
     assert res.stats["dead_columns"] == 1
     assert bool((res.values[:, 5] == 0).all())
     # An indefinite Hessian needs more damping: the solver retries and says so.
@@ -59,7 +61,7 @@ def test_dead_columns_and_damping_retry_are_recorded():
     H2 -= 1.5 * torch.eye(64) * float(torch.diag(H).mean())
     H2 = (H2 + H2.T) / 2
     H2.fill_diagonal_(float(torch.diag(H).mean()) * 0.5)
-    res2 = obs_compress(W, H2, 4, True, 32, True)
+    res2 = obs_compress(W, H2, DeltaScheme(bits=4, group_size=32))
     assert res2.stats["damp_retries"] >= 1 and res2.stats["damp"] > 0.01
 
 
@@ -67,4 +69,4 @@ def test_hopeless_hessian_raises():
     W = torch.randn(8, 16)
     H = -torch.eye(16)
     with pytest.raises(CompressionError, match="singular"):
-        obs_compress(W, H, 4, True, 16, True)
+        obs_compress(W, H, DeltaScheme(bits=4, group_size=16))

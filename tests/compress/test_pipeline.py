@@ -7,14 +7,15 @@ import torch
 from _factories import calib_file, make_pair
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model, merge_to_dir, reconstruct_state_dict
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.kernels.reference import delta_weight, unpack_int32
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 
-CFG = dict(group_size=32, nsamples=16, seqlen=48, batch_size=4)
+CFG = dict(scheme=DeltaScheme(group_size=32), nsamples=16, seqlen=48, batch_size=4)
 
 
 def _logits(model, ids):
@@ -148,7 +149,8 @@ def test_reconstructed_calibration_beats_base_activations(tmp_path):
     err = {}
     for act in ("reconstructed", "base"):
         out = tmp_path / act
-        compress_delta(base, ft, str(calib), out, CompressConfig(group_size=32, nsamples=32, seqlen=48,
+        compress_delta(base, ft, str(calib), out, CompressConfig(scheme=DeltaScheme(group_size=32),
+                                                                 nsamples=32, seqlen=48,
                                                                  calib_activations=act))
         lc = _logits(load_merged_model(Artifact(out), Checkpoint(base)), ids)
         err[act] = float((lc - lf).norm() / lf.norm())

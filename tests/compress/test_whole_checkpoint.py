@@ -10,14 +10,15 @@ from _factories import calib_file, make_pair
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model, merge_to_dir, reconstruct_state_dict
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.formats.verify import verify_artifact
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 
-CFG = dict(group_size=32, nsamples=16, seqlen=48, batch_size=4)
+CFG = dict(scheme=DeltaScheme(group_size=32), nsamples=16, seqlen=48, batch_size=4)
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "v1"
 
 

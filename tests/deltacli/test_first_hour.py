@@ -225,8 +225,8 @@ def test_missing_relative_calibration_file_fails_at_once_naming_it(capsys, monke
 
 def test_busy_port_is_one_line_before_any_model_loads(capsys, monkeypatch, pair):
     """Issue 17 #6: a port in use was found after every model had loaded (14 lines, exit 3)."""
+    from deltazip.runtime.cluster import workers
     from deltazip.runtime.serve import server
-    from deltazip.runtime.share import workers
 
     tmp, base, ft, calib, art = pair
     loaded = []
@@ -299,18 +299,20 @@ def test_unchanged_linears_are_stored_same(tmp_path):
     packed, and the merged model has the base's exact bits there."""
     from safetensors.torch import load_file
 
-    from deltazip.compress.checkpoint import Checkpoint
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.merge import merge_to_dir
     from deltazip.compress.pipeline import compress_delta
     from deltazip.formats.artifact import Artifact
+    from deltazip.kernels.scheme import DeltaScheme
+    from deltazip.models.checkpoint import Checkpoint
 
     base = save_model(tiny_model("llama"), tmp_path / "base")
     ft = save_model(perturb(tiny_model("llama"), skip=("norm", "q_proj", "layers.1.mlp.down_proj")), tmp_path / "ft")
     for method in ("deltazip", "sparsegpt", "rtn"):
         out = tmp_path / f"art-{method}"
         compress_delta(base, ft, str(calib_file(tmp_path)), out,
-                       CompressConfig(method=method, group_size=32, nsamples=4, seqlen=32, device="cpu"))
+                       CompressConfig(scheme=DeltaScheme(group_size=32),
+                                      method=method, nsamples=4, seqlen=32, device="cpu"))
         tensors = Artifact(out).tensors
         same = sorted(n for n, e in tensors.items() if e["kind"] == "same" and n.endswith("proj.weight"))
         assert same == ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",

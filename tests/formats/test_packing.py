@@ -6,6 +6,7 @@ import torch
 from deltazip.formats.packing import compact_24, pack_delta, pack_int32
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight, expand_24, unpack_int32
+from deltazip.kernels.scheme import DeltaScheme
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -65,6 +66,6 @@ def test_pack_delta_dequantizes_to_grid(sparse, sym):
 
 def test_validate_names_wrong_shape():
     d = PackedDelta(torch.zeros(4, 3, dtype=torch.int32), torch.zeros(4, 1, dtype=torch.float16), None, None,
-                    4, -1, 32, 4)
+                    DeltaScheme(bits=4, group_size=-1, sparsity="none"), 32, 4)
     with pytest.raises(ValueError, match="qweight"):
         d.validate()

@@ -1,13 +1,12 @@
 """Format v2 kinds: ``rows`` (embedding deltas row by row, with an error bound), ``xor`` (exact in any
-dtype), ``alias``; and the exact-kind choice of compress/others.py."""
+dtype), ``alias``; and the exact-kind choice of compress/rows_and_exact.py."""
 
 import pytest
 import torch
 
-from deltazip.compress.others import exact_candidates, new_stats, record_embedding, record_exact
+from deltazip.compress.rows_and_exact import exact_candidates, new_stats, record_embedding, record_exact
 from deltazip.formats.artifact import FORMAT_VERSION, Artifact, ArtifactWriter
-from deltazip.formats.exact import bitwise_equal
-from deltazip.formats.rows import (
+from deltazip.formats.codecs.rows import (
     changed_rows,
     dequantize_rows,
     effective_group,
@@ -16,6 +15,7 @@ from deltazip.formats.rows import (
     quantize_rows,
     unpack_bitmap,
 )
+from deltazip.formats.codecs.xor import bitwise_equal
 from deltazip.formats.verify import verify_artifact
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -10,7 +10,6 @@ import pytest
 from _factories import edit_json, make_pair
 from transformers import AutoTokenizer
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import merge_to_dir
 from deltazip.compress.pipeline import compress_delta
@@ -19,8 +18,10 @@ from deltazip.formats.checksum import sha256_file
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.formats.side_files import materialize_side_files
 from deltazip.formats.verify import verify_artifact
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 
-RTN = CompressConfig(method="rtn", bits=4, group_size=32)
+RTN = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32), method="rtn")
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v1"
 
 

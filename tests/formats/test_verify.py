@@ -10,7 +10,6 @@ import torch
 from _factories import calib_file, edit_json, make_pair
 from safetensors.torch import load_file, save_file
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import FORMAT_VERSION, MANIFEST, MANIFEST_SUM, Artifact, ArtifactWriter, repack
@@ -19,6 +18,8 @@ from deltazip.formats.errors import ArtifactError, DeltazipError
 from deltazip.formats.packing import pack_int32
 from deltazip.formats.verify import verify_artifact
 from deltazip.kernels.packed import PackedDelta
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def arts(tmp_path_factory):
     # Wide enough that the lossless stage pays for some parts (tiny parts are stored raw).
     base, ft = make_pair(tmp, hidden_size=128, intermediate_size=256)
     edit_json(ft / "config.json", finetuning_task="tiny")  # stored in hf/; the tokenizer is referenced
-    cfg = CompressConfig(bits=2, group_size=32, nsamples=8, seqlen=32)
+    cfg = CompressConfig(scheme=DeltaScheme(bits=2, group_size=32), nsamples=8, seqlen=32)
     plain, packed = tmp / "plain", tmp / "packed"
     compress_delta(base, ft, calib_file(tmp), plain, cfg, lossless="none")
     compress_delta(base, ft, calib_file(tmp), packed, cfg, lossless="gdeflate", lossless_level=9)
@@ -209,7 +210,8 @@ def _bad_delta(kind):
     if kind == "zeros":
         zeros = torch.full((out_f, in_f // gs), 2, dtype=torch.uint8)
         zeros[0, 0] = 4  # 2-bit grid: zero points 0..3
-    return PackedDelta(pack_int32(codes, bits), scales, zeros, pack_int32(pos, 2), bits, gs, in_f, out_f)
+    return PackedDelta(pack_int32(codes, bits), scales, zeros, pack_int32(pos, 2),
+                       DeltaScheme(bits=bits, group_size=gs, sym=zeros is None), in_f, out_f)
 
 
 @pytest.mark.parametrize("kind,match", [
@@ -227,7 +229,7 @@ def test_packing_invariants(tmp_path, kind, match):
 
 def test_unused_bits_are_found(tmp_path):
     d = _bad_delta("none")
-    d = PackedDelta(d.qweight, d.scales, None, d.positions, 3, 16, 32, 4)
+    d = PackedDelta(d.qweight, d.scales, None, d.positions, DeltaScheme(bits=3, group_size=16), 32, 4)
     d.qweight = pack_int32(torch.zeros(4, 16, dtype=torch.int64), 3)
     d.qweight[1, 0] |= 1 << 31  # 3-bit words leave the top 2 bits zero
     with ArtifactWriter(tmp_path / "a") as w:

@@ -205,7 +205,7 @@ def strided_inputs(n, in_f, gen):
     }
 
 
-@pytest.mark.parametrize("path", ["fast", "legacy"])
+@pytest.mark.parametrize("path", ["fast", "transposed"])
 def test_non_contiguous_and_misaligned_x(backend, path):
     gen = torch.Generator().manual_seed(11)
     n, in_f = 21, 256
@@ -263,15 +263,15 @@ def test_dispatch_routes_by_layout_and_dtype(backend, monkeypatch):
     calls = []
     import deltazip.kernels.dispatch as dmod
 
-    real_fast, real_legacy = dmod.sbmm_fast, dmod.sbmm_triton
+    real_fast, real_transposed = dmod.sbmm_fast, dmod.sbmm_triton
     monkeypatch.setattr(dmod, "sbmm_fast", lambda *a, **k: calls.append("fast") or real_fast(*a, **k))
-    monkeypatch.setattr(dmod, "sbmm_triton", lambda *a, **k: calls.append("legacy") or real_legacy(*a, **k))
+    monkeypatch.setattr(dmod, "sbmm_triton", lambda *a, **k: calls.append("transposed") or real_transposed(*a, **k))
     xd, idd = x.to(backend), index.to(backend)
     mma = repack(deltas, device=backend, layout="mma")
     assert_matches(dispatch.sbmm(xd, idd, mma).cpu(), ref, mag)
     assert_matches(dispatch.sbmm(xd, idd, repack(deltas, device=backend, layout="transposed")).cpu(), ref, mag)
     assert_matches(dispatch.sbmm(xd, idd, [d.to(backend) for d in deltas]).cpu(), ref, mag)  # list: repacked
-    assert calls == ["fast", "legacy", "fast"]
+    assert calls == ["fast", "transposed", "fast"]
     # fp32 activations: the fast kernel's fp32 path (exact weights, fp32 FMA).
     calls.clear()
     x32 = x.float()
@@ -279,12 +279,12 @@ def test_dispatch_routes_by_layout_and_dtype(backend, monkeypatch):
     assert_matches(y32, reference.sbmm(x32, index, deltas), mag)
     assert calls == ["fast"]
     calls.clear()
-    # A configuration without a fast kernel (3-bit) takes the legacy kernel through the list path.
+    # A configuration without a fast kernel (3-bit) takes the transposed kernel through the list path.
     three = [make_delta(48, 256, 3, 128, True, False, gen) for _ in range(2)]
     i3 = torch.tensor([0, 1, -1, 1])
     y3 = dispatch.sbmm(x[:4].to(backend), i3.to(backend), [d.to(backend) for d in three]).cpu()
     assert_matches(y3, reference.sbmm(x[:4], i3, three), magnitude(x[:4], i3, [reference.delta_weight(d) for d in three]))
-    assert calls == ["legacy"]
+    assert calls == ["transposed"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -415,7 +415,7 @@ def awkward(x: torch.Tensor) -> torch.Tensor:
     return view
 
 
-VARIANTS = ([("fast", b) for b in (2, 4, 8)] + [("legacy", b) for b in (2, 3, 4, 8)])
+VARIANTS = ([("fast", b) for b in (2, 4, 8)] + [("transposed", b) for b in (2, 3, 4, 8)])
 
 
 @pytest.mark.parametrize("kernel,bits", VARIANTS)
@@ -449,7 +449,7 @@ def _check_added(out, y0, ref, mag, index):
     assert torch.equal(out[index == -1], y0[index == -1])
 
 
-@pytest.mark.parametrize("path,split_k", [("fast", 1), ("fast", 2), ("legacy", None), ("reference", None)])
+@pytest.mark.parametrize("path,split_k", [("fast", 1), ("fast", 2), ("transposed", None), ("reference", None)])
 def test_sbmm_out_adds_onto_the_base_output(backend, monkeypatch, path, split_k):
     gen = torch.Generator().manual_seed(31)
     deltas = [make_delta(96, 256, 4, 128, True, s == 0, gen) for s in range(3)]
@@ -458,7 +458,7 @@ def test_sbmm_out_adds_onto_the_base_output(backend, monkeypatch, path, split_k)
     y0 = torch.randn(12, 96, generator=gen).half()
     ref = reference.sbmm(x, index, deltas)
     mag = magnitude(x, index, [reference.delta_weight(d) for d in deltas])
-    stack = repack(deltas, device=backend, layout="transposed" if path == "legacy" else "mma")
+    stack = repack(deltas, device=backend, layout="transposed" if path == "transposed" else "mma")
     out = y0.clone().to(backend)  # .to() on the CPU would alias y0
     if path == "fast":
         got = sbmm_fast(x.to(backend), index.to(backend), stack, out=out, split_k=split_k)

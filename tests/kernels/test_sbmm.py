@@ -7,7 +7,7 @@ CUDA (``import torch`` does not import triton); the ``backend`` fixture skips wi
 triton was imported earlier by something else. With CUDA the same parity tests run natively on the
 GPU, and the ``gpu`` tests add larger shapes and bf16 (skipped without a CUDA device).
 
-Tolerance: ``assert_matches`` in tests/_sbmm.py. These tests drive the legacy kernel
+Tolerance: ``assert_matches`` in tests/_sbmm.py. These tests drive the transposed kernel
 (``triton_sbmm``, the ``transposed`` layout); tests/kernels/test_fast.py the fast one.
 """
 

@@ -19,6 +19,8 @@ REQUEST_PATH = [
     "serve/routes.py",  # handlers, streaming, auth, error shaping
     "serve/openai_schema.py",  # request parsing, response shapes
     "serve/engine.py",  # the engine loop every request runs in
+    "serve/model_runner.py",  # every step's cache object and forward
+    "serve/assembly.py",  # POST /v1/variants registers a variant while serving
     "serve/scheduler.py",
     "serve/delta_cache.py",  # tiers, slot writes
     "serve/delta_loader.py",  # background loads
@@ -36,7 +38,7 @@ REQUEST_PATH = [
     "serve/kernel_warmup.py",  # kernels warmed when a variant is added while serving
     "serve/lora_variant.py",  # LoRA loads while serving
     "serve/variant_sources.py",  # POST /v1/variants
-    "share/workers.py",  # the front (proxy, routing)
+    "cluster/workers.py",  # the front (proxy, routing)
     "share/dedup_registry.py",  # every load goes through the registry
     "share/dedup_serving.py",
     "cluster/ray_app.py",  # the Ray Serve ingress and replicas

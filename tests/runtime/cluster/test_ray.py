@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 
 from deltazip.formats.errors import InputError  # noqa: E402
 from deltazip.runtime.cluster import ray_app  # noqa: E402
-from deltazip.runtime.serve.server import ServeConfig  # noqa: E402
+from deltazip.runtime.serve.assembly import ServeConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 KEY = "sk-ray-key"

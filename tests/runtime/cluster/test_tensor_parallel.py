@@ -21,9 +21,11 @@ from deltazip.formats.errors import InputError
 from deltazip.formats.packing import pack_delta
 from deltazip.kernels.reference import delta_weight, sbmm
 from deltazip.runtime.cluster.tensor_parallel import check_variants, shard_packed, shard_slot_args
-from deltazip.runtime.serve.engine import Engine, EngineConfig, SamplingParams, ServedVariant, prefill_logits
+from deltazip.runtime.serve.engine import Engine, SamplingParams
 
 # fp32 on both sides; the sharded sums add the same products in another order.
+from deltazip.runtime.serve.model_runner import prefill_logits
+
 LOGIT_ATOL = 1e-4
 MODELS = ["base", *sorted(VARIANTS)]
 
@@ -37,11 +39,12 @@ def served(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(served):
     """(single-process DeltaModel, rank 0 of a 2-rank group) over the same base and variants."""
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
     from deltazip.runtime.cluster.tp_group import start_tensor_parallel
-    from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+    from deltazip.runtime.serve.model import DeltaModel
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
-    variants = discover_artifacts(served.artifacts)
+    variants = discover_variants(served.artifacts)
     base = Checkpoint(served.base_dir)
     with single_thread():
         ref = DeltaModel(base, variants, 3, torch.device("cpu"), torch.float32)
@@ -54,15 +57,9 @@ def pair(served):
 
 
 def _engine(served, backend, **cfg) -> Engine:
-    from transformers import AutoTokenizer
+    from deltazip.runtime.serve.assembly import ServeConfig, engine_for
 
-    from deltazip.runtime.serve.model import eos_token_ids
-
-    tok = AutoTokenizer.from_pretrained(served.base_dir)
-    eos = eos_token_ids(served.base_dir, tok, backend.config)
-    table = {"base": ServedVariant("base", tok, eos, None)}
-    table.update({n: ServedVariant(n, tok, eos, "base") for n in VARIANTS})
-    return Engine(backend, table, "base", EngineConfig(**cfg))
+    return engine_for(backend, ServeConfig(**cfg))
 
 
 def test_mixed_batch_logits_equal_the_single_process_model(pair, served):
@@ -204,13 +201,13 @@ def test_sharded_packed_delta_products_add_up_to_the_unsharded_one(bits, sparse,
 
 
 def test_a_row_shard_that_would_split_a_group_is_refused(served):
-    from deltazip.runtime.serve.model import discover_artifacts
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
     d = pack_delta(torch.zeros(8, 64, dtype=torch.long), torch.ones(8, 1), None, None, 4, 64)
     with pytest.raises(InputError, match="cannot be split into 2 shards of 32"):
         shard_packed(d, "row", 0, 2)
     config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=4, hidden_size=64, intermediate_size=128)
-    variants = discover_artifacts(served.artifacts)
+    variants = discover_variants(served.artifacts)
     check_variants(variants, config, 2)  # shards of 32 (o_proj) and 64 (down_proj) hold whole groups of 32
     with pytest.raises(InputError, match=r"groups of 32 input columns.*--tensor-parallel 4 shards of 16") as e:
         check_variants(variants, config, 4)
@@ -278,7 +275,8 @@ def test_serve_tensor_parallel_2_answers_like_one_process_and_leaves_no_children
     single-process server's greedy text; SIGTERM stops it and its worker rank."""
     import httpx
 
-    from deltazip.runtime.serve.server import Metrics, ServeConfig, ServerThread, build_runtime, create_app
+    from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
+    from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
 
     messages = [{"role": "user", "content": "zip the model"}]
     body = {"messages": messages, "max_tokens": 8, "temperature": 0}

@@ -17,9 +17,9 @@ pytest.importorskip("lm_eval")
 
 import lm_eval  # noqa: E402
 
-from deltazip.compress.checkpoint import Checkpoint  # noqa: E402
 from deltazip.compress.merge import merge_to_dir  # noqa: E402
 from deltazip.formats.artifact import Artifact  # noqa: E402
+from deltazip.models.checkpoint import Checkpoint  # noqa: E402
 from deltazip.runtime.eval.lm_eval_model import DeltazipLM  # noqa: E402
 from deltazip.runtime.eval.perplexity import perplexity  # noqa: E402
 from deltazip.runtime.eval.run import task_manager  # noqa: E402

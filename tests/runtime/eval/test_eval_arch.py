@@ -10,12 +10,13 @@ import torch
 from _factories import calib_file, finetune, save_model, tiny_model
 from _serving import single_thread
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import merge_to_dir
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.formats.errors import InputError
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 from deltazip.runtime.eval.perplexity import perplexity
 from deltazip.runtime.eval.run import EvalOptions
 from deltazip.runtime.eval.targets import EvalBank, parse_targets
@@ -29,7 +30,8 @@ def family(tmp_path, arch):
     base_dir = save_model(tiny_model(arch), tmp_path / "base")
     ft_dir = save_model(finetune(tiny_model(arch), steps=30), tmp_path / "ft")
     art = tmp_path / "art"
-    cfg = CompressConfig(method="deltazip", bits=4, group_size=32, sparsity="none", nsamples=8, seqlen=32,
+    cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"), method="deltazip",
+                         nsamples=8, seqlen=32,
                          device="cpu")
     compress_delta(base_dir, ft_dir, str(calib_file(tmp_path / "calib", n=16)), art, cfg)
     return base_dir, art

@@ -24,14 +24,15 @@ from _factories import calib_file, perturb
 from _serving import single_thread
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.formats.errors import InputError
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
+from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
 from deltazip.runtime.serve.engine import FinishEvent, SamplingParams, TokenEvent
-from deltazip.runtime.serve.server import ServeConfig, build_runtime
 
 WINDOW = 6
 GEMMA = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -86,7 +87,8 @@ class Family:
         self.served = root / "served"
         save(perturb(tiny(model_type, cfg), scale=0.5, seed=3, skip=skip), self.served / "ft")
         ft2 = save(perturb(tiny(model_type, cfg), scale=0.5, seed=4, skip=skip), root / "ft2")
-        cc = CompressConfig(method="rtn", bits=4, sparsity="none", group_size=32, nsamples=4, seqlen=16,
+        cc = CompressConfig(scheme=DeltaScheme(bits=4, sparsity="none", group_size=32), method="rtn",
+                            nsamples=4, seqlen=16,
                             device="cpu")
         compress_delta(self.base_dir, ft2, str(calib_file(root / "calib")), self.served / "art", cc)
         self.refs = {
@@ -174,10 +176,10 @@ def test_engine_logits_equal_a_plain_forward(family):
     """Prefill of three prompts of different lengths, then decode steps with three different pasts,
     through the engine's cache (paged, or contiguous for the ALiBi models) and masks: every row's
     logits equal a plain forward of its sequence."""
-    from deltazip.runtime.serve.engine import forward_step, new_kv_pool, new_seq_kv, prefill_logits
     from deltazip.runtime.serve.kv_cache import BlockPool
     from deltazip.runtime.serve.masks import uses_padding_mask_bias
     from deltazip.runtime.serve.model import DeltaModel
+    from deltazip.runtime.serve.model_runner import forward_step, new_kv_pool, new_seq_kv, prefill_logits
 
     with single_thread():
         dm = DeltaModel(Checkpoint(family.base_dir), [], 1, torch.device("cpu"), torch.float32)

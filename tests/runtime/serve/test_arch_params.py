@@ -16,11 +16,12 @@ import torch
 from _factories import calib_file, finetune, save_model, tiny_model
 from _serving import single_thread
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
 from deltazip.runtime.serve.engine import (
     Engine,
     EngineConfig,
@@ -28,7 +29,8 @@ from deltazip.runtime.serve.engine import (
     SamplingParams,
     ServedVariant,
 )
-from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+from deltazip.runtime.serve.model import DeltaModel
+from deltazip.runtime.serve.variant_sources import discover_variants
 
 FAMILIES = ["gemma", "gemma3", "gpt_neox", "opt", "gpt2"]
 IDS = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)  # the demo's character tokenizer
@@ -50,8 +52,8 @@ def build_family(root, arch):
         ft = finetune(tiny_model(arch, **IDS), steps=30, seed=spec["seed"])
         ft_dir = save_model(ft, root / f"ft-{name}", tokenizer=False)
         tok.save_pretrained(ft_dir)
-        cfg = CompressConfig(method=spec["method"], bits=spec["bits"], group_size=spec["group_size"],
-                             sparsity=spec["sparsity"], nsamples=8, seqlen=32, device="cpu")
+        cfg = CompressConfig(scheme=DeltaScheme(bits=spec["bits"], group_size=spec["group_size"], sparsity=spec["sparsity"]),
+                             method=spec["method"], nsamples=8, seqlen=32, device="cpu")
         compress_delta(base_dir, ft_dir, str(calib), root / "arts" / name, cfg)
     return base_dir, root / "arts", tok
 
@@ -108,7 +110,7 @@ def test_delta_mode_serves_the_merged_greedy_output(tmp_path, arch):
     n = 8
     with single_thread():
         base_dir, arts, tok = build_family(tmp_path, arch)
-        variants = discover_artifacts(arts)
+        variants = discover_variants(arts)
         ck = Checkpoint(base_dir)
         refs = {v.name: load_merged_model(Artifact(v.path), ck) for v in variants}
         refs["base"] = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()

@@ -8,12 +8,14 @@ import torch
 from _factories import calib_file, perturb, tiny_model
 from _serving import PROMPTS, single_thread
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
-from deltazip.runtime.serve.server import Metrics, ServeConfig, ServerThread, build_runtime, create_app
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
+from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
+from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
 
 openai = pytest.importorskip("openai")
 
@@ -36,7 +38,7 @@ def bf16_set(tmp_path_factory):
         ft_dir = root / f"ft-{name}"
         ft.save_pretrained(ft_dir, safe_serialization=True)
         tok.save_pretrained(ft_dir)
-        cfg = CompressConfig(bits=4, group_size=32, nsamples=8, seqlen=32, device="cpu")
+        cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32), nsamples=8, seqlen=32, device="cpu")
         compress_delta(base_dir, ft_dir, str(calib), arts / name, cfg, lossless=lossless)
     return base_dir, arts, tok
 

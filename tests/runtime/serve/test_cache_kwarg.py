@@ -11,7 +11,7 @@ import torch
 from _factories import tiny_model
 from transformers import DynamicCache
 
-from deltazip.runtime.serve.model import cache_kwarg, run_model
+from deltazip.runtime.serve.model_runner import cache_kwarg, run_model
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])

@@ -16,10 +16,11 @@ def served(tmp_path_factory):
 
 
 def _delta_model(served, slots=2):
-    from deltazip.compress.checkpoint import Checkpoint
-    from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+    from deltazip.models.checkpoint import Checkpoint
+    from deltazip.runtime.serve.model import DeltaModel
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
-    variants = discover_artifacts(served.artifacts)
+    variants = discover_variants(served.artifacts)
     dm = DeltaModel(Checkpoint(served.base_dir), variants, slots, torch.device("cuda"), torch.float32)
     for i, v in enumerate(variants[:slots]):
         dm.write_slot(i, v.name, dm.load_host(v.name))
@@ -28,7 +29,7 @@ def _delta_model(served, slots=2):
 
 def test_replayed_decode_steps_equal_eager_steps(served):
     from deltazip.runtime.serve.cuda_graphs import DecodeGraphs
-    from deltazip.runtime.serve.engine import forward_step, new_kv_pool, new_seq_kv, prefill_logits
+    from deltazip.runtime.serve.model_runner import forward_step, new_kv_pool, new_seq_kv, prefill_logits
 
     dm = _delta_model(served)
     tok = served.tokenizer()
@@ -51,17 +52,12 @@ def test_replayed_decode_steps_equal_eager_steps(served):
 
 
 def test_greedy_serving_with_cuda_graphs_equals_generate(served):
-    from transformers import AutoTokenizer
-
-    from deltazip.runtime.serve.engine import Engine, EngineConfig, SamplingParams, ServedVariant
-    from deltazip.runtime.serve.model import discover_artifacts, eos_token_ids
+    from deltazip.runtime.serve.assembly import ServeConfig, engine_for
+    from deltazip.runtime.serve.engine import SamplingParams
 
     dm = _delta_model(served, slots=len(VARIANTS))
-    tok = AutoTokenizer.from_pretrained(served.base_dir)
-    eos = eos_token_ids(served.base_dir, tok, dm.config)
-    table = {"base": ServedVariant("base", tok, eos, None)}
-    table.update({v.name: ServedVariant(v.name, tok, eos, "base") for v in discover_artifacts(served.artifacts)})
-    eng = Engine(dm, table, "base", EngineConfig(max_deltas=len(VARIANTS)))
+    eng = engine_for(dm, ServeConfig(max_deltas=len(VARIANTS)))
+    tok = served.tokenizer()
     assert eng.graphs is not None
     done: dict = {}
 

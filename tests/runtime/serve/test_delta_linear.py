@@ -215,12 +215,13 @@ def served(tmp_path_factory):
 @pytest.mark.parametrize("compute", ["packed", "dequantized"])
 def test_mixed_batch_logits_match_each_merged_model(served, compute):
     """One forward over rows of the base and all three variants = each row's merged model."""
-    from deltazip.compress.checkpoint import Checkpoint
-    from deltazip.runtime.serve.engine import prefill_logits
-    from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+    from deltazip.models.checkpoint import Checkpoint
+    from deltazip.runtime.serve.model import DeltaModel
+    from deltazip.runtime.serve.model_runner import prefill_logits
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
     with single_thread():
-        variants = discover_artifacts(served.artifacts)
+        variants = discover_variants(served.artifacts)
         assert [v.name for v in variants] == sorted(VARIANTS)
         dm = DeltaModel(Checkpoint(served.base_dir), variants, num_slots=3, device=torch.device("cpu"),
                         dtype=torch.float32, delta_compute=compute)
@@ -247,8 +248,9 @@ def test_mixed_batch_logits_match_each_merged_model(served, compute):
 
 
 def test_unsupported_changes_are_refused_with_the_tensor_name(served):
-    from deltazip.compress.checkpoint import Checkpoint
-    from deltazip.runtime.serve.model import DeltaModel, UnsupportedVariant, VariantInfo
+    from deltazip.models.checkpoint import Checkpoint
+    from deltazip.runtime.serve.model import DeltaModel, UnsupportedVariant
+    from deltazip.runtime.serve.variant_sources import VariantInfo
 
     bogus = VariantInfo("odd", served.root, {"model.rotary.weight": {"kind": "full", "shape": [4]}}, {}, 0)
     with single_thread(), pytest.raises(UnsupportedVariant, match="model.rotary.weight.*--mode swap"):
@@ -262,14 +264,16 @@ def test_phi_variant_with_changed_layernorms_matches_its_merged_model(tmp_path, 
     rows equals each row's own model."""
     from _factories import perturb, save_model, tiny_model
 
-    from deltazip.compress.checkpoint import Checkpoint
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.merge import load_merged_model
     from deltazip.compress.pipeline import compress_delta
     from deltazip.formats.artifact import Artifact
+    from deltazip.kernels.scheme import DeltaScheme
+    from deltazip.models.checkpoint import Checkpoint
     from deltazip.runtime.serve.delta_linear import DeltaLayerNorm
-    from deltazip.runtime.serve.engine import prefill_logits
-    from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+    from deltazip.runtime.serve.model import DeltaModel
+    from deltazip.runtime.serve.model_runner import prefill_logits
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
     with single_thread():
         base = tiny_model("phi")
@@ -277,9 +281,10 @@ def test_phi_variant_with_changed_layernorms_matches_its_merged_model(tmp_path, 
         save_model(perturb(tiny_model("phi"), scale=0.2, seed=3, skip=()), tmp_path / "ft")
         calib = tmp_path / "calib.jsonl"
         calib.write_text("".join(json.dumps({"text": ("abc def ghi jkl " * 6)[i:i + 60]}) + "\n" for i in range(8)))
-        cfg = CompressConfig(method="deltazip", bits=4, group_size=32, nsamples=4, seqlen=32, device="cpu")
+        cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32),
+                             method="deltazip", nsamples=4, seqlen=32, device="cpu")
         compress_delta(tmp_path / "base", tmp_path / "ft", str(calib), tmp_path / "arts" / "phi", cfg)
-        (v,) = discover_artifacts(tmp_path / "arts")
+        (v,) = discover_variants(tmp_path / "arts")
         ck = Checkpoint(tmp_path / "base")
         merged = load_merged_model(Artifact(v.path), ck).eval()
         dm = DeltaModel(ck, [v], num_slots=2, device=torch.device("cpu"), dtype=torch.float32, delta_compute=compute)

@@ -12,10 +12,8 @@ from _serving import PROMPTS, served_set, single_thread
 from deltazip.runtime.serve.delta_cache import TieredCache
 from deltazip.runtime.serve.engine import (
     Engine,
-    EngineConfig,
     FinishEvent,
     SamplingParams,
-    ServedVariant,
     TokenEvent,
 )
 from deltazip.runtime.serve.scheduler import BASE_KEY, SchedRequest, Scheduler
@@ -30,19 +28,10 @@ def served(tmp_path_factory):
 
 
 def _engine(served, **cfg) -> Engine:
-    from transformers import AutoTokenizer
+    from deltazip.runtime.serve.assembly import ServeConfig, build_engine
 
-    from deltazip.compress.checkpoint import Checkpoint
-    from deltazip.runtime.serve.model import DeltaModel, discover_artifacts, eos_token_ids
-
-    variants = discover_artifacts(served.artifacts)
-    ec = EngineConfig(**cfg)
-    backend = DeltaModel(Checkpoint(served.base_dir), variants, ec.max_deltas, torch.device("cpu"), torch.float32)
-    tok = AutoTokenizer.from_pretrained(served.base_dir)
-    eos = eos_token_ids(served.base_dir, tok, backend.config)
-    table = {"base": ServedVariant("base", tok, eos, None)}
-    table.update({v.name: ServedVariant(v.name, tok, eos, "base") for v in variants})
-    return Engine(backend, table, "base", ec)
+    return build_engine(ServeConfig(served.artifacts, base=str(served.base_dir), base_name="base", device="cpu",
+                                    dtype="float32", **cfg))
 
 
 class Timed:
@@ -257,14 +246,15 @@ def test_a_staged_variant_fills_a_slot_exactly_like_a_direct_write(served, devic
     which shows the staged write is exact; with the default split-K they must agree within fp32
     summation noise (1e-5 of the largest logit): an order-of-operations difference, not a wrong write.
     (The CUDA kernel that serves fp16/bf16 ``mma`` stacks sums its splits in a fixed order.)"""
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
     from deltazip.runtime.serve.delta_loader import DeltaLoader, device_tensors
-    from deltazip.runtime.serve.engine import prefill_logits
-    from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+    from deltazip.runtime.serve.model import DeltaModel
+    from deltazip.runtime.serve.model_runner import prefill_logits
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
     dev = torch.device(device)
     with single_thread():
-        dm = DeltaModel(Checkpoint(served.base_dir), discover_artifacts(served.artifacts), 2, dev, torch.float32)
+        dm = DeltaModel(Checkpoint(served.base_dir), discover_variants(served.artifacts), 2, dev, torch.float32)
         cache = TieredCache(dm.load_host, dm.write_slot, dm.clear_slot, num_slots=2, max_cpu=2)
         loader = DeltaLoader(cache, dm.stage_slot, dev)
         try:

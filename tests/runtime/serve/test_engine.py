@@ -12,14 +12,12 @@ from _serving import PROMPTS, VARIANTS, served_set, single_thread
 from deltazip.runtime.serve.delta_cache import SlotsExhausted, TieredCache
 from deltazip.runtime.serve.engine import (
     Engine,
-    EngineConfig,
     EngineError,
     FinishEvent,
     IncrementalDetokenizer,
     PromptTooLong,
     QueueFull,
     SamplingParams,
-    ServedVariant,
     TokenEvent,
     UnknownModel,
 )
@@ -33,24 +31,17 @@ def served(tmp_path_factory):
         yield served_set(tmp_path_factory.getbasetemp() / "serving")
 
 
+def serve_config(served, mode="delta", **cfg):
+    from deltazip.runtime.serve.assembly import ServeConfig
+
+    return ServeConfig(served.artifacts, base=str(served.base_dir), base_name="base", mode=mode, device="cpu",
+                       dtype="float32", **cfg)
+
+
 def make_engine(served, mode="delta", **cfg) -> Engine:
-    from deltazip.compress.checkpoint import Checkpoint
-    from deltazip.runtime.serve.model import DeltaModel, SwapModels, discover_artifacts, eos_token_ids
+    from deltazip.runtime.serve.assembly import build_engine
 
-    variants = discover_artifacts(served.artifacts)
-    base = Checkpoint(served.base_dir)
-    ec = EngineConfig(**cfg)
-    if mode == "delta":
-        backend = DeltaModel(base, variants, ec.max_deltas, torch.device("cpu"), torch.float32)
-    else:
-        backend = SwapModels(base, variants, ec.max_deltas, torch.device("cpu"), torch.float32, "base")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(served.base_dir)  # the engine thread's own instance
-    eos = eos_token_ids(served.base_dir, tok, backend.config)
-    table = {"base": ServedVariant("base", tok, eos, None)}
-    table.update({v.name: ServedVariant(v.name, tok, eos, "base") for v in variants})
-    return Engine(backend, table, "base", ec)
+    return build_engine(serve_config(served, mode, **cfg))
 
 
 class Collector:
@@ -281,25 +272,18 @@ def test_a_variant_that_fails_to_load_fails_only_its_requests(served, tmp_path):
     """Corrupt bytes in one artifact: its requests end with an error naming it, the others are served."""
     import shutil
 
-    from deltazip.compress.checkpoint import Checkpoint
-    from deltazip.runtime.serve.model import DeltaModel, discover_artifacts, eos_token_ids
+    from deltazip.runtime.serve.assembly import build_engine
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
     arts = tmp_path / "arts"
     shutil.copytree(served.artifacts, arts)
+    variants = discover_variants(arts)  # the files were sound when the server found them
     container = next((arts / "beta").glob("*.safetensors"))
     raw = bytearray(container.read_bytes())
     raw[-64:] = bytes(64)  # tensor data, past the header: only the checksum can notice
     container.write_bytes(bytes(raw))
     with single_thread():
-        variants = discover_artifacts(arts)
-        backend = DeltaModel(Checkpoint(served.base_dir), variants, 2, torch.device("cpu"), torch.float32)
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(served.base_dir)
-        eos = eos_token_ids(served.base_dir, tok, backend.config)
-        table = {"base": ServedVariant("base", tok, eos, None)}
-        table.update({v.name: ServedVariant(v.name, tok, eos, "base") for v in variants})
-        eng = Engine(backend, table, "base", EngineConfig(max_deltas=2, max_cpu_deltas=0))
+        eng = build_engine(serve_config(served, max_deltas=2, max_cpu_deltas=0), variants)
         col = Collector()
         enc = served.tokenizer()
         for m in ("alpha", "beta", "gamma"):
@@ -317,7 +301,7 @@ def test_a_variant_that_fails_to_load_fails_only_its_requests(served, tmp_path):
 
 
 def test_kv_pool_rows_grow_offload_restores_and_idle_pool_holds_nothing():
-    from deltazip.runtime.serve.engine import KVPool, SeqKV, StepKV
+    from deltazip.runtime.serve.model_runner import KVPool, SeqKV, StepKV
 
     torch.manual_seed(0)
     pool = KVPool()
@@ -364,7 +348,7 @@ def test_kv_pool_against_per_sequence_lists_under_random_churn():
     grows in rows and length: every step's gathered past equals what each sequence wrote."""
     import random
 
-    from deltazip.runtime.serve.engine import KVPool, SeqKV, StepKV
+    from deltazip.runtime.serve.model_runner import KVPool, SeqKV, StepKV
 
     rng = random.Random(0)
     torch.manual_seed(0)
@@ -429,8 +413,10 @@ def test_chunked_prefill_keeps_decodes_going_and_outputs_equal_generate(served):
 
         eng._forward = spy
         # beta resident from the start: its background load would otherwise hold the long prompt back
-        # while the decoders run towards their end.
-        eng.cache.ensure(["beta"])
+        # while the decoders run towards their end. alpha too: when its background load landed a few
+        # steps late, base (which stops at its EOS around step 16) was too far ahead to overlap the
+        # long prefill (a race that failed about one run in ten).
+        eng.cache.ensure(["alpha", "beta"])
         rids = {eng.submit(m, tok(PROMPTS[i])["input_ids"], SamplingParams(max_tokens=40, temperature=0.0),
                            col.sink(m)): m for i, m in enumerate(("alpha", "base"))}
         eng.start()
@@ -464,7 +450,7 @@ def test_models_without_the_attention_interface_use_the_contiguous_cache(served,
     contiguous ``StepKV`` pool, selected automatically; its outputs still equal ``generate``."""
     from transformers import LlamaForCausalLM
 
-    from deltazip.runtime.serve.engine import KVPool
+    from deltazip.runtime.serve.model_runner import KVPool
 
     monkeypatch.setattr(LlamaForCausalLM, "_supports_attention_backend", False)
     with single_thread():

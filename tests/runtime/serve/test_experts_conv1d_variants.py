@@ -9,12 +9,14 @@ import torch
 from _factories import make_pair
 from _serving import single_thread
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
-from deltazip.runtime.serve.model import DeltaModel, SwapModels, discover_artifacts
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
+from deltazip.runtime.serve.model import DeltaModel, SwapModels
+from deltazip.runtime.serve.variant_sources import discover_variants
 
 CASES = [("gpt2", False), ("mixtral", False), ("mixtral", True)]
 
@@ -24,9 +26,10 @@ def test_served_in_delta_mode_and_in_swap_mode(tmp_path, arch, fused):
     cpu = torch.device("cpu")
     with single_thread():
         base, ft = make_pair(tmp_path, arch, module_names=fused)
-        cfg = CompressConfig(method="rtn", group_size=32, device="cpu")  # packed entries, no calibration needed
+        # packed entries, no calibration needed
+        cfg = CompressConfig(scheme=DeltaScheme(group_size=32), method="rtn", device="cpu")
         compress_delta(base, ft, None, tmp_path / "arts" / arch, cfg)
-        (v,) = discover_artifacts(tmp_path / "arts")
+        (v,) = discover_variants(tmp_path / "arts")
         ck = Checkpoint(base)
         _delta_mode_equals_merged(ck, v)
         swap = SwapModels(ck, [v], num_slots=1, device=cpu, dtype=torch.float32, base_name="base")

@@ -22,16 +22,18 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 from _factories import calib_file, perturb, save_model, tiny_model
 from _serving import single_thread
 
-from deltazip.compress.checkpoint import Checkpoint
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.kernels.reference import delta_weight
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
+from deltazip.runtime.serve.assembly import ServeConfig, build_engine
 from deltazip.runtime.serve.delta_experts import DeltaExperts, DeltaRouter, piece_key
 from deltazip.runtime.serve.delta_linear import DeltaContext, DeltaLinear
-from deltazip.runtime.serve.engine import Engine, EngineConfig, FinishEvent, SamplingParams, ServedVariant
-from deltazip.runtime.serve.model import DeltaModel, discover_artifacts, eos_token_ids
+from deltazip.runtime.serve.engine import Engine, FinishEvent, SamplingParams
+from deltazip.runtime.serve.model import DeltaModel
 
 ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 VARIANTS = {
@@ -59,8 +61,8 @@ class MoeSet:
             ft = perturb(tiny_model(arch, **ids), scale=0.3, seed=spec["seed"], skip=("norm",))
             ft_dir = save_model(ft, root / f"ft-{name}", tokenizer=False)
             tok.save_pretrained(ft_dir)
-            cfg = CompressConfig(method=spec["method"], bits=spec["bits"], sym=spec["sym"], group_size=32,
-                                 nsamples=8, seqlen=32, device="cpu")
+            cfg = CompressConfig(scheme=DeltaScheme(bits=spec["bits"], sym=spec["sym"], group_size=32),
+                                 method=spec["method"], nsamples=8, seqlen=32, device="cpu")
             compress_delta(self.base_dir, ft_dir, str(calib), self.arts / name, cfg)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,13 +80,9 @@ class MoeSet:
                 self.expected[m, p] = self.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
     def engine(self, delta_compute: str) -> Engine:
-        variants = discover_artifacts(self.arts)
-        backend = DeltaModel(Checkpoint(self.base_dir), variants, 2, torch.device("cpu"), torch.float32,
-                             delta_compute=delta_compute)
-        eos = eos_token_ids(self.base_dir, self.tok, backend.config)
-        table = {"base": ServedVariant("base", self.tok, eos, None)}
-        table.update({v.name: ServedVariant(v.name, self.tok, eos, "base") for v in variants})
-        return Engine(backend, table, "base", EngineConfig(max_deltas=2, max_cpu_deltas=2, max_num_seqs=16))
+        return build_engine(ServeConfig(self.arts, base=str(self.base_dir), base_name="base", device="cpu",
+                                        dtype="float32", delta_compute=delta_compute, max_deltas=2, max_cpu_deltas=2,
+                                        max_num_seqs=16))
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -10,10 +10,9 @@ from _factories import tiny_model
 from _serving import single_thread
 
 from deltazip.runtime.serve.attention import PAGED_ATTENTION, paged_attention_forward, use_paged_attention
-from deltazip.runtime.serve.engine import KVPool, SeqKV, forward_step
 from deltazip.runtime.serve.kv_cache import CURRENT_STEP, BlockPool, PagedStep, SeqBlocks
 from deltazip.runtime.serve.kv_meter import KVCopyMeter
-from deltazip.runtime.serve.model import run_model
+from deltazip.runtime.serve.model_runner import KVPool, SeqKV, forward_step, run_model
 
 
 class Backend:

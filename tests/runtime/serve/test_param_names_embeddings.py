@@ -8,7 +8,7 @@ import torch
 from _factories import save_model, tiny_model
 from torch import nn
 
-from deltazip.compress.checkpoint import Checkpoint
+from deltazip.models.checkpoint import Checkpoint
 from deltazip.runtime.serve.delta_embedding import DeltaEmbedding, can_decouple, decouple_embedding
 from deltazip.runtime.serve.delta_linear import DeltaContext
 from deltazip.runtime.serve.param_names import module_names

@@ -203,11 +203,12 @@ def test_delta_model_merges_llama_projections_and_skips_the_warm_up_on_cpu(tmp_p
         raise AssertionError("the kernel warm-up must not run on a CPU")
 
     monkeypatch.setattr(kw, "warmup_stacks", boom)
-    from deltazip.compress.checkpoint import Checkpoint
-    from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+    from deltazip.models.checkpoint import Checkpoint
+    from deltazip.runtime.serve.model import DeltaModel
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
     s = served_set(tmp_path / "serving")
-    variants = discover_artifacts(s.artifacts)
+    variants = discover_variants(s.artifacts)
     for compute in ("auto", "packed"):
         dm = DeltaModel(Checkpoint(s.base_dir), variants, num_slots=2, device=torch.device("cpu"),
                         dtype=torch.float32, delta_compute=compute)
@@ -229,12 +230,13 @@ def test_forced_warm_up_covers_every_served_stack_once(tmp_path):
     if not triton_importable() or not interpreter_ready():
         pytest.skip("needs TRITON_INTERPRET=1 set before triton was first imported")
     import deltazip.kernels.warmup as kw
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
     from deltazip.runtime.serve import kernel_warmup
-    from deltazip.runtime.serve.model import DeltaModel, discover_artifacts
+    from deltazip.runtime.serve.model import DeltaModel
+    from deltazip.runtime.serve.variant_sources import discover_variants
 
     s = served_set(tmp_path / "serving")
-    dm = DeltaModel(Checkpoint(s.base_dir), discover_artifacts(s.artifacts), num_slots=2,
+    dm = DeltaModel(Checkpoint(s.base_dir), discover_variants(s.artifacts), num_slots=2,
                     device=torch.device("cpu"), dtype=torch.float32, delta_compute="packed")
     stacks = kernel_warmup.served_stacks(dm)
     packed = {(v.name, t) for v in dm.variants.values() for t, e in v.tensors.items() if e["kind"] == "packed"}

@@ -14,7 +14,8 @@ import torch
 from _serving import PROMPTS, VARIANTS, served_set, single_thread
 
 from deltazip.formats.errors import InputError
-from deltazip.runtime.serve.server import Metrics, ServeConfig, ServerThread, build_runtime, create_app
+from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
+from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
 
 openai = pytest.importorskip("openai")
 
@@ -272,6 +273,7 @@ def test_artifacts_of_another_base_are_refused_by_name(served, tmp_path):
 
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.pipeline import compress_delta
+    from deltazip.kernels.scheme import DeltaScheme
 
     with single_thread():
         other = tiny_model("llama", seed=5, vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
@@ -281,7 +283,7 @@ def test_artifacts_of_another_base_are_refused_by_name(served, tmp_path):
         arts = tmp_path / "arts"
         shutil.copytree(served.artifacts / "alpha", arts / "alpha")
         compress_delta(tmp_path / "other-base", tmp_path / "other-ft", None, arts / "stranger",
-                       CompressConfig(method="rtn", group_size=32, device="cpu"))
+                       CompressConfig(scheme=DeltaScheme(group_size=32), method="rtn", device="cpu"))
         with pytest.raises(InputError, match="artifact stranger .*different base"):
             build_runtime(ServeConfig(artifacts=arts, base=str(served.base_dir)))
         with pytest.raises(InputError, match="different bases"):
@@ -407,12 +409,13 @@ def test_chat_falls_back_to_the_base_template(served, tmp_path):
 
     from _factories import perturb, tiny_model
 
-    from deltazip.compress.checkpoint import Checkpoint
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.merge import load_merged_model
     from deltazip.compress.pipeline import compress_delta
     from deltazip.demo.pair import build_char_tokenizer
     from deltazip.formats.artifact import Artifact
+    from deltazip.kernels.scheme import DeltaScheme
+    from deltazip.models.checkpoint import Checkpoint
 
     ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     ft_dir = tmp_path / "ft-plain"
@@ -421,8 +424,8 @@ def test_chat_falls_back_to_the_base_template(served, tmp_path):
     arts = tmp_path / "arts"
     shutil.copytree(served.variant_dir("alpha"), arts / "alpha")
     with single_thread():
-        compress_delta(served.base_dir, ft_dir, None, arts / "plain", CompressConfig(method="rtn", group_size=32,
-                                                                                      device="cpu"))
+        compress_delta(served.base_dir, ft_dir, None, arts / "plain", CompressConfig(scheme=DeltaScheme(group_size=32),
+                                                                                     method="rtn", device="cpu"))
         # the variant has tokenizer files of its own (here identical to the base's, so kept by reference)
         # but no chat template, which the base has
         side = Artifact(arts / "plain").side_files

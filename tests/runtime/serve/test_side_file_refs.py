@@ -12,11 +12,12 @@ from deltazip.compress.config import CompressConfig
 from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.formats.errors import InputError
+from deltazip.kernels.scheme import DeltaScheme
 from deltazip.runtime.eval.targets import EvalBank, parse_targets
-from deltazip.runtime.serve.server import _served_entry, _TokenizerPool
+from deltazip.runtime.serve.assembly import _served_entry, _TokenizerPool
 from deltazip.runtime.serve.variant_sources import inspect_variant
 
-RTN = CompressConfig(method="rtn", bits=4, group_size=32)
+RTN = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32), method="rtn")
 
 
 @pytest.fixture(scope="module")

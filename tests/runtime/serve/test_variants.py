@@ -17,7 +17,8 @@ from _factories import perturb, tiny_model
 from _serving import PROMPTS, served_set, single_thread
 
 from deltazip.formats.errors import InputError
-from deltazip.runtime.serve.server import Metrics, ServeConfig, ServerThread, build_runtime, create_app
+from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
+from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
 
 peft = pytest.importorskip("peft")
 openai = pytest.importorskip("openai")
@@ -166,7 +167,7 @@ def test_every_kind_serves_its_merged_models_greedy_output(fleet, server):
 def test_lora_and_delta_rows_in_one_forward_equal_each_alone(fleet, server):
     """One forward over rows of the LoRA adapter, the compressed artifact, a full checkpoint and
     the base: every row's logits equal a forward of that row alone (and its reference model)."""
-    from deltazip.runtime.serve.engine import prefill_logits
+    from deltazip.runtime.serve.model_runner import prefill_logits
 
     _, rt = server
     backend = rt.backend
@@ -453,7 +454,7 @@ def _header_bytes(ckpt_dir) -> int:
 @pytest.mark.gpu
 def test_identical_checkpoints_share_device_memory_on_cuda(fleet):
     """Two slots holding A/B copies of a full fine-tune reference one device copy of each tensor."""
-    from deltazip.compress.checkpoint import Checkpoint
+    from deltazip.models.checkpoint import Checkpoint
     from deltazip.runtime.serve.model import DeltaModel
     from deltazip.runtime.serve.variant_sources import (
         BaseTensorIndex,

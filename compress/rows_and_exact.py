@@ -2,7 +2,7 @@
 
 - ``record_embedding``: an embedding matrix ``[rows, hidden]`` (token, position or scaled embedding)
   becomes a ``rows`` entry: unchanged rows cost a bit each, changed rows are group-quantized along
-  the hidden dimension with the error bound of ``deltazip.formats.rows`` (scale / 2 per element).
+  the hidden dimension with the error bound of ``deltazip.formats.codecs.rows`` (scale / 2 per element).
 - ``record_exact``: norms, biases and anything left are stored bit-exactly in their own dtype, in
   the smallest of: nothing (``same``), the XOR of their raw bits with the base's (``xor``), a float16
   delta that rebuilds them bit for bit (``dense_delta``), or the tensor itself (``full``). Sizes are
@@ -15,8 +15,14 @@ from __future__ import annotations
 import torch
 
 from deltazip.formats.artifact import ArtifactWriter
-from deltazip.formats.exact import bitwise_equal, xor_delta
-from deltazip.formats.rows import MAX_ABS, changed_rows, dequantize_rows, effective_group, quantize_rows
+from deltazip.formats.codecs.rows import (
+    MAX_ABS,
+    changed_rows,
+    dequantize_rows,
+    effective_group,
+    quantize_rows,
+)
+from deltazip.formats.codecs.xor import bitwise_equal, xor_delta
 
 # Order breaks ties between equal sizes: prefer what needs no base, then the simpler rebuild.
 _EXACT_ORDER = ("full", "dense_delta", "xor")

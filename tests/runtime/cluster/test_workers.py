@@ -24,10 +24,10 @@ import torch
 from _factories import calib_file, perturb, tiny_model
 from _serving import PROMPTS, served_set, single_thread
 
-from deltazip.runtime.serve.server import ServeConfig
+from deltazip.runtime.cluster.workers import WorkerPool
+from deltazip.runtime.serve.assembly import ServeConfig
 from deltazip.runtime.share import weight_share as ws
 from deltazip.runtime.share.dedup_registry import SharedTensorWriteError
-from deltazip.runtime.share.workers import WorkerPool
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd, /proc and abstract sockets")
 
@@ -264,7 +264,7 @@ def test_no_worker_ready_is_503(served):
         def count_error(self, kind):
             pass
 
-    from deltazip.runtime.share.workers import create_front
+    from deltazip.runtime.cluster.workers import create_front
 
     with ServerThread(create_front(Empty())) as srv:
         r = complete(srv.url, "alpha", "x", 1)
@@ -278,6 +278,7 @@ def big(tmp_path_factory):
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.pipeline import compress_delta
     from deltazip.demo.pair import build_char_tokenizer
+    from deltazip.kernels.scheme import DeltaScheme
 
     root = tmp_path_factory.mktemp("big")
     ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
@@ -290,7 +291,8 @@ def big(tmp_path_factory):
         tok.save_pretrained(root / "base")
         perturb(m, scale=0.2, seed=3).save_pretrained(root / "ft")
         tok.save_pretrained(root / "ft")
-        cfg = CompressConfig(method="rtn", bits=4, sparsity="none", group_size=128, nsamples=4, seqlen=16, device="cpu")
+        cfg = CompressConfig(scheme=DeltaScheme(bits=4, sparsity="none", group_size=128),
+                             method="rtn", nsamples=4, seqlen=16, device="cpu")
         compress_delta(root / "base", root / "ft", str(calib_file(root / "calib", n=8)), root / "arts" / "v1", cfg)
     weights = sum(p.numel() for p in m.parameters()) * 4
     return root / "arts", weights
@@ -380,7 +382,7 @@ def test_affinity_routing_keeps_a_variant_on_its_home_until_it_is_full(monkeypat
     """No processes: the front's choice alone. A variant sticks to the worker that got it first while
     that one has capacity (--max-num-seqs open requests), then overflows to the least busy, which
     becomes a second home; the base goes least-busy; a dead worker loses its homes."""
-    from deltazip.runtime.share.workers import WorkerState
+    from deltazip.runtime.cluster.workers import WorkerState
 
     pool = WorkerPool(ServeConfig(artifacts=tmp_path, max_num_seqs=2), workers=2)
     monkeypatch.setattr(WorkerState, "alive", lambda self: True)

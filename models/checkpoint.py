@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 import xxhash
 
-from deltazip.compress.hub import hub_offline, offline_miss, require_hub
-from deltazip.formats.checksum import Fingerprint
+from deltazip.formats.checksum import CheckpointFingerprint
+from deltazip.formats.dtypes import ST_TO_TORCH
 from deltazip.formats.errors import InputError
 from deltazip.formats.safetensors_raw import TensorEntry, read_table
+from deltazip.models.hub import hub_offline, offline_miss, require_hub
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
+# The safetensors dtypes a checkpoint's tensors may have (float8 and wide unsigned ones are refused).
+_HANDLED = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
 _PICKLE_GLOBS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.bin")
 # Side files worth keeping with an artifact so that a merged model is complete.
 _READ_CHUNK = 64 << 20
@@ -117,9 +117,9 @@ class Checkpoint:
 
     def dtype(self, name: str) -> torch.dtype:
         st = self.table[name].dtype
-        if st not in _ST_DTYPES:
+        if st not in _HANDLED:
             raise InputError(f"{self.role} {self.path}: tensor {name} has dtype {st}, which deltazip does not handle")
-        return _ST_DTYPES[st]
+        return ST_TO_TORCH[st]
 
     def nbytes(self) -> int:
         """Bytes of all tensors in their stored dtypes."""
@@ -162,9 +162,9 @@ class Checkpoint:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def fingerprint(self) -> str:
-        """xxh3-128 fingerprint over every tensor's raw bytes (see formats.checksum.Fingerprint),
+        """xxh3-128 fingerprint over every tensor's raw bytes (see formats.checksum.CheckpointFingerprint),
         hashed from file reads in chunks, so it holds at most one chunk in memory."""
-        fp = Fingerprint()
+        fp = CheckpointFingerprint()
         for f in self.files:
             entries, _ = read_table(f)
             for name, e in entries.items():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from deltazip.formats.codecs.base import Codec, Entry, dtype_name, register
 from deltazip.formats.packing import pack_int32
 from deltazip.kernels.packed import SUPPORTED_BITS
 from deltazip.kernels.reference import unpack_int32
@@ -156,3 +157,36 @@ def layout_problems(entry: dict, parts: dict[str, torch.Tensor]) -> list[str]:
         if not bool(torch.isfinite(parts[p].float()).all()):
             return [f"{p}: not all finite"]
     return []
+
+
+class RowsCodec(Codec):
+    """Kind ``rows``: ``base + Δ̂`` with the embedding delta stored row by row (module docstring)."""
+
+    kind = "rows"
+    parts = PARTS
+    relative_to_base = True
+
+    def additive(self, entry: Entry) -> bool:
+        return True
+
+    def fields(self, shape: tuple[int, int], dtype: torch.dtype, bits: int, group_size: int, changed: int,
+               max_abs_err: float) -> dict:
+        """A new entry's fields; ``max_abs_err`` is the largest element error the encoder measured
+        against the exact float32 delta."""
+        return {"kind": self.kind, "shape": list(shape), "dtype": dtype_name(dtype), "bits": bits,
+                "group_size": group_size, "changed_rows": changed, "max_abs_err": max_abs_err}
+
+    def field_problems(self, name: str, raw) -> list[str]:
+        return [f"tensor {name!r}: rows entry lacks integer {key!r}" for key in ("bits", "group_size")
+                if not isinstance(raw.get(key), int)]
+
+    def layout_problems(self, entry: Entry, parts) -> list[str]:
+        return layout_problems(dict(entry.raw), parts)
+
+    def reconstruct(self, src, entry: Entry, base: torch.Tensor | None, device) -> torch.Tensor:
+        base = self.check_base(entry, base, entry.shape)
+        delta = dequantize_rows(src.parts(entry.name, device), entry.shape, entry.raw["bits"], entry.raw["group_size"])
+        return (base.float() + delta.to(base.device)).to(entry.dtype)
+
+
+register(RowsCodec())

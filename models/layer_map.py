@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deltazip.compress.model_walk import Site, layer_sites, set_param
 from deltazip.formats.errors import InputError
+from deltazip.models.model_walk import Site, layer_sites, set_param
 
 
 def as_rows(shape: tuple[int, ...]) -> tuple[int, int]:

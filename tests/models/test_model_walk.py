@@ -6,8 +6,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from deltazip.compress.experts import ExpertTap, collect_hessians
-from deltazip.compress.model_walk import layer_sites, sequential_groups
+from deltazip.compress.experts import collect_hessians
+from deltazip.models.expert_tap import ExpertTap
+from deltazip.models.model_walk import layer_sites, sequential_groups
 
 
 class _Expert(nn.Module):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from deltazip.formats.codecs.base import Codec, Entry, dtype_name, register
+
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -39,3 +41,31 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(int_view(a), int_view(b))
+
+
+class XorCodec(Codec):
+    """Kind ``xor``: the raw bits of the fine-tune XOR the base's, one ``xor`` part of the element width."""
+
+    kind = "xor"
+    parts = ("xor",)
+    relative_to_base = True
+
+    def fields(self, shape, dtype: torch.dtype) -> dict:
+        return {"kind": self.kind, "shape": list(shape), "dtype": dtype_name(dtype)}
+
+    def layout_problems(self, entry: Entry, parts) -> list[str]:
+        t = parts.get("xor")
+        if t is None:
+            return ["xor entry without an 'xor' part"]
+        width = torch.empty((), dtype=entry.dtype).element_size()
+        if list(t.shape) != list(entry.shape) or t.dtype != _INT_OF_WIDTH[width]:
+            return [f"xor is {dtype_name(t.dtype)} {list(t.shape)}, want the {width}-byte integer type of "
+                    f"{dtype_name(entry.dtype)} and shape {list(entry.shape)}"]
+        return []
+
+    def reconstruct(self, src, entry: Entry, base: torch.Tensor | None, device) -> torch.Tensor:
+        base = self.check_base(entry, base, entry.shape)
+        return apply_xor(base.to(entry.dtype), src.parts(entry.name, device)["xor"], entry.dtype)
+
+
+register(XorCodec())

@@ -8,8 +8,8 @@ Processes (all on one machine, all started by the supervisor):
 - **owner** — ``python -m deltazip.runtime.share.weight_share``: exports the base weights once into a
   sealed memfd (CPU) or one CUDA slab (see :mod:`deltazip.runtime.share.weight_share`) and hands them to
   every worker that attaches. It imports no torch on CPU, so it costs ~30 MiB besides the weights.
-- **worker i** — ``python -m deltazip.runtime.share.workers``: attaches to the owner, builds the usual
-  runtime (:func:`deltazip.runtime.serve.server.build_runtime`: engine, tokenizers, variants) over the
+- **worker i** — ``python -m deltazip.runtime.cluster.workers``: attaches to the owner, builds the usual
+  runtime (:func:`deltazip.runtime.serve.assembly.build_runtime`: engine, tokenizers, variants) over the
   mapped weights, and serves the usual app (:func:`deltazip.runtime.serve.server.create_app`) on a
   loopback port of its own, which it reports to the supervisor on a pipe.
 
@@ -141,7 +141,7 @@ class WorkerPool:
     """The owner + K workers + the front, as one context manager.
 
     Args:
-        cfg: a :class:`deltazip.runtime.serve.server.ServeConfig`; ``cfg.workers`` workers are started
+        cfg: a :class:`deltazip.runtime.serve.assembly.ServeConfig`; ``cfg.workers`` workers are started
             (overridden by ``workers``); the front binds ``cfg.host:cfg.port`` (port 0: any free).
         workers: number of workers (default ``cfg.workers``).
         share: False starts each worker loading its own weights (no owner) — the "K independent
@@ -181,7 +181,7 @@ class WorkerPool:
     def start(self) -> WorkerPool:
         """Validate the inputs here (one-line errors before any process starts), start the owner,
         then the workers; return when all are ready."""
-        from deltazip.runtime.serve.model import open_served_base, resolve_dtype
+        from deltazip.runtime.serve.model import open_served_base, served_dtype
         from deltazip.runtime.serve.variant_sources import discover_variants
         from deltazip.runtime.share.weight_share import st_dtype
 
@@ -190,7 +190,7 @@ class WorkerPool:
         base = open_served_base(variants, self.cfg.base)
         self.base_dir = base.path
         self.device = self.cfg.torch_device()
-        self.dtype = resolve_dtype(self.cfg.dtype, self.device, base)
+        self.dtype = served_dtype(self.cfg.dtype, self.device, base)
         self._config = _config_json(self.cfg)
         try:
             if self.share:
@@ -288,7 +288,7 @@ class WorkerPool:
     # -- workers --------------------------------------------------------------------------------
     def _spawn(self, w: WorkerState) -> None:
         r, wfd = os.pipe()
-        cmd = [sys.executable, "-m", "deltazip.runtime.share.workers", "--config", self._config, "--index", str(w.index),
+        cmd = [sys.executable, "-m", "deltazip.runtime.cluster.workers", "--config", self._config, "--index", str(w.index),
                "--ready-fd", str(wfd)]
         if self.share:
             cmd += ["--owner", self.address]
@@ -703,7 +703,7 @@ def serve_workers(cfg, on_ready=None, sock=None) -> None:
 
 
 def worker_main(argv: list[str] | None = None) -> int:
-    """``python -m deltazip.runtime.share.workers --config JSON --index I --ready-fd N [--owner ADDRESS]``"""
+    """``python -m deltazip.runtime.cluster.workers --config JSON --index I --ready-fd N [--owner ADDRESS]``"""
     t_start = time.perf_counter()
     ap = argparse.ArgumentParser(description="deltazip serve worker")
     ap.add_argument("--config", required=True)
@@ -717,7 +717,8 @@ def worker_main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from deltazip.runtime.serve.server import Metrics, ServeConfig, build_runtime, create_app
+    from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
+    from deltazip.runtime.serve.server import Metrics, create_app
     from deltazip.runtime.share import weight_share
 
     t_imported = time.perf_counter()

@@ -21,6 +21,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from deltazip.formats.errors import InputError
+from deltazip.models.expert_tap import tap_experts
 
 try:  # GPT-2-style linears: weight stored [in, out], forward x @ W + b
     from transformers.pytorch_utils import Conv1D
@@ -148,8 +149,6 @@ def sequential_groups(layer: nn.Module, run, sites: dict[str, Site] | None = Non
             (an expert no token of the first batch was routed to).
         sites: the layer's sites (default ``layer_sites(layer)``).
     """
-    from deltazip.compress.experts import tap_experts
-
     runs = [run] if callable(run) else list(run)
     sites = layer_sites(layer) if sites is None else sites
     linears = {k: layer.get_submodule(k) for k, s in sites.items() if s.kind != "experts"}

@@ -1,0 +1,332 @@
+"""What runs one forward step of a served model, below the engine: the contiguous KV cache and the
+step helpers.
+
+- the contiguous KV pool (``KVPool``: per layer ``[rows, H_kv, capacity, D]``, a row per sequence;
+  ``SeqKV`` per sequence; ``StepKV``, the step's cache object: one indexed store and one gather per
+  layer) for model classes without the paged attention (ALiBi ones); the paged pool is
+  ``deltazip.runtime.serve.kv_cache``;
+- the step helpers (:func:`left_pad`, :func:`new_kv_pool`, :func:`step_args`, :func:`forward_step`,
+  :func:`prefill_logits`...) that the engine, the start-up self-check, CUDA graphs, tensor-parallel
+  ranks, benches and tests share, and :func:`run_model`, one forward of a transformers model.
+
+It imports neither the engine nor the model (both import it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from deltazip.runtime.serve.attention import is_paged
+from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, PagedStep, SeqBlocks
+
+# --------------------------------------------------------------------------------------------------
+# KV cache
+# --------------------------------------------------------------------------------------------------
+
+
+class KVPool:
+    """Keys and values of every sequence in the batch, in one tensor per layer.
+
+    Per layer ``k`` and ``v`` are ``[R, H_kv, C, D]``: ``R`` rows (one per sequence holding a cache),
+    ``C`` positions (the longest sequence so far, grown by doubling). With all sequences in one
+    tensor a step gathers its rows' past with one ``index_select`` and writes its new tokens with one
+    indexed store per layer, whatever the batch size — per-sequence buffers cost a copy per row per
+    layer, which dominated decode steps of large batches. The price is padding: every row is ``C``
+    long. When no sequence holds a row any more the tensors are dropped, so an idle server holds no
+    KV memory. Layers are created on first write (their ``H_kv``, ``D`` and dtype come from the model).
+    """
+
+    def __init__(self):
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        self.rows = 0
+        self.capacity = 0
+        self._free: list[int] = []
+
+    def alloc(self) -> int:
+        """A free row (the pool grows by doubling when none is left)."""
+        if not self._free:
+            grow = max(8, self.rows)
+            self._resize(self.rows + grow, self.capacity)
+            self._free = list(range(self.rows - 1, self.rows - grow - 1, -1))
+        return self._free.pop()
+
+    def release(self, row: int) -> None:
+        self._free.append(row)
+        if len(self._free) == self.rows:  # nothing cached: give the memory back
+            self.k, self.v, self.rows, self.capacity, self._free = [], [], 0, 0, []
+
+    def ensure_length(self, n: int) -> None:
+        """Make every row hold at least ``n`` positions."""
+        if n > self.capacity:
+            self._resize(self.rows, max(16, n, 2 * self.capacity))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+
+    def _resize(self, rows: int, capacity: int) -> None:
+        def grown(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            # Zeros, not empty: masked positions are multiplied by 0 in attention, and 0 * NaN is NaN.
+            out = t.new_zeros(rows, t.shape[1], capacity, t.shape[3])
+            out[: t.shape[0], :, : t.shape[2]] = t
+            return out
+
+        self.k = [grown(t) for t in self.k]
+        self.v = [grown(t) for t in self.v]
+        self.rows, self.capacity = rows, capacity
+
+    def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``idx``'s ``(k, v)``, created shaped after ``like`` ``[B, H_kv, T, D]`` if new."""
+        while len(self.k) <= idx:
+            self.k.append(None)
+            self.v.append(None)
+        if self.k[idx] is None:
+            shape = (self.rows, like.shape[1], self.capacity, like.shape[3])
+            self.k[idx] = like.new_zeros(shape)
+            self.v[idx] = like.new_zeros(shape)
+        return self.k[idx], self.v[idx]
+
+
+class SeqKV:
+    """One sequence's KV cache: a row of a :class:`KVPool` (or, while preempted, host copies)."""
+
+    def __init__(self):
+        self.pool: KVPool | None = None
+        self.row: int | None = None
+        self.length = 0
+        self.host: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def attach(self, pool: KVPool) -> None:
+        """Take a row of ``pool``; a cache moved to the host comes back into it."""
+        if self.row is not None:
+            return
+        self.pool, self.row = pool, pool.alloc()
+        if self.host is not None:
+            pool.ensure_length(self.length)
+            for i, (k, v) in enumerate(self.host):
+                pk, pv = pool.layer(i, k.unsqueeze(0))
+                pk[self.row, :, : self.length] = k.to(pk.device)
+                pv[self.row, :, : self.length] = v.to(pv.device)
+            self.host = None
+
+    def offload(self) -> None:
+        """Copy the cache to host memory and give the row back (a preempted sequence)."""
+        if self.row is None:
+            return
+        n = self.length
+        # copy=True: on a CPU server .to("cpu") would return a view of the row it is about to give away.
+        self.host = [(k[self.row, :, :n].to("cpu", copy=True), v[self.row, :, :n].to("cpu", copy=True))
+                     for k, v in zip(self.pool.k, self.pool.v) if k is not None]
+        self.free()
+
+    def free(self) -> None:
+        if self.row is not None:
+            self.pool.release(self.row)
+        self.pool, self.row = None, None
+
+    def nbytes(self) -> int:
+        if self.host is not None:
+            return sum(k.numel() * k.element_size() * 2 for k, _ in self.host)
+        if self.row is None:
+            return 0
+        return sum(k[0].numel() * k.element_size() * 2 for k in self.pool.k if k is not None)
+
+
+class StepKV:
+    """The ``past_key_values`` object of one forward: a padded view over the rows' pooled caches.
+
+    Row ``b`` has ``P_b`` cached tokens and ``T_b`` new ones (queries left-padded to ``Tm = max T``).
+    Its keys are laid out right-aligned, ``[empty (L - P_b - T_b) | past (P_b) | new (T_b)]`` with
+    ``L = max(P + T)``: every row's keys are contiguous and in position order, the slot of key
+    position ``p`` is ``p + L - P_b - T_b`` (so ``query_offset = L - Tm``: the key of query ``t`` is
+    slot ``L - Tm + t``), and padding tokens have no key at all. :meth:`positions` describes this
+    layout, from which ``deltazip.runtime.serve.masks`` builds the masks of every attention variant
+    (ALiBi models whose bias depends on the slot index see a per-row constant shift, which softmax
+    ignores). The new keys/values are written into each sequence's pool row first (all rows of a
+    layer in one store), then the step's keys are gathered from the pool in one indexed read.
+
+    Besides ``update`` it answers what transformers' mask builders ask a cache
+    (``get_seq_length``, ``get_query_offset``, ``get_mask_sizes``).
+
+    Args:
+        pool: the engine's :class:`KVPool`; caches without a row get one.
+        caches: one :class:`SeqKV` per batch row.
+        past, new: ``P_b`` and ``T_b`` per row.
+    """
+
+    is_compileable = False
+
+    def __init__(self, pool: KVPool, caches: list[SeqKV], past: list[int], new: list[int]):
+        self.pool, self.past, self.new = pool, past, new
+        self.caches = caches  # which sequence each row extends (tensor-parallel ranks mirror their caches)
+        self.lp, self.tm = max(past), max(new)
+        self.length = max(p + n for p, n in zip(past, new))  # L
+        for c in caches:
+            c.attach(pool)
+        pool.ensure_length(self.length)
+        self._rows = [c.row for c in caches]
+        self._index: tuple[torch.Tensor, ...] | None = None
+        self._positions: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def positions(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(key_pos [B, L], query_pos [B, Tm])`` int64: each key slot's position in its row's
+        sequence (``-1``: no key) and each query's (a padding query gets its row's first new
+        position, so it sees at least that token and no softmax row is empty)."""
+        if self._positions is None or self._positions[0].device != torch.device(device):
+            p = torch.tensor(self.past, device=device).view(-1, 1)
+            n = torch.tensor(self.new, device=device).view(-1, 1)
+            key = p + n - self.length + torch.arange(self.length, device=device).view(1, -1)
+            query = torch.maximum(p + n - self.tm + torch.arange(self.tm, device=device).view(1, -1), p)
+            self._positions = (key.clamp(min=-1), query)
+        return self._positions
+
+    def _indices(self, device) -> tuple[torch.Tensor, ...]:
+        """The step's pool rows, where every real new token goes (batch row, token index, pool row,
+        position) and which pool position each key slot reads, on ``device``; built once per step,
+        shared by every layer."""
+        if self._index is None:
+            b, t, row, pos = [], [], [], []
+            for i, (r, p, n) in enumerate(zip(self._rows, self.past, self.new)):
+                b += [i] * n
+                t += range(self.tm - n, self.tm)
+                row += [r] * n
+                pos += range(p, p + n)
+            self._index = tuple(torch.tensor(x, dtype=torch.int64, device=device)
+                                for x in (self._rows, b, t, row, pos))
+            self._index += (self.positions(device)[0].clamp(min=0),)
+        return self._index
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """``[B, H_kv, Tm, D]`` new keys/values -> ``[B, H_kv, L, D]`` keys/values to attend."""
+        pk, pv = self.pool.layer(layer_idx, key_states)
+        rows, b, t, row, pos, src = self._indices(key_states.device)
+        pk[row, :, pos] = key_states[b, :, t]
+        pv[row, :, pos] = value_states[b, :, t]
+        if not self.lp:  # a prefill: the new keys are already right-aligned (padding slots are masked)
+            return key_states, value_states
+        heads = torch.arange(pk.shape[1], device=pk.device).view(1, -1, 1)
+        r, s = rows.view(-1, 1, 1), src.unsqueeze(1)
+        return pk[r, heads, s], pv[r, heads, s]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Key slots before the first query's (what transformers adds to query indices)."""
+        return self.length - self.tm
+
+    def get_query_offset(self, layer_idx: int | None = None) -> int:
+        return self.length - self.tm
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int | None = None) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the step's key tensor (every layer attends all ``L`` slots)."""
+        return self.length, 0
+
+
+def left_pad(tokens: list[list[int]], pad_id: int) -> torch.Tensor:
+    """Token lists as one int64 ``[B, max len]`` batch, each row right-aligned (the layout of
+    :class:`StepKV` and :func:`step_inputs`)."""
+    tm = max(len(t) for t in tokens)
+    ids = torch.full((len(tokens), tm), pad_id, dtype=torch.long)
+    for i, toks in enumerate(tokens):
+        ids[i, tm - len(toks):] = torch.tensor(toks, dtype=torch.long)
+    return ids
+
+
+def new_kv_pool(backend, block_size: int = DEFAULT_BLOCK_SIZE) -> KVPool | BlockPool:
+    """The KV pool for ``backend``: paged when its model runs the paged attention, else contiguous."""
+    return BlockPool(block_size) if is_paged(backend) else KVPool()
+
+
+def new_seq_kv(pool: KVPool | BlockPool) -> SeqKV | SeqBlocks:
+    return SeqBlocks() if isinstance(pool, BlockPool) else SeqKV()
+
+
+def step_args(pool: KVPool | BlockPool, caches: list, past: list[int], new: list[int], config, dtype: torch.dtype,
+              device) -> tuple[Any, torch.Tensor, Any]:
+    """``(cache object, position ids [B, Tm], attention mask argument)`` of one forward of a model
+    with ``config`` computing in ``dtype`` on ``device``: row ``b`` has ``past[b]`` cached tokens and
+    ``new[b]`` new ones. On the paged pool the step's layout travels in the :class:`PagedStep` and
+    the 4-D tensor passed as ``attention_mask`` is a placeholder, so that transformers builds no mask
+    of its own (the paged attention masks per layer, sliding windows included, from the layout); on
+    the contiguous pool the masks come from :func:`step_inputs`."""
+    kv = step_cache(pool, caches, past, new, device)
+    if isinstance(kv, PagedStep):
+        return kv, kv.q_pos, torch.ones(len(new), 1, max(new), 1, dtype=torch.bool, device=device)
+    mask, pos = step_inputs(kv, config, dtype, device)
+    return kv, pos, mask
+
+
+def step_cache(pool: KVPool | BlockPool, caches: list, past: list[int], new: list[int], device) -> PagedStep | StepKV:
+    """The ``past_key_values`` object of one forward over ``pool`` (row ``b``: ``past[b]`` cached
+    tokens in ``caches[b]``, ``new[b]`` new ones)."""
+    if isinstance(pool, BlockPool):
+        return PagedStep(pool, caches, past, new, device)
+    return StepKV(pool, caches, past, new)
+
+
+def forward_step(backend, pool: KVPool | BlockPool, caches: list, row_slots: list[int], tokens: list[list[int]],
+                 past: list[int], pad_id: int = 0) -> torch.Tensor:
+    """One forward of ``backend`` over ``tokens`` (row ``b``: new tokens after ``past[b]`` cached
+    ones, in slot ``row_slots[b]``); the caches receive them and their ``length`` grows. Returns the
+    last-position logits ``[B, V]`` fp32 (layout and masks: :func:`step_args`)."""
+    dev = backend.device
+    new = [len(t) for t in tokens]
+    with torch.inference_mode():
+        ids = left_pad(tokens, pad_id).to(dev)
+        kv, pos, mask = step_args(pool, caches, past, new, backend.config, backend.dtype, dev)
+        logits = backend.forward(row_slots, ids, pos, mask, kv)
+    for c, n in zip(caches, new):
+        c.length += n
+    return logits
+
+
+def prefill_logits(backend, row_slots: list[int], tokens: list[list[int]], caches: list | None = None,
+                   pool: KVPool | BlockPool | None = None, pad_id: int = 0) -> torch.Tensor:
+    """One prefill forward of ``tokens`` (a prompt per row, row ``b`` in slot ``row_slots[b]``) through
+    ``backend`` (``DeltaModel`` or ``SwapModels``), as the engine runs it; last-position logits ``[B, V]``.
+
+    ``caches`` (empty ``SeqKV``/``SeqBlocks``, one per row) and their ``pool`` receive the prompts'
+    keys and values and come back with ``length`` set; fresh ones are used when not given.
+    """
+    pool = pool if pool is not None else new_kv_pool(backend)
+    caches = caches if caches is not None else [new_seq_kv(pool) for _ in tokens]
+    return forward_step(backend, pool, caches, row_slots, tokens, [0] * len(tokens), pad_id)
+
+
+def step_inputs(kv: StepKV, config, dtype: torch.dtype, device) -> tuple[Any, torch.Tensor]:
+    """Attention mask argument and position ids ``[B, Tm]`` of a step of a model with ``config``
+    computing in ``dtype`` on ``device`` (layout in :class:`StepKV`; the mask of each attention
+    variant from ``deltazip.runtime.serve.masks``)."""
+    from deltazip.runtime.serve.masks import attention_masks_for
+
+    key_pos, query_pos = kv.positions(device)
+    return attention_masks_for(config, key_pos, query_pos, dtype), query_pos
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The name under which ``model.forward`` takes its KV cache object: ``cache`` from transformers
+    5.24 on (where ``past_key_values`` still works but warns on every call), ``past_key_values``
+    before, and in any architecture that has not been renamed yet."""
+    cls = type(model)
+    name = _CACHE_KWARG.get(cls)
+    if name is None:
+        params = inspect.signature(cls.forward).parameters
+        name = _CACHE_KWARG[cls] = "cache" if "cache" in params else "past_key_values"
+    return name
+
+
+_CACHE_KWARG: dict[type, str] = {}
+
+
+def run_model(model: nn.Module, input_ids, position_ids, attention_mask, kv) -> torch.Tensor:
+    """One forward of a transformers causal LM over a prepared batch; last-position logits, fp32.
+    A paged step (``kv_cache.PagedStep``) is bound for the attention function while it runs."""
+    with kv.bound() if hasattr(kv, "bound") else contextlib.nullcontext():
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                    use_cache=True, logits_to_keep=1, **{cache_kwarg(model): kv})
+    return out.logits[:, -1, :].float()
