@@ -22,11 +22,12 @@ from deltazip.formats.outputs import NoSpace, check_output
 def pair(tmp_path_factory):
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.pipeline import compress_delta
+    from deltazip.kernels.scheme import DeltaScheme
 
     tmp = tmp_path_factory.mktemp("late")
     base, ft = make_pair(tmp)
     art = tmp / "art"
-    compress_delta(base, ft, None, art, CompressConfig(method="rtn", group_size=32), lossless="none")
+    compress_delta(base, ft, None, art, CompressConfig(scheme=DeltaScheme(group_size=32), method="rtn"), lossless="none")
     return tmp, base, ft, calib_file(tmp), art
 
 

@@ -74,12 +74,13 @@ def world(tmp_path_factory):
     base is the pair's base), a task directory."""
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.pipeline import compress_delta
+    from deltazip.kernels.scheme import DeltaScheme
 
     tmp = tmp_path_factory.mktemp("outputs")
     base, ft = make_pair(tmp)
     calib = calib_file(tmp / "data")
     art = tmp / "art"
-    compress_delta(base, ft, None, art, CompressConfig(method="rtn", group_size=32), lossless="none")
+    compress_delta(base, ft, None, art, CompressConfig(scheme=DeltaScheme(group_size=32), method="rtn"), lossless="none")
     text = tmp / "data" / "ppl.txt"
     text.write_text("alpha beta gamma " * 50)
     tasks = tmp / "tasks"
