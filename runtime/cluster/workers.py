@@ -535,7 +535,12 @@ class _Front:
         path = request.url.path
         if not path.startswith("/v1"):
             return _error(404, f"no route {path}; the API is under /v1", "invalid_request_error", "not_found")
-        body = await request.body()
+        from deltazip.runtime.serve.openai_schema import ApiError, read_body
+
+        try:  # the front refuses an oversized body too, before reading it whole (issue 25)
+            body = await read_body(request, self.pool.cfg.max_request_bytes)
+        except ApiError as e:
+            return _error(e.status, e.message, e.type, e.code)
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
         target = path + (f"?{request.url.query}" if request.url.query else "")
         if path.startswith("/v1/variants") and request.method in ("POST", "PUT", "DELETE", "PATCH"):

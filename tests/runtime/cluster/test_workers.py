@@ -125,6 +125,19 @@ def test_front_models_auth_health_and_metrics(pool):
     assert httpx.get(pool.url + "/nope").status_code == 404
 
 
+def test_front_refuses_an_oversized_body_before_reading_it(pool):
+    """The front applies --max-request-bytes itself (413 in OpenAI's shape), from Content-Length, so a
+    huge body never reaches a worker; a body under the limit still goes through."""
+    limit = pool.cfg.max_request_bytes
+    big = {"model": "alpha", "prompt": "z" * (limit + 1), "max_tokens": 1}
+    r = httpx.post(pool.url + "/v1/completions", headers=AUTH, json=big, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert "x-deltazip-worker" not in r.headers  # answered by the front
+    ok = httpx.post(pool.url + "/v1/completions", headers=AUTH, json={"model": "alpha", "prompt": "zip",
+                                                                      "max_tokens": 1}, timeout=60)
+    assert ok.status_code == 200
+
+
 def test_mapped_weights_are_sealed_and_read_only(pool, tmp_path):
     meta, fd = ws.request_export(pool.address)
     try:
