@@ -53,12 +53,14 @@ def _rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def start_server(arts: Path, base: Path, extra: tuple[str, ...] = (), timeout: float = 600.0) -> dict:
-    """Spawn ``deltazip serve arts --base base`` on a free loopback port, wait for ``/health``, and
-    return ``{"seconds", "rss_bytes", "models", "stderr"}`` (the server is stopped again)."""
+def start_server(arts: Path, base: Path, cold: list[str] = (), timeout: float = 600.0) -> dict:
+    """Spawn ``deltazip serve arts --base base`` on a free loopback port, wait for ``/health``, send one
+    greedy request to each variant in ``cold`` (none used before: each is read on first use), and
+    return ``{"seconds", "rss_bytes", "models", "cold": [(seconds, status, text)], "stderr"}`` (the server
+    is stopped again; ``rss_bytes`` is taken before the requests)."""
     port = _free_port()
     cmd = [sys.executable, "-c", "from deltazip.deltacli.app import main; main()", "serve", str(arts), "--base",
-           str(base), "--port", str(port), "--cpu-threads", "1", *extra]
+           str(base), "--port", str(port), "--cpu-threads", "1"]
     env = dict(os.environ, DELTAZIP_LOG_LEVEL="INFO", OMP_WAIT_POLICY="PASSIVE")
     err_path = Path(arts).parent / f".serve-{port}.stderr"
     with open(err_path, "w") as err:
@@ -68,6 +70,7 @@ def start_server(arts: Path, base: Path, extra: tuple[str, ...] = (), timeout: f
             health = _wait_ready(proc, f"http://127.0.0.1:{port}/health", t0 + timeout, err_path)
             seconds = time.perf_counter() - t0
             rss = _rss_bytes(proc.pid)
+            answers = [_timed_completion(f"http://127.0.0.1:{port}", name) for name in cold]
         finally:
             proc.terminate()
             try:
@@ -77,7 +80,15 @@ def start_server(arts: Path, base: Path, extra: tuple[str, ...] = (), timeout: f
                 proc.wait()
     stderr = err_path.read_text()
     err_path.unlink()
-    return {"seconds": seconds, "rss_bytes": rss, "models": health.get("models"), "stderr": stderr}
+    return {"seconds": seconds, "rss_bytes": rss, "models": health.get("models"), "cold": answers, "stderr": stderr}
+
+
+def _timed_completion(url: str, model: str) -> tuple[float, int, str | None]:
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", timeout=120,
+                   json={"model": model, "prompt": "zip model tune", "max_tokens": 4, "temperature": 0})
+    text = r.json()["choices"][0]["text"] if r.status_code == 200 else None
+    return time.perf_counter() - t0, r.status_code, text
 
 
 def _wait_ready(proc: subprocess.Popen, url: str, deadline: float, err_path: Path) -> dict:
@@ -95,19 +106,29 @@ def _wait_ready(proc: subprocess.Popen, url: str, deadline: float, err_path: Pat
     raise RuntimeError(f"deltazip serve was not ready within the time limit: {err_path.read_text()[-2000:]}")
 
 
-def measure(small: Path, large: Path, base: Path, repeats: int = 2) -> dict:
-    """Alternating start-ups of the servers over ``small`` and ``large``; medians and ratios."""
+def measure(small: Path, large: Path, base: Path, repeats: int = 2, cold: int = 8) -> dict:
+    """Alternating start-ups of the servers over ``small`` and ``large``; medians and ratios. Each
+    large server then answers one request to each of ``cold`` variants spread over its names (read on
+    first use): ``cold`` holds their latencies (seconds), statuses and texts."""
     runs: dict[str, list[dict]] = {"small": [], "large": []}
+    names = sorted(p.name for p in large.iterdir())
+    probe = names[len(names) // (cold + 1)::len(names) // (cold + 1)][:cold] if cold else []
+    answers = []
     for _ in range(repeats):
         for key, arts in (("small", small), ("large", large)):
-            r = start_server(arts, base)
+            r = start_server(arts, base, probe if key == "large" else [])
             runs[key].append({k: r[k] for k in ("seconds", "rss_bytes", "models")})
+            answers += r["cold"]
     med = {k: {"seconds": statistics.median(r["seconds"] for r in v),
                "rss_bytes": statistics.median(r["rss_bytes"] for r in v),
                "models": v[0]["models"]} for k, v in runs.items()}
     extra = med["large"]["models"] - med["small"]["models"]
     return {"runs": runs, "median": med, "startup_ratio": med["large"]["seconds"] / med["small"]["seconds"],
-            "bytes_per_extra_variant": (med["large"]["rss_bytes"] - med["small"]["rss_bytes"]) / max(extra, 1)}
+            "bytes_per_extra_variant": (med["large"]["rss_bytes"] - med["small"]["rss_bytes"]) / max(extra, 1),
+            "cold": {"variants": probe, "statuses": sorted({a[1] for a in answers}),
+                     "texts": sorted({str(a[2]) for a in answers}),
+                     "p50_seconds": statistics.median(a[0] for a in answers) if answers else None,
+                     "max_seconds": max((a[0] for a in answers), default=None)}}
 
 
 def main(argv: list[str] | None = None) -> None:
