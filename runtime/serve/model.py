@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,7 @@ from deltazip.runtime.share.dedup_serving import (
 )
 
 BASE_SLOT = -1
+log = logging.getLogger("deltazip.serve")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -435,7 +437,11 @@ class DeltaModel:
                 self.modules[mname] = self._replace(mname, kind)
         self._merge_projections()
         self._register(v, plan)
-        warm_up_kernels(self)  # only configurations not warmed yet cost anything
+        t0 = time.perf_counter()
+        launches = warm_up_kernels(self)  # only configurations not warmed yet cost anything
+        if launches:  # a delta configuration no earlier variant had: its first request waited for this
+            log.info("kernel warm-up for variant %s: %d SBMM launches compiled and tuned in %.3f s", v.name, launches,
+                     time.perf_counter() - t0)
 
     def _merge_projections(self) -> None:
         """One GEMM + one SBMM for Llama-family q/k/v and gate/up (deltazip.runtime.serve.projections)."""
