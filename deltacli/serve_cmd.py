@@ -104,9 +104,10 @@ def _serve(cfg, sock, json_out: bool) -> None:
         from deltazip.runtime.cluster.tp_group import start_tensor_parallel as parallel
     rt = build_runtime(cfg, observer=metrics, parallel=parallel)
     if json_out:
-        print_json({"serving": url, "mode": mode, "models": rt.report})
-    else:  # the per-model lines were logged by build_runtime
-        err_console.print(f"serving {len(rt.variants)} variants of {rt.base_name} on {url} (mode {mode})")
+        print_json({"serving": url, "mode": mode, "models": rt.report, "capacity": rt.capacity,
+                    "kernel_warmup": rt.warmup})
+    else:  # the per-model, warm-up and capacity lines were logged by build_runtime
+        err_console.print(f"serving {len(rt.catalog)} variants of {rt.base_name} on {url} (mode {mode})")
     serve_forever(cfg, runtime=rt, metrics=metrics, sock=sock)
 
 

@@ -466,14 +466,15 @@ def serve_forever(cfg: ServeConfig, opts: RayOptions, on_ready=None) -> None:
     import signal
     import threading
 
+    from deltazip.runtime.serve.assembly import startup_variants
     from deltazip.runtime.serve.listen import bind_listen_socket
     from deltazip.runtime.serve.model import open_served_base
-    from deltazip.runtime.serve.variant_sources import discover_variants
 
     require_ray()
-    # Bad artifacts and a busy port are one line now, not a replica's traceback once Ray is up. On a
-    # remote cluster the proxy binds on the head node, whose ports this machine cannot check.
-    open_served_base(discover_variants(cfg.artifacts, allow_empty=cfg.base is not None), cfg.base)
+    # Bad artifacts (among those read at start-up) and a busy port are one line now, not a replica's
+    # traceback once Ray is up. On a remote cluster the proxy binds on the head node, whose ports this
+    # machine cannot check.
+    open_served_base(startup_variants(cfg)[0], cfg.base)
     if opts.address is None:
         with bind_listen_socket(cfg.host, cfg.port) as sock:
             cfg.port = sock.getsockname()[1]  # --port 0: a free one (Serve's proxy needs a number)

@@ -181,12 +181,13 @@ class WorkerPool:
     def start(self) -> WorkerPool:
         """Validate the inputs here (one-line errors before any process starts), start the owner,
         then the workers; return when all are ready."""
+        from deltazip.runtime.serve.assembly import startup_variants
         from deltazip.runtime.serve.model import open_served_base, served_dtype
-        from deltazip.runtime.serve.variant_sources import discover_variants
         from deltazip.runtime.share.weight_share import st_dtype
 
-        # As build_runtime does: every kind of variant, corrupt artifacts refused here in one line.
-        variants = discover_variants(self.cfg.artifacts, allow_empty=self.cfg.base is not None)
+        # As build_runtime does: the variants read at start-up, corrupt ones refused here in one line
+        # (the others are read by each worker on first use).
+        variants, _ = startup_variants(self.cfg)
         base = open_served_base(variants, self.cfg.base)
         self.base_dir = base.path
         self.device = self.cfg.torch_device()

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from deltazip.formats.errors import InputError
-from deltazip.formats.report import human_bytes
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import check_device, check_dtype, resolve_device
 from deltazip.runtime.serve.engine import Engine, EngineConfig, ServedVariant
@@ -44,11 +43,21 @@ from deltazip.runtime.serve.model import (
     served_dtype,
 )
 from deltazip.runtime.serve.openai_schema import DEFAULT_MAX_REQUEST_BYTES
+from deltazip.runtime.serve.startup_report import (
+    capacity,
+    log_variant,
+    log_warmup,
+    startup_report,
+    variant_costs,
+)
+from deltazip.runtime.serve.variant_catalog import VariantCatalog
 from deltazip.runtime.serve.variant_sources import (
     BaseTensorIndex,
+    VariantRef,
     check_variant_name,
     compare_full_checkpoint,
     discover_variants,
+    find_variants,
     inspect_variant,
     resolve_inside,
 )
@@ -137,22 +146,34 @@ class ServeConfig:
 
 @dataclass
 class Runtime:
-    """A built server: the engine plus what the HTTP layer shows about the models."""
+    """A built server: the engine plus what the HTTP layer shows about the models.
+
+    ``catalog``: every variant name the server answers for; those not read at start-up are read on
+    first use (:func:`serve_on_first_use`). ``capacity``, ``warmup``: the start-up capacity report and
+    kernel warm-up (``deltazip.runtime.serve.startup_report``).
+    """
 
     engine: Engine
     config: ServeConfig
     base_name: str
-    variants: list[VariantInfo]
+    catalog: VariantCatalog
     created: int
     report: list[dict[str, Any]] = field(default_factory=list)
     tokenizers: Any = None
     base_index: BaseTensorIndex | None = None
     admin_lock: threading.Lock = field(default_factory=threading.Lock)
+    capacity: dict[str, Any] = field(default_factory=dict)
+    warmup: dict[str, Any] = field(default_factory=dict)  # the kernel warm-up's seconds and launches
     _base_fp: str | None = None
 
     @property
     def backend(self):
         return self.engine.backend
+
+    @property
+    def variants(self) -> list[VariantInfo]:
+        """The variants read and checked so far (start-up, first use, ``POST /v1/variants``)."""
+        return self.catalog.checked()
 
     def base_fingerprint(self) -> str:
         if self._base_fp is None:
@@ -160,7 +181,7 @@ class Runtime:
         return self._base_fp
 
     def variant(self, name: str) -> VariantInfo | None:
-        return next((v for v in self.variants if v.name == name), None)
+        return self.catalog.get(name)
 
 
 def check_against_base(v: VariantInfo, base, index: BaseTensorIndex, itemsize: int, base_fp) -> None:
@@ -192,42 +213,6 @@ def _served_entry(tokenizers, v: VariantInfo, base_path: Path, model_config, bas
     return ServedVariant(v.name, dec, eos_token_ids(v.side_dir(base_path), dec, model_config), base_name, enc)
 
 
-def _variant_costs(v: VariantInfo, backend, seen: dict) -> dict[str, Any]:
-    """Start-up figures of one variant: resident bytes, and dedup savings predicted from fingerprints
-    (``seen``: fingerprint -> bytes of changed full-checkpoint tensors of earlier variants)."""
-    out = {"kind": v.kind, "bytes_on_disk": v.disk_bytes, "bytes_resident": backend.resident_estimate(v.name),
-           "dedup_same_as_base_bytes": v.same_as_base_bytes, "dedup_shared_bytes": 0}
-    if v.kind == "full":
-        itemsize = torch.tensor([], dtype=backend.dtype).element_size()
-        changed = [e for e in v.entries.values() if e.kind != "same"]
-        for e in changed:
-            numel = e.numel
-            fp = v.fingerprints[e.name]
-            if fp in seen:
-                out["dedup_shared_bytes"] += numel * itemsize
-            seen[fp] = numel * itemsize
-        out.update(tensors=len(v.tensors), changed_tensors=len(changed))
-    return out
-
-
-def _log_variant(v: VariantInfo, c: dict[str, Any], mode: str) -> None:
-    if v.kind == "full":
-        saved = c["dedup_same_as_base_bytes"] + c["dedup_shared_bytes"]
-        # Delta mode: the changed tensors are dense per-row replacements, held once on the host
-        # (identical copies share them) and referenced by the device slot (no copy on CPU; on a GPU
-        # one device copy, shared by slots holding identical tensors).
-        cost = "a whole model per device slot (swap mode)" if mode == "swap" else \
-            f"{human_bytes(c['bytes_resident'])} of dense per-row replacements, held on the host and in its device slot"
-        log.info("variant %s (full checkpoint): %s on disk; %d of %d tensors equal the base's, %d changed; dedup saves "
-                 "%s (%s same as base, %s shared with other variants); %s", v.name, human_bytes(v.disk_bytes),
-                 c["tensors"] - c["changed_tensors"], c["tensors"], c["changed_tensors"], human_bytes(saved),
-                 human_bytes(c["dedup_same_as_base_bytes"]), human_bytes(c["dedup_shared_bytes"]), cost)
-    else:
-        what = "LoRA adapter" if v.kind == "lora" else "artifact"
-        log.info("variant %s (%s): %s on disk, %s resident per device slot", v.name, what, human_bytes(v.disk_bytes),
-                 human_bytes(c["bytes_resident"]))
-
-
 @dataclass
 class Assembly:
     """What :func:`build_model` made: the served base, its name, the checked variants and the model
@@ -243,6 +228,7 @@ class Assembly:
     index: BaseTensorIndex
     ledger: DedupLedger
     base_fp: str | None = None
+    found: list[VariantRef] = field(default_factory=list)  # found on disk, read on first use
 
     def fingerprint(self) -> str:
         """The served base's fingerprint (computed once, on first use)."""
@@ -252,7 +238,8 @@ class Assembly:
 
 
 def build_model(cfg: ServeConfig, variants: list[VariantInfo] | None = None,
-                parallel: Callable[..., Any] | None = None, base: Checkpoint | None = None) -> Assembly:
+                parallel: Callable[..., Any] | None = None, base: Checkpoint | None = None,
+                found: list[VariantRef] | None = None) -> Assembly:
     """Discover the variants (unless given), check them against the base and build the model.
 
     Args:
@@ -263,6 +250,8 @@ def build_model(cfg: ServeConfig, variants: list[VariantInfo] | None = None,
             (``deltazip.runtime.cluster.tp_group.start_tensor_parallel``).
         base: the base, already opened and checked against the artifacts (eval picks its own);
             default: ``cfg.base`` or the artifacts' lineage, fingerprint-checked.
+        found: variants besides ``variants`` that are only found, not read (:func:`startup_variants`):
+            not part of the model yet; kept in ``Assembly.found`` once their names are checked.
     """
     if cfg.cpu_threads is not None:
         torch.set_num_threads(cfg.cpu_threads)
@@ -272,15 +261,17 @@ def build_model(cfg: ServeConfig, variants: list[VariantInfo] | None = None,
         variants = discover_variants(cfg.artifacts, allow_empty=cfg.base is not None)
     base = base if base is not None else open_served_base(variants, cfg.base)
     # The base's own directory may sit among its variants: it is the base, not a full-checkpoint copy of it.
-    variants = [v for v in variants if not (v.kind == "full" and v.path.resolve() == base.path.resolve())]
+    base_real = base.path.resolve()
+    variants = [v for v in variants if not (v.kind == "full" and v.path.resolve() == base_real)]
+    found = [r for r in found or () if not (r.kind == "full" and r.path.resolve() == base_real)]
     base_name = cfg.base_name or Path(base.spec.rstrip("/")).name
-    if base_name in {v.name for v in variants}:
+    if base_name in {v.name for v in variants} or any(r.name == base_name for r in found):
         raise InputError(f"variant name {base_name!r} is also the base model's name; rename the variant directory")
     device = cfg.torch_device()
     dtype = served_dtype(cfg.dtype, device, base)
     registry, ledger = new_serving_registry(), DedupLedger()
     asm = Assembly(base, base_name, variants, None, device, dtype, BaseTensorIndex(base, registry.fingerprint_bytes),
-                   ledger)
+                   ledger, found=found)
     itemsize = torch.tensor([], dtype=dtype).element_size()
     for v in variants:
         if v.kind != "artifact":  # artifacts were checked by open_served_base
@@ -333,43 +324,50 @@ def build_engine(cfg: ServeConfig, variants: list[VariantInfo] | None = None, ob
     return _engine(asm.backend, asm.base_name, asm.variants, cfg, _TokenizerPool(), observer)
 
 
-def build_runtime(cfg: ServeConfig, observer: Any = None, parallel: Callable[..., Any] | None = None) -> Runtime:
-    """Discover variants, check them against the base, build the model and the engine.
+def startup_variants(cfg: ServeConfig) -> tuple[list[VariantInfo], list[VariantRef]]:
+    """The variants under ``cfg.artifacts``: those read and checked at start-up, and those only found.
 
-    Logs one line per variant (name, kind, bytes on disk, bytes it occupies in a device slot, and for
-    full checkpoints what dedup saves) and one dedup summary line; warms the host tier in the
-    background. ``parallel``: see :func:`build_model`.
+    Read now: the first ``max(--max-deltas, --max-cpu-deltas)`` by name, the ones the host tier is
+    warmed with (without ``--base``, also the first artifact, whose lineage names the base). Every
+    other variant costs a :class:`VariantRef` until its first request (:func:`serve_on_first_use`), so
+    start-up time and host memory do not grow with the number of variants.
+
+    Raises:
+        InputError / ArtifactError: as :func:`discover_variants`, for the variants read now.
     """
-    asm = build_model(cfg, parallel=parallel)
+    refs = find_variants(cfg.artifacts, allow_empty=cfg.base is not None)
+    k = max(cfg.max_deltas, cfg.max_cpu_deltas)
+    now, later = refs[:k], refs[k:]
+    if cfg.base is None and not any(r.kind == "artifact" for r in now):
+        first = next((r for r in later if r.kind == "artifact"), None)
+        if first is not None:
+            now, later = [*now, first], [r for r in later if r is not first]
+    return [inspect_variant(r.path, r.name) for r in now], later
+
+
+def build_runtime(cfg: ServeConfig, observer: Any = None, parallel: Callable[..., Any] | None = None) -> Runtime:
+    """Find the variants, read and check those the host tier is warmed with (:func:`startup_variants`;
+    the others are read on first use), build the model and the engine.
+
+    Logs one line per variant read (name, kind, bytes on disk, bytes it occupies in a device slot,
+    and for full checkpoints what dedup saves), one for the variants read on first use, the dedup
+    summary, the kernel warm-up and the capacity (``deltazip.runtime.serve.startup_report``); warms
+    the host tier in the background. ``parallel``: see :func:`build_model`.
+    """
+    read, found = startup_variants(cfg) if cfg.artifacts is not None else (None, None)
+    asm = build_model(cfg, read, parallel=parallel, found=found)
     tokenizers = _TokenizerPool()
     engine = _engine(asm.backend, asm.base_name, asm.variants, cfg, tokenizers, observer)
-    report = _startup_report(asm, cfg)
+    report = startup_report(asm, cfg)
+    catalog = VariantCatalog(asm.variants, asm.found)
+    warmup = log_warmup(asm.backend)
+    cap = capacity(asm, cfg, len(catalog))
     # Warm the host tier with as many variants as it holds, in the background.
     engine.cache.prefetch(([asm.base_name] if cfg.mode == "swap" else []) + [v.name for v in asm.variants])
-    rt = Runtime(engine, cfg, asm.base_name, asm.variants, int(time.time()), report, tokenizers, asm.index)
+    rt = Runtime(engine, cfg, asm.base_name, catalog, int(time.time()), report, tokenizers, asm.index, capacity=cap,
+                 warmup=warmup)
     rt._base_fp = asm.base_fp
     return rt
-
-
-def _startup_report(asm: Assembly, cfg: ServeConfig) -> list[dict[str, Any]]:
-    """One entry per served model (sizes, dedup savings), each logged; then the dedup summary line."""
-    base, backend, ledger = asm.base, asm.backend, asm.ledger
-    report = [{"model": asm.base_name, "role": "base", "path": str(base.path), "bytes_on_disk": base.nbytes(),
-               "bytes_resident": backend.base_bytes()}]
-    log.info("base %s: %s on disk, %s resident (%s, %s, mode %s)", asm.base_name, human_bytes(base.nbytes()),
-             human_bytes(backend.base_bytes()), asm.device, str(asm.dtype).removeprefix("torch."), cfg.mode)
-    seen: dict = {}
-    for v in asm.variants:
-        c = _variant_costs(v, backend, seen)
-        report.append({"model": v.name, "role": "variant", "path": str(v.path), **c})
-        _log_variant(v, c, cfg.mode)
-    same = sum(r.get("dedup_same_as_base_bytes", 0) for r in report)
-    shared = sum(r.get("dedup_shared_bytes", 0) for r in report)
-    log.info("dedup: %s not stored (%s of variant tensors equal to the base's, %s shared between variants, %s of "
-             "duplicate tensors inside the base); every load goes through the registry, /metrics has the live "
-             "figures", human_bytes(same + shared + ledger.base_reused_bytes), human_bytes(same), human_bytes(shared),
-             human_bytes(ledger.base_reused_bytes))
-    return report
 
 
 class VariantConflict(InputError):
@@ -394,28 +392,56 @@ def register_variant(rt: Runtime, path: str, name: str | None = None, timeout: f
     if not isinstance(name, str):
         raise InputError("name must be a string")
     check_variant_name(name)
-    engine, backend = rt.engine, rt.backend
+    engine = rt.engine
     with rt.admin_lock:  # one registration at a time: the name check and the commit go together
-        if name == rt.base_name or name in engine.served or name in engine.removing():
+        if name == rt.base_name or name in engine.served or name in rt.catalog or name in engine.removing():
             raise VariantConflict(f"a model named {name!r} is already served; pass another \"name\" or delete it first")
         v = inspect_variant(real, name)
-        itemsize = torch.tensor([], dtype=backend.dtype).element_size()
-        check_against_base(v, backend.base, rt.base_index, itemsize, rt.base_fingerprint)
-        wanted: dict[str, str] = {}
-        plan = backend.prepare_variant(v, wanted)
-        sv = _served_entry(rt.tokenizers, v, backend.base.path, backend.config, rt.base_name)
-
-        def commit() -> None:
-            backend.commit_variant(v, plan, wanted)
-            rt.variants.append(v)
-            engine.served[name] = sv  # last: requests can only arrive once the model can serve them
-
-        engine.run_on_engine(commit).result(timeout=timeout)
-    c = _variant_costs(v, backend, {})
-    rt.report.append({"model": v.name, "role": "variant", "path": str(v.path), **c})
-    _log_variant(v, c, rt.config.mode)
+        _check_and_commit(rt, v, timeout, first_use=False)
     engine.cache.prefetch([name])
     return v
+
+
+def serve_on_first_use(rt: Runtime, name: str, timeout: float = 600.0) -> bool:
+    """Serve ``name`` now if it is a variant found at start-up and not read yet: its manifest is read
+    and checked, and it is checked against the base, planned and committed as ``POST /v1/variants``
+    does (one read for concurrent first requests). True when ``name`` is served.
+
+    Raises:
+        VariantRefused: the variant failed a check; every later request gets the same one line.
+    """
+    if name in rt.engine.served:
+        return True
+    return rt.catalog.first_use(name, lambda ref: _check_and_commit(rt, inspect_variant(ref.path, ref.name), timeout,
+                                                                    first_use=True))
+
+
+def _check_and_commit(rt: Runtime, v: VariantInfo, timeout: float, first_use: bool) -> None:
+    """Check ``v`` against the base and plan it (calling thread), then serve it (engine thread, between
+    steps) and log its line. ``first_use``: ``v`` was found at start-up; it is served only if it was
+    not deleted meanwhile (deletes of unread variants run on the engine thread too)."""
+    engine, backend = rt.engine, rt.backend
+    itemsize = torch.tensor([], dtype=backend.dtype).element_size()
+    check_against_base(v, backend.base, rt.base_index, itemsize, rt.base_fingerprint)
+    wanted: dict[str, str] = {}
+    plan = backend.prepare_variant(v, wanted)
+    sv = _served_entry(rt.tokenizers, v, backend.base.path, backend.config, rt.base_name)
+
+    def commit() -> bool:
+        if first_use and v.name not in rt.catalog.found:
+            return False
+        backend.commit_variant(v, plan, wanted)
+        if first_use:
+            rt.catalog.admit(v)
+        else:
+            rt.catalog.add(v)
+        engine.served[v.name] = sv  # last: requests can only arrive once the model can serve them
+        return True
+
+    if engine.run_on_engine(commit).result(timeout=timeout):
+        c = variant_costs(v, backend, {})
+        rt.report.append({"model": v.name, "role": "variant", "path": str(v.path), **c})
+        log_variant(v, c, rt.config.mode)
 
 
 class _TokenizerPool:
@@ -430,6 +456,7 @@ class _TokenizerPool:
 
     def __init__(self):
         self._by_hash: dict[str, tuple[Any, Any]] = {}
+        self._lock = threading.Lock()  # first uses of several variants read at once (worker threads)
 
     def get(self, path: Path) -> tuple[Any, Any]:
         import hashlib
@@ -440,6 +467,7 @@ class _TokenizerPool:
             if p.is_file():
                 h.update(f.encode() + b"\0" + p.read_bytes() + b"\0")
         key = h.hexdigest()
-        if key not in self._by_hash:
-            self._by_hash[key] = (load_tokenizer(Path(path)), load_tokenizer(Path(path)))
-        return self._by_hash[key]
+        with self._lock:
+            if key not in self._by_hash:
+                self._by_hash[key] = (load_tokenizer(Path(path)), load_tokenizer(Path(path)))
+            return self._by_hash[key]

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,7 @@ from deltazip.runtime.share.dedup_serving import (
 )
 
 BASE_SLOT = -1
+log = logging.getLogger("deltazip.serve")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -394,7 +397,10 @@ class DeltaModel:
         self._merge_projections()
         for v, plan in plans:
             self._register(v, plan)
-        warm_up_kernels(self)  # CUDA + packed only: compile and tune every SBMM launch before serving
+        # CUDA + packed only: compile and tune every SBMM launch before serving (the start-up log reports it).
+        t0 = time.perf_counter()
+        launches = warm_up_kernels(self)
+        self.warmup = {"seconds": time.perf_counter() - t0, "launches": launches}
 
     # -- building -------------------------------------------------------------------------------
     def _load_model(self, base: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -431,7 +437,11 @@ class DeltaModel:
                 self.modules[mname] = self._replace(mname, kind)
         self._merge_projections()
         self._register(v, plan)
-        warm_up_kernels(self)  # only configurations not warmed yet cost anything
+        t0 = time.perf_counter()
+        launches = warm_up_kernels(self)  # only configurations not warmed yet cost anything
+        if launches:  # a delta configuration no earlier variant had: its first request waited for this
+            log.info("kernel warm-up for variant %s: %d SBMM launches compiled and tuned in %.3f s", v.name, launches,
+                     time.perf_counter() - t0)
 
     def _merge_projections(self) -> None:
         """One GEMM + one SBMM for Llama-family q/k/v and gate/up (deltazip.runtime.serve.projections)."""
@@ -642,6 +652,14 @@ class DeltaModel:
 
     def resident_estimate(self, name: str) -> int:
         """Device bytes a variant will occupy in a slot, from its manifest (before loading it)."""
+        return self._estimate(name, packed=self.delta_compute == "packed")
+
+    def host_estimate(self, name: str) -> int:
+        """Host-tier bytes of a decoded variant, from its manifest: packed deltas as stored, the
+        other tensors in the model dtype (an upper bound: the dedup registry may share some)."""
+        return self._estimate(name, packed=True)
+
+    def _estimate(self, name: str, packed: bool) -> int:
         v = self.variants[name]
         total = 0
         esize = torch.tensor([], dtype=self.dtype).element_size()
@@ -650,8 +668,7 @@ class DeltaModel:
             return sum((a[0] * a[1] + b[0] * b[1]) * esize for a, b in spec.shapes.values())
         for tname, targets in self._targets[name].items():
             e = v.entries[tname]
-            packed_here = e.kernel_ready and self.delta_compute == "packed"
-            per = e.stored_bytes if packed_here else e.numel * esize
+            per = e.stored_bytes if e.kernel_ready and packed else e.numel * esize
             total += per * len(targets)
         return total
 
@@ -797,6 +814,10 @@ class SwapModels:
 
     def resident_estimate(self, name: str) -> int:
         return sum(p.numel() * p.element_size() for p in self._template.parameters())
+
+    def host_estimate(self, name: str) -> int:
+        """A merged state dict in the model dtype (the registry shares tensors equal across them)."""
+        return self.resident_estimate(name)
 
     def base_bytes(self) -> int:
         return 0

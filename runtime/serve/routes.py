@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -40,6 +41,7 @@ from deltazip.runtime.serve.openai_schema import (
     sampling_params,
     usage,
 )
+from deltazip.runtime.serve.variant_catalog import VariantRefused
 
 log = logging.getLogger("deltazip.serve")
 # One line per request at INFO: method, route template, model, status, latency, tokens.
@@ -284,7 +286,7 @@ class Routes:
         eng = self.s.engine
         if eng._thread is None or not eng._thread.is_alive():
             return error(503, "the engine is not running", "server_error")
-        return {"status": "ok", "models": 1 + len(self.s.rt.variants)}
+        return {"status": "ok", "models": 1 + len(self.s.rt.catalog)}
 
     async def prom(self):
         from fastapi.responses import Response
@@ -294,17 +296,17 @@ class Routes:
 
     async def list_models(self):
         rt = self.s.rt
-        return {"object": "list", "data": [self.s.model_card(rt.base_name)] + [self.s.model_card(v.name)
-                                                                                for v in rt.variants]}
+        return {"object": "list", "data": [self.s.model_card(n) for n in [rt.base_name, *rt.catalog.names()]]}
 
     async def get_model(self, model_id: str):
-        if model_id != self.s.rt.base_name and model_id not in self.s.engine.served:
+        if model_id != self.s.rt.base_name and model_id not in self.s.engine.served \
+                and model_id not in self.s.rt.catalog:
             raise not_found(model_id)
         return self.s.model_card(model_id)
 
     async def list_variants(self):
         rows = await asyncio.wrap_future(self.s.engine.run_on_engine(lambda: variant_table(self.s.rt)))
-        return {"object": "list", "data": rows}
+        return {"object": "list", "data": rows + unread_rows(self.s.rt)}
 
     async def add_variant(self, request: Request):
         from fastapi.responses import JSONResponse
@@ -330,10 +332,16 @@ class Routes:
 
     async def delete_variant(self, name: str):
         rt = self.s.rt
+        if name not in self.s.engine.served and (name in rt.catalog.found or name in rt.catalog.refused):
+            # Never read (or refused on first use): nothing is loaded. On the engine thread, so that a
+            # first use reading it meanwhile either commits before or not at all.
+            await asyncio.wrap_future(self.s.engine.run_on_engine(lambda: rt.catalog.remove(name)))
+            log.info("variant %s deleted (it had not been read)", name)
+            return {"id": name, "object": "model", "deleted": True}
 
         def unload() -> None:  # engine thread, once the variant's requests are done
             rt.backend.remove_variant(name)
-            rt.variants[:] = [v for v in rt.variants if v.name != name]
+            rt.catalog.remove(name)
 
         try:
             fut = self.s.engine.remove_model(name, unload)
@@ -348,7 +356,13 @@ class Routes:
         req = parse_body(cls, body)
         request.state.model = req.model
         check_unsupported(req, chat=chat)
-        if req.model not in self.s.engine.served:
+        from deltazip.runtime.serve.assembly import serve_on_first_use
+
+        try:  # a variant found at start-up is read and checked by its first request (worker thread)
+            served = serve_on_first_use(self.s.rt, req.model)
+        except VariantRefused as e:
+            raise ApiError(500, str(e), "server_error", param="model", code="invalid_variant") from e
+        if not served:
             raise not_found(req.model)
         return req
 
@@ -516,7 +530,27 @@ def variant_table(rt, only: str | None = None) -> list[dict[str, Any]]:
     """
     removing = rt.engine.removing()
     root = Path(rt.config.artifacts).resolve()
-    return [_variant_row(rt, v, root, removing) for v in list(rt.variants) if only is None or v.name == only]
+    chosen = rt.variants if only is None else [v for v in [rt.variant(only)] if v is not None]
+    return [_variant_row(rt, v, root, removing) for v in chosen]
+
+
+def unread_rows(rt) -> list[dict[str, Any]]:
+    """``GET /v1/variants`` rows of the variants not read yet (``checked: false``, sizes null) and of
+    those refused on first use (``state: refused`` with the reason); no file is touched."""
+    root = os.path.abspath(rt.config.artifacts)  # where the walk found them, symlinks not followed
+    empty = {"bytes_on_disk": None, "bytes_host": 0, "bytes_device": 0, "bytes_device_estimate": None,
+             "bytes_dedup_saved": 0, "last_used": None, "load_seconds": {"disk": None, "device": None}}
+    rows = [{"id": r.name, "object": "variant", "kind": r.kind, "path": _rel(r.where, root), "state": "disk",
+             "checked": False, **empty} for r in rt.catalog.unread()]
+    for ref, why in list(rt.catalog.refused.values()):
+        rows.append({"id": ref.name, "object": "variant", "kind": ref.kind, "path": _rel(ref.where, root),
+                     "state": "refused", "checked": True, "error": why, **empty})
+    return rows
+
+
+def _rel(where: str, root: str) -> str:
+    rel = os.path.relpath(os.path.abspath(where), root)
+    return where if rel.startswith("..") else rel
 
 
 def _variant_row(rt, v, root: Path, removing: set[str]) -> dict[str, Any]:
@@ -530,7 +564,7 @@ def _variant_row(rt, v, root: Path, removing: set[str]) -> dict[str, Any]:
         rel = str(v.path)
     return {
         "id": v.name, "object": "variant", "kind": v.kind, "path": rel,
-        "state": "draining" if v.name in removing else eng.cache.state(v.name),
+        "state": "draining" if v.name in removing else eng.cache.state(v.name), "checked": True,
         "bytes_on_disk": v.disk_bytes,
         "bytes_host": host.nbytes() if host is not None and hasattr(host, "nbytes") else 0,
         "bytes_device": be.slot_bytes(slot) if slot is not None else 0,

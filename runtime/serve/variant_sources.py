@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from deltazip.formats.artifact import MANIFEST, Artifact, file_problem
 from deltazip.formats.codecs import Entry, entries
@@ -148,8 +148,25 @@ def check_artifact_files(art: Artifact) -> None:
                                 f"(`deltazip verify {art.path}` lists every problem)")
 
 
-def discover_variants(root: str | Path, allow_empty: bool = False) -> list[VariantInfo]:
-    """Every variant (artifact, LoRA adapter, full checkpoint) at or under ``root``, sorted by name.
+class VariantRef(NamedTuple):
+    """A variant found on disk and not read yet: what listing and routing need (a few hundred bytes).
+
+    ``where``: its directory as a string (a ``Path`` per variant would cost more than the rest);
+    ``kind``: ``artifact``, ``lora`` or ``full`` (:func:`variant_kind`).
+    """
+
+    name: str
+    where: str
+    kind: str
+
+    @property
+    def path(self) -> Path:
+        return Path(self.where)
+
+
+def find_variants(root: str | Path, allow_empty: bool = False) -> list[VariantRef]:
+    """Every variant (artifact, LoRA adapter, full checkpoint) at or under ``root``, sorted by name,
+    without reading any of them: one directory listing per level and a file check per directory.
 
     Raises:
         InputError: ``root`` missing, nothing found (unless ``allow_empty``), or two variants with
@@ -158,27 +175,55 @@ def discover_variants(root: str | Path, allow_empty: bool = False) -> list[Varia
     root = Path(root)
     if not root.is_dir():
         raise InputError(f"{root}: no such directory; pass the directory that holds your artifacts")
-    found: list[Path] = []
-    if variant_kind(root) is not None:
-        found.append(root)
-    else:
-        for dirpath, dirnames, _ in os.walk(root):
-            here = Path(dirpath)
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            if here != root and variant_kind(here) is not None:
-                found.append(here)
-                dirnames[:] = []  # what is nested in a variant (an artifact's hf/) is part of it
+    kind = variant_kind(root)
+    found = [VariantRef(root.name, str(root), kind)] if kind is not None else _walk(str(root))
     if not found and not allow_empty:
         raise InputError(f"{root}: no variants found (no artifact manifest.json, PEFT {ADAPTER_CONFIG} or "
                          f"config.json + safetensors); create artifacts with `deltazip compress`")
-    out: dict[str, VariantInfo] = {}
-    for path in found:
-        v = inspect_variant(path)
-        if v.name in out:
-            raise InputError(f"two variants are named {v.name!r} ({out[v.name].path} and {path}); variant names are "
-                             f"directory names and must be unique")
-        out[v.name] = v
+    out: dict[str, VariantRef] = {}
+    for ref in found:
+        if ref.name in out:
+            raise InputError(f"two variants are named {ref.name!r} ({out[ref.name].where} and {ref.where}); variant "
+                             f"names are directory names and must be unique")
+        out[ref.name] = ref
     return [out[k] for k in sorted(out)]
+
+
+def _walk(top: str) -> list[VariantRef]:
+    """Variants under ``top`` (not ``top`` itself): hidden directories and symlinked ones are skipped,
+    and nothing nested in a variant (an artifact's ``hf/``) is looked into."""
+    found, todo = [], [top]
+    while todo:
+        here = todo.pop()
+        try:
+            with os.scandir(here) as it:
+                dirs = sorted(e.name for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False))
+        except OSError:
+            continue
+        for d in dirs:
+            path = os.path.join(here, d)
+            kind = _kind_of(path)
+            if kind is None:
+                todo.append(path)
+            else:
+                found.append(VariantRef(d, path, kind))
+    return found
+
+
+def _kind_of(path: str) -> str | None:
+    """:func:`variant_kind` on a string path, cheapest check first (a stat per directory)."""
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return "artifact"
+    return variant_kind(Path(path))
+
+
+def discover_variants(root: str | Path, allow_empty: bool = False) -> list[VariantInfo]:
+    """Every variant at or under ``root``, read (:func:`inspect_variant`), sorted by name.
+
+    Raises:
+        InputError: as :func:`find_variants`; ArtifactError: a corrupt artifact (named).
+    """
+    return [inspect_variant(ref.path, ref.name) for ref in find_variants(root, allow_empty)]
 
 
 def check_variant_name(name: str) -> None:

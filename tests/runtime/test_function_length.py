@@ -38,6 +38,8 @@ REQUEST_PATH = [
     "serve/kernel_warmup.py",  # kernels warmed when a variant is added while serving
     "serve/lora_variant.py",  # LoRA loads while serving
     "serve/variant_sources.py",  # POST /v1/variants
+    "serve/variant_catalog.py",  # listing and routing by name; a variant's first request reads it
+    "serve/startup_report.py",  # a variant read on first use or added logs its line
     "cluster/workers.py",  # the front (proxy, routing)
     "share/dedup_registry.py",  # every load goes through the registry
     "share/dedup_serving.py",
