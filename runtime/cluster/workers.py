@@ -438,7 +438,7 @@ class WorkerPool:
                                          "shared_bytes": self.owner_report.get("nbytes")} if self.share else None}
 
     def front_app(self):
-        return create_front(self)
+        return create_front(self, self.cfg.max_request_bytes)
 
 
 def _terminate(p: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
@@ -488,12 +488,13 @@ def _error(status: int, message: str, type_: str = "server_error", code: str | N
                         status_code=status)
 
 
-def create_front(pool: WorkerPool):
-    """The front's Starlette app: proxy ``/v1/*`` to the workers, answer ``/health`` and ``/metrics``."""
+def create_front(pool: WorkerPool, max_body: int | None = None):
+    """The front's Starlette app: proxy ``/v1/*`` to the workers, answer ``/health`` and ``/metrics``;
+    request bodies over ``max_body`` bytes (default: ``--max-request-bytes``'s) get a 413 here."""
     from starlette.applications import Starlette
     from starlette.routing import Route
 
-    front = _Front(pool)
+    front = _Front(pool, max_body)
     methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
     return Starlette(routes=[Route("/health", front.health), Route("/metrics", front.metrics),
                              Route("/{path:path}", front.proxy, methods=methods)], lifespan=front.lifespan)
@@ -502,8 +503,11 @@ def create_front(pool: WorkerPool):
 class _Front:
     """The front's handlers over one pool and one pooled HTTP client (created by the lifespan)."""
 
-    def __init__(self, pool: WorkerPool):
+    def __init__(self, pool: WorkerPool, max_body: int | None = None):
+        from deltazip.runtime.serve.openai_schema import DEFAULT_MAX_REQUEST_BYTES
+
         self.pool = pool
+        self.max_body = DEFAULT_MAX_REQUEST_BYTES if max_body is None else max_body
         self.client = None
 
     @contextlib.asynccontextmanager
@@ -539,7 +543,7 @@ class _Front:
         from deltazip.runtime.serve.openai_schema import ApiError, read_body
 
         try:  # the front refuses an oversized body too, before reading it whole (issue 25)
-            body = await read_body(request, self.pool.cfg.max_request_bytes)
+            body = await read_body(request, self.max_body)
         except ApiError as e:
             return _error(e.status, e.message, e.type, e.code)
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
