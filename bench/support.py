@@ -145,9 +145,8 @@ class Family:
 
         calib = self.root / "calib.jsonl"
         calib.write_text("".join(json.dumps({"text": TEXT[i:i + 80]}) + "\n" for i in range(0, 640, 40)))
-        cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"), method="deltazip",
-                             nsamples=8, seqlen=32,
-                             device="cpu")
+        cfg = CompressConfig(scheme=DeltaScheme(bits=4, sparsity="none"), group_auto=True, method="deltazip",
+                             nsamples=8, seqlen=32, device="cpu")
         compress_delta(self.base_dir, self.ft_dir, str(calib), self.art, cfg)
 
     def merge(self) -> None:

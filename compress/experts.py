@@ -33,6 +33,7 @@ from deltazip.models.expert_tap import tap_experts
 from deltazip.models.layer_map import Target
 from deltazip.models.model_walk import Site
 
+HEAD_KEY = "lm_head"  # the Hessian key of the output projection (it is not inside a decoder layer)
 NO_TOKENS = "none: no routed tokens, rtn"
 NO_INPUT = "none: no calibration input reached it, rtn"
 

@@ -89,6 +89,94 @@ def summarize(art: Artifact) -> dict:
         "side_files": side,
         "layers": per_layer,
         "stats": art.manifest.get("stats", {}),
+        "groups": _groups(art),
+        **_allocation(art),
+        **({"sensitivity": art.manifest["sensitivity"]} if "sensitivity" in art.manifest else {}),
     }
+
+
+def _groups(art: Artifact) -> dict[str, int]:
+    """Compressed linears by group size (``"64": 120``; ``"-1"`` = one group per row)."""
+    out: dict[str, int] = {}
+    for e in art.entries().values():
+        if e.is_matrix:
+            key = str(e.scheme.group_size)
+            out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def tensor_setting(e) -> tuple[str, int] | None:
+    """``(label, code bits)`` of a compressed tensor's entry (``"4-bit 2:4"``, ``"2-bit rows"``, ``"drop"``
+    with 0 bits); None for tensors stored exactly."""
+    if e.is_matrix:
+        s = e.scheme
+        return f"{s.bits}-bit {'2:4' if s.sparse else 'dense'}", s.bits
+    if e.kind == "rows":
+        return f"{e.get('bits')}-bit rows", int(e.get("bits"))
+    if e.kind == "drop":
+        return "drop", 0
+    return None
+
+
+def _tensor_kind(name: str, layers_path: str | None) -> tuple[str, int | None]:
+    """``("self_attn.q_proj", 3)`` for ``model.layers.3.self_attn.q_proj.weight``; outside the layers
+    the name's last module (``("embed_tokens", None)``)."""
+    stem = name.removesuffix(".weight")
+    if layers_path and stem.startswith(layers_path + "."):
+        idx, _, rest = stem[len(layers_path) + 1:].partition(".")
+        if idx.isdigit():
+            return rest, int(idx)
+    return stem.rsplit(".", 1)[-1], None
+
+
+def allocation_by_layer(art: Artifact) -> dict[str, dict[int, float]]:
+    """``{tensor kind: {layer: code bits}}`` of an artifact whose tensors got different settings (empty
+    otherwise): what ``inspect --plot`` draws."""
+    if "allocation" not in _allocation(art):
+        return {}
+    out: dict[str, dict[int, float]] = {}
+    for e in art.entries().values():
+        got = tensor_setting(e)
+        kind, layer = _tensor_kind(e.name, art.lineage.get("layers_path"))
+        if got is not None and layer is not None:
+            out.setdefault(kind, {})[layer] = got[1]
+    return out
+
+
+def _allocation(art: Artifact) -> dict:
+    """``{"allocation": ...}`` when tensors have different settings (``--target-ratio``), else ``{}``:
+    ``by_kind`` (tensor kind -> tensors, weights, weight-averaged code bits ``mean_bits`` and the count of
+    each setting), ``by_layer`` (layer -> ``mean_bits`` and each kind's setting) and the manifest's
+    record (budget, planned bytes, measured error)."""
+    layers_path = art.lineage.get("layers_path")
+    by_kind: dict[str, dict] = {}
+    by_layer: dict[int, dict] = {}
+    labels = set()
+    for e in art.entries().values():
+        got = tensor_setting(e)
+        if got is None:
+            continue
+        label, bits = got
+        labels.add(label)
+        kind, layer = _tensor_kind(e.name, layers_path)
+        for bucket in [by_kind.setdefault(kind, {"tensors": 0, "weights": 0, "bit_weights": 0, "settings": {}})] + \
+                ([by_layer.setdefault(layer, {"weights": 0, "bit_weights": 0, "settings": {}})] if layer is not None
+                 else []):
+            bucket["weights"] += e.numel
+            bucket["bit_weights"] += e.numel * bits
+        k = by_kind[kind]
+        k["tensors"] += 1
+        k["settings"][label] = k["settings"].get(label, 0) + 1
+        if layer is not None:
+            by_layer[layer]["settings"][kind] = label
+    record = art.manifest.get("allocation")
+    if record is None and len(labels - {"drop"}) <= 1 and "drop" not in labels:
+        return {}
+    for b in [*by_kind.values(), *by_layer.values()]:
+        b["mean_bits"] = round(b.pop("bit_weights") / b["weights"], 3) if b["weights"] else None
+    out = {"by_kind": by_kind, "by_layer": [{"index": i, **by_layer[i]} for i in sorted(by_layer)]}
+    if record is not None:
+        out["record"] = {k: v for k, v in record.items() if k != "tensors"}
+    return {"allocation": out}
 
 
