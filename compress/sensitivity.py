@@ -136,6 +136,14 @@ def _tr(E: torch.Tensor, H: torch.Tensor | float) -> float:
     return H * float(E.pow(2).sum())
 
 
+def _tr_each(E: torch.Tensor, H: torch.Tensor | float) -> list[float]:
+    """``tr(E_k H E_kᵀ)`` of each ``E_k`` of ``E`` ``[K, R, C]``, in one product."""
+    if not isinstance(H, torch.Tensor):
+        return [H * float(v) for v in E.pow(2).sum((1, 2))]
+    K, R, C = E.shape
+    return [float(v) for v in ((E.reshape(K * R, C) @ H).reshape(K, R, C) * E).sum((1, 2))]
+
+
 def _row_sample(rows: int, k: int, seed: int = 0) -> torch.Tensor | None:
     """A fixed random sample of ``k`` of ``rows`` row indices (sorted), None when ``k >= rows``."""
     if k >= rows:
@@ -176,11 +184,13 @@ class Probe:
             H = self._hessian(hs, key, e)
             Hw = hs_err.get(key, e)[0] if hs_err is not None else None
             Hw = Hw if Hw is not None else H * wbar
-            err[LINEAR_SETTINGS[0]] += _tr(ms, Hw) * m.shape[0] / ms.shape[0]
+            errs = [ms]  # E of each setting, dropped first; their errors in one product with H_w
             for s, r in self._solves(ms, H, LINEAR_SETTINGS[1:], group):
-                err[s] += _tr(ms - r.values, Hw) * m.shape[0] / ms.shape[0]
+                errs.append(ms - r.values)
                 packed[s].append(pack_delta(r.codes.cpu(), r.scales.cpu(), None if self.cfg.sym else r.zeros.cpu(),
                                             None if r.mask is None else r.mask.cpu(), s.bits, group))
+            for s, v in zip(LINEAR_SETTINGS, _tr_each(torch.stack(errs), Hw)):
+                err[s] += v * m.shape[0] / ms.shape[0]
         sizes = [self._linear_bytes(t, s, packed.get(s), ff.dtype, scale / rows) for s in LINEAR_SETTINGS]
         self.curves.append(Curve(n, "linear", list(LINEAR_SETTINGS), sizes,
                                  [err[s] * weight for s in LINEAR_SETTINGS], ff.numel(), layer))
@@ -286,7 +296,7 @@ class WeightedHessians:
     layer runs (``self.w``: token weights ``[B, T]`` of the batch running). Use as a context manager."""
 
     def __init__(self, layer, sites):
-        self.hs, self.w, self.handles = Hessians(), None, []
+        self.hs, self.w, self.handles, self.last = Hessians(), None, [], (None, None)
         for key, site in sites.items():
             if site.kind != "experts" and "experts" not in key.split("."):
                 self.handles.append(layer.get_submodule(key).register_forward_pre_hook(self._hook(key)))
@@ -294,7 +304,10 @@ class WeightedHessians:
     def _hook(self, key: str):
         def fn(_m, args):
             x = args[0]
-            if self.w is not None and tuple(x.shape[:-1]) == tuple(self.w.shape):
+            if x is self.last[0]:  # q/k/v (gate/up) read one tensor: accumulate it once
+                self.hs.share(key, self.last[1])
+            elif self.w is not None and tuple(x.shape[:-1]) == tuple(self.w.shape):
+                self.last = (x, key)
                 self.hs.add(key, None, x.float() * self.w.sqrt().unsqueeze(-1))
         return fn
 
@@ -302,6 +315,7 @@ class WeightedHessians:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.last = (None, None)
         for h in self.handles:
             h.remove()
 
