@@ -10,6 +10,7 @@ from deltazip.formats import codecs
 from deltazip.formats.artifact import Artifact
 from deltazip.formats.dtypes import parse_dtype
 from deltazip.formats.units import human_bytes  # noqa: F401 - re-exported: callers import it from here
+from deltazip.kernels.scheme import DeltaScheme
 
 
 def _numel(shape) -> int:
@@ -95,25 +96,37 @@ def summarize(art: Artifact) -> dict:
     }
 
 
+def _linear_kinds() -> set[str]:
+    return {k for k in codecs.kinds() if isinstance(codecs.get(k), codecs.MatrixCodec)}
+
+
 def _groups(art: Artifact) -> dict[str, int]:
     """Compressed linears by group size (``"64": 120``; ``"-1"`` = one group per row)."""
     out: dict[str, int] = {}
-    for e in art.entries().values():
-        if e.is_matrix:
-            key = str(e.scheme.group_size)
+    linear = _linear_kinds()
+    for e in art.tensors.values():  # raw entries: a kind this version does not know is skipped
+        if e.get("kind") in linear:
+            try:
+                key = str(DeltaScheme.from_json(e).group_size)
+            except (KeyError, TypeError, ValueError):
+                continue
             out[key] = out.get(key, 0) + 1
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def tensor_setting(e) -> tuple[str, int] | None:
-    """``(label, code bits)`` of a compressed tensor's entry (``"4-bit 2:4"``, ``"2-bit rows"``, ``"drop"``
-    with 0 bits); None for tensors stored exactly."""
-    if e.is_matrix:
-        s = e.scheme
+def tensor_setting(e: dict, linear: set[str] | None = None) -> tuple[str, int] | None:
+    """``(label, code bits)`` of a compressed tensor's raw manifest entry (``"4-bit 2:4"``, ``"2-bit rows"``,
+    ``"drop"`` with 0 bits); None for tensors stored exactly."""
+    kind = e.get("kind")
+    if kind in (_linear_kinds() if linear is None else linear):
+        try:
+            s = DeltaScheme.from_json(e)
+        except (KeyError, TypeError, ValueError):  # a malformed entry: verify names it
+            return None
         return f"{s.bits}-bit {'2:4' if s.sparse else 'dense'}", s.bits
-    if e.kind == "rows":
-        return f"{e.get('bits')}-bit rows", int(e.get("bits"))
-    if e.kind == "drop":
+    if kind == "rows" and isinstance(e.get("bits"), int):
+        return f"{e['bits']}-bit rows", e["bits"]
+    if kind == "drop":
         return "drop", 0
     return None
 
@@ -135,9 +148,10 @@ def allocation_by_layer(art: Artifact) -> dict[str, dict[int, float]]:
     if "allocation" not in _allocation(art):
         return {}
     out: dict[str, dict[int, float]] = {}
-    for e in art.entries().values():
-        got = tensor_setting(e)
-        kind, layer = _tensor_kind(e.name, art.lineage.get("layers_path"))
+    linear = _linear_kinds()
+    for name, e in art.tensors.items():
+        got = tensor_setting(e, linear)
+        kind, layer = _tensor_kind(name, art.lineage.get("layers_path"))
         if got is not None and layer is not None:
             out.setdefault(kind, {})[layer] = got[1]
     return out
@@ -152,18 +166,19 @@ def _allocation(art: Artifact) -> dict:
     by_kind: dict[str, dict] = {}
     by_layer: dict[int, dict] = {}
     labels = set()
-    for e in art.entries().values():
-        got = tensor_setting(e)
+    linear = _linear_kinds()
+    for name, e in art.tensors.items():
+        got = tensor_setting(e, linear)
         if got is None:
             continue
         label, bits = got
         labels.add(label)
-        kind, layer = _tensor_kind(e.name, layers_path)
+        kind, layer = _tensor_kind(name, layers_path)
         for bucket in [by_kind.setdefault(kind, {"tensors": 0, "weights": 0, "bit_weights": 0, "settings": {}})] + \
                 ([by_layer.setdefault(layer, {"weights": 0, "bit_weights": 0, "settings": {}})] if layer is not None
                  else []):
-            bucket["weights"] += e.numel
-            bucket["bit_weights"] += e.numel * bits
+            bucket["weights"] += _numel(e["shape"])
+            bucket["bit_weights"] += _numel(e["shape"]) * bits
         k = by_kind[kind]
         k["tensors"] += 1
         k["settings"][label] = k["settings"].get(label, 0) + 1
