@@ -21,8 +21,12 @@ from deltazip.models.checkpoint import Checkpoint
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    torch.set_num_threads(1)
-    return make_demo_pair(tmp_path_factory.mktemp("demo26"), seed=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread is as fast on a shared 2-core machine
+    try:
+        yield make_demo_pair(tmp_path_factory.mktemp("demo26"), seed=0)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _score(pair, art: Path, tok, rows) -> dict:
