@@ -185,8 +185,8 @@ def _allocation(art: Artifact) -> dict:
         if layer is not None:
             by_layer[layer]["settings"][kind] = label
     record = art.manifest.get("allocation")
-    if record is None and len(labels - {"drop"}) <= 1 and "drop" not in labels:
-        return {}
+    if record is None and len({lab for lab in labels if not lab.endswith(" rows")}) <= 1 and "drop" not in labels:
+        return {}  # one setting for every linear (the embeddings' row width is an option of its own)
     for b in [*by_kind.values(), *by_layer.values()]:
         b["mean_bits"] = round(b.pop("bit_weights") / b["weights"], 3) if b["weights"] else None
     out = {"by_kind": by_kind, "by_layer": [{"index": i, **by_layer[i]} for i in sorted(by_layer)]}

@@ -78,3 +78,14 @@ def test_the_support_bench_names_no_group_size():
     src = (ROOT / "bench" / "support.py").read_text()
     assert "group_size=" not in src and "--group-size" not in src
     assert "group_auto=True" in src
+
+
+@pytest.mark.parametrize("art", ["v1/art-deltazip", "v2/art-llama", "v2/art-gpt2"])
+def test_v1_and_v2_artifacts_read_with_their_one_group_and_no_allocation(art):
+    from deltazip.formats.report import summarize
+
+    a = Artifact(ROOT / "tests" / "fixtures" / art)
+    s = summarize(a)
+    packed = sum(1 for e in a.tensors.values() if e["kind"] == "packed")
+    assert s["groups"] == {str(a.config["group_size"]): packed} and packed > 0
+    assert "allocation" not in s and "sensitivity" not in s
