@@ -80,6 +80,12 @@ def test_target_ratio_keeps_the_budget_and_mixes_settings(pair, tmp_path):
     assert {"self_attn.q_proj", "mlp.down_proj", "lm_head", "embed_tokens"} <= set(kinds)
     assert sum(k["tensors"] for k in kinds.values()) == len(rec["tensors"])
     assert [L["index"] for L in s["allocation"]["by_layer"]] == [0, 1]
+    from deltazip.compress.plots import plot_artifact
+    from deltazip.formats.report import allocation_by_layer
+
+    by_layer = allocation_by_layer(art)  # what inspect --plot draws in its third panel
+    assert set(by_layer["mlp.down_proj"]) == {0, 1} and all(b in (0, 2, 3, 4, 8) for b in by_layer["mlp.down_proj"].values())
+    assert plot_artifact(art, str(base), tmp_path / "bits.png").stat().st_size > 10_000
 
 
 def test_at_the_size_of_uniform_k_bit_no_more_measured_error(pair, tmp_path):
