@@ -6,7 +6,7 @@ For every family a tiny model (2 layers, hidden 64, the demo's 128-character voc
 code from its transformers config, fine-tuned for real (Adam on a repeating-pattern task: every
 tensor moves, norms, biases, embeddings and positions included), then:
 
-- compress: ``deltazip compress`` (ΔCompress 4-bit dense, `--group-size auto`: 64 at hidden 64, calibrated) of the fine-tune;
+- compress: ``deltazip compress`` (ΔCompress 4-bit dense, automatic group, calibrated) of the fine-tune;
 - merge: ``deltazip merge`` of the artifact loads with transformers and is closer to the fine-tune
   than the base is (mean squared logit error on held-out sequences);
 - serve delta / serve swap: the engine in that mode, the variant's rows in one batch with base rows;
