@@ -56,6 +56,12 @@ METHODS = (
     ("sparsegpt 4-bit 2:4", "cli", ["--method", "sparsegpt", "--bits", "4"]),
     ("rtn 4-bit 2:4", "cli", ["--method", "rtn", "--bits", "4"]),
     ("deltazip 2-bit 2:4, no lossless stage", "cli", ["--method", "deltazip", "--bits", "2", "--lossless", "none"]),
+    # The Pareto table (issue 26): uniform 2/3/4-bit 2:4 against per-tensor settings under a byte budget.
+    ("deltazip 3-bit 2:4", "cli", ["--method", "deltazip", "--bits", "3"]),
+    *((f"deltazip --target-ratio {r}", "cli", ["--method", "deltazip", "--target-ratio", str(r)])
+      for r in (6, 8, 10, 12, 14, 16)),
+    # --max-bytes = the bytes the named row's artifact took (the allocation at exactly its size).
+    ("deltazip --max-bytes of deltazip 2-bit 2:4", "match", ["deltazip 2-bit 2:4"]),
     # Today's rule before format v2 (embeddings/head stored in full or as exact fp16 deltas, side files
     # copied, no lossless stage by default): the code of an older checkout, given with --v1-tree.
     ("format v1 rule, deltazip 4-bit 2:4", "v1", ["--method", "deltazip", "--bits", "4"]),
@@ -99,23 +105,25 @@ def run_cli(pair: dict, args: list[str], nsamples: int, seqlen: int, art: Path, 
     from deltazip.models.checkpoint import Checkpoint
 
     cmd = [sys.executable, "-m", "deltazip.deltacli.app", "compress", "--base", pair["base"], "--finetuned",
-           pair["finetuned"], "--calib", pair["calib"], "--out", str(art), "--group-size",
-           str(pair["group_size"]), "--nsamples", str(nsamples), "--seqlen", str(seqlen), "--device", "cpu",
-           "--json", *args]
+           pair["finetuned"], "--calib", pair["calib"], "--out", str(art), "--nsamples", str(nsamples), "--seqlen",
+           str(seqlen), "--device", "cpu", "--json", *args]  # --group-size: auto (64 on SmolLM2, 128 on demo)
     env = None
     if pythonpath is not None:
         import os
 
         env = {**os.environ, "PYTHONPATH": str(pythonpath)}
-    t = time.time()
+    t, cpu = time.time(), _children_cpu()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.time() - t
-    if r.returncode != 0:
-        raise SystemExit(f"compress failed ({' '.join(args)}): {r.stderr.strip()[-2000:]}")
+    wall, cpu = time.time() - t, _children_cpu() - cpu
+    if r.returncode != 0:  # the row says why; the other rows still run
+        return {"error": f"compress failed ({' '.join(args)}): {r.stderr.strip()[-2000:]}"}
     s = json.loads(r.stdout)
     model = load_merged_model(Artifact(art), Checkpoint(pair["base"]))
     stats = {"bytes": s["artifact_bytes"], "linear_ratio": round(s["linear_ratio"], 3),
              "compress_seconds": s["stats"]["seconds"], "process_wall_seconds": round(wall, 1),
+             "process_cpu_seconds": round(cpu, 1), "probe_seconds": s["stats"].get("probe_seconds"),
+             "allocation": {k: v["settings"] for k, v in (s.get("allocation") or {}).get("by_kind", {}).items()}
+             or None,
              "peak_rss_mib": s["stats"]["peak_rss_mib"],
              "mean_layer_rel_out_err": round(sum(L["rel_out_err"] or 0 for L in s["layers"])
                                              / max(1, len(s["layers"])), 5),
@@ -125,6 +133,15 @@ def run_cli(pair: dict, args: list[str], nsamples: int, seqlen: int, art: Path, 
              "manifest_and_side_files_bytes": s["artifact_bytes"] - sum(v["stored_bytes"]
                                                                          for v in s["by_kind"].values())}
     return {"model": model, "stats": stats}
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished children: a compression's own CPU time,
+    which a shared machine's load does not inflate the way it does wall time."""
+    import resource
+
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
 
 
 def run_llmcompressor(pair: dict, args: list[str], nsamples: int, seqlen: int, art: Path,
@@ -203,6 +220,10 @@ def bench_pair(pair: dict, quick: bool, workdir: Path, llmc: tuple[Path | None, 
         row = {"pair": name, "model": label}
         if runner == "cli":
             got = run_cli(pair, args, nsamples, seqlen, art)
+        elif runner == "match":
+            ref = next((r for r in out if r["model"] == args[0] and "bytes" in r), None)
+            got = {"skipped": f"needs the row {args[0]!r} (run it too)"} if ref is None else \
+                run_cli(pair, ["--method", "deltazip", "--max-bytes", str(ref["bytes"])], nsamples, seqlen, art)
         elif runner == "v1":
             got = ({"skipped": "pass --v1-tree DIR (a checkout of the format-v1 code, e.g. `git worktree add DIR "
                                "e436d4c`)"} if v1 is None else
@@ -256,11 +277,11 @@ def markdown(results: list[dict]) -> str:
         return "" if v is None else fmt.format(v)
 
     out = ["| pair | model | bytes | ratio | bits/weight | accuracy | recovery % | Δppl | answer loss | 2:4 groups "
-           "| compress s | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| compress s | CPU s | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ft = {r["pair"]: r for r in results if r["model"] == "finetuned"}
     for r in results:
         if "accuracy" not in r:
-            out.append(f"| {r['pair']} | {r['model']} | {(r.get('skipped') or r.get('error'))[:100]} |" + " |" * 9)
+            out.append(f"| {r['pair']} | {r['model']} | {(r.get('skipped') or r.get('error'))[:100]} |" + " |" * 10)
             continue
         weights = sum(v for v in (r.get("weights_by_kind") or {}).values() if v) or None
         width = {"F32": 4, "BF16": 2, "F16": 2}.get(str(r.get("ratio_vs")), 0)
@@ -270,7 +291,7 @@ def markdown(results: list[dict]) -> str:
                    f"{f(bpw, '{:.2f}')} | {r['accuracy']:.3f} | {f(r.get('recovery_pct'), '{:.1f}')} | "
                    f"{f(r.get('delta_ppl'), '{:+.3f}')} | {f(r.get('answer_loss'), '{:.3g}')} | "
                    f"{f(r.get('frac_groups_2of4'), '{:.3f}')} | {f(r.get('compress_seconds'), '{:.0f}')} | "
-                   f"{f(r.get('peak_rss_mib'), '{:.0f}')} |")
+                   f"{f(r.get('process_cpu_seconds'), '{:.0f}')} | {f(r.get('peak_rss_mib'), '{:.0f}')} |")
     kinds = sorted({k for r in results for k in (r.get("bytes_by_kind") or {})})
     if kinds:
         out += ["", "| model | " + " | ".join(kinds) + " | manifest + side files | total |",
@@ -283,6 +304,46 @@ def markdown(results: list[dict]) -> str:
             out.append(f"| {r['model']} | " + " | ".join(cells)
                        + f" | {r.get('manifest_and_side_files_bytes', 0) / 1e6:.2f} MB | {r['bytes'] / 1e6:.2f} MB |")
     return "\n".join(out)
+
+
+def pareto_plot(results: list[dict], out: Path) -> list[str]:
+    """``compress-pareto-PAIR.png`` in ``out`` for each pair with --target-ratio rows: answer loss and
+    accuracy against the ratio, uniform 2/3/4-bit 2:4 beside the allocations. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for pair in sorted({r["pair"] for r in results}):
+        rows = [r for r in results if r["pair"] == pair and "accuracy" in r and r.get("ratio")]
+        alloc = sorted((r for r in rows if "--target-ratio" in r["model"] or "--max-bytes" in r["model"]),
+                       key=lambda r: r["ratio"])
+        uni = sorted((r for r in rows if r["model"] in ("deltazip 2-bit 2:4", "deltazip 3-bit 2:4",
+                                                         "deltazip 4-bit 2:4")), key=lambda r: r["ratio"])
+        if not alloc:
+            continue
+        ft = next(r for r in rows if r["model"] == "finetuned")
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, key, label in ((axes[0], "answer_loss", "answer loss (nats/token)"), (axes[1], "accuracy",
+                                                                                     "exact-match accuracy")):
+            ax.plot([r["ratio"] for r in alloc], [r[key] for r in alloc], "o-", label="--target-ratio / --max-bytes")
+            ax.plot([r["ratio"] for r in uni], [r[key] for r in uni], "s--", label="uniform 4/3/2-bit 2:4")
+            for r in uni:
+                ax.annotate(r["model"].split()[1], (r["ratio"], r[key]), fontsize=7)
+            ax.axhline(ft[key], color="gray", lw=0.8, label="fine-tune")
+            ax.set_xlabel(f"ratio vs the {ft.get('dtype', '')} fine-tune")
+            ax.set_ylabel(label)
+            if key == "answer_loss":
+                ax.set_yscale("log")
+            ax.legend(fontsize=7)
+        fig.suptitle(f"{pair}: quality against size")
+        fig.tight_layout()
+        path = out / f"compress-pareto-{pair}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path))
+    return written
 
 
 def main() -> None:
@@ -330,11 +391,12 @@ def main() -> None:
             results += bench_pair(get_pair(name, log=log), a.quick, work, llmc, methods, a.v1_tree)
     log("summary (ratio vs the fine-tune's stored dtype; recovery = acc / fine-tune acc; Δppl vs fine-tune)\n"
         + _table(results))
+    plots = pareto_plot(results, a.out) if a.out else []
     doc = {"bench": "compress", "machine": machine(),
            "config": {"quick": a.quick, "pairs": pairs, "methods": [m for m, _, _ in methods],
                       "nsamples_seqlen": [32, 64] if a.quick else [128, 128],
                       "llmcompressor_python": str(llmc[0]) if llmc[0] else None},
-           "results": results}
+           "results": results, "plots": plots}
     print(json.dumps(doc, indent=1))
 
 

@@ -6,7 +6,7 @@ For every family a tiny model (2 layers, hidden 64, the demo's 128-character voc
 code from its transformers config, fine-tuned for real (Adam on a repeating-pattern task: every
 tensor moves, norms, biases, embeddings and positions included), then:
 
-- compress: ``deltazip compress`` (ΔCompress 4-bit, group 32, calibrated) of the fine-tune;
+- compress: ``deltazip compress`` (ΔCompress 4-bit dense, automatic group, calibrated) of the fine-tune;
 - merge: ``deltazip merge`` of the artifact loads with transformers and is closer to the fine-tune
   than the base is (mean squared logit error on held-out sequences);
 - serve delta / serve swap: the engine in that mode, the variant's rows in one batch with base rows;
@@ -145,9 +145,8 @@ class Family:
 
         calib = self.root / "calib.jsonl"
         calib.write_text("".join(json.dumps({"text": TEXT[i:i + 80]}) + "\n" for i in range(0, 640, 40)))
-        cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"), method="deltazip",
-                             nsamples=8, seqlen=32,
-                             device="cpu")
+        cfg = CompressConfig(scheme=DeltaScheme(bits=4, sparsity="none"), group_auto=True, method="deltazip",
+                             nsamples=8, seqlen=32, device="cpu")
         compress_delta(self.base_dir, self.ft_dir, str(calib), self.art, cfg)
 
     def merge(self) -> None:

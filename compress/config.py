@@ -13,6 +13,7 @@ from deltazip.kernels.scheme import DeltaScheme, SchemeError
 from deltazip.models.devices import check_device, check_dtype, resolve_device, resolve_dtype
 
 METHODS = ("deltazip", "sparsegpt", "rtn")
+_NEWER = ("group_auto", "target_ratio", "max_bytes", "report")
 CALIB_ACTIVATIONS = ("reconstructed", "base")
 
 
@@ -31,6 +32,17 @@ class CompressConfig:
     ``calib_activations``: "reconstructed" (ΔCompress: every layer is calibrated on the inputs that
     the base + compressed-delta model produces) or "base" (ablation: the base model's own
     activations, which the paper shows to be worse).
+
+    ``group_auto`` (``--group-size auto``): ``scheme.group_size`` is resolved per model, to the largest
+    of :data:`AUTO_GROUPS` that divides every compressed input dimension, or per tensor when none
+    does (:func:`auto_group`); the manifest records the group each entry got.
+
+    ``target_ratio`` / ``max_bytes`` (``--target-ratio R`` / ``--max-bytes B``): instead of one
+    scheme for every linear, each compressed tensor gets the setting (bits, 2:4 or dense, or its delta
+    dropped; row bits for embeddings) that keeps the total measured error lowest within the byte
+    budget (the fine-tuned checkpoint's bytes / R, or B): compress/sensitivity.py measures,
+    compress/allocation.py chooses. ``report``: measure the error-vs-size curve (and return it) even
+    for a uniform run.
     """
 
     scheme: DeltaScheme = field(default_factory=DeltaScheme)
@@ -45,6 +57,10 @@ class CompressConfig:
     batch_size: int = 8
     embed_bits: int = 0
     embed_group_size: int = 0
+    group_auto: bool = False
+    target_ratio: float = 0.0
+    max_bytes: int = 0
+    report: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.scheme, DeltaScheme):
@@ -67,6 +83,29 @@ class CompressConfig:
         if self.embed_group_size < -1:
             raise InputError(f"--embed-group-size {self.embed_group_size} must be positive, 0 (same as "
                              "--group-size) or -1 (one group per row)")
+        self._check_budget()
+
+    def _check_budget(self) -> None:
+        if self.target_ratio and self.max_bytes:
+            raise InputError("--target-ratio and --max-bytes both set a budget; pass one of them")
+        if self.target_ratio and not self.target_ratio > 1:
+            raise InputError(f"--target-ratio {self.target_ratio} must be above 1 (fine-tuned bytes / artifact bytes)")
+        if self.max_bytes < 0:
+            raise InputError(f"--max-bytes {self.max_bytes} must be positive")
+        if self.measures and (self.method != "deltazip" or self.scheme.kind != "packed"):
+            what = "--target-ratio/--max-bytes" if self.allocates else "--report"
+            raise InputError(f"{what} measures the OBS solver's error per setting: use it with --method deltazip "
+                             "and --scheme packed")
+
+    @property
+    def allocates(self) -> bool:
+        """Settings are chosen per tensor under a byte budget (``--target-ratio`` or ``--max-bytes``)."""
+        return bool(self.target_ratio or self.max_bytes)
+
+    @property
+    def measures(self) -> bool:
+        """The sensitivity probe runs before compressing (an allocation, or ``--report``)."""
+        return self.allocates or self.report
 
     @property
     def row_bits(self) -> int:
@@ -114,12 +153,16 @@ class CompressConfig:
 
     def to_dict(self) -> dict:
         """The manifest's ``config``: the scheme's grid first, flat, as before the scheme existed
-        (``scheme_kind`` only for a kind other than ``packed``), then every other option."""
+        (``scheme_kind`` only for a kind other than ``packed``), then every other option (those of
+        --group-size auto and --target-ratio only when set)."""
         s = self.scheme
         out = {"bits": s.bits, "sparsity": s.sparsity, "group_size": s.group_size, "sym": s.sym}
         if s.kind != "packed":
             out["scheme_kind"] = s.kind
-        return out | {f.name: getattr(self, f.name) for f in fields(self) if f.name != "scheme"}
+        # Options newer than format v2 are written only when set, so that a run that does not use them
+        # writes the manifest it wrote before them.
+        return out | {f.name: getattr(self, f.name) for f in fields(self)
+                      if f.name != "scheme" and not (f.name in _NEWER and not getattr(self, f.name))}
 
     @classmethod
     def from_dict(cls, d: dict) -> CompressConfig:
@@ -131,6 +174,31 @@ class CompressConfig:
 
 _FLAGS = {"bits": "--bits", "group_size": "--group-size", "sparsity": "--sparsity", "sym": "--sym",
           "kind": "--scheme"}
+
+
+AUTO_GROUPS = (128, 64, 32)
+"""``--group-size auto`` picks the largest of these that divides the input dimensions."""
+
+
+def auto_group(dims) -> int:
+    """The largest of :data:`AUTO_GROUPS` dividing every one of ``dims`` (input dimensions), or -1 (one
+    group per row) when none divides them all."""
+    return next((g for g in AUTO_GROUPS if all(d % g == 0 for d in dims)), -1)
+
+
+def parse_group_size(value: str | int) -> tuple[int, bool]:
+    """``--group-size`` as ``(group, auto)``: ``"auto"`` -> ``(128, True)`` (resolved per model later),
+    an integer -> ``(it, False)``.
+
+    Raises:
+        InputError: neither an integer nor ``auto``.
+    """
+    if str(value).strip().lower() == "auto":
+        return 128, True
+    try:
+        return int(value), False
+    except ValueError:
+        raise InputError(f"--group-size {value!r} is not a number: pass auto, a positive size or -1") from None
 
 
 def scheme_from_options(bits: int, sparsity: str, group_size: int, sym: bool, kind: str = "packed") -> DeltaScheme:

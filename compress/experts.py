@@ -33,6 +33,7 @@ from deltazip.models.expert_tap import tap_experts
 from deltazip.models.layer_map import Target
 from deltazip.models.model_walk import Site
 
+HEAD_KEY = "lm_head"  # the Hessian key of the output projection (it is not inside a decoder layer)
 NO_TOKENS = "none: no routed tokens, rtn"
 NO_INPUT = "none: no calibration input reached it, rtn"
 
@@ -43,6 +44,12 @@ class Hessians:
     def __init__(self):
         self.sums: dict[tuple[str, int | None], torch.Tensor] = {}
         self.counts: dict[tuple[str, int | None], int] = {}
+        self.alias: dict[str, str] = {}  # site key -> the key whose (identical) input it shares
+
+    def share(self, key: str, of: str) -> None:
+        """Site ``key`` reads the very tensor site ``of`` reads (q/k/v, gate/up): one sum serves both."""
+        if key != of:
+            self.alias[key] = self.alias.get(of, of)
 
     def add(self, key: str, expert: int | None, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
@@ -57,6 +64,7 @@ class Hessians:
 
     def get(self, key: str, expert: int | None = None) -> tuple[torch.Tensor | None, int]:
         """``(H = 2 XᵀX / n, n)``, or ``(None, 0)`` when no token reached it."""
+        key = self.alias.get(key, key)
         n = self.counts.get((key, expert), 0)
         return (2 * self.sums[(key, expert)] / n, n) if n else (None, 0)
 
@@ -75,8 +83,14 @@ def collect_hessians(layer: nn.Module, sites: dict[str, Site], keys: list[str], 
     fused: dict[str, torch.Tensor] = {}
     entered: dict[str, int] = {}
 
+    last: list = [None, None]  # the input the previous site hook saw, and its key
+
     def site_hook(key):
         def fn(_m, args):
+            if args[0] is last[0]:  # q/k/v (gate/up) read one tensor: accumulate it once
+                hs.share(key, last[1])
+                return
+            last[0], last[1] = args[0], key
             hs.add(key, None, args[0])
         return fn
 
@@ -100,6 +114,7 @@ def collect_hessians(layer: nn.Module, sites: dict[str, Site], keys: list[str], 
     finally:
         for h in handles:
             h.remove()
+    last[0] = None
     for k in fused:
         if entered[k] and not any(kk == k for kk, _ in hs.counts):
             raise CompressionError(f"experts {k}: {entered[k]} tokens entered the experts module but no expert "

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltazip.compress.quantizer import dequantize_codes, find_params, quantize_codes
+from deltazip.compress.quantizer import Bits, dequantize_codes, find_params, quantize_codes
 from deltazip.formats.errors import CompressionError
 from deltazip.kernels.scheme import DeltaScheme
 
@@ -67,62 +67,93 @@ def obs_compress(W: torch.Tensor, H: torch.Tensor, scheme: DeltaScheme, damp: fl
             is chosen along the columns.
         damp: dampening relative to ``mean(diag(H))``.
     """
+    assert scheme.shape_problem(W.shape[1]) is None, scheme.shape_problem(W.shape[1])
+    return obs_solve(W, H, scheme.bits, scheme.sparse, scheme.effective_group(W.shape[1]), scheme.sym, damp)
+
+
+def obs_solve(W: torch.Tensor, H: torch.Tensor, bits: Bits, sparse: bool | torch.Tensor, group: int, sym: bool,
+              damp: float = 0.01) -> SolveResult:
+    """The OBS column loop of :func:`obs_compress`, with the code width and the 2:4 choice given per row.
+
+    Rows are independent given ``H`` (each row's error goes to its own later columns), so the rows of
+    several candidate settings of one matrix, stacked, are solved in one loop exactly as each would be
+    alone (compress/sensitivity.py).
+
+    Args:
+        W: fp32 ``[R, C]``; H: fp32 ``[C, C]``.
+        bits: an int, or int64 ``[R]`` (one width per row).
+        sparse: a bool, or bool ``[R]``: rows that get a 2:4 mask (``mask`` is all True elsewhere).
+        group: input columns per group (already resolved: divides ``C``).
+        sym, damp: as :func:`obs_compress`.
+    Returns:
+        The :class:`SolveResult` of all ``R`` rows (``mask`` None when no row is 2:4).
+    """
     R, C = W.shape
-    bits, sym, sparse24 = scheme.bits, scheme.sym, scheme.sparse
-    gs = scheme.effective_group(C)
-    assert scheme.shape_problem(C) is None, scheme.shape_problem(C)
     W = W.clone().float()
     H = H.clone().float()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
     Hinv, damp_used, retries = _inverse_cholesky(H, damp)
-
-    G = C // gs
-    scales = torch.zeros(R, G, device=W.device)
-    zeros = torch.zeros(R, G, device=W.device)
-    codes = torch.zeros(R, C, dtype=torch.int64, device=W.device)
-    values = torch.zeros(R, C, device=W.device)
-    keep = torch.ones(R, C, dtype=torch.bool, device=W.device) if sparse24 else None
-
-    block = gs  # one group per lazy block: group params always see fully updated columns
-    for i1 in range(0, C, block):
-        i2 = i1 + block
-        # The block is walked column by column: keep it transposed ([block, R]) so that each column
-        # and each rank-1 error update touches contiguous memory.
-        W1t = W[:, i1:i2].t().contiguous()
-        Err1t = torch.zeros_like(W1t)
-        Q1t = torch.zeros_like(W1t)
-        C1t = torch.zeros_like(W1t)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        hdiag = torch.diag(Hinv1)
-        scale, zero = find_params(W1t.t(), bits, sym)
-        scales[:, i1 // gs], zeros[:, i1 // gs] = scale, zero
-        if sparse24:
-            pruned1t = torch.zeros_like(W1t, dtype=torch.bool)
-        for i in range(block):
-            w = W1t[i]
-            if sparse24 and i % 4 == 0:
-                score = W1t[i:i + 4] ** 2 / hdiag[i:i + 4].unsqueeze(1) ** 2
-                drop = torch.topk(score, 2, dim=0, largest=False).indices
-                pruned1t[i:i + 4].scatter_(0, drop, True)
-            c = quantize_codes(w, scale, zero, bits)
-            q = dequantize_codes(c, scale, zero)
-            if sparse24:
-                q = q.masked_fill(pruned1t[i], 0.0)
-            C1t[i] = c
-            Q1t[i] = q
-            err = (w - q) / Hinv1[i, i]
-            W1t[i:].addr_(Hinv1[i, i:], err, alpha=-1.0)
-            Err1t[i] = err
-        codes[:, i1:i2] = C1t.t().long()
-        values[:, i1:i2] = Q1t.t()
-        if sparse24:
-            keep[:, i1:i2] = ~pruned1t.t()
-        W[:, i2:] -= Err1t.t() @ Hinv[i1:i2, i2:]
-
+    rows24 = None if isinstance(sparse, bool) else sparse.to(W.device)
+    any24 = sparse if rows24 is None else bool(rows24.any())
+    out = _Outputs(R, C, C // group, any24, W.device)
+    for i1 in range(0, C, group):
+        _solve_block(W, Hinv, i1, i1 + group, bits, sym, any24, rows24, out)
     stats = {"damp": damp_used, "damp_retries": retries, "dead_columns": int(dead.sum())}
-    return SolveResult(codes, scales, zeros, keep, values, stats)
+    return SolveResult(out.codes, out.scales, out.zeros, out.keep, out.values, stats)
+
+
+class _Outputs:
+    """The solver's outputs, filled block by block (shapes as :class:`SolveResult`)."""
+
+    def __init__(self, R: int, C: int, G: int, sparse: bool, device):
+        self.scales = torch.zeros(R, G, device=device)
+        self.zeros = torch.zeros(R, G, device=device)
+        self.codes = torch.zeros(R, C, dtype=torch.int64, device=device)
+        self.values = torch.zeros(R, C, device=device)
+        self.keep = torch.ones(R, C, dtype=torch.bool, device=device) if sparse else None
+
+
+def _solve_block(W: torch.Tensor, Hinv: torch.Tensor, i1: int, i2: int, bits: Bits, sym: bool, any24: bool,
+                 rows24: torch.Tensor | None, out: _Outputs) -> None:
+    """One lazy block (one quantization group, columns ``i1:i2``): quantize column by column, spread each
+    column's error onto the block's later columns, then the block's error onto every later column."""
+    block, g = i2 - i1, i1 // (i2 - i1)
+    # The block is walked column by column: keep it transposed ([block, R]) so that each column
+    # and each rank-1 error update touches contiguous memory.
+    W1t = W[:, i1:i2].t().contiguous()
+    Err1t = torch.zeros_like(W1t)
+    Q1t = torch.zeros_like(W1t)
+    C1t = torch.zeros_like(W1t)
+    Hinv1 = Hinv[i1:i2, i1:i2]
+    hdiag = torch.diag(Hinv1)
+    scale, zero = find_params(W1t.t(), bits, sym)
+    out.scales[:, g], out.zeros[:, g] = scale, zero
+    if any24:
+        pruned1t = torch.zeros_like(W1t, dtype=torch.bool)
+    for i in range(block):
+        w = W1t[i]
+        if any24 and i % 4 == 0:
+            score = W1t[i:i + 4] ** 2 / hdiag[i:i + 4].unsqueeze(1) ** 2
+            drop = torch.topk(score, 2, dim=0, largest=False).indices
+            pruned1t[i:i + 4].scatter_(0, drop, True)
+            if rows24 is not None:
+                pruned1t[i:i + 4] &= rows24
+        c = quantize_codes(w, scale, zero, bits)
+        q = dequantize_codes(c, scale, zero)
+        if any24:
+            q = q.masked_fill(pruned1t[i], 0.0)
+        C1t[i] = c
+        Q1t[i] = q
+        err = (w - q) / Hinv1[i, i]
+        W1t[i:].addr_(Hinv1[i, i:], err, alpha=-1.0)
+        Err1t[i] = err
+    out.codes[:, i1:i2] = C1t.t().long()
+    out.values[:, i1:i2] = Q1t.t()
+    if any24:
+        out.keep[:, i1:i2] = ~pruned1t.t()
+    W[:, i2:] -= Err1t.t() @ Hinv[i1:i2, i2:]
 
 
 def rtn_compress(W: torch.Tensor, scheme: DeltaScheme) -> SolveResult:

@@ -15,6 +15,7 @@ mixture-of-experts weights, whose every expert is solved with the Hessian of the
 
 from __future__ import annotations
 
+import json
 import resource
 import time
 import warnings
@@ -23,17 +24,21 @@ from pathlib import Path
 
 import torch
 
+from deltazip.compress.allocation import Setting
+from deltazip.compress.budget import error_curve, plan_settings
 from deltazip.compress.calibration import check_calibration_source, load_calibration, model_context
-from deltazip.compress.config import CompressConfig
-from deltazip.compress.experts import Hessians, collect_hessians, encode_target, solve_target
+from deltazip.compress.config import AUTO_GROUPS, CompressConfig, auto_group
+from deltazip.compress.experts import HEAD_KEY, Hessians, collect_hessians, encode_target, solve_target
 from deltazip.compress.obs import SolveResult, obs_compress, rtn_compress
 from deltazip.compress.rows_and_exact import embedding_weight_names, new_stats, record_embedding, record_exact
+from deltazip.compress.sensitivity import measure
 from deltazip.formats import codecs
 from deltazip.formats.artifact import Artifact, ArtifactWriter
 from deltazip.formats.codecs.xor import bitwise_equal
 from deltazip.formats.errors import DeltazipWarning, InputError
 from deltazip.formats.gdeflate import DEFAULT_LEVEL
 from deltazip.formats.outputs import check_output
+from deltazip.kernels.scheme import DeltaScheme
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.layer_map import LayerMap, Piece, Target, map_layer
 from deltazip.models.model_walk import (
@@ -79,44 +84,48 @@ def _layer_maps(model, lname: str, layers, ft: Checkpoint) -> list[LayerMap]:
     return maps
 
 
-def _check_shapes(maps: list[LayerMap], cfg: CompressConfig) -> None:
+def _check_shapes(maps: list[LayerMap], cfg: CompressConfig, group_of: Callable[[int], int]) -> None:
     for m in maps:
         order = {k: i for i, k in enumerate(m.sites)}  # module order: the first offender a user meets
         for n, t in sorted(m.targets.items(), key=lambda kv: (order.get(kv[1].site.key, len(order)), kv[0])):
-            _check_in_features(n, t.in_features, cfg)
+            _check_in_features(n, t.in_features, cfg, group_of)
 
 
-def _check_in_features(name: str, in_f: int, cfg: CompressConfig) -> None:
-    if cfg.sparse24 and in_f % 4:
-        raise InputError(f"tensor {name} has {in_f} input features, not divisible by 4: use --sparsity none")
-    if cfg.group_size != -1 and in_f % cfg.group_size:
+def _check_in_features(name: str, in_f: int, cfg: CompressConfig, group_of: Callable[[int], int]) -> None:
+    if (cfg.sparse24 or cfg.allocates) and in_f % 4:
+        fix = "use --sparsity none" if not cfg.allocates else "2:4 is among --target-ratio's settings"
+        raise InputError(f"tensor {name} has {in_f} input features, not divisible by 4: {fix}")
+    group = group_of(in_f)
+    if group != -1 and in_f % group:
         raise InputError(f"tensor {name} has {in_f} input features, not divisible by --group-size "
-                         f"{cfg.group_size}: pick a divisor or -1")
+                         f"{cfg.group_size}: pick a divisor, -1 or auto")
 
 
-def _solve(target: torch.Tensor, H: torch.Tensor | None, cfg: CompressConfig) -> SolveResult:
+def _solve(target: torch.Tensor, H: torch.Tensor | None, scheme: DeltaScheme, damp: float) -> SolveResult:
     if H is None:
-        return rtn_compress(target, cfg.scheme)
-    return obs_compress(target, H, cfg.scheme, cfg.damp)
+        return rtn_compress(target, scheme)
+    return obs_compress(target, H, scheme, damp)
 
 
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-_HEAD_KEY = "lm_head"  # the Hessian key of the output projection (it is not inside a decoder layer)
 
 
 class _Replay(LayerStandIn):
-    """Stands in for a decoder layer in ``head_hessian``: hands back the recorded output of batch
-    ``batch`` (the last layer) or its input unchanged (every other layer)."""
+    """Stands in for a decoder layer in ``replay_to_head``: hands back the recorded output of batch
+    ``batch`` (the last layer; ``change(output)`` rewrites it when given) or its input unchanged (every
+    other layer)."""
 
-    def __init__(self, inner: torch.nn.Module, batches, as_tuple: bool):
+    def __init__(self, inner: torch.nn.Module, batches, as_tuple: bool, change=None):
         super().__init__(inner)
-        self.batches, self.as_tuple, self.batch = batches, as_tuple, 0
+        self.batches, self.as_tuple, self.batch, self.change = batches, as_tuple, 0, change
 
     def forward(self, hidden_states, *args, **kwargs):
         out = hidden_states if self.batches is None else self.batches[self.batch][0]
+        if self.batches is not None and self.change is not None:
+            out = self.change(out)
         return (out,) if self.as_tuple else out
 
 
@@ -132,11 +141,14 @@ class _Run:
         self.model = empty_model(ft.path, self.cdtype)
         self.lname, self.layers = decoder_layers(self.model)
         self.maps = _layer_maps(self.model, self.lname, self.layers, ft)
-        _check_shapes(self.maps, cfg)
         self.head, self.head_alias_of = self._find_head()
+        self.group_of, self.config_group = self._groups()
+        _check_shapes(self.maps, cfg, self.group_of)
         if self.head:
-            _check_in_features(self.head, ft.shape(self.head)[1], cfg)
+            _check_in_features(self.head, ft.shape(self.head)[1], cfg, self.group_of)
         self.embeddings = embedding_weight_names(self.model)
+        self.head_alias_name, self.tied_names = self._tied()
+        self.plan: dict[str, Setting] = {}  # per-tensor settings of --target-ratio (empty: the options')
         self.other_stats = new_stats()
         self.layer_stats: list[dict] = []
         self.head_stats: dict | None = None
@@ -146,6 +158,61 @@ class _Run:
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.lname}.{i}."
+
+    # -- settings -------------------------------------------------------------------------------
+    def _groups(self) -> tuple[Callable[[int], int], int]:
+        """``(group of a tensor with that many input features, the group the config records)``. With
+        ``--group-size auto``: the largest of 128/64/32 dividing every compressed input dimension, or,
+        when none divides them all, each tensor's own (-1 where none divides it)."""
+        cfg = self.cfg
+        if not cfg.group_auto:
+            return (lambda _in_f: cfg.group_size), cfg.group_size
+        dims = [t.in_features for m in self.maps for t in m.targets.values()]
+        dims += [self.ft.shape(self.head)[1]] if self.head else []
+        common = auto_group(dims) if dims else AUTO_GROUPS[0]
+        if common != -1 or not dims:
+            return (lambda _in_f: common), common
+        own = [auto_group([d]) for d in dims]
+        return (lambda in_f: auto_group([in_f])), max(set(own), key=own.count)
+
+    def row_group_of(self, hidden: int) -> int:
+        """Hidden columns per group of an embedding's rows (``--embed-group-size``, else as the linears)."""
+        cfg = self.cfg
+        if cfg.embed_group_size:
+            return cfg.embed_group_size
+        return auto_group([hidden]) if cfg.group_auto else cfg.group_size
+
+    def scheme_for(self, t: Target) -> DeltaScheme | None:
+        """The scheme of target ``t``: its allocated setting (None: its delta is dropped), else the
+        options' scheme with ``t``'s group."""
+        group, s = self.group_of(t.in_features), self.plan.get(t.name)
+        if s is None:
+            return self.cfg.scheme if group == self.cfg.group_size else self.cfg.scheme.replace(group_size=group)
+        if s.dropped:
+            return None
+        return DeltaScheme(bits=s.bits, group_size=group, sparsity=s.sparsity, sym=self.cfg.sym)
+
+    def row_bits_of(self, name: str) -> int | None:
+        """Code width of embedding ``name``'s changed rows (None: its delta is dropped)."""
+        s = self.plan.get(name)
+        if s is None:
+            return self.cfg.row_bits
+        return None if s.dropped else s.bits
+
+    def head_target(self, shape: tuple[int, ...]) -> Target:
+        """The untied lm_head as a compression target (its Hessian key is ``HEAD_KEY``)."""
+        site = Site(key=HEAD_KEY, kind="linear", param=self.head)
+        return Target(self.head, site, Piece(self.head, 0, shape[0]), shape, shape)
+
+    def _tied(self) -> tuple[str | None, set[str]]:
+        """``(the lm_head name stored as an alias, the embeddings that are also the output head)``."""
+        out, emb = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        head_name = next((f"{n}.weight" for n, m in self.model.named_modules() if m is out), None) if out else None
+        if self.head_alias_of:
+            return head_name, {self.head_alias_of}
+        ename = next((f"{n}.weight" for n, m in self.model.named_modules() if m is emb), None)
+        tied = out is not None and emb is not None and getattr(out, "weight", None) is emb.weight
+        return None, ({ename} if tied and ename in self.embeddings and head_name not in self.ft.table else set())
 
     # -- non-layer tensors ----------------------------------------------------------------------
     def _find_head(self) -> tuple[str | None, str | None]:
@@ -172,18 +239,21 @@ class _Run:
         lm_head waits for the final hidden states (``compress_head``)."""
         params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         params |= {n for n, _ in self.model.named_buffers()}
-        head_alias = self.model.get_output_embeddings()
-        head_alias = next((f"{n}.weight" for n, m in self.model.named_modules() if m is head_alias), None)
         for n in self.ft.names:
             if n.startswith(self.lname + ".") or n == self.head:
                 continue
-            if self.head_alias_of and n == head_alias:
+            if self.head_alias_of and n == self.head_alias_name:
                 self.writer.add_alias(n, self.head_alias_of, self.ft.shape(n), self.ft.dtype(n))
                 self.other_stats["alias"] += 1
                 continue
             b, f = self.base.get(n), self.ft.get(n)
-            if n in self.embeddings and f.dim() == 2 and f.is_floating_point():
-                rec = record_embedding(self.writer, n, b, f, self.cfg.row_bits, self.cfg.row_group, self.other_stats)
+            bits = self.row_bits_of(n)
+            if n in self.embeddings and f.dim() == 2 and f.is_floating_point() and bits is None:
+                self.writer.add_drop(n, tuple(f.shape), f.dtype)
+                self.other_stats["drop"] = self.other_stats.get("drop", 0) + 1
+                rec = b
+            elif n in self.embeddings and f.dim() == 2 and f.is_floating_point():
+                rec = record_embedding(self.writer, n, b, f, bits, self.row_group_of(f.shape[1]), self.other_stats)
             else:
                 rec = record_exact(self.writer, n, b, f, self.other_stats)
             if n in params and self.cfg.method != "rtn":
@@ -195,32 +265,40 @@ class _Run:
         if self.head is None:
             return
         hs = self.head_hessian(input_ids, batches) if self.cfg.method != "rtn" else None
-        shape = tuple(self.ft.shape(self.head))
-        site = Site(key=_HEAD_KEY, kind="linear", param=self.head)
-        target = Target(self.head, site, Piece(self.head, 0, shape[0]), shape, shape)
         stats = {"tensors": {}}
-        self._compress_linear(target, hs, stats)
+        self._compress_linear(self.head_target(tuple(self.ft.shape(self.head))), hs, stats)
         self.head_stats = stats["tensors"].get(self.head)
 
     def head_hessian(self, input_ids: torch.Tensor, batches) -> Hessians:
         """``H = 2 XᵀX / n`` of the lm_head input, replaying the last layer's outputs through the model
         (every decoder layer replaced by a module that hands back the recorded output of its batch)."""
-        head = self.model.get_output_embeddings()
         hs = Hessians()
+        self.replay_to_head(input_ids, batches, lambda x: hs.add(HEAD_KEY, None, x))
+        return hs
+
+    def replay_to_head(self, input_ids: torch.Tensor, batches, take, only: int | None = None,
+                       change=None) -> None:
+        """Run the model up to its output head on the calibration batches (``only``: that one), every
+        decoder layer replaced by a stand-in that hands back the last layer's recorded output of the batch
+        (``batches``; ``change(output)`` rewrites it first); ``take(x)`` gets the head's input ``[B, T, H]``."""
+        head = self.model.get_output_embeddings()
 
         def hook(_m, args):
-            hs.add(_HEAD_KEY, None, args[0])
+            take(args[0])
             raise StopForward
 
         last = len(self.layers) - 1
         originals = list(self.layers)
-        replay = [_Replay(m, batches if i == last else None, self.layer_returns_tuple) for i, m in enumerate(originals)]
+        replay = [_Replay(m, batches if i == last else None, self.layer_returns_tuple, change)
+                  for i, m in enumerate(originals)]
         handle = head.register_forward_pre_hook(hook)
         try:
             for i, r in enumerate(replay):
                 self.layers[i] = r
             with torch.no_grad():
                 for k, s in enumerate(range(0, input_ids.shape[0], self.cfg.batch_size)):
+                    if only is not None and k != only:
+                        continue
                     replay[last].batch = k
                     try:
                         self.model(input_ids=input_ids[s:s + self.cfg.batch_size].to(self.device), use_cache=False)
@@ -230,7 +308,6 @@ class _Run:
             handle.remove()
             for i, m in enumerate(originals):
                 self.layers[i] = m
-        return hs
 
     # -- calibration ----------------------------------------------------------------------------
     def first_inputs(self, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
@@ -336,14 +413,20 @@ class _Run:
             return fb.float().to(self.device)
         wf = ff.float().to(self.device)
         wb = fb.float().to(self.device)
+        scheme = self.scheme_for(t)
+        if scheme is None:  # --target-ratio dropped this delta: the tensor stays the base's
+            self.writer.add_drop(n, tuple(ff.shape), ff.dtype)
+            stats["tensors"][n] = {"rel_weight_err": 1.0, "delta_rel_norm": float((wf - wb).norm() / wb.norm())
+                                   if float(wb.norm()) else 0.0, "drop": True}
+            return wb
         target = wf - wb if cfg.additive else wf
-        codec = codecs.get(cfg.scheme.kind)
+        codec = codecs.get(scheme.kind)
         if codec.solver_free:  # a scheme that needs no Hessian: its codec encodes the matrix itself
-            res = encode_target(t, target, codec, cfg.scheme)
-            self.writer.add_matrix(n, cfg.scheme, res.parts, res.shape, self.ft.dtype(n), cfg.additive,
+            res = encode_target(t, target, codec, scheme)
+            self.writer.add_matrix(n, scheme, res.parts, res.shape, self.ft.dtype(n), cfg.additive,
                                    t.transposed, t.experts)
         else:
-            res = solve_target(t, target, hs, lambda m, H: _solve(m, H, cfg), cfg.scheme)
+            res = solve_target(t, target, hs, lambda m, H: _solve(m, H, scheme, cfg.damp), scheme)
             self.writer.add_packed(n, res.packed, self.ft.dtype(n), additive=cfg.additive,
                                    transposed=t.transposed, experts=t.experts)
         rec = wb + res.values if cfg.additive else res.values
@@ -352,6 +435,43 @@ class _Run:
               "delta_rel_norm": float((wf - wb).norm() / wb.norm()) if float(wb.norm()) else 0.0, **res.stats}
         stats["tensors"][n] = st
         return rec
+
+
+def _calibration(cfg: CompressConfig, ft: Checkpoint, calib: str | None):
+    """The calibration windows (``load_calibration``'s result), or None for ``--method rtn``."""
+    if cfg.method == "rtn":
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(ft.path)
+    except Exception as e:
+        raise InputError(f"fine-tuned {ft.path}: no usable tokenizer for the calibration data ({e})") from e
+    return load_calibration(calib, tok, cfg.nsamples, cfg.seqlen, cfg.seed, model_context(ft.config_dict()))
+
+
+def _measure_and_plan(run: _Run, cal, progress: Progress) -> dict:
+    """The sensitivity probe on a run state of its own, then (``--target-ratio``/``--max-bytes``) the
+    per-tensor settings into ``run.plan``; returns the manifest fields they add (``sensitivity``,
+    ``allocation``)."""
+    probe_run = _Run(run.base, run.ft, run.cfg, run.writer, progress)
+    sens = measure(probe_run, cal.input_ids, progress)
+    del probe_run
+    extra = {"sensitivity": error_curve(sens)}
+    if run.cfg.allocates:
+        run.plan, extra["allocation"] = plan_settings(sens, run.cfg, len(json.dumps(extra["sensitivity"])) + 20)
+    return extra
+
+
+def _run_stats(run: _Run, elapsed: float, extra: dict) -> dict:
+    stats = {"seconds": round(elapsed, 3), "peak_rss_mib": round(_peak_rss_mib(), 1),
+             "device": str(run.device), "compute_dtype": str(run.cdtype).removeprefix("torch."),
+             "other_tensors": run.other_stats}
+    if "sensitivity" in extra:
+        stats["probe_seconds"] = extra["sensitivity"]["probe_seconds"]
+    if run.device.type == "cuda":
+        stats["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return stats
 
 
 def compress_delta(
@@ -398,39 +518,27 @@ def compress_delta(
         raise InputError(f"--calib is required for --method {cfg.method}; pass a .jsonl/.json/.txt/.parquet file")
     with ArtifactWriter(out_dir, overwrite=overwrite, lossless=lossless, lossless_level=lossless_level) as writer:
         run = _Run(base, ft, cfg, writer, progress)
-        calib_summary = None
-        if cfg.method != "rtn":
-            from transformers import AutoTokenizer
-
-            try:
-                tok = AutoTokenizer.from_pretrained(ft.path)
-            except Exception as e:
-                raise InputError(f"fine-tuned {ft.path}: no usable tokenizer for the calibration data ({e})") from e
-            cal = load_calibration(calib, tok, cfg.nsamples, cfg.seqlen, cfg.seed, model_context(ft.config_dict()))
-            calib_summary = cal.summary
+        cal = _calibration(cfg, ft, calib)
+        extra = _measure_and_plan(run, cal, progress) if cfg.measures else {}
         run.outside_layers()
-        batches = run.first_inputs(cal.input_ids) if cfg.method != "rtn" else []
+        batches = run.first_inputs(cal.input_ids) if cal is not None else []
         n_layers = len(run.layers)
         progress("compressing layers", 0, n_layers)
         for i in range(n_layers):
             batches = run.layer(i, batches)
             progress("compressing layers", i + 1, n_layers)
-        run.compress_head(cal.input_ids if cfg.method != "rtn" else None, batches)
+        run.compress_head(cal.input_ids if cal is not None else None, batches)
         for f in ft.side_files():  # byte-identical to the base's: kept by reference, not copied
             writer.add_file(f, f.name, base_dir=base.path)
-        elapsed = time.time() - t0
-        stats = {"seconds": round(elapsed, 3), "peak_rss_mib": round(_peak_rss_mib(), 1),
-                 "device": str(run.device), "compute_dtype": str(run.cdtype).removeprefix("torch."),
-                 "other_tensors": run.other_stats}
-        if run.device.type == "cuda":
-            stats["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        stats = _run_stats(run, time.time() - t0, extra)
         lineage = {"base": str(base_spec), "finetuned": str(ft_spec), "base_fingerprint": base_fp,
                    "finetuned_fingerprint": ft_fp,
                    "architectures": ft.config_dict().get("architectures"),
                    "model_type": ft.config_dict().get("model_type"), "finetuned_bytes": ft.nbytes(),
                    "layers_path": run.lname, "num_layers": n_layers}
-        path = writer.finalize(lineage=lineage, config=cfg.to_dict(), calibration=calib_summary,
-                               layers=run.layer_stats, head=run.head_stats, stats=stats)
+        path = writer.finalize(lineage=lineage, config=cfg.to_dict() | {"group_size": run.config_group},
+                               calibration=cal.summary if cal is not None else None, layers=run.layer_stats,
+                               head=run.head_stats, stats=stats, **extra)
     from deltazip.formats.report import summarize
 
     return summarize(Artifact(path))

@@ -31,12 +31,30 @@ def plot_format(out: str | Path) -> str:
 
 
 def plot_artifact(art: Artifact, base_spec: str | None, out: str | Path) -> Path:
-    """Write a two-panel PNG: log10 |w| histograms of base weights and stored deltas; layer errors."""
+    """Write the figure: log10 |w| histograms of base weights and stored deltas; layer errors; and, for an
+    artifact whose tensors got different settings (``--target-ratio``), code bits by layer per tensor kind."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from deltazip.formats.report import allocation_by_layer
+
+    by_layer = allocation_by_layer(art)
+    fig, axes = plt.subplots(1, 3 if by_layer else 2, figsize=(16.5 if by_layer else 11, 4))
+    _magnitudes(axes[0], art, base_spec)
+    _layer_errors(axes[1], art)
+    if by_layer:
+        _bits_by_layer(axes[2], by_layer)
+    fig.tight_layout()
+    out = Path(out)
+    with atomic_file(out) as tmp:  # a reader never sees half an image
+        fig.savefig(tmp, dpi=110, format=plot_format(out))
+    plt.close(fig)
+    return out
+
+
+def _magnitudes(ax, art: Artifact, base_spec: str | None) -> None:
     base = open_base(art, base_spec, check_fingerprint=False)
     g = torch.Generator().manual_seed(0)
     w_vals, d_vals = [], []
@@ -49,8 +67,6 @@ def plot_artifact(art: Artifact, base_spec: str | None, out: str | Path) -> Path
         w = base.get(n).float().flatten()
         d_vals.append(d[torch.randint(0, d.numel(), (min(per, d.numel()),), generator=g)] if d.numel() else d)
         w_vals.append(w[torch.randint(0, w.numel(), (min(per, w.numel()),), generator=g)])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    ax = axes[0]
     for vals, label in ((torch.cat(w_vals), "base weights"), (torch.cat(d_vals), "compressed delta (kept)")):
         v = vals.abs()
         v = v[v > 0]
@@ -59,7 +75,9 @@ def plot_artifact(art: Artifact, base_spec: str | None, out: str | Path) -> Path
     ax.set_ylabel("density")
     ax.set_title("magnitudes: base weights vs delta")
     ax.legend()
-    ax = axes[1]
+
+
+def _layer_errors(ax, art: Artifact) -> None:
     layers = art.manifest.get("layers") or []
     xs = [L["index"] for L in layers if L.get("rel_out_err") is not None]
     if xs:
@@ -72,9 +90,15 @@ def plot_artifact(art: Artifact, base_spec: str | None, out: str | Path) -> Path
     ax.set_xlabel("decoder layer")
     ax.set_ylabel("relative error vs fine-tuned")
     ax.set_title("per-layer error on calibration data")
-    fig.tight_layout()
-    out = Path(out)
-    with atomic_file(out) as tmp:  # a reader never sees half an image
-        fig.savefig(tmp, dpi=110, format=plot_format(out))
-    plt.close(fig)
-    return out
+
+
+def _bits_by_layer(ax, by_layer: dict[str, dict[int, float]]) -> None:
+    """One line per tensor kind: its code bits (0 = dropped) in each decoder layer."""
+    for kind, bits in by_layer.items():
+        xs = sorted(bits)
+        ax.plot(xs, [bits[i] for i in xs], "o-", label=kind, alpha=0.8)
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("code bits (0 = delta dropped)")
+    ax.set_yticks([0, 2, 3, 4, 8])
+    ax.set_title("--target-ratio: bits by layer")
+    ax.legend(fontsize=7)

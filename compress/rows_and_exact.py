@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from deltazip.formats import codecs
 from deltazip.formats.artifact import ArtifactWriter
 from deltazip.formats.codecs.rows import (
     MAX_ABS,
@@ -50,6 +51,18 @@ def _smallest(writer: ArtifactWriter, cands: dict[str, dict[str, torch.Tensor]])
     sizes = {k: writer.stored_size(p) for k, p in cands.items()}
     kind = min(sizes, key=lambda k: (sizes[k], _EXACT_ORDER.index(k)))
     return kind, sizes[kind]
+
+
+def exact_stored_size(writer: ArtifactWriter, name: str, b: torch.Tensor, f: torch.Tensor) -> int:
+    """Bytes ``record_exact`` would add to the artifact for ``f`` (its smallest exact form, manifest entry
+    included; ``same`` costs its entry only)."""
+    if bitwise_equal(b, f):
+        return writer.entry_size(name, codecs.get("same").fields(tuple(f.shape), f.dtype), {})
+    cands = exact_candidates(b, f)
+    kind, _ = _smallest(writer, cands)
+    fields = {"full": lambda: codecs.get("full").fields(f), "xor": lambda: codecs.get("xor").fields(f.shape, f.dtype),
+              "dense_delta": lambda: codecs.get("dense_delta").fields(cands[kind].get("delta"), f.dtype)}[kind]()
+    return writer.entry_size(name, fields, cands[kind])
 
 
 def _write_exact(writer: ArtifactWriter, name: str, kind: str, parts: dict[str, torch.Tensor],

@@ -14,8 +14,11 @@ def render_summary(s: dict, title: str) -> None:
     lin = s.get("lineage", {})
     cfg = s.get("config", {})
     c.print(f"base: {lin.get('base')}   fine-tuned: {lin.get('finetuned')}")
-    c.print(f"method: {cfg.get('method')}  bits: {cfg.get('bits')}  sparsity: {cfg.get('sparsity')}  "
-            f"group: {cfg.get('group_size')}  {'sym' if cfg.get('sym') else 'asym'}")
+    alloc = s.get("allocation")
+    grid = "bits: per tensor (allocation below)" if alloc and alloc.get("record") else \
+        f"bits: {cfg.get('bits')}  sparsity: {cfg.get('sparsity')}"
+    c.print(f"method: {cfg.get('method')}  {grid}  group: {_group_text(cfg, s.get('groups') or {})}  "
+            f"{'sym' if cfg.get('sym') else 'asym'}")
     ft_dtype = s.get("finetuned_dtype") or "?"
     t = Table(title=f"bytes by tensor kind (ratio vs the {ft_dtype} fine-tune)")
     for col in ("kind", "tensors", "weights", "original", "stored", "bits/weight", "ratio"):
@@ -53,6 +56,58 @@ def render_summary(s: dict, title: str) -> None:
             lt.add_row(str(L["index"]), f(L["rel_out_err"]), f(L["rel_update_err"]), f(L["mean_linear_out_err"]),
                        f(L["mean_linear_weight_err"]))
         c.print(lt)
+    if alloc:
+        render_allocation(alloc)
     st = s.get("stats", {})
     if "seconds" in st:
-        c.print(f"time {st['seconds']:.1f} s, peak RSS {st.get('peak_rss_mib', 0):.0f} MiB on {st.get('device')}")
+        probe = f" (sensitivity probe {st['probe_seconds']:.1f} s)" if "probe_seconds" in st else ""
+        c.print(f"time {st['seconds']:.1f} s{probe}, peak RSS {st.get('peak_rss_mib', 0):.0f} MiB on {st.get('device')}")
+
+
+def _group_text(cfg: dict, groups: dict[str, int]) -> str:
+    """``64``, ``64 (auto)``, or ``auto: 64 x120, 128 x30`` when tensors got different groups."""
+    if len(groups) > 1:
+        return ("auto: " if cfg.get("group_auto") else "") + ", ".join(f"{g} x{n}" for g, n in groups.items())
+    return f"{cfg.get('group_size')}" + (" (auto)" if cfg.get("group_auto") else "")
+
+
+def render_allocation(alloc: dict) -> None:
+    """The per-tensor settings of a --target-ratio artifact: by tensor kind, then mean code bits by layer."""
+    c = out_console
+    rec = alloc.get("record") or {}
+    if rec:
+        what = f"--target-ratio {rec['target_ratio']:g}" if rec.get("target_ratio") else f"--max-bytes {rec.get('max_bytes')}"
+        c.print(f"allocation ({what}): budget {human_bytes(rec['budget_bytes'])}, planned "
+                f"{human_bytes(rec['planned_bytes'])}, measured error {rec['relative_error']:.4g} of the delta's "
+                "(0 = exact, 1 = every delta dropped)")
+    t = Table(title="settings by tensor kind (code bits, weighted by weights; drop = 0)")
+    for col in ("kind", "tensors", "mean bits", "settings"):
+        t.add_column(col, justify="left" if col in ("kind", "settings") else "right")
+    for kind, k in alloc["by_kind"].items():
+        sets = ", ".join(f"{lab} x{n}" for lab, n in sorted(k["settings"].items(), key=lambda kv: -kv[1]))
+        t.add_row(kind, str(k["tensors"]), f"{k['mean_bits']:.2f}", sets)
+    c.print(t)
+    layers = alloc.get("by_layer") or []
+    if layers:
+        lt = Table(title="mean code bits by layer")
+        lt.add_column("layer", justify="right")
+        lt.add_column("mean bits", justify="right")
+        lt.add_column("", justify="left")
+        for L in layers:
+            bar = "#" * round(2 * (L["mean_bits"] or 0))
+            lt.add_row(str(L["index"]), f"{L['mean_bits']:.2f}", bar)
+        c.print(lt)
+
+
+def render_error_curve(sens: dict) -> None:
+    """``--report``: the measured error-vs-size curve (allocations, and each uniform setting)."""
+    c = out_console
+    t = Table(title=f"measured error vs size (sensitivity probe {sens['probe_seconds']:.1f} s on {sens['tokens']:,} "
+                    "calibration tokens; error relative to dropping every delta)")
+    for col in ("setting", "ratio", "bytes", "relative error"):
+        t.add_column(col, justify="right" if col != "setting" else "left")
+    for p in sens["points"]:
+        t.add_row("--target-ratio", f"{p['ratio']:.2f}x", human_bytes(p["bytes"]), f"{p['relative_error']:.4g}")
+    for p in sens["uniform"]:
+        t.add_row(f"uniform {p['setting']}", f"{p['ratio']:.2f}x", human_bytes(p["bytes"]), f"{p['relative_error']:.4g}")
+    c.print(t)

@@ -18,6 +18,7 @@ only through that registry:
   group-quantized along the hidden dimension (``deltazip.formats.codecs.rows``).
 - ``xor`` (v2): the exact XOR of the raw bits of fine-tune and base (``deltazip.formats.codecs.xor``).
 - ``alias`` (v2): the same tensor as entry ``of`` (tied weights stored once).
+- ``drop``: the delta was left out by ``--target-ratio``; rebuilt as the base tensor (lossy).
 
 Readers read format version 1 too (it lacks the v2 kinds).
 
@@ -245,6 +246,10 @@ class ArtifactWriter:
         """A tensor bit-identical to the base's: no bytes stored."""
         self.entries[name] = codecs.get("same").fields(shape, dtype)
 
+    def add_drop(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """A tensor whose delta was left out (``--target-ratio``): rebuilt as the base's, no bytes stored."""
+        self.entries[name] = codecs.get("drop").fields(shape, dtype)
+
     def add_dense_delta(self, name: str, delta: torch.Tensor, dtype: torch.dtype) -> None:
         """``base + delta`` stored densely; ``delta`` in its storage dtype (e.g. fp16)."""
         self._add(name, codecs.get("dense_delta").fields(delta, dtype), {"delta": delta})
@@ -273,6 +278,54 @@ class ArtifactWriter:
         used to pick the smallest of several exact encodings."""
         parts = {k: v.detach().contiguous().cpu() for k, v in parts.items()}
         return sum(t.numel() * t.element_size() for t in self._store({}, parts).values())
+
+    def entry_size(self, name: str, entry: dict[str, Any], parts: dict[str, torch.Tensor],
+                   sample_bytes: int = 0, rows_scale: float = 1.0) -> int:
+        """Bytes that adding entry ``name`` would add to the artifact, without adding it: its parts in the
+        containers (after the lossless stage), their keys in the container header, and its manifest entry
+        (chunk tables included). Used by the byte allocator (deltazip.compress.sensitivity).
+
+        Args:
+            entry: the entry's manifest fields before storage (a codec's ``fields``).
+            parts: its tensors (empty for kinds that store nothing).
+            sample_bytes: when > 0, a part larger than this is estimated from evenly spread rows (their
+                lossless ratio and chunk table scaled to the whole part).
+            rows_scale: ``parts`` hold a sample of the rows: the real parts have this many times more.
+        """
+        entry = dict(entry)
+        if parts:
+            entry.update(parts=list(parts), checksum="sha256:" + "0" * 64, file="deltas-00001.safetensors")
+            container, meta, header = 0, {}, 0
+            for part, t in parts.items():
+                got, m = self._part_size(t.detach().contiguous().cpu(), sample_bytes, rows_scale)
+                container += got
+                header += len(container_key(name, part, "gdeflate" if m else None)) + 56 + 6 * t.dim()
+                if m:
+                    meta[part] = m
+            if meta:
+                entry.update(codec="gdeflate", lossless=meta)
+            entry["stored_bytes"] = container
+        else:
+            container = header = 0
+        text = json.dumps({name: entry}, separators=(",", ":"), ensure_ascii=False)
+        return container + header + len(text.encode()) - 1
+
+    def _part_size(self, t: torch.Tensor, sample_bytes: int, rows_scale: float) -> tuple[int, dict[str, Any] | None]:
+        """``(stored bytes, lossless metadata or None)`` of a part that is ``rows_scale`` times ``t``'s rows;
+        evenly spread rows of ``t`` stand for it when ``t`` is over ``sample_bytes``."""
+        raw = t.numel() * t.element_size()
+        full = raw * rows_scale
+        if sample_bytes and raw > sample_bytes and t.dim() >= 1 and t.shape[0] > 1:
+            k = max(1, t.shape[0] * sample_bytes // raw)  # rows spread over the part: leading rows are atypical
+            t = t[torch.linspace(0, t.shape[0] - 1, k).round().long()].contiguous()
+        scale = full / max(t.numel() * t.element_size(), 1)
+        stored = self._store(e := {}, {"p": t})
+        got = sum(v.numel() * v.element_size() for v in stored.values())
+        m = e.get("lossless", {}).get("p")
+        if m is not None and scale != 1.0:
+            n = max(1, -(-int(full) // m["chunk_bytes"]))
+            m = {**m, "chunks": (m["chunks"] * (n // len(m["chunks"]) + 1))[:n]}
+        return round(got * scale), m
 
     def add_entry(self, name: str, entry: dict[str, Any], parts: dict[str, torch.Tensor]) -> None:
         """Re-add an entry read from another artifact (``pack``/``unpack``): ``entry`` is its manifest

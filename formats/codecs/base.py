@@ -131,6 +131,11 @@ class Entry:
         return self.codec.stores_bytes
 
     @property
+    def equals_base(self) -> bool:
+        """The tensor is rebuilt as the base's (``same``: exactly; ``drop``: its delta left out)."""
+        return self.codec.equals_base
+
+    @property
     def kernel_ready(self) -> bool:
         """A compressed linear whose parts the SBMM kernels read as they are (kind ``packed``)."""
         return bool(self.codec.layouts)
@@ -190,6 +195,8 @@ class Codec:
         variant_only: a kind of served variant, never a manifest entry (LoRA adapters).
         layouts: the stack layouts the kind offers to ``deltazip.kernels.dispatch`` (``packed``);
             empty for kinds no kernel reads (served as dense tensors).
+        equals_base: the rebuilt tensor is the base tensor itself (``same``, ``drop``): a served
+            variant adds nothing for it.
     """
 
     kind: ClassVar[str]
@@ -198,6 +205,7 @@ class Codec:
     relative_to_base: ClassVar[bool] = False
     variant_only: ClassVar[bool] = False
     layouts: ClassVar[tuple[str, ...]] = ()
+    equals_base: ClassVar[bool] = False
 
     def scheme(self, entry: Entry) -> DeltaScheme | None:
         return None

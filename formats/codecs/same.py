@@ -11,6 +11,7 @@ class SameCodec(Codec):
     kind = "same"
     stores_bytes = False
     relative_to_base = True
+    equals_base = True
 
     def fields(self, shape, dtype: torch.dtype) -> dict:
         return {"kind": self.kind, "shape": list(shape), "dtype": dtype_name(dtype), "stored_bytes": 0}

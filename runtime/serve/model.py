@@ -472,7 +472,7 @@ class DeltaModel:
         on_moe = self._moe.targets({n: list(x.shape) for n, x in v.entries.items()})
         changed = []
         for name, e in v.entries.items():
-            if e.kind == "same":
+            if e.equals_base:  # same, or a dropped delta: nothing to add
                 continue
             moe = on_moe.get(name)
             if moe is not None:  # a fused expert parameter (or one expert's rows of it), or a router
