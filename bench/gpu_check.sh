@@ -2,7 +2,8 @@
 # One prepared GPU check (issues 22 and 23): on one H100/H200 with no network, in about 6 minutes.
 #
 #   bash bench/gpu_check.sh            # writes $OUT (default /tmp/gpu_check): gpu_check.log, summary.md,
-#                                      # sbmm_table.json, table.md, step.json
+#                                      # sbmm_table.json, table.md, step.json, humming_moe.json,
+#                                      # humming_table.md (7 files)
 #
 # Works with whatever torch and Triton the machine has. Python packages the image lacks travel as
 # wheels in .whl/ (see docs/kernels.md, "GPU check"), installed with --no-deps beside the image's own. nvCOMP must match the CUDA major version: nvidia-nvcomp-cu13 under CUDA 13,
@@ -24,6 +25,13 @@ note() { echo "$*" | tee -a "$SUM"; }
 step "setup"
 if compgen -G ".whl/*.whl" >/dev/null; then  # packages the image lacks (none of them is replaced)
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl >>"$LOG" 2>&1
+fi
+if compgen -G ".whl/humming/*.whl" >/dev/null; then  # humming-kernels and its needs, each only where missing
+  for w in .whl/humming/*.whl; do
+    dist=$(basename "$w" | cut -d- -f1 | tr _ -)
+    $PY -m pip show -q "$dist" >/dev/null 2>&1 || \
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$w" >>"$LOG" 2>&1
+  done
 fi
 $PY -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || { echo "pip install -e . failed" | tee -a "$SUM"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
@@ -62,6 +70,11 @@ run "gpu-marked tests" ${TESTS_LIMIT:-110} $PY -m pytest -q -p no:cacheprovider 
   --deselect tests/kernels/test_cuda_sbmm.py
 [ -n "${SKIP_STEP:-}" ] || run "decode step bench (synthetic 7B-shaped Llama)" ${STEP_LIMIT:-150} \
   $PY bench/step.py --pair synthetic-7b --repeats 5 --out "$OUT"
+if [ -z "${SKIP_HUMMING:-}" ] && $PY -c "import humming" 2>/dev/null; then
+  run "humming-kernels MoE GEMM candidate" ${HUMMING_LIMIT:-120} $PY bench/humming_moe.py --out "$OUT"
+else
+  note "- humming-kernels MoE GEMM candidate: not run (${SKIP_HUMMING:+SKIP_HUMMING set}${SKIP_HUMMING:-humming not importable})"
+fi
 if [ -f "$OUT/step.json" ]; then
   note ""
   note "## Decode step (bench/step.py --pair synthetic-7b)"
@@ -71,6 +84,11 @@ if [ -f "$OUT/table.md" ]; then
   note ""
   note "## Delta matmul (graph replay, µs per launch)"
   cat "$OUT/table.md" >>"$SUM"
+fi
+if [ -f "$OUT/humming_table.md" ]; then
+  note ""
+  note "## humming-kernels MoE GEMM vs the dispatched CUDA path (graph replay, µs per launch)"
+  cat "$OUT/humming_table.md" >>"$SUM"
 fi
 step "done"
 cat "$SUM"

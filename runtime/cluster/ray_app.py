@@ -2,7 +2,9 @@
 
 Two deployments behind Ray Serve's HTTP proxy (one endpoint, ``--host``/``--port``):
 
-- ``Ingress`` (one replica, no CPU reserved) reads each request's body, and forwards the raw HTTP
+- ``Ingress`` (one replica, no CPU reserved) reads each request's body (a body over
+  ``--max-request-bytes`` gets a 413 from its Content-Length, or as soon as it streams past the
+  limit, and never reaches a replica), and forwards the raw HTTP
   request to an engine replica through a deployment handle. Generation requests for a variant carry
   the variant name as the multiplexed model id (what the ``serve_multiplexed_model_id`` header sets),
   so Ray Serve routes them to a replica that already holds the variant; base-model and other requests
@@ -32,7 +34,13 @@ from typing import Any
 
 from deltazip.formats.errors import InputError
 from deltazip.runtime.serve.assembly import ServeConfig
-from deltazip.runtime.serve.openai_schema import generation_model
+from deltazip.runtime.serve.openai_schema import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    ApiError,
+    error_body,
+    generation_model,
+    read_body,
+)
 
 log = logging.getLogger("deltazip.cluster")
 APP_NAME = "deltazip"
@@ -289,8 +297,9 @@ def admin_op(method: str, path: str, body: bytes, status: int, answer: bytes) ->
 class Ingress:
     """Forwards every HTTP request to an engine replica (see the module docstring)."""
 
-    def __init__(self, engine, app_name: str = APP_NAME):
+    def __init__(self, engine, app_name: str = APP_NAME, max_body: int = DEFAULT_MAX_REQUEST_BYTES):
         self.engine = engine
+        self.max_body = max_body  # --max-request-bytes: larger bodies get a 413 here, never reach a replica
         self.log = variant_log(app_name)
         self.version: int | None = None
         self.base: str | None = None
@@ -303,7 +312,11 @@ class Ingress:
         if self.version is None:  # first request (or a restarted ingress): where the log stands
             self.version = await self.log.version.remote()
             self.base = (await self.engine.info.remote())["base"]
-        body = await request.body()
+        try:
+            body = await read_body(request, self.max_body)
+        except ApiError as e:
+            return Response(json.dumps(error_body(e.status, e.message, e.type, e.param, e.code)).encode(),
+                            status_code=e.status, media_type="application/json")
         method, path = request.method, request.url.path
         req = {"method": method, "path": path, "query": request.url.query.encode(), "body": body,
                "headers": [(k.encode(), v.encode()) for k, v in request.headers.items()], "version": self.version}
@@ -379,7 +392,7 @@ def build_app(cfg: ServeConfig, opts: RayOptions, num_gpus: float = 0.0, app_nam
     ).bind(cfg, app_name)
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=100_000,
                                ray_actor_options={"num_cpus": 0})
-    return ingress.bind(engine, app_name)
+    return ingress.bind(engine, app_name, cfg.max_request_bytes)
 
 
 def app_builder(args: dict):

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 KEY = "sk-ray-key"
 BASE = "tiny-base"
 SERVED = ["alpha", "beta", "gamma"]
+LIMIT = 64 * 1024  # --max-request-bytes of the app under test
 HEADER = "x-deltazip-replica"
 
 
@@ -45,7 +46,7 @@ def cluster(served, tmp_path_factory):
     for name in SERVED:
         shutil.copytree(served.artifacts / name, arts / name)
     cfg = ServeConfig(artifacts=arts, base=str(served.base_dir), api_key=KEY, port=0, max_deltas=2,
-                      max_cpu_deltas=4, max_num_seqs=8, cpu_threads=1)
+                      max_cpu_deltas=4, max_num_seqs=8, cpu_threads=1, max_request_bytes=LIMIT)
     opts = ray_app.RayOptions(replicas=2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -154,6 +155,26 @@ def test_errors_and_api_key_keep_the_single_server_shapes(cluster):
     r = completion(cluster, "beta", "x", logit_bias={"1": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
     assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_a_body_over_max_request_bytes_is_413_at_the_ingress(cluster):
+    """--max-request-bytes holds behind Ray too: refused from Content-Length, and a chunked body (no
+    Content-Length) as soon as it streams past the limit; the app keeps serving."""
+    url = cluster["url"]
+    big = json.dumps({"model": "alpha", "prompt": "x" * (2 * LIMIT), "max_tokens": 1}).encode()
+    r = httpx.post(url + "/v1/completions", headers=auth(), content=big, timeout=60)
+    assert r.status_code == 413 and HEADER not in r.headers, (r.text, r.headers)  # the ingress answered
+    err = r.json()["error"]
+    assert err["code"] == "request_too_large" and f"at most {LIMIT}" in err["message"], err
+
+    def chunks():
+        for i in range(0, len(big), 8192):
+            yield big[i:i + 8192]
+
+    r = httpx.post(url + "/v1/completions", headers=auth(), content=chunks(), timeout=60)
+    assert r.status_code == 413 and "more than" in r.json()["error"]["message"] and HEADER not in r.headers, r.text
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    assert completion(cluster, "alpha", "hi", n=2).status_code == 200
 
 
 def test_a_variants_requests_stay_on_one_replica(cluster):
