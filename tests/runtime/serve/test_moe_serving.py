@@ -39,6 +39,8 @@ ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 VARIANTS = {
     "a4": dict(method="deltazip", bits=4, sym=True, seed=11),
     "b2": dict(method="rtn", bits=2, sym=False, seed=12),
+    # per-tensor settings (--max-bytes: 80% of a4's bytes): experts of several bits in one model
+    "mx": dict(method="deltazip", bits=4, sym=True, seed=13, max_bytes_of=("a4", 0.8)),
 }
 PROMPTS = ["alpha beta", "zip model tune", "12 + 345 ="]
 MAX_TOKENS = 8
@@ -61,8 +63,12 @@ class MoeSet:
             ft = perturb(tiny_model(arch, **ids), scale=0.3, seed=spec["seed"], skip=("norm",))
             ft_dir = save_model(ft, root / f"ft-{name}", tokenizer=False)
             tok.save_pretrained(ft_dir)
+            budget = {}
+            if "max_bytes_of" in spec:
+                of, frac = spec["max_bytes_of"]
+                budget = dict(max_bytes=int(frac * Artifact(self.arts / of).nbytes()))
             cfg = CompressConfig(scheme=DeltaScheme(bits=spec["bits"], sym=spec["sym"], group_size=32),
-                                 method=spec["method"], nsamples=8, seqlen=32, device="cpu")
+                                 method=spec["method"], nsamples=8, seqlen=32, device="cpu", **budget)
             compress_delta(self.base_dir, ft_dir, str(calib), self.arts / name, cfg)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -144,6 +150,11 @@ def test_every_expert_is_a_packed_nonzero_delta(moe):
     for name in VARIANTS:
         art = Artifact(moe.arts / name)
         experts = {n: e for n, e in art.tensors.items() if ".experts." in n}
+        if "max_bytes_of" in VARIANTS[name]:  # allocated: several settings, some deltas maybe dropped
+            settings = {(e.scheme.bits, e.scheme.sparsity) if e.kind == "packed" else "drop"
+                        for n, e in art.entries().items() if n in experts}
+            assert len(settings) >= 2, settings
+            experts = {n: e for n, e in experts.items() if e["kind"] == "packed"}
         assert experts and all(e["kind"] == "packed" for e in experts.values())
         assert all(delta_weight(art.packed(n)).abs().sum() > 0 for n in experts)
         # calibration left some experts without tokens only where the manifest says so (RTN fallback)
