@@ -10,22 +10,15 @@ delta for it.
 
 from __future__ import annotations
 
-import torch
+from deltazip.formats.codecs.base import register
+from deltazip.formats.codecs.same import SameCodec
 
-from deltazip.formats.codecs.base import Codec, Entry, dtype_name, register
 
+class DropCodec(SameCodec):
+    """Stored and rebuilt exactly like ``same`` (nothing stored, the base tensor read back); only the kind,
+    and so what ``inspect`` and the allocation record say about it, differ."""
 
-class DropCodec(Codec):
     kind = "drop"
-    stores_bytes = False
-    relative_to_base = True
-    equals_base = True
-
-    def fields(self, shape, dtype: torch.dtype) -> dict:
-        return {"kind": self.kind, "shape": list(shape), "dtype": dtype_name(dtype), "stored_bytes": 0}
-
-    def reconstruct(self, src, entry: Entry, base: torch.Tensor | None, device) -> torch.Tensor:
-        return self.check_base(entry, base, entry.shape).to(entry.dtype)
 
 
 register(DropCodec())
