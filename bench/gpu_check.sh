@@ -54,26 +54,35 @@ fi
 run() {  # run NAME TIMEOUT CMD...: one line per step in the summary
   local name=$1 limit=$2; shift 2
   step "$name: $*"
-  local s=$(date +%s)
+  local s=$(date +%s) from=$(( $(wc -l <"$LOG") + 1 ))
   timeout "$limit" "$@" >>"$LOG" 2>&1
   local rc=$?
-  local tail_line
-  tail_line=$(grep -E "passed|failed|error" "$LOG" | tail -1)
+  local tail_line  # this step's own last pytest-style line, if it printed one
+  tail_line=$(tail -n +"$from" "$LOG" | grep -E "[0-9]+ (passed|failed)|[0-9]+ errors?( |$)" | tail -1)
   note "- $name: exit $rc in $(( $(date +%s) - s ))s${tail_line:+ ($tail_line)}"
   return $rc
 }
 
+# STEPS picks what runs (default: all, in this order; the limits add up to about 9 minutes, so a 10-minute
+# call can hold them all; split them over two calls with e.g. STEPS="parity table tests" then STEPS="step humming").
+STEPS=" ${STEPS:-parity table tests step humming} "
+[ -n "${SKIP_STEP:-}" ] && STEPS=${STEPS/ step / }
+[ -n "${SKIP_HUMMING:-}" ] && STEPS=${STEPS/ humming / }
+want() { [[ "$STEPS" == *" $1 "* ]]; }
 xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
-run "CUDA kernel parity" 90 $PY -m pytest -q -x -p no:cacheprovider tests/kernels/test_cuda_sbmm.py
-run "delta matmul table" ${TABLE_LIMIT:-150} $PY bench/sbmm_table.py --out "$OUT" --table ${TABLE_ARGS:-}
-run "gpu-marked tests" ${TESTS_LIMIT:-110} $PY -m pytest -q -p no:cacheprovider $xdist -m gpu --require-gpu tests \
-  --deselect tests/kernels/test_cuda_sbmm.py
-[ -n "${SKIP_STEP:-}" ] || run "decode step bench (synthetic 7B-shaped Llama)" ${STEP_LIMIT:-150} \
+want parity && run "CUDA kernel parity" ${PARITY_LIMIT:-90} $PY -m pytest -q -x -p no:cacheprovider \
+  tests/kernels/test_cuda_sbmm.py
+want table && run "delta matmul table" ${TABLE_LIMIT:-150} $PY bench/sbmm_table.py --out "$OUT" --table ${TABLE_ARGS:-}
+want tests && run "gpu-marked tests" ${TESTS_LIMIT:-110} $PY -m pytest -q -p no:cacheprovider $xdist -m gpu \
+  --require-gpu tests --deselect tests/kernels/test_cuda_sbmm.py
+want step && run "decode step bench (synthetic 7B-shaped Llama)" ${STEP_LIMIT:-150} \
   $PY bench/step.py --pair synthetic-7b --repeats 5 --out "$OUT"
-if [ -z "${SKIP_HUMMING:-}" ] && $PY -c "import humming" 2>/dev/null; then
-  run "humming-kernels MoE GEMM candidate" ${HUMMING_LIMIT:-120} $PY bench/humming_moe.py --out "$OUT"
-else
-  note "- humming-kernels MoE GEMM candidate: not run (${SKIP_HUMMING:+SKIP_HUMMING set}${SKIP_HUMMING:-humming not importable})"
+if want humming; then
+  if $PY -c "import humming" 2>/dev/null; then
+    run "humming-kernels MoE GEMM candidate" ${HUMMING_LIMIT:-90} $PY bench/humming_moe.py --out "$OUT"
+  else
+    note "- humming-kernels MoE GEMM candidate: not run (humming does not import; carry .whl/humming/)"
+  fi
 fi
 if [ -f "$OUT/step.json" ]; then
   note ""
