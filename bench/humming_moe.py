@@ -159,6 +159,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="D 1 and 16 with 1 row each (overrides --deltas/--rows)")
     ap.add_argument("--out", type=Path, default=None, help="write humming_moe.json and humming_table.md here")
     ap.add_argument("--replays", type=int, default=15)
     ap.add_argument("--shapes", default="4096x4096", help="comma list of OUTxIN (default 4096x4096)")
@@ -166,6 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--deltas", default="1,16,64")
     ap.add_argument("--rows", default="1,16")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.deltas, args.rows = "1,16", "1"
     if not torch.cuda.is_available():
         print("bench/humming_moe.py needs a CUDA GPU", file=sys.stderr)
         return 1
