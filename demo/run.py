@@ -1,7 +1,8 @@
 """``deltazip demo``: build a model pair on the spot, compress its delta, prove quality holds.
 
-Rows: base, fine-tuned, ΔCompress at 4 and 2 bits (2:4), and at the same 2-bit 2:4 budget the RTN
-(delta, no calibration) and SparseGPT (full weights) baselines, each with size, ratio, answer loss
+Rows: base, fine-tuned, ΔCompress at 4 and 2 bits (2:4), at the same 2-bit 2:4 budget the RTN
+(delta, no calibration) and SparseGPT (full weights) baselines, and ΔCompress asked for a size instead
+of a bit width (``--target-ratio 10``: per-tensor settings), each with size, ratio, answer loss
 (cross-entropy of the held-out answers given their prompts), task accuracy and time. The answer
 loss is where the methods differ even when they all answer right.
 
@@ -34,12 +35,13 @@ from deltazip.runtime.eval.generated_tasks import answer_loss, exact_match_accur
 ALL_WINDOWS = 1 << 20
 """``--nsamples`` that compress caps at the windows the calibration data holds side by side."""
 
-# (row name, method, bits): the variants the demo compresses.
+# (row name, method, bits, target ratio or None): the variants the demo compresses.
 VARIANTS = (
-    ("deltazip 4-bit 2:4", "deltazip", 4),
-    ("deltazip 2-bit 2:4", "deltazip", 2),
-    ("rtn 2-bit 2:4", "rtn", 2),
-    ("sparsegpt 2-bit 2:4", "sparsegpt", 2),
+    ("deltazip 4-bit 2:4", "deltazip", 4, None),
+    ("deltazip 2-bit 2:4", "deltazip", 2, None),
+    ("rtn 2-bit 2:4", "rtn", 2, None),
+    ("sparsegpt 2-bit 2:4", "sparsegpt", 2, None),
+    ("deltazip --target-ratio 10", "deltazip", 4, 10.0),
 )
 
 
@@ -84,9 +86,9 @@ def _run_demo(workdir: Path, seed: int, nsamples: int, progress: Callable) -> di
                      "seconds": round(build_s, 2) if label == "fine-tuned" else None})
     base = Checkpoint(pair.base_dir, "base")
     progress("compressing variants", 0, len(VARIANTS))
-    for i, (label, method, bits) in enumerate(VARIANTS):
-        out = workdir / "artifacts" / label.replace(" ", "-").replace(":", "")
-        cfg = CompressConfig(scheme=DeltaScheme(bits=bits, group_size=128), method=method,
+    for i, (label, method, bits, target) in enumerate(VARIANTS):
+        out = workdir / "artifacts" / label.replace("--", "").replace(" ", "-").replace(":", "")
+        cfg = CompressConfig(scheme=DeltaScheme(bits=bits, group_size=128), method=method, target_ratio=target,
                              nsamples=nsamples or ALL_WINDOWS, seqlen=64, seed=seed, device="cpu")
         t = time.time()
         with warnings.catch_warnings():
