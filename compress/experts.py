@@ -62,6 +62,12 @@ class Hessians:
         s.addmm_(x.t(), x)
         self.counts[k] = self.counts.get(k, 0) + x.shape[0]
 
+    def update(self, other: Hessians) -> None:
+        """Take ``other``'s sums, counts and shared inputs as well (keys in both: ``other``'s win)."""
+        self.sums.update(other.sums)
+        self.counts.update(other.counts)
+        self.alias.update(other.alias)
+
     def get(self, key: str, expert: int | None = None) -> tuple[torch.Tensor | None, int]:
         """``(H = 2 XᵀX / n, n)``, or ``(None, 0)`` when no token reached it."""
         key = self.alias.get(key, key)

@@ -28,20 +28,23 @@ own size there (its mean square over the hidden dimension), averaged over the ca
   looked up (the stream entering layer 0 is the looked-up row), plus the head term when it is also
   the output head (tied, or stored as its alias; over a fixed sample of ``HEAD_ROWS`` rows).
 
-The OBS solve itself uses the unweighted ``H``, as ΔCompress does.
+The probe's OBS solves of linears use ``H_w`` too (routed experts: their unweighted per-expert ``H``),
+where ΔCompress uses the unweighted ``H``: each setting is then the one that minimises the very error
+it is scored by, and the probe's forward accumulates one ``x xᵀ`` sum per site instead of two.
 
 A dropped delta costs ``E = Δ``. Candidates: ``drop``, bits {2, 3, 4, 8} × {2:4, dense}; embeddings
 ``drop`` and row bits {2, 3, 4, 8}.
 
 **How the probe stays within the time of a second compression** (docs/compress.md, "Sensitivity"):
 the layer runs on the fine-tuned weights (nothing is reconstructed), so one forward per layer both
-gathers every site's Hessian and gives the next layer's input (ΔCompress runs six per layer); the
-eight settings of a matrix are solved in ONE run of the OBS column loop with their rows stacked
+gathers every site's (weighted) Hessian and gives the next layer's input (ΔCompress runs six per
+layer); the gains are measured on ``GAIN_SEQUENCES`` sequences of one batch; the eight settings of a matrix are solved in ONE run of the OBS column loop with their rows stacked
 (``obs.obs_solve`` takes the code width and the 2:4 choice per row; rows are independent given
 ``H``, so each setting's rows come out exactly as if solved alone); and of a large matrix only a fixed
-random sample of ``SAMPLE_ROWS`` rows is solved, its errors and bytes scaled to all rows (the same
-rows for every setting, so settings are compared on equal terms). Byte counts compress at most
-``SAMPLE_BYTES`` of each part.
+random sample of about ``SAMPLE_ELEMENTS`` weights is solved (``sample_rows``: 512 rows of a
+576-column matrix, 256 of a 1536-column one), its errors and bytes scaled to all rows (the same rows
+for every setting, so settings are compared on equal terms). Byte counts compress at most
+``SAMPLE_BYTES`` of each part, the eight settings of a matrix in two threads.
 
 A matrix no calibration token reached has no ``H``: its settings are solved by round-to-nearest (as
 the pipeline stores it) and weighted by the mean diagonal of its site's other Hessians (0 when there
@@ -51,6 +54,7 @@ are none: its measured error is then zero).
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -73,16 +77,31 @@ from deltazip.kernels.scheme import DeltaScheme
 from deltazip.models.layer_map import Target
 from deltazip.models.model_walk import set_param
 
-SAMPLE_ROWS = 512
-"""Rows of each matrix the candidate settings are solved on (all rows of a smaller matrix). Fewer rows
-would do for the errors, but their packed parts must fill a lossless chunk or two for the byte counts
-to hold within 1% (256 rows of a 576-column 2-bit matrix overestimated it by 2%)."""
+SAMPLE_ELEMENTS = 512 * 576
+"""Weights (rows × columns) of each matrix the candidate settings are solved on: ``sample_rows`` rows.
+Fewer would do for the errors, but the packed parts must fill a lossless chunk or two for the byte
+counts to hold within 1% (256 rows of a 576-column 2-bit matrix overestimated it by 2%; 512 held), and
+what fills a chunk is the parts' size, i.e. rows × columns, not rows alone."""
+MIN_SAMPLE_ROWS, MAX_SAMPLE_ROWS = 256, 512
+"""Bounds of ``sample_rows``: at least 256 rows (with 192 rows of SmolLM2's 1536-column down_proj the
+artifact came out 1.02% under its budget, with 256 0.95%), at most 512 (the narrowest matrices')."""
+
+
+def sample_rows(columns: int) -> int:
+    """Rows of a ``columns``-wide matrix the probe solves (all of them when it has fewer): about
+    ``SAMPLE_ELEMENTS`` weights. A solve costs rows × columns² (the OBS block updates), so a fixed element
+    count rather than a fixed row count keeps wide matrices (an MLP's down projection) from dominating
+    the probe: on SmolLM2-135M, 256 rows of its 1536-column down_proj instead of 512."""
+    return max(MIN_SAMPLE_ROWS, min(MAX_SAMPLE_ROWS, -(-SAMPLE_ELEMENTS // max(columns, 1))))
 SAMPLE_BYTES = 1 << 17
 """Parts larger than this are sized from their leading rows (``ArtifactWriter.entry_size``)."""
 HEAD_ROWS = 4096
 """Rows of a tied embedding whose head error is computed (a fixed random sample)."""
 SOLVE_ELEMENTS = 1 << 23
 """Elements (rows × columns) per stacked candidate solve: larger matrices solve their settings in turns."""
+GAIN_SEQUENCES = 2
+"""Calibration sequences each site's gain is measured on (a ratio of noise energies: 2 x 128 tokens of
+SmolLM2 give it to about 1%; a whole batch of 8 cost 9 of a SmolLM2 probe's 89 s)."""
 NOISE = {torch.float32: 1e-2}
 """Relative noise of the gain runs, by compute dtype (5e-2 for half types, whose rounding is coarser)."""
 # Manifest fields every artifact has besides its entries (lineage, config, calibration, stats, files),
@@ -178,7 +197,7 @@ class Probe:
         packed: dict[Setting, list] = {s: [] for s in LINEAR_SETTINGS[1:]}
         rows = scale = 0
         for m, (key, e) in zip(t.matrices(delta), t.hessian_keys()):
-            pick = _row_sample(m.shape[0], SAMPLE_ROWS)
+            pick = _row_sample(m.shape[0], sample_rows(m.shape[1]))
             ms = m if pick is None else m[pick.to(m.device)]
             rows, scale = rows + ms.shape[0], scale + m.shape[0]
             H = self._hessian(hs, key, e)
@@ -191,7 +210,11 @@ class Probe:
                                             None if r.mask is None else r.mask.cpu(), s.bits, group))
             for s, v in zip(LINEAR_SETTINGS, _tr_each(torch.stack(errs), Hw)):
                 err[s] += v * m.shape[0] / ms.shape[0]
-        sizes = [self._linear_bytes(t, s, packed.get(s), ff.dtype, scale / rows) for s in LINEAR_SETTINGS]
+        # the lossless stage sizes each part in one or two chunks, mostly on one core: the settings in two
+        # threads keep both busy (the codec releases the GIL; 9.7 -> 6 s of a SmolLM2 probe)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            sizes = list(pool.map(lambda s: self._linear_bytes(t, s, packed.get(s), ff.dtype, scale / rows),
+                                  LINEAR_SETTINGS))
         self.curves.append(Curve(n, "linear", list(LINEAR_SETTINGS), sizes,
                                  [err[s] * weight for s in LINEAR_SETTINGS], ff.numel(), layer))
 
@@ -297,9 +320,14 @@ class WeightedHessians:
 
     def __init__(self, layer, sites):
         self.hs, self.w, self.handles, self.last = Hessians(), None, [], (None, None)
-        for key, site in sites.items():
-            if site.kind != "experts" and "experts" not in key.split("."):
+        self.sites = sites
+        for key in sites:
+            if self.covers(key):
                 self.handles.append(layer.get_submodule(key).register_forward_pre_hook(self._hook(key)))
+
+    def covers(self, key: str) -> bool:
+        """Whether site ``key`` gets a weighted sum (not routed experts: their inputs are token subsets)."""
+        return self.sites[key].kind != "experts" and "experts" not in key.split(".")
 
     def _hook(self, key: str):
         def fn(_m, args):
@@ -339,10 +367,31 @@ def _outside(probe: Probe) -> None:
             set_param(run.model, n, f.to(run.cdtype), run.device)
 
 
+def _leading(batch, y0: torch.Tensor, n: int):
+    """The first ``n`` sequences of a calibration ``batch`` (``(hidden [B, T, H], kwargs)``) and of its
+    output ``y0``: every tensor of two or more dimensions whose first is ``B`` is cut. Unchanged when
+    ``B <= n``, or when ``T == B`` (a ``[T, ...]`` tensor could not be told from a batch-major one)."""
+    h, kw = batch
+    B = h.shape[0]
+    if B <= n or h.dim() < 2 or h.shape[1] == B:
+        return batch, y0
+
+    def cut(x):
+        if isinstance(x, torch.Tensor):
+            return x[:n] if x.dim() >= 2 and x.shape[0] == B else x
+        if isinstance(x, (tuple, list)):
+            return type(x)(cut(v) for v in x)
+        if isinstance(x, dict):
+            return {k: cut(v) for k, v in x.items()}
+        return x
+    return (h[:n], cut(kw)), y0[:n]
+
+
 def site_gains(run, layer, sites, batch, y0: torch.Tensor) -> dict[str, float]:
     """Per site key: ``||Δ layer output||² / ||noise||²`` with Gaussian noise (``NOISE`` of the RMS) added to
-    the site's output on one calibration ``batch`` (``(hidden, kwargs)``; ``y0`` its clean output)."""
-    h, kw = batch
+    the site's output on the first ``GAIN_SEQUENCES`` sequences of one calibration ``batch``
+    (``(hidden, kwargs)``; ``y0`` its clean output)."""
+    (h, kw), y0 = _leading(batch, y0, GAIN_SEQUENCES)
     rel = NOISE.get(y0.dtype, 5e-2)
     gains = {}
     for key, site in sites.items():
@@ -388,7 +437,11 @@ def _probe_layer(probe: Probe, i: int, batches):
                     hw.w = token_weights(h)
                     outs.append((run.run_layer(layer, h, kw), kw))
 
-        hs = collect_hessians(layer, lmap.sites, list(lmap.sites), forward)
+        # Sites outside the experts are solved with the token-weighted Hessian their errors are measured
+        # with (one x xᵀ sum per site instead of two: the sums, not the layer, were most of this forward);
+        # routed experts keep the plain per-expert sums.
+        hs = collect_hessians(layer, lmap.sites, [k for k in lmap.sites if not hw.covers(k)], forward)
+        hs.update(hw.hs)
     wbar = float(torch.cat([token_weights(h).reshape(-1) for h, _ in batches]).mean()) if batches else 1.0
     gains = site_gains(run, layer, lmap.sites, batches[0], outs[0][0]) if batches else {}
     probe.gains.append({k: round(v, 5) for k, v in gains.items()})
