@@ -41,9 +41,8 @@ gathers every site's (weighted) Hessian and gives the next layer's input (ΔComp
 layer); the gains are measured on ``GAIN_SEQUENCES`` sequences of one batch; the eight settings of a matrix are solved in ONE run of the OBS column loop with their rows stacked
 (``obs.obs_solve`` takes the code width and the 2:4 choice per row; rows are independent given
 ``H``, so each setting's rows come out exactly as if solved alone); and of a large matrix only a fixed
-random sample of about ``SAMPLE_ELEMENTS`` weights is solved (``sample_rows``: 512 rows of a
-576-column matrix, 256 of a 1536-column one), its errors and bytes scaled to all rows (the same rows
-for every setting, so settings are compared on equal terms). Byte counts compress at most
+random sample of ``SAMPLE_ROWS`` rows is solved, its errors and bytes scaled to all rows (the same
+rows for every setting, so settings are compared on equal terms). Byte counts compress at most
 ``SAMPLE_BYTES`` of each part, the eight settings of a matrix in two threads.
 
 A matrix no calibration token reached has no ``H``: its settings are solved by round-to-nearest (as
@@ -77,22 +76,12 @@ from deltazip.kernels.scheme import DeltaScheme
 from deltazip.models.layer_map import Target
 from deltazip.models.model_walk import set_param
 
-SAMPLE_ELEMENTS = 512 * 576
-"""Weights (rows × columns) of each matrix the candidate settings are solved on: ``sample_rows`` rows.
-Fewer would do for the errors, but the packed parts must fill a lossless chunk or two for the byte
-counts to hold within 1% (256 rows of a 576-column 2-bit matrix overestimated it by 2%; 512 held), and
-what fills a chunk is the parts' size, i.e. rows × columns, not rows alone."""
-MIN_SAMPLE_ROWS, MAX_SAMPLE_ROWS = 256, 512
-"""Bounds of ``sample_rows``: at least 256 rows (with 192 rows of SmolLM2's 1536-column down_proj the
-artifact came out 1.02% under its budget, with 256 0.95%), at most 512 (the narrowest matrices')."""
-
-
-def sample_rows(columns: int) -> int:
-    """Rows of a ``columns``-wide matrix the probe solves (all of them when it has fewer): about
-    ``SAMPLE_ELEMENTS`` weights. A solve costs rows × columns² (the OBS block updates), so a fixed element
-    count rather than a fixed row count keeps wide matrices (an MLP's down projection) from dominating
-    the probe: on SmolLM2-135M, 256 rows of its 1536-column down_proj instead of 512."""
-    return max(MIN_SAMPLE_ROWS, min(MAX_SAMPLE_ROWS, -(-SAMPLE_ELEMENTS // max(columns, 1))))
+SAMPLE_ROWS = 512
+"""Rows of each matrix the candidate settings are solved on (all rows of a smaller matrix). Fewer rows
+would do for the errors, but their packed parts must fill a lossless chunk or two for the byte counts
+to hold within 1%: 256 rows of a 576-column 2-bit matrix overestimated it by 2%, and sampling by
+weights instead (192 or 256 rows of SmolLM2's 1536-column down_proj, 4-8 s less probe) left
+SmolLM2 artifacts 1.0-1.05% under their budget where 512 rows leave them 0.3-0.7% under."""
 SAMPLE_BYTES = 1 << 17
 """Parts larger than this are sized from their leading rows (``ArtifactWriter.entry_size``)."""
 HEAD_ROWS = 4096
@@ -197,7 +186,7 @@ class Probe:
         packed: dict[Setting, list] = {s: [] for s in LINEAR_SETTINGS[1:]}
         rows = scale = 0
         for m, (key, e) in zip(t.matrices(delta), t.hessian_keys()):
-            pick = _row_sample(m.shape[0], sample_rows(m.shape[1]))
+            pick = _row_sample(m.shape[0], SAMPLE_ROWS)
             ms = m if pick is None else m[pick.to(m.device)]
             rows, scale = rows + ms.shape[0], scale + m.shape[0]
             H = self._hessian(hs, key, e)

@@ -1,15 +1,8 @@
-"""The probe's cheaper measurements: a calibration batch cut to its leading sequences (the gain runs),
-and the rows of a matrix it solves (about a fixed number of weights)."""
+"""The probe's gain runs take a calibration batch cut to its leading sequences."""
 
 import torch
 
-from deltazip.compress.sensitivity import (
-    MAX_SAMPLE_ROWS,
-    MIN_SAMPLE_ROWS,
-    SAMPLE_ELEMENTS,
-    _leading,
-    sample_rows,
-)
+from deltazip.compress.sensitivity import _leading
 
 
 def test_leading_cuts_batch_major_tensors_only():
@@ -30,10 +23,3 @@ def test_leading_leaves_small_or_ambiguous_batches_alone():
         batch, y0 = (torch.randn(B, T, 4), {"m": torch.ones(B, T)}), torch.randn(B, T, 4)
         got, y = _leading(batch, y0, 2)
         assert got is batch and y is y0
-
-
-def test_sample_rows_keeps_about_a_fixed_number_of_weights():
-    assert sample_rows(576) == 512 == MAX_SAMPLE_ROWS  # SmolLM2's hidden size: as many as before
-    assert sample_rows(1536) == MIN_SAMPLE_ROWS == 256  # its MLP width: bounded below
-    assert sample_rows(64) == MAX_SAMPLE_ROWS
-    assert all(sample_rows(c) * c >= min(SAMPLE_ELEMENTS, MIN_SAMPLE_ROWS * c) for c in (96, 576, 960, 4096, 11008))
