@@ -35,7 +35,7 @@ it is scored by, and the probe's forward accumulates one ``x xᵀ`` sum per site
 A dropped delta costs ``E = Δ``. Candidates: ``drop``, bits {2, 3, 4, 8} × {2:4, dense}; embeddings
 ``drop`` and row bits {2, 3, 4, 8}.
 
-**How the probe stays within the time of a second compression** (docs/compress.md, "Sensitivity"):
+**How the probe keeps near the time of a second compression** (docs/compress.md, "Sensitivity"):
 the layer runs on the fine-tuned weights (nothing is reconstructed), so one forward per layer both
 gathers every site's (weighted) Hessian and gives the next layer's input (ΔCompress runs six per
 layer); the gains are measured on ``GAIN_SEQUENCES`` sequences of one batch; the eight settings of a matrix are solved in ONE run of the OBS column loop with their rows stacked
