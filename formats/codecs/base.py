@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import math
 import pkgutil
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,7 +185,7 @@ def part_problem(entry: Entry, parts: Mapping[str, torch.Tensor], part: str, sha
     return None
 
 
-class Codec:
+class Codec(ABC):
     """How one manifest kind is stored, checked and rebuilt (module docstring).
 
     Class attributes:
@@ -231,6 +232,7 @@ class Codec:
         """Shape/dtype/packing problems of an entry's decoded parts (empty when sound)."""
         return []
 
+    @abstractmethod
     def reconstruct(self, src, entry: Entry, base: torch.Tensor | None, device) -> torch.Tensor:
         """The fine-tuned tensor as the compressor produced it, in its stored dtype.
 
@@ -240,7 +242,6 @@ class Codec:
             base: the base tensor of the entry's name when :meth:`needs_base`, else None.
             device: where the result goes.
         """
-        raise NotImplementedError
 
     @staticmethod
     def check_base(entry: Entry, base: torch.Tensor | None, shape) -> torch.Tensor:
@@ -337,19 +338,18 @@ class MatrixCodec(Codec):
             return [f"tensor {name!r}: 'experts' {experts!r} does not match shape {shape} (expected [E, out, in])"]
         return []
 
+    @abstractmethod
     def dense(self, entry: Entry, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The dense fp32 ``[rows, in]`` matrix the parts stand for (the kind's reference dequant)."""
-        raise NotImplementedError
 
-    def encode(self, rows: torch.Tensor, scheme: DeltaScheme) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Compress a ``[rows, in]`` fp32 matrix without a solver: ``(parts, values)``, ``values`` the
-        fp32 matrix the parts stand for. Kinds solved by ``deltazip.compress`` (``packed``: OBS/RTN)
-        do not implement it."""
-        raise NotImplementedError(f"{self.kind} deltas are produced by the compress solver")
+    encode = None
+    """Optional: ``encode(rows [R, in] fp32, scheme) -> (parts, values)`` compresses a matrix without a
+    solver (``values``: the fp32 matrix the parts stand for). Kinds solved by ``deltazip.compress``
+    (``packed``: OBS/RTN) leave it None."""
 
     @property
     def solver_free(self) -> bool:
-        return type(self).encode is not MatrixCodec.encode
+        return self.encode is not None
 
     def reconstruct(self, src, entry: Entry, base: torch.Tensor | None, device) -> torch.Tensor:
         delta = self.to_stored(entry, self.dense(entry, src.parts(entry.name, device)))
