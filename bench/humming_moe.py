@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _pairs import emit, machine  # noqa: E402
-from sbmm_table import MAX_D, canonical_bytes, copy_bandwidth, graph_time, mma_stacks  # noqa: E402
+from sbmm_table import MAX_D, canonical_bytes, copy_bandwidth, graph_time, markdown, mma_stacks  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -146,15 +146,10 @@ def point(out_f, in_f, bits, dtype, d, r, rings, bw, replays) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    head = ("| shape | bits | dtype | D | R | cuda µs | humming µs | floor (2:4) | humming floor (dense b-bit) | "
-            "cuda/floor | humming/floor | humming/cuda |")
-    lines = [head, "|" + "---|" * 12]
-    for p in results:
-        u = p["us"]
-        lines.append(f"| {p['shape']} | {p['bits']} | {p['dtype']} | {p['deltas']} | {p['rows_per_delta']} | "
-                     f"{u['cuda']} | {u['humming']} | {p['floor_us']} | {p['humming_floor_us']} | "
-                     f"{p['cuda_over_floor']} | {p['humming_over_floor']} | {p['humming_vs_cuda']} |")
-    return "\n".join(lines)
+    return markdown(results, {"cuda µs": lambda p: p["us"]["cuda"], "humming µs": lambda p: p["us"]["humming"],
+                              "floor (2:4)": "floor_us", "humming floor (dense b-bit)": "humming_floor_us",
+                              "cuda/floor": "cuda_over_floor", "humming/floor": "humming_over_floor",
+                              "humming/cuda": "humming_vs_cuda"})
 
 
 def main(argv=None) -> int:

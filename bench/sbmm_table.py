@@ -181,15 +181,23 @@ def parity(bits, dtype) -> float:
     return ((got - ref).norm() / ref.norm()).item()
 
 
-def table(results: list[dict]) -> str:
-    head = "| shape | bits | dtype | D | R | cuda µs | bmm fp16 | loop fp16 | floor | chosen/floor | vs bmm | vs loop |"
-    lines = [head, "|" + "---|" * 12]
+def markdown(results: list[dict], columns: dict[str, object]) -> str:
+    """A markdown table of points: shape, bits, dtype, D, R, then ``columns`` (header -> a key of the
+    point, or a function of it)."""
+    head = ["shape", "bits", "dtype", "D", "R", *columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in results:
-        u = p["us"]
-        lines.append(f"| {p['shape']} | {p['bits']} | {p['dtype']} | {p['deltas']} | {p['rows_per_delta']} | "
-                     f"{u['cuda']} | {u['bmm_fp16']} | {u['loop_fp16']} | {p['floor_us']} | "
-                     f"{p['chosen_over_floor']} | {p['chosen_vs_bmm']} | {p['chosen_vs_loop']} |")
+        cells = [p["shape"], p["bits"], p["dtype"], p["deltas"], p["rows_per_delta"]]
+        cells += [f(p) if callable(f) else p[f] for f in columns.values()]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def table(results: list[dict]) -> str:
+    return markdown(results, {"cuda µs": lambda p: p["us"]["cuda"], "bmm fp16": lambda p: p["us"]["bmm_fp16"],
+                              "loop fp16": lambda p: p["us"]["loop_fp16"], "floor": "floor_us",
+                              "chosen/floor": "chosen_over_floor", "vs bmm": "chosen_vs_bmm",
+                              "vs loop": "chosen_vs_loop"})
 
 
 def main(argv=None) -> int:
