@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issues 22 and 23): on one H100/H200 with no network, in about 6 minutes.
+# One prepared GPU check (issues 22 and 23): on one H100/H200 with no network, in one or two 10-minute calls.
 #
 #   bash bench/gpu_check.sh            # writes $OUT (default /tmp/gpu_check): gpu_check.log, summary.md,
 #                                      # sbmm_table.json, table.md, step.json, humming_moe.json,
@@ -63,20 +63,20 @@ run() {  # run NAME TIMEOUT CMD...: one line per step in the summary
   return $rc
 }
 
-# STEPS picks what runs (default: all, in this order; the limits add up to about 9 minutes, so a 10-minute
-# call can hold them all; split them over two calls with e.g. STEPS="parity table tests" then STEPS="step humming").
-STEPS=" ${STEPS:-parity table tests step humming} "
+# STEPS picks what runs (default: all, in this order: what has never run on a GPU first). step, tests and
+# parity fit one 10-minute call with set-up (about 9 minutes at their limits); humming and table need a
+# second call, e.g. STEPS="humming table".
+STEPS=" ${STEPS:-step tests parity humming table} "
 [ -n "${SKIP_STEP:-}" ] && STEPS=${STEPS/ step / }
 [ -n "${SKIP_HUMMING:-}" ] && STEPS=${STEPS/ humming / }
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
-want parity && run "CUDA kernel parity" ${PARITY_LIMIT:-90} $PY -m pytest -q -x -p no:cacheprovider \
-  tests/kernels/test_cuda_sbmm.py
-want table && run "delta matmul table" ${TABLE_LIMIT:-150} $PY bench/sbmm_table.py --out "$OUT" --table ${TABLE_ARGS:-}
+want step && run "decode step bench (synthetic 7B-shaped Llama)" ${STEP_LIMIT:-300} \
+  $PY bench/step.py --pair synthetic-7b --repeats 5 --out "$OUT"
 want tests && run "gpu-marked tests" ${TESTS_LIMIT:-110} $PY -m pytest -q -p no:cacheprovider $xdist -m gpu \
   --require-gpu tests --deselect tests/kernels/test_cuda_sbmm.py
-want step && run "decode step bench (synthetic 7B-shaped Llama)" ${STEP_LIMIT:-150} \
-  $PY bench/step.py --pair synthetic-7b --repeats 5 --out "$OUT"
+want parity && run "CUDA kernel parity" ${PARITY_LIMIT:-90} $PY -m pytest -q -x -p no:cacheprovider \
+  tests/kernels/test_cuda_sbmm.py
 if want humming; then
   if $PY -c "import humming" 2>/dev/null; then
     run "humming-kernels MoE GEMM candidate" ${HUMMING_LIMIT:-90} $PY bench/humming_moe.py --out "$OUT"
@@ -84,6 +84,7 @@ if want humming; then
     note "- humming-kernels MoE GEMM candidate: not run (humming does not import; carry .whl/humming/)"
   fi
 fi
+want table && run "delta matmul table" ${TABLE_LIMIT:-120} $PY bench/sbmm_table.py --out "$OUT" --table ${TABLE_ARGS:-}
 if [ -f "$OUT/step.json" ]; then
   note ""
   note "## Decode step (bench/step.py --pair synthetic-7b)"

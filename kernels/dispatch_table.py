@@ -17,8 +17,10 @@ never on the request path: an untuned key gets :func:`default_choice`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -29,6 +31,8 @@ import torch
 from deltazip.kernels import cuda_sbmm
 from deltazip.kernels.autotune import cache_dir, cuda_timer, enabled, rows_bucket
 from deltazip.kernels.stacked import StackedDeltas
+
+log = logging.getLogger("deltazip.kernels")
 
 FORMAT_VERSION = 1
 PATHS = ("cuda", "dequant_mm")
@@ -153,17 +157,32 @@ def default_choice(stack: StackedDeltas, rows: int, deltas: int) -> Choice:
     return Choice("cuda")
 
 
-def candidates(stack: StackedDeltas, rows: int, deltas: int) -> list[Choice]:
+SPLIT_WAVES = 8  # a K split is timed only while the split grid stays within this many CTAs per SM
+
+
+def candidates(stack: StackedDeltas, rows: int, deltas: int, sms: int | None = None) -> list[Choice]:
     """Every CUDA launch config worth timing for this key, and ``dequant_mm`` for batches of at least
-    16 rows per slot."""
+    16 rows per slot.
+
+    A K split (``split`` > 1) is a candidate only while the split grid has at most ``SPLIT_WAVES`` CTAs
+    per SM (``sms``: the device's SM count; None: no limit): splitting exists to fill an underfilled
+    grid, and beyond that it only adds the partials' traffic. On the two Hopper runs (H100, H200; 192
+    tuned keys) 7 keys chose a split beyond this bound, each within 3.5% of the same key in the other
+    activation dtype, which mostly chose split 1 (``docs/kernels.md``, "Start-up tuning")."""
     k_tiles = stack.in_features // 128
+    n = rows_bucket(rows)
+    d = min(deltas_bucket(deltas), stack.num_deltas, n)
+    tiles = d * -(-(n // d) // 16)  # the probe spreads n rows evenly over d slots, 16-row tiles
     out = []
     for kt in (1, 2):
         if not cuda_sbmm.kt_ok(stack, kt):
             continue
         for rb in (1, 2):
+            ctas = -(-cuda_sbmm.padded_rows(stack.out_features) // (64 * rb)) * tiles
             for split in (1, 2, 4, 8):
                 if k_tiles // (split * kt) < 2:
+                    continue
+                if split > 1 and sms is not None and ctas * split > SPLIT_WAVES * sms:
                     continue
                 out.append(Choice("cuda", cuda_sbmm.CudaConfig(rb=rb, stages=4, split=split, kt=kt)))
     if rows // max(1, min(deltas, rows)) >= 16:
@@ -246,7 +265,8 @@ def tune(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int, *, ta
     x, plan = _probe(stack, dtype, rows, deltas)
     y = torch.zeros(x.shape[0], stack.out_features, dtype=dtype, device=stack.device)
     best, skipped = None, []
-    for c in candidates(stack, rows, deltas) if cands is None else cands:
+    sms = torch.cuda.get_device_properties(stack.device).multi_processor_count if stack.device.type == "cuda" else None
+    for c in candidates(stack, rows, deltas, sms) if cands is None else cands:
         if c.config is not None and not cuda_sbmm.fits(stack, c.config, stack.device.index or 0):
             skipped.append(f"{c.to_json()}: shared memory does not fit")
             continue
@@ -283,14 +303,20 @@ def buckets(num_slots: int, rows: tuple[int, ...] = DECODE_ROWS + PREFILL_ROWS) 
 
 
 def tune_stack(stack: StackedDeltas, dtype: torch.dtype, pairs: list[tuple[int, int]] | None = None) -> int:
-    """Tune every (rows, deltas) pair of a stack; returns how many keys were timed now (not cached)."""
+    """Tune every (rows, deltas) pair of a stack; returns how many keys were timed now (not cached).
+
+    Logs one line per stack that needed tuning (``deltazip.kernels``, INFO): its shape, the keys timed
+    and the seconds they took, so a slow start-up says where its time went."""
     table = table_for(stack.device)
     pairs = buckets(stack.num_deltas) if pairs is None else pairs
-    timed = 0
+    timed, t0 = 0, time.perf_counter()
     for rows, deltas in pairs:
         if key(stack, dtype, rows, deltas) not in table.entries:
             tune(stack, dtype, rows, deltas, table=table, save=False)
             timed += 1
     if timed:
         table.save()
+        log.info("tuned the delta matmul of %dx%d %d-bit %s (%s): %d keys in %.1f s", stack.out_features,
+                 stack.in_features, stack.bits, "2:4" if stack.sparse else "dense", str(dtype).removeprefix("torch."),
+                 timed, time.perf_counter() - t0)
     return timed

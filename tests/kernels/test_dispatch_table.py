@@ -47,6 +47,20 @@ def test_candidates_cover_the_launch_configs_and_the_prefill_path():
     assert {c.config.kt for c in eight} == {1}  # two tiles per stage would spill at 8 bits
 
 
+def test_a_k_split_is_timed_only_while_the_split_grid_is_within_its_waves():
+    """Llama-7B's 4096x4096 at 4 bits on a 132-SM GPU: one delta, one row (64 or 32 CTAs) keeps every split
+    that fits K; 16 deltas of 16 rows (1024 / 512 CTAs) keep only split 1 or 2; no SM count, no bound."""
+    s = StackedDeltas.allocate(16, bits=4, group_size=128, in_features=4096, out_features=4096, sparse=True,
+                               asymmetric=False, layout="mma")
+    splits = lambda rows, d, sms: {(c.config.rb, c.config.split) for c in dispatch_table.candidates(s, rows, d, sms)
+                                   if c.path == "cuda"}
+    assert {sp for _, sp in splits(1, 1, 132)} == {1, 2, 4, 8}
+    many = splits(256, 16, 132)  # 16 tiles: 1024 CTAs with rb 1, 512 with rb 2; the bound is 8 x 132 = 1056
+    assert many == {(1, 1), (2, 1), (2, 2)}
+    assert all(64 // rb * 16 * sp <= dispatch_table.SPLIT_WAVES * 132 for rb, sp in many if sp > 1)
+    assert {sp for _, sp in splits(256, 16, None)} == {1, 2, 4, 8}
+
+
 def test_tune_keeps_the_fastest_skips_failures_and_caches(table_dir):
     s = _stack()
     cands = [Choice("cuda", cuda_sbmm.CudaConfig(2, 4, sp, 1)) for sp in (1, 2, 4)]
