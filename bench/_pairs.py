@@ -125,13 +125,55 @@ SHAPES_7B = {"7b": dict(hidden_size=4096, intermediate_size=11008, num_attention
                            vocab_size=512)}
 
 
-def synthetic_7b(layers: int = 4, distinct: int = 2, names: int = 32, shape: str = "7b", log=print) -> tuple[Path, Path]:
+def hard_link_names(src: Path, arts: Path, names: int, distinct: int) -> None:
+    """``arts/vNN`` for ``NN < names``: hard links to ``src/v{NN % distinct}`` (one copy of the bytes on disk)."""
+    for i in range(names):
+        dst, done = arts / f"v{i:02d}", arts / f".v{i:02d}.linked"  # hidden: not a variant to the server
+        if done.is_file():
+            continue
+        one = src / f"v{i % distinct}"
+        for f in one.rglob("*"):
+            target = dst / f.relative_to(one)
+            if f.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if not target.exists():
+                    os.link(f, target)
+        done.write_text("ok")
+
+
+def synthetic_7b_merged(layers: int = 4, distinct: int = 1, names: int = 32, shape: str = "7b",
+                        log=print) -> Path:
+    """The variants of :func:`synthetic_7b` as whole merged checkpoints (``deltazip merge`` of each
+    distinct one, hard-linked under the same names): what a swap deployment stores and loads, so the
+    swap baseline reads a model instead of rebuilding one from its delta at every load. Returns the
+    directory of the named checkpoints."""
+    from deltazip.compress.merge import merge_to_dir
+    from deltazip.formats.artifact import Artifact
+    from deltazip.models.checkpoint import Checkpoint
+
+    arts, base = synthetic_7b(layers, distinct, names, shape, log)
+    d = arts.parent
+    merged = d / "merged"
+    for i in range(distinct):
+        out = merged / "distinct" / f"v{i}"
+        if not (out / "config.json").is_file():
+            t0 = time.time()
+            merge_to_dir(Artifact(d / "distinct" / f"v{i}"), Checkpoint(base), out, overwrite=True)
+            log(f"synthetic variant {i} merged into a whole checkpoint ({time.time() - t0:.0f}s)")
+    hard_link_names(merged / "distinct", merged / "named", names, distinct)
+    return merged / "named"
+
+
+def synthetic_7b(layers: int = 4, distinct: int = 1, names: int = 32, shape: str = "7b", log=print) -> tuple[Path, Path]:
     """A Llama with Llama-2-7B layer shapes (hidden 4096, MLP 11008, 32 heads, vocab 32000; ``shape``
     "small" for a CPU check) and random weights, ``layers`` layers, bf16 on disk, plus ``distinct``
     RTN 4-bit 2:4 variants (perturbed copies, compressed on the GPU when there is one), each hard-linked
     under several names to reach ``names`` variants: a delta matmul's time does not depend on the values
-    it reads, and compressing 32 variants of a 1B-parameter model would not fit a GPU window. Cached
-    under ``CACHE``; returns ``(artifacts dir, base dir)``."""
+    it reads, and compressing 32 variants of a 1B-parameter model would not fit a GPU window (one took
+    95 s to build and compress on the H100 machine, 4 layers). Cached under ``CACHE``; returns
+    ``(artifacts dir, base dir)``."""
     d = CACHE / f"synthetic-{shape}-l{layers}-d{distinct}-raw"
     arts, base = d / "arts", d / "base"
     if not (d / "done").is_file():
@@ -174,17 +216,7 @@ def synthetic_7b(layers: int = 4, distinct: int = 2, names: int = 32, shape: str
             log(f"synthetic variant {i} compressed ({time.time() - t0:.0f}s)")
         del m, original
         (d / "done").write_text("ok")
-    for i in range(names):  # hard links: one copy of the bytes on disk, distinct variants to the server
-        dst = arts / f"v{i:02d}"
-        if not (dst / "manifest.json").is_file():
-            src = d / "distinct" / f"v{i % distinct}"
-            for f in src.rglob("*"):
-                target = dst / f.relative_to(src)
-                if f.is_dir():
-                    target.mkdir(parents=True, exist_ok=True)
-                else:
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    os.link(f, target)
+    hard_link_names(d / "distinct", arts, names, distinct)  # distinct variants to the server, one copy on disk
     return arts, base
 
 

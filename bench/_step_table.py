@@ -12,4 +12,7 @@ for r in d["results"]:
           f"{r['delta_over_base']} | {r.get('generate_ms_per_token', '-')} | {r.get('generate_over_base', '-')} | "
           f"{r['delta_host_ms']} |")
 print()
+if not d.get("complete", True):
+    print("(stopped before the last configuration: the rows above are the ones it finished)")
+    print()
 print(json.dumps(d["config"]))

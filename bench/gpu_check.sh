@@ -2,8 +2,8 @@
 # One prepared GPU check (issues 22 and 23): on one H100/H200 with no network, in one or two 10-minute calls.
 #
 #   bash bench/gpu_check.sh            # writes $OUT (default /tmp/gpu_check): gpu_check.log, summary.md,
-#                                      # sbmm_table.json, table.md, step.json, humming_moe.json,
-#                                      # humming_table.md (7 files)
+#                                      # step.json, serve.json, sbmm_table.json, table.md, humming_moe.json,
+#                                      # humming_table.md (8 files)
 #
 # Works with whatever torch and Triton the machine has. Python packages the image lacks travel as
 # wheels in .whl/ (see docs/kernels.md, "GPU check"), installed with --no-deps beside the image's own. nvCOMP must match the CUDA major version: nvidia-nvcomp-cu13 under CUDA 13,
@@ -63,16 +63,31 @@ run() {  # run NAME TIMEOUT CMD...: one line per step in the summary
   return $rc
 }
 
-# STEPS picks what runs (default: all, in this order: what has never run on a GPU first). step, tests and
-# parity fit one 10-minute call with set-up (about 9 minutes at their limits); humming and table need a
-# second call, e.g. STEPS="humming table".
-STEPS=" ${STEPS:-step tests parity humming table} "
+# STEPS picks what runs (default: all, in this order: what has never run on a GPU first). Limits: step 300 s,
+# serve 270, tests 110, parity 90, humming 90, table 120. In a 15-minute window: STEPS="step serve" (one
+# 10-minute call), then STEPS="tests parity" on the warm machine.
+STEPS=" ${STEPS:-step serve tests parity humming table} "
 [ -n "${SKIP_STEP:-}" ] && STEPS=${STEPS/ step / }
 [ -n "${SKIP_HUMMING:-}" ] && STEPS=${STEPS/ humming / }
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
 want step && run "decode step bench (synthetic 7B-shaped Llama)" ${STEP_LIMIT:-300} \
   $PY bench/step.py --pair synthetic-7b --repeats 5 --out "$OUT"
+# serve: the delta server first, so a run stopped at its limit keeps the delta rows; the swap server loads
+# whole merged checkpoints (one merge, hard-linked under the 32 names); host tiers of 8 variants bound the
+# start-up reads.
+if want serve; then  # server logs (warm-up, capacity, tuning lines) to the log, serve.json to $OUT
+  SERVE_OUT=/tmp/gpu_check_serve; rm -rf "$SERVE_OUT"
+  run "serving bench (synthetic 7B-shaped Llama, 32 variants, delta vs swap)" ${SERVE_LIMIT:-270} \
+    $PY bench/serve.py --pair synthetic-7b --quick --duration ${SERVE_DURATION:-10} --variants 32 \
+    --max-deltas 8 --max-cpu-deltas 8 \
+    --server-log-level info --out "$SERVE_OUT"
+  [ -f "$SERVE_OUT/serve.json" ] && cp "$SERVE_OUT/serve.json" "$OUT/serve.json"
+  for f in "$SERVE_OUT"/server-*.log; do
+    [ -f "$f" ] && { echo "--- $(basename "$f") (start-up lines and errors)"; \
+      grep -E "warm-up|capacity|tuned|Error|Traceback" "$f" | head -40; } >>"$LOG"
+  done
+fi
 want tests && run "gpu-marked tests" ${TESTS_LIMIT:-110} $PY -m pytest -q -p no:cacheprovider $xdist -m gpu \
   --require-gpu tests --deselect tests/kernels/test_cuda_sbmm.py
 want parity && run "CUDA kernel parity" ${PARITY_LIMIT:-90} $PY -m pytest -q -x -p no:cacheprovider \
@@ -89,6 +104,11 @@ if [ -f "$OUT/step.json" ]; then
   note ""
   note "## Decode step (bench/step.py --pair synthetic-7b)"
   $PY bench/_step_table.py "$OUT/step.json" >>"$SUM"
+fi
+if [ -f "$OUT/serve.json" ]; then
+  note ""
+  note "## Serving (bench/serve.py --pair synthetic-7b --quick)"
+  $PY bench/_serve_table.py "$OUT/serve.json" >>"$SUM"
 fi
 if [ -f "$OUT/table.md" ]; then
   note ""

@@ -15,7 +15,9 @@ downloaded) — it generates one open-loop trace with Poisson arrivals at ``--ra
 the same machine: ``deltazip serve --mode delta`` and ``deltazip serve --mode swap`` (same host
 cache; the swap server gets as many whole-model slots as fit in the weight memory the delta server
 used, read from its ``deltazip_device_weight_bytes`` gauge — ``--swap-slots same-count`` gives it
-``--max-deltas`` instead). The client streams every request (SSE) and records time to first token
+``--max-deltas`` instead). With ``--pair synthetic-7b`` the swap server loads whole merged checkpoints
+(``--swap-from merged``, what a swap deployment stores) rather than rebuilding each model from its
+artifact on the host at every load, which costs seconds at that size. The client streams every request (SSE) and records time to first token
 (TTFT) and end-to-end latency (E2E).
 
 Per (mode, distribution): requests completed / refused, throughput (requests/s and tokens/s over
@@ -46,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import CACHE, demo_pair, machine, smollm2_pair, synthetic_7b  # noqa: E402
+from _pairs import CACHE, demo_pair, machine, smollm2_pair, synthetic_7b, synthetic_7b_merged  # noqa: E402
 
 DISTS = ("uniform", "zipf-1.5", "azure-like")
 
@@ -176,7 +178,7 @@ class Server:
         if args.cpu_threads:
             cmd += ["--cpu-threads", str(args.cpu_threads)]
         self.log_path = logdir / f"server-{mode}.log"
-        env = dict(os.environ, DELTAZIP_LOG_LEVEL="warning")
+        env = dict(os.environ, DELTAZIP_LOG_LEVEL=args.server_log_level)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "w"), env=env,
                                      start_new_session=True)
 
@@ -314,6 +316,10 @@ def plot(results: list[dict], path: Path) -> None:
 # ----------------------------------------------------------------------------------- main
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="short traces and RTN-compressed variants (a few minutes)")
@@ -335,10 +341,20 @@ def main() -> None:
     ap.add_argument("--cpu-threads", type=int, default=None, help="server torch threads (default 1 on CPU)")
     ap.add_argument("--slo-scale", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--swap-from", choices=("artifacts", "merged"), default=None,
+                    help="what the swap server loads: the artifacts, each rebuilt into a whole model at load, or whole "
+                         "merged checkpoints, what a swap deployment stores (default: merged for synthetic-7b, whose "
+                         "rebuild costs seconds per load on the host; artifacts for the small pairs)")
+    ap.add_argument("--server-log-level", default="warning",
+                    help="the servers' DELTAZIP_LOG_LEVEL (info: their start-up lines, kernel tuning and one line per "
+                         "request, in DIR/server-MODE.log)")
     ap.add_argument("--artifacts", type=Path, default=None,
                     help="serve these artifacts instead of building variants (needs --base)")
     ap.add_argument("--base", default=None, help="base model of --artifacts")
     a = ap.parse_args()
+    # A time limit's SIGTERM (gpu_check.sh runs this under `timeout`) unwinds like Ctrl-C, so the
+    # servers' process groups are stopped (Server.stop in a finally) instead of outliving the bench.
+    signal.signal(signal.SIGTERM, _interrupt)
     gpu = torch.cuda.is_available()
     a.pair = a.pair or ("smollm2" if gpu else "demo")
     a.rate = a.rate or (20.0 if gpu else 6.0)
@@ -347,8 +363,18 @@ def main() -> None:
     method = "rtn" if a.quick else "deltazip"
 
     if a.pair == "synthetic-7b" and a.artifacts is None:
-        a.artifacts, a.base = synthetic_7b(a.layers, names=a.variants, shape="7b" if gpu else "small", log=log)
+        # One distinct variant under every name (the step bench's cache too): every server still reads,
+        # checks and copies each name's bytes on its own; the GPU window saves a second compress.
+        a.artifacts, a.base = synthetic_7b(a.layers, distinct=1, names=a.variants, shape="7b" if gpu else "small",
+                                           log=log)
+        a.swap_from = a.swap_from or "merged"
+        if a.swap_from == "merged":
+            swap_arts = synthetic_7b_merged(a.layers, distinct=1, names=a.variants, shape="7b" if gpu else "small",
+                                            log=log)
         a.base = str(a.base)
+    a.swap_from = a.swap_from or "artifacts"
+    if a.swap_from == "merged" and a.pair != "synthetic-7b":
+        raise SystemExit("--swap-from merged is built for --pair synthetic-7b only")
     if a.artifacts is not None:
         if not a.base:
             raise SystemExit("--artifacts needs --base")
@@ -381,7 +407,7 @@ def main() -> None:
                 slots = max(1, int(memory["delta_device_weight_bytes"] // memory["model_bytes"]))
             memory[f"{mode}_slots"] = slots
             log(f"starting deltazip serve --mode {mode} --max-deltas {slots}")
-            srv = Server(arts, base, mode, a, logdir, slots)
+            srv = Server(swap_arts if mode == "swap" and a.swap_from == "merged" else arts, base, mode, a, logdir, slots)
             try:
                 srv.wait_ready()
                 if mode == "delta":
@@ -395,6 +421,12 @@ def main() -> None:
                     row = {"mode": mode, "dist": dist, **summarize(res, t0, slo)}
                     results.append(row)
                     log(json.dumps(row))
+                    if a.out:  # the rows so far: a run stopped at a time limit still leaves them
+                        (a.out / "serve.json").write_text(json.dumps(
+                            {"bench": "serve", "machine": machine(), "complete": False,
+                             "config": {"pair": a.pair, "variants": a.variants, "rate_rps": a.rate,
+                                        "duration_s": a.duration, "memory": memory},
+                             "results": results}, indent=1))
                 memory[f"{mode}_device_weight_bytes"] = scrape(srv.url, "deltazip_device_weight_bytes")
             finally:
                 srv.stop()
@@ -406,10 +438,11 @@ def main() -> None:
                             if s["throughput_rps"] else None,
                             "ttft_p50_swap_over_delta": round(s["ttft_s"]["p50"] / d["ttft_s"]["p50"], 3)
                             if d["ttft_s"]["p50"] else None})
-        doc = {"bench": "serve", "machine": machine(),
+        doc = {"bench": "serve", "machine": machine(), "complete": True,
                "config": {"quick": a.quick, "pair": a.pair, "variants": a.variants, "compression": method if a.artifacts else f"{method} 4-bit 2:4",
                           "rate_rps": a.rate, "duration_s": a.duration, "max_tokens": a.max_tokens,
-                          "max_deltas": a.max_deltas, "swap_slots": a.swap_slots, "memory": memory,
+                          "max_deltas": a.max_deltas, "swap_slots": a.swap_slots, "swap_from": a.swap_from,
+                          "memory": memory,
                           "max_cpu_deltas": a.max_cpu_deltas,
                           "max_num_seqs": a.max_num_seqs, "cpu_threads": a.cpu_threads,
                           "slo": {k: round(v, 4) for k, v in slo.items()}, "slo_scale": a.slo_scale,

@@ -212,7 +212,17 @@ def main() -> None:
     hosts.clear()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     generate_ms: dict[int, float] = {}  # per batch size: generate runs the base alone, whatever k is
-    results = []
+    results: list[dict] = []
+
+    def document(complete: bool) -> dict:
+        return {"bench": "step", "machine": machine(), "complete": complete,
+                "config": {"pair": a.pair, "context": a.context, "repeats": a.repeats, "threads": a.threads,
+                           "dtype": str(dtype).removeprefix("torch."), "layers": a.layers if synthetic else None,
+                           "delta_model_build_s": round(build_s, 2), "kernel_warmup_s": round(dm.warmup["seconds"], 2),
+                           "swap_variants": n_swap, "delta_compute": dm.delta_compute, "device": str(device),
+                           "paged_kv": is_paged(dm)},
+                "results": results}
+
     for rows in a.rows:
         for k in a.variants:
             if rows % k:
@@ -259,14 +269,10 @@ def main() -> None:
                 row["generate_over_base"] = round(row["generate_ms_per_token"] / row["base_ms"]["p50"], 3)
             results.append(row)
             log(json.dumps(row))
-    emit({"bench": "step", "machine": machine(),
-          "config": {"pair": a.pair, "context": a.context, "repeats": a.repeats, "threads": a.threads,
-                     "dtype": str(dtype).removeprefix("torch."), "layers": a.layers if synthetic else None,
-                     "delta_model_build_s": round(build_s, 2), "swap_variants": n_swap,
-                     "delta_compute": dm.delta_compute, "device": str(device),
-                     "paged_kv": is_paged(dm)},
-          "results": results},
-         a.out, "step.json")
+            if a.out is not None:  # the rows so far: a run stopped at a time limit still leaves them
+                a.out.mkdir(parents=True, exist_ok=True)
+                (a.out / "step.json").write_text(json.dumps(document(False), indent=1))
+    emit(document(True), a.out, "step.json")
 
 
 if __name__ == "__main__":

@@ -52,8 +52,10 @@ def test_a_k_split_is_timed_only_while_the_split_grid_is_within_its_waves():
     that fits K; 16 deltas of 16 rows (1024 / 512 CTAs) keep only split 1 or 2; no SM count, no bound."""
     s = StackedDeltas.allocate(16, bits=4, group_size=128, in_features=4096, out_features=4096, sparse=True,
                                asymmetric=False, layout="mma")
-    splits = lambda rows, d, sms: {(c.config.rb, c.config.split) for c in dispatch_table.candidates(s, rows, d, sms)
-                                   if c.path == "cuda"}
+
+    def splits(rows, d, sms):
+        return {(c.config.rb, c.config.split) for c in dispatch_table.candidates(s, rows, d, sms) if c.path == "cuda"}
+
     assert {sp for _, sp in splits(1, 1, 132)} == {1, 2, 4, 8}
     many = splits(256, 16, 132)  # 16 tiles: 1024 CTAs with rb 1, 512 with rb 2; the bound is 8 x 132 = 1056
     assert many == {(1, 1), (2, 1), (2, 2)}
