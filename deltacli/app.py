@@ -36,6 +36,7 @@ COMMAND_MODULES = (
     "deltazip.deltacli.pack_cmd",
     "deltazip.deltacli.serve_cmd",
     "deltazip.deltacli.eval_cmd",
+    "deltazip.deltacli.tune_cmd",
 )
 
 

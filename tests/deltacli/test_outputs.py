@@ -39,6 +39,7 @@ INPUTS = {
     "unpack": {"artifact"},
     "verify": {"artifact"},
     "serve": {"artifacts"},
+    "tune": {"artifacts"},
     "demo": set(),
 }
 
