@@ -98,6 +98,36 @@ def _smem_limit(device_index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
 
 
+MAX_REGS = 128  # registers per thread; tests/kernels/test_cuda_sbmm.py asserts every variant stays within
+
+
+@functools.cache
+def sm_limits(device_index: int = 0) -> tuple[int, int, int]:
+    """``(SMs, shared memory per SM, 32-bit registers per SM)``; an H100/H200's (132, 228 KiB, 64 Ki) when
+    no GPU is there to ask (offline planning)."""
+    if not torch.cuda.is_available():
+        return 132, 233472, 65536
+    p = torch.cuda.get_device_properties(device_index)
+    return (p.multi_processor_count, int(getattr(p, "shared_memory_per_multiprocessor", 0) or 233472),
+            int(getattr(p, "regs_per_multiprocessor", 0) or 65536))
+
+
+def ctas_per_sm(stack: StackedDeltas, cfg: CudaConfig, device_index: int = 0) -> int:
+    """CTAs of ``cfg`` that one SM holds at once: its pipeline's shared memory (plus the 1 KiB the driver
+    reserves per CTA) and ``MAX_REGS`` registers for each of its ``128 * rb`` threads bound it."""
+    _, smem_sm, regs = sm_limits(device_index)
+    smem = cfg.stages * stage_bytes(stack, cfg.rb, cfg.kt) + 1024
+    return max(1, min(smem_sm // smem, regs // (MAX_REGS * 128 * cfg.rb)))
+
+
+def effective_split(k_tiles: int, cfg: CudaConfig) -> tuple[int, int]:
+    """``(K tiles per split, splits)`` that a launch with ``cfg`` runs: whole stages per split, no empty
+    split (every CTA of a row tile reaches its counter), so ``split`` 3 over 32 tiles in stages of 2
+    runs 12 + 12 + 8 tiles."""
+    per_split = -(-k_tiles // (cfg.split * cfg.kt)) * cfg.kt
+    return per_split, -(-k_tiles // per_split)
+
+
 def available(device_index: int = 0) -> bool:
     """A CUDA device of compute capability 8.0+ (mma.sync bf16, cp.async) and NVRTC that loads."""
     return cuda_kernel_available(device_index)
@@ -203,8 +233,7 @@ def sbmm_cuda(x: torch.Tensor, stack: StackedDeltas, plan: RowPlan, *, out: torc
     k_tiles = in_f // 128
     if k_tiles % cfg.kt:
         raise ValueError(f"kt={cfg.kt} does not divide the {k_tiles} K tiles of in_features {in_f}")
-    per_split = -(-k_tiles // (cfg.split * cfg.kt)) * cfg.kt  # whole stages per split
-    split = -(-k_tiles // per_split)  # no empty split: every CTA of a tile reaches its counter
+    per_split, split = effective_split(k_tiles, cfg)
     if split > 1 and split * n * out_f > MAX_WORKSPACE:  # a prefill-sized call has CTAs enough without
         per_split, split = k_tiles, 1
     grid_x = -(-padded_rows(out_f) // (64 * cfg.rb))
@@ -278,9 +307,15 @@ def _scratch(device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tens
     return t[:numel]
 
 
-def waves(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig, sms: int, ctas_per_sm: int) -> float:
-    """Grid size over what the device runs at once (a wave count; fractional tails waste SMs)."""
-    k_tiles = stack.in_features // 128
-    split = math.ceil(k_tiles / (math.ceil(k_tiles / (cfg.split * cfg.kt)) * cfg.kt))
+def waves(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig, device_index: int = 0) -> float:
+    """The grid of a launch over the CTAs the device runs at once (``sm_limits``, ``ctas_per_sm``): a wave
+    count, whose fractional tail leaves SMs idle while the last wave runs."""
+    _, split = effective_split(stack.in_features // 128, cfg)
     ctas = -(-padded_rows(stack.out_features) // (64 * cfg.rb)) * num_tiles * split
-    return ctas / (sms * ctas_per_sm)
+    return ctas / (sm_limits(device_index)[0] * ctas_per_sm(stack, cfg, device_index))
+
+
+def wave_efficiency(w: float) -> float:
+    """Share of the SM time of a launch of ``w`` waves that does work (1 for whole waves; ``w`` below one
+    wave, which leaves SMs idle throughout)."""
+    return w / math.ceil(w) if w > 0 else 0.0

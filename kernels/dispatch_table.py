@@ -164,30 +164,59 @@ def candidates(stack: StackedDeltas, rows: int, deltas: int, sms: int | None = N
     """Every CUDA launch config worth timing for this key, and ``dequant_mm`` for batches of at least
     16 rows per slot.
 
-    A K split (``split`` > 1) is a candidate only while the split grid has at most ``SPLIT_WAVES`` CTAs
-    per SM (``sms``: the device's SM count; None: no limit): splitting exists to fill an underfilled
-    grid, and beyond that it only adds the partials' traffic. On the two Hopper runs (H100, H200; 192
-    tuned keys) 7 keys chose a split beyond this bound, each within 3.5% of the same key in the other
-    activation dtype, which mostly chose split 1 (``docs/kernels.md``, "Start-up tuning")."""
+    For each ``rb`` and ``kt``: K splits 1, 2, 4 and 8; with ``sms`` (the device's SM count) those above 1
+    only while the split grid has at most ``SPLIT_WAVES`` CTAs per SM (splitting exists to fill an
+    underfilled grid; beyond that it only adds the partials' traffic), plus the fewest other splits in
+    2..8 that fill the last wave 5 points better than those (``_better_split``,
+    ``cuda_sbmm.wave_efficiency``: an 11008-row output over 4 row tiles is 344 CTAs of 256 threads, two
+    per SM; split 3 fills 3.9 waves of 132 x 2, split 2 only 2.6). On the two Hopper runs
+    (H100, H200; 192 tuned keys) 7 keys chose a split beyond this bound, each within 3.5% of the same key
+    in the other activation dtype, which mostly chose split 1 (``docs/kernels.md``, "Start-up tuning")."""
     k_tiles = stack.in_features // 128
     n = rows_bucket(rows)
     d = min(deltas_bucket(deltas), stack.num_deltas, n)
     tiles = d * -(-(n // d) // 16)  # the probe spreads n rows evenly over d slots, 16-row tiles
+    dev = (stack.device.index or 0) if stack.device.type == "cuda" else 0
     out = []
     for kt in (1, 2):
         if not cuda_sbmm.kt_ok(stack, kt):
             continue
         for rb in (1, 2):
             ctas = -(-cuda_sbmm.padded_rows(stack.out_features) // (64 * rb)) * tiles
-            for split in (1, 2, 4, 8):
-                if k_tiles // (split * kt) < 2:
-                    continue
-                if split > 1 and sms is not None and ctas * split > SPLIT_WAVES * sms:
-                    continue
-                out.append(Choice("cuda", cuda_sbmm.CudaConfig(rb=rb, stages=4, split=split, kt=kt)))
+            k_ok = [sp for sp in range(1, 9) if sp == 1 or k_tiles // (sp * kt) >= 2]
+            splits = [sp for sp in k_ok
+                      if sp == 1 or (sp in (2, 4, 8) and (sms is None or ctas * sp <= SPLIT_WAVES * sms))]
+            if sms is not None:
+                splits += _better_split(stack, tiles, rb, kt, splits, k_ok, dev)
+            out += [Choice("cuda", _config(rb, kt, sp)) for sp in splits]
     if rows // max(1, min(deltas, rows)) >= 16:
         out.append(Choice("dequant_mm"))
     return out
+
+
+def _config(rb: int, kt: int, split: int) -> cuda_sbmm.CudaConfig:
+    return cuda_sbmm.CudaConfig(rb=rb, stages=4, split=split, kt=kt)
+
+
+def _better_split(stack: StackedDeltas, tiles: int, rb: int, kt: int, kept: list[int], k_ok: list[int],
+                  dev: int) -> list[int]:
+    """``[split]``: the fewest splits of ``k_ok`` (beyond ``SPLIT_WAVES`` too) whose launch fills its last
+    wave at least 5 points better than every ``kept`` one does; else ``[]``. Fewest, because each split
+    adds fp32 partials of the whole output; one more candidate is cheap, and the tuner measures whether
+    the fuller wave pays for them. Splits are compared by the split count a launch actually runs (3 over 8
+    tiles in stages of 2 runs 2 splits of 4, the launch of split 2)."""
+    k_tiles = stack.in_features // 128
+
+    def eff(sp: int) -> float:
+        return cuda_sbmm.wave_efficiency(cuda_sbmm.waves(stack, tiles, _config(rb, kt, sp), dev))
+
+    def runs(sp: int) -> int:
+        return cuda_sbmm.effective_split(k_tiles, _config(rb, kt, sp))[1]
+
+    taken = {runs(sp) for sp in kept}
+    floor = max(eff(sp) for sp in kept) + 0.05
+    better = [sp for sp in k_ok if runs(sp) not in taken and eff(sp) >= floor]
+    return [min(better, key=lambda sp: (runs(sp), -eff(sp)))] if better else []
 
 
 def _probe(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int):
@@ -205,6 +234,34 @@ def run_choice(choice: Choice, x: torch.Tensor, stack: StackedDeltas, plan, out:
     if choice.path == "dequant_mm":
         return cuda_sbmm.dequant_mm(x, stack, plan, out=out)
     return cuda_sbmm.sbmm_cuda(x, stack, plan, out=out, present=present, config=choice.config)
+
+
+_AGREES: dict[tuple, bool] = {}
+
+
+def agrees(stack: StackedDeltas, dtype: torch.dtype, config: cuda_sbmm.CudaConfig) -> bool:
+    """Whether the CUDA kernel under ``config`` gives the result of ``dequant_mm`` (dequantize, then cuBLAS:
+    another code path) on random weights of ``stack``'s configuration: 2 slots, 40 rows over both, within
+    2% of the largest output (summation order and one rounding to ``dtype`` differ; a wrong launch is off
+    by the output's own size). Once per configuration, dtype and launch config in a process: the tuner
+    never chooses a launch config that no test has run on this GPU (the uneven K splits, say) unchecked."""
+    from deltazip.kernels.host_plan import plan_rows
+
+    k = (key(stack, dtype, 1, 1).rsplit("/", 2)[0], str(stack.device), config)
+    if k not in _AGREES:
+        dev, gen = stack.device, torch.Generator(device=stack.device).manual_seed(0)
+        s = StackedDeltas.allocate(2, stack.scheme, in_features=stack.in_features, out_features=stack.out_features,
+                                   device=dev, layout="mma")
+        s.qweight.copy_(torch.randint(-2**31, 2**31 - 1, s.qweight.shape, dtype=torch.int32, device=dev, generator=gen))
+        s.scales.copy_(torch.rand(s.scales.shape, device=dev, generator=gen) * 0.02 + 0.002)
+        if s.zeros is not None:
+            s.zeros.copy_(torch.randint(0, 1 << s.bits, s.zeros.shape, device=dev, generator=gen))
+        x = torch.randn(40, s.in_features, device=dev, generator=gen).to(dtype)
+        plan = plan_rows([i % 2 for i in range(40)], 2, dev)
+        ref = cuda_sbmm.dequant_mm(x, s, plan).float()
+        got = cuda_sbmm.sbmm_cuda(x, s, plan, config=config).float()
+        _AGREES[k] = bool((got - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3)
+    return _AGREES[k]
 
 
 def graph_timer(fn: Callable[[], object], launches: int = 8, replays: int = 5) -> float:
@@ -271,6 +328,9 @@ def tune(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int, *, ta
             skipped.append(f"{c.to_json()}: shared memory does not fit")
             continue
         try:
+            if c.path == "cuda" and stack.device.type == "cuda" and not agrees(stack, dtype, c.config):
+                skipped.append(f"{c.to_json()}: its result differs from dequantize + cuBLAS on random weights")
+                continue
             t = (timer or _default_timer(c))(lambda c=c: run_choice(c, x, stack, plan, out=y))
         except Exception as e:  # noqa: BLE001 - OutOfResources, a compile error: skip this candidate
             skipped.append(f"{c.to_json()}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")

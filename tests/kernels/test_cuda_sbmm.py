@@ -134,6 +134,34 @@ def test_cuda_sbmm_matches_the_reference(bits, dtype, asym, group):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("asym,group", [(False, 128), (True, 256), (False, -1)])
+def test_uneven_k_splits_match_the_reference(dtype, asym, group):
+    """K splits that do not divide the 10 K tiles (the tuner times 3..7 where they fill the last wave
+    better): a shorter last split (4 + 4 + 2, 3 + 3 + 3 + 1) and, with groups of two tiles, split
+    boundaries inside a group."""
+    gen = torch.Generator().manual_seed(17)
+    out_f, in_f = 192, 1280
+    deltas = [make_delta(out_f, in_f, 4, group, True, asym, gen) for _ in range(3)]
+    stack = repack(deltas, device="cuda", layout="mma")
+    rows = [0, 1, 2, 2, 1, -1, 0] + [2] * 17
+    index = torch.tensor(rows)
+    x = torch.randn(len(rows), in_f, generator=gen).to(dtype).cuda()
+    ref = reference.sbmm(x, index.cuda(), deltas)
+    plan = plan_rows(rows, 3, "cuda")
+    ran = set()
+    for split in (3, 4, 6, 7):
+        for kt in (1, 2):
+            cfg = cuda_sbmm.CudaConfig(2, 4, split, kt)
+            if not cuda_sbmm.kt_ok(stack, kt):
+                continue
+            ran.add(cuda_sbmm.effective_split(10, cfg))
+            _check(cuda_sbmm.sbmm_cuda(x, stack, plan, config=cfg), ref, dtype)
+    assert (4, 3) in ran and (3, 4) in ran  # 4 + 4 + 2 and 3 + 3 + 3 + 1 tiles
+
+
+@pytest.mark.gpu
+@cuda
 def test_split_k_resets_its_counters_is_deterministic_and_replays_in_a_graph():
     gen = torch.Generator().manual_seed(3)
     deltas = [make_delta(256, 1024, 4, 128, True, False, gen) for _ in range(3)]

@@ -47,20 +47,68 @@ def test_candidates_cover_the_launch_configs_and_the_prefill_path():
     assert {c.config.kt for c in eight} == {1}  # two tiles per stage would spill at 8 bits
 
 
+def _llama(out_f: int, in_f: int, bits: int = 4, slots: int = 16) -> StackedDeltas:
+    """A stack of Llama-7B shape on the meta device: its configuration without its memory (planning only)."""
+    return StackedDeltas.allocate(slots, bits=bits, group_size=128, in_features=in_f, out_features=out_f, sparse=True,
+                                  asymmetric=False, layout="mma", device="meta")
+
+
+def _splits(stack, rows, d, sms):
+    return {(c.config.rb, c.config.kt, c.config.split) for c in dispatch_table.candidates(stack, rows, d, sms)
+            if c.path == "cuda"}
+
+
 def test_a_k_split_is_timed_only_while_the_split_grid_is_within_its_waves():
-    """Llama-7B's 4096x4096 at 4 bits on a 132-SM GPU: one delta, one row (64 or 32 CTAs) keeps every split
-    that fits K; 16 deltas of 16 rows (1024 / 512 CTAs) keep only split 1 or 2; no SM count, no bound."""
-    s = StackedDeltas.allocate(16, bits=4, group_size=128, in_features=4096, out_features=4096, sparse=True,
-                               asymmetric=False, layout="mma")
+    """Llama-7B's 4096x4096 at 4 bits on a 132-SM GPU. One delta, one row (64 or 32 CTAs): every power of
+    two, and split 6 of the 16 two-tile stages (a whole wave, where 4 and 8 give 0.65 and 1.3). 16 deltas of
+    16 rows (1024 / 512 CTAs): powers of two only within 8 CTAs per SM (split 1, and 2 with rb 2), and with
+    rb 1, kt 2 (3 CTAs per SM: 2.6 waves, 86% busy) the fewest splits that fill the last wave better, 3
+    (7.8 waves, 97%). Without an SM count: the powers of two, no bound."""
+    s = _llama(4096, 4096)
+    one = _splits(s, 1, 1, 132)
+    assert {sp for _, _, sp in one} == {1, 2, 4, 6, 8} and {sp for _, kt, sp in one if kt == 1} == {1, 2, 4, 8}
+    many = _splits(s, 256, 16, 132)  # 16 tiles: 1024 CTAs with rb 1, 512 with rb 2; the bound is 8 x 132 = 1056
+    assert many == {(1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 3), (2, 2, 1), (2, 2, 2)}
+    powers = {(rb, sp) for rb, _, sp in many if sp in (2, 4, 8)}
+    assert all(64 // rb * 16 * sp <= dispatch_table.SPLIT_WAVES * 132 for rb, sp in powers)
+    assert {sp for _, _, sp in _splits(s, 256, 16, None)} == {1, 2, 4, 8}
 
-    def splits(rows, d, sms):
-        return {(c.config.rb, c.config.split) for c in dispatch_table.candidates(s, rows, d, sms) if c.path == "cuda"}
 
-    assert {sp for _, sp in splits(1, 1, 132)} == {1, 2, 4, 8}
-    many = splits(256, 16, 132)  # 16 tiles: 1024 CTAs with rb 1, 512 with rb 2; the bound is 8 x 132 = 1056
-    assert many == {(1, 1), (2, 1), (2, 2)}
-    assert all(64 // rb * 16 * sp <= dispatch_table.SPLIT_WAVES * 132 for rb, sp in many if sp > 1)
-    assert {sp for _, sp in splits(256, 16, None)} == {1, 2, 4, 8}
+@pytest.mark.skipif(torch.cuda.is_available(), reason="sized for an H100/H200 (132 SMs, 228 KiB per SM)")
+def test_an_uneven_split_is_added_where_it_fills_the_last_wave_better():
+    """11008 output rows over 4 row tiles with rb 2: 344 CTAs, two per SM. Split 2 runs 2.6 waves (87% of
+    the SM time busy), split 3 runs 3.9 (98%): 3 is timed too. The split count a launch runs is what is
+    compared: 3 over 8 tiles in stages of 2 runs 2 splits of 4, the same launch as split 2."""
+    s = _llama(11008, 4096)
+    cfg = lambda sp, rb=2, kt=2: cuda_sbmm.CudaConfig(rb=rb, stages=4, split=sp, kt=kt)  # noqa: E731
+    assert cuda_sbmm.ctas_per_sm(s, cfg(1)) == 2 and cuda_sbmm.sm_limits(0)[0] == 132
+    assert cuda_sbmm.waves(s, 4, cfg(2)) == pytest.approx(688 / 264)
+    assert cuda_sbmm.waves(s, 4, cfg(3)) == pytest.approx(1032 / 264)
+    assert cuda_sbmm.wave_efficiency(688 / 264) == pytest.approx(688 / 792)
+    assert (2, 2, 3) in _splits(s, 4, 4, 132) and (2, 2, 3) not in _splits(s, 4, 4, None)
+    assert cuda_sbmm.effective_split(32, cfg(3)) == (12, 3) and cuda_sbmm.effective_split(8, cfg(3)) == (4, 2)
+    assert cuda_sbmm.effective_split(86, cfg(3, kt=1)) == (29, 3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="sized for an H100/H200 (132 SMs, 228 KiB per SM)")
+def test_every_benchmark_key_has_a_launch_that_fills_its_waves():
+    """Issue 22's offline check of waves on 132 SMs, over the kernel table's keys and the Llama-7B serving
+    stacks (merged q/k/v 12288, gate/up 22016, lm_head 32000), 4 and 2 bits, D 1, 4, 16, 64 and 1 or 16
+    rows per delta: some candidate keeps at least 94% of the SM time busy (splits by powers of two alone
+    leave up to 13% idle, 11008x4096 2-bit with one delta; the untuned default up to 35%, 1.3 waves)."""
+    worst, under = 1.0, []
+    for out_f, in_f in ((4096, 4096), (11008, 4096), (4096, 11008), (12288, 4096), (22016, 4096), (32000, 4096)):
+        for bits in (4, 2):
+            s = _llama(out_f, in_f, bits, slots=64)
+            for d in (1, 4, 16, 64):
+                for r in (1, 16):
+                    tiles = d * -(-r // 16)
+                    cands = [c.config for c in dispatch_table.candidates(s, d * r, d, 132) if c.path == "cuda"]
+                    best = max(cuda_sbmm.wave_efficiency(cuda_sbmm.waves(s, tiles, c)) for c in cands)
+                    worst = min(worst, best)
+                    if min(cuda_sbmm.waves(s, tiles, c) for c in cands if c.split == 1) < 2:
+                        under.append(best)
+    assert worst >= 0.94 and len(under) == 48, (worst, len(under))  # 48 keys run under 2 waves at split 1
 
 
 def test_tune_keeps_the_fastest_skips_failures_and_caches(table_dir):
@@ -120,3 +168,29 @@ def test_a_corrupt_table_is_ignored_with_a_warning_and_bad_entries_dropped(table
                                                           "b": {"path": "warp-drive"}, "c": [1]}}))
     t = dispatch_table.Table(path).load()
     assert set(t.entries) == {"a"} and t.entries["a"].config == cuda_sbmm.CudaConfig(2, 4, 1, 1)
+
+
+@pytest.mark.gpu
+def test_a_launch_config_whose_result_is_wrong_is_skipped_and_recorded(table_dir, monkeypatch):
+    """The tuner checks every CUDA launch config against dequantize + cuBLAS on random weights before it
+    times it: a config that computes something else (here split 3, made to halve its products) is
+    skipped with the reason, and the key still gets a correct choice."""
+    s = StackedDeltas.allocate(4, bits=4, group_size=128, in_features=1536, out_features=256, sparse=True,
+                               asymmetric=False, layout="mma", device="cuda")
+    real = cuda_sbmm.sbmm_cuda
+
+    def broken(x, stack, plan, *, config=None, **kw):
+        if config is not None and config.split == 3:
+            return real(x * 0.5, stack, plan, config=config, **kw)  # half of every product
+        return real(x, stack, plan, config=config, **kw)
+
+    cfgs = [cuda_sbmm.CudaConfig(2, 4, sp, 1) for sp in (1, 3)]
+    assert all(dispatch_table.agrees(s, torch.float16, c) for c in cfgs)  # the real kernel, both splits
+    dispatch_table._AGREES.clear()
+    monkeypatch.setattr(cuda_sbmm, "sbmm_cuda", broken)
+    assert dispatch_table.agrees(s, torch.float16, cfgs[0]) and not dispatch_table.agrees(s, torch.float16, cfgs[1])
+    got = dispatch_table.tune(s, torch.float16, 4, 2, cands=[Choice("cuda", c) for c in cfgs])
+    assert got.config == cfgs[0]
+    skipped = dispatch_table.table_for(s.device).skipped[dispatch_table.key(s, torch.float16, 4, 2)]
+    assert len(skipped) == 1 and "differs from dequantize + cuBLAS" in skipped[0] and "'split': 3" in skipped[0]
+    dispatch_table._AGREES.clear()
