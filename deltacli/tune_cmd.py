@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -29,6 +31,9 @@ def tune(
     from deltazip.runtime.serve.tune_ahead import tune_ahead
 
     cfg = ServeConfig(artifacts=artifacts, base=base, max_deltas=max_deltas, device=device, dtype=dtype)
+    if not json_out:  # one line per stack as it is tuned (deltazip.kernels): minutes should not pass silently
+        logging.basicConfig(level=os.environ.get("DELTAZIP_LOG_LEVEL", "INFO").upper(),
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
     r = tune_ahead(cfg)
     if json_out:
         print_json(r)
