@@ -177,7 +177,10 @@ def sbmm_fast_kernel(
         for k0 in tl.range(k_begin, k_stop, BLOCK_K, loop_unroll_factor=UNROLL):
             c0 = (k0 % 128) // 32
             iw0 = c0 * BITS // 4  # first word of this K step in a thread's run of BITS words
-            words = tl.load(qw_base + (k0 // 128) * TILE_WORDS + (iw0 // V) * (256 * V) + iw0 % V + woff)
+            if BLOCK_K == 128:  # iw0 is 0: an address Triton 3.6 can prove 16-byte aligned (16-byte copies)
+                words = tl.load(qw_base + (k0 // 128) * TILE_WORDS + woff)
+            else:
+                words = tl.load(qw_base + (k0 // 128) * TILE_WORDS + (iw0 // V) * (256 * V) + iw0 % V + woff)
             words = tl.reshape(tl.permute(words, (1, 2, 3, 4, 0, 5)), (2, 4, 8, 4, NWK))
             if G_SHIFT >= 0:  # K steps per group a power of two (31: one group per row)
                 g = (k0 // BLOCK_K) >> G_SHIFT
