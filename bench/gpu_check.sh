@@ -104,12 +104,12 @@ fi
 if [ -f "$OUT/step.json" ]; then
   note ""
   note "## Decode step (bench/step.py --pair synthetic-7b)"
-  $PY bench/_step_table.py "$OUT/step.json" >>"$SUM"
+  $PY bench/_summary_table.py step "$OUT/step.json" >>"$SUM"
 fi
 if [ -f "$OUT/serve.json" ]; then
   note ""
   note "## Serving (bench/serve.py --pair synthetic-7b --quick)"
-  $PY bench/_serve_table.py "$OUT/serve.json" >>"$SUM"
+  $PY bench/_summary_table.py serve "$OUT/serve.json" >>"$SUM"
 fi
 if [ -f "$OUT/table.md" ]; then
   note ""

@@ -399,6 +399,21 @@ def main() -> None:
         logdir = a.out or Path(tmp)
         logdir.mkdir(parents=True, exist_ok=True)
         memory: dict = {}
+
+        def document(complete: bool) -> dict:
+            return {"bench": "serve", "machine": machine(), "complete": complete,
+                    "config": {"quick": a.quick, "pair": a.pair, "variants": a.variants,
+                               "compression": method if a.artifacts else f"{method} 4-bit 2:4",
+                               "rate_rps": a.rate, "duration_s": a.duration, "max_tokens": a.max_tokens,
+                               "max_deltas": a.max_deltas, "swap_slots": a.swap_slots, "swap_from": a.swap_from,
+                               "memory": memory, "max_cpu_deltas": a.max_cpu_deltas,
+                               "max_num_seqs": a.max_num_seqs, "cpu_threads": a.cpu_threads,
+                               "slo": {k: round(v, 4) for k, v in (slo or {}).items()}, "slo_scale": a.slo_scale,
+                               "unloaded_latency_s": {m: {k: round(v, 4) for k, v in u.items()}
+                                                      for m, u in unloaded.items()},
+                               "trace_requests": {d: len(t) for d, t in traces.items()}},
+                    "results": results}
+
         for mode in ("delta", "swap"):
             slots = a.max_deltas
             if mode == "swap" and a.swap_slots == "equal-memory":
@@ -422,11 +437,7 @@ def main() -> None:
                     results.append(row)
                     log(json.dumps(row))
                     if a.out:  # the rows so far: a run stopped at a time limit still leaves them
-                        (a.out / "serve.json").write_text(json.dumps(
-                            {"bench": "serve", "machine": machine(), "complete": False,
-                             "config": {"pair": a.pair, "variants": a.variants, "rate_rps": a.rate,
-                                        "duration_s": a.duration, "memory": memory},
-                             "results": results}, indent=1))
+                        (a.out / "serve.json").write_text(json.dumps(document(False), indent=1))
                 memory[f"{mode}_device_weight_bytes"] = scrape(srv.url, "deltazip_device_weight_bytes")
             finally:
                 srv.stop()
@@ -438,17 +449,7 @@ def main() -> None:
                             if s["throughput_rps"] else None,
                             "ttft_p50_swap_over_delta": round(s["ttft_s"]["p50"] / d["ttft_s"]["p50"], 3)
                             if d["ttft_s"]["p50"] else None})
-        doc = {"bench": "serve", "machine": machine(), "complete": True,
-               "config": {"quick": a.quick, "pair": a.pair, "variants": a.variants, "compression": method if a.artifacts else f"{method} 4-bit 2:4",
-                          "rate_rps": a.rate, "duration_s": a.duration, "max_tokens": a.max_tokens,
-                          "max_deltas": a.max_deltas, "swap_slots": a.swap_slots, "swap_from": a.swap_from,
-                          "memory": memory,
-                          "max_cpu_deltas": a.max_cpu_deltas,
-                          "max_num_seqs": a.max_num_seqs, "cpu_threads": a.cpu_threads,
-                          "slo": {k: round(v, 4) for k, v in slo.items()}, "slo_scale": a.slo_scale,
-                          "unloaded_latency_s": {m: {k: round(v, 4) for k, v in u.items()} for m, u in unloaded.items()},
-                          "trace_requests": {d: len(t) for d, t in traces.items()}},
-               "results": results}
+        doc = document(True)
         if a.out:
             (a.out / "serve.json").write_text(json.dumps(doc, indent=1))
             plot([r for r in results if r["mode"] in ("delta", "swap")], a.out / "serve.png")

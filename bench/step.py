@@ -208,7 +208,8 @@ def main() -> None:
 
     def host_of(model, v) -> object:
         m = Path(v.path) / "manifest.json"
-        k = (id(model), *((m.stat().st_dev, m.stat().st_ino) if m.is_file() else (v.name,)))
+        st = m.stat() if m.is_file() else None
+        k = (id(model), st.st_dev, st.st_ino) if st else (id(model), v.name)
         if k not in hosts:
             hosts[k] = model.load_host(v.name)
         return hosts[k]

@@ -206,17 +206,12 @@ def _better_split(stack: StackedDeltas, tiles: int, rb: int, kt: int, kept: list
     the fuller wave pays for them. Splits are compared by the split count a launch actually runs (3 over 8
     tiles in stages of 2 runs 2 splits of 4, the launch of split 2)."""
     k_tiles = stack.in_features // 128
-
-    def eff(sp: int) -> float:
-        return cuda_sbmm.wave_efficiency(cuda_sbmm.waves(stack, tiles, _config(rb, kt, sp), dev))
-
-    def runs(sp: int) -> int:
-        return cuda_sbmm.effective_split(k_tiles, _config(rb, kt, sp))[1]
-
-    taken = {runs(sp) for sp in kept}
-    floor = max(eff(sp) for sp in kept) + 0.05
-    better = [sp for sp in k_ok if runs(sp) not in taken and eff(sp) >= floor]
-    return [min(better, key=lambda sp: (runs(sp), -eff(sp)))] if better else []
+    runs = {sp: cuda_sbmm.effective_split(k_tiles, _config(rb, kt, sp))[1] for sp in k_ok}
+    eff = {sp: cuda_sbmm.wave_efficiency(cuda_sbmm.waves(stack, tiles, _config(rb, kt, sp), dev)) for sp in k_ok}
+    taken = {runs[sp] for sp in kept}
+    floor = max(eff[sp] for sp in kept) + 0.05
+    better = [sp for sp in k_ok if runs[sp] not in taken and eff[sp] >= floor]
+    return [min(better, key=lambda sp: (runs[sp], -eff[sp]))] if better else []
 
 
 def _probe(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int):
