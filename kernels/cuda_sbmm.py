@@ -98,7 +98,10 @@ def _smem_limit(device_index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
 
 
-MAX_REGS = 128  # registers per thread; tests/kernels/test_cuda_sbmm.py asserts every variant stays within
+def reg_ctas(rb: int, bits: int) -> int:
+    """CTAs per SM the kernel's register budget is cut for (``REG_CTAS`` in ``cuda/sbmm.cu``, its
+    ``__launch_bounds__``): the compiler keeps registers low enough for that many to fit."""
+    return (3 if bits == 8 else 4) if rb == 2 else (5 if bits == 8 else 6)
 
 
 @functools.cache
@@ -114,10 +117,11 @@ def sm_limits(device_index: int = 0) -> tuple[int, int, int]:
 
 def ctas_per_sm(stack: StackedDeltas, cfg: CudaConfig, device_index: int = 0) -> int:
     """CTAs of ``cfg`` that one SM holds at once: its pipeline's shared memory (plus the 1 KiB the driver
-    reserves per CTA) and ``MAX_REGS`` registers for each of its ``128 * rb`` threads bound it."""
-    _, smem_sm, regs = sm_limits(device_index)
+    reserves per CTA) and the register budget the kernel is compiled for (:func:`reg_ctas`; the sm_90
+    builds use 62-95 registers per thread, within it) bound it."""
+    _, smem_sm, _ = sm_limits(device_index)
     smem = cfg.stages * stage_bytes(stack, cfg.rb, cfg.kt) + 1024
-    return max(1, min(smem_sm // smem, regs // (MAX_REGS * 128 * cfg.rb)))
+    return max(1, min(smem_sm // smem, reg_ctas(cfg.rb, stack.bits)))
 
 
 def effective_split(k_tiles: int, cfg: CudaConfig) -> tuple[int, int]:
