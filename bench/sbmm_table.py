@@ -197,7 +197,16 @@ def table(results: list[dict]) -> str:
     return markdown(results, {"cuda µs": lambda p: p["us"]["cuda"], "bmm fp16": lambda p: p["us"]["bmm_fp16"],
                               "loop fp16": lambda p: p["us"]["loop_fp16"], "floor": "floor_us",
                               "chosen/floor": "chosen_over_floor", "vs bmm": "chosen_vs_bmm",
-                              "vs loop": "chosen_vs_loop"})
+                              "vs loop": "chosen_vs_loop", "config": config_label})
+
+
+def config_label(p: dict) -> str:
+    """The dispatcher's choice in a few words: ``rb 1 kt 2 split 4 (8 stages)``, or the path's name."""
+    c = p.get("dispatch") or {}
+    if c.get("path") != "cuda" or "rb" not in c:
+        return str(c.get("path", "?"))
+    deep = f" ({c['stages']} stages)" if c.get("stages", 4) != 4 else ""
+    return f"rb {c['rb']} kt {c['kt']} split {c['split']}{deep}"
 
 
 def main(argv=None) -> int:

@@ -319,6 +319,25 @@ def waves(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig, device_index: i
     return ctas / (sm_limits(device_index)[0] * ctas_per_sm(stack, cfg, device_index))
 
 
+def weight_stage_bytes(stack: StackedDeltas, rb: int, kt: int = 1) -> int:
+    """Bytes of one pipeline stage read from the stack (codes, scales, zero points): what a stage in
+    flight brings from DRAM (the activations come from L2)."""
+    gk16, _ = group_params(stack)
+    sg = 8 // gk16 if gk16 < 8 else 1
+    return rb * kt * 1024 * stack.bits + rb * kt * sg * 64 * 2 * (2 if stack.asymmetric else 1)
+
+
+def in_flight_bytes(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig, device_index: int = 0) -> int:
+    """Weight bytes one SM has requested and not yet received while a launch streams: its resident CTAs
+    (those the grid gives it, at most :func:`ctas_per_sm`) times the ``stages - 1`` stages each keeps in
+    flight. By Little's law an SM streams at most this over the memory latency."""
+    sms = sm_limits(device_index)[0]
+    _, split = effective_split(stack.in_features // 128, cfg)
+    ctas = -(-padded_rows(stack.out_features) // (64 * cfg.rb)) * num_tiles * split
+    resident = min(ctas_per_sm(stack, cfg, device_index), -(-ctas // sms))
+    return resident * (cfg.stages - 1) * weight_stage_bytes(stack, cfg.rb, cfg.kt)
+
+
 def wave_efficiency(w: float) -> float:
     """Share of the SM time of a launch of ``w`` waves that does work (1 for whole waves; ``w`` below one
     wave, which leaves SMs idle throughout)."""

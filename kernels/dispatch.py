@@ -78,11 +78,12 @@ def use_triton(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
 
 def cuda_path(x: torch.Tensor, stack: StackedDeltas) -> bool:
     """Whether a call with activations ``x`` on ``stack`` runs on the CUDA kernel (``mma`` layout, fp16 or
-    bf16 on a GPU with NVRTC, a group size the kernel has a variant for); ``DELTAZIP_FORCE_TRITON=1``
-    keeps the Triton kernels (their parity tests)."""
+    bf16 on a GPU with NVRTC, a group size the kernel has a variant for, and not
+    ``dispatch_table.distrusted``: no launch config gave the right result while tuning);
+    ``DELTAZIP_FORCE_TRITON=1`` keeps the Triton kernels (their parity tests)."""
     return (x.is_cuda and stack.layout == "mma" and x.dim() == 2 and x.shape[-1] == stack.in_features
             and stack.device == x.device and triton_mode() != "force" and cuda_sbmm.supported(stack, x.dtype)
-            and cuda_sbmm.available(x.device.index or 0))
+            and cuda_sbmm.available(x.device.index or 0) and not dispatch_table.distrusted(stack, x.dtype))
 
 
 def _packed_plan(plan: RowPlan) -> RowPlan:

@@ -189,13 +189,44 @@ def candidates(stack: StackedDeltas, rows: int, deltas: int, sms: int | None = N
             if sms is not None:
                 splits += _better_split(stack, tiles, rb, kt, splits, k_ok, dev)
             out += [Choice("cuda", _config(rb, kt, sp)) for sp in splits]
+            if sms is not None:
+                out += [Choice("cuda", c) for sp in splits if (c := _deeper(stack, tiles, rb, kt, sp, dev))]
     if rows // max(1, min(deltas, rows)) >= 16:
         out.append(Choice("dequant_mm"))
     return out
 
 
-def _config(rb: int, kt: int, split: int) -> cuda_sbmm.CudaConfig:
-    return cuda_sbmm.CudaConfig(rb=rb, stages=4, split=split, kt=kt)
+def _config(rb: int, kt: int, split: int, stages: int = 4) -> cuda_sbmm.CudaConfig:
+    return cuda_sbmm.CudaConfig(rb=rb, stages=stages, split=split, kt=kt)
+
+
+# Weight bytes an SM must keep requested to stream at its share of HBM: about 25 GB/s per SM (3.35 TB/s
+# over 132 SMs; the H100 table's copy bandwidth, 2.99 TB/s, is 22.7) times a loaded DRAM latency of
+# about 1.5 us. Small grids (few deltas, a 4096-row output: two CTAs per SM) keep 24 KiB in flight at 4
+# stages of 4-bit 64x128 tiles, and the H100 table's D = 4 points stream at half the copy bandwidth
+# where D = 64 ones reach 85%.
+IN_FLIGHT_TARGET = 40 * 1024
+DEEP_STAGES = (8, 6)
+
+
+def _deeper(stack: StackedDeltas, tiles: int, rb: int, kt: int, split: int, dev: int) -> cuda_sbmm.CudaConfig | None:
+    """The same launch with a deeper pipeline, when at 4 stages its SMs keep fewer weight bytes in flight
+    than :data:`IN_FLIGHT_TARGET` (``cuda_sbmm.in_flight_bytes``): the deepest of :data:`DEEP_STAGES`
+    that fits the shared memory and keeps every CTA the grid gives an SM resident at once (deeper stages
+    that cost resident CTAs trade one kind of parallelism for the other). None when 4 stages suffice."""
+    base = _config(rb, kt, split)
+    if cuda_sbmm.in_flight_bytes(stack, tiles, base, dev) >= IN_FLIGHT_TARGET:
+        return None
+    sms = cuda_sbmm.sm_limits(dev)[0]
+    _, runs = cuda_sbmm.effective_split(stack.in_features // 128, base)
+    need = -(-(-(-cuda_sbmm.padded_rows(stack.out_features) // (64 * rb)) * tiles * runs) // sms)
+    for st in DEEP_STAGES:
+        c = _config(rb, kt, split, st)
+        k_per_split, _ = cuda_sbmm.effective_split(stack.in_features // 128, c)
+        if (k_per_split // kt > st and cuda_sbmm.fits(stack, c, dev)
+                and cuda_sbmm.ctas_per_sm(stack, c, dev) >= min(need, cuda_sbmm.ctas_per_sm(stack, base, dev))):
+            return c
+    return None
 
 
 def _better_split(stack: StackedDeltas, tiles: int, rb: int, kt: int, kept: list[int], k_ok: list[int],
@@ -301,31 +332,58 @@ def _default_timer(choice: Choice) -> Callable[[Callable[[], object]], float]:
     return graph_timer if choice.path == "cuda" else (lambda fn: cuda_timer(fn, repeats=7))
 
 
+_DISTRUSTED: set[tuple] = set()  # stack configurations whose CUDA launches all computed something else
+
+
+def _config_key(stack: StackedDeltas, dtype: torch.dtype) -> tuple:
+    return (str(stack.device), stack.bits, stack.effective_group, stack.sparse, stack.asymmetric, stack.in_features,
+            stack.out_features, dtype)
+
+
+def distrusted(stack: StackedDeltas, dtype: torch.dtype) -> bool:
+    """Whether every CUDA launch config of this stack configuration failed :func:`agrees` while tuning in
+    this process: ``dispatch.cuda_path`` then sends its calls to the Triton or reference path, which are
+    slower and right. (A set lookup per call; nothing is built while the set is empty.)"""
+    return bool(_DISTRUSTED) and _config_key(stack, dtype) in _DISTRUSTED
+
+
 def tune(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int, *, table: Table | None = None,
          timer: Callable[[Callable[[], object]], float] | None = None, cands: list[Choice] | None = None,
-         save: bool = True) -> Choice:
+         save: bool = True, check: Callable[[StackedDeltas, torch.dtype, cuda_sbmm.CudaConfig], bool] | None = None
+         ) -> Choice:
     """Time every candidate of a key (skipping and recording the ones that fail); cache the fastest.
 
     ``timer`` (default: :func:`graph_timer` for the kernel, CUDA events for ``dequant_mm``) takes a
-    zero-argument launch and returns milliseconds; tests inject one.
+    zero-argument launch and returns milliseconds; ``check`` (default: :func:`agrees` on a GPU) tells
+    whether a launch config computes the right thing; tests inject both.
+
+    When every CUDA launch config that fits computes something else, the stack configuration is
+    :func:`distrusted` (served by the Triton or reference path from then on, with one warning) and the
+    key is not cached: a later process checks again rather than reading a choice that serves wrong
+    numbers.
     """
     table = table_for(stack.device) if table is None else table
     k = key(stack, dtype, rows, deltas)
     have = table.entries.get(k)
     if have is not None:
         return have
+    if check is None and stack.device.type == "cuda":
+        check = agrees
     x, plan = _probe(stack, dtype, rows, deltas)
     y = torch.zeros(x.shape[0], stack.out_features, dtype=dtype, device=stack.device)
-    best, skipped = None, []
+    best, skipped, checked, wrong = None, [], 0, 0
     sms = torch.cuda.get_device_properties(stack.device).multi_processor_count if stack.device.type == "cuda" else None
     for c in candidates(stack, rows, deltas, sms) if cands is None else cands:
         if c.config is not None and not cuda_sbmm.fits(stack, c.config, stack.device.index or 0):
             skipped.append(f"{c.to_json()}: shared memory does not fit")
             continue
         try:
-            if c.path == "cuda" and stack.device.type == "cuda" and not agrees(stack, dtype, c.config):
-                skipped.append(f"{c.to_json()}: its result differs from dequantize + cuBLAS on random weights")
-                continue
+            if c.path == "cuda" and check is not None:
+                checked += 1
+                if not check(stack, dtype, c.config):
+                    wrong += 1
+                    skipped.append(f"{c.to_json()}: its result differs from dequantize + cuBLAS on random weights")
+                    continue
             t = (timer or _default_timer(c))(lambda c=c: run_choice(c, x, stack, plan, out=y))
         except Exception as e:  # noqa: BLE001 - OutOfResources, a compile error: skip this candidate
             skipped.append(f"{c.to_json()}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
@@ -334,6 +392,11 @@ def tune(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int, *, ta
             best = Choice(c.path, c.config, round(t * 1e3, 2))
     if skipped:
         table.skipped[k] = skipped
+    if checked and wrong == checked:
+        _DISTRUSTED.add(_config_key(stack, dtype))
+        warnings.warn(f"the CUDA delta matmul computed a wrong result under every launch config of {k} on this GPU; "
+                      "that configuration is served by the Triton or reference path instead", stacklevel=2)
+        return best or Choice("dequant_mm")
     if best is None:
         best = default_choice(stack, rows, deltas)
         warnings.warn(f"no dispatch candidate ran for {k}; using the default ({skipped[:2]})", stacklevel=2)

@@ -197,15 +197,9 @@ def _mma_per_step(v: Variant, arch: int, launch: dict) -> int:
     return k16 * (launch["block_n"] // launch["num_warps"]) // 8
 
 
-def analyze(cubin: bytes, function: str | None = None) -> dict:
-    """Disassemble a cubin (or one ``function`` of it) and describe its main K loop.
-
-    Returns a dict: ``loop_instructions`` (SASS instructions in the loop body), ``loop_mma``,
-    ``loop_opcodes`` (histogram, opcode without modifiers), ``loop_full_opcodes`` (with modifiers:
-    ``LDGSTS.E.BYPASS.128`` is a 16-byte copy), ``loop_smem_stores`` (``STS``: the round trip of a
-    dequantized tile would show here), ``registers``, ``loops`` (bodies of every backward branch),
-    ``all_opcodes`` (every instruction's opcode with modifiers), ``total_instructions``.
-    """
+def _disassemble(cubin: bytes, function: str | None) -> tuple[list[tuple[int, str, str]], str]:
+    """``([(address, opcode with modifiers, operands)], resource usage text)`` of a cubin's function
+    (predicates dropped from the opcode)."""
     bindir = triton_bin_dir()
     if bindir is None:
         raise RuntimeError(tools_available() or "triton's NVIDIA binaries not found")
@@ -220,8 +214,26 @@ def analyze(cubin: bytes, function: str | None = None) -> dict:
                              check=True).stdout
     if function:  # the resource line of that function: "Function <name>:\n  REG:..."
         res = res[res.find(f"Function {function}:"):]
+    return [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_SASS_LINE.search, sass.splitlines()) if m], res
+
+
+def opcodes(cubin: bytes, function: str | None = None) -> list[str]:
+    """Every instruction's opcode (with modifiers, without predicate) in program order."""
+    return [op for _, op, _ in _disassemble(cubin, function)[0]]
+
+
+def analyze(cubin: bytes, function: str | None = None) -> dict:
+    """Disassemble a cubin (or one ``function`` of it) and describe its main K loop.
+
+    Returns a dict: ``loop_instructions`` (SASS instructions in the loop body), ``loop_mma``,
+    ``loop_opcodes`` (histogram, opcode without modifiers), ``loop_full_opcodes`` (with modifiers:
+    ``LDGSTS.E.BYPASS.128`` is a 16-byte copy), ``loop_smem_stores`` (``STS``: the round trip of a
+    dequantized tile would show here), ``registers``, ``loops`` (bodies of every backward branch: bounds, instruction and MMA
+    counts, ``full_opcodes``),
+    ``all_opcodes`` (every instruction's opcode with modifiers), ``total_instructions``.
+    """
+    ins, res = _disassemble(cubin, function)
     regs = re.search(r"REG:(\d+)", res)
-    ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_SASS_LINE.search, sass.splitlines()) if m]
     loops = []
     for addr, op, args in ins:
         if op.startswith("BRA"):
@@ -244,7 +256,8 @@ def analyze(cubin: bytes, function: str | None = None) -> dict:
         "loop_full_opcodes": dict(main["full"].most_common()),
         "all_opcodes": sorted({o for _, o, _ in ins}),
         "registers": int(regs.group(1)) if regs else None,
-        "loops": [{k: lp[k] for k in ("start", "end", "instructions", "mma")} for lp in loops],
+        "loops": [{**{k: lp[k] for k in ("start", "end", "instructions", "mma")}, "full_opcodes": dict(lp["full"])}
+                  for lp in loops],
         "total_instructions": len(ins),
     }
 

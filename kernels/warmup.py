@@ -104,7 +104,8 @@ def warmup_stacks(stacks: list[StackedDeltas], dtypes: tuple[torch.dtype, ...], 
         cuda_dtypes = tuple(dt for dt in dtypes if _cuda_path(stack, dt))
         if cuda_dtypes:  # the CUDA kernel serves these: compile its variants by tuning every bucket
             count += _warm_cuda(stack, cuda_dtypes, tune)
-            dtypes_left = tuple(dt for dt in dtypes if dt not in cuda_dtypes)
+            # a dtype whose every launch config failed the tuner's check is served (and warmed) elsewhere
+            dtypes_left = tuple(dt for dt in dtypes if not _cuda_path(stack, dt))
             if not dtypes_left:
                 _warmed.add(sig)
                 continue
@@ -126,11 +127,11 @@ def warmup_stacks(stacks: list[StackedDeltas], dtypes: tuple[torch.dtype, ...], 
 
 
 def _cuda_path(stack: StackedDeltas, dtype: torch.dtype) -> bool:
-    from deltazip.kernels import cuda_sbmm
+    from deltazip.kernels import cuda_sbmm, dispatch_table
     from deltazip.kernels.dispatch import triton_mode
 
     return (stack.device.type == "cuda" and triton_mode() != "force" and cuda_sbmm.supported(stack, dtype)
-            and cuda_sbmm.available(stack.device.index or 0))
+            and cuda_sbmm.available(stack.device.index or 0) and not dispatch_table.distrusted(stack, dtype))
 
 
 def _warm_cuda(stack: StackedDeltas, dtypes: tuple[torch.dtype, ...], tune: bool) -> int:

@@ -19,8 +19,16 @@
 //   contiguous 1024*BITS-byte copy (16-byte cp.async, coalesced), read back by each thread as its own
 //   16-byte (8 at 2 bits) vector: no bank conflict, no shuffle;
 // - scales (and zero points) of a tile travel in the same stage as its codes, and so do the tile's
-//   activations (16 rows x 128 columns), read into mma B fragments by ldmatrix from rows padded to 272
-//   bytes (8 rows at distinct banks);
+//   activations (its own rows of 16 x 128 columns; rows past the tile's count are not copied), read
+//   into mma B fragments by ldmatrix from rows padded to 272 bytes (8 rows at distinct banks);
+// - shared memory, not DRAM, can bound the loop: every warp reads the stage's activations again (4 warps
+//   x 8 k16 steps x 512 bytes of x4 ldmatrix = 16 KiB per 64-row block and stage, against 1 KiB x BITS
+//   of codes); at 2 bits that outlasts the stage's share of an H100's DRAM time. So the main loop is
+//   built twice: tiles of more than 8 rows use x4 ldmatrix and two n8 MMAs per k16 step, tiles of 8
+//   rows or fewer (most decode tiles) x2 and one, half the reads;
+// - a CTA reads its tile's slot, first row and row count at once, then its row indices and whether the
+//   stack holds the slot at once, and sends the first stages' weight copies before the barrier that
+//   shares the rows: two rounds of global reads before the weights stream;
 // - codes are dequantized in registers straight into the A fragment: one LOP3 turns two codes into
 //   two fp16 (bf16) numbers 1024 + q (128 + q), one packed subtract makes them the exact integers q - z;
 //   the fp32 group scale multiplies each group's fp32 partial product, so the result is the reference's
@@ -211,19 +219,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int xrow[BM];
   __shared__ int last;
-  const int tile = blockIdx.y;
+  const int tile = blockIdx.y, tid = threadIdx.x;
+  // The tile's slot, first row and row count are read together, then whether the stack holds the slot
+  // and the tile's row indices, together: two dependent global reads before the weights stream, where
+  // reading each after the other took four (each an L2 or DRAM round trip at the start of every CTA).
   const int slot = plan[n_rows + tile];
-  if (slot < 0 || !present[slot + 1]) return;  // the whole CTA: no barrier has been reached
   const int start = plan[n_rows + n_tiles + tile];
   const int cnt = imin(plan[n_rows + 2 * n_tiles + tile] - start, BM);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // (an empty tile exits too: a condition on all three keeps the compiler from sinking two of the
+  // reads below the branch, which would chain them again)
+  if (slot < 0 || cnt <= 0) return;  // the whole CTA: no barrier has been reached
+  const int my_row = tid < cnt ? plan[start + tid] : 0;
+  if (!present[slot + 1]) return;
+  const int lane = tid & 31, warp = tid >> 5;
   const int rb = warp >> 2, wi = warp & 3;
   const int nb0 = blockIdx.x * RB, nblocks = outp >> 6;
   const bool active = nb0 + rb < nblocks;
   const int kt0 = blockIdx.z * tiles_per_split, kt1 = imin(k_tiles, kt0 + tiles_per_split);
   const int group_mask = (1 << group_shift) - 1;  // K tiles per group: a power of two (or the whole row)
-  if (tid < BM) xrow[tid] = tid < cnt ? plan[start + tid] : 0;
-  __syncthreads();
 
   // Copy sources of this thread, advanced KT K tiles per load (a piece outside the matrix or past the
   // tile's rows stays put and is zero-filled), and their offsets inside a stage.
@@ -245,6 +258,33 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   const bool s_ok = sload && nb0 + s_r < nblocks;
   const i64 s_off = s_ok ? slot * slot_sz + (i64)(nb0 + s_r) * 64 + s_p * 8 + (GK16 < 8 ? (i64)s_g * outp : 0) : 0;
   const u32 s_dst = W_BYTES + (((s_r * KT + s_u) * SG + s_g) * 64 + s_p * 8) * 2;
+  const u32 sbase = smem_u32(smem), send = sbase + STAGES * STAGE_BYTES;
+  auto load_w = [&](int kt, u32 st) {  // codes and scales of K tiles kt .. kt + KT - 1 into stage `st`
+#pragma unroll
+    for (int j = 0; j < WP; ++j) {
+      const bool ok = (wok >> j) & 1u;
+      cp16(st + 16 * (tid + j * NTHREADS), ok ? wbase + woff[j] + (u32)(kt - kt0) * TILE_WORDS : qw, ok ? 16 : 0);
+    }
+    if (sload) {
+      const int t = kt + s_u;
+      const i64 off = s_off + (GK16 < 8 ? (i64)t * SG * outp : (i64)(t >> group_shift) * outp);
+      cp16(st + s_dst, s_ok ? (const void*)(scales + off) : (const void*)scales, s_ok ? 16 : 0);
+#if ASYM
+      cp16(st + s_dst + S_HALVES * 2, s_ok ? (const void*)(zeros + off) : (const void*)zeros, s_ok ? 16 : 0);
+#endif
+    }
+  };
+  const int ns = (kt1 - kt0) / KT;  // stages to compute (the host makes every split a multiple of KT)
+  // The weights of the first STAGES - 1 stages go out before the row indices are shared (they depend on
+  // the slot only); each stage's activations follow once they are. Commit groups: the first holds those
+  // weights and stage 0's activations, each later prologue group one stage's activations, so waiting
+  // for group `it` still means stage `it` has landed.
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < ns) load_w(kt0 + s * KT, sbase + s * STAGE_BYTES);
+  if (tid < BM) xrow[tid] = my_row;
+  __syncthreads();
+
   constexpr int XP = (BM * 16 * KT) / NTHREADS;  // activation pieces per thread: 16 KT per row
   const u16* xsrc[XP];
   u32 xdst[XP];
@@ -256,30 +296,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
     xstep[j] = r < cnt ? 128 * KT : 0;
     xdst[j] = W_BYTES + (S_HALVES + Z_HALVES + r * XS + p * 8) * 2;
   }
-  const u32 sbase = smem_u32(smem), send = sbase + STAGES * STAGE_BYTES;
-
-  u32 wr = sbase;  // stage the next load writes
-  auto load = [&](int kt) {  // K tiles kt .. kt + KT - 1
-#pragma unroll
-    for (int j = 0; j < WP; ++j) {
-      const bool ok = (wok >> j) & 1u;
-      cp16(wr + 16 * (tid + j * NTHREADS), ok ? wbase + woff[j] + (u32)(kt - kt0) * TILE_WORDS : qw, ok ? 16 : 0);
-    }
-    if (sload) {
-      const int t = kt + s_u;
-      const i64 off = s_off + (GK16 < 8 ? (i64)t * SG * outp : (i64)(t >> group_shift) * outp);
-      cp16(wr + s_dst, s_ok ? (const void*)(scales + off) : (const void*)scales, s_ok ? 16 : 0);
-#if ASYM
-      cp16(wr + s_dst + S_HALVES * 2, s_ok ? (const void*)(zeros + off) : (const void*)zeros, s_ok ? 16 : 0);
-#endif
-    }
+  // Only the tile's own rows are copied: rows past `cnt` keep whatever the stage held, which reaches only
+  // the mma columns of rows past `cnt`, never stored (each output column reads its own activation row).
+  // Zero-filling them cost shared-memory bandwidth: 16 rows staged where decode tiles have 1 to 8.
+  auto load_x = [&](u32 st) {  // the next K tiles' activations into stage `st`
 #pragma unroll
     for (int j = 0; j < XP; ++j) {
-      cp16(wr + xdst[j], xsrc[j], xstep[j] ? 16 : 0);
+      if (xstep[j]) cp16(st + xdst[j], xsrc[j], 16);
       xsrc[j] += xstep[j];
     }
-    wr += STAGE_BYTES;
-    if (wr == send) wr = sbase;
   };
 
   float acc[2][4], cg[2][4];
@@ -289,7 +314,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
     for (int c = 0; c < 4; ++c) acc[t][c] = cg[t][c] = 0.f;
   const int row = 16 * wi + (lane >> 2);  // the thread's first weight row in its 64-row block
   const bool two = cnt > 8;                // second n8 tile of activation rows in use
-  const int ns = (kt1 - kt0) / KT;         // stages to compute (the host makes every split a multiple of KT)
   // Offsets inside a stage of what this thread reads: its words, its rows' scales, its ldmatrix row.
   const u32 w_rd = rb * KT * TILE_WORDS * 4 + (wi * 32 * RUN + lane * RUN) * 4;
   const u32 sc_rd = W_BYTES + (rb * KT * SG * 64 + row) * 2;
@@ -297,69 +321,89 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ns) load(kt0 + s * KT);
+    if (s < ns) load_x(sbase + s * STAGE_BYTES);
     cp_commit();
   }
-  u32 rd = sbase;  // stage the compute reads
-  for (int it = 0; it < ns; ++it) {
-    cp_wait<STAGES - 2>();
-    __syncthreads();  // stage `it` landed for every thread; the stage computed last is free again
-    if (it + STAGES - 1 < ns) load(kt0 + (it + STAGES - 1) * KT);
-    cp_commit();
-    if (active) {
+  // The main loop, built twice: for tiles of more than 8 rows (two n8 mma tiles) and for the rest, so
+  // that no K step branches on the row count.
+  auto main_loop = [&](const bool TWO) {  // inlined at both calls below, each with TWO a constant
+    u32 wr = sbase + (STAGES - 1) * STAGE_BYTES;  // stage the next load writes
+    u32 rd = sbase;                               // stage the compute reads
+    for (int it = 0; it < ns; ++it) {
+      cp_wait<STAGES - 2>();
+      __syncthreads();  // stage `it` landed for every thread; the stage computed last is free again
+      if (it + STAGES - 1 < ns) {
+        load_w(kt0 + (it + STAGES - 1) * KT, wr);
+        load_x(wr);
+      }
+      cp_commit();
+      wr += STAGE_BYTES;
+      if (wr == send) wr = sbase;
+      if (active) {
 #pragma unroll
-      for (int u = 0; u < KT; ++u) {
-        const u32 wu = rd + w_rd + u * TILE_WORDS * 4, su = rd + sc_rd + u * SG * 128, xu = rd + x_rd + u * 256;
-        u32 w[2][BITS];
+        for (int u = 0; u < KT; ++u) {
+          const u32 wu = rd + w_rd + u * TILE_WORDS * 4, su = rd + sc_rd + u * SG * 128, xu = rd + x_rd + u * 256;
+          u32 w[2][BITS];
 #pragma unroll
-        for (int rr = 0; rr < 2; ++rr)
+          for (int rr = 0; rr < 2; ++rr)
 #pragma unroll
-          for (int hv = 0; hv < HV; ++hv) {
-            const u32 p = wu + (hv * 2 + rr) * 4 * 32 * RUN * 4;
+            for (int hv = 0; hv < HV; ++hv) {
+              const u32 p = wu + (hv * 2 + rr) * 4 * 32 * RUN * 4;
 #if RUN == 4
-            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(w[rr][hv * 4]), "=r"(w[rr][hv * 4 + 1]), "=r"(w[rr][hv * 4 + 2]), "=r"(w[rr][hv * 4 + 3])
-                         : "r"(p));
+              asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                           : "=r"(w[rr][hv * 4]), "=r"(w[rr][hv * 4 + 1]), "=r"(w[rr][hv * 4 + 2]), "=r"(w[rr][hv * 4 + 3])
+                           : "r"(p));
 #else
-            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(w[rr][0]), "=r"(w[rr][1]) : "r"(p));
+              asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(w[rr][0]), "=r"(w[rr][1]) : "r"(p));
 #endif
-          }
+            }
 #pragma unroll
-        for (int iw = 0; iw < BITS; ++iw) {  // word iw holds the pairs of mma steps iw * PPW / 2 ...
-          int z[2][PPW];
+          for (int iw = 0; iw < BITS; ++iw) {  // word iw holds the pairs of mma steps iw * PPW / 2 ...
+            int z[2][PPW];
 #pragma unroll
-          for (int pj = 0; pj < PPW; ++pj) {
+            for (int pj = 0; pj < PPW; ++pj) {
 #if ASYM
-            const int g = GK16 < 8 ? ((iw * PPW + pj) / 2) / GK16 : 0;
-            z[0][pj] = zero_of(su + (S_HALVES + g * 64) * 2);
-            z[1][pj] = zero_of(su + (S_HALVES + g * 64 + 8) * 2);
+              const int g = GK16 < 8 ? ((iw * PPW + pj) / 2) / GK16 : 0;
+              z[0][pj] = zero_of(su + (S_HALVES + g * 64) * 2);
+              z[1][pj] = zero_of(su + (S_HALVES + g * 64 + 8) * 2);
 #else
-            z[0][pj] = z[1][pj] = 1 << (BITS - 1);
+              z[0][pj] = z[1][pj] = 1 << (BITS - 1);
 #endif
-          }
-          u32 a[2][PPW];
-          dequant_word(w[0][iw], z[0], a[0]);
-          dequant_word(w[1][iw], z[1], a[1]);
+            }
+            u32 a[2][PPW];
+            dequant_word(w[0][iw], z[0], a[0]);
+            dequant_word(w[1][iw], z[1], a[1]);
 #pragma unroll
-          for (int sp = 0; sp < PPW / 2; ++sp) {
-            const int s = iw * PPW / 2 + sp;
-            u32 b0, b1, b2, b3;
-            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(xu + s * 32));
-            mma(cg[0], a[0][2 * sp], a[1][2 * sp], a[0][2 * sp + 1], a[1][2 * sp + 1], b0, b1);
-            if (two) mma(cg[1], a[0][2 * sp], a[1][2 * sp], a[0][2 * sp + 1], a[1][2 * sp + 1], b2, b3);
-            if (GK16 < 8 && (s + 1) % GK16 == 0) flush(acc, cg, su + (s / GK16) * 128);
+            for (int sp = 0; sp < PPW / 2; ++sp) {
+              const int s = iw * PPW / 2 + sp;
+              // 8 rows or fewer (most decode tiles): only the first n8 tile's two matrices, half the
+              // shared-memory reads; at 2 bits the x4 loads of 4 warps read 8x the stage's weight bytes
+              u32 b0, b1, b2 = 0u, b3 = 0u;
+              if (TWO)
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                             : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(xu + s * 32));
+              else
+                asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                             : "=r"(b0), "=r"(b1) : "r"(xu + s * 32));
+              mma(cg[0], a[0][2 * sp], a[1][2 * sp], a[0][2 * sp + 1], a[1][2 * sp + 1], b0, b1);
+              if (TWO) mma(cg[1], a[0][2 * sp], a[1][2 * sp], a[0][2 * sp + 1], a[1][2 * sp + 1], b2, b3);
+              if (GK16 < 8 && (s + 1) % GK16 == 0) flush(acc, cg, su + (s / GK16) * 128);
+            }
           }
-        }
-        if (GK16 == 8) {
-          const int kt = kt0 + it * KT + u;
-          if (((kt + 1) & group_mask) == 0 || kt + 1 == kt1) flush(acc, cg, su);
+          if (GK16 == 8) {
+            const int kt = kt0 + it * KT + u;
+            if (((kt + 1) & group_mask) == 0 || kt + 1 == kt1) flush(acc, cg, su);
+          }
         }
       }
+      rd += STAGE_BYTES;
+      if (rd == send) rd = sbase;
     }
-    rd += STAGE_BYTES;
-    if (rd == send) rd = sbase;
-  }
+  };
+  if (two)
+    main_loop(true);
+  else
+    main_loop(false);
   cp_wait<0>();
 
   // Epilogue: c0, c1 are weight row `row` for activation rows 8t + 2q + {0, 1}; c2, c3 row + 8.

@@ -63,7 +63,8 @@ def _stack(bits, group, asym, sparse=True, out_f=128, in_f=256, n=2, device="cpu
 def test_every_variant_compiles_offline_to_a_streaming_loop(bits, dtype, asym, group, rb, kt):
     """NVRTC for sm_90 without a GPU; the SASS main loop is what the design needs on any compiler
     version: 16-byte global->shared copies only, no shared-memory store, one barrier per K tile, the
-    two n8 MMAs of each of the 8 k16 steps, no local memory."""
+    two n8 MMAs of each of the 8 k16 steps, no local memory. A second build of the loop serves tiles of
+    8 rows or fewer (most decode tiles) with half the activation reads (x2 ldmatrix) and MMAs."""
     rtc = _nvrtc_or_skip()
     from deltazip.kernels import sass
 
@@ -81,6 +82,61 @@ def test_every_variant_compiles_offline_to_a_streaming_loop(bits, dtype, asym, g
     assert info["loop_mma"] == 16 * kt, full
     assert not any(op.startswith(("LDL", "STL")) for op in info["all_opcodes"]), "local memory (spills)"
     assert info["registers"] <= 128  # 2 CTAs of 8 warps (or 4 of 4) fit an SM's register file
+    # the loop for tiles of 8 rows or fewer: one n8 MMA per k16 step, activations read by x2 ldmatrix only
+    small = [lp for lp in info["loops"] if lp["mma"] == 8 * kt]
+    assert len(small) == 1, info["loops"]
+    ldsm = {op: n for op, n in small[0]["full_opcodes"].items() if op.startswith("LDSM")}
+    assert ldsm == {"LDSM.16.M88.2": 8 * kt}, ldsm
+    assert sum(n for op, n in small[0]["full_opcodes"].items() if op.startswith("BAR.SYNC")) == 1
+    assert {op: n for op, n in full.items() if op.startswith("LDSM")} == {"LDSM.16.M88.4": 8 * kt}
+
+
+@pytest.mark.parametrize("bits,rb,kt,stages", [(4, 1, 1, 8), (4, 2, 1, 8), (2, 2, 2, 6), (2, 1, 2, 8), (8, 1, 1, 8)])
+def test_deep_pipelines_compile_to_the_same_loop_within_their_register_budget(bits, rb, kt, stages):
+    """The tuner's deeper pipelines (``dispatch_table._deeper``: 6 or 8 stages where 4 keep too few weight
+    bytes in flight) keep the loop of the 4-stage build, spill nothing, and use few enough registers for
+    the CTAs per SM that ``cuda_sbmm.ctas_per_sm`` counts on (their launch bounds ask for fewer CTAs, so
+    the compiler may use more registers than at 4 stages)."""
+    rtc = _nvrtc_or_skip()
+    from deltazip.kernels import sass
+
+    if sass.tools_available():
+        pytest.skip(sass.tools_available())
+    _, stack = _stack(bits, 128, False, in_f=2048)
+    cfg = cuda_sbmm.CudaConfig(rb=rb, stages=stages, kt=kt)
+    info = sass.analyze(rtc.compile_cubin(cuda_sbmm.source(), cuda_sbmm.macros(stack, torch.float16, cfg), 90),
+                        function="dz_sbmm")
+    full = info["loop_full_opcodes"]
+    assert all(op.endswith(".128") for op in full if op.startswith("LDGSTS")), full
+    assert info["loop_smem_stores"] == 0 and info["loop_mma"] == 16 * kt, full
+    assert sum(n for op, n in full.items() if op.startswith("BAR.SYNC")) == 1, full
+    assert not any(op.startswith(("LDL", "STL")) for op in info["all_opcodes"]), "local memory (spills)"
+    regs_per_cta = info["registers"] * 128 * rb
+    assert regs_per_cta * cuda_sbmm.ctas_per_sm(stack, cfg) <= cuda_sbmm.sm_limits(0)[2], info["registers"]
+
+
+def test_the_prologue_reads_the_plan_in_two_rounds_and_streams_weights_before_its_barrier():
+    """Each CTA's start: the tile's slot, first row and row count are read together, then whether the
+    stack holds the slot and the tile's rows (two dependent rounds of global reads; the first H100 build
+    chained four), and the first stages' weight copies go out before the barrier that shares the rows."""
+    rtc = _nvrtc_or_skip()
+    from deltazip.kernels import sass
+
+    if sass.tools_available():
+        pytest.skip(sass.tools_available())
+    _, stack = _stack(4, 128, False, in_f=512)
+    cubin = rtc.compile_cubin(cuda_sbmm.source(), cuda_sbmm.macros(stack, torch.float16, cuda_sbmm.CudaConfig(1)), 90)
+    ops = sass.opcodes(cubin, function="dz_sbmm")
+    first_copy = next(i for i, op in enumerate(ops) if op.startswith("LDGSTS"))
+    first_bar = next(i for i, op in enumerate(ops) if op.startswith("BAR.SYNC"))
+    assert first_copy < first_bar
+    rounds, pending = 0, False  # a round: global loads issued before a branch that waits on them
+    for op in ops[:first_copy]:
+        if op.startswith("LDG"):
+            pending = True
+        elif pending and "EXIT" in op:
+            rounds, pending = rounds + 1, False
+    assert rounds == 2, ops[:first_copy]
 
 
 def test_group_params_cover_the_mma_layouts_group_sizes():
@@ -122,7 +178,8 @@ def test_cuda_sbmm_matches_the_reference(bits, dtype, asym, group):
         ref = reference.sbmm(x, index.cuda(), deltas)
         plan = plan_rows(rows, n_slots, "cuda")
         cfgs = [cuda_sbmm.CudaConfig(2, 4, 1), cuda_sbmm.CudaConfig(1, 3, 2), cuda_sbmm.CudaConfig(2, 2, 4),
-                cuda_sbmm.CudaConfig(2, 4, 2, kt=2), cuda_sbmm.CudaConfig(1, 4, 1, kt=2)]
+                cuda_sbmm.CudaConfig(2, 4, 2, kt=2), cuda_sbmm.CudaConfig(1, 4, 1, kt=2),
+                cuda_sbmm.CudaConfig(1, 8, 1), cuda_sbmm.CudaConfig(2, 6, 1, kt=2)]  # deeper than the 4 K tiles
         for cfg in [c for c in cfgs if cuda_sbmm.kt_ok(stack, c.kt)]:
             y = cuda_sbmm.sbmm_cuda(x, stack, plan, config=cfg)
             _check(y, ref, dtype)
@@ -158,6 +215,8 @@ def test_uneven_k_splits_match_the_reference(dtype, asym, group):
             ran.add(cuda_sbmm.effective_split(10, cfg))
             _check(cuda_sbmm.sbmm_cuda(x, stack, plan, config=cfg), ref, dtype)
     assert (4, 3) in ran and (3, 4) in ran  # 4 + 4 + 2 and 3 + 3 + 3 + 1 tiles
+    for cfg in (cuda_sbmm.CudaConfig(1, 8, 1), cuda_sbmm.CudaConfig(2, 6, 1), cuda_sbmm.CudaConfig(1, 8, 2)):
+        _check(cuda_sbmm.sbmm_cuda(x, stack, plan, config=cfg), ref, dtype)  # deep pipelines: the ring wraps
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from deltazip.kernels import cuda_sbmm, dispatch_table
+from deltazip.kernels import cuda_sbmm, dispatch, dispatch_table
 from deltazip.kernels.dispatch_table import Choice
 from deltazip.kernels.stacked import StackedDeltas
 
@@ -159,6 +159,32 @@ def test_untuned_default_reads_weights_few_times_on_the_kernel_else_dequantizes_
     assert dispatch_table.default_choice(s, 1024, 2).path == "dequant_mm"
 
 
+def test_a_configuration_whose_every_launch_is_wrong_leaves_the_cuda_path(table_dir):
+    """The tuner's check (``agrees`` on a GPU; injected here) rejects launch configs that compute something
+    else. One wrong config is skipped and the others compete; when every one is wrong, the stack
+    configuration is distrusted (``dispatch.cuda_path`` then answers no: the Triton or reference path
+    serves it), with one warning, and nothing is cached for the key, so the next process checks again."""
+    s = _stack()
+    cfgs = [Choice("cuda", cuda_sbmm.CudaConfig(2, 4, sp, 1)) for sp in (1, 2)]
+    timer = lambda fn: {1: 0.02, 2: 0.01}[fn.__defaults__[0].config.split]  # noqa: E731
+    try:
+        got = dispatch_table.tune(s, torch.float16, 4, 2, timer=timer, cands=cfgs, check=lambda st, dt, c: c.split == 1)
+        assert got.config.split == 1 and not dispatch_table.distrusted(s, torch.float16)
+
+        def never(fn):
+            raise AssertionError("a launch that failed its check is never timed")
+
+        with pytest.warns(UserWarning, match="wrong result under every launch config"):
+            dispatch_table.tune(s, torch.float16, 8, 4, timer=never, cands=cfgs, check=lambda st, dt, c: False)
+        assert dispatch_table.distrusted(s, torch.float16)
+        assert not dispatch_table.distrusted(s, torch.bfloat16) and not dispatch_table.distrusted(_stack(bits=2),
+                                                                                                torch.float16)
+        assert dispatch_table.lookup(s, torch.float16, 8, 4) is None  # not cached: checked again next time
+        assert len(dispatch_table.table_for(s.device).skipped[dispatch_table.key(s, torch.float16, 8, 4)]) == 2
+    finally:
+        dispatch_table._DISTRUSTED.clear()
+
+
 def test_a_corrupt_table_is_ignored_with_a_warning_and_bad_entries_dropped(table_dir):
     path = table_dir / "t.json"
     path.write_text("{nope")
@@ -193,4 +219,55 @@ def test_a_launch_config_whose_result_is_wrong_is_skipped_and_recorded(table_dir
     assert got.config == cfgs[0]
     skipped = dispatch_table.table_for(s.device).skipped[dispatch_table.key(s, torch.float16, 4, 2)]
     assert len(skipped) == 1 and "differs from dequantize + cuBLAS" in skipped[0] and "'split': 3" in skipped[0]
+    assert not dispatch_table.distrusted(s, torch.float16)
+    # every launch wrong: the CUDA path steps aside and the product still comes out right
+    monkeypatch.setattr(cuda_sbmm, "sbmm_cuda", lambda x, stack, plan, **kw: real(x * 0.5, stack, plan, **kw))
     dispatch_table._AGREES.clear()
+    try:
+        with pytest.warns(UserWarning, match="wrong result under every launch config"):
+            dispatch_table.tune(s, torch.float16, 8, 4, cands=[Choice("cuda", c) for c in cfgs])
+        x = torch.randn(3, 1536, device="cuda").half()
+        assert not dispatch.cuda_path(x, s)
+        s.qweight.copy_(torch.randint(-2**31, 2**31 - 1, s.qweight.shape, dtype=torch.int32, device="cuda"))
+        s.scales.fill_(0.01)
+        idx = torch.tensor([0, 1, 3], device="cuda")
+        from deltazip.kernels import reference
+
+        want = reference.sbmm(x.float(), idx, s).float()
+        assert torch.allclose(dispatch.sbmm(x, idx, s).float(), want, rtol=2e-2, atol=2e-2)
+    finally:
+        dispatch_table._DISTRUSTED.clear()
+        dispatch_table._AGREES.clear()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="sized for an H100/H200 (132 SMs, 228 KiB per SM)")
+def test_a_deeper_pipeline_is_timed_where_four_stages_keep_too_few_bytes_in_flight():
+    """4096x4096 at 4 bits with 4 deltas of one row: 256 CTAs of 4 warps, two per SM, keep 2 x 3 stages x
+    4 KiB = 24 KiB of weights in flight at 4 stages, under the 40 KiB target; the same launch at 8 stages
+    keeps 56 KiB and both CTAs stay resident. 16 deltas fill the SMs (6 CTAs each, 72 KiB): 4 stages only.
+    Without an SM count no depth is added (the model needs the grid per SM)."""
+    s = _llama(4096, 4096)
+    four = dispatch_table._config(1, 1, 1)
+    assert cuda_sbmm.in_flight_bytes(s, 4, four) == 2 * 3 * (4096 + 128)
+    deep = {(c.config.rb, c.config.kt, c.config.split, c.config.stages)
+            for c in dispatch_table.candidates(s, 4, 4, 132) if c.config.stages != 4}
+    assert deep == {(1, 1, 1, 8), (2, 1, 1, 8)}
+    for rb, kt, sp, st in deep:
+        c = cuda_sbmm.CudaConfig(rb, st, sp, kt)
+        assert cuda_sbmm.in_flight_bytes(s, 4, c) >= dispatch_table.IN_FLIGHT_TARGET
+        assert cuda_sbmm.ctas_per_sm(s, c) * 132 >= 4 * 4096 // (64 * rb)  # every CTA of the grid resident
+    assert all(c.config.stages == 4 for c in dispatch_table.candidates(s, 16, 16, 132))
+    assert all(c.config.stages == 4 for c in dispatch_table.candidates(s, 4, 4, None))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="sized for an H100/H200 (132 SMs, 228 KiB per SM)")
+def test_a_32_slot_7b_server_times_2235_candidates():
+    """The start-up count docs/kernels.md quotes: 5 stack shapes x 43 keys; 194 of them deep pipelines."""
+    total = deep = 0
+    for out_f, in_f in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096)):
+        s = _llama(out_f, in_f, slots=32)
+        for rows, d in dispatch_table.buckets(32):
+            cands = dispatch_table.candidates(s, rows, d, 132)
+            total += len(cands)
+            deep += sum(c.config is not None and c.config.stages != 4 for c in cands)
+    assert (total, deep) == (2235, 194)
