@@ -71,10 +71,14 @@ STEPS=" ${STEPS:-tests parity table} "
 [ -n "${SKIP_STEP:-}" ] && STEPS=${STEPS/ step / }
 [ -n "${SKIP_HUMMING:-}" ] && STEPS=${STEPS/ humming / }
 want() { [[ "$STEPS" == *" $1 "* ]]; }
-xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
-want tests && run "gpu-marked tests" ${TESTS_LIMIT:-110} $PY -m pytest -q -p no:cacheprovider $xdist -m gpu \
+xdist=$($PY -c "import xdist" 2>/dev/null && echo yes)  # pytest-xdist travels in .whl/ (with execnet)
+# the gpu-marked tests run serially (servers, Ray, two-process tests); TESTS_XDIST="-n 8" spreads them
+want tests && run "gpu-marked tests" ${TESTS_LIMIT:-110} $PY -m pytest -q -p no:cacheprovider ${TESTS_XDIST:-} -m gpu \
   --require-gpu tests --deselect tests/kernels/test_cuda_sbmm.py
-want parity && run "CUDA kernel parity" ${PARITY_LIMIT:-120} $PY -m pytest -q -x -p no:cacheprovider \
+# parity in 4 processes where xdist is there: its offline compile screens and the GPU tests' first
+# launches compile about 150 kernel builds (cached on disk, shared by the processes)
+pxdist=${xdist:+-n 4}
+want parity && run "CUDA kernel parity" ${PARITY_LIMIT:-120} $PY -m pytest -q -x -p no:cacheprovider $pxdist \
   tests/kernels/test_cuda_sbmm.py
 want table && run "delta matmul table" ${TABLE_LIMIT:-100} $PY bench/sbmm_table.py --out "$OUT" --table ${TABLE_ARGS:-}
 want step && run "decode step bench (synthetic 7B-shaped Llama)" ${STEP_LIMIT:-300} \

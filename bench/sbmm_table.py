@@ -160,6 +160,25 @@ def point(out_f, in_f, bits, dtype, d, r, rings, bw, quick, replays, with_triton
             "chosen_vs_loop": round(res[chosen] / res["loop_fp16"], 3)}
 
 
+def precompile_all(shapes) -> None:
+    """Every kernel build the tuner will time for the table's keys, compiled in parallel threads first
+    (``dispatch_table.precompile``): serially, the compiles alone took a large share of a GPU window."""
+    from deltazip.kernels import dispatch_table
+    from deltazip.kernels.stacked import StackedDeltas
+
+    t0, n = time.time(), 0
+    props = torch.cuda.get_device_properties(0)
+    pairs = [(d * r, d) for d in (1, 4, 16, 64) for r in (1, 16)]
+    for out_f, in_f in shapes:
+        for bits in (4, 2):
+            meta = StackedDeltas.allocate(MAX_D, bits=bits, group_size=128, in_features=in_f, out_features=out_f,
+                                          sparse=True, asymmetric=False, layout="mma", device="meta")
+            for dtype in (torch.float16, torch.bfloat16):
+                n += dispatch_table.precompile(meta, dtype, pairs, props.multi_processor_count,
+                                               10 * props.major + props.minor)
+    log(f"compiled {n} kernel builds in {time.time() - t0:.1f} s")
+
+
 def parity(bits, dtype) -> float:
     """Relative L2 error of the CUDA kernel against the reference on a small random stack."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -230,6 +249,7 @@ def main(argv=None) -> int:
     checks = {f"{b}-bit {str(dt).removeprefix('torch.')}": parity(b, dt)
               for b in (4, 2) for dt in (torch.float16, torch.bfloat16)}
     log(f"parity (relative L2 vs reference): {checks}")
+    precompile_all(shapes)
     results = []
     for out_f, in_f in shapes:
         for bits in (4, 2):

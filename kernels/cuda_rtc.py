@@ -111,15 +111,24 @@ def cache_dir() -> Path:
     return Path(base) / "deltazip" / "cuda"
 
 
+_CUBINS: dict[str, bytes] = {}  # compiled in this process (a read-only disk cache still compiles once)
+
+
+def _cubin_key(source: str, macros: dict[str, int], arch: int) -> str:
+    return hashlib.sha256(repr((source, sorted(macros.items()), arch, nvrtc_version())).encode()).hexdigest()[:32]
+
+
 def cubin_for(source: str, macros: dict[str, int], arch: int) -> bytes:
     """:func:`compile_cubin`, through the on-disk cache (keyed by source, macros, arch and NVRTC version)."""
-    key = hashlib.sha256(repr((source, sorted(macros.items()), arch, nvrtc_version())).encode()).hexdigest()[:32]
+    key = _cubin_key(source, macros, arch)
+    if key in _CUBINS:
+        return _CUBINS[key]
     path = cache_dir() / f"{key}.cubin"
     try:
         return path.read_bytes()
     except OSError:
         pass
-    cubin = compile_cubin(source, macros, arch)
+    cubin = _CUBINS[key] = compile_cubin(source, macros, arch)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -128,6 +137,34 @@ def cubin_for(source: str, macros: dict[str, int], arch: int) -> bytes:
     except OSError:
         pass  # a read-only cache only costs the next process a compile
     return cubin
+
+
+def precompile(source: str, macro_sets: list[dict[str, int]], arch: int, workers: int | None = None) -> int:
+    """Compile every macro set not cached yet, in parallel threads (NVRTC runs outside the GIL: ctypes
+    releases it, and NVRTC compiles separate programs concurrently; the cubins are byte-identical to
+    serial compiles, ``tests/kernels/test_cuda_sbmm.py``); returns how many were compiled. A server's
+    tuning needs a few dozen variants, about half a second each: serially that was most of its start-up
+    on a fresh machine. A set that fails to compile is left for :func:`load` to report."""
+    todo, seen = [], set()
+    for m in macro_sets:
+        key = _cubin_key(source, m, arch)
+        if key in seen or key in _CUBINS or (cache_dir() / f"{key}.cubin").is_file():
+            continue
+        seen.add(key)
+        todo.append(m)
+    if not todo:
+        return 0
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(m: dict[str, int]) -> bool:
+        try:
+            cubin_for(source, m, arch)
+            return True
+        except CudaCompileError:
+            return False
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(todo), workers or os.cpu_count() or 1))) as ex:
+        return sum(ex.map(one, todo))
 
 
 # --------------------------------------------------------------------------------------------------

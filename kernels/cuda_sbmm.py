@@ -8,7 +8,8 @@ per-device workspace whose counters every launch leaves at zero), so a CUDA grap
 
 Launch options (:class:`CudaConfig`): ``rb`` 64-row weight blocks per CTA (1 or 2: 4 or 8 warps),
 ``stages`` cp.async pipeline depth, ``split`` K splits reduced in the kernel, ``kt`` 128-column K tiles
-per pipeline stage. None of them changes the result beyond fp32 summation order.
+per pipeline stage, ``mt`` 16-row weight tiles per warp (2: half the warps, each activation fragment
+read from shared memory feeds two tiles). None of them changes the result beyond fp32 summation order.
 
 Prefill-sized calls (many rows per slot) are better served by dequantizing each used slot once and
 calling cuBLAS: :func:`dequant_mm`, the second candidate the dispatcher measures.
@@ -42,10 +43,18 @@ class CudaConfig:
     stages: int = 4
     split: int = 1
     kt: int = 1
+    mt: int = 1
 
     def __post_init__(self):
-        if self.rb not in (1, 2) or not 2 <= self.stages <= 8 or self.split < 1 or self.kt not in (1, 2):
-            raise ValueError(f"CudaConfig {self}: rb in (1, 2), 2 <= stages <= 8, split >= 1, kt in (1, 2)")
+        if (self.rb not in (1, 2) or not 2 <= self.stages <= 8 or self.split < 1 or self.kt not in (1, 2)
+                or self.mt not in (1, 2)):
+            raise ValueError(f"CudaConfig {self}: rb in (1, 2), 2 <= stages <= 8, split >= 1, kt in (1, 2), "
+                             "mt in (1, 2)")
+
+    @property
+    def threads(self) -> int:
+        """Threads per CTA: 4 warps per 64-row block, halved when each warp covers two 16-row tiles."""
+        return 128 * self.rb // self.mt
 
 
 @functools.cache
@@ -86,7 +95,7 @@ def stage_bytes(stack: StackedDeltas, rb: int, kt: int = 1) -> int:
 def macros(stack: StackedDeltas, dtype: torch.dtype, cfg: CudaConfig) -> dict[str, int]:
     gk16, _ = group_params(stack)
     return {"BITS": stack.bits, "BF16": int(dtype == torch.bfloat16), "ASYM": int(stack.asymmetric),
-            "GK16": gk16, "RB": cfg.rb, "STAGES": cfg.stages, "KT": cfg.kt}
+            "GK16": gk16, "RB": cfg.rb, "STAGES": cfg.stages, "KT": cfg.kt, "MT": cfg.mt}
 
 
 @functools.cache
@@ -98,9 +107,11 @@ def _smem_limit(device_index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
 
 
-def reg_ctas(rb: int, bits: int) -> int:
+def reg_ctas(rb: int, bits: int, mt: int = 1) -> int:
     """CTAs per SM the kernel's register budget is cut for (``REG_CTAS`` in ``cuda/sbmm.cu``, its
     ``__launch_bounds__``): the compiler keeps registers low enough for that many to fit."""
+    if mt == 2:
+        return 4 if rb == 2 else 8
     return (3 if bits == 8 else 4) if rb == 2 else (5 if bits == 8 else 6)
 
 
@@ -121,7 +132,7 @@ def ctas_per_sm(stack: StackedDeltas, cfg: CudaConfig, device_index: int = 0) ->
     builds use 62-95 registers per thread, within it) bound it."""
     _, smem_sm, _ = sm_limits(device_index)
     smem = cfg.stages * stage_bytes(stack, cfg.rb, cfg.kt) + 1024
-    return max(1, min(smem_sm // smem, reg_ctas(cfg.rb, stack.bits)))
+    return max(1, min(smem_sm // smem, reg_ctas(cfg.rb, stack.bits, cfg.mt)))
 
 
 def effective_split(k_tiles: int, cfg: CudaConfig) -> tuple[int, int]:
@@ -140,7 +151,7 @@ def available(device_index: int = 0) -> bool:
 def fits(stack: StackedDeltas, cfg: CudaConfig, device_index: int) -> bool:
     """Whether the pipeline's shared memory fits the device (checked before any launch)."""
     return (cfg.stages * stage_bytes(stack, cfg.rb, cfg.kt) + 1024 <= _smem_limit(device_index)
-            and kt_ok(stack, cfg.kt))
+            and kt_ok(stack, cfg.kt) and mt_ok(stack, cfg.mt))
 
 
 def kt_ok(stack: StackedDeltas, kt: int) -> bool:
@@ -148,6 +159,11 @@ def kt_ok(stack: StackedDeltas, kt: int) -> bool:
     codes and narrower groups would spill registers)."""
     gk16, _ = group_params(stack)
     return kt == 1 or (stack.bits <= 4 and gk16 == 8 and (stack.in_features // 128) % kt == 0)
+
+
+def mt_ok(stack: StackedDeltas, mt: int) -> bool:
+    """Two 16-row tiles per warp: at 2 and 4 bits (8-bit codes of two tiles would spill registers)."""
+    return mt == 1 or stack.bits <= 4
 
 
 MAX_WORKSPACE = 1 << 25  # fp32 partials of one split-K launch (128 MiB)
@@ -237,6 +253,8 @@ def sbmm_cuda(x: torch.Tensor, stack: StackedDeltas, plan: RowPlan, *, out: torc
     k_tiles = in_f // 128
     if k_tiles % cfg.kt:
         raise ValueError(f"kt={cfg.kt} does not divide the {k_tiles} K tiles of in_features {in_f}")
+    if not mt_ok(stack, cfg.mt):
+        raise ValueError(f"mt={cfg.mt} needs codes of 2 or 4 bits, not {stack.bits}")
     per_split, split = effective_split(k_tiles, cfg)
     if split > 1 and split * n * out_f > MAX_WORKSPACE:  # a prefill-sized call has CTAs enough without
         per_split, split = k_tiles, 1
@@ -256,7 +274,7 @@ def sbmm_cuda(x: torch.Tensor, stack: StackedDeltas, plan: RowPlan, *, out: torc
             c_ll(stack.scales[0].numel()), c_int(out_f), c_int(padded_rows(out_f)), c_int(k_tiles),
             c_int(group_shift), c_int(per_split), c_int(int(out is not None)), ptr(ws.data_ptr()),
             ptr(counters.data_ptr())]
-    kernel((grid_x, plan.num_tiles, split), 128 * cfg.rb, smem, torch.cuda.current_stream(x.device).cuda_stream, args)
+    kernel((grid_x, plan.num_tiles, split), cfg.threads, smem, torch.cuda.current_stream(x.device).cuda_stream, args)
     return y
 
 

@@ -23,7 +23,7 @@ import re
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -58,7 +58,8 @@ class Choice:
             raise ValueError(f"not a dispatch choice: {d!r}")
         cfg = None
         if d["path"] == "cuda":
-            cfg = cuda_sbmm.CudaConfig(**{k: int(d[k]) for k in ("rb", "stages", "split", "kt")})
+            cfg = cuda_sbmm.CudaConfig(**{k: int(d[k]) for k in ("rb", "stages", "split", "kt")},
+                                       mt=int(d.get("mt", 1)))  # tables written before two-tile warps lack it
         us = d.get("us")
         return cls(d["path"], cfg, float(us) if us is not None else None)
 
@@ -191,6 +192,8 @@ def candidates(stack: StackedDeltas, rows: int, deltas: int, sms: int | None = N
             out += [Choice("cuda", _config(rb, kt, sp)) for sp in splits]
             if sms is not None:
                 out += [Choice("cuda", c) for sp in splits if (c := _deeper(stack, tiles, rb, kt, sp, dev))]
+    if n // d > 8 and cuda_sbmm.mt_ok(stack, 2):  # tiles of two n8 halves: their activation reads halve too
+        out += [Choice("cuda", replace(c.config, mt=2)) for c in list(out) if c.config is not None]
     if rows // max(1, min(deltas, rows)) >= 16:
         out.append(Choice("dequant_mm"))
     return out
@@ -420,6 +423,25 @@ def buckets(num_slots: int, rows: tuple[int, ...] = DECODE_ROWS + PREFILL_ROWS) 
     return out
 
 
+def precompile(stack: StackedDeltas, dtype: torch.dtype, pairs: list[tuple[int, int]], sms: int | None = None,
+               arch: int | None = None) -> int:
+    """Compile, in parallel, every kernel build the candidates of these (rows, deltas) keys launch (and
+    the dequantize kernel of ``dequant_mm``) before any is timed; returns how many were compiled now.
+    ``sms`` and ``arch`` default to the stack's GPU."""
+    if stack.device.type == "cuda":
+        props = torch.cuda.get_device_properties(stack.device)
+        sms, arch = sms or props.multi_processor_count, arch or 10 * props.major + props.minor
+    if arch is None:
+        raise ValueError("precompile needs a CUDA stack or an explicit arch")
+    from deltazip.kernels.cuda_rtc import precompile as compile_all
+
+    configs = {c.config for r, d in pairs for c in candidates(stack, r, d, sms) if c.config is not None}
+    configs.add(cuda_sbmm.CudaConfig(rb=1, stages=2, kt=1))  # dz_dequant's build (dequant_mm, agrees)
+    sets = [cuda_sbmm.macros(stack, dtype, c) for c in sorted(configs, key=lambda c: astuple(c))
+            if cuda_sbmm.kt_ok(stack, c.kt) and cuda_sbmm.mt_ok(stack, c.mt)]
+    return compile_all(cuda_sbmm.source(), sets, arch)
+
+
 def tune_stack(stack: StackedDeltas, dtype: torch.dtype, pairs: list[tuple[int, int]] | None = None) -> int:
     """Tune every (rows, deltas) pair of a stack; returns how many keys were timed now (not cached).
 
@@ -428,13 +450,15 @@ def tune_stack(stack: StackedDeltas, dtype: torch.dtype, pairs: list[tuple[int, 
     table = table_for(stack.device)
     pairs = buckets(stack.num_deltas) if pairs is None else pairs
     timed, t0 = 0, time.perf_counter()
+    todo = [(r, d) for r, d in pairs if key(stack, dtype, r, d) not in table.entries]
+    compiled = precompile(stack, dtype, todo) if todo and stack.device.type == "cuda" else 0
     for rows, deltas in pairs:
         if key(stack, dtype, rows, deltas) not in table.entries:
             tune(stack, dtype, rows, deltas, table=table, save=False)
             timed += 1
     if timed:
         table.save()
-        log.info("tuned the delta matmul of %dx%d %d-bit %s (%s): %d keys in %.1f s", stack.out_features,
-                 stack.in_features, stack.bits, "2:4" if stack.sparse else "dense", str(dtype).removeprefix("torch."),
-                 timed, time.perf_counter() - t0)
+        log.info("tuned the delta matmul of %dx%d %d-bit %s (%s): %d keys in %.1f s (%d kernel builds compiled)",
+                 stack.out_features, stack.in_features, stack.bits, "2:4" if stack.sparse else "dense",
+                 str(dtype).removeprefix("torch."), timed, time.perf_counter() - t0, compiled)
     return timed

@@ -7,9 +7,11 @@
 //   ASYM    explicit fp16 zero points per group (else 2**(BITS-1))
 //   GK16    16-column mma steps per quantization group when a group is narrower than a 128-column tile
 //           (1, 2 or 4); 8 when a group spans whole tiles (2**group_shift of them, or the whole row)
-//   RB      64-row weight blocks per CTA (1 or 2): 4 warps each
+//   RB      64-row weight blocks per CTA (1 or 2): 4 / MT warps each
 //   STAGES  depth of the cp.async pipeline (>= 2)
 //   KT      128-column K tiles per pipeline stage (1 or 2: 2 halves the loop's fixed work per weight)
+//   MT      16-row weight tiles per warp (1 or 2, 2 at 2 and 4 bits): each activation fragment a warp
+//           reads from shared memory feeds MT tiles' MMAs (4 RB / MT warps per CTA)
 // No CUDA header is included (NVRTC needs none): every fp16/bf16 operation is inline PTX.
 //
 // Why it is shaped like this (docs/kernels.md has the measurements):
@@ -41,7 +43,7 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef long long i64;
 
-#define NWARPS (4 * RB)
+#define NWARPS (4 * RB / MT)
 #define NTHREADS (32 * NWARPS)
 #define BM 16                          // activation rows per tile
 
@@ -57,9 +59,10 @@ typedef long long i64;
 #define X_HALVES (BM * XS)
 #define STAGE_BYTES (W_BYTES + (S_HALVES + Z_HALVES + X_HALVES) * 2)
 // CTAs per SM the register budget is cut for: what the pipeline's shared memory allows (of ~220 KiB),
-// at most 4 of 8 warps (RB 2) or 6 of 4 warps, fewer at 8 bits (more registers per code word)
+// at most 4 of 8 warps (RB 2) or 6 of 4 warps, fewer at 8 bits (more registers per code word); with two
+// tiles per warp (twice the accumulators and codes per thread) 128 registers: 4 CTAs of 4 warps, 8 of 2
 #define SMEM_CTAS ((220 * 1024) / (STAGES * STAGE_BYTES))
-#define REG_CTAS (RB == 2 ? (BITS == 8 ? 3 : 4) : (BITS == 8 ? 5 : 6))
+#define REG_CTAS (MT == 2 ? (RB == 2 ? 4 : 8) : RB == 2 ? (BITS == 8 ? 3 : 4) : (BITS == 8 ? 5 : 6))
 #define MIN_CTAS (SMEM_CTAS < 1 ? 1 : (SMEM_CTAS < REG_CTAS ? SMEM_CTAS : REG_CTAS))
 #if BF16 && BITS < 8
 #define MAGIC 0x43004300u              // bf16 128.0 twice: OR-ing q < 128 into the mantissa gives 128 + q
@@ -232,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   const int my_row = tid < cnt ? plan[start + tid] : 0;
   if (!present[slot + 1]) return;
   const int lane = tid & 31, warp = tid >> 5;
-  const int rb = warp >> 2, wi = warp & 3;
+  const int rb = (warp * MT) >> 2, wi = (warp * MT) & 3;  // the warp's block and first 16-row tile in it
   const int nb0 = blockIdx.x * RB, nblocks = outp >> 6;
   const bool active = nb0 + rb < nblocks;
   const int kt0 = blockIdx.z * tiles_per_split, kt1 = imin(k_tiles, kt0 + tiles_per_split);
@@ -240,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
 
   // Copy sources of this thread, advanced KT K tiles per load (a piece outside the matrix or past the
   // tile's rows stays put and is zero-filled), and their offsets inside a stage.
-  constexpr int WP = KT * BITS / 2;  // RB * KT * 64 * BITS pieces of 16 bytes over NTHREADS threads
+  constexpr int WP = (RB * KT * 64 * BITS) / NTHREADS;  // pieces of 16 bytes per thread
   // Piece i = tid + j * NTHREADS lands at stage byte 16 i; its source is one 32-bit word offset from
   // the slot's first K tile of this split (fewer registers than a pointer per piece).
   const u32* wbase = qw + slot * slot_words + (i64)kt0 * TILE_WORDS;
@@ -307,14 +310,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
     }
   };
 
-  float acc[2][4], cg[2][4];
+  float acc[MT][2][4], cg[MT][2][4];  // per weight tile and n8 tile of activation rows
 #pragma unroll
-  for (int t = 0; t < 2; ++t)
+  for (int m = 0; m < MT; ++m)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) acc[t][c] = cg[t][c] = 0.f;
-  const int row = 16 * wi + (lane >> 2);  // the thread's first weight row in its 64-row block
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[m][t][c] = cg[m][t][c] = 0.f;
+  const int row = 16 * wi + (lane >> 2);  // the thread's first weight row in its 64-row block (tile m: + 16 m)
   const bool two = cnt > 8;                // second n8 tile of activation rows in use
-  // Offsets inside a stage of what this thread reads: its words, its rows' scales, its ldmatrix row.
+  // Offsets inside a stage of what this thread reads: its words, its rows' scales, its ldmatrix row
+  // (weight tile m of the warp: words + m * 32 * RUN * 4 bytes, scales + 32 bytes).
   const u32 w_rd = rb * KT * TILE_WORDS * 4 + (wi * 32 * RUN + lane * RUN) * 4;
   const u32 sc_rd = W_BYTES + (rb * KT * SG * 64 + row) * 2;
   const u32 x_rd = W_BYTES + (S_HALVES + Z_HALVES + ((lane & 7) + 8 * (lane >> 4)) * XS + 8 * ((lane >> 3) & 1)) * 2;
@@ -343,36 +349,42 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
 #pragma unroll
         for (int u = 0; u < KT; ++u) {
           const u32 wu = rd + w_rd + u * TILE_WORDS * 4, su = rd + sc_rd + u * SG * 128, xu = rd + x_rd + u * 256;
-          u32 w[2][BITS];
+          u32 w[MT][2][BITS];
 #pragma unroll
-          for (int rr = 0; rr < 2; ++rr)
+          for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int hv = 0; hv < HV; ++hv) {
-              const u32 p = wu + (hv * 2 + rr) * 4 * 32 * RUN * 4;
+            for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+              for (int hv = 0; hv < HV; ++hv) {
+                const u32 p = wu + m * 32 * RUN * 4 + (hv * 2 + rr) * 4 * 32 * RUN * 4;
 #if RUN == 4
-              asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                           : "=r"(w[rr][hv * 4]), "=r"(w[rr][hv * 4 + 1]), "=r"(w[rr][hv * 4 + 2]), "=r"(w[rr][hv * 4 + 3])
-                           : "r"(p));
+                asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                             : "=r"(w[m][rr][hv * 4]), "=r"(w[m][rr][hv * 4 + 1]), "=r"(w[m][rr][hv * 4 + 2]),
+                               "=r"(w[m][rr][hv * 4 + 3])
+                             : "r"(p));
 #else
-              asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(w[rr][0]), "=r"(w[rr][1]) : "r"(p));
+                asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(w[m][rr][0]), "=r"(w[m][rr][1]) : "r"(p));
 #endif
-            }
+              }
 #pragma unroll
           for (int iw = 0; iw < BITS; ++iw) {  // word iw holds the pairs of mma steps iw * PPW / 2 ...
-            int z[2][PPW];
+            u32 a[MT][2][PPW];
 #pragma unroll
-            for (int pj = 0; pj < PPW; ++pj) {
+            for (int m = 0; m < MT; ++m) {
+              int z[2][PPW];
+#pragma unroll
+              for (int pj = 0; pj < PPW; ++pj) {
 #if ASYM
-              const int g = GK16 < 8 ? ((iw * PPW + pj) / 2) / GK16 : 0;
-              z[0][pj] = zero_of(su + (S_HALVES + g * 64) * 2);
-              z[1][pj] = zero_of(su + (S_HALVES + g * 64 + 8) * 2);
+                const int g = GK16 < 8 ? ((iw * PPW + pj) / 2) / GK16 : 0;
+                z[0][pj] = zero_of(su + m * 32 + (S_HALVES + g * 64) * 2);
+                z[1][pj] = zero_of(su + m * 32 + (S_HALVES + g * 64 + 8) * 2);
 #else
-              z[0][pj] = z[1][pj] = 1 << (BITS - 1);
+                z[0][pj] = z[1][pj] = 1 << (BITS - 1);
 #endif
+              }
+              dequant_word(w[m][0][iw], z[0], a[m][0]);
+              dequant_word(w[m][1][iw], z[1], a[m][1]);
             }
-            u32 a[2][PPW];
-            dequant_word(w[0][iw], z[0], a[0]);
-            dequant_word(w[1][iw], z[1], a[1]);
 #pragma unroll
             for (int sp = 0; sp < PPW / 2; ++sp) {
               const int s = iw * PPW / 2 + sp;
@@ -385,14 +397,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
               else
                 asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
                              : "=r"(b0), "=r"(b1) : "r"(xu + s * 32));
-              mma(cg[0], a[0][2 * sp], a[1][2 * sp], a[0][2 * sp + 1], a[1][2 * sp + 1], b0, b1);
-              if (TWO) mma(cg[1], a[0][2 * sp], a[1][2 * sp], a[0][2 * sp + 1], a[1][2 * sp + 1], b2, b3);
-              if (GK16 < 8 && (s + 1) % GK16 == 0) flush(acc, cg, su + (s / GK16) * 128);
+#pragma unroll
+              for (int m = 0; m < MT; ++m) {
+                mma(cg[m][0], a[m][0][2 * sp], a[m][1][2 * sp], a[m][0][2 * sp + 1], a[m][1][2 * sp + 1], b0, b1);
+                if (TWO) mma(cg[m][1], a[m][0][2 * sp], a[m][1][2 * sp], a[m][0][2 * sp + 1], a[m][1][2 * sp + 1], b2, b3);
+                if (GK16 < 8 && (s + 1) % GK16 == 0) flush(acc[m], cg[m], su + m * 32 + (s / GK16) * 128);
+              }
             }
           }
           if (GK16 == 8) {
             const int kt = kt0 + it * KT + u;
-            if (((kt + 1) & group_mask) == 0 || kt + 1 == kt1) flush(acc, cg, su);
+            if (((kt + 1) & group_mask) == 0 || kt + 1 == kt1)
+#pragma unroll
+              for (int m = 0; m < MT; ++m) flush(acc[m], cg[m], su + m * 32);
           }
         }
       }
@@ -406,20 +423,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
     main_loop(false);
   cp_wait<0>();
 
-  // Epilogue: c0, c1 are weight row `row` for activation rows 8t + 2q + {0, 1}; c2, c3 row + 8.
+  // Epilogue: c0, c1 are weight row `row` (+ 16 mt) for activation rows 8t + 2q + {0, 1}; c2, c3 row + 8.
   const int mrow = (nb0 + rb) * 64 + row, q2 = 2 * (lane & 3);
   if (gridDim.z == 1) {
     if (!active) return;
 #pragma unroll
-    for (int t = 0; t < 2; ++t)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int n = 8 * t + q2 + (c & 1), m = mrow + 8 * (c >> 1);
-        if (n < cnt && m < out_f) {
-          u16* p = y + (i64)xrow[n] * sy + m;
-          *p = from_f32(acc_into ? acc[t][c] + to_f32(*p) : acc[t][c]);
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int n = 8 * t + q2 + (c & 1), m = mrow + 16 * mt + 8 * (c >> 1);
+          if (n < cnt && m < out_f) {
+            u16* p = y + (i64)xrow[n] * sy + m;
+            *p = from_f32(acc_into ? acc[mt][t][c] + to_f32(*p) : acc[mt][t][c]);
+          }
         }
-      }
     return;
   }
   // Split K: each split stores its partials in its own workspace slice (plain stores, no atomics: their
@@ -428,14 +447,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   const i64 slice = (i64)n_rows * out_f;
   if (active) {
 #pragma unroll
-    for (int t = 0; t < 2; ++t)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int n = 8 * t + q2 + (c & 1), m = mrow + 8 * (c >> 1);
-        if (n < cnt && m < out_f)
-          asm volatile("st.global.cg.f32 [%0], %1;" ::"l"(ws + blockIdx.z * slice + (i64)xrow[n] * out_f + m),
-                       "f"(acc[t][c]) : "memory");
-      }
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int n = 8 * t + q2 + (c & 1), m = mrow + 16 * mt + 8 * (c >> 1);
+          if (n < cnt && m < out_f)
+            asm volatile("st.global.cg.f32 [%0], %1;" ::"l"(ws + blockIdx.z * slice + (i64)xrow[n] * out_f + m),
+                         "f"(acc[mt][t][c]) : "memory");
+        }
   }
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
   __syncthreads();
@@ -450,22 +471,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
   if (active) {
 #pragma unroll
-    for (int t = 0; t < 2; ++t)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int n = 8 * t + q2 + (c & 1), m = mrow + 8 * (c >> 1);
-        if (n < cnt && m < out_f) {
-          const float* wp = ws + (i64)xrow[n] * out_f + m;
-          float v = 0.f;
-          for (int z = 0; z < (int)gridDim.z; ++z) {
-            float part;
-            asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(part) : "l"(wp + z * slice) : "memory");
-            v += part;
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int n = 8 * t + q2 + (c & 1), m = mrow + 16 * mt + 8 * (c >> 1);
+          if (n < cnt && m < out_f) {
+            const float* wp = ws + (i64)xrow[n] * out_f + m;
+            float v = 0.f;
+            for (int z = 0; z < (int)gridDim.z; ++z) {
+              float part;
+              asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(part) : "l"(wp + z * slice) : "memory");
+              v += part;
+            }
+            u16* p = y + (i64)xrow[n] * sy + m;
+            *p = from_f32(acc_into ? v + to_f32(*p) : v);
           }
-          u16* p = y + (i64)xrow[n] * sy + m;
-          *p = from_f32(acc_into ? v + to_f32(*p) : v);
         }
-      }
   }
   if (tid == 0) *counter = 0;
 }

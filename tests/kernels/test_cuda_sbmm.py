@@ -111,8 +111,46 @@ def test_deep_pipelines_compile_to_the_same_loop_within_their_register_budget(bi
     assert info["loop_smem_stores"] == 0 and info["loop_mma"] == 16 * kt, full
     assert sum(n for op, n in full.items() if op.startswith("BAR.SYNC")) == 1, full
     assert not any(op.startswith(("LDL", "STL")) for op in info["all_opcodes"]), "local memory (spills)"
-    regs_per_cta = info["registers"] * 128 * rb
+    regs_per_cta = info["registers"] * cfg.threads
     assert regs_per_cta * cuda_sbmm.ctas_per_sm(stack, cfg) <= cuda_sbmm.sm_limits(0)[2], info["registers"]
+
+
+@pytest.mark.parametrize("bits,dtype,asym,group,rb,kt", [v for v in VARIANTS if v[0] <= 4 and v[1] == torch.bfloat16]
+                         + [(4, torch.float16, False, 128, 1, 2), (2, torch.float16, True, 64, 2, 1)])
+def test_two_tiles_per_warp_compile_to_a_loop_that_shares_each_activation_read(bits, dtype, asym, group, rb, kt):
+    """``mt`` 2: half the warps, each covering two 16-row weight tiles, so every activation fragment read
+    from shared memory feeds two tiles' MMAs: per K tile 32 MMAs after 8 x4 ldmatrix (16 and 8 x2 for
+    tiles of 8 rows or fewer), the same copies and single barrier, no spills, and registers within
+    what the CTAs per SM of ``cuda_sbmm.ctas_per_sm`` need."""
+    rtc = _nvrtc_or_skip()
+    from deltazip.kernels import sass
+
+    if sass.tools_available():
+        pytest.skip(sass.tools_available())
+    _, stack = _stack(bits, group, asym, in_f=512)
+    cfg = cuda_sbmm.CudaConfig(rb=rb, stages=4, kt=kt, mt=2)
+    assert cfg.threads == 64 * rb
+    info = sass.analyze(rtc.compile_cubin(cuda_sbmm.source(), cuda_sbmm.macros(stack, dtype, cfg), 90),
+                        function="dz_sbmm")
+    full = info["loop_full_opcodes"]
+    assert info["loop_mma"] == 32 * kt
+    assert {op: n for op, n in full.items() if op.startswith("LDSM")} == {"LDSM.16.M88.4": 8 * kt}, full
+    assert all(op.endswith(".128") for op in full if op.startswith("LDGSTS")) and info["loop_smem_stores"] == 0
+    assert sum(n for op, n in full.items() if op.startswith("BAR.SYNC")) == 1, full
+    small = [lp for lp in info["loops"] if lp["mma"] == 16 * kt]
+    assert len(small) == 1 and {op: n for op, n in small[0]["full_opcodes"].items()
+                                if op.startswith("LDSM")} == {"LDSM.16.M88.2": 8 * kt}
+    assert not any(op.startswith(("LDL", "STL")) for op in info["all_opcodes"]), "local memory (spills)"
+    assert info["registers"] * cfg.threads * cuda_sbmm.ctas_per_sm(stack, cfg) <= cuda_sbmm.sm_limits(0)[2]
+
+
+def test_two_tiles_per_warp_need_codes_of_at_most_4_bits():
+    _, s8 = _stack(8, 128, False)
+    _, s4 = _stack(4, 128, False)
+    assert not cuda_sbmm.mt_ok(s8, 2) and cuda_sbmm.mt_ok(s4, 2) and cuda_sbmm.mt_ok(s8, 1)
+    assert not cuda_sbmm.fits(s8, cuda_sbmm.CudaConfig(mt=2), 0)
+    with pytest.raises(ValueError, match="mt in"):
+        cuda_sbmm.CudaConfig(mt=4)
 
 
 def test_the_prologue_reads_the_plan_in_two_rounds_and_streams_weights_before_its_barrier():
@@ -179,8 +217,10 @@ def test_cuda_sbmm_matches_the_reference(bits, dtype, asym, group):
         plan = plan_rows(rows, n_slots, "cuda")
         cfgs = [cuda_sbmm.CudaConfig(2, 4, 1), cuda_sbmm.CudaConfig(1, 3, 2), cuda_sbmm.CudaConfig(2, 2, 4),
                 cuda_sbmm.CudaConfig(2, 4, 2, kt=2), cuda_sbmm.CudaConfig(1, 4, 1, kt=2),
-                cuda_sbmm.CudaConfig(1, 8, 1), cuda_sbmm.CudaConfig(2, 6, 1, kt=2)]  # deeper than the 4 K tiles
-        for cfg in [c for c in cfgs if cuda_sbmm.kt_ok(stack, c.kt)]:
+                cuda_sbmm.CudaConfig(1, 8, 1), cuda_sbmm.CudaConfig(2, 6, 1, kt=2),  # deeper than the 4 K tiles
+                cuda_sbmm.CudaConfig(2, 4, 1, mt=2), cuda_sbmm.CudaConfig(1, 4, 2, mt=2),  # two tiles per warp
+                cuda_sbmm.CudaConfig(2, 4, 2, kt=2, mt=2)]
+        for cfg in [c for c in cfgs if cuda_sbmm.kt_ok(stack, c.kt) and cuda_sbmm.mt_ok(stack, c.mt)]:
             y = cuda_sbmm.sbmm_cuda(x, stack, plan, config=cfg)
             _check(y, ref, dtype)
             assert torch.equal(y[index.cuda() < 0], torch.zeros_like(y[index.cuda() < 0]))
@@ -215,7 +255,8 @@ def test_uneven_k_splits_match_the_reference(dtype, asym, group):
             ran.add(cuda_sbmm.effective_split(10, cfg))
             _check(cuda_sbmm.sbmm_cuda(x, stack, plan, config=cfg), ref, dtype)
     assert (4, 3) in ran and (3, 4) in ran  # 4 + 4 + 2 and 3 + 3 + 3 + 1 tiles
-    for cfg in (cuda_sbmm.CudaConfig(1, 8, 1), cuda_sbmm.CudaConfig(2, 6, 1), cuda_sbmm.CudaConfig(1, 8, 2)):
+    for cfg in (cuda_sbmm.CudaConfig(1, 8, 1), cuda_sbmm.CudaConfig(2, 6, 1), cuda_sbmm.CudaConfig(1, 8, 2),
+                cuda_sbmm.CudaConfig(2, 4, 3, mt=2), cuda_sbmm.CudaConfig(1, 8, 1, mt=2)):
         _check(cuda_sbmm.sbmm_cuda(x, stack, plan, config=cfg), ref, dtype)  # deep pipelines: the ring wraps
 
 
@@ -265,3 +306,27 @@ def test_dequant_mm_matches_the_reference(dtype):
     y = cuda_sbmm.dequant_mm(x, stack, plan)
     _check(y, reference.sbmm(x, torch.tensor(rows).cuda(), deltas), dtype)
     assert np.array_equal(sorted(plan.slot_rows), sorted({r for r in rows if r >= 0}))
+
+
+def test_precompile_builds_every_candidate_in_parallel_threads_identical_to_serial_compiles(tmp_path, monkeypatch):
+    """A server's tuning (``dispatch_table.tune_stack``) and the kernel table first compile every build
+    the candidates launch, in threads (NVRTC outside the GIL): one cubin per distinct build, each the
+    same bytes a serial compile gives, cached so that the second call compiles nothing."""
+    rtc = _nvrtc_or_skip()
+    from deltazip.kernels import dispatch_table
+    from deltazip.kernels.stacked import StackedDeltas
+
+    monkeypatch.setenv("DELTAZIP_CUDA_CACHE", str(tmp_path))
+    monkeypatch.setattr(rtc, "_CUBINS", {})
+    s = StackedDeltas.allocate(8, bits=4, group_size=128, in_features=1024, out_features=256, sparse=True,
+                               asymmetric=False, layout="mma", device="meta")
+    pairs = [(1, 1), (64, 4)]  # one row; 16 rows per delta (two tiles per warp join)
+    builds = {c.config for r, d in pairs for c in dispatch_table.candidates(s, r, d, 132) if c.config is not None}
+    builds = {(b.rb, b.stages, b.kt, b.mt) for b in builds} | {(1, 2, 1, 1)}  # + the dequantize kernel's
+    assert any(mt == 2 for *_, mt in builds)
+    assert dispatch_table.precompile(s, torch.float16, pairs, sms=132, arch=90) == len(builds)
+    assert len(list(tmp_path.glob("*.cubin"))) == len(builds)
+    assert dispatch_table.precompile(s, torch.float16, pairs, sms=132, arch=90) == 0
+    rb, st, kt, mt = sorted(builds)[-1]
+    macros = cuda_sbmm.macros(s, torch.float16, cuda_sbmm.CudaConfig(rb=rb, stages=st, kt=kt, mt=mt))
+    assert rtc.cubin_for(cuda_sbmm.source(), macros, 90) == rtc.compile_cubin(cuda_sbmm.source(), macros, 90)

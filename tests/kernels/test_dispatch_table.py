@@ -3,6 +3,7 @@ injected timer (failures skipped and recorded, never raised), the untuned defaul
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -261,8 +262,23 @@ def test_a_deeper_pipeline_is_timed_where_four_stages_keep_too_few_bytes_in_flig
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="sized for an H100/H200 (132 SMs, 228 KiB per SM)")
-def test_a_32_slot_7b_server_times_2235_candidates():
-    """The start-up count docs/kernels.md quotes: 5 stack shapes x 43 keys; 194 of them deep pipelines."""
+def test_two_tiles_per_warp_are_timed_for_tiles_of_more_than_8_rows_at_2_and_4_bits():
+    """``mt`` 2 halves the activation reads of 16-row tiles (which bound the 2-bit loop); tiles of 8 rows
+    or fewer already read half with x2 ldmatrix, and 8-bit codes of two tiles would spill."""
+    s = _llama(4096, 4096)
+    wide = [c.config for c in dispatch_table.candidates(s, 64, 4, 132) if c.path == "cuda"]  # 16 rows per delta
+    one = [c for c in wide if c.mt == 1]
+    assert {dataclasses.replace(c, mt=1) for c in wide if c.mt == 2} == set(one) and len(wide) == 2 * len(one)
+    assert all(c.config.mt == 1 for c in dispatch_table.candidates(s, 32, 4, 132) if c.config)  # 8 rows per delta
+    assert all(c.config.mt == 1 for c in dispatch_table.candidates(_llama(4096, 4096, bits=8), 64, 4, 132) if c.config)
+    assert Choice.from_json(Choice("cuda", cuda_sbmm.CudaConfig(1, 4, 2, 1, mt=2)).to_json()).config.mt == 2
+    assert Choice.from_json({"path": "cuda", "rb": 2, "stages": 4, "split": 1, "kt": 1}).config.mt == 1  # older tables
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="sized for an H100/H200 (132 SMs, 228 KiB per SM)")
+def test_a_32_slot_7b_server_times_3071_candidates():
+    """The start-up count docs/kernels.md quotes: 5 stack shapes x 43 keys; 248 of them deep pipelines, 836
+    with two tiles per warp (keys of more than 8 rows per variant)."""
     total = deep = 0
     for out_f, in_f in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096)):
         s = _llama(out_f, in_f, slots=32)
@@ -270,4 +286,4 @@ def test_a_32_slot_7b_server_times_2235_candidates():
             cands = dispatch_table.candidates(s, rows, d, 132)
             total += len(cands)
             deep += sum(c.config is not None and c.config.stages != 4 for c in cands)
-    assert (total, deep) == (2235, 194)
+    assert (total, deep) == (3071, 248)
