@@ -8,12 +8,13 @@ import sys
 
 
 def step_rows(d: dict) -> list[str]:
-    out = ["| rows | variants | base ms | delta ms | swap ms | delta/base | generate ms/token | generate/base | host ms |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| rows | variants | base ms | delta ms | swap ms | delta/base | weight bytes / base | generate ms/token | "
+           "generate/base | host ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["results"]:
         sw = r.get("swap_ms", {}).get("p50", "-")
         out.append(f"| {r['rows']} | {r['variants']} | {r['base_ms']['p50']} | {r['delta_ms']['p50']} | {sw} | "
-                   f"{r['delta_over_base']} | {r.get('generate_ms_per_token', '-')} | "
+                   f"{r['delta_over_base']} | {r.get('weight_bytes_over_base', '-')} | "
+                   f"{r.get('generate_ms_per_token', '-')} | "
                    f"{r.get('generate_over_base', '-')} | {r['delta_host_ms']} |")
     return out
 

@@ -24,7 +24,10 @@ through the engine's own KV pool, step mask and forward:
 
 Every row has a ``--context``-token past. Prints ONE JSON document with the median and p90 step times
 (ms) of each, measured interleaved in one run, and the ratio ``swap / delta`` (> 1: the delta step
-serves the same rows faster). Per decode step of ``delta`` on each KV layout (``profile``): aten ops
+serves the same rows faster); ``delta_over_base`` beside ``weight_bytes_over_base``, the weight
+bytes the delta step reads over those of the base step (base weights, the embedding table excepted,
+plus ``variants`` times one variant's device bytes): the time ratio of a memory-bound step, as a GPU
+decode step at these shapes is (a CPU one is compute-bound, and on CPU the deltas are dense). Per decode step of ``delta`` on each KV layout (``profile``): aten ops
 (torch profiler, every nesting level, and outermost ops as dispatched), KV bytes copied beyond
 appending the new tokens and bytes appended (``deltazip.runtime.serve.kv_meter``), and on CUDA the
 kernel and CUDA-graph launches (a replayed graph's kernels are not aten ops: on CUDA the op and
@@ -221,6 +224,12 @@ def main() -> None:
         sw.write_slot(i, v.name, host_of(sw, v))
     phase(f"{n_swap} whole models written to swap slots")
     hosts.clear()
+    # What a memory-bound step must read: the base's weights (the embedding table only row by row) and
+    # each distinct variant's device bytes; weight_bytes_over_base is the step-time ratio those
+    # bytes alone would give (docs/serve.md, "What to expect from the step bench").
+    emb = dm.model.get_input_embeddings().weight
+    base_read_bytes = dm.base_bytes() - emb.numel() * emb.element_size()
+    variant_bytes = dm.slot_bytes(0)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     generate_ms: dict[int, float] = {}  # per batch size: generate runs the base alone, whatever k is
     results: list[dict] = []
@@ -231,6 +240,7 @@ def main() -> None:
                            "dtype": str(dtype).removeprefix("torch."), "layers": a.layers if synthetic else None,
                            "delta_model_build_s": round(build_s, 2), "kernel_warmup_s": round(dm.warmup["seconds"], 2),
                            "swap_variants": n_swap, "delta_compute": dm.delta_compute, "device": str(device),
+                           "base_weight_bytes_read": base_read_bytes, "variant_device_bytes": variant_bytes,
                            "paged_kv": is_paged(dm)},
                 "results": results}
 
@@ -271,6 +281,7 @@ def main() -> None:
             if "swap_ms" in row:
                 row["swap_over_delta"] = round(row["swap_ms"]["p50"] / row["delta_ms"]["p50"], 3)
             row["delta_over_base"] = round(row["delta_ms"]["p50"] / row["base_ms"]["p50"], 3)
+            row["weight_bytes_over_base"] = round(1 + k * variant_bytes / base_read_bytes, 3)
             row["profile"] = {"paged" if m == "delta" else "contiguous": profile_step(runs[m][0], device.type == "cuda")
                               for m in ("delta", "delta_contiguous") if m in runs}
             if synthetic or a.generate:
