@@ -8,14 +8,16 @@ memory, ``OutOfResources``) or fails to compile is skipped and recorded, never r
 
 Key: the stack's configuration (bits, group, 2:4, zero points, ``in x out``), the activation dtype, the
 batch's row count and the number of slots it uses, each rounded up to a power of two. Results live
-in one JSON file per GPU model and torch / Triton / NVRTC versions (``$DELTAZIP_AUTOTUNE_DIR``, default
-``~/.cache/deltazip/autotune``), written atomically. :func:`lookup` is a dict access on the host;
-tuning runs when a server starts (before ``/health`` reports ready, ``deltazip.kernels.warmup``),
-never on the request path: an untuned key gets :func:`default_choice`.
+in one JSON file per GPU model, torch / Triton / NVRTC versions and kernel source hash
+(``$DELTAZIP_AUTOTUNE_DIR``, default ``~/.cache/deltazip/autotune``), written atomically.
+:func:`lookup` is a dict access on the host; tuning runs when a server starts (before ``/health``
+reports ready, ``deltazip.kernels.warmup``), never on the request path: an untuned key gets
+:func:`default_choice`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -74,8 +76,15 @@ def key(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int) -> str
             f"{str(dtype).removeprefix('torch.')}/r{rows_bucket(rows)}/d{deltas_bucket(min(deltas, rows))}")
 
 
+def kernel_version() -> str:
+    """First 8 hex digits of the SHA-256 of the CUDA kernel's source: a choice timed on one build of the
+    kernel says nothing about another, so an upgrade that changes the kernel retunes instead of reading
+    the old table."""
+    return hashlib.sha256(cuda_sbmm.source().encode()).hexdigest()[:8]
+
+
 def device_tag(device: torch.device) -> str:
-    """``<gpu>-torch-<v>-triton-<v>-nvrtc-<v>``, reduced to file-safe characters."""
+    """``<gpu>-torch-<v>-triton-<v>-nvrtc-<v>-kernel-<hash>``, reduced to file-safe characters."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     try:
         import triton
@@ -89,7 +98,7 @@ def device_tag(device: torch.device) -> str:
         nv = "{}.{}".format(*nvrtc_version())
     except Exception:  # noqa: BLE001
         nv = "none"
-    tag = f"dispatch-{name}-torch-{torch.__version__}-triton-{tv}-nvrtc-{nv}"
+    tag = f"dispatch-{name}-torch-{torch.__version__}-triton-{tv}-nvrtc-{nv}-kernel-{kernel_version()}"
     return re.sub(r"[^A-Za-z0-9._-]+", "-", tag).strip("-")
 
 

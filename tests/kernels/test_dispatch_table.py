@@ -287,3 +287,15 @@ def test_a_32_slot_7b_server_times_3071_candidates():
             total += len(cands)
             deep += sum(c.config is not None and c.config.stages != 4 for c in cands)
     assert (total, deep) == (3071, 248)
+
+
+def test_the_table_file_is_named_for_the_kernel_source_it_timed(table_dir, monkeypatch):
+    """Choices timed on one build of the kernel are not read by another: the file name carries the
+    source's hash, so an upgrade that changes the kernel starts an empty table."""
+    import hashlib
+
+    tag = dispatch_table.device_tag(torch.device("cpu"))
+    assert tag.endswith("-kernel-" + hashlib.sha256(cuda_sbmm.source().encode()).hexdigest()[:8])
+    edited = cuda_sbmm.source() + "\n// edited\n"
+    monkeypatch.setattr(cuda_sbmm, "source", lambda: edited)
+    assert dispatch_table.device_tag(torch.device("cpu")) != tag
