@@ -126,6 +126,33 @@ def sm_limits(device_index: int = 0) -> tuple[int, int, int]:
             int(getattr(p, "regs_per_multiprocessor", 0) or 65536))
 
 
+H100_DRAM_BYTES_PER_S = 2 * 2619e6 * 5120 / 8  # an H100 SXM's HBM3: 2619 MHz, 5120 bits, double data rate
+
+
+@functools.cache
+def dram_bandwidth(device_index: int = 0) -> float:
+    """Peak DRAM bytes per second of the GPU: memory clock x bus width x 2, from the driver
+    (``cuDeviceGetAttribute``; torch does not expose them); an H100 SXM's when no GPU is there to ask
+    (offline planning) or the driver does not answer."""
+    if not torch.cuda.is_available():
+        return H100_DRAM_BYTES_PER_S
+    try:
+        from deltazip.kernels.cuda_rtc import driver
+
+        lib = driver()
+        torch.cuda.init()
+        dev, clk_khz, bus_bits = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        if (lib.cuDeviceGet(ctypes.byref(dev), device_index)
+                or lib.cuDeviceGetAttribute(ctypes.byref(clk_khz), 36, dev)  # MEMORY_CLOCK_RATE (kHz)
+                or lib.cuDeviceGetAttribute(ctypes.byref(bus_bits), 37, dev)):  # GLOBAL_MEMORY_BUS_WIDTH
+            return H100_DRAM_BYTES_PER_S
+    except OSError:
+        return H100_DRAM_BYTES_PER_S
+    if clk_khz.value <= 0 or bus_bits.value <= 0:
+        return H100_DRAM_BYTES_PER_S
+    return 2 * clk_khz.value * 1e3 * bus_bits.value / 8
+
+
 def ctas_per_sm(stack: StackedDeltas, cfg: CudaConfig, device_index: int = 0) -> int:
     """CTAs of ``cfg`` that one SM holds at once: its pipeline's shared memory (plus the 1 KiB the driver
     reserves per CTA) and the register budget the kernel is compiled for (:func:`reg_ctas`; the sm_90

@@ -212,22 +212,28 @@ def _config(rb: int, kt: int, split: int, stages: int = 4) -> cuda_sbmm.CudaConf
     return cuda_sbmm.CudaConfig(rb=rb, stages=stages, split=split, kt=kt)
 
 
-# Weight bytes an SM must keep requested to stream at its share of HBM: about 25 GB/s per SM (3.35 TB/s
-# over 132 SMs; the H100 table's copy bandwidth, 2.99 TB/s, is 22.7) times a loaded DRAM latency of
-# about 1.5 us. Small grids (few deltas, a 4096-row output: two CTAs per SM) keep 24 KiB in flight at 4
-# stages of 4-bit 64x128 tiles, and the H100 table's D = 4 points stream at half the copy bandwidth
-# where D = 64 ones reach 85%.
-IN_FLIGHT_TARGET = 40 * 1024
+# A loaded DRAM round trip on Hopper, about 1.5 us: an SM streams at its share of the DRAM bandwidth only
+# while it keeps that share x this latency requested (Little's law; an H100's 3.35 TB/s over 132 SMs
+# makes 38 KB, an H200's 4.8 TB/s 55 KB). Small grids (few deltas, a 4096-row output: two CTAs per SM)
+# keep 25 KB in flight at 4 stages of 4-bit 64x128 tiles, and the H100 table's D = 4 points stream at
+# half the copy bandwidth where D = 64 ones reach 85%.
+LOADED_LATENCY_S = 1.5e-6
 DEEP_STAGES = (8, 6)
+
+
+def in_flight_target(dev: int = 0) -> int:
+    """Weight bytes an SM keeps requested to stream at its share of the GPU's DRAM bandwidth
+    (``cuda_sbmm.dram_bandwidth``; an H100's offline)."""
+    return int(cuda_sbmm.dram_bandwidth(dev) / cuda_sbmm.sm_limits(dev)[0] * LOADED_LATENCY_S)
 
 
 def _deeper(stack: StackedDeltas, tiles: int, rb: int, kt: int, split: int, dev: int) -> cuda_sbmm.CudaConfig | None:
     """The same launch with a deeper pipeline, when at 4 stages its SMs keep fewer weight bytes in flight
-    than :data:`IN_FLIGHT_TARGET` (``cuda_sbmm.in_flight_bytes``): the deepest of :data:`DEEP_STAGES`
+    than :func:`in_flight_target` (``cuda_sbmm.in_flight_bytes``): the deepest of :data:`DEEP_STAGES`
     that fits the shared memory and keeps every CTA the grid gives an SM resident at once (deeper stages
     that cost resident CTAs trade one kind of parallelism for the other). None when 4 stages suffice."""
     base = _config(rb, kt, split)
-    if cuda_sbmm.in_flight_bytes(stack, tiles, base, dev) >= IN_FLIGHT_TARGET:
+    if cuda_sbmm.in_flight_bytes(stack, tiles, base, dev) >= in_flight_target(dev):
         return None
     sms = cuda_sbmm.sm_limits(dev)[0]
     _, runs = cuda_sbmm.effective_split(stack.in_features // 128, base)

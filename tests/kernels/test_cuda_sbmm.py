@@ -330,3 +330,28 @@ def test_precompile_builds_every_candidate_in_parallel_threads_identical_to_seri
     rb, st, kt, mt = sorted(builds)[-1]
     macros = cuda_sbmm.macros(s, torch.float16, cuda_sbmm.CudaConfig(rb=rb, stages=st, kt=kt, mt=mt))
     assert rtc.cubin_for(cuda_sbmm.source(), macros, 90) == rtc.compile_cubin(cuda_sbmm.source(), macros, 90)
+
+
+def test_without_a_gpu_the_dram_bandwidth_is_an_h100s():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU answers for itself (the gpu test below)")
+    assert cuda_sbmm.dram_bandwidth(0) == cuda_sbmm.H100_DRAM_BYTES_PER_S == pytest.approx(3.35232e12)
+
+
+@pytest.mark.gpu
+@cuda
+def test_the_drivers_dram_bandwidth_bounds_a_measured_device_copy():
+    """The peak the deeper-pipeline model divides (memory clock x bus width x 2, from the driver) is above
+    what a device-to-device copy reaches, and not far above it (an H100 copies at about 90% of it)."""
+    peak = cuda_sbmm.dram_bandwidth(0)
+    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        b.copy_(a)
+    end.record()
+    end.synchronize()
+    copied = 2 * 5 * a.numel() / (start.elapsed_time(end) / 1e3)  # read + write bytes per second
+    assert 0.4 * peak < copied < 1.05 * peak, (copied, peak)
