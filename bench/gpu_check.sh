@@ -64,7 +64,7 @@ run() {  # run NAME TIMEOUT CMD...: one line per step in the summary
 }
 
 # STEPS picks what runs. The default is issue 22's check, at most 6 minutes with set-up at its limits
-# (tests 110 s, parity 120, table 100): the gpu-marked tests, the CUDA kernel's parity, the kernel table.
+# (tests 110 s, parity 100, table 120): the gpu-marked tests, the CUDA kernel's parity, the kernel table.
 # Issue 23's benches and the humming candidate are a second call: STEPS="step serve humming" (limits
 # step 300, serve 270, humming 90; step and serve alone fit a 10-minute call).
 STEPS=" ${STEPS:-tests parity table} "
@@ -78,9 +78,9 @@ want tests && run "gpu-marked tests" ${TESTS_LIMIT:-110} $PY -m pytest -q -p no:
 # parity in 4 processes where xdist is there: its offline compile screens and the GPU tests' first
 # launches compile about 150 kernel builds (cached on disk, shared by the processes)
 pxdist=${xdist:+-n 4}
-want parity && run "CUDA kernel parity" ${PARITY_LIMIT:-120} $PY -m pytest -q -x -p no:cacheprovider $pxdist \
+want parity && run "CUDA kernel parity" ${PARITY_LIMIT:-100} $PY -m pytest -q -x -p no:cacheprovider $pxdist \
   tests/kernels/test_cuda_sbmm.py
-want table && run "delta matmul table" ${TABLE_LIMIT:-100} $PY bench/sbmm_table.py --out "$OUT" --table ${TABLE_ARGS:-}
+want table && run "delta matmul table" ${TABLE_LIMIT:-120} $PY bench/sbmm_table.py --out "$OUT" --table ${TABLE_ARGS:-}
 want step && run "decode step bench (synthetic 7B-shaped Llama)" ${STEP_LIMIT:-300} \
   $PY bench/step.py --pair synthetic-7b --repeats 5 --out "$OUT"
 # serve: the delta server first, so a run stopped at its limit keeps the delta rows; the swap server loads

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -160,6 +161,15 @@ def point(out_f, in_f, bits, dtype, d, r, rings, bw, quick, replays, with_triton
             "chosen_vs_loop": round(res[chosen] / res["loop_fp16"], 3)}
 
 
+def _write(path: Path, text: str) -> None:
+    """Whole or not at all (a temporary file renamed over the old one): a run killed mid-write keeps the
+    previous version."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def precompile_all(shapes) -> None:
     """Every kernel build the tuner will time for the table's keys, compiled in parallel threads first
     (``dispatch_table.precompile``): serially, the compiles alone took a large share of a GPU window."""
@@ -251,6 +261,14 @@ def main(argv=None) -> int:
     log(f"parity (relative L2 vs reference): {checks}")
     precompile_all(shapes)
     results = []
+
+    def document(complete: bool) -> dict:
+        return {"bench": "sbmm_table", "complete": complete,
+                "machine": {**machine(), "triton": _triton_version(), "copy_GBps": round(bw / 1e9, 1),
+                            "cuda_runtime": torch.version.cuda},
+                "config": {"quick": args.quick, "replays": args.replays, "group": 128, "sparsity": "2:4"},
+                "parity": checks, "results": results, "seconds": round(time.time() - t0, 1)}
+
     for out_f, in_f in shapes:
         for bits in (4, 2):
             triton_here = not args.no_triton and (out_f, in_f) == (4096, 4096)
@@ -267,13 +285,13 @@ def main(argv=None) -> int:
                                   args.replays, triton_here and r == 1 and d in (1, 16))
                         results.append(p)
                         log(json.dumps(p))
+                        if args.out:  # the points so far: a run stopped at a time limit still leaves them
+                            _write(args.out / "sbmm_table.json", json.dumps(document(False), indent=1))
+                            _write(args.out / "table.md", table(results) + "\n\n(stopped before the last "
+                                                          "point: the rows above are the ones it finished)\n")
             del rings
             torch.cuda.empty_cache()
-    doc = {"bench": "sbmm_table",
-           "machine": {**machine(), "triton": _triton_version(), "copy_GBps": round(bw / 1e9, 1),
-                       "cuda_runtime": torch.version.cuda},
-           "config": {"quick": args.quick, "replays": args.replays, "group": 128, "sparsity": "2:4"},
-           "parity": checks, "results": results, "seconds": round(time.time() - t0, 1)}
+    doc = document(True)
     if args.table:
         print(table(results), file=sys.stderr)
     if args.out:
