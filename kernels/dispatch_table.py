@@ -235,9 +235,9 @@ def _deeper(stack: StackedDeltas, tiles: int, rb: int, kt: int, split: int, dev:
     base = _config(rb, kt, split)
     if cuda_sbmm.in_flight_bytes(stack, tiles, base, dev) >= in_flight_target(dev):
         return None
-    sms = cuda_sbmm.sm_limits(dev)[0]
     _, runs = cuda_sbmm.effective_split(stack.in_features // 128, base)
-    need = -(-(-(-cuda_sbmm.padded_rows(stack.out_features) // (64 * rb)) * tiles * runs) // sms)
+    ctas = -(-cuda_sbmm.padded_rows(stack.out_features) // (64 * rb)) * tiles * runs
+    need = -(-ctas // cuda_sbmm.sm_limits(dev)[0])  # CTAs the grid gives each SM
     for st in DEEP_STAGES:
         c = _config(rb, kt, split, st)
         k_per_split, _ = cuda_sbmm.effective_split(stack.in_features // 128, c)
