@@ -92,10 +92,13 @@ def stage_bytes(stack: StackedDeltas, rb: int, kt: int = 1) -> int:
     return rb * kt * 1024 * stack.bits + (s_halves * (2 if stack.asymmetric else 1) + BM * (128 * kt + 8)) * 2
 
 
-def macros(stack: StackedDeltas, dtype: torch.dtype, cfg: CudaConfig) -> dict[str, int]:
+def macros(stack: StackedDeltas, dtype: torch.dtype, cfg: CudaConfig, device_index: int = 0) -> dict[str, int]:
+    """Compile-time constants of one kernel build; ``SMEM_SM``, the device's shared memory per SM, lets
+    the kernel's register budget (its launch bounds) assume the CTAs per SM of :func:`ctas_per_sm`."""
     gk16, _ = group_params(stack)
     return {"BITS": stack.bits, "BF16": int(dtype == torch.bfloat16), "ASYM": int(stack.asymmetric),
-            "GK16": gk16, "RB": cfg.rb, "STAGES": cfg.stages, "KT": cfg.kt, "MT": cfg.mt}
+            "GK16": gk16, "RB": cfg.rb, "STAGES": cfg.stages, "KT": cfg.kt, "MT": cfg.mt,
+            "SMEM_SM": sm_limits(device_index)[1]}
 
 
 @functools.cache
@@ -107,12 +110,14 @@ def _smem_limit(device_index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
 
 
-def reg_ctas(rb: int, bits: int, mt: int = 1) -> int:
+def reg_ctas(rb: int, bits: int, mt: int = 1, narrow_zeros: bool = False) -> int:
     """CTAs per SM the kernel's register budget is cut for (``REG_CTAS`` in ``cuda/sbmm.cu``, its
-    ``__launch_bounds__``): the compiler keeps registers low enough for that many to fit."""
+    ``__launch_bounds__``): the compiler keeps registers low enough for that many to fit.
+    ``narrow_zeros``: zero points of groups narrower than a 128-column tile (one more live value per
+    group: 8 warps of them spill at 4 CTAs per SM)."""
     if mt == 2:
         return 4 if rb == 2 else 8
-    return (3 if bits == 8 else 4) if rb == 2 else (5 if bits == 8 else 6)
+    return (3 if bits == 8 or narrow_zeros else 4) if rb == 2 else (5 if bits == 8 else 6)
 
 
 @functools.cache
@@ -159,7 +164,8 @@ def ctas_per_sm(stack: StackedDeltas, cfg: CudaConfig, device_index: int = 0) ->
     builds use 62-95 registers per thread, within it) bound it."""
     _, smem_sm, _ = sm_limits(device_index)
     smem = cfg.stages * stage_bytes(stack, cfg.rb, cfg.kt) + 1024
-    return max(1, min(smem_sm // smem, reg_ctas(cfg.rb, stack.bits, cfg.mt)))
+    narrow_zeros = stack.asymmetric and group_params(stack)[0] < 8
+    return max(1, min(smem_sm // smem, reg_ctas(cfg.rb, stack.bits, cfg.mt, narrow_zeros)))
 
 
 def effective_split(k_tiles: int, cfg: CudaConfig) -> tuple[int, int]:
@@ -274,7 +280,7 @@ def sbmm_cuda(x: torch.Tensor, stack: StackedDeltas, plan: RowPlan, *, out: torc
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     from deltazip.kernels.cuda_rtc import load
 
-    kernel = load(source(), macros(stack, x.dtype, cfg), "dz_sbmm", dev)
+    kernel = load(source(), macros(stack, x.dtype, cfg, dev), "dz_sbmm", dev)
     smem = cfg.stages * stage_bytes(stack, cfg.rb, cfg.kt)
     kernel.allow_smem(smem)
     k_tiles = in_f // 128
@@ -312,7 +318,7 @@ def dequantize_slot(stack: StackedDeltas, slot: int, dtype: torch.dtype, out: to
     dev = stack.device.index if stack.device.index is not None else torch.cuda.current_device()
     from deltazip.kernels.cuda_rtc import load
 
-    kernel = load(source(), macros(stack, dtype, CudaConfig(rb=1, stages=2, kt=1)), "dz_dequant", dev)
+    kernel = load(source(), macros(stack, dtype, CudaConfig(rb=1, stages=2, kt=1), dev), "dz_dequant", dev)
     zr = stack.zeros if stack.asymmetric else stack.scales
     c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
     args = [ptr(stack.qweight.data_ptr()), ptr(stack.scales.data_ptr()), ptr(zr.data_ptr()), c_int(slot),

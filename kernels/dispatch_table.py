@@ -452,7 +452,8 @@ def precompile(stack: StackedDeltas, dtype: torch.dtype, pairs: list[tuple[int, 
 
     configs = {c.config for r, d in pairs for c in candidates(stack, r, d, sms) if c.config is not None}
     configs.add(cuda_sbmm.CudaConfig(rb=1, stages=2, kt=1))  # dz_dequant's build (dequant_mm, agrees)
-    sets = [cuda_sbmm.macros(stack, dtype, c) for c in sorted(configs, key=lambda c: astuple(c))
+    dev = (stack.device.index or 0) if stack.device.type == "cuda" else 0
+    sets = [cuda_sbmm.macros(stack, dtype, c, dev) for c in sorted(configs, key=lambda c: astuple(c))
             if cuda_sbmm.kt_ok(stack, c.kt) and cuda_sbmm.mt_ok(stack, c.mt)]
     return compile_all(cuda_sbmm.source(), sets, arch)
 

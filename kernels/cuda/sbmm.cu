@@ -58,11 +58,17 @@ typedef long long i64;
 #define Z_HALVES (ASYM ? S_HALVES : 0)
 #define X_HALVES (BM * XS)
 #define STAGE_BYTES (W_BYTES + (S_HALVES + Z_HALVES + X_HALVES) * 2)
-// CTAs per SM the register budget is cut for: what the pipeline's shared memory allows (of ~220 KiB),
+// CTAs per SM the register budget is cut for: what the pipeline's shared memory allows (SMEM_SM bytes per
+// SM, 1 KiB of it reserved per CTA: the same count as cuda_sbmm.ctas_per_sm, so that the occupancy the
+// tuner's model assumes is the one the compiler's register budget guarantees),
 // at most 4 of 8 warps (RB 2) or 6 of 4 warps, fewer at 8 bits (more registers per code word); with two
-// tiles per warp (twice the accumulators and codes per thread) 128 registers: 4 CTAs of 4 warps, 8 of 2
-#define SMEM_CTAS ((220 * 1024) / (STAGES * STAGE_BYTES))
-#define REG_CTAS (MT == 2 ? (RB == 2 ? 4 : 8) : RB == 2 ? (BITS == 8 ? 3 : 4) : (BITS == 8 ? 5 : 6))
+// tiles per warp (twice the accumulators and codes per thread) 128 registers: 4 CTAs of 4 warps, 8 of 2;
+// zero points of groups narrower than a tile need about 66 registers with 8 warps, so 3 CTAs of them
+#ifndef SMEM_SM
+#define SMEM_SM 233472                 // an H100/H200's 228 KiB
+#endif
+#define SMEM_CTAS (SMEM_SM / (STAGES * STAGE_BYTES + 1024))
+#define REG_CTAS (MT == 2 ? (RB == 2 ? 4 : 8) : RB == 2 ? (BITS == 8 || (ASYM && GK16 < 8) ? 3 : 4) : (BITS == 8 ? 5 : 6))
 #define MIN_CTAS (SMEM_CTAS < 1 ? 1 : (SMEM_CTAS < REG_CTAS ? SMEM_CTAS : REG_CTAS))
 #if BF16 && BITS < 8
 #define MAGIC 0x43004300u              // bf16 128.0 twice: OR-ing q < 128 into the mantissa gives 128 + q
