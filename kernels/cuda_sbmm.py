@@ -110,14 +110,15 @@ def _smem_limit(device_index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
 
 
-def reg_ctas(rb: int, bits: int, mt: int = 1, narrow_zeros: bool = False) -> int:
+def reg_ctas(rb: int, bits: int, mt: int = 1, gk16: int = 8) -> int:
     """CTAs per SM the kernel's register budget is cut for (``REG_CTAS`` in ``cuda/sbmm.cu``, its
-    ``__launch_bounds__``): the compiler keeps registers low enough for that many to fit.
-    ``narrow_zeros``: zero points of groups narrower than a 128-column tile (one more live value per
-    group: 8 warps of them spill at 4 CTAs per SM)."""
+    ``__launch_bounds__``): the compiler keeps registers low enough for that many to fit. Fewer where
+    more values stay live: groups narrower than a 128-column tile (``gk16`` < 8: a flush, and with zero
+    points a load, every few k16 steps) with 8 warps, groups of 32 columns or fewer (``gk16`` < 4) with
+    4 warps or two tiles per warp (each spilled at the larger count)."""
     if mt == 2:
-        return 4 if rb == 2 else 8
-    return (3 if bits == 8 or narrow_zeros else 4) if rb == 2 else (5 if bits == 8 else 6)
+        return (3 if gk16 < 4 else 4) if rb == 2 else (6 if gk16 < 4 else 8)
+    return (3 if bits == 8 or gk16 < 8 else 4) if rb == 2 else (5 if bits == 8 or gk16 < 4 else 6)
 
 
 @functools.cache
@@ -164,8 +165,8 @@ def ctas_per_sm(stack: StackedDeltas, cfg: CudaConfig, device_index: int = 0) ->
     builds use 62-95 registers per thread, within it) bound it."""
     _, smem_sm, _ = sm_limits(device_index)
     smem = cfg.stages * stage_bytes(stack, cfg.rb, cfg.kt) + 1024
-    narrow_zeros = stack.asymmetric and group_params(stack)[0] < 8
-    return max(1, min(smem_sm // smem, reg_ctas(cfg.rb, stack.bits, cfg.mt, narrow_zeros)))
+    gk16, _ = group_params(stack)
+    return max(1, min(smem_sm // smem, reg_ctas(cfg.rb, stack.bits, cfg.mt, gk16)))
 
 
 def effective_split(k_tiles: int, cfg: CudaConfig) -> tuple[int, int]:

@@ -25,9 +25,9 @@
 //   into mma B fragments by ldmatrix from rows padded to 272 bytes (8 rows at distinct banks);
 // - shared memory, not DRAM, can bound the loop: every warp reads the stage's activations again (4 warps
 //   x 8 k16 steps x 512 bytes of x4 ldmatrix = 16 KiB per 64-row block and stage, against 1 KiB x BITS
-//   of codes); at 2 bits that outlasts the stage's share of an H100's DRAM time. So the main loop is
-//   built twice: tiles of more than 8 rows use x4 ldmatrix and two n8 MMAs per k16 step, tiles of 8
-//   rows or fewer (most decode tiles) x2 and one, half the reads;
+//   of codes); at 2 bits that outlasts the stage's share of an H100's DRAM time. So a stage's compute
+//   is built twice in the loop: tiles of more than 8 rows use x4 ldmatrix and two n8 MMAs per k16 step,
+//   tiles of 8 rows or fewer (most decode tiles) x2 and one, half the reads;
 // - a CTA reads its tile's slot, first row and row count at once, then its row indices and whether the
 //   stack holds the slot at once, and sends the first stages' weight copies before the barrier that
 //   shares the rows: two rounds of global reads before the weights stream;
@@ -63,12 +63,15 @@ typedef long long i64;
 // tuner's model assumes is the one the compiler's register budget guarantees),
 // at most 4 of 8 warps (RB 2) or 6 of 4 warps, fewer at 8 bits (more registers per code word); with two
 // tiles per warp (twice the accumulators and codes per thread) 128 registers: 4 CTAs of 4 warps, 8 of 2;
-// zero points of groups narrower than a tile need about 66 registers with 8 warps, so 3 CTAs of them
+// groups narrower than a tile (a flush, and with zero points a load, every few k16 steps) need a few
+// more: 3 CTAs of 8 warps, and with groups of 32 columns or fewer 5 of 4 warps; two tiles per warp with
+// such groups over 128 (the offline test compiles every launch config and finds no spill)
 #ifndef SMEM_SM
 #define SMEM_SM 233472                 // an H100/H200's 228 KiB
 #endif
 #define SMEM_CTAS (SMEM_SM / (STAGES * STAGE_BYTES + 1024))
-#define REG_CTAS (MT == 2 ? (RB == 2 ? 4 : 8) : RB == 2 ? (BITS == 8 || (ASYM && GK16 < 8) ? 3 : 4) : (BITS == 8 ? 5 : 6))
+#define REG_CTAS (MT == 2 ? (RB == 2 ? (GK16 < 4 ? 3 : 4) : (GK16 < 4 ? 6 : 8)) \
+                  : RB == 2 ? (BITS == 8 || GK16 < 8 ? 3 : 4) : (BITS == 8 || GK16 < 4 ? 5 : 6))
 #define MIN_CTAS (SMEM_CTAS < 1 ? 1 : (SMEM_CTAS < REG_CTAS ? SMEM_CTAS : REG_CTAS))
 #if BF16 && BITS < 8
 #define MAGIC 0x43004300u              // bf16 128.0 twice: OR-ing q < 128 into the mantissa gives 128 + q
@@ -336,97 +339,98 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
     if (s < ns) load_x(sbase + s * STAGE_BYTES);
     cp_commit();
   }
-  // The main loop, built twice: for tiles of more than 8 rows (two n8 mma tiles) and for the rest, so
-  // that no K step branches on the row count.
-  auto main_loop = [&](const bool TWO) {  // inlined at both calls below, each with TWO a constant
-    u32 wr = sbase + (STAGES - 1) * STAGE_BYTES;  // stage the next load writes
-    u32 rd = sbase;                               // stage the compute reads
-    for (int it = 0; it < ns; ++it) {
-      cp_wait<STAGES - 2>();
-      __syncthreads();  // stage `it` landed for every thread; the stage computed last is free again
-      if (it + STAGES - 1 < ns) {
-        load_w(kt0 + (it + STAGES - 1) * KT, wr);
-        load_x(wr);
-      }
-      cp_commit();
-      wr += STAGE_BYTES;
-      if (wr == send) wr = sbase;
-      if (active) {
+  // The compute of one stage, built twice: for tiles of more than 8 rows (x4 ldmatrix, two n8 MMAs per
+  // k16 step) and for the rest (x2, one); the loop picks one per stage with a uniform branch (a copy of
+  // the whole loop per case made the compiler spill a pointer into the loop).
+  auto compute = [&](const bool TWO, const u32 rd, const int it) {  // inlined at both calls, TWO constant
 #pragma unroll
-        for (int u = 0; u < KT; ++u) {
-          const u32 wu = rd + w_rd + u * TILE_WORDS * 4, su = rd + sc_rd + u * SG * 128, xu = rd + x_rd + u * 256;
-          u32 w[MT][2][BITS];
+    for (int u = 0; u < KT; ++u) {
+      const u32 wu = rd + w_rd + u * TILE_WORDS * 4, su = rd + sc_rd + u * SG * 128, xu = rd + x_rd + u * 256;
+      u32 w[MT][2][BITS];
 #pragma unroll
-          for (int m = 0; m < MT; ++m)
+      for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int rr = 0; rr < 2; ++rr)
+        for (int rr = 0; rr < 2; ++rr)
 #pragma unroll
-              for (int hv = 0; hv < HV; ++hv) {
-                const u32 p = wu + m * 32 * RUN * 4 + (hv * 2 + rr) * 4 * 32 * RUN * 4;
+          for (int hv = 0; hv < HV; ++hv) {
+            const u32 p = wu + m * 32 * RUN * 4 + (hv * 2 + rr) * 4 * 32 * RUN * 4;
 #if RUN == 4
-                asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                             : "=r"(w[m][rr][hv * 4]), "=r"(w[m][rr][hv * 4 + 1]), "=r"(w[m][rr][hv * 4 + 2]),
-                               "=r"(w[m][rr][hv * 4 + 3])
-                             : "r"(p));
+            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(w[m][rr][hv * 4]), "=r"(w[m][rr][hv * 4 + 1]), "=r"(w[m][rr][hv * 4 + 2]),
+                           "=r"(w[m][rr][hv * 4 + 3])
+                         : "r"(p));
 #else
-                asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(w[m][rr][0]), "=r"(w[m][rr][1]) : "r"(p));
+            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(w[m][rr][0]), "=r"(w[m][rr][1]) : "r"(p));
 #endif
-              }
-#pragma unroll
-          for (int iw = 0; iw < BITS; ++iw) {  // word iw holds the pairs of mma steps iw * PPW / 2 ...
-            u32 a[MT][2][PPW];
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-              int z[2][PPW];
-#pragma unroll
-              for (int pj = 0; pj < PPW; ++pj) {
-#if ASYM
-                const int g = GK16 < 8 ? ((iw * PPW + pj) / 2) / GK16 : 0;
-                z[0][pj] = zero_of(su + m * 32 + (S_HALVES + g * 64) * 2);
-                z[1][pj] = zero_of(su + m * 32 + (S_HALVES + g * 64 + 8) * 2);
-#else
-                z[0][pj] = z[1][pj] = 1 << (BITS - 1);
-#endif
-              }
-              dequant_word(w[m][0][iw], z[0], a[m][0]);
-              dequant_word(w[m][1][iw], z[1], a[m][1]);
-            }
-#pragma unroll
-            for (int sp = 0; sp < PPW / 2; ++sp) {
-              const int s = iw * PPW / 2 + sp;
-              // 8 rows or fewer (most decode tiles): only the first n8 tile's two matrices, half the
-              // shared-memory reads; at 2 bits the x4 loads of 4 warps read 8x the stage's weight bytes
-              u32 b0, b1, b2 = 0u, b3 = 0u;
-              if (TWO)
-                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                             : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(xu + s * 32));
-              else
-                asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
-                             : "=r"(b0), "=r"(b1) : "r"(xu + s * 32));
-#pragma unroll
-              for (int m = 0; m < MT; ++m) {
-                mma(cg[m][0], a[m][0][2 * sp], a[m][1][2 * sp], a[m][0][2 * sp + 1], a[m][1][2 * sp + 1], b0, b1);
-                if (TWO) mma(cg[m][1], a[m][0][2 * sp], a[m][1][2 * sp], a[m][0][2 * sp + 1], a[m][1][2 * sp + 1], b2, b3);
-                if (GK16 < 8 && (s + 1) % GK16 == 0) flush(acc[m], cg[m], su + m * 32 + (s / GK16) * 128);
-              }
-            }
           }
-          if (GK16 == 8) {
-            const int kt = kt0 + it * KT + u;
-            if (((kt + 1) & group_mask) == 0 || kt + 1 == kt1)
 #pragma unroll
-              for (int m = 0; m < MT; ++m) flush(acc[m], cg[m], su + m * 32);
+      for (int iw = 0; iw < BITS; ++iw) {  // word iw holds the pairs of mma steps iw * PPW / 2 ...
+        u32 a[MT][2][PPW];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          int z[2][PPW];
+#pragma unroll
+          for (int pj = 0; pj < PPW; ++pj) {
+#if ASYM
+            const int g = GK16 < 8 ? ((iw * PPW + pj) / 2) / GK16 : 0;
+            z[0][pj] = zero_of(su + m * 32 + (S_HALVES + g * 64) * 2);
+            z[1][pj] = zero_of(su + m * 32 + (S_HALVES + g * 64 + 8) * 2);
+#else
+            z[0][pj] = z[1][pj] = 1 << (BITS - 1);
+#endif
+          }
+          dequant_word(w[m][0][iw], z[0], a[m][0]);
+          dequant_word(w[m][1][iw], z[1], a[m][1]);
+        }
+#pragma unroll
+        for (int sp = 0; sp < PPW / 2; ++sp) {
+          const int s = iw * PPW / 2 + sp;
+          // 8 rows or fewer (most decode tiles): only the first n8 tile's two matrices, half the
+          // shared-memory reads; at 2 bits the x4 loads of 4 warps read 8x the stage's weight bytes
+          u32 b0, b1, b2 = 0u, b3 = 0u;
+          if (TWO)
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(xu + s * 32));
+          else
+            asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                         : "=r"(b0), "=r"(b1) : "r"(xu + s * 32));
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            mma(cg[m][0], a[m][0][2 * sp], a[m][1][2 * sp], a[m][0][2 * sp + 1], a[m][1][2 * sp + 1], b0, b1);
+            if (TWO) mma(cg[m][1], a[m][0][2 * sp], a[m][1][2 * sp], a[m][0][2 * sp + 1], a[m][1][2 * sp + 1], b2, b3);
+            if (GK16 < 8 && (s + 1) % GK16 == 0) flush(acc[m], cg[m], su + m * 32 + (s / GK16) * 128);
           }
         }
       }
-      rd += STAGE_BYTES;
-      if (rd == send) rd = sbase;
+      if (GK16 == 8) {
+        const int kt = kt0 + it * KT + u;
+        if (((kt + 1) & group_mask) == 0 || kt + 1 == kt1)
+#pragma unroll
+          for (int m = 0; m < MT; ++m) flush(acc[m], cg[m], su + m * 32);
+      }
     }
   };
-  if (two)
-    main_loop(true);
-  else
-    main_loop(false);
+  u32 wr = sbase + (STAGES - 1) * STAGE_BYTES;  // stage the next load writes
+  u32 rd = sbase;                               // stage the compute reads
+  for (int it = 0; it < ns; ++it) {
+    cp_wait<STAGES - 2>();
+    __syncthreads();  // stage `it` landed for every thread; the stage computed last is free again
+    if (it + STAGES - 1 < ns) {
+      load_w(kt0 + (it + STAGES - 1) * KT, wr);
+      load_x(wr);
+    }
+    cp_commit();
+    wr += STAGE_BYTES;
+    if (wr == send) wr = sbase;
+    if (active) {
+      if (two)
+        compute(true, rd, it);
+      else
+        compute(false, rd, it);
+    }
+    rd += STAGE_BYTES;
+    if (rd == send) rd = sbase;
+  }
   cp_wait<0>();
 
   // Epilogue: c0, c1 are weight row `row` (+ 16 mt) for activation rows 8t + 2q + {0, 1}; c2, c3 row + 8.
