@@ -16,6 +16,7 @@ library used here have been stable for a decade, so ctypes calls them directly.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import hashlib
 import os
@@ -109,6 +110,12 @@ def cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "deltazip" / "cuda"
+
+
+@functools.lru_cache(maxsize=8)
+def source_digest(source: str) -> str:
+    """SHA-256 of a kernel source, hashed once per source (``load`` runs per launch outside CUDA graphs)."""
+    return hashlib.sha256(source.encode()).hexdigest()
 
 
 _CUBINS: dict[str, bytes] = {}  # compiled in this process (a read-only disk cache still compiles once)
@@ -224,7 +231,7 @@ def load(source: str, macros: dict[str, int], name: str, device_index: int) -> K
 
     major, minor = torch.cuda.get_device_capability(device_index)
     arch = 10 * major + minor
-    key = (hashlib.sha256(source.encode()).hexdigest(), tuple(sorted(macros.items())), device_index)
+    key = (source_digest(source), tuple(sorted(macros.items())), device_index)
     kernel = _KERNELS.get((key, name))
     if kernel is not None:
         return kernel

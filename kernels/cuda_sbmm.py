@@ -363,12 +363,16 @@ def _scratch(device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tens
     return t[:numel]
 
 
+def grid_ctas(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig) -> int:
+    """CTAs of a launch over ``num_tiles`` row tiles: 64-row blocks / ``rb`` x tiles x the splits it runs."""
+    _, split = effective_split(stack.in_features // 128, cfg)
+    return -(-padded_rows(stack.out_features) // (64 * cfg.rb)) * num_tiles * split
+
+
 def waves(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig, device_index: int = 0) -> float:
     """The grid of a launch over the CTAs the device runs at once (``sm_limits``, ``ctas_per_sm``): a wave
     count, whose fractional tail leaves SMs idle while the last wave runs."""
-    _, split = effective_split(stack.in_features // 128, cfg)
-    ctas = -(-padded_rows(stack.out_features) // (64 * cfg.rb)) * num_tiles * split
-    return ctas / (sm_limits(device_index)[0] * ctas_per_sm(stack, cfg, device_index))
+    return grid_ctas(stack, num_tiles, cfg) / (sm_limits(device_index)[0] * ctas_per_sm(stack, cfg, device_index))
 
 
 def weight_stage_bytes(stack: StackedDeltas, rb: int, kt: int = 1) -> int:
@@ -383,10 +387,8 @@ def in_flight_bytes(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig, devic
     """Weight bytes one SM has requested and not yet received while a launch streams: its resident CTAs
     (those the grid gives it, at most :func:`ctas_per_sm`) times the ``stages - 1`` stages each keeps in
     flight. By Little's law an SM streams at most this over the memory latency."""
-    sms = sm_limits(device_index)[0]
-    _, split = effective_split(stack.in_features // 128, cfg)
-    ctas = -(-padded_rows(stack.out_features) // (64 * cfg.rb)) * num_tiles * split
-    resident = min(ctas_per_sm(stack, cfg, device_index), -(-ctas // sms))
+    given = -(-grid_ctas(stack, num_tiles, cfg) // sm_limits(device_index)[0])  # CTAs the grid gives an SM
+    resident = min(ctas_per_sm(stack, cfg, device_index), given)
     return resident * (cfg.stages - 1) * weight_stage_bytes(stack, cfg.rb, cfg.kt)
 
 

@@ -17,7 +17,6 @@ reports ready, ``deltazip.kernels.warmup``), never on the request path: an untun
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -80,7 +79,9 @@ def kernel_version() -> str:
     """First 8 hex digits of the SHA-256 of the CUDA kernel's source: a choice timed on one build of the
     kernel says nothing about another, so an upgrade that changes the kernel retunes instead of reading
     the old table."""
-    return hashlib.sha256(cuda_sbmm.source().encode()).hexdigest()[:8]
+    from deltazip.kernels.cuda_rtc import source_digest
+
+    return source_digest(cuda_sbmm.source())[:8]
 
 
 def device_tag(device: torch.device) -> str:
@@ -235,9 +236,7 @@ def _deeper(stack: StackedDeltas, tiles: int, rb: int, kt: int, split: int, dev:
     base = _config(rb, kt, split)
     if cuda_sbmm.in_flight_bytes(stack, tiles, base, dev) >= in_flight_target(dev):
         return None
-    _, runs = cuda_sbmm.effective_split(stack.in_features // 128, base)
-    ctas = -(-cuda_sbmm.padded_rows(stack.out_features) // (64 * rb)) * tiles * runs
-    need = -(-ctas // cuda_sbmm.sm_limits(dev)[0])  # CTAs the grid gives each SM
+    need = -(-cuda_sbmm.grid_ctas(stack, tiles, base) // cuda_sbmm.sm_limits(dev)[0])  # CTAs the grid gives an SM
     for st in DEEP_STAGES:
         c = _config(rb, kt, split, st)
         k_per_split, _ = cuda_sbmm.effective_split(stack.in_features // 128, c)

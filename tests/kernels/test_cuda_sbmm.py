@@ -93,7 +93,8 @@ def test_deep_pipelines_compile_to_the_same_loop_within_their_register_budget(bi
     """The tuner's deeper pipelines (``dispatch_table._deeper``: 6 or 8 stages where 4 keep too few weight
     bytes in flight) keep the loop of the 4-stage build, spill nothing, and use few enough registers for
     the CTAs per SM that ``cuda_sbmm.ctas_per_sm`` counts on (their launch bounds ask for fewer CTAs, so
-    the compiler may use more registers than at 4 stages)."""
+    the compiler may use more registers than at 4 stages). Register counts: the NVRTC constraints.txt
+    pins (13.0.88)."""
     rtc = _nvrtc_or_skip()
     from deltazip.kernels import sass
 
@@ -145,7 +146,9 @@ def test_every_launch_config_the_tuner_times_fits_the_occupancy_the_model_assume
     threads x ``ctas_per_sm`` within the SM's register file, so the waves and bytes in flight the tuner
     plans with are the ones that run (the kernel's launch bounds are cut from the same shared-memory
     count, ``SMEM_SM``). The same sweep over both activation dtypes and every group kind (624 builds)
-    passes too; CI runs these 102."""
+    passes too; CI runs these 102. Register counts are the compiler's: this holds for the NVRTC that
+    constraints.txt pins (nvidia-cuda-nvrtc 13.0.88; the GPU runs had CUDA 13.0); another
+    NVRTC version is checked by running this test with it."""
     rtc = _nvrtc_or_skip()
     from deltazip.kernels import sass
 
