@@ -27,10 +27,10 @@ def compress(
     out: Annotated[Path, typer.Option("--out", help="Artifact directory to create.", show_default=False)],
     calib: Annotated[str, typer.Option("--calib", help="Calibration data: .jsonl/.json/.txt/.parquet or a hub "
                                        "dataset id (not needed for --method rtn).")] = "",
-    bits: Annotated[int | None, typer.Option(help="Bits per kept delta value: 2, 3, 4 or 8 [default: 4].",
+    bits: Annotated[int | None, typer.Option(help="Bits per kept delta value: 2, 3, 4 or 8 \\[default: 4].",
                                              show_default=False)] = None,
     sparsity: Annotated[str | None, typer.Option(help="'2:4' (structured, only kept values stored) or 'none' "
-                                                 "[default: 2:4].", show_default=False)] = None,
+                                                 "\\[default: 2:4].", show_default=False)] = None,
     group_size: Annotated[str, typer.Option(help="Input columns per quantization group: auto (the largest of "
                                             "128/64/32 dividing every compressed input dimension, per tensor if "
                                             "none divides them all), a size, or -1 = one per row.")] = "auto",

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from deltazip.deltacli.common import JsonOpt, OverwriteOpt, human_bytes, out_console, print_json, progress_bar
@@ -75,14 +76,14 @@ def _render(doc: dict, top: int) -> None:
     for c in ("#", "checkpoint", "kind", "files", "tensors", "size", "reused from earlier", "reused %"):
         t.add_column(c, justify="right" if c not in ("checkpoint", "kind") else "left")
     for c in doc["checkpoints"]:
-        t.add_row(str(c["index"]), c["path"], c["kind"], str(c["files"]), str(c["tensors"]), human_bytes(c["bytes"]),
+        t.add_row(str(c["index"]), escape(c["path"]), c["kind"], str(c["files"]), str(c["tensors"]), human_bytes(c["bytes"]),
                   f"{c['reused_tensors']} ({human_bytes(c['reused_bytes'])})",
                   f"{100 * c['reused_bytes'] / c['bytes']:.1f}%" if c["bytes"] else "-")
     con.print(t)
     for c in doc["checkpoints"]:
         if c["skipped_files"]:
             con.print(f"[dim]checkpoint {c['index']}: not read (other variants/duplicates): "
-                      f"{', '.join(Path(p).name for p in c['skipped_files'])}[/dim]")
+                      f"{escape(', '.join(Path(p).name for p in c['skipped_files']))}[/dim]")
 
     tot = doc["totals"]
     con.print(
@@ -105,7 +106,7 @@ def _render(doc: dict, top: int) -> None:
     for c in ("component", "tensors", "size", "reused", "saved", "saved %"):
         t.add_column(c, justify="left" if c == "component" else "right")
     for c in doc["components"]:
-        t.add_row(c["component"], str(c["tensors"]), human_bytes(c["bytes"]), str(c["reused_tensors"]),
+        t.add_row(escape(c["component"]), str(c["tensors"]), human_bytes(c["bytes"]), str(c["reused_tensors"]),
                   human_bytes(c["bytes_saved"]), f"{c['saved_pct']:.1f}%")
     con.print(t)
 
@@ -121,8 +122,8 @@ def _render(doc: dict, top: int) -> None:
             where = ", ".join(f"#{o['checkpoint']}" + ("" if len(names) == 1 else f":{o['name']}") for o in occ[:6])
             if len(occ) > 6:
                 where += f", +{len(occ) - 6}"
-            t.add_row(occ[0]["name"], g["dtype"], "x".join(map(str, g["shape"])) or "scalar", human_bytes(g["nbytes"]),
-                      str(g["count"]), human_bytes(g["bytes_saved"]), where)
+            t.add_row(escape(occ[0]["name"]), g["dtype"], "x".join(map(str, g["shape"])) or "scalar", human_bytes(g["nbytes"]),
+                      str(g["count"]), human_bytes(g["bytes_saved"]), escape(where))
         con.print(t)
     else:
         con.print("\nNo identical tensors.")
@@ -133,14 +134,14 @@ def _render(doc: dict, top: int) -> None:
         for c in ("vs", "component", "tensors", "other dtype", "elements changed", "rel. L2", "max |diff|"):
             t.add_column(c, justify="left" if c in ("vs", "component") else "right")
         for s in summary:
-            t.add_row(f"#{s['checkpoint']} vs #{s['reference']}", s["component"], str(s["tensors"]),
+            t.add_row(f"#{s['checkpoint']} vs #{s['reference']}", escape(s["component"]), str(s["tensors"]),
                       str(s["dtype_changed"]) if s["dtype_changed"] else "-",
                       _fmt_frac(s["fraction_changed"]), _fmt_num(s["rel_l2"]), _fmt_num(s["max_abs"]))
         con.print(t)
         con.print("[dim]Small relative L2 with many elements changed: a delta compresses well "
                   "(deltazip compress); the --json output lists every tensor.[/dim]")
     if doc.get("manifest"):
-        con.print(f"\nManifest written to {doc['manifest']} (schema: docs/dedup.md).")
+        con.print(f"\nManifest written to {doc['manifest']} (schema: docs/dedup.md).", markup=False)
 
 
 def _fmt_frac(x: float | None) -> str:

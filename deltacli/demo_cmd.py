@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from deltazip.deltacli.common import (
@@ -41,11 +42,11 @@ def demo(
     if json_out:
         print_json(result)
         return
-    t = Table(title=f"deltazip demo: task '{result['task']}' (held-out examples)")
+    t = Table(title=escape(f"deltazip demo: task '{result['task']}' (held-out examples)"))
     for col in ("model", "size", "ratio", "answer loss", "task accuracy", "time (s)"):
         t.add_column(col, justify="left" if col == "model" else "right", no_wrap=col == "model")
     for r in result["rows"]:
-        t.add_row(r["model"], human_bytes(r["bytes"]), "-" if r["ratio"] is None else f"{r['ratio']:.1f}x",
+        t.add_row(escape(r["model"]), human_bytes(r["bytes"]), "-" if r["ratio"] is None else f"{r['ratio']:.1f}x",
                   f"{r['answer_loss']:.4f}", f"{100 * r['accuracy']:.1f}%",
                   "-" if r["seconds"] is None else f"{r['seconds']:.1f}")
     out_console.print(t)

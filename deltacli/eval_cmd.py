@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from deltazip.deltacli.common import (
@@ -84,7 +85,7 @@ def eval_targets(
                        num_fewshot=num_fewshot, limit=int(limit) if limit is not None and limit >= 1 else limit,
                        batch_size=batch_size, device=device, dtype=dtype, perplexity=perplexity,
                        ppl_window=ppl_window, reference=reference)
-    say = None if json_out else (lambda msg: err_console.print(f"[dim]{msg}[/dim]"))
+    say = None if json_out else (lambda msg: err_console.print(f"[dim]{escape(msg)}[/dim]"))
     res = run_eval(targets, opts, progress=say)
     summary = res["summary"]
     if output is not None:
@@ -98,7 +99,7 @@ def eval_targets(
     else:
         out_console.print(render_table(summary))
         if output is not None:
-            err_console.print(f"wrote {output}")
+            err_console.print(f"wrote {output}", markup=False)
 
 
 def _without_samples(results: dict) -> dict:
@@ -111,7 +112,7 @@ def render_table(summary: dict) -> Table:
     table = Table(title="deltazip eval", show_lines=False)
     table.add_column("task / metric")
     for t in summary["targets"]:
-        table.add_column(f"{t['label']}\n[dim]{t['kind']}[/dim]", justify="right")
+        table.add_column(f"{escape(t['label'])}\n[dim]{escape(t['kind'])}[/dim]", justify="right")
     for row in summary["metrics"]:
         filt = "" if row["filter"] == "none" else f" [{row['filter']}]"
         cells = []
@@ -122,7 +123,7 @@ def render_table(summary: dict) -> Table:
                 continue
             rec = row["recovery_pct"].get(label)
             cells.append(f"{v:.4f}" + (f" ({rec:.1f}%)" if rec is not None else ""))
-        table.add_row(f"{row['task']} {row['metric']}{filt}", *cells)
+        table.add_row(escape(f"{row['task']} {row['metric']}{filt}"), *cells)
     if summary["perplexity"]:
         table.add_row("perplexity", *[f"{summary['perplexity'][lb]['perplexity']:.3f}"
                                       if lb in summary["perplexity"] else "-" for lb in labels])

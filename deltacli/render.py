@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.table import Table
 
 from deltazip.deltacli.common import human_bytes, out_console
@@ -10,10 +11,10 @@ from deltazip.deltacli.common import human_bytes, out_console
 def render_summary(s: dict, title: str) -> None:
     """Sizes, ratios and per-layer errors of an artifact summary (formats.report.summarize)."""
     c = out_console
-    c.print(f"[bold]{title}[/bold]")
+    c.print(f"[bold]{escape(title)}[/bold]")
     lin = s.get("lineage", {})
     cfg = s.get("config", {})
-    c.print(f"base: {lin.get('base')}   fine-tuned: {lin.get('finetuned')}")
+    c.print(f"base: {lin.get('base')}   fine-tuned: {lin.get('finetuned')}", markup=False)
     alloc = s.get("allocation")
     grid = "bits: per tensor (allocation below)" if alloc and alloc.get("record") else \
         f"bits: {cfg.get('bits')}  sparsity: {cfg.get('sparsity')}"

@@ -42,7 +42,7 @@ def serve(
                                               "base weights (1: a single process, no front).")] = 1,
     ray: Annotated[bool, typer.Option("--ray", help="Serve as a Ray Serve application: engine replicas behind one "
                                                      "endpoint, requests routed to the replica holding their variant "
-                                                     "(needs deltazip[cluster]).")] = False,
+                                                     "(needs deltazip\\[cluster]).")] = False,
     replicas: Annotated[int | None, typer.Option(help="--ray: a fixed number of engine replicas (default 1).")] = None,
     min_replicas: Annotated[int | None, typer.Option(help="--ray: autoscale from this many replicas...")] = None,
     max_replicas: Annotated[int | None, typer.Option(help="...up to this many.")] = None,
@@ -107,7 +107,7 @@ def _serve(cfg, sock, json_out: bool) -> None:
         print_json({"serving": url, "mode": mode, "models": rt.report, "capacity": rt.capacity,
                     "kernel_warmup": rt.warmup})
     else:  # the per-model, warm-up and capacity lines were logged by build_runtime
-        err_console.print(f"serving {len(rt.catalog)} variants of {rt.base_name} on {url} (mode {mode})")
+        err_console.print(f"serving {len(rt.catalog)} variants of {rt.base_name} on {url} (mode {mode})", markup=False)
     serve_forever(cfg, runtime=rt, metrics=metrics, sock=sock)
 
 

@@ -105,3 +105,65 @@ def test_window_plan():
     assert window_plan(256, 2048, 128, 2176)[:2] == (17, 128)
     assert window_plan(128, 64, 128, 2176)[:2] == (34, 64)
     assert window_plan(4, 64, None, 40)[:2] == (1, 40)
+
+
+def _help_commands():
+    import click
+    import typer.main
+
+    from deltazip.deltacli.app import app
+
+    root = typer.main.get_command(app)
+    return sorted((name, cmd) for name, cmd in root.commands.items() if not isinstance(cmd, click.Group))
+
+
+@pytest.mark.parametrize("name", [name for name, _ in _help_commands()])
+def test_every_option_help_is_printed_whole(capsys, monkeypatch, name):
+    """Rich reads ``[...]`` in a help text as markup and drops it: ``compress --help`` printed "2, 3, 4 or
+    8 ." where the source said "[default: 4]". Every option's and argument's help must print in full."""
+    cmd = dict(_help_commands())[name]
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = run_cli(capsys, monkeypatch, name, "--help")
+    assert code == 0
+    printed = " ".join(out.replace("│", " ").split())
+    for p in cmd.params:
+        text = getattr(p, "help", None)
+        if text:
+            want = " ".join(text.replace("\\[", "[").split())
+            assert want in printed, f"deltazip {name} --help lost part of {p.name}'s help: {want!r}"
+
+
+def test_paths_and_names_with_brackets_print_whole(capsys, monkeypatch, tmp_path):
+    """Paths and names are text, not rich markup: ``art[v1]`` printed as ``art`` in inspect's title, and
+    a dedup-scan table lost ``[...]`` from checkpoint paths."""
+    base, ft = make_pair(tmp_path)
+    art = tmp_path / "art[v1]"
+    code, out, err = run_cli(capsys, monkeypatch, "compress", "--base", base, "--finetuned", ft, "--method", "rtn",
+                             "--out", art, "--group-size", "32")
+    assert code == 0, err
+    assert f"-> {art}" in " ".join(out.split())
+    code, out, err = run_cli(capsys, monkeypatch, "inspect", art)
+    assert code == 0, err
+    assert f"artifact {art}" in out
+    odd = tmp_path / "ft[copy]"
+    odd.symlink_to(ft, target_is_directory=True)
+    code, out, err = run_cli(capsys, monkeypatch, "dedup-scan", base, odd)
+    assert code == 0, err
+    assert str(odd) in out
+
+
+def test_eval_table_keeps_filter_names_and_labels():
+    """lm-eval filters print in brackets (``gsm8k exact_match [strict-match]``); rich took them for markup."""
+    from rich.console import Console
+
+    from deltazip.deltacli.eval_cmd import render_table
+
+    summary = {"targets": [{"label": "v[1]", "kind": "artifact"}],
+               "metrics": [{"task": "gsm8k", "metric": "exact_match", "filter": "strict-match", "values": {"v[1]": 0.5},
+                            "recovery_pct": {"v[1]": 99.0}}],
+               "perplexity": {}}
+    summary["targets"][0].update(bytes=None, seconds=1.0)
+    con = Console(width=200, record=True)
+    con.print(render_table(summary))
+    text = con.export_text()
+    assert "gsm8k exact_match [strict-match]" in text and "v[1]" in text
