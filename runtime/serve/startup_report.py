@@ -127,9 +127,9 @@ def capacity(asm, cfg, registered: int) -> dict[str, Any]:
            "host": {"slots": cfg.max_cpu_deltas, "bytes_per_variant": per_host, "available_bytes": avail,
                     "fits_in_available": _fits(avail, per_host)}}
     d, h = out["device"], out["host"]
-    log.info("capacity: %d variants served (%d read at start-up, the others on first use); device %s: %d slots "
+    log.info("capacity: %d variant%s served (%d read at start-up, the others on first use); device %s: %d slots "
              "(--max-deltas) of %s per variant, %s free, room for %s; host memory: %d variants (--max-cpu-deltas) "
-             "of %s each, %s available, room for %s", registered, len(read), asm.device, cfg.max_deltas,
+             "of %s each, %s available, room for %s", registered, "" if registered == 1 else "s", len(read), asm.device, cfg.max_deltas,
              _size(per_dev), _size(free_dev), _count(d["fits_in_free"]), cfg.max_cpu_deltas, _size(per_host),
              _size(avail), _count(h["fits_in_available"]))
     return out

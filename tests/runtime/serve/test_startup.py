@@ -19,7 +19,7 @@ from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
 from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
 
 WARMUP = re.compile(r"kernel warm-up: (\d+\.\d{3}) s before ready \((.+)\)$")
-CAPACITY = re.compile(r"capacity: (\d+) variants served \((\d+) read at start-up, the others on first use\); "
+CAPACITY = re.compile(r"capacity: (\d+) variants? served \((\d+) read at start-up, the others on first use\); "
                       r"device (\S+): (\d+) slots \(--max-deltas\) of (.+) per variant, (.+) free, room for ([\d,]+); "
                       r"host memory: (\d+) variants \(--max-cpu-deltas\) of (.+) each, (.+) available, room for ([\d,]+)$")
 
