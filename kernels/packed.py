@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from deltazip.kernels.scheme import DeltaScheme, kind_rules
+from deltazip.kernels.scheme import DeltaScheme, SchemeShaped, kind_rules
 
 # Code widths of the packed kind (the scheme's rules for kind "packed"), kept as a name for readers.
 SUPPORTED_BITS = kind_rules("packed").bits
@@ -44,7 +44,7 @@ def packed_words(n: int, bits: int) -> int:
 
 
 @dataclass
-class PackedDelta:
+class PackedDelta(SchemeShaped):
     """One compressed linear delta in canonical layout (shapes in the module docstring).
 
     ``scheme`` says what the parts hold (bits, group, sparsity, symmetry); :meth:`validate` checks the
@@ -58,33 +58,6 @@ class PackedDelta:
     scheme: DeltaScheme
     in_features: int
     out_features: int
-
-    @property
-    def bits(self) -> int:
-        return self.scheme.bits
-
-    @property
-    def group_size(self) -> int:
-        return self.scheme.group_size
-
-    @property
-    def sparse(self) -> bool:
-        """True when the delta is 2:4 sparse (kept values plus positions are stored)."""
-        return self.scheme.sparse
-
-    @property
-    def kept_per_row(self) -> int:
-        """Stored values per row: ``in/2`` under 2:4, ``in`` when dense."""
-        return self.scheme.kept_per_row(self.in_features)
-
-    @property
-    def effective_group(self) -> int:
-        """Group size in input columns (``-1`` resolved to the whole row)."""
-        return self.scheme.effective_group(self.in_features)
-
-    @property
-    def num_groups(self) -> int:
-        return self.scheme.num_groups(self.in_features)
 
     def validate(self) -> None:
         """Check shapes and dtypes against the layout; raises ValueError naming what is off."""

@@ -156,3 +156,38 @@ class DeltaScheme:
             raise SchemeError("scheme version", repr(version), f"is unknown to this deltazip (it reads {cls.VERSION}); "
                               "upgrade deltazip")
         return cls(**{k: s[k] for k in ("bits", "group_size", "sparsity", "sym", "kind")})
+
+
+class SchemeShaped:
+    """The scheme-derived figures of a matrix that holds ``scheme: DeltaScheme`` and ``in_features``
+    (``PackedDelta``, one delta; ``StackedDeltas``, many): one definition instead of one per holder."""
+
+    scheme: DeltaScheme
+    in_features: int
+
+    @property
+    def bits(self) -> int:
+        return self.scheme.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.scheme.group_size
+
+    @property
+    def sparse(self) -> bool:
+        """True when the delta is 2:4 sparse (kept values plus positions are stored)."""
+        return self.scheme.sparse
+
+    @property
+    def kept_per_row(self) -> int:
+        """Stored values per row: ``in/2`` under 2:4, ``in`` when dense."""
+        return self.scheme.kept_per_row(self.in_features)
+
+    @property
+    def effective_group(self) -> int:
+        """Group size in input columns (``-1`` resolved to the whole row)."""
+        return self.scheme.effective_group(self.in_features)
+
+    @property
+    def num_groups(self) -> int:
+        return self.scheme.num_groups(self.in_features)

@@ -50,7 +50,7 @@ import torch
 from deltazip.kernels import fast_layout
 from deltazip.kernels.packed import PackedDelta, packed_words
 from deltazip.kernels.reference import delta_weight as _reference_delta_weight
-from deltazip.kernels.scheme import DeltaScheme
+from deltazip.kernels.scheme import DeltaScheme, SchemeShaped
 
 LAYOUTS = ("transposed", "mma")
 _LAYOUT_ENV = "DELTAZIP_SBMM_LAYOUT"
@@ -93,7 +93,7 @@ def choose_layout(layout: str, *, bits: int, group_size: int, in_features: int,
 
 
 @dataclass
-class StackedDeltas:
+class StackedDeltas(SchemeShaped):
     """``D`` compressed deltas of one ``[out, in]`` linear in the kernel-ready layout (module docstring).
 
     Attributes:
@@ -117,20 +117,8 @@ class StackedDeltas:
     layout: str = "transposed"
 
     @property
-    def bits(self) -> int:
-        return self.scheme.bits
-
-    @property
-    def group_size(self) -> int:
-        return self.scheme.group_size
-
-    @property
     def num_deltas(self) -> int:
         return self.qweight.shape[0]
-
-    @property
-    def sparse(self) -> bool:
-        return self.scheme.sparse
 
     @property
     def sparse24(self) -> bool:
@@ -140,18 +128,6 @@ class StackedDeltas:
     @property
     def asymmetric(self) -> bool:
         return self.zeros is not None
-
-    @property
-    def kept_per_row(self) -> int:
-        return self.scheme.kept_per_row(self.in_features)
-
-    @property
-    def effective_group(self) -> int:
-        return self.scheme.effective_group(self.in_features)
-
-    @property
-    def num_groups(self) -> int:
-        return self.scheme.num_groups(self.in_features)
 
     @property
     def device(self) -> torch.device:
