@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltazip.compress.quantizer import Bits, dequantize_codes, find_params, quantize_codes
+from deltazip.compress.quantizer import Bits, dequantize_codes, find_params, max_code, quantize_codes
 from deltazip.formats.errors import CompressionError
 from deltazip.kernels.scheme import DeltaScheme
 
@@ -118,37 +118,45 @@ class _Outputs:
 def _solve_block(W: torch.Tensor, Hinv: torch.Tensor, i1: int, i2: int, bits: Bits, sym: bool, any24: bool,
                  rows24: torch.Tensor | None, out: _Outputs) -> None:
     """One lazy block (one quantization group, columns ``i1:i2``): quantize column by column, spread each
-    column's error onto the block's later columns, then the block's error onto every later column."""
+    column's error onto the block's later columns, then the block's error onto every later column.
+
+    Each column runs the arithmetic of ``quantize_codes``/``dequantize_codes`` in the same order, into
+    preallocated rows (``out=`` and in-place ops): the probe solves thousands of stacked rows this way,
+    column by column, where each op's dispatch and allocation cost as much as its arithmetic. The
+    results are bit-identical to the two functions' (``tests/compress/test_obs.py``)."""
     block, g = i2 - i1, i1 // (i2 - i1)
     # The block is walked column by column: keep it transposed ([block, R]) so that each column
     # and each rank-1 error update touches contiguous memory.
     W1t = W[:, i1:i2].t().contiguous()
-    Err1t = torch.zeros_like(W1t)
-    Q1t = torch.zeros_like(W1t)
-    C1t = torch.zeros_like(W1t)
+    Err1t = torch.empty_like(W1t)
+    Q1t = torch.empty_like(W1t)
+    C1t = torch.empty_like(W1t)
     Hinv1 = Hinv[i1:i2, i1:i2]
     hdiag = torch.diag(Hinv1)
     scale, zero = find_params(W1t.t(), bits, sym)
     out.scales[:, g], out.zeros[:, g] = scale, zero
+    maxq = max_code(bits, scale)  # an int, or float [R]: one per row
     if any24:
         pruned1t = torch.zeros_like(W1t, dtype=torch.bool)
     for i in range(block):
-        w = W1t[i]
+        w, c, q, err = W1t[i], C1t[i], Q1t[i], Err1t[i]
         if any24 and i % 4 == 0:
             score = W1t[i:i + 4] ** 2 / hdiag[i:i + 4].unsqueeze(1) ** 2
             drop = torch.topk(score, 2, dim=0, largest=False).indices
             pruned1t[i:i + 4].scatter_(0, drop, True)
             if rows24 is not None:
                 pruned1t[i:i + 4] &= rows24
-        c = quantize_codes(w, scale, zero, bits)
-        q = dequantize_codes(c, scale, zero)
+        torch.div(w, scale, out=c)  # c = clamp(round(w / scale) + zero, 0, maxq)
+        c.round_().add_(zero)
+        if isinstance(maxq, int):
+            c.clamp_(0, maxq)
+        else:
+            torch.minimum(c.clamp_(min=0), maxq, out=c)
+        torch.sub(c, zero, out=q).mul_(scale)  # q = scale * (c - zero): the product is commutative
         if any24:
-            q = q.masked_fill(pruned1t[i], 0.0)
-        C1t[i] = c
-        Q1t[i] = q
-        err = (w - q) / Hinv1[i, i]
+            q.masked_fill_(pruned1t[i], 0.0)
+        torch.sub(w, q, out=err).div_(Hinv1[i, i])
         W1t[i:].addr_(Hinv1[i, i:], err, alpha=-1.0)
-        Err1t[i] = err
     out.codes[:, i1:i2] = C1t.t().long()
     out.values[:, i1:i2] = Q1t.t()
     if any24:

@@ -21,7 +21,7 @@ _MAX_SCALE = 65504.0
 Bits = int | torch.Tensor
 
 
-def _maxq(bits: Bits, like: torch.Tensor) -> int | torch.Tensor:
+def max_code(bits: Bits, like: torch.Tensor) -> int | torch.Tensor:
     """Largest code, ``2**bits - 1``: an int, or a float tensor shaped to broadcast against ``like``
     (``[R]`` for a column, ``[R, 1]`` for ``[R, C]``)."""
     if isinstance(bits, int):
@@ -40,7 +40,7 @@ def find_params(x: torch.Tensor, bits: Bits, sym: bool) -> tuple[torch.Tensor, t
     Returns:
         (scale fp32 ``[R]``, exactly representable in fp16; zero fp32 ``[R]`` holding integers).
     """
-    maxq = _maxq(bits, x[:, 0])
+    maxq = max_code(bits, x[:, 0])
     xmin = x.min(dim=1).values.clamp(max=0)
     xmax = x.max(dim=1).values.clamp(min=0)
     if sym:
@@ -66,7 +66,7 @@ def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bit
     ``bits`` an int or int64 ``[R]``."""
     if scale.dim() == 1 and x.dim() == 2:
         scale, zero = scale.unsqueeze(1), zero.unsqueeze(1)
-    maxq = _maxq(bits, x)
+    maxq = max_code(bits, x)
     if isinstance(maxq, int):
         return torch.clamp(torch.round(x / scale) + zero, 0, maxq)
     return torch.minimum((torch.round(x / scale) + zero).clamp(min=0), maxq)

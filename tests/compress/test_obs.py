@@ -70,3 +70,64 @@ def test_hopeless_hessian_raises():
     H = -torch.eye(16)
     with pytest.raises(CompressionError, match="singular"):
         obs_compress(W, H, DeltaScheme(bits=4, group_size=16))
+
+
+def _column_loop_as_written(W, Hinv, bits, sym, rows24, group):
+    """The column loop as first written, with ``quantize_codes``/``dequantize_codes`` per column and
+    fresh tensors for every intermediate: what the in-place loop of ``obs._solve_block`` must equal."""
+    from deltazip.compress.quantizer import dequantize_codes, find_params, quantize_codes
+
+    R, C = W.shape
+    W = W.clone()
+    codes, values, keep = torch.zeros(R, C), torch.zeros(R, C), torch.ones(R, C, dtype=torch.bool)
+    for i1 in range(0, C, group):
+        i2 = i1 + group
+        W1t = W[:, i1:i2].t().contiguous()
+        Err1t, Q1t, C1t = torch.zeros_like(W1t), torch.zeros_like(W1t), torch.zeros_like(W1t)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        hdiag = torch.diag(Hinv1)
+        scale, zero = find_params(W1t.t(), bits, sym)
+        pruned1t = torch.zeros_like(W1t, dtype=torch.bool)
+        for i in range(group):
+            w = W1t[i]
+            if i % 4 == 0:
+                score = W1t[i:i + 4] ** 2 / hdiag[i:i + 4].unsqueeze(1) ** 2
+                drop = torch.topk(score, 2, dim=0, largest=False).indices
+                pruned1t[i:i + 4].scatter_(0, drop, True)
+                pruned1t[i:i + 4] &= rows24
+            c = quantize_codes(w, scale, zero, bits)
+            q = dequantize_codes(c, scale, zero).masked_fill(pruned1t[i], 0.0)
+            C1t[i], Q1t[i] = c, q
+            err = (w - q) / Hinv1[i, i]
+            W1t[i:].addr_(Hinv1[i, i:], err, alpha=-1.0)
+            Err1t[i] = err
+        codes[:, i1:i2], values[:, i1:i2], keep[:, i1:i2] = C1t.t(), Q1t.t(), ~pruned1t.t()
+        W[:, i2:] -= Err1t.t() @ Hinv[i1:i2, i2:]
+    return codes.long(), values, keep, W
+
+
+def _column_loop(W, Hinv, bits, sym, rows24, group):
+    """``obs._solve_block`` over every block of ``W``: (codes, values, keep, W after the error updates)."""
+    from deltazip.compress import obs
+
+    W = W.clone()
+    out = obs._Outputs(W.shape[0], W.shape[1], W.shape[1] // group, True, W.device)
+    for i1 in range(0, W.shape[1], group):
+        obs._solve_block(W, Hinv, i1, i1 + group, bits, sym, True, rows24, out)
+    return out.codes, out.values, out.keep, W
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_the_column_loop_is_bit_identical_to_the_per_column_functions(sym):
+    """Stacked rows of every width, half of them 2:4 (as the sensitivity probe solves them), and one
+    width for every row: codes, values, masks and every error update (the weights left after each
+    block) equal those of the loop written with fresh tensors per column, to the bit."""
+    from deltazip.compress.obs import _inverse_cholesky
+
+    W, H = _problem(rows=64, cols=128, seed=3)
+    Hinv, _, _ = _inverse_cholesky(H.clone(), 0.01)
+    for bits, rows24 in ((torch.tensor([2, 3, 4, 8] * 16), torch.arange(64) % 2 == 0),
+                         (4, torch.ones(64, dtype=torch.bool))):
+        got = _column_loop(W, Hinv, bits, sym, rows24, 32)
+        want = _column_loop_as_written(W, Hinv, bits, sym, rows24, 32)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
