@@ -125,9 +125,28 @@ def test_the_column_loop_is_bit_identical_to_the_per_column_functions(sym):
     from deltazip.compress.obs import _inverse_cholesky
 
     W, H = _problem(rows=64, cols=128, seed=3)
+    W[::3, :40] = 0  # unchanged weights: equal scores, where the 2:4 choice falls to topk's tie order
     Hinv, _, _ = _inverse_cholesky(H.clone(), 0.01)
     for bits, rows24 in ((torch.tensor([2, 3, 4, 8] * 16), torch.arange(64) % 2 == 0),
                          (4, torch.ones(64, dtype=torch.bool))):
         got = _column_loop(W, Hinv, bits, sym, rows24, 32)
         want = _column_loop_as_written(W, Hinv, bits, sym, rows24, 32)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_2_4_choice_is_topks_ties_included():
+    """Every order of four scores with ties (all 256 of values 0..3), and random columns with many
+    equal scores: the same two positions as ``torch.topk(..., largest=False)``."""
+    import itertools
+
+    from deltazip.compress.obs import _two_smallest
+
+    def topk(s):
+        return torch.zeros_like(s, dtype=torch.bool).scatter_(0, torch.topk(s, 2, dim=0, largest=False).indices, True)
+
+    every = torch.tensor(list(itertools.product(range(4), repeat=4)), dtype=torch.float32).t().contiguous()
+    assert torch.equal(_two_smallest(every), topk(every))
+    g = torch.Generator().manual_seed(0)
+    for s in (torch.randint(0, 3, (4, 4096), generator=g).float(), torch.rand(4, 4096, generator=g)):
+        s[:, :300] = 0
+        assert torch.equal(_two_smallest(s), topk(s))
