@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,6 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _pairs import emit, machine  # noqa: E402
+
+from deltazip.formats.outputs import write_text_atomic  # noqa: E402
 
 SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))  # (out, in)
 MAX_D = 64
@@ -161,15 +162,6 @@ def point(out_f, in_f, bits, dtype, d, r, rings, bw, quick, replays, with_triton
             "chosen_vs_loop": round(res[chosen] / res["loop_fp16"], 3)}
 
 
-def _write(path: Path, text: str) -> None:
-    """Whole or not at all (a temporary file renamed over the old one): a run killed mid-write keeps the
-    previous version."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def precompile_all(shapes) -> None:
     """Every kernel build the tuner will time for the table's keys, compiled in parallel threads first
     (``dispatch_table.precompile``): serially, the compiles alone took a large share of a GPU window."""
@@ -285,9 +277,10 @@ def main(argv=None) -> int:
                                   args.replays, triton_here and r == 1 and d in (1, 16))
                         results.append(p)
                         log(json.dumps(p))
-                        if args.out:  # the points so far: a run stopped at a time limit still leaves them
-                            _write(args.out / "sbmm_table.json", json.dumps(document(False), indent=1))
-                            _write(args.out / "table.md", table(results) + "\n\n(stopped before the last "
+                        if args.out:  # the points so far, each file whole: a run stopped at a limit keeps them
+                            args.out.mkdir(parents=True, exist_ok=True)
+                            write_text_atomic(args.out / "sbmm_table.json", json.dumps(document(False), indent=1))
+                            write_text_atomic(args.out / "table.md", table(results) + "\n\n(stopped before the last "
                                                           "point: the rows above are the ones it finished)\n")
             del rings
             torch.cuda.empty_cache()

@@ -9,7 +9,7 @@ import torch
 from deltazip.formats import codecs
 from deltazip.formats.errors import InputError
 from deltazip.kernels.packed import SUPPORTED_BITS
-from deltazip.kernels.scheme import DeltaScheme, SchemeError
+from deltazip.kernels.scheme import DeltaScheme, SchemeError, SchemeFields
 from deltazip.models.devices import check_device, check_dtype, resolve_device, resolve_dtype
 
 METHODS = ("deltazip", "sparsegpt", "rtn")
@@ -18,7 +18,7 @@ CALIB_ACTIVATIONS = ("reconstructed", "base")
 
 
 @dataclass
-class CompressConfig:
+class CompressConfig(SchemeFields):
     """Options of ``deltazip compress`` (see docs/compress.md).
 
     ``scheme``: what every compressed linear becomes (bits, group size, sparsity, symmetry and the
@@ -117,22 +117,6 @@ class CompressConfig:
     def row_group(self) -> int:
         """Hidden columns per group of embedding rows (-1: whole row)."""
         return self.embed_group_size or self.group_size
-
-    @property
-    def bits(self) -> int:
-        return self.scheme.bits
-
-    @property
-    def group_size(self) -> int:
-        return self.scheme.group_size
-
-    @property
-    def sparsity(self) -> str:
-        return self.scheme.sparsity
-
-    @property
-    def sym(self) -> bool:
-        return self.scheme.sym
 
     @property
     def sparse24(self) -> bool:

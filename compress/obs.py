@@ -124,16 +124,18 @@ def _two_smallest(score: torch.Tensor) -> torch.Tensor:
     smallest are unambiguous, and topk only the columns where equal scores straddle the cut (0.2% of
     them in a SmolLM2 compression). On other devices topk runs alone: the check would wait on the device."""
     if score.device.type != "cpu":
-        return torch.zeros_like(score, dtype=torch.bool).scatter_(0, torch.topk(score, 2, dim=0, largest=False).indices,
-                                                                  True)
+        return _topk_two(score)
     keep_out = (score.unsqueeze(0) < score.unsqueeze(1)).sum(1) < 2  # [j, R]: fewer than two scores below s_j
     tied = keep_out.sum(0) != 2
     if bool(tied.any()):
         cols = tied.nonzero().squeeze(1)
-        sub = score[:, cols]
-        keep_out[:, cols] = torch.zeros_like(sub, dtype=torch.bool).scatter_(
-            0, torch.topk(sub, 2, dim=0, largest=False).indices, True)
+        keep_out[:, cols] = _topk_two(score[:, cols])
     return keep_out
+
+
+def _topk_two(score: torch.Tensor) -> torch.Tensor:
+    """bool ``[4, R]``: the positions of ``torch.topk(score, 2, dim=0, largest=False)``."""
+    return torch.zeros_like(score, dtype=torch.bool).scatter_(0, torch.topk(score, 2, dim=0, largest=False).indices, True)
 
 
 def _solve_block(W: torch.Tensor, Hinv: torch.Tensor, i1: int, i2: int, bits: Bits, sym: bool, any24: bool,

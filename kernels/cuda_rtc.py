@@ -122,7 +122,9 @@ _CUBINS: dict[str, bytes] = {}  # compiled in this process (a read-only disk cac
 
 
 def _cubin_key(source: str, macros: dict[str, int], arch: int) -> str:
-    return hashlib.sha256(repr((source, sorted(macros.items()), arch, nvrtc_version())).encode()).hexdigest()[:32]
+    # the source by its digest (hashed once per source): the key is computed per launch config at tuning
+    return hashlib.sha256(repr((source_digest(source), sorted(macros.items()), arch, nvrtc_version())).encode()
+                          ).hexdigest()[:32]
 
 
 def cubin_for(source: str, macros: dict[str, int], arch: int) -> bytes:

@@ -278,6 +278,8 @@ def sbmm_cuda(x: torch.Tensor, stack: StackedDeltas, plan: RowPlan, *, out: torc
     if plan.num_tiles == 0:
         return y
     cfg = config or default_config(stack, plan, x.device)
+    if not mt_ok(stack, cfg.mt):  # before compiling a build that could not run
+        raise ValueError(f"mt={cfg.mt} needs codes of 2 or 4 bits, not {stack.bits}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     from deltazip.kernels.cuda_rtc import load
 
@@ -287,8 +289,6 @@ def sbmm_cuda(x: torch.Tensor, stack: StackedDeltas, plan: RowPlan, *, out: torc
     k_tiles = in_f // 128
     if k_tiles % cfg.kt:
         raise ValueError(f"kt={cfg.kt} does not divide the {k_tiles} K tiles of in_features {in_f}")
-    if not mt_ok(stack, cfg.mt):
-        raise ValueError(f"mt={cfg.mt} needs codes of 2 or 4 bits, not {stack.bits}")
     per_split, split = effective_split(k_tiles, cfg)
     if split > 1 and split * n * out_f > MAX_WORKSPACE:  # a prefill-sized call has CTAs enough without
         per_split, split = k_tiles, 1

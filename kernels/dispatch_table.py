@@ -465,12 +465,14 @@ def tune_stack(stack: StackedDeltas, dtype: torch.dtype, pairs: list[tuple[int, 
     table = table_for(stack.device)
     pairs = buckets(stack.num_deltas) if pairs is None else pairs
     timed, t0 = 0, time.perf_counter()
-    todo = [(r, d) for r, d in pairs if key(stack, dtype, r, d) not in table.entries]
-    compiled = precompile(stack, dtype, todo) if todo and stack.device.type == "cuda" else 0
-    for rows, deltas in pairs:
-        if key(stack, dtype, rows, deltas) not in table.entries:
-            tune(stack, dtype, rows, deltas, table=table, save=False)
-            timed += 1
+    todo: dict[str, tuple[int, int]] = {}  # untuned key -> its first pair
+    for r, d in pairs:
+        if (k := key(stack, dtype, r, d)) not in table.entries:
+            todo.setdefault(k, (r, d))
+    compiled = precompile(stack, dtype, list(todo.values())) if todo and stack.device.type == "cuda" else 0
+    for rows, deltas in todo.values():
+        tune(stack, dtype, rows, deltas, table=table, save=False)
+        timed += 1
     if timed:
         table.save()
         log.info("tuned the delta matmul of %dx%d %d-bit %s (%s): %d keys in %.1f s (%d kernel builds compiled)",

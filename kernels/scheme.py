@@ -158,12 +158,11 @@ class DeltaScheme:
         return cls(**{k: s[k] for k in ("bits", "group_size", "sparsity", "sym", "kind")})
 
 
-class SchemeShaped:
-    """The scheme-derived figures of a matrix that holds ``scheme: DeltaScheme`` and ``in_features``
-    (``PackedDelta``, one delta; ``StackedDeltas``, many): one definition instead of one per holder."""
+class SchemeFields:
+    """The fields of the ``scheme: DeltaScheme`` a holder keeps (``CompressConfig``, ``PackedDelta``,
+    ``StackedDeltas``), read through the holder: one definition instead of one per holder."""
 
     scheme: DeltaScheme
-    in_features: int
 
     @property
     def bits(self) -> int:
@@ -174,9 +173,24 @@ class SchemeShaped:
         return self.scheme.group_size
 
     @property
+    def sparsity(self) -> str:
+        return self.scheme.sparsity
+
+    @property
+    def sym(self) -> bool:
+        return self.scheme.sym
+
+    @property
     def sparse(self) -> bool:
         """True when the delta is 2:4 sparse (kept values plus positions are stored)."""
         return self.scheme.sparse
+
+
+class SchemeShaped(SchemeFields):
+    """:class:`SchemeFields` plus the figures of a matrix of ``in_features`` columns under the scheme
+    (``PackedDelta``, one delta; ``StackedDeltas``, many)."""
+
+    in_features: int
 
     @property
     def kept_per_row(self) -> int:
