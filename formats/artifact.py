@@ -57,6 +57,7 @@ from deltazip.formats.checksum import sha256_file, sha256_tensors
 from deltazip.formats.codecs import Entry, MatrixCodec
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.formats.outputs import check_output, is_no_space, no_space_error, replace_dir
+from deltazip.formats.safetensors_raw import sort_metadata
 from deltazip.formats.side_files import (
     SIDE_DIR,
     plain_name,
@@ -380,6 +381,7 @@ class ArtifactWriter:
         with self._no_space(self._pending_bytes):
             save_file(self._pending, str(self.tmp / fname), metadata={"format": FORMAT_NAME,
                                                                        "format_version": str(FORMAT_VERSION)})
+            sort_metadata(self.tmp / fname)  # the same inputs give the same bytes (its docstring)
         for name in self._pending_names:
             self.entries[name]["file"] = fname
         self._pending, self._pending_names, self._pending_bytes = {}, [], 0

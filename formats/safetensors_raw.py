@@ -143,3 +143,32 @@ class RawFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def sort_metadata(path: str | Path) -> bool:
+    """Rewrite, in place, the ``__metadata__`` object of a safetensors file that this process just wrote
+    with its keys sorted; returns whether the header changed.
+
+    safetensors (0.8) serializes the metadata dict from a hash map whose order changes from process to
+    process, so two compressions of the same inputs wrote files that differed in those bytes alone.
+    Sorting keeps the header's length (the same keys and values, compact JSON) and nothing else moves.
+    A header whose metadata is not a flat first object is left as it is."""
+    path = Path(path)
+    with open(path, "r+b") as f:
+        (hlen,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(hlen)
+        lead = b'{"__metadata__":'
+        end = raw.find(b"}", len(lead))
+        if not raw.startswith(lead) or end < 0:
+            return False
+        span = raw[len(lead):end + 1]
+        try:
+            meta = json.loads(span)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return False
+        canon = json.dumps(meta, separators=(",", ":"), sort_keys=True, ensure_ascii=False).encode()
+        if not isinstance(meta, dict) or len(canon) != len(span) or canon == span:
+            return False
+        f.seek(8 + len(lead))
+        f.write(canon)
+    return True

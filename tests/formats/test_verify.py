@@ -294,3 +294,33 @@ def test_gpu_load_matches_cpu_load(arts):
             assert pg[k].is_cuda and torch.equal(pg[k].cpu(), pc[k]), (name, k)
         w = ck.get(name)
         assert torch.equal(gpu.reconstruct(name, w.cuda()).cpu(), cpu.reconstruct(name, w))
+
+
+def test_safetensors_metadata_is_written_in_one_order(tmp_path):
+    """safetensors writes its metadata from a hash map (a new order per map); the writer sorts it after
+    each save, so equal inputs give equal bytes. Eight saves of one table: one set of bytes."""
+    from deltazip.formats.safetensors_raw import read_table, sort_metadata
+
+    meta = {"format": "deltazip", "format_version": str(FORMAT_VERSION), "z": "1", "a": "2"}
+    seen, unsorted = set(), set()
+    for i in range(8):
+        p = tmp_path / f"{i}.safetensors"
+        save_file({"w": torch.arange(6.0).reshape(2, 3)}, str(p), metadata=meta)
+        unsorted.add(p.read_bytes())
+        sort_metadata(p)
+        seen.add(p.read_bytes())
+        assert read_table(p)[1] == meta and torch.equal(load_file(p)["w"], torch.arange(6.0).reshape(2, 3))
+    assert len(seen) == 1 and len(unsorted) > 1  # 4 keys: 8 saves in one order by chance is (1/24)**7
+
+
+def test_compressing_twice_writes_the_same_bytes(arts, tmp_path):
+    base, plain, _ = arts
+    again = tmp_path / "again"
+    ft = base.with_name(base.name.replace("-base", "-ft"))
+    compress_delta(base, ft, calib_file(tmp_path), again,
+                   CompressConfig(scheme=DeltaScheme(bits=2, group_size=32), nsamples=8, seqlen=32), lossless="none")
+    files = sorted(p.relative_to(plain) for p in plain.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    for f in files:
+        if f.name.endswith(".safetensors"):
+            assert (plain / f).read_bytes() == (again / f).read_bytes(), f
