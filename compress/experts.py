@@ -68,6 +68,10 @@ class Hessians:
         self.counts.update(other.counts)
         self.alias.update(other.alias)
 
+    def source(self, key: str, expert: int | None = None) -> torch.Tensor | None:
+        """The running sum ``get`` reads for ``(key, expert)`` (shared inputs resolved), or None."""
+        return self.sums.get((self.alias.get(key, key), expert))
+
     def get(self, key: str, expert: int | None = None) -> tuple[torch.Tensor | None, int]:
         """``(H = 2 XᵀX / n, n)``, or ``(None, 0)`` when no token reached it."""
         key = self.alias.get(key, key)

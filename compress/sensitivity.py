@@ -42,8 +42,10 @@ layer); the gains are measured on ``GAIN_SEQUENCES`` sequences of one batch; the
 (``obs.obs_solve`` takes the code width and the 2:4 choice per row; rows are independent given
 ``H``, so each setting's rows come out exactly as if solved alone); and of a large matrix only a fixed
 random sample of ``SAMPLE_ROWS`` rows is solved, its errors and bytes scaled to all rows (the same
-rows for every setting, so settings are compared on equal terms). Byte counts compress at most
-``SAMPLE_BYTES`` of each part, the eight settings of a matrix in two threads.
+rows for every setting, so settings are compared on equal terms); a stacked run's rows are split over
+one column loop per intra-op thread (``obs.obs_solve_split``: on CPU two one-thread loops side by side
+take half the time of one two-thread loop). Byte counts compress at most ``SAMPLE_BYTES`` of each part,
+packed and sized in two threads that run beside the next matrices' solves and the next layer's forward.
 
 A matrix no calibration token reached has no ``H``: its settings are solved by round-to-nearest (as
 the pipeline stores it) and weighted by the mean diagonal of its site's other Hessians (0 when there
@@ -60,7 +62,7 @@ import torch
 
 from deltazip.compress.allocation import LINEAR_SETTINGS, ROW_SETTINGS, Curve, Setting
 from deltazip.compress.experts import HEAD_KEY, Hessians, collect_hessians
-from deltazip.compress.obs import SolveResult, obs_solve, rtn_compress
+from deltazip.compress.obs import SolveResult, obs_solve_split, rtn_compress
 from deltazip.compress.rows_and_exact import exact_stored_size
 from deltazip.formats import codecs
 from deltazip.formats.codecs.rows import (
@@ -121,20 +123,22 @@ class Sensitivity:
 
 
 def candidate_solves(m: torch.Tensor, H: torch.Tensor, settings: list[Setting], group: int, sym: bool,
-                     damp: float):
+                     damp: float, pool=None, workers: int = 1):
     """Yield ``(setting, SolveResult)`` for every setting (none dropped) of matrix ``m`` ``[R, C]``, the
-    settings' rows stacked into as few OBS runs as ``SOLVE_ELEMENTS`` allows."""
+    settings' rows stacked into as few OBS runs as ``SOLVE_ELEMENTS`` allows, each run's rows split over
+    ``workers`` threads of ``pool`` (``obs.obs_solve_split``)."""
     R = m.shape[0]
     per = max(1, SOLVE_ELEMENTS // max(m.numel(), 1))
     for j in range(0, len(settings), per):
         chunk = settings[j:j + per]
         bits = torch.tensor([s.bits for s in chunk], device=m.device).repeat_interleave(R)
         sparse = torch.tensor([s.sparsity == "2:4" for s in chunk], device=m.device).repeat_interleave(R)
-        res = obs_solve(m.repeat(len(chunk), 1), H, bits, sparse, group, sym, damp)
+        res = obs_solve_split(m.repeat(len(chunk), 1), H, bits, sparse, group, sym, damp, pool, workers)
         for k, s in enumerate(chunk):
             rows = slice(k * R, (k + 1) * R)
             keep = res.mask[rows] if s.sparsity == "2:4" else None
-            yield s, SolveResult(res.codes[rows], res.scales[rows], res.zeros[rows], keep, res.values[rows])
+            yield s, SolveResult(res.codes[rows], res.scales[rows], res.zeros[rows], keep, res.values[rows],
+                                 loss=res.loss[rows])
 
 
 def _tr(E: torch.Tensor, H: torch.Tensor | float) -> float:
@@ -169,6 +173,9 @@ class Probe:
         self.fixed = 0
         self.freq: dict[str, torch.Tensor] = {}
         self.gains: list[dict[str, float]] = []
+        # the candidate solves' column loops, one per intra-op thread the user allowed (measure() opens it)
+        self.workers, self.pool = max(1, torch.get_num_threads()), None
+        self.sizer, self.unsized = None, []  # the byte counts' threads (measure() opens them); curves waiting
 
     # -- packed tensors ------------------------------------------------------------------------
     def linear_curve(self, t: Target, hs: Hessians | None, layer: int | None, weight: float,
@@ -191,21 +198,37 @@ class Probe:
             rows, scale = rows + ms.shape[0], scale + m.shape[0]
             H = self._hessian(hs, key, e)
             Hw = hs_err.get(key, e)[0] if hs_err is not None else None
+            # A solve's own loss is its error under the H it was solved with: that is H_w itself (sites
+            # with a weighted sum), or H_w = wbar·H (routed experts); the head is scored by the product.
+            src = hs.source(key, e) if hs is not None else None
+            own = wbar if Hw is None else 1.0 if src is not None and src is hs_err.source(key, e) else None
             Hw = Hw if Hw is not None else H * wbar
-            errs = [ms]  # E of each setting, dropped first; their errors in one product with H_w
+            errs = [(LINEAR_SETTINGS[0], ms)]  # E of the settings without a loss (dropped first): one product
             for s, r in self._solves(ms, H, LINEAR_SETTINGS[1:], group):
-                errs.append(ms - r.values)
-                packed[s].append(pack_delta(r.codes.cpu(), r.scales.cpu(), None if self.cfg.sym else r.zeros.cpu(),
-                                            None if r.mask is None else r.mask.cpu(), s.bits, group))
-            for s, v in zip(LINEAR_SETTINGS, _tr_each(torch.stack(errs), Hw)):
+                if own is not None and r.loss is not None:
+                    err[s] += own * float(r.loss.sum()) * m.shape[0] / ms.shape[0]
+                else:
+                    errs.append((s, ms - r.values))
+                # packed in the sizing thread (codes kept as bytes until then: 8 bits at most)
+                packed[s].append((r.codes.to(torch.uint8).cpu(), r.scales.cpu(),
+                                  None if self.cfg.sym else r.zeros.cpu(), None if r.mask is None else r.mask.cpu()))
+            for (s, _), v in zip(errs, _tr_each(torch.stack([E for _, E in errs]), Hw)):
                 err[s] += v * m.shape[0] / ms.shape[0]
-        # the lossless stage sizes each part in one or two chunks, mostly on one core: the settings in two
-        # threads keep both busy (the codec releases the GIL; 9.7 -> 6 s of a SmolLM2 probe)
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            sizes = list(pool.map(lambda s: self._linear_bytes(t, s, packed.get(s), ff.dtype, scale / rows),
-                                  LINEAR_SETTINGS))
-        self.curves.append(Curve(n, "linear", list(LINEAR_SETTINGS), sizes,
-                                 [err[s] * weight for s in LINEAR_SETTINGS], ff.numel(), layer))
+        # The lossless stage sizes each part in one or two chunks, mostly on one core: the settings go to two
+        # sizing threads (the codec releases the GIL) and are collected later (``settle``), so that they
+        # run beside the next matrices' solves and the next layer's forward instead of before them.
+        sizes = [self.sizer.submit(self._linear_bytes, t, s, packed.get(s), ff.dtype, scale / rows, group)
+                 for s in LINEAR_SETTINGS]
+        curve = Curve(n, "linear", list(LINEAR_SETTINGS), [], [err[s] * weight for s in LINEAR_SETTINGS],
+                      ff.numel(), layer)
+        self.curves.append(curve)
+        self.unsized.append((curve, sizes))
+
+    def settle(self) -> None:
+        """Wait for the byte counts still being computed and put them in their curves."""
+        for curve, sizes in self.unsized:
+            curve.bytes = [f.result() for f in sizes]
+        self.unsized.clear()
 
     def _hessian(self, hs: Hessians | None, key: str, expert: int | None) -> torch.Tensor | float:
         """The matrix's Hessian; without one (no token reached it) the mean diagonal of its site's other
@@ -218,15 +241,20 @@ class Probe:
 
     def _solves(self, m: torch.Tensor, H: torch.Tensor | float, settings, group: int):
         if isinstance(H, torch.Tensor):
-            yield from candidate_solves(m, H, list(settings), group, self.cfg.sym, self.cfg.damp)
+            yield from candidate_solves(m, H, list(settings), group, self.cfg.sym, self.cfg.damp, self.pool,
+                                        self.workers)
             return
         for s in settings:  # no Hessian: round-to-nearest, as the pipeline stores such a matrix
             yield s, rtn_compress(m, DeltaScheme(bits=s.bits, group_size=group, sparsity=s.sparsity, sym=self.cfg.sym))
 
-    def _linear_bytes(self, t: Target, s: Setting, deltas: list | None, dtype: torch.dtype, rows_scale: float) -> int:
+    def _linear_bytes(self, t: Target, s: Setting, solved: list | None, dtype: torch.dtype, rows_scale: float,
+                      group: int) -> int:
+        """Stored bytes of ``t`` at setting ``s``, from each matrix's solved ``(codes, scales, zeros, mask)``
+        of its sampled rows (``rows_scale``: all rows / sampled rows)."""
         w = self.run.writer
         if s.dropped:
             return w.entry_size(t.name, codecs.get("drop").fields(t.shape, dtype), {})
+        deltas = [pack_delta(codes, scales, zeros, mask, s.bits, group) for codes, scales, zeros, mask in solved]
         parts = {k: torch.cat([d.parts()[k] for d in deltas]) for k in deltas[0].parts()}
         shape = list(t.shape[::-1] if t.transposed else t.shape)
         fields = codecs.get("packed").fields(deltas[0].scheme, shape, dtype, True, t.transposed, t.experts)
@@ -434,6 +462,7 @@ def _probe_layer(probe: Probe, i: int, batches):
     wbar = float(torch.cat([token_weights(h).reshape(-1) for h, _ in batches]).mean()) if batches else 1.0
     gains = site_gains(run, layer, lmap.sites, batches[0], outs[0][0]) if batches else {}
     probe.gains.append({k: round(v, 5) for k, v in gains.items()})
+    probe.settle()  # the previous layer's byte counts ran beside this layer's forward: at most one layer waits
     for t in lmap.targets.values():
         probe.linear_curve(t, hs, i, gains.get(t.site.key, 1.0), hw.hs, wbar)
     del hs
@@ -514,6 +543,16 @@ def measure(run, input_ids: torch.Tensor, progress=None) -> Sensitivity:
     t0 = time.time()
     progress = progress or (lambda *a: None)
     probe = Probe(run)
+    with ThreadPoolExecutor(max_workers=probe.workers) as probe.pool, ThreadPoolExecutor(max_workers=2) as probe.sizer:
+        _probe_all(probe, input_ids, progress)
+        probe.settle()
+    return Sensitivity(probe.curves, probe.fixed, run.ft.nbytes(), round(time.time() - t0, 3),
+                       int(input_ids.numel()), probe.gains)
+
+
+def _probe_all(probe: Probe, input_ids: torch.Tensor, progress) -> None:
+    """measure()'s walk: the tensors outside the layers, each layer, then the head and embeddings."""
+    run = probe.run
     _outside(probe)
     handles = probe.count_lookups()
     try:
@@ -529,8 +568,6 @@ def measure(run, input_ids: torch.Tensor, progress=None) -> Sensitivity:
     _head_curves(probe, input_ids, batches)
     probe.fixed += _side_file_bytes(run) + _MANIFEST_BASE + _PER_SIDE_FILE * len(run.ft.side_files()) \
         + _PER_LAYER * n + _PER_TENSOR * len(probe.curves)
-    return Sensitivity(probe.curves, probe.fixed, run.ft.nbytes(), round(time.time() - t0, 3),
-                       int(input_ids.numel()), probe.gains)
 
 
 def _head_hessians(H: torch.Tensor | None) -> Hessians:

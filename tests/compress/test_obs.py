@@ -150,3 +150,68 @@ def test_the_2_4_choice_is_topks_ties_included():
     for s in (torch.randint(0, 3, (4, 4096), generator=g).float(), torch.rand(4, 4096, generator=g)):
         s[:, :300] = 0
         assert torch.equal(_two_smallest(s), topk(s))
+
+
+def test_split_solve_runs_each_part_as_alone_and_restores_threads():
+    """``obs_solve_split`` (the probe's candidate solves): each part of the rows comes out bit for bit as
+    that part solved alone on one thread, the whole as the one-loop solve up to the block products'
+    summation order, dead columns and damping stats kept, the caller's thread count restored."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deltazip.compress.obs import SPLIT_MIN_ROWS, obs_solve, obs_solve_split
+
+    R = 2 * SPLIT_MIN_ROWS + 6  # parts of SPLIT_MIN_ROWS + 3 rows
+    W, H = _problem(rows=R, cols=64)
+    H[5, :], H[:, 5] = 0, 0  # a dead column
+    g = torch.Generator().manual_seed(1)
+    bits = torch.tensor([2, 3, 4, 8])[torch.randint(0, 4, (R,), generator=g)]
+    sparse = torch.rand(R, generator=g) < 0.5
+    before = torch.get_num_threads()
+    with ThreadPoolExecutor(2) as pool:
+        split = obs_solve_split(W, H, bits, sparse, 32, True, 0.01, pool, workers=2)
+        small = obs_solve_split(W[:SPLIT_MIN_ROWS], H, bits[:SPLIT_MIN_ROWS], sparse[:SPLIT_MIN_ROWS], 32, True,
+                                0.01, pool, workers=2)  # too few rows for two parts: one loop
+    seen = []  # the default a new thread starts with (what the parts' one-thread setting would leak into)
+    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert torch.get_num_threads() == before and seen == [before]
+    whole = obs_solve(W, H, bits, sparse, 32, True, 0.01)
+    assert split.stats == whole.stats and split.stats["dead_columns"] == 1
+    torch.set_num_threads(1)
+    try:
+        for rows in (slice(0, R // 2), slice(R // 2, R)):
+            alone = obs_solve(W[rows], H, bits[rows], sparse[rows], 32, True, 0.01)
+            for a, b in ((split.codes, alone.codes), (split.values, alone.values), (split.mask, alone.mask),
+                         (split.scales, alone.scales), (split.zeros, alone.zeros)):
+                assert torch.equal(a[rows], b)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.allclose(split.values, whole.values, atol=1e-6, rtol=0)
+    assert float((split.codes != whole.codes).float().mean()) < 1e-3
+    assert torch.equal(split.mask, whole.mask) or float((split.mask != whole.mask).float().mean()) < 1e-3
+    ref = obs_solve(W[:SPLIT_MIN_ROWS], H, bits[:SPLIT_MIN_ROWS], sparse[:SPLIT_MIN_ROWS], 32, True, 0.01)
+    assert torch.equal(small.values, ref.values) and torch.equal(small.codes, ref.codes)
+
+
+@pytest.mark.parametrize("bits,sparse", [(2, True), (3, False), (4, True), (8, False)])
+def test_loss_is_each_rows_output_error(bits, sparse):
+    """``SolveResult.loss``: each row's ``e H eᵀ`` (the undamped Hessian, dead columns counted as H has
+    them: not at all), for a full-rank and a rank-deficient ``H``, and through the split solve."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deltazip.compress.obs import SPLIT_MIN_ROWS, obs_solve, obs_solve_split
+
+    W, H = _problem(rows=2 * SPLIT_MIN_ROWS, cols=64)
+    H[3, :], H[:, 3] = 0, 0
+    X = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    for h in (H, 2 * X.t() @ X / 16):  # the second of rank 16: the damping carries the solve
+        res = obs_solve(W, h, bits, sparse, 32, True, 0.01)
+        with ThreadPoolExecutor(2) as pool:
+            split = obs_solve_split(W, h, bits, sparse, 32, True, 0.01, pool, workers=2)
+        E = W - res.values
+        want = ((E @ h) * E).sum(1)
+        assert torch.allclose(res.loss, want, rtol=1e-4, atol=1e-6 * float(want.abs().max())), \
+            (res.stats, (res.loss - want).abs().max())
+        assert torch.allclose(split.loss, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()))

@@ -150,3 +150,39 @@ def test_report_prints_the_curve_and_bad_budgets_are_one_line_errors(pair, tmp_p
         lines = without_progress(err).strip().splitlines()
         assert code == 1 and len(lines) == 1 and match in lines[0], (args, err)
         assert not (tmp_path / "bad").exists()
+
+
+def test_solve_losses_score_settings_as_the_output_error_product(pair, tmp_path, monkeypatch):
+    """The probe scores each candidate with its solve's own loss (``SolveResult.loss``) where the solve's
+    Hessian is the one the error is measured with; the same probe scoring every candidate by the
+    ``tr(E H_w Eᵀ)`` product gives the same curves (fp32 rounding apart), the lm_head's included."""
+    from deltazip.compress import sensitivity
+
+    root, base, ft, calib, uniform = pair
+    seen = []
+    real_measure, real_solves = sensitivity.measure, sensitivity.candidate_solves
+
+    def spy(run, input_ids, progress=None):
+        s = real_measure(run, input_ids, progress)
+        seen.append({c.name: c for c in s.curves})
+        return s
+
+    def without_loss(*a, **kw):
+        for s, r in real_solves(*a, **kw):
+            r.loss = None
+            yield s, r
+
+    import deltazip.compress.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "measure", spy)
+    cfg = CompressConfig(scheme=DeltaScheme(bits=4), group_auto=True, report=True, **FAST)
+    compress_delta(base, ft, str(calib), tmp_path / "a", cfg)
+    monkeypatch.setattr(sensitivity, "candidate_solves", without_loss)
+    compress_delta(base, ft, str(calib), tmp_path / "b", cfg)
+    by_loss, by_product = seen
+    assert by_loss.keys() == by_product.keys() and "lm_head.weight" in by_loss
+    for name, c in by_loss.items():
+        d = by_product[name]
+        assert c.bytes == d.bytes, name
+        for s, x, y in zip(c.settings, c.err, d.err):
+            assert abs(x - y) <= 1e-4 * abs(y) + 1e-9 * max(d.err), (name, s.label, x, y)

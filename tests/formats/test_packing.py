@@ -37,6 +37,25 @@ def test_compact_expand_24_roundtrip():
     assert torch.equal(expand_24(values, pos, 32), torch.where(mask, dense, torch.zeros_like(dense)))
 
 
+def test_compact_24_every_keep_pattern():
+    """All sixteen patterns of a group of four: the six that keep two give their positions ascending
+    and their values; the other ten (0, 1, 3 or 4 kept) are refused, alone among valid groups."""
+    import itertools
+
+    patterns = list(itertools.product([False, True], repeat=4))
+    valid = [p for p in patterns if sum(p) == 2]
+    dense = torch.arange(4 * len(valid), dtype=torch.float32).reshape(1, -1)
+    values, pos = compact_24(dense, torch.tensor([x for p in valid for x in p]).reshape(1, -1))
+    want = [i for p in valid for i in range(4) if p[i]]
+    assert pos.reshape(-1).tolist() == want
+    assert values.reshape(-1).tolist() == [4 * k + i for k, p in enumerate(valid) for i in range(4) if p[i]]
+    for p in patterns:
+        if sum(p) != 2:
+            mask = torch.tensor([*valid[0], *p, *valid[5]]).reshape(1, 12)
+            with pytest.raises(ValueError, match="not 2:4"):
+                compact_24(torch.zeros(1, 12), mask)
+
+
 def test_compact_rejects_non_24_mask():
     mask = torch.ones(2, 8, dtype=torch.bool)
     with pytest.raises(ValueError, match="not 2:4"):
