@@ -5,8 +5,8 @@
 For each calibration size (``--nsamples`` x ``--seqlen``) it runs ``deltazip compress`` twice as a user
 would, one process each, on the same pair: ``--bits 4`` (uniform 4-bit 2:4, the issue's reference
 run) and ``--target-ratio R``. Each row gives the artifact's own ``stats.seconds`` (and, for the
-allocated run, ``probe_seconds``: the sensitivity probe; ``peak_rss_mib``), the process's wall time and
-peak RSS (from ``wait4``), the ratio reached, and the time ratio allocated / uniform, which the per-tensor
+allocated run, ``probe_seconds``: the sensitivity probe) and ``stats.peak_rss_mib``, the process's wall
+time, the ratio reached, and the time ratio allocated / uniform, which the per-tensor
 allocation issue bounds at 2x. Prints one JSON document on stdout; progress goes to stderr.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -31,26 +30,20 @@ def log(msg: str) -> None:
 
 
 def run_compress(pair: dict, out: Path, nsamples: int, seqlen: int, method: list[str]) -> dict:
-    """One ``deltazip compress`` process; its stats, wall time and peak RSS."""
+    """One ``deltazip compress`` process; its stats (times, peak RSS), wall time and ratio."""
     exe = Path(sys.executable).with_name("deltazip")
     cmd = [str(exe) if exe.exists() else "deltazip", "compress", "--base", pair["base"], "--finetuned",
            pair["finetuned"], "--calib", pair["calib"], *method, "--nsamples", str(nsamples), "--seqlen",
            str(seqlen), "--out", str(out), "--json"]
-    with tempfile.TemporaryFile() as so, tempfile.TemporaryFile() as se:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=so, stderr=se)
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (peak RSS), before Popen reaps it
-        wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        so.seek(0), se.seek(0)
-        stdout, stderr = so.read(), se.read()
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True)
+    wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"bench: {' '.join(cmd)} failed: {stderr.decode()[-500:]}")
-    doc = json.loads(stdout)
+        raise SystemExit(f"bench: {' '.join(cmd)} failed: {proc.stderr.decode()[-500:]}")
+    doc = json.loads(proc.stdout)
     stats = doc["stats"]
     return {"method": " ".join(method), "seconds": stats["seconds"], "probe_seconds": stats.get("probe_seconds"),
-            "peak_rss_mib": stats.get("peak_rss_mib"), "wall_s": round(wall, 2),
-            "process_peak_rss_mib": round(usage.ru_maxrss / 1024, 1), "ratio": round(doc["ratio"], 3)}
+            "peak_rss_mib": stats["peak_rss_mib"], "wall_s": round(wall, 2), "ratio": round(doc["ratio"], 3)}
 
 
 def main(argv=None) -> int:

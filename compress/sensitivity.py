@@ -200,8 +200,11 @@ class Probe:
             Hw = hs_err.get(key, e)[0] if hs_err is not None else None
             # A solve's own loss is its error under the H it was solved with: that is H_w itself (sites
             # with a weighted sum), or H_w = wbar·H (routed experts); the head is scored by the product.
-            src = hs.source(key, e) if hs is not None else None
-            own = wbar if Hw is None else 1.0 if src is not None and src is hs_err.source(key, e) else None
+            if Hw is None:
+                own = wbar
+            else:
+                src = hs.source(key, e) if hs is not None else None
+                own = 1.0 if src is not None and src is hs_err.source(key, e) else None
             Hw = Hw if Hw is not None else H * wbar
             errs = [(LINEAR_SETTINGS[0], ms)]  # E of the settings without a loss (dropped first): one product
             for s, r in self._solves(ms, H, LINEAR_SETTINGS[1:], group):
