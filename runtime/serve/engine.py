@@ -53,6 +53,7 @@ lets the ones already accepted finish, then unloads it from every tier.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 import threading
@@ -72,6 +73,13 @@ from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, SeqBl
 from deltazip.runtime.serve.model_runner import SeqKV, forward_step, new_kv_pool, new_seq_kv
 from deltazip.runtime.serve.sampling import sample_tokens
 from deltazip.runtime.serve.scheduler import BASE_KEY, SchedRequest, Scheduler
+
+# The id its owner gave the request being submitted in this context (the --workers front's, a Ray
+# replica's), set around the handler that calls ``submit``: a context variable, so the HTTP routes in
+# between need not carry it. The engine reports that request's progress under it to
+# ``observer.request_state(tag, state)``: ``prefilling`` before the first forward that reads its
+# prompt, ``generating`` when its first token is sampled, each before anything is sent for it.
+REQUEST_TAG: contextvars.ContextVar[str | None] = contextvars.ContextVar("deltazip_request_tag", default=None)
 
 log = logging.getLogger("deltazip.serve")
 
@@ -270,6 +278,7 @@ class Sequence:
     cancelled: bool = False
     finished: bool = False
     kv_on_host: bool = False
+    tag: str | None = None  # REQUEST_TAG at submission: its progress is reported under it
 
 
 class Engine:
@@ -282,13 +291,15 @@ class Engine:
         base_name: the base model's served name.
         config: engine options.
         observer: optional metrics sink with ``ttft(seconds)``, ``e2e(seconds)``, ``finished(reason)``
-            (called from the engine thread).
+            and optionally ``request_state(tag, state)`` (see ``REQUEST_TAG``), called from the engine
+            thread.
     """
 
     def __init__(self, backend, served: dict[str, ServedVariant], base_name: str, config: EngineConfig,
                  observer: Any = None):
         self.backend, self.served, self.base_name, self.config = backend, served, base_name, config
         self.observer = observer
+        self._report_state = getattr(observer, "request_state", None)
         self.device = backend.device
         self.max_len = _max_len(backend.config)
         self.swap = backend.mode == "swap"
@@ -398,7 +409,7 @@ class Engine:
             sv = self.served[model]
             seq = Sequence(rid, model, self.key_of(model), list(prompt_ids), params, sink,
                            IncrementalDetokenizer(sv.tokenizer, prompt_ids, params.stop), seed, time.perf_counter(),
-                           kv=new_seq_kv(self.kv_pool))
+                           kv=new_seq_kv(self.kv_pool), tag=REQUEST_TAG.get())
             self._inbox.append(seq)
             self.counters["requests"] += 1
             self._lock.notify_all()
@@ -550,6 +561,10 @@ class Engine:
         if slots is None:
             return
         prefill, decode = self._plan(out.running)
+        if self._report_state is not None:  # before the forward: a death during it finds it reported
+            for seq, _ in prefill:
+                if seq.tag is not None and seq.kv.length == 0:
+                    self._report_state(seq.tag, "prefilling")
 
         def slot_of(seq: Sequence) -> int:
             return slots[seq.key] if (seq.key != BASE_KEY or self.swap) else -1
@@ -728,6 +743,8 @@ class Engine:
             seq.first_token_at = now
             if self.observer is not None:
                 self.observer.ttft(now - seq.arrival)
+            if seq.tag is not None and self._report_state is not None:  # before the token is emitted
+                self._report_state(seq.tag, "generating")
         eos = tok in self.served[seq.model].eos_ids and not seq.params.ignore_eos
         if eos:
             self._finish(seq, "stop")
