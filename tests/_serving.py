@@ -13,6 +13,7 @@ correctness anchor of every serving test.
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,3 +117,36 @@ class single_thread:
 
     def __exit__(self, *exc):
         torch.set_num_threads(self.prev)
+
+
+async def send_completion(http, body: dict, header: str, first) -> dict:
+    """``POST /v1/completions`` through ``http`` (an ``httpx.AsyncClient``): ``{"status", "server": the
+    ``header`` of the answer, "json"}``, or for a stream ``"lines"``: every ``data:`` payload; the
+    future ``first`` gets the ``header`` of the first stream that received a chunk."""
+    if not body.get("stream"):
+        r = await http.post("/v1/completions", json=body)
+        return {"status": r.status_code, "server": r.headers.get(header), "json": r.json()}
+    lines = []
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+                if not first.done():
+                    first.set_result(r.headers[header])
+    return {"status": r.status_code, "server": r.headers.get(header), "lines": lines}
+
+
+def stream_outcome(out: dict, want: str, victim: str) -> bool:
+    """Checks a stream of :func:`send_completion` whose server ``victim`` was killed: it completes with
+    ``want``, or (only from ``victim``) ends with an error event and ``[DONE]`` after chunks with a
+    prefix of ``want`` (it had started answering). True for the latter."""
+    lines = out["lines"]
+    assert out["status"] == 200 and lines[-1] == "[DONE]", out
+    events = [json.loads(x) for x in lines[:-1]]
+    text = "".join(c["text"] for e in events if "choices" in e for c in e["choices"])
+    if "error" not in events[-1]:
+        assert text == want and not any("error" in e for e in events), (out, want)
+        return False
+    assert events[-1]["error"]["code"] == "worker_failed" and out["server"] == victim, out
+    assert len(events) >= 2 and want.startswith(text), (out, want)
+    return True

@@ -11,7 +11,12 @@ Processes (all on one machine, all started by the supervisor):
 - **worker i** — ``python -m deltazip.runtime.cluster.workers``: attaches to the owner, builds the usual
   runtime (:func:`deltazip.runtime.serve.assembly.build_runtime`: engine, tokenizers, variants) over the
   mapped weights, and serves the usual app (:func:`deltazip.runtime.serve.server.create_app`) on a
-  loopback port of its own, which it reports to the supervisor on a pipe.
+  loopback port of its own, which it reports to the supervisor on a pipe; the same pipe then carries
+  its engine's progress reports (:mod:`deltazip.runtime.cluster.progress`).
+- **standby** — the same command with ``--standby``: it does a worker's imports (torch, transformers,
+  the base's model class: most of a worker's start-up), then waits on stdin for the slot of a worker
+  that died, and is ready about a second later instead of several. A new standby is started once no
+  worker is starting.
 
 Every child reads a pipe from the supervisor on stdin; when the supervisor goes away (even
 SIGKILLed) the pipe closes and the child shuts down, so no orphan keeps running. Children run in
@@ -34,13 +39,15 @@ the least busy worker (in swap mode it is routed like a variant). A worker that 
 ``x-deltazip-worker`` names the worker; ``deltazip_front_routed_total{how="affinity"|"least_busy"}``
 counts the choices.
 
-Failures:
-
-- a request that cannot connect to its worker (dead, restarting) is sent to another one;
-- a request in flight on a worker that dies gets ``502`` ``{"error": {..., "code": "worker_failed"}}``,
-  or, if its SSE stream had started, a final ``data: {"error": ...}`` event (the status line has
-  been sent by then) — other requests are untouched;
-- no worker ready: ``503`` (``code: "no_worker"``).
+Failures (:mod:`deltazip.runtime.cluster.failover`): the front holds each answer back until it may go
+to the client (a non-streamed one whole, a stream from its first token). A request that cannot
+connect to its worker is sent to another one. When a worker dies, each of its requests that sent
+nothing to the client is resubmitted once to a live worker (a non-streamed one that had started
+generating only if greedy or seeded, else ``503`` with ``Retry-After``); a stream that had started
+ends with ``data: {"error": ...}`` and ``data: [DONE]``. No worker ready: ``503`` (``code:
+"no_worker"``). The supervisor restarts a dead worker after ``restart_backoff``, doubled for each
+death in a row within ``QUICK_DEATH_S`` of a start (capped at ``BACKOFF_CAP_S``), and logs its exit
+code or signal and the last line of its stderr (which it copies to its own).
 
 The cost is one local hop per request (well under a millisecond, next to tens of milliseconds per
 generated token). SSE passes through chunk by chunk; a client that disconnects closes the
@@ -50,11 +57,12 @@ Endpoints on the front: ``/v1/*`` is proxied (auth is checked by the workers, wh
 key); ``/v1/models`` answers from any worker (all serve the same models). ``POST/DELETE
 /v1/variants...`` (live variant management) is sent to every ready worker and replayed on a worker
 that restarts, so all workers keep the same set. ``/health`` is the front's own: ``200`` with
-per-worker state while at least one worker is ready, ``503`` otherwise. ``/metrics`` is **per
-worker**: every worker's series with a ``worker="i"`` label added (sum them in PromQL for totals;
-summing here would hide a slow or restarting worker), plus the front's own
-``deltazip_worker_up``, ``deltazip_worker_restarts_total``, ``deltazip_worker_outstanding`` and
-``deltazip_front_errors_total``.
+per-worker state and faults while at least one worker is ready (``status: degraded`` when not all
+are), ``503`` otherwise. ``/metrics`` is **per worker**: every worker's series with a
+``worker="i"`` label added (sum them in PromQL for totals; summing here would hide a slow or
+restarting worker), plus the front's own ``deltazip_worker_up``, ``deltazip_worker_restarts_total``,
+``deltazip_worker_deaths_total``, ``deltazip_worker_outstanding``, ``deltazip_front_requests{state}``,
+``deltazip_front_resubmitted_total`` and ``deltazip_front_errors_total``.
 """
 
 from __future__ import annotations

@@ -41,6 +41,8 @@ REQUEST_PATH = [
     "serve/variant_catalog.py",  # listing and routing by name; a variant's first request reads it
     "serve/startup_report.py",  # a variant read on first use or added logs its line
     "cluster/workers.py",  # the front (proxy, routing)
+    "cluster/failover.py",  # the front's proxying and its requests in flight
+    "cluster/progress.py",  # the engine's progress reports, the rules for a dead worker's requests
     "share/dedup_registry.py",  # every load goes through the registry
     "share/dedup_serving.py",
     "cluster/ray_app.py",  # the Ray Serve ingress and replicas

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import mmap
 import os
 import signal
@@ -23,7 +24,7 @@ import httpx
 import pytest
 import torch
 from _factories import calib_file, perturb, tiny_model
-from _serving import PROMPTS, served_set, single_thread
+from _serving import PROMPTS, send_completion, served_set, single_thread, stream_outcome
 
 from deltazip.runtime.cluster.workers import WorkerPool
 from deltazip.runtime.serve.assembly import ServeConfig
@@ -290,38 +291,6 @@ def test_killed_worker_costs_only_what_it_had_sent_and_comes_back(pool, served):
     assert all(w["last_death"]["signal"] == "SIGKILL" for w in h["workers"]), h["workers"]
 
 
-async def _request(http: httpx.AsyncClient, model: str, prompt: str, n: int, stream: bool, first: asyncio.Future):
-    """One completion through the front: ``{"status", "worker", "text" | "lines"}``; for a stream, every
-    ``data:`` payload, and ``first`` gets the worker of the first stream that received a chunk."""
-    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": stream}
-    if not stream:
-        r = await http.post("/v1/completions", json=body)
-        return {"status": r.status_code, "worker": r.headers.get("x-deltazip-worker"), "json": r.json()}
-    lines = []
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                lines.append(line[6:])
-                if not first.done():
-                    first.set_result(int(r.headers["x-deltazip-worker"]))
-    return {"status": r.status_code, "worker": r.headers.get("x-deltazip-worker"), "lines": lines}
-
-
-def _check_stream(out: dict, want: str, victim: int) -> bool:
-    """A stream completes with the merged model's text, or (only from the killed worker) ends with an
-    error event and [DONE] after a prefix of it; True for the latter."""
-    lines = out["lines"]
-    assert out["status"] == 200 and lines[-1] == "[DONE]", out
-    events = [json.loads(x) for x in lines[:-1]]
-    text = "".join(c["text"] for e in events if "choices" in e for c in e["choices"])
-    if "error" not in events[-1]:
-        assert text == want and not any("error" in e for e in events), out
-        return False
-    assert events[-1]["error"]["code"] == "worker_failed" and out["worker"] == str(victim), out
-    assert len(events) >= 2 and want.startswith(text), (out, want)  # it had sent chunks: it had started
-    return True
-
-
 def test_a_worker_killed_under_load_loses_no_request_that_had_not_started_answering(served):
     """60 concurrent greedy requests (half streamed) over the base and a variant on 2 workers taking 4
     sequences each, so most requests are queued; one worker is SIGKILLed as soon as a stream from it
@@ -339,8 +308,10 @@ def test_a_worker_killed_under_load_loses_no_request_that_had_not_started_answer
     async def load(pool):
         async with httpx.AsyncClient(base_url=pool.url, headers=AUTH, timeout=120) as http:
             first = asyncio.get_running_loop().create_future()
-            tasks = [asyncio.create_task(_request(http, m, p, n, st, first)) for m, p, st in jobs]
-            victim = await asyncio.wait_for(first, 120)
+            tasks = [asyncio.create_task(send_completion(http, {"model": m, "prompt": p, "max_tokens": n, "temperature": 0,
+                                                                "stream": st}, "x-deltazip-worker", first))
+                     for m, p, st in jobs]
+            victim = int(await asyncio.wait_for(first, 120))
             pid = pool.workers[victim].pid
             os.kill(pid, signal.SIGKILL)
             killed_at, health = time.monotonic(), []
@@ -367,7 +338,7 @@ def test_a_worker_killed_under_load_loses_no_request_that_had_not_started_answer
     errored = 0
     for (m, p, stream), out, w in zip(jobs, outs, want):
         if stream:
-            errored += _check_stream(out, w, victim)
+            errored += stream_outcome(out, w, str(victim))
         else:
             assert out["status"] == 200 and out["json"]["choices"][0]["text"] == w, (m, p, out)
     # Requests queued on the dead worker were resubmitted; only streams that had sent chunks failed.
@@ -527,3 +498,37 @@ def test_affinity_routing_keeps_a_variant_on_its_home_until_it_is_full(monkeypat
     pool._mark_dead(first, -9)
     assert pool.homes["alpha"] == [other.index] and pool.pick(set(), "alpha") is other
     assert pool.routed == {"affinity": 2, "least_busy": 5}
+
+
+def test_a_worker_dying_soon_after_each_start_backs_off_and_says_why(tmp_path, caplog):
+    """The supervisor's bookkeeping of a death, on real processes that die as a crashing worker would:
+    one dying within a minute of each start is restarted after 0.5, 1, 2, ... s, up to 30 s (no tight
+    loop); one that lived longer after 0.5 s again. Each death is logged with its exit code or signal
+    and the last line of its stderr, and /health's ``last_death`` shows them."""
+    from deltazip.runtime.cluster.workers import QUICK_DEATH_S, _pump_stderr
+
+    pool = WorkerPool(ServeConfig(artifacts=tmp_path), workers=1, restart_backoff=0.5)
+    w = pool.workers[0]
+    crash = ("import sys; sys.stderr.write('loading\\nCUDA error: an illegal memory access was encountered\\n'); "
+             "sys.exit(3)")
+    killed = "import os, signal, sys; sys.stderr.write('step 7\\n'); sys.stderr.flush(); os.kill(os.getpid(), signal.SIGKILL)"
+    caplog.set_level(logging.WARNING, "deltazip.workers")
+    delays, deaths = [], []
+    for lived, code in [(5, crash)] * 8 + [(QUICK_DEATH_S + 60, killed), (5, crash)]:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+        w.proc, w.pid, w.state, w.started_at = proc, proc.pid, "ready", time.perf_counter() - lived
+        w._stderr_pump = threading.Thread(target=_pump_stderr, args=(w._tail, proc.stderr), daemon=True)
+        w._stderr_pump.start()
+        pool._mark_dead(w, proc.wait())
+        delays.append(round(w.restart_at - time.perf_counter(), 1))
+        deaths.append(pool.health()["workers"][0]["last_death"])
+        w.restarts += 1
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 0.5, 0.5]
+    crash_death = {"code": 3, "signal": None, "stderr": "CUDA error: an illegal memory access was encountered"}
+    assert {k: deaths[0][k] for k in crash_death} == crash_death
+    assert {k: deaths[8][k] for k in crash_death} == {"code": -9, "signal": "SIGKILL", "stderr": "step 7"}
+    logged = [r.getMessage() for r in caplog.records if "died" in r.getMessage()]
+    assert len(logged) == 10 and pool.health()["worker_deaths"] == 10
+    assert "exit code 3; last stderr line: 'CUDA error: an illegal memory access was encountered'; restarting in " \
+           "30.0 s (8 deaths in a row within 60 s of a start)" in logged[7]
+    assert "killed by SIGKILL; last stderr line: 'step 7'; restarting in 0.5 s" in logged[8]

@@ -183,6 +183,46 @@ def test_cancel_frees_the_sequence_and_sampling_options(served):
         assert col.streamed("stop") == col.final("stop").text
 
 
+def test_a_tagged_request_reports_its_progress_before_what_it_announces(served):
+    """A request submitted under ``REQUEST_TAG`` is reported to the observer as ``prefilling`` once
+    (its prompt read in several chunks) and ``generating`` once, both before its first token reaches
+    its sink; an untagged request is not reported."""
+    from deltazip.runtime.serve.assembly import build_engine
+    from deltazip.runtime.serve.engine import REQUEST_TAG
+
+    order: list[tuple] = []
+
+    class Observer:
+        def ttft(self, seconds): pass
+        def e2e(self, seconds): pass
+        def finished(self, reason): pass
+        def request_state(self, tag, state): order.append((tag, state))
+
+    with single_thread():
+        eng = build_engine(serve_config(served, max_deltas=2, max_batch_tokens=4), observer=Observer())
+        ids = served.tokenizer()(PROMPTS[3])["input_ids"]
+        assert len(ids) > 8  # read in more than two chunks of 4
+        eng.start()
+        try:
+            col = Collector()
+            for key, tag in (("tagged", "t-1"), ("plain", None)):
+                sink = col.sink(key)
+                token = REQUEST_TAG.set(tag)
+                try:
+                    eng.submit("alpha", ids, SamplingParams(max_tokens=6, temperature=0.0),
+                               lambda ev, key=key, sink=sink: (order.append((key, type(ev).__name__)), sink(ev)))
+                finally:
+                    REQUEST_TAG.reset(token)
+            col.wait()
+        finally:
+            eng.shutdown()
+    tagged = [e for e in order if e[0] in ("t-1", "tagged")]
+    assert tagged[:3] == [("t-1", "prefilling"), ("t-1", "generating"), ("tagged", "TokenEvent")], tagged
+    assert [e for e in order if e[0] == "t-1"] == [("t-1", "prefilling"), ("t-1", "generating")]
+    assert all(e[0] != "plain" or e[1] in ("TokenEvent", "FinishEvent") for e in order)
+    assert col.final("tagged").text == col.final("plain").text == served.expected("alpha", PROMPTS[3], 6)
+
+
 def test_requests_are_validated_before_queueing(served):
     with single_thread():
         # Without chunked prefill a prompt must fit in one step's token budget.
