@@ -399,7 +399,7 @@ def test_sharing_workers_use_far_less_memory_than_independent_servers(big):
     cfg = ServeConfig(artifacts=arts, max_deltas=1, max_cpu_deltas=1, cpu_threads=1)
     measured, texts = {}, {}
     for share in (True, False):
-        with WorkerPool(cfg, workers=2, share=share, front=False, env=ENV) as p:
+        with WorkerPool(cfg, workers=2, share=share, front=False, env=ENV, standby=False) as p:  # as bench/share.py
             texts[share] = [complete(w.url, m, "alpha beta", 6).json()["choices"][0]["text"]
                             for w in p.workers for m in ("base", "v1")]
             pids = p.pids()
