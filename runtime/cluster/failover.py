@@ -33,6 +33,7 @@ from deltazip.runtime.cluster.progress import (
     TAG_HEADER,
     SseEvents,
     after_death,
+    closing_stream,
     stream_error,
     traits,
 )
@@ -222,16 +223,22 @@ class FailoverProxy:
                                    "retry it", "worker_failed", 1)
 
     def _respond(self, f: Flight, o: _Opened):
-        from starlette.responses import Response, StreamingResponse
+        from starlette.responses import Response
 
         self.pool.flights.advance(f.id, "answering")
         headers = {k: v for k, v in o.resp.headers.items() if k.lower() not in HOP_HEADERS}
         headers["x-deltazip-worker"] = str(o.worker.index)
         if o.rest is None:
             return Response(b"".join(o.chunks), status_code=o.resp.status_code, headers=headers)
-        return StreamingResponse(self._relay(f, o), status_code=o.resp.status_code, headers=headers)
 
-    async def _relay(self, f: Flight, o: _Opened):
+        async def close():
+            self.pool.release(o.worker)
+            self.pool.flights.end(f)
+            await o.resp.aclose()
+
+        return closing_stream(self._relay(o), close, status_code=o.resp.status_code, headers=headers)
+
+    async def _relay(self, o: _Opened):
         """The held-back chunks, then the rest of the stream; a worker dying now ends the stream with
         an error event and ``[DONE]``."""
         import httpx
@@ -251,7 +258,3 @@ class FailoverProxy:
             self.pool.count_error("worker_failed")
             yield stream_error(f"server worker {o.worker.index} failed mid-stream ({type(e).__name__}); "
                                "the answer is incomplete")
-        finally:
-            self.pool.release(o.worker)
-            self.pool.flights.end(f)
-            await o.resp.aclose()

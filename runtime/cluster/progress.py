@@ -76,6 +76,21 @@ def stream_error(message: str) -> bytes:
     return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
 
 
+def closing_stream(body, on_close: Callable[[], Any], **kw):
+    """A Starlette ``StreamingResponse`` of ``body`` that awaits ``on_close()`` once it is done, also
+    when the client went away before the body started (then the body's own ``finally`` never runs)."""
+    from starlette.responses import StreamingResponse
+
+    class Closing(StreamingResponse):
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await on_close()
+
+    return Closing(body, **kw)
+
+
 class SseEvents:
     """Cuts relayed SSE bytes at event boundaries, so an error event never lands inside a half-sent one."""
 

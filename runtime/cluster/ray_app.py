@@ -45,6 +45,7 @@ from deltazip.runtime.cluster.progress import (
     EngineReports,
     Listeners,
     after_death,
+    closing_stream,
     stream_error,
     tag_requests,
     traits,
@@ -341,7 +342,7 @@ class Ingress:
 
     async def __call__(self, request):
         from ray.exceptions import RayActorError
-        from starlette.responses import Response, StreamingResponse
+        from starlette.responses import Response
 
         if self.version is None:  # first request (or a restarted ingress): where the log stands
             self.version = await self.log.version.remote()
@@ -372,7 +373,11 @@ class Ingress:
                                              "retry later"), status_code=503, media_type="application/json")
         if gen is None:
             return self._response(start, Response(answer, status_code=start[1]))
-        return self._response(start, StreamingResponse(self._relay(gen, chunks), status_code=start[1]))
+
+        async def close():  # the client went away (or we are done): the replica's app sees a disconnect
+            gen.cancel()
+
+        return self._response(start, closing_stream(self._relay(gen, chunks), close, status_code=start[1]))
 
     @staticmethod
     def _response(start: tuple, resp):
@@ -427,8 +432,6 @@ class Ingress:
             log.warning("an engine replica died while streaming an answer: %s", type(e).__name__)
             self.faults["stream_errors"] += 1
             yield stream_error("the engine replica serving this request died mid-stream; the answer is incomplete")
-        finally:
-            gen.cancel()  # the client went away (or we are done): the replica's app sees a disconnect
 
 
 def _is_sse(start: tuple | None) -> bool:

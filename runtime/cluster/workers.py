@@ -86,7 +86,7 @@ from typing import Any
 from deltazip.formats.errors import DeltazipError, InputError
 from deltazip.runtime.cluster.failover import HOP_HEADERS as _HOP_HEADERS
 from deltazip.runtime.cluster.failover import FailoverProxy, Flights
-from deltazip.runtime.cluster.progress import TAG_HEADER, read_report
+from deltazip.runtime.cluster.progress import RANK, TAG_HEADER, read_report
 
 log = logging.getLogger("deltazip.workers")
 QUICK_DEATH_S = 60.0  # a worker dying within this long of its start is in a crash loop: back off
@@ -204,7 +204,7 @@ class WorkerPool:
         self.capacity = cfg.max_num_seqs  # open requests a home takes before others are considered
         self.routed = {"affinity": 0, "least_busy": 0}
         self.flights = Flights()  # requests in flight through the front, and what deaths did to them
-        self.standby = standby
+        self.use_standby = standby
         self._standby: WorkerState | None = None  # the spare process (index -1), when up
         self._standby_failures = 0
 
@@ -380,7 +380,7 @@ class WorkerPool:
             self._close_pipes(spare)
             log.warning("the standby worker (pid %s) died with code %s; last stderr line: %r", spare.pid,
                         spare.proc.returncode, spare.last_stderr)
-        if (self.standby and self._standby is None and self._standby_failures < 3
+        if (self.use_standby and self._standby is None and self._standby_failures < 3 and not self.closing.is_set()
                 and not any(w.state == "starting" for w in self.workers)):
             self._standby = self._launch(None)
 
@@ -535,8 +535,6 @@ class WorkerPool:
 
     def reported(self, flight, state: str) -> bool:
         """Whether ``flight``'s worker has reported it at ``state`` or later."""
-        from deltazip.runtime.cluster.progress import RANK
-
         self.read_reports(flight.pid)
         return RANK[flight.state] >= RANK[state]
 
