@@ -1,7 +1,7 @@
 """Compile CUDA C++ at first use with NVRTC and launch it on torch's current stream.
 
-Why by hand (docs/kernels.md): the delta matmul needs a kernel whose speed does not depend on Triton's
-layout inference, built for the GPU it runs on without asking users for nvcc. NVRTC (the
+Why by hand (docs/kernels.md): the delta matmul needs a kernel whose speed does not depend on a
+compiler's layout inference, built for the GPU it runs on without asking users for nvcc. NVRTC (the
 ``nvidia-cuda-nvrtc`` wheel, which CUDA builds of torch already install) compiles the source; the CUDA
 driver loads the cubin. ``cuda-python`` would pin one more CUDA-major-specific package beside torch,
 and ``torch.cuda._compile_kernel`` is private and changes between releases; the two C entry points per

@@ -1,7 +1,7 @@
 """SBMM on the CUDA kernel of ``kernels/cuda/sbmm.cu``, for stacks in the ``mma`` layout.
 
 Same semantics as ``deltazip.kernels.reference.sbmm``; what runs it is decided by
-``deltazip.kernels.dispatch`` (by measurement, ``deltazip.kernels.autotune``). The kernel is compiled
+``deltazip.kernels.dispatch`` (by measurement, ``deltazip.kernels.dispatch_table``). The kernel is compiled
 at first use for the GPU at hand by NVRTC (``deltazip.kernels.cuda_rtc``); one launch per call, no
 host synchronisation, nothing allocated per call when ``out`` is given (split-K partials go through a
 per-device workspace whose counters every launch leaves at zero), so a CUDA graph can replay it.
@@ -25,10 +25,9 @@ from importlib import resources
 
 import torch
 
-from deltazip.kernels.availability import cuda_kernel_available
-from deltazip.kernels.fast_layout import padded_rows
+from deltazip.kernels.mma_layout import padded_rows
+from deltazip.kernels.row_plan import RowPlan
 from deltazip.kernels.stacked import StackedDeltas
-from deltazip.kernels.triton_sbmm import RowPlan
 
 DTYPES = (torch.float16, torch.bfloat16)
 BITS = (2, 4, 8)
@@ -177,9 +176,18 @@ def effective_split(k_tiles: int, cfg: CudaConfig) -> tuple[int, int]:
     return per_split, -(-k_tiles // per_split)
 
 
+@functools.cache
 def available(device_index: int = 0) -> bool:
     """A CUDA device of compute capability 8.0+ (mma.sync bf16, cp.async) and NVRTC that loads."""
-    return cuda_kernel_available(device_index)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device_index) < (8, 0):
+        return False
+    try:
+        from deltazip.kernels.cuda_rtc import nvrtc
+
+        nvrtc()
+    except Exception:  # noqa: BLE001 - no NVRTC: the dispatcher takes the reference path
+        return False
+    return True
 
 
 def fits(stack: StackedDeltas, cfg: CudaConfig, device_index: int) -> bool:
@@ -252,7 +260,7 @@ def sbmm_cuda(x: torch.Tensor, stack: StackedDeltas, plan: RowPlan, *, out: torc
     Args:
         x: ``[N, in]`` fp16 or bf16 on the stack's device (unit column stride).
         stack: ``D`` deltas in the ``mma`` layout.
-        plan: ``deltazip.kernels.host_plan.plan_rows`` of the rows' slots (its ``packed`` tensor).
+        plan: ``deltazip.kernels.row_plan.plan_rows`` of the rows' slots (its ``packed`` tensor).
         out: ``[N, out]`` in ``x.dtype``, unit column stride: the product is added onto it (rows without
             a slot untouched); when None a zero-filled one is returned.
         present: bool/uint8 ``[D + 1]`` indexed by ``slot + 1``: tiles of slots this stack does not hold
@@ -262,7 +270,7 @@ def sbmm_cuda(x: torch.Tensor, stack: StackedDeltas, plan: RowPlan, *, out: torc
         ``[N, out]`` in ``x.dtype`` (``out`` itself when given).
     """
     if plan.packed is None:
-        raise ValueError("sbmm_cuda needs a host-built plan (deltazip.kernels.host_plan.plan_rows)")
+        raise ValueError("sbmm_cuda needs a host-built plan (deltazip.kernels.row_plan.plan_rows)")
     if not supported(stack, x.dtype):
         raise ValueError(f"no CUDA SBMM variant for {x.dtype} and this stack (layout {stack.layout}, "
                          f"bits {stack.bits}, group {stack.effective_group})")

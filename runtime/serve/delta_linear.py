@@ -3,7 +3,7 @@
 Paper §5.1: ``Y = X W_ftᵀ = X W_baseᵀ + X Δᵀ``. Every row of a batch belongs to one variant (a device
 *slot* ``0..N-1``) or to the base model (slot ``-1``). A :class:`DeltaLinear` computes the base GEMM for
 all rows together and adds each row's compressed delta with SBMM (``deltazip.kernels.dispatch.sbmm``:
-Triton on CUDA, the pure-torch reference elsewhere). Tensors a variant changes outside the
+the CUDA kernel where it covers the stack, the pure-torch reference elsewhere). Tensors a variant changes outside the
 compressed linears (embeddings, lm_head, norms, biases) are handled per row by replacement: the row
 reads its variant's own copy of the tensor, so the result is the fine-tuned model's, not an
 approximation of it. A variant whose tensor is "same as base" maps its slot to the base copy: it
@@ -33,6 +33,7 @@ from torch import nn
 from deltazip.kernels import dispatch
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
+from deltazip.kernels.row_plan import group_rows, plan_rows
 from deltazip.kernels.scheme import DeltaScheme
 from deltazip.kernels.stacked import StackedDeltas
 
@@ -118,20 +119,16 @@ class DeltaContext:
         return self._segments[key]
 
     def plan(self, idx: torch.Tensor):
-        """The row plan for ``idx`` (built once per token count, shared by every linear): on CUDA from
-        the host copy of the slots (numpy, one host-to-device copy, no GPU sort), else on the device."""
+        """The row plan for ``idx`` (built once per token count, shared by every linear): from the host
+        copy of the slots (numpy, one host-to-device copy, no GPU sort), else on the device."""
         key = idx.shape[0]
         plan = self._plans.get(key)
         if plan is None:
             host = self._row_slot_host
-            if idx.device.type == "cuda" and host is not None and key % max(1, host.shape[0]) == 0:
-                from deltazip.kernels.host_plan import plan_rows
-
+            if host is not None and key % max(1, host.shape[0]) == 0:
                 plan = plan_rows(np.repeat(host.numpy(), key // max(1, host.shape[0])), self.num_slots, idx.device)
             else:
-                from deltazip.kernels.triton_sbmm import default_block_m
-
-                plan = dispatch.group_rows(idx, self.num_slots, default_block_m(key))
+                plan = group_rows(idx, self.num_slots)
             self._plans[key] = plan
         return plan
 
@@ -370,13 +367,8 @@ class PackedStore:
                 y = dispatch.sbmm(x, idx, g.stack, plan=ctx.plan(idx), out=y,
                                   present=None if g.slots >= active else g.present, held=g.slots)
                 continue
-            if g.slots >= active:  # every row with a slot has a delta here: the shared plan applies
-                local = idx
-                plan = ctx.plan(idx) if dispatch.use_triton(x, idx, g.stack.qweight) else None
-            else:
-                local = torch.where(g.present[idx + 1], idx, torch.full_like(idx, -1))
-                plan = None
-            y = dispatch.sbmm(x, local, g.stack, plan=plan, out=y)  # added in the kernel's epilogue
+            local = idx if g.slots >= active else torch.where(g.present[idx + 1], idx, torch.full_like(idx, -1))
+            y = dispatch.sbmm(x, local, g.stack, out=y)
         dq = self.dq_slots & active
         if dq:
             y.add_(_dense_rows(x, idx, self.dq, dq, ctx))

@@ -3,13 +3,15 @@
 At build (and when a variant is added) :func:`warm_up_kernels` allocates the stacks that the served
 variants' packed tensors will be written into (what their first load would allocate anyway: one per
 linear or merged projection group and delta configuration, read from the manifests), then hands them
-to ``deltazip.kernels.warmup.warmup_stacks``: every kernel variant a forward can launch is compiled,
-and the launch options are tuned per batch bucket (``deltazip.kernels.autotune``, results cached on
-disk per GPU model). Only on CUDA with ``delta_compute == "packed"``; elsewhere (CPU serving keeps the
+to the dispatch tuner (``deltazip.kernels.dispatch_table.tune_stack``): every kernel build a forward
+can launch is compiled, and the launch choices are timed per batch bucket (results cached on disk per
+GPU model). Only on CUDA with ``delta_compute == "packed"``; elsewhere (CPU serving keeps the
 deltas dequantized, nothing is compiled) it returns 0 without touching anything.
 """
 
 from __future__ import annotations
+
+import torch
 
 from deltazip.kernels.stacked import StackedDeltas
 
@@ -37,17 +39,31 @@ def served_stacks(model) -> list[StackedDeltas]:
     return list(stacks.values())
 
 
-def warm_up_kernels(model, *, force: bool = False, tune: bool | None = None) -> int:
-    """Compile (and tune) every SBMM launch ``model`` can make; returns the number of warm-up launches.
+_warmed: set[tuple] = set()  # stack configurations tuned in this process
 
-    A no-op returning 0 unless the model runs packed deltas on CUDA (``force``: also on a CPU through
-    the Triton interpreter, for the tests; tuning then needs ``tune=True`` and a GPU timer, so it is
-    off by default there).
-    """
-    if model.delta_compute != "packed" or (model.device.type != "cuda" and not force):
+
+def warm_up_kernels(model, *, tune: bool | None = None) -> int:
+    """Compile and tune every SBMM launch ``model`` can make on the CUDA kernel; returns the keys timed
+    (or, untuned, the default launches made). A no-op returning 0 unless the model runs packed deltas
+    on CUDA."""
+    if model.delta_compute != "packed" or model.device.type != "cuda":
         return 0
-    from deltazip.kernels.warmup import warmup_stacks
+    from deltazip.kernels import cuda_sbmm, dispatch, dispatch_table
+    from deltazip.kernels.row_plan import plan_rows
 
-    return warmup_stacks(served_stacks(model), dtypes=(model.dtype,), force=force,
-                         tune=(model.device.type == "cuda") if tune is None else tune)
-
+    tune = dispatch_table.enabled() if tune is None else tune
+    count = 0
+    for stack in served_stacks(model):
+        sig = dispatch_table.key(stack, model.dtype, 1, 1)
+        x1 = torch.zeros(1, stack.in_features, dtype=model.dtype, device=stack.device)
+        if sig in _warmed or not dispatch.cuda_path(x1, stack):
+            continue
+        _warmed.add(sig)
+        if tune:
+            count += dispatch_table.tune_stack(stack, model.dtype)
+            continue
+        for rows in (1, 16):
+            x = torch.zeros(rows, stack.in_features, dtype=model.dtype, device=stack.device)
+            cuda_sbmm.sbmm_cuda(x, stack, plan_rows([0] * rows, stack.num_deltas, stack.device))
+            count += 1
+    return count

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltazip.kernels.fast_layout import ROW_BLOCK
+from deltazip.kernels.mma_layout import ROW_BLOCK
 from deltazip.runtime.serve.delta_linear import DeltaContext, DeltaLinear, PackedStore
 
 # Sibling projections of one parent module that read the same input (Llama, Mistral, Qwen2, ...).

@@ -32,7 +32,7 @@ def tune_ahead(cfg: ServeConfig) -> dict:
         InputError: no such directory or no variants in it, no CUDA device, or tuning switched off
             (``DELTAZIP_AUTOTUNE=0``).
     """
-    from deltazip.kernels import autotune, dispatch_table
+    from deltazip.kernels import dispatch_table
     from deltazip.runtime.serve.variant_sources import find_variants
 
     find_variants(cfg.artifacts, allow_empty=cfg.base is not None)  # a wrong directory is named before the device
@@ -40,7 +40,7 @@ def tune_ahead(cfg: ServeConfig) -> dict:
     if device.type != "cuda":
         raise InputError(f"deltazip tune times the CUDA delta-matmul kernels and needs a GPU (the device is {device}); "
                          "on a CPU, deltazip serve keeps the deltas dequantized and has nothing to tune")
-    if not autotune.enabled():
+    if not dispatch_table.enabled():
         raise InputError("kernel tuning is switched off (DELTAZIP_AUTOTUNE=0); unset it to tune")
     cfg.mode, cfg.delta_compute = "delta", "packed"
     t0 = time.perf_counter()

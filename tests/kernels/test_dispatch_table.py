@@ -117,7 +117,7 @@ def test_tune_keeps_the_fastest_skips_failures_and_caches(table_dir):
     cands = [Choice("cuda", cuda_sbmm.CudaConfig(2, 4, sp, 1)) for sp in (1, 2, 4)]
     times = {1: 0.030, 2: 0.010, 4: None}
 
-    class OutOfResources(Exception):  # what Triton or a launch raises for a config that does not fit
+    class OutOfResources(Exception):  # what a launch raises for a config that does not fit
         pass
 
     def timer(fn):
@@ -163,7 +163,7 @@ def test_untuned_default_reads_weights_few_times_on_the_kernel_else_dequantizes_
 def test_a_configuration_whose_every_launch_is_wrong_leaves_the_cuda_path(table_dir):
     """The tuner's check (``agrees`` on a GPU; injected here) rejects launch configs that compute something
     else. One wrong config is skipped and the others compete; when every one is wrong, the stack
-    configuration is distrusted (``dispatch.cuda_path`` then answers no: the Triton or reference path
+    configuration is distrusted (``dispatch.cuda_path`` then answers no: the reference path
     serves it), with one warning, and nothing is cached for the key, so the next process checks again."""
     s = _stack()
     cfgs = [Choice("cuda", cuda_sbmm.CudaConfig(2, 4, sp, 1)) for sp in (1, 2)]

@@ -123,9 +123,7 @@ def _free_port() -> int:
 def test_no_warmup_or_tuning_runs_for_a_request_to_a_resident_variant(served, monkeypatch):
     """The build runs the kernel warm-up once; requests after ready, to a variant already in a slot,
     run none of the warm-up or tuning functions (counted by wrapping the real functions)."""
-    import deltazip.kernels.autotune as autotune
     import deltazip.kernels.dispatch_table as dispatch_table
-    import deltazip.kernels.warmup as kwarmup
     import deltazip.runtime.serve.kernel_warmup as kernel_warmup
     import deltazip.runtime.serve.model as model_mod
 
@@ -143,8 +141,7 @@ def test_no_warmup_or_tuning_runs_for_a_request_to_a_resident_variant(served, mo
         monkeypatch.setattr(module, name, wrapper)
 
     for module, name in ((model_mod, "warm_up_kernels"), (kernel_warmup, "warm_up_kernels"),
-                         (kwarmup, "warmup_stacks"), (kwarmup, "warmup_stack"), (dispatch_table, "tune"),
-                         (dispatch_table, "tune_stack"), (autotune, "tune")):
+                         (dispatch_table, "tune"), (dispatch_table, "tune_stack")):
         counted(module, name)
     with single_thread():
         metrics = Metrics()
