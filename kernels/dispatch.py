@@ -1,89 +1,157 @@
-"""Entry points for SBMM and grouped LoRA: the CUDA kernel where it covers the call, else the reference.
+"""Which path serves a stack's SBMM, decided once per stack: the CUDA kernel where it covers the stack,
+else the torch reference (correct, slower).
 
-Every path computes the same thing (``deltazip.kernels.reference.sbmm`` / ``lora_shrink_expand``
-define it). The CUDA kernel (``deltazip.kernels.cuda_sbmm``) serves a call when the stack is in the
-``mma`` layout, ``x`` is fp16 or bf16 on the stack's GPU (compute capability 8.0+, NVRTC present), the
-kernel has a variant for the stack's group size, and no launch config of it failed the tuner's check
-(``dispatch_table.distrusted``). Everything else runs the torch reference: correct, slower.
+:func:`prepare` is called when a stack is allocated for its slots (``PackedStore`` in the runtime, the
+MoE stacks, :func:`sbmm` for a caller's own stack); it resolves the path once and returns a launch
+object that a step calls with nothing else to decide: no environment reads, capability checks or
+table lookups per call. The CUDA launch (``cuda_sbmm.Launch``) resolves each (rows, deltas) bucket's
+measured choice (``dispatch_table``) on its first call and keeps it until the table changes.
+
+:func:`coverage` says, without a device, whether the CUDA kernel serves a scheme (tests enumerate every
+scheme compress writes against it); :func:`reference_schemes` lists those it does not, the ones a GPU
+serves on the reference with a start-up line that names them.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
 from deltazip.kernels import cuda_sbmm, dispatch_table, reference
-from deltazip.kernels.mma_layout import supported as mma_supported
 from deltazip.kernels.packed import PackedDelta
-from deltazip.kernels.row_plan import BLOCK_M, RowPlan, group_rows
-from deltazip.kernels.stacked import StackedDeltas, config_key, repack
+from deltazip.kernels.row_plan import RowPlan, group_rows
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.kernels.stacked import StackedDeltas, choose_layout, config_key, repack
 
-__all__ = ["CALLS", "RowPlan", "group_rows", "lora", "sbmm", "sbmm_experts"]
+__all__ = ["CALLS", "RowPlan", "coverage", "group_rows", "layout_for", "lora", "prepare", "sbmm", "sbmm_experts"]
 
-# Calls per path ("cuda", "dequant_mm", "reference", "lora_reference"): one kernel launch each on the CUDA
-# path. A host-side count, read by bench/launches.py and the launch-count tests; ``CALLS.clear()`` resets it.
+# Calls per path ("cuda", "dequant_mm", "reference", "lora_reference"), counted by the launch objects'
+# callers below and by bench/launches.py; ``CALLS.clear()`` resets it.
 CALLS: Counter = Counter()
 
 
-def cuda_path(x: torch.Tensor, stack: StackedDeltas) -> bool:
-    """Whether a call with activations ``x`` on ``stack`` runs on the CUDA kernel (module docstring)."""
-    return (x.is_cuda and stack.layout == "mma" and x.dim() == 2 and x.shape[-1] == stack.in_features
-            and stack.device == x.device and cuda_sbmm.supported(stack, x.dtype)
-            and cuda_sbmm.available(x.device.index or 0) and not dispatch_table.distrusted(stack, x.dtype))
+def coverage(scheme: DeltaScheme, in_features: int, dtype: torch.dtype) -> str | None:
+    """None when the CUDA kernel serves deltas of ``scheme`` over ``in_features`` columns with ``dtype``
+    activations on an sm_80+ GPU; else why the torch reference serves them."""
+    return cuda_sbmm.covers(scheme, in_features, dtype)
 
 
-def _sbmm_cuda(x, delta_index, stack, plan, out, present, held) -> torch.Tensor:
-    """The CUDA paths, chosen by measurement (``deltazip.kernels.dispatch_table``)."""
-    if plan is None or plan.packed is None or plan.block_m != BLOCK_M:
-        plan = group_rows(delta_index, stack.num_deltas, BLOCK_M)
-    n, deltas = x.shape[0], plan.slots_used
-    choice = dispatch_table.lookup(stack, x.dtype, n, deltas) or dispatch_table.default_choice(stack, n, deltas)
-    if choice.path == "dequant_mm" and plan.slot_rows is not None and not torch.cuda.is_current_stream_capturing():
-        CALLS["dequant_mm"] += 1
-        return cuda_sbmm.dequant_mm(x, stack, plan, out=out, slots=held)
-    CALLS["cuda"] += 1
-    return cuda_sbmm.sbmm_cuda(x, stack, plan, out=out, present=present, config=choice.config)
+def layout_for(scheme: DeltaScheme, in_features: int, dtype: torch.dtype, device: torch.device | str) -> str:
+    """The stack layout of a configuration: the CUDA kernel's ``mma`` where it serves it on CUDA, else
+    ``transposed`` (the reference reads it with no unpacking); ``DELTAZIP_SBMM_LAYOUT`` as in
+    ``stacked.choose_layout``."""
+    if torch.device(device).type == "cuda" and coverage(scheme, in_features, dtype) is not None:
+        return "transposed"
+    return choose_layout("auto", bits=scheme.bits, group_size=scheme.group_size, in_features=in_features,
+                         device=device)
+
+
+class ReferenceLaunch:
+    """A stack's SBMM on the torch reference (``reason``: why not the CUDA kernel)."""
+
+    path = "reference"
+
+    def __init__(self, stack: StackedDeltas, reason: str):
+        self.stack, self.reason = stack, reason
+
+    def __call__(self, y, x, idx, plan_of=None, present=None, held=None) -> torch.Tensor:
+        """As ``cuda_sbmm.Launch.__call__``; rows of slots the stack does not hold (``present``) add nothing."""
+        CALLS["reference"] += 1
+        if present is not None:
+            idx = torch.where(present[idx + 1], idx, torch.full_like(idx, -1))
+        out = reference.sbmm(x, idx, self.stack)
+        return out if y is None else y.add_(out)
+
+
+class _Counted:
+    """``cuda_sbmm.Launch`` with its calls counted in :data:`CALLS` by the path it takes."""
+
+    def __init__(self, launch: cuda_sbmm.Launch):
+        self.launch, self.path, self.reason = launch, "cuda", None
+
+    def __call__(self, y, x, idx, plan_of=None, present=None, held=None) -> torch.Tensor:
+        CALLS["cuda"] += 1
+        return self.launch(y, x, idx, plan_of, present, held)
+
+    def forget(self) -> None:
+        self.launch.forget()
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the prepared CUDA launches, told when the table changes
+dispatch_table.LISTENERS.append(lambda: [launch.forget() for launch in list(_LIVE)])
+
+
+def _why_not_cuda(stack: StackedDeltas, dtype: torch.dtype) -> str | None:
+    if stack.device.type != "cuda":
+        return f"the device is {stack.device.type}"
+    why = coverage(stack.scheme, stack.in_features, dtype)
+    if why is None and stack.layout != "mma":
+        why = "its stack is in the transposed layout (row groups not on the kernel's 64-row tiles)"
+    if why is None and not cuda_sbmm.available(stack.device.index or 0):
+        why = "the GPU is older than sm_80 or NVRTC is missing"
+    return why
+
+
+def prepare(stack: StackedDeltas, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """The launch object serving ``stack`` with ``dtype`` activations, made once and kept on the stack.
+
+    Call it as ``launch(y, x, idx, plan_of=None, present=None, held=None)``: ``y[r] += x[r] @ W[idx[r]]^T``
+    (``y`` None: returns a new tensor); ``plan_of(idx)``: the step's shared row plan; ``present``: device
+    bool ``[D + 1]`` of the slots the stack holds (by ``slot + 1``), ``held`` the same as a host set.
+    Its ``path`` is ``"cuda"`` or ``"reference"``, ``reason`` why not the CUDA kernel (None on it)."""
+    launches = stack.__dict__.setdefault("_launches", {})
+    launch = launches.get(dtype)
+    if launch is not None:
+        return launch
+    why = _why_not_cuda(stack, dtype)
+    ref = ReferenceLaunch(stack, why or "the tuner found every launch config of this configuration wrong")
+    if why is not None:
+        launch = ref
+    else:
+        def choose(rows: int, deltas: int) -> tuple[str, cuda_sbmm.CudaConfig | None]:
+            if dispatch_table.distrusted(stack, dtype):
+                return "reference", None
+            c = dispatch_table.lookup(stack, dtype, rows, deltas) or dispatch_table.default_choice(stack, rows, deltas)
+            return c.path, c.config
+
+        launch = _Counted(cuda_sbmm.Launch(stack, dtype, choose, ref))
+        _LIVE.add(launch)
+    launches[dtype] = launch
+    return launch
 
 
 def sbmm(x: torch.Tensor, delta_index: torch.Tensor, deltas: StackedDeltas | list[PackedDelta], *,
-         plan: RowPlan | None = None, out: torch.Tensor | None = None, present: torch.Tensor | None = None,
-         held: set[int] | None = None) -> torch.Tensor:
+         plan: RowPlan | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``y[r] = x[r] @ W[delta_index[r]].T``; rows with index -1 get zeros.
 
     Args:
         x: ``[N, in]`` activations (fp16, bf16 or fp32).
         delta_index: integer ``[N]`` with values in ``[-1, D)``.
-        deltas: a ``StackedDeltas`` (what a server keeps on the GPU) or a list of ``D`` canonical
-            ``PackedDelta`` (stacked per call; deltas of different configurations run one call each).
-        plan: optional row plan of ``delta_index`` (``deltazip.kernels.row_plan``), shared by the linears
-            of a step.
+        deltas: a ``StackedDeltas`` or a list of ``D`` canonical ``PackedDelta`` (stacked per call).
+        plan: optional row plan of ``delta_index`` (``deltazip.kernels.row_plan``).
         out: ``[N, out]`` in ``x.dtype`` (a ``StackedDeltas`` only): the product is added onto it in place
             and ``out`` is returned.
-        present, held: CUDA path only: which slots the stack holds, as a device bool ``[D + 1]`` indexed
-            by ``slot + 1`` and a host set (rows of other slots get nothing added).
     Returns:
         ``[N, out]`` in ``x.dtype``.
     """
     if isinstance(deltas, StackedDeltas):
-        if cuda_path(x, deltas):
-            return _sbmm_cuda(x, delta_index, deltas, plan, out, present, held)
-        CALLS["reference"] += 1
-        y = reference.sbmm(x, delta_index, deltas)
-        return y if out is None else out.add_(y)
+        if x.dim() != 2 or x.shape[-1] != deltas.in_features or x.device != deltas.device:
+            return reference.sbmm(x, delta_index, deltas)  # raises with the mismatch named
+        return prepare(deltas, x.dtype)(out, x, delta_index, None if plan is None else (lambda _: plan))
     if out is not None:
         raise ValueError("sbmm(out=...) takes a StackedDeltas; a list of deltas returns a new tensor")
     deltas = list(deltas)
     if not deltas:
         raise ValueError("sbmm needs at least one delta")
-    groups: dict[tuple, list[int]] = {}
-    for i, d in enumerate(deltas):
-        groups.setdefault(config_key(d), []).append(i)
-    first = deltas[0]
-    if not x.is_cuda or len(groups) != 1 or not mma_supported(first.bits, first.group_size, first.in_features):
+    if not x.is_cuda or len({config_key(d) for d in deltas}) != 1:
         return reference.sbmm(x, delta_index, deltas)
     reference._check_index(delta_index, x.shape[0], len(deltas), "delta_index")
-    return sbmm(x, delta_index, repack(deltas, device=x.device), plan=plan)
+    d = deltas[0]
+    stack = repack(deltas, device=x.device, layout=layout_for(d.scheme, d.in_features, x.dtype, x.device))
+    return sbmm(x, delta_index, stack, plan=plan)
 
 
 def sbmm_experts(x: torch.Tensor, slot_index: torch.Tensor, expert_index: torch.Tensor,
@@ -91,8 +159,8 @@ def sbmm_experts(x: torch.Tensor, slot_index: torch.Tensor, expert_index: torch.
     """Mixture-of-experts SBMM: ``y[p] = x[p] @ Δ(slot[p], expert[p]).T`` for routed pairs ``p``.
 
     The groups are (slot, expert) pairs (``reference.expert_groups``: entry ``slot * E + expert`` of
-    ``deltas``), so every pair of the batch runs through the same kernel as a dense linear's rows; slot
-    -1 gives zeros.
+    ``deltas``), so every pair of the batch runs through the same kernel as a dense linear's rows (a
+    device row plan: the routing is only on the device); slot -1 gives zeros.
 
     Args:
         x: ``[P, in]``; slot_index, expert_index: integer ``[P]``; deltas: ``slots * E`` entries;
@@ -105,7 +173,8 @@ def sbmm_experts(x: torch.Tensor, slot_index: torch.Tensor, expert_index: torch.
 
 def lora(x: torch.Tensor, lora_index: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
          scale: torch.Tensor) -> torch.Tensor:
-    """Grouped LoRA ``y[r] = (x[r] @ A[i].T) @ B[i].T * scale[i]``, ``i = lora_index[r]``; -1 gives zeros.
+    """Grouped LoRA ``y[r] = (x[r] @ A[i].T) @ B[i].T * scale[i]``, ``i = lora_index[r]``; -1 gives zeros
+    (the torch reference: one GEMM pair per adapter in the batch).
 
     Args:
         x: ``[N, in]``; lora_index: integer ``[N]`` in ``[-1, L)``; A: ``[L, rank, in]``;
@@ -115,3 +184,8 @@ def lora(x: torch.Tensor, lora_index: torch.Tensor, A: torch.Tensor, B: torch.Te
     """
     CALLS["lora_reference"] += 1
     return reference.lora_shrink_expand(x, lora_index, A, B, scale)
+
+
+def reference_schemes(schemes, in_features: int, dtype: torch.dtype) -> dict[DeltaScheme, str]:
+    """``{scheme: why}`` for those of ``schemes`` the CUDA kernel does not serve (:func:`coverage`)."""
+    return {s: why for s in schemes if (why := coverage(s, in_features, dtype)) is not None}

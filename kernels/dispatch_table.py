@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from deltazip.kernels import cuda_sbmm
-from deltazip.kernels.row_plan import plan_rows
+from deltazip.kernels.row_plan import plan_rows, rows_bucket
 from deltazip.kernels.stacked import StackedDeltas
 
 log = logging.getLogger("deltazip.kernels")
@@ -38,11 +38,6 @@ log = logging.getLogger("deltazip.kernels")
 FORMAT_VERSION = 1
 PATHS = ("cuda", "dequant_mm")
 _DIR_ENV = "DELTAZIP_AUTOTUNE_DIR"
-
-
-def rows_bucket(rows: int) -> int:
-    """The batch bucket of ``rows`` token rows: the next power of two (1 for 0 or 1)."""
-    return 1 if rows <= 1 else 1 << (rows - 1).bit_length()
 
 
 def cache_dir() -> Path:
@@ -181,6 +176,17 @@ def table_for(device: torch.device) -> Table:
 
 def forget_loaded() -> None:
     _TABLES.clear()
+    changed()
+
+
+LISTENERS: list[Callable[[], None]] = []  # told when a choice is added or a configuration distrusted
+
+
+def changed() -> None:
+    """Tell the prepared launches (``deltazip.kernels.dispatch``) that choices changed: they resolve
+    their buckets again at their next call."""
+    for fn in LISTENERS:
+        fn()
 
 
 def lookup(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int) -> Choice | None:
@@ -435,6 +441,7 @@ def tune(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int, *, ta
         table.skipped[k] = skipped
     if checked and wrong == checked:
         _DISTRUSTED.add(_config_key(stack, dtype))
+        changed()
         warnings.warn(f"the CUDA delta matmul computed a wrong result under every launch config of {k} on this GPU; "
                       "that configuration is served by the reference path instead", stacklevel=2)
         return best or Choice("dequant_mm")
@@ -442,6 +449,7 @@ def tune(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int, *, ta
         best = default_choice(stack, rows, deltas)
         warnings.warn(f"no dispatch candidate ran for {k}; using the default ({skipped[:2]})", stacklevel=2)
     table.entries[k] = best
+    changed()
     if save:
         table.save()
     return best

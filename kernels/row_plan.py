@@ -60,6 +60,20 @@ class RowPlan:
         """Slots with rows (host plans), else the bound ``min(N, D)``."""
         return len(self.slot_rows) if self.slot_rows is not None else min(self.num_rows, self.num_slots)
 
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(rows, slots used)``, each rounded up to a power of two: the bucket of the dispatcher's choice
+        (computed once per plan; a step's linears share the plan)."""
+        k = self.__dict__.get("_key")
+        if k is None:
+            k = self.__dict__["_key"] = (rows_bucket(self.num_rows), rows_bucket(min(self.slots_used, self.num_rows)))
+        return k
+
+
+def rows_bucket(rows: int) -> int:
+    """The bucket of ``rows`` (token rows, or slots): the next power of two (1 for 0 or 1)."""
+    return 1 if rows <= 1 else 1 << (rows - 1).bit_length()
+
 
 def max_tiles(num_rows: int, num_slots: int, block_m: int) -> int:
     """Static bound on row tiles: ``sum_d ceil(c_d / BM) <= N // BM + min(D, N)``."""

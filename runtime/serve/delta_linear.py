@@ -228,10 +228,12 @@ def _slot_lookup(num_slots: int, device) -> torch.Tensor:
 
 @dataclass
 class _PackedGroup:
-    """The slots of one stack: deltas sharing a configuration (one SBMM call)."""
+    """The slots of one stack: deltas sharing a configuration (one SBMM call, ``launch``: the dispatcher's
+    prepared launch of the stack, ``deltazip.kernels.dispatch.prepare``)."""
 
     stack: StackedDeltas
     present: torch.Tensor  # bool [N + 1], indexed by slot + 1: slot holds a delta of this group
+    launch: object = None
     slots: set[int] = field(default_factory=set)
     owners: dict[int, set[int]] = field(default_factory=dict)  # slot -> first rows of the deltas written
 
@@ -256,7 +258,7 @@ class PackedStore:
         self.dq: torch.Tensor | None = None  # [N, out, in] dequantized deltas (ctx.dequantize)
         self.dq_owners: dict[int, set[int]] = {}  # slot -> first rows of the dequantized deltas written
         # Stack layout: a merged group whose member boundaries are not on 64-row tiles cannot use the
-        # fast kernel's tiles (one writer per tile) and asks for the transposed layout.
+        # CUDA kernel's tiles (one writer per tile) and asks for the transposed layout.
         self.layout = "auto"
 
     @property
@@ -277,18 +279,20 @@ class PackedStore:
         if g is not None and asymmetric and not g.stack.asymmetric:
             # A symmetric stack cannot hold explicit zero points: rebuild it asymmetric, keeping slots.
             old = g.stack
-            new = StackedDeltas.allocate(self.ctx.num_slots, bits=old.bits, group_size=old.group_size,
-                                         in_features=old.in_features, out_features=old.out_features,
-                                         sparse=old.sparse, asymmetric=True, device=old.device, layout=old.layout)
+            new = StackedDeltas.allocate(self.ctx.num_slots, old.scheme.replace(sym=False), in_features=old.in_features,
+                                         out_features=old.out_features, device=old.device, layout=old.layout)
             for s in g.slots:
                 new.write(s, old.unstack(s))
-            g.stack = new
+            g.stack, g.launch = new, dispatch.prepare(new, self.dtype)
         if g is None:
-            stack = StackedDeltas.allocate(self.ctx.num_slots, bits=delta.bits, group_size=delta.group_size,
-                                           in_features=delta.in_features, out_features=self.out_features,
-                                           sparse=sparse, asymmetric=asymmetric, device=self.device,
-                                           layout=self.layout)
-            g = _PackedGroup(stack, torch.zeros(self.ctx.num_slots + 1, dtype=torch.bool, device=self.device))
+            scheme = DeltaScheme(bits=delta.bits, group_size=delta.group_size, sparsity="2:4" if sparse else "none",
+                                 sym=not asymmetric)
+            layout = self.layout if self.layout != "auto" else dispatch.layout_for(scheme, delta.in_features, self.dtype,
+                                                                                   self.device)
+            stack = StackedDeltas.allocate(self.ctx.num_slots, scheme, in_features=delta.in_features,
+                                           out_features=self.out_features, device=self.device, layout=layout)
+            g = _PackedGroup(stack, torch.zeros(self.ctx.num_slots + 1, dtype=torch.bool, device=self.device),
+                             dispatch.prepare(stack, self.dtype))
             self.groups[key] = g
         return g
 
@@ -361,14 +365,8 @@ class PackedStore:
         """
         ctx, active = self.ctx, self.ctx.active
         for g in self.groups.values():
-            if not (g.slots & active):
-                continue
-            if dispatch.cuda_path(x, g.stack):  # one shared plan; the kernel skips slots the stack lacks
-                y = dispatch.sbmm(x, idx, g.stack, plan=ctx.plan(idx), out=y,
-                                  present=None if g.slots >= active else g.present, held=g.slots)
-                continue
-            local = idx if g.slots >= active else torch.where(g.present[idx + 1], idx, torch.full_like(idx, -1))
-            y = dispatch.sbmm(x, local, g.stack, out=y)
+            if g.slots & active:  # the prepared launch: the step's shared plan, the slots the stack holds
+                y = g.launch(y, x, idx, ctx.plan, g.present, g.slots)
         dq = self.dq_slots & active
         if dq:
             y.add_(_dense_rows(x, idx, self.dq, dq, ctx))

@@ -55,8 +55,7 @@ def warm_up_kernels(model, *, tune: bool | None = None) -> int:
     count = 0
     for stack in served_stacks(model):
         sig = dispatch_table.key(stack, model.dtype, 1, 1)
-        x1 = torch.zeros(1, stack.in_features, dtype=model.dtype, device=stack.device)
-        if sig in _warmed or not dispatch.cuda_path(x1, stack):
+        if sig in _warmed or dispatch.prepare(stack, model.dtype).path != "cuda":
             continue
         _warmed.add(sig)
         if tune:
