@@ -283,7 +283,11 @@ class Routes:
         self.s = state
 
     async def health(self):
-        eng = self.s.engine
+        eng, startup = self.s.engine, self.s.rt.startup
+        if startup is not None and not startup.done.is_set():  # kernels still being tuned
+            from fastapi.responses import JSONResponse
+
+            return JSONResponse(startup.status(), status_code=503)
         if eng._thread is None or not eng._thread.is_alive():
             return error(503, "the engine is not running", "server_error")
         return {"status": "ok", "models": 1 + len(self.s.rt.catalog)}
@@ -493,12 +497,15 @@ def install_middleware(app, state: AppState) -> None:
     app.middleware("http")(auth_and_count)
 
 
-def engine_lifespan(engine):
-    """The app's lifespan: the engine thread runs while the server does."""
+def engine_lifespan(engine, startup=None):
+    """The app's lifespan: the engine thread runs while the server does; ``startup`` (the kernel tuning,
+    ``kernel_warmup.Startup``) starts on its own thread once the server answers."""
 
     @asynccontextmanager
     async def lifespan(_app):
         engine.start()
+        if startup is not None:
+            startup.start()
         try:
             yield
         finally:
