@@ -104,12 +104,17 @@ def compile_cubin(source: str, macros: dict[str, int], arch: int, *, name: str =
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def cache_dir() -> Path:
-    env = os.environ.get(_CACHE_ENV, "").strip()
-    if env:
-        return Path(env)
+def user_cache(env: str, name: str) -> Path:
+    """``$env`` when set, else ``$XDG_CACHE_HOME/deltazip/<name>`` (``~/.cache`` by default)."""
+    value = os.environ.get(env, "").strip()
+    if value:
+        return Path(value)
     base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "deltazip" / "cuda"
+    return Path(base) / "deltazip" / name
+
+
+def cache_dir() -> Path:
+    return user_cache(_CACHE_ENV, "cuda")
 
 
 @functools.lru_cache(maxsize=8)

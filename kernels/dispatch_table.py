@@ -42,11 +42,9 @@ _DIR_ENV = "DELTAZIP_AUTOTUNE_DIR"
 
 def cache_dir() -> Path:
     """``$DELTAZIP_AUTOTUNE_DIR``, else ``$XDG_CACHE_HOME/deltazip/autotune`` (``~/.cache`` by default)."""
-    env = os.environ.get(_DIR_ENV, "").strip()
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "deltazip" / "autotune"
+    from deltazip.kernels.cuda_rtc import user_cache
+
+    return user_cache(_DIR_ENV, "autotune")
 
 
 def enabled() -> bool:
