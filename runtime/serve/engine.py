@@ -204,11 +204,13 @@ alternatives most likely first."""
 @dataclass
 class TokenEvent:
     """New text of a sequence (possibly empty while a stop string might still match); ``logprobs``:
-    the entries of the tokens this text completes (requests with ``logprobs`` only)."""
+    the entries of the tokens this text completes (requests with ``logprobs`` only);
+    ``prompt_logprobs``: the prompt's, on the sequence's first event (requests with ``prompt_logprobs``)."""
 
     text: str
     token_id: int
     logprobs: list[LogprobEntry] | None = None
+    prompt_logprobs: list[LogprobEntry | None] | None = None  # on a sequence's first event (echo)
 
 
 @dataclass
@@ -364,6 +366,7 @@ class Sequence:
     released: int = 0  # entries of ``logprobs`` handed out with text so far
     prompt_logprobs: list[LogprobEntry | None] | None = None
     cumulative_logprob: float = 0.0
+    prompt_sent: bool = False  # its prompt's log probabilities went out with a TokenEvent
 
     @property
     def wants_logprobs(self) -> bool:
@@ -994,6 +997,8 @@ class Engine:
         return out
 
     def _emit(self, seq: Sequence, event) -> None:
+        if isinstance(event, TokenEvent) and seq.params.prompt_logprobs is not None and not seq.prompt_sent:
+            event.prompt_logprobs, seq.prompt_sent = seq.prompt_logprobs, True
         if not self._emit_to(seq.sink, seq.rid, event):
             seq.cancelled = True
 
