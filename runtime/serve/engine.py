@@ -972,6 +972,9 @@ class Engine:
             seq.cumulative_logprob += lp[1]
         eos = tok in self.served[seq.model].eos_ids and not seq.params.ignore_eos
         if eos or tok in seq.params.stop_token_ids:
+            if lp is not None and seq.params.logprobs is not None:  # reported, as vLLM does (no text)
+                seq.logprobs.append(lp)
+                seq.detok.ends.append(len(seq.detok.text))
             self._finish(seq, "stop")
             return
         seq.output_ids.append(tok)

@@ -127,6 +127,10 @@ def _set(v) -> bool:
     return v is not None and v != [] and v != {}
 
 
+def _given(v) -> bool:
+    return v is not None
+
+
 def _text_format(v) -> bool:
     """``response_format`` asking for anything but plain text."""
     return _set(v) and not (isinstance(v, dict) and v.get("type") == "text")
@@ -137,14 +141,14 @@ def _text_format(v) -> bool:
 # is honoured (docs/serve.md, "Request fields", lists them all).
 REFUSED: list[tuple[str, str, Any, str]] = [
     ("suffix", "completions", _set, "suffix (fill-in-the-middle) is not supported"),
-    ("audio", "chat", _set, "audio output is not supported: the served models produce text"),
+    ("audio", "chat", _given, "audio output is not supported: the served models produce text"),
     ("modalities", "chat", lambda v: _set(v) and list(v) != ["text"], "only the text modality is served"),
-    ("function_call", "chat", _set, "function_call is not supported (deprecated by OpenAI)"),
+    ("function_call", "chat", _given, "function_call is not supported (deprecated by OpenAI)"),
     ("functions", "chat", _set, "functions are not supported (deprecated by OpenAI)"),
-    ("prediction", "chat", _set, "predicted outputs are not supported"),
-    ("reasoning_effort", "chat", _set, "reasoning_effort is not supported: the served models take no such setting"),
-    ("verbosity", "chat", _set, "verbosity is not supported: the served models take no such setting"),
-    ("web_search_options", "chat", _set, "web search is not supported"),
+    ("prediction", "chat", _given, "predicted outputs are not supported"),
+    ("reasoning_effort", "chat", _given, "reasoning_effort is not supported: the served models take no such setting"),
+    ("verbosity", "chat", _given, "verbosity is not supported: the served models take no such setting"),
+    ("web_search_options", "chat", _given, "web search is not supported"),
     ("service_tier", "chat", lambda v: _set(v) and v not in ("auto", "default"),
      "only service_tier 'auto' or 'default' is served (one tier)"),
     ("store", "chat", lambda v: bool(v), "this server stores no completions (store must be false)"),
