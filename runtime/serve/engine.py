@@ -887,23 +887,7 @@ class Engine:
         return self._sample(picked, raw)
 
     def _sample(self, picked: list[Sequence], raw: torch.Tensor) -> list[tuple[Sequence, int, LogprobEntry | None]]:
-        """Draw a token per row of ``raw [B, V]`` (the model's logits of ``picked``) in one batched pass;
-        rows that want them get the token's log probability and top alternatives."""
-        want = [s.wants_logprobs for s in picked]
-        lp_k = [(s.params.logprobs or 0) if w else None for s, w in zip(picked, want)]
-        st = step_sampling([s.params for s in picked], [s.seed for s in picked], [len(s.output_ids) for s in picked],
-                           raw.shape[-1], raw.device, outputs=[s.output_ids for s in picked],
-                           prompts=[s.prompt_ids for s in picked],
-                           banned=[s.banned(self.served[s.model].eos_ids) for s in picked], logprobs=lp_k)
-        toks = sample_step(process_logits(raw, st), st)
-        if st.logprob_rows is None:
-            return [(s, t, None) for s, t in zip(picked, toks.tolist())]
-        chosen, top_ids, top_lp = token_logprobs(raw, st.logprob_rows, toks.index_select(0, st.logprob_rows),
-                                                 st.top_logprobs)
-        toks_l = toks.tolist()
-        entries = iter(_entries(toks.index_select(0, st.logprob_rows).tolist(), chosen.tolist(), top_ids.tolist(),
-                                top_lp.tolist(), [k for k in lp_k if k is not None]))
-        return [(s, t, next(entries) if w else None) for s, t, w in zip(picked, toks_l, want)]
+        return draw_tokens(picked, raw, [self.served[s.model].eos_ids for s in picked])
 
     def _score_prompts(self, seqs: list[Sequence], chunks: list[list[int]], starts: list[int],
                        logits: torch.Tensor) -> None:
@@ -1051,6 +1035,28 @@ def _settle(fut: Future, fn: Callable[[], Any]) -> None:
         fut.set_result(fn())
     except BaseException as e:  # handed to the waiting caller, who reports it
         fut.set_exception(e)
+
+
+def draw_tokens(picked: list[Sequence], raw: torch.Tensor, eos_ids: list[list[int]]
+                ) -> list[tuple[Sequence, int, LogprobEntry | None]]:
+    """A token per row of ``raw [B, V]`` (the model's logits of the sequences ``picked``, whose EOS
+    ids are ``eos_ids``) in one batched pass (``deltazip.runtime.serve.sampling``); rows that want them
+    get the token's log probability and top alternatives (others: None)."""
+    want = [s.wants_logprobs for s in picked]
+    lp_k = [(s.params.logprobs or 0) if w else None for s, w in zip(picked, want)]
+    st = step_sampling([s.params for s in picked], [s.seed for s in picked], [len(s.output_ids) for s in picked],
+                       raw.shape[-1], raw.device, outputs=[s.output_ids for s in picked],
+                       prompts=[s.prompt_ids for s in picked],
+                       banned=[s.banned(e) for s, e in zip(picked, eos_ids)], logprobs=lp_k)
+    toks = sample_step(process_logits(raw, st), st)
+    if st.logprob_rows is None:
+        return [(s, t, None) for s, t in zip(picked, toks.tolist())]
+    chosen_toks = toks.index_select(0, st.logprob_rows)
+    chosen, top_ids, top_lp = token_logprobs(raw, st.logprob_rows, chosen_toks, st.top_logprobs)
+    toks_l = toks.tolist()
+    entries = iter(_entries(chosen_toks.tolist(), chosen.tolist(), top_ids.tolist(), top_lp.tolist(),
+                            [k for k in lp_k if k is not None]))
+    return [(s, t, next(entries) if w else None) for s, t, w in zip(picked, toks_l, want)]
 
 
 def _entries(tokens: list[int], chosen: list[float], top_ids: list[list[int]], top_lp: list[list[float]],
