@@ -39,9 +39,16 @@ Per step:
    steps and never stalls the decoders); one forward runs the prompt chunks (left-padded), one the
    decodes — rows of every variant together, sorted by slot;
 4. tokens are sampled for the whole batch in one pass on the device
-   (``deltazip.runtime.serve.sampling``), detokenized incrementally, checked against stop strings, EOS,
-   ``max_tokens`` and the context length; finished sequences free their KV cache, and their
-   line-skippers may be preempted (their KV cache moves to host memory until they resume).
+   (``deltazip.runtime.serve.sampling``: the rows' settings as tensors, ``process_logits``, the draw,
+   log probabilities for the rows that ask), detokenized incrementally, checked against stop strings,
+   EOS, stop token ids, ``max_tokens`` and the context length; finished sequences free their KV cache,
+   and their line-skippers may be preempted (their KV cache moves to host memory until they resume).
+
+A request of ``n`` samples (``best_of``) is one sequence until its prompt is read; then the other
+samples are forked from it (:meth:`SeqBlocks.fork <deltazip.runtime.serve.kv_cache.SeqBlocks.fork>`:
+the prompt's blocks shared, nothing re-read) and draw their first tokens from the same logits. Prompts
+whose log probabilities are wanted (``echo``) run in a prefill forward of their own that keeps every
+position's logits; the other rows keep only the last position's.
 
 A request that is cancelled (client gone) is dropped at the next step and its KV cache freed.
 
@@ -215,7 +222,8 @@ class TokenEvent:
 
 @dataclass
 class FinishEvent:
-    """End of a sequence: ``reason`` is ``stop``, ``length``, ``cancelled`` or ``error``.
+    """End of a sequence: ``reason`` is ``stop``, ``length``, ``cancelled`` or ``error``; ``completion_tokens``
+    counts the drawn tokens, an ending EOS or stop token id included (as vLLM does).
 
     ``logprobs``: the entries of the returned text's tokens (requests with ``logprobs``);
     ``prompt_logprobs``: one per prompt token, the first None (requests with ``prompt_logprobs``);
@@ -367,6 +375,7 @@ class Sequence:
     prompt_logprobs: list[LogprobEntry | None] | None = None
     cumulative_logprob: float = 0.0
     prompt_sent: bool = False  # its prompt's log probabilities went out with a TokenEvent
+    stop_token: bool = False  # it ended on EOS or a stop token id (counted as a completion token)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -956,7 +965,8 @@ class Engine:
             seq.cumulative_logprob += lp[1]
         eos = tok in self.served[seq.model].eos_ids and not seq.params.ignore_eos
         if eos or tok in seq.params.stop_token_ids:
-            if lp is not None and seq.params.logprobs is not None:  # reported, as vLLM does (no text)
+            seq.stop_token = True  # drawn and counted as vLLM does, but it has no text
+            if lp is not None and seq.params.logprobs is not None:
                 seq.logprobs.append(lp)
                 seq.detok.ends.append(len(seq.detok.text))
             self._finish(seq, "stop")
@@ -1020,8 +1030,8 @@ class Engine:
         if final or entries:
             self._emit(seq, TokenEvent(final, -1, entries))
         p = seq.params
-        self._emit(seq, FinishEvent(reason, seq.detok.text if done else "", len(seq.prompt_ids), len(seq.output_ids),
-                                    error, logprobs=seq.logprobs[:seq.released] if p.logprobs is not None else None,
+        self._emit(seq, FinishEvent(reason, seq.detok.text if done else "", len(seq.prompt_ids),
+                                    len(seq.output_ids) + seq.stop_token, error, logprobs=seq.logprobs[:seq.released] if p.logprobs is not None else None,
                                     prompt_logprobs=seq.prompt_logprobs if p.prompt_logprobs is not None else None,
                                     cumulative_logprob=seq.cumulative_logprob if seq.wants_logprobs else None))
         for rid, sink in seq.forks:  # samples never forked (the prompt did not finish) end with it

@@ -16,9 +16,6 @@ from _serving import served_set, single_thread
 
 pytest.importorskip("lm_eval")
 
-from deltazip.compress.merge import merge_to_dir  # noqa: E402
-from deltazip.formats.artifact import Artifact  # noqa: E402
-from deltazip.models.checkpoint import Checkpoint  # noqa: E402
 from deltazip.runtime.eval.lm_eval_model import DeltazipLM  # noqa: E402
 from deltazip.runtime.eval.perplexity import perplexity  # noqa: E402
 from deltazip.runtime.eval.run import task_manager  # noqa: E402
@@ -40,10 +37,7 @@ def tasks_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def merged_alpha(served, tmp_path_factory):
-    out = tmp_path_factory.mktemp("merged") / "alpha-merged"
-    with single_thread():
-        merge_to_dir(Artifact(served.variant_dir("alpha")), Checkpoint(served.base_dir), out)
-    return out
+    return served.merged_dir("alpha", tmp_path_factory.mktemp("merged") / "alpha-merged")
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,11 @@ import logging
 import pytest
 import torch
 from _lm_eval_tasks import evaluate, generations, loglikelihoods, write_tiny_tasks
-from _serving import served_set, single_thread
+from _serving import running_server, served_set, single_thread
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("openai")
 
-from deltazip.compress.merge import merge_to_dir  # noqa: E402
-from deltazip.formats.artifact import Artifact  # noqa: E402
-from deltazip.models.checkpoint import Checkpoint  # noqa: E402
-from deltazip.runtime.serve.assembly import ServeConfig, build_runtime  # noqa: E402
-from deltazip.runtime.serve.server import Metrics, ServerThread, create_app  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,18 +31,13 @@ def tasks_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(served):
-    with single_thread():
-        rt = build_runtime(ServeConfig(artifacts=served.artifacts, max_num_seqs=16), observer=Metrics())
-        with ServerThread(create_app(rt, Metrics())) as srv:
-            yield srv
+    with running_server(served, max_num_seqs=16) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def merged_alpha(served, tmp_path_factory):
-    out = tmp_path_factory.mktemp("merged") / "alpha-merged"
-    with single_thread():
-        merge_to_dir(Artifact(served.variant_dir("alpha")), Checkpoint(served.base_dir), out)
-    return out
+    return served.merged_dir("alpha", tmp_path_factory.mktemp("merged") / "alpha-merged")
 
 
 def test_local_completions_scores_equal_hf_on_the_merged_checkpoint(server, merged_alpha, tasks_dir, caplog):

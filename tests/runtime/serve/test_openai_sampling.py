@@ -8,11 +8,9 @@ import asyncio
 import httpx
 import pytest
 import torch
-from _serving import PROMPTS, served_set, single_thread
+from _serving import PROMPTS, running_server, served_set, single_thread
 
-from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
 from deltazip.runtime.serve.sampling import sample_seed
-from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
 
 openai = pytest.importorskip("openai")
 
@@ -29,13 +27,9 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(served):
-    with single_thread():
-        metrics = Metrics()
-        rt = build_runtime(ServeConfig(artifacts=served.artifacts, api_key=KEY, max_deltas=2, max_num_seqs=16,
-                                       max_batch_tokens=12), observer=metrics)  # long prompts read in chunks
-        with ServerThread(create_app(rt, metrics)) as srv:
-            srv.rt = rt
-            yield srv
+    # max_batch_tokens 12: longer prompts are read in chunks
+    with running_server(served, api_key=KEY, max_deltas=2, max_num_seqs=16, max_batch_tokens=12) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _serving import served_set, single_thread
-
-from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
-from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
+from _serving import running_server, served_set, single_thread
 
 # Field -> (a value to send, what the server does: "honoured" or "refused"). The lists follow
 # OpenAI's API reference (legacy completions; chat completions). Structured output and tools are
@@ -56,9 +53,8 @@ NEEDS = {"logprobs": {"top_logprobs": 2}, "top_logprobs": {"logprobs": True}, "s
 def server(tmp_path_factory):
     with single_thread():
         served = served_set(tmp_path_factory.getbasetemp() / "serving")
-        rt = build_runtime(ServeConfig(artifacts=served.artifacts, max_num_seqs=8), observer=Metrics())
-        with ServerThread(create_app(rt, Metrics())) as srv:
-            yield srv
+    with running_server(served, max_num_seqs=8) as srv:
+        yield srv
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:
