@@ -223,7 +223,7 @@ class TokenEvent:
 @dataclass
 class FinishEvent:
     """End of a sequence: ``reason`` is ``stop``, ``length``, ``cancelled`` or ``error``; ``completion_tokens``
-    counts the drawn tokens, an ending EOS or stop token id included (as vLLM does).
+    counts the tokens of the text (an ending EOS or stop token id is not one, though ``logprobs`` lists it).
 
     ``logprobs``: the entries of the returned text's tokens (requests with ``logprobs``);
     ``prompt_logprobs``: one per prompt token, the first None (requests with ``prompt_logprobs``);
@@ -375,7 +375,6 @@ class Sequence:
     prompt_logprobs: list[LogprobEntry | None] | None = None
     cumulative_logprob: float = 0.0
     prompt_sent: bool = False  # its prompt's log probabilities went out with a TokenEvent
-    stop_token: bool = False  # it ended on EOS or a stop token id (counted as a completion token)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -965,8 +964,7 @@ class Engine:
             seq.cumulative_logprob += lp[1]
         eos = tok in self.served[seq.model].eos_ids and not seq.params.ignore_eos
         if eos or tok in seq.params.stop_token_ids:
-            seq.stop_token = True  # drawn and counted as vLLM does, but it has no text
-            if lp is not None and seq.params.logprobs is not None:
+            if lp is not None and seq.params.logprobs is not None:  # reported, as vLLM does (no text)
                 seq.logprobs.append(lp)
                 seq.detok.ends.append(len(seq.detok.text))
             self._finish(seq, "stop")
@@ -1031,7 +1029,7 @@ class Engine:
             self._emit(seq, TokenEvent(final, -1, entries))
         p = seq.params
         self._emit(seq, FinishEvent(reason, seq.detok.text if done else "", len(seq.prompt_ids),
-                                    len(seq.output_ids) + seq.stop_token, error, logprobs=seq.logprobs[:seq.released] if p.logprobs is not None else None,
+                                    len(seq.output_ids), error, logprobs=seq.logprobs[:seq.released] if p.logprobs is not None else None,
                                     prompt_logprobs=seq.prompt_logprobs if p.prompt_logprobs is not None else None,
                                     cumulative_logprob=seq.cumulative_logprob if seq.wants_logprobs else None))
         for rid, sink in seq.forks:  # samples never forked (the prompt did not finish) end with it
