@@ -12,6 +12,7 @@ correctness anchor of every serving test.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from dataclasses import dataclass
@@ -57,6 +58,16 @@ class ServedSet:
         if name == "base":
             return AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32).eval()
         return load_merged_model(Artifact(self.variant_dir(name)), Checkpoint(self.base_dir))
+
+    def merged_dir(self, name: str, out: Path) -> Path:
+        """Variant ``name`` merged into a plain checkpoint at ``out`` (what lm-eval's ``hf`` loads)."""
+        from deltazip.compress.merge import merge_to_dir
+        from deltazip.formats.artifact import Artifact
+        from deltazip.models.checkpoint import Checkpoint
+
+        with single_thread():
+            merge_to_dir(Artifact(self.variant_dir(name)), Checkpoint(self.base_dir), out)
+        return out
 
     def expected(self, name: str, prompt: str, max_tokens: int) -> str:
         return self.expected_ids(name, tuple(self.tokenizer()(prompt)["input_ids"]), max_tokens)
@@ -104,6 +115,21 @@ def served_set(tmp_root: Path) -> ServedSet:
         compress_delta(base_dir, ft_dir, str(calib), arts / name, cfg)
     _BUILT["set"] = ServedSet(tmp_root, base_dir, arts)
     return _BUILT["set"]
+
+
+@contextlib.contextmanager
+def running_server(served: ServedSet, **cfg):
+    """``deltazip serve`` of ``served``'s artifacts on a loopback port (``ServeConfig`` options
+    ``cfg``), on one torch thread; yields the ``ServerThread`` with the runtime as its ``rt``."""
+    from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
+    from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
+
+    with single_thread():
+        metrics = Metrics()
+        rt = build_runtime(ServeConfig(artifacts=served.artifacts, **cfg), observer=metrics)
+        with ServerThread(create_app(rt, metrics)) as srv:
+            srv.rt = rt
+            yield srv
 
 
 class single_thread:

@@ -713,10 +713,11 @@ class _Front:
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def proxy(self, request):
+        from deltazip.runtime.serve.openai_schema import TOKENIZER_PATHS, ApiError, read_body
+
         path = request.url.path
-        if not path.startswith("/v1"):
+        if not path.startswith("/v1") and path not in TOKENIZER_PATHS:
             return _error(404, f"no route {path}; the API is under /v1", "invalid_request_error", "not_found")
-        from deltazip.runtime.serve.openai_schema import ApiError, read_body
 
         try:  # the front refuses an oversized body too, before reading it whole (issue 25)
             body = await read_body(request, self.max_body)

@@ -17,7 +17,8 @@ LIMIT = 80
 REQUEST_PATH = [
     "serve/server.py",  # create_app
     "serve/routes.py",  # handlers, streaming, auth, error shaping
-    "serve/openai_schema.py",  # request parsing, response shapes
+    "serve/openai_schema.py",  # request parsing, field checks
+    "serve/openai_shapes.py",  # response and chunk JSON, log probabilities
     "serve/engine.py",  # the engine loop every request runs in
     "serve/model_runner.py",  # every step's cache object and forward
     "serve/assembly.py",  # POST /v1/variants registers a variant while serving

@@ -127,6 +127,23 @@ def test_front_models_auth_health_and_metrics(pool):
     assert httpx.get(pool.url + "/nope").status_code == 404
 
 
+def test_sampling_fields_and_tokenizer_routes_pass_through_the_front(pool, served):
+    """Log probabilities, echo, n with a seed and vLLM's tokenizer routes work through the front."""
+    tok = served.tokenizer()
+    r = complete(pool.url, "beta", PROMPTS[0], 4, logprobs=1, echo=True).json()["choices"][0]
+    assert r["text"].startswith(PROMPTS[0]) and r["logprobs"]["token_logprobs"][0] is None
+    assert len(r["logprobs"]["tokens"]) == len(tok(PROMPTS[0])["input_ids"]) + 4
+    seeded = {"model": "gamma", "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 3}
+    a, b = (sorted((c["index"], c["text"]) for c in httpx.post(pool.url + "/v1/completions", headers=AUTH, json=seeded,
+                                                               timeout=120).json()["choices"]) for _ in range(2))
+    assert a == b and len({t for _, t in a}) == 3
+    ids = httpx.post(pool.url + "/tokenize", headers=AUTH, json={"model": "alpha", "prompt": PROMPTS[2]}).json()["tokens"]
+    assert ids == tok(PROMPTS[2])["input_ids"]
+    assert httpx.post(pool.url + "/detokenize", headers=AUTH, json={"tokens": ids}).json()["prompt"] == tok.decode(ids)
+    assert httpx.get(pool.url + "/tokenizer_info", headers=AUTH).json()["eos_token"] == tok.eos_token
+    assert httpx.post(pool.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+
+
 def test_front_refuses_an_oversized_body_before_reading_it(pool):
     """The front applies --max-request-bytes itself (413 in OpenAI's shape), from Content-Length, so a
     huge body never reaches a worker; a body under the limit still goes through."""

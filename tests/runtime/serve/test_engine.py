@@ -443,13 +443,13 @@ def test_chunked_prefill_keeps_decodes_going_and_outputs_equal_generate(served):
         col = Collector()
         long_rid = []
 
-        def spy(group, row_slots):  # engine thread: which rows ran in which step, and how many tokens
+        def spy(group, row_slots, *more):  # engine thread: which rows ran in which step, and how many tokens
             rows_of_step.setdefault(eng.counters["steps"], {}).update(
                 {s.rid: (len(t), bool(s.output_ids)) for s, t in group})
             if not long_rid and len(group) == 2 and all(len(s.output_ids) >= 2 for s, _ in group):  # both decode
                 long_rid.append(eng.submit("beta", long_ids, SamplingParams(max_tokens=6, temperature=0.0),
                                            col.sink("long")))
-            return forward(group, row_slots)
+            return forward(group, row_slots, *more)
 
         eng._forward = spy
         # beta resident from the start: its background load would otherwise hold the long prompt back
@@ -509,3 +509,22 @@ def test_models_without_the_attention_interface_use_the_contiguous_cache(served,
             eng.shutdown()
         for (m, p) in col.events:
             assert col.final((m, p)).text == served.expected(m, p, 8), (m, p)
+
+
+def test_samples_that_cannot_run_together_are_refused_before_queueing(served):
+    """n (or best_of) samples decode side by side: more than --max-num-seqs, or a KV cache larger
+    than the device's free memory (a model whose KV is 1 TiB per token, here), is a 400 naming it."""
+    with single_thread():
+        eng = make_engine(served, max_num_seqs=4)
+        with pytest.raises(EngineError, match="max-num-seqs") as e:
+            eng.submit_samples("alpha", [5, 6], SamplingParams(n=5), [lambda ev: None] * 5)
+        assert e.value.param == "n"
+        with pytest.raises(EngineError, match="max-num-seqs") as e:
+            eng.submit_samples("alpha", [5, 6], SamplingParams(n=2, best_of=6), [lambda ev: None] * 6)
+        assert e.value.param == "best_of"
+        eng.kv_bytes_per_token = 2**40
+        with pytest.raises(EngineError, match="KV cache") as e:
+            eng.submit_samples("alpha", [5, 6], SamplingParams(n=2, max_tokens=4), [lambda ev: None] * 2)
+        assert e.value.param == "n"
+        eng.submit("alpha", [5, 6], SamplingParams(max_tokens=4), lambda ev: None)  # one sample is never refused so
+        eng.shutdown()
