@@ -161,8 +161,8 @@ def test_errors_and_api_key_keep_the_single_server_shapes(cluster):
         "code": "model_not_found"}}
     r = httpx.post(url + "/v1/completions", headers=auth(), content=b"{not json")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    r = completion(cluster, "beta", "x", logit_bias={"1": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    r = completion(cluster, "beta", "x", logprobs=21)  # past the 20 the OpenAI API allows
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     assert httpx.get(url + "/health").json()["status"] == "ok"
 
 
