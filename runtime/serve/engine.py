@@ -68,6 +68,7 @@ import torch
 
 from deltazip.runtime.serve.delta_cache import TieredCache
 from deltazip.runtime.serve.delta_loader import DeltaLoader
+from deltazip.runtime.serve.grammar import GrammarCompilers, MaskFiller, StepMasks
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, SeqBlocks
 from deltazip.runtime.serve.model_runner import SeqKV, forward_step, new_kv_pool, new_seq_kv
 from deltazip.runtime.serve.sampling import sample_tokens
@@ -112,7 +113,8 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy (argmax, what ``generate(do_sample=False)`` does); ``top_p`` keeps
     the smallest set of tokens whose probability reaches it; ``seed`` makes sampling reproducible;
-    ``stop`` strings end the completion and are not part of it.
+    ``stop`` strings end the completion and are not part of it; ``grammar`` (a compiled
+    :class:`~deltazip.runtime.serve.grammar.Grammar`) constrains every token to it.
     """
 
     max_tokens: int = 16
@@ -121,6 +123,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -270,6 +273,7 @@ class Sequence:
     cancelled: bool = False
     finished: bool = False
     kv_on_host: bool = False
+    matcher: Any = None  # a constrained request's place in its grammar (grammar.Matcher)
 
 
 class Engine:
@@ -336,6 +340,9 @@ class Engine:
         self.counters = {"requests": 0, "finished": 0, "cancelled": 0, "errors": 0, "generated_tokens": 0,
                          "prompt_tokens": 0, "steps": 0, "preempted": 0}
         self.pad_id = 0
+        vocab = getattr(backend.config, "vocab_size", None) or 0
+        self.grammars = GrammarCompilers(vocab)  # compiled by request threads
+        self.masks = MaskFiller(vocab, self.device)  # filled beside each step's forward
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -353,6 +360,7 @@ class Engine:
             self._thread = None
         self.loader.shutdown()
         self.cache.shutdown()
+        self.masks.close()
 
     # -- submission (any thread) ----------------------------------------------------------------
     def key_of(self, model: str) -> str:
@@ -399,6 +407,7 @@ class Engine:
             seq = Sequence(rid, model, self.key_of(model), list(prompt_ids), params, sink,
                            IncrementalDetokenizer(sv.tokenizer, prompt_ids, params.stop), seed, time.perf_counter(),
                            kv=new_seq_kv(self.kv_pool))
+            seq.matcher = params.grammar.matcher() if params.grammar is not None else None
             self._inbox.append(seq)
             self.counters["requests"] += 1
             self._lock.notify_all()
@@ -554,12 +563,14 @@ class Engine:
         def slot_of(seq: Sequence) -> int:
             return slots[seq.key] if (seq.key != BASE_KEY or self.swap) else -1
 
-        results: list[tuple[Sequence, int]] = []
         for group in (prefill, decode):
-            if not group:
-                continue
             group.sort(key=lambda sn: slot_of(sn[0]))  # rows of one delta together (paper §5.2)
-            results += self._forward(group, [slot_of(s) for s, _ in group])
+        # Grammar masks of the constrained rows are filled on a worker thread while the forwards run.
+        masks = self.masks.start([s.matcher for s, _ in prefill + decode])
+        results: list[tuple[Sequence, int]] = []
+        for group, offset in ((prefill, 0), (decode, len(prefill))):
+            if group:
+                results += self._forward(group, [slot_of(s) for s, _ in group], masks, offset)
         now = time.perf_counter()
         with self._lock:
             self._token_times.append((now, len(results)))
@@ -693,8 +704,10 @@ class Engine:
         self._note_resident()
         return {k: by_name[self._cache_name(k)] for k in keys}
 
-    def _forward(self, group: list[tuple[Sequence, list[int]]], row_slots: list[int]) -> list[tuple[Sequence, int]]:
-        """Run the rows; sample a token for every row that reached the end of its prompt."""
+    def _forward(self, group: list[tuple[Sequence, list[int]]], row_slots: list[int], masks: StepMasks | None = None,
+                 offset: int = 0) -> list[tuple[Sequence, int]]:
+        """Run the rows (the step's rows ``offset ..``); sample a token for every row that reached the
+        end of its prompt, constrained rows within their grammar (``masks``)."""
         seqs = [s for s, _ in group]
         logits = None
         if self.graphs is not None and all(len(t) == 1 for _, t in group):
@@ -706,6 +719,8 @@ class Engine:
         ready = [i for i, s in enumerate(seqs) if s.kv.length >= len(s.prompt_ids)]
         if not ready:
             return []
+        if masks is not None:
+            masks.apply(logits, offset)
         rows = ready if len(ready) < len(seqs) else slice(None)
         picked = [seqs[i] for i in ready]
         toks = sample_tokens(logits[rows], [s.params.temperature for s in picked], [s.params.top_p for s in picked],
@@ -729,6 +744,11 @@ class Engine:
             if self.observer is not None:
                 self.observer.ttft(now - seq.arrival)
         eos = tok in self.served[seq.model].eos_ids and not seq.params.ignore_eos
+        if seq.matcher is not None:
+            if not seq.matcher.accept(tok):  # masked out: only a grammar with no way on gets here
+                self._finish(seq, "error", error="the requested output format admits no further token")
+                return
+            eos = eos or seq.matcher.terminated  # a completed grammar ends the answer, ignore_eos or not
         if eos:
             self._finish(seq, "stop")
             return

@@ -70,6 +70,7 @@ def request_models():
         logprobs: Any = None
         logit_bias: dict[str, float] | None = None
         user: str | None = None
+        response_format: dict[str, Any] | None = None  # grammar.response_format_grammar reads it
 
     class CompletionRequest(_Common):
         prompt: str | list[str] | list[int] | list[list[int]]
@@ -85,7 +86,9 @@ def request_models():
     class ChatRequest(_Common):
         messages: list[ChatMessage] = Field(min_length=1)
         max_completion_tokens: int | None = Field(default=None, ge=1)
-        tools: list[Any] | None = None
+        tools: list[Any] | None = None  # tool_calls.tool_plan checks these three
+        tool_choice: str | dict[str, Any] | None = None
+        parallel_tool_calls: bool | None = None
 
     return CompletionRequest, ChatRequest
 
@@ -153,9 +156,7 @@ def check_unsupported(req, *, chat: bool) -> None:
         (req.logprobs not in (None, False, 0), "logprobs", "logprobs are not supported"),
         (bool(req.logit_bias), "logit_bias", "logit_bias is not supported"),
     ]
-    if chat:
-        checks.append((bool(req.tools), "tools", "tools are not supported"))
-    else:
+    if not chat:
         checks += [(bool(req.echo), "echo", "echo is not supported"),
                    (req.best_of not in (None, 1), "best_of", "best_of is not supported"),
                    (req.suffix is not None, "suffix", "suffix is not supported")]
@@ -170,10 +171,11 @@ def stop_list(stop) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def sampling_params(req, max_tokens: int) -> SamplingParams:
+def sampling_params(req, max_tokens: int, grammar=None) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                              top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop_list(req.stop))
+                              top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop_list(req.stop),
+                              grammar=grammar)
     except EngineError as e:
         raise ApiError(400, str(e), param=e.param) from e
 

@@ -25,6 +25,7 @@ from starlette.requests import Request  # at module level: FastAPI resolves endp
 
 from deltazip.formats.errors import DeltazipError
 from deltazip.runtime.serve.engine import EngineError, FinishEvent, SamplingParams, ServedVariant, TokenEvent
+from deltazip.runtime.serve.grammar import Grammar, GrammarError, response_format_grammar
 from deltazip.runtime.serve.openai_schema import (
     DEFAULT_MAX_REQUEST_BYTES,
     ApiError,
@@ -41,6 +42,7 @@ from deltazip.runtime.serve.openai_schema import (
     sampling_params,
     usage,
 )
+from deltazip.runtime.serve.tool_calls import ToolChatShape, ToolPlan, template_messages, tool_plan
 from deltazip.runtime.serve.variant_catalog import VariantRefused
 
 log = logging.getLogger("deltazip.serve")
@@ -117,35 +119,44 @@ def encode_prompts(state: AppState, name: str, prompt) -> list[list[int]]:
     raise ApiError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
 
 
-def _chat_messages(messages) -> list[dict[str, str]]:
-    msgs = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):  # OpenAI content parts: only text is meaningful here
-            if any(p.get("type") != "text" for p in content):
-                raise ApiError(400, "only text content parts are supported", param="messages")
-            content = "".join(str(p.get("text", "")) for p in content)
-        msgs.append({"role": m.role, "content": content or ""})
-    return msgs
-
-
-def encode_chat(state: AppState, name: str, messages) -> list[int]:
+def chat_template(state: AppState, name: str) -> str:
+    """The variant's own chat template, else the base's (a fine-tune that kept tokenizer files without
+    one still chats as its base does)."""
     tok = state.served_entry(name).encoder
-    # The variant's own template, else the base's (a fine-tune that kept tokenizer files without
-    # one still chats as its base does).
     template = getattr(tok, "chat_template", None) or getattr(state.engine.served[state.rt.base_name].encoder,
                                                               "chat_template", None)
     if not template:
         raise ApiError(400, f"model `{name}` has no chat template (nor has the base); use /v1/completions",
                        param="messages")
+    return template
+
+
+def encode_chat(state: AppState, name: str, messages, template: str, tools: list[dict] | None = None) -> list[int]:
+    tok = state.served_entry(name).encoder
     try:
-        ids = tok.apply_chat_template(_chat_messages(messages), chat_template=template, add_generation_prompt=True,
-                                      tokenize=True)
+        ids = tok.apply_chat_template(template_messages(messages), chat_template=template, add_generation_prompt=True,
+                                      tokenize=True, tools=tools)
     except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
         raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from e
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def request_grammar(state: AppState, name: str, req, plan: ToolPlan | None = None) -> Grammar | None:
+    """What constrains the request's tokens: a forced tool call, else its ``response_format`` (compiled
+    here, in the request's thread; a schema the engine rejects is a 400 naming the field)."""
+    sv = state.served_entry(name)
+    tag = plan.structural_tag() if plan is not None else None
+    try:
+        if tag is None:
+            return response_format_grammar(state.engine.grammars, sv.encoder, sv.eos_ids, req.response_format)
+        if (req.response_format or {}).get("type", "text") != "text":
+            raise ApiError(400, "response_format cannot be combined with tool_choice 'required' or a named function",
+                           param="response_format")
+        return state.engine.grammars.structural_tag(sv.encoder, sv.eos_ids, tag, "tools")
+    except GrammarError as e:
+        raise ApiError(400, str(e), param=e.param) from e
 
 
 def submit_all(state: AppState, name: str, prompts: list[list[int]], params: SamplingParams) -> list[EngineStream]:
@@ -232,8 +243,9 @@ async def sse_events(state: AppState, request: Request, streams: list[EngineStre
         while left:
             i, ev = await merged.get()
             if isinstance(ev, TokenEvent):
-                if ev.text:
-                    yield _sse(shape.chunk(i, ev.text))
+                chunk = shape.chunk(i, ev.text) if ev.text else None  # None: text held back (tool calls)
+                if chunk is not None:
+                    yield _sse(chunk)
                 continue
             left -= 1
             finished.append(ev)
@@ -370,24 +382,28 @@ class Routes:
         raw = await read_body(request, self.s.max_body)
         # Parsing and tokenizing take seconds for a large prompt: off the event loop, so that /health and
         # every other request go on meanwhile.
-        req, prompts = await asyncio.to_thread(self._completion_prompts, request, raw)
-        streams = submit_all(self.s, req.model, prompts, sampling_params(req, req.max_tokens or 16))
+        req, prompts, grammar = await asyncio.to_thread(self._completion_prompts, request, raw)
+        streams = submit_all(self.s, req.model, prompts, sampling_params(req, req.max_tokens or 16, grammar))
         return await answer(self.s, request, req, streams, CompletionShape(req.model))
 
     def _completion_prompts(self, request: Request, raw: bytes):
         req = self._request(request, self.s.models[0], parse_json(raw), chat=False)
-        return req, encode_prompts(self.s, req.model, req.prompt)
+        return req, encode_prompts(self.s, req.model, req.prompt), request_grammar(self.s, req.model, req)
 
     def _chat_prompt(self, request: Request, raw: bytes):
         req = self._request(request, self.s.models[1], parse_json(raw), chat=True)
-        return req, encode_chat(self.s, req.model, req.messages)
+        template = chat_template(self.s, req.model)
+        plan = tool_plan(req, template)
+        ids = encode_chat(self.s, req.model, req.messages, template, plan.template_tools if plan else None)
+        return req, ids, plan, request_grammar(self.s, req.model, req, plan)
 
     async def chat(self, request: Request):
         raw = await read_body(request, self.s.max_body)
-        req, ids = await asyncio.to_thread(self._chat_prompt, request, raw)
+        req, ids, plan, grammar = await asyncio.to_thread(self._chat_prompt, request, raw)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.s.engine.max_len - len(ids))
-        streams = submit_all(self.s, req.model, [ids], sampling_params(req, max_tokens))
-        return await answer(self.s, request, req, streams, ChatShape(req.model))
+        streams = submit_all(self.s, req.model, [ids], sampling_params(req, max_tokens, grammar))
+        shape = ToolChatShape(req.model, plan) if plan is not None and plan.parses else ChatShape(req.model)
+        return await answer(self.s, request, req, streams, shape)
 
     def add_to(self, app) -> None:
         for path, fn, method in (

@@ -1,0 +1,262 @@
+"""Structured output: grammars compiled by xgrammar, and the token masks of an engine step.
+
+Two sides:
+
+- request threads compile what a request asks for (``response_format`` ``json_object`` /
+  ``json_schema``, a forced tool call) into a :class:`Grammar` with :class:`GrammarCompilers`: one
+  xgrammar compiler per served tokenizer, built on first use, whose cache keeps compiled schemas;
+  a schema xgrammar or ``jsonschema`` rejects is a :class:`GrammarError` naming the problem;
+- the engine thread gives each sequence with a grammar its own matcher (:meth:`Grammar.matcher`)
+  and, per step, :class:`MaskFiller` fills the bitmask of those rows on a worker thread while the
+  forward runs; :meth:`StepMasks.apply` then masks each forward's logits ``[B, V]`` in one call over
+  the constrained rows. A step without a constrained row does none of this.
+
+Why xgrammar and not llguidance or outlines-core: see docs/serve.md ("Structured output and tools")
+for the figures (``bench/structured_output.py``). xgrammar's masks are filled by a batched C++ call
+and it reads the demo's character tokenizer as well as byte-level BPE ones; outlines-core has no
+grammar for an arbitrary JSON object; llguidance needs its own tokenizer wrapper for the character one.
+
+JSON is generated in one fixed layout (``", "`` and ``": "`` separators, no other whitespace): a
+grammar with free whitespace lets a model emit blank lines until ``max_tokens``. So no token of a
+JSON answer holds a control character (U+0000-U+001F): JSON strings must escape them, and xgrammar's
+rules for bounded strings and ``pattern`` let them through raw (``{"maxLength": 3}`` took a tab), so
+the masks of JSON rows are ANDed with the tokenizer's control-free tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class GrammarError(ValueError):
+    """What a request asked to constrain cannot be compiled; ``param`` is the request field."""
+
+    def __init__(self, message: str, param: str = "response_format"):
+        super().__init__(message)
+        self.param = param
+
+
+def _xgr():
+    try:
+        import xgrammar
+    except ImportError as e:  # serving without the serve extra: everything but constrained output works
+        raise GrammarError("structured output needs the xgrammar package: pip install 'deltazip[serve]'") from e
+    return xgrammar
+
+
+def _clean(e: Exception) -> str:
+    """xgrammar's message without its ``[time] file.cc:line:`` prefix."""
+    return re.sub(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e)).strip() or type(e).__name__
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled grammar; each sequence that follows it gets its own :meth:`matcher`."""
+
+    compiled: Any  # xgrammar.CompiledGrammar
+    kind: str  # "json_object", "json_schema" or "tool_call"
+    token_filter: torch.Tensor | None = None  # int32 [W]: tokens ever allowed (JSON: control-free ones)
+
+    def matcher(self) -> Matcher:
+        return Matcher(_xgr().GrammarMatcher(self.compiled), self.token_filter)
+
+
+class Matcher:
+    """One sequence's place in its grammar (engine thread; filled by :class:`MaskFiller`)."""
+
+    __slots__ = ("state", "token_filter")
+
+    def __init__(self, state, token_filter: torch.Tensor | None):
+        self.state, self.token_filter = state, token_filter
+
+    def accept(self, token: int) -> bool:
+        """Advance by ``token``; False when the grammar does not allow it."""
+        return self.state.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and took a stop token."""
+        return self.state.is_terminated()
+
+
+def control_free_tokens(info, vocab_size: int) -> torch.Tensor:
+    """int32 ``[ceil(V / 32)]``: bit ``t % 32`` of word ``t // 32`` set when token ``t``'s bytes hold no
+    control character (ids past the tokenizer's are xgrammar's to refuse)."""
+    ok = np.zeros(((vocab_size + 31) // 32) * 32, dtype=bool)
+    vocab = info.decoded_vocab[:vocab_size]
+    ok[:len(vocab)] = [not any(b < 0x20 for b in t) for t in vocab]
+    return torch.from_numpy(np.packbits(ok, bitorder="little").view("<i4").astype(np.int32))
+
+
+class GrammarCompilers:
+    """One xgrammar ``GrammarCompiler`` per tokenizer (its ``TokenizerInfo`` takes ~0.1 s for a 49k
+    vocabulary, so it is built on first use), dropped with the tokenizer. Thread-safe."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size  # the model's logits width; tokens past the tokenizer's are never allowed
+        self._by_tok: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def compiler(self, tokenizer, eos_ids: list[int]):
+        xgr = _xgr()
+        with self._lock:
+            entry = self._by_tok.get(tokenizer)
+            if entry is None:
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=list(eos_ids))
+                comp = xgr.GrammarCompiler(info, max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+                entry = self._by_tok[tokenizer] = (comp, control_free_tokens(info, self.vocab_size))
+        return entry
+
+    def json_schema(self, tokenizer, eos_ids: list[int], schema: Any, param: str) -> Grammar:
+        """Output valid under ``schema`` (a JSON schema as a dict or boolean)."""
+        check_schema(schema, param)
+        comp, json_tokens = self.compiler(tokenizer, eos_ids)
+        try:
+            return Grammar(comp.compile_json_schema(json.dumps(schema), any_whitespace=False), "json_schema",
+                           json_tokens)
+        except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError with the reason
+            raise GrammarError(f"{param} cannot be compiled: {_clean(e)}", param) from e
+
+    def json_object(self, tokenizer, eos_ids: list[int]) -> Grammar:
+        """Any JSON object (``strict_mode=False``: every key and value is allowed)."""
+        comp, json_tokens = self.compiler(tokenizer, eos_ids)
+        return Grammar(comp.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False),
+                       "json_object", json_tokens)
+
+    def structural_tag(self, tokenizer, eos_ids: list[int], tag, param: str) -> Grammar:
+        """An xgrammar structural tag (the forced tool calls of :mod:`deltazip.runtime.serve.tool_calls`)."""
+        comp, _ = self.compiler(tokenizer, eos_ids)
+        try:
+            return Grammar(comp.compile_structural_tag(tag), "tool_call")
+        except Exception as e:
+            raise GrammarError(f"{param} cannot be compiled: {_clean(e)}", param) from e
+
+
+def check_schema(schema: Any, param: str) -> None:
+    """A :class:`GrammarError` naming what makes ``schema`` an invalid JSON schema (its metaschema's
+    complaint), before xgrammar sees it."""
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"{param} must be a JSON schema (an object), got {type(schema).__name__}", param)
+    try:
+        from jsonschema import validators
+        from jsonschema.exceptions import SchemaError
+    except ImportError:  # xgrammar's own checks still apply
+        return
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except SchemaError as e:
+        where = "/".join(str(p) for p in e.path)
+        raise GrammarError(f"{param} is not a valid JSON schema: {e.message}" + (f" (at {where})" if where else ""),
+                           param) from e
+
+
+def response_format_grammar(compilers: GrammarCompilers, tokenizer, eos_ids: list[int], rf: Any) -> Grammar | None:
+    """The grammar of an OpenAI ``response_format`` (None for ``text`` or none at all)."""
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return compilers.json_object(tokenizer, eos_ids)
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise GrammarError("response_format.json_schema must be an object with a `schema` (and a `name`)")
+        return compilers.json_schema(tokenizer, eos_ids, spec["schema"], "response_format")
+    raise GrammarError(f"response_format type {kind!r} is not supported; use 'text', 'json_object' or 'json_schema'")
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine side: masks of a step
+# --------------------------------------------------------------------------------------------------
+
+
+class MaskFiller:
+    """Fills the token bitmasks of a step's constrained rows beside its forward (engine-owned).
+
+    The bitmask is int32 ``[rows, ceil(V / 32)]`` (bit ``t % 32`` of word ``t // 32`` set: token ``t``
+    allowed), one buffer reused across steps, pinned when the logits live on a GPU.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size, self.device = vocab_size, torch.device(device)
+        self._pool: ThreadPoolExecutor | None = None
+        self._batch = None
+        self._buf: torch.Tensor | None = None
+
+    def start(self, matchers: list) -> StepMasks | None:
+        """Begin filling the masks of a step whose rows (all forwards together, in order) have these
+        matchers (None: unconstrained); None when no row is constrained."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        if self._pool is None:
+            xgr = _xgr()
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltazip-grammar")
+            # Its own threads split a large batch; on CPU the forward needs the cores.
+            self._batch = xgr.BatchGrammarMatcher(max_threads=1 if self.device.type == "cpu" else "auto")
+        buf = self._buffer(len(matchers))
+        fut = self._pool.submit(self._fill, [matchers[i] for i in rows], buf, rows)
+        return StepMasks(self, fut, rows, buf[:len(matchers)])
+
+    def _fill(self, matchers: list[Matcher], buf: torch.Tensor, rows: list[int]) -> None:
+        """Worker thread: the rows' masks, one batched call; then the token filters, one indexed AND."""
+        self._batch.batch_fill_next_token_bitmask([m.state for m in matchers], buf, rows)
+        filtered = [(r, m.token_filter) for r, m in zip(rows, matchers) if m.token_filter is not None]
+        if filtered:
+            idx = torch.tensor([r for r, _ in filtered])
+            buf[idx] &= torch.stack([f for _, f in filtered])
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        words = (self.vocab_size + 31) // 32
+        if self._buf is None or self._buf.shape[0] < n:
+            # The last step's host->device copy finished: its sampling read the tokens back.
+            self._buf = torch.full((max(n, 32), words), -1, dtype=torch.int32,
+                                   pin_memory=self.device.type == "cuda")
+        return self._buf
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class StepMasks:
+    """The bitmask of one step's constrained rows, being filled; :meth:`apply` masks a forward's logits."""
+
+    def __init__(self, filler: MaskFiller, fut: Future, rows: list[int], buf: torch.Tensor):
+        self.filler, self.fut, self.rows, self.buf = filler, fut, rows, buf
+        self._dev: torch.Tensor | None = None
+
+    def bitmask(self) -> torch.Tensor:
+        """The filled bitmask ``[rows of the step, W]`` on the logits' device (waits for the fill)."""
+        if self._dev is None:
+            self.fut.result()
+            dev = self.filler.device
+            self._dev = self.buf if dev.type == "cpu" else self.buf.to(dev, non_blocking=True)
+        return self._dev
+
+    def apply(self, logits: torch.Tensor, offset: int) -> None:
+        """Set to ``-inf`` the disallowed tokens of the constrained rows among ``logits [B, V]``, the
+        step's rows ``offset .. offset + B`` (one forward's); in place, one call for all of them."""
+        b = logits.shape[0]
+        idx = [r - offset for r in self.rows if offset <= r < offset + b]
+        if not idx:
+            return
+        from xgrammar import apply_token_bitmask_inplace
+
+        backend = "cpu" if logits.device.type == "cpu" else "torch_native"  # no JIT kernel on the engine thread
+        apply_token_bitmask_inplace(logits, self.bitmask()[offset:offset + b], indices=idx,
+                                    vocab_size=self.filler.vocab_size, backend=backend)
