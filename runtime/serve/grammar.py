@@ -17,10 +17,10 @@ and it reads the demo's character tokenizer as well as byte-level BPE ones; outl
 grammar for an arbitrary JSON object; llguidance needs its own tokenizer wrapper for the character one.
 
 JSON is generated in one fixed layout (``", "`` and ``": "`` separators, no other whitespace): a
-grammar with free whitespace lets a model emit blank lines until ``max_tokens``. So no token of a
-JSON answer holds a control character (U+0000-U+001F): JSON strings must escape them, and xgrammar's
-rules for bounded strings and ``pattern`` let them through raw (``{"maxLength": 3}`` took a tab), so
-the masks of JSON rows are ANDed with the tokenizer's control-free tokens.
+grammar with free whitespace lets a model emit blank lines until ``max_tokens``. A string bounded
+by ``minLength``/``maxLength`` is compiled as the equivalent ``pattern``: xgrammar 0.2.8's rule for
+bounded strings lets raw control characters through (``{"maxLength": 3}`` took a tab, which JSON
+forbids; upstream issue mlc-ai/xgrammar#800), its ``pattern`` rule does not.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 
@@ -65,19 +64,18 @@ class Grammar:
 
     compiled: Any  # xgrammar.CompiledGrammar
     kind: str  # "json_object", "json_schema" or "tool_call"
-    token_filter: torch.Tensor | None = None  # int32 [W]: tokens ever allowed (JSON: control-free ones)
 
     def matcher(self) -> Matcher:
-        return Matcher(_xgr().GrammarMatcher(self.compiled), self.token_filter)
+        return Matcher(_xgr().GrammarMatcher(self.compiled))
 
 
 class Matcher:
     """One sequence's place in its grammar (engine thread; filled by :class:`MaskFiller`)."""
 
-    __slots__ = ("state", "token_filter")
+    __slots__ = ("state",)
 
-    def __init__(self, state, token_filter: torch.Tensor | None):
-        self.state, self.token_filter = state, token_filter
+    def __init__(self, state):
+        self.state = state  # xgrammar.GrammarMatcher
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False when the grammar does not allow it."""
@@ -89,13 +87,33 @@ class Matcher:
         return self.state.is_terminated()
 
 
-def control_free_tokens(info, vocab_size: int) -> torch.Tensor:
-    """int32 ``[ceil(V / 32)]``: bit ``t % 32`` of word ``t // 32`` set when token ``t``'s bytes hold no
-    control character (ids past the tokenizer's are xgrammar's to refuse)."""
-    ok = np.zeros(((vocab_size + 31) // 32) * 32, dtype=bool)
-    vocab = info.decoded_vocab[:vocab_size]
-    ok[:len(vocab)] = [not any(b < 0x20 for b in t) for t in vocab]
-    return torch.from_numpy(np.packbits(ok, bitorder="little").view("<i4").astype(np.int32))
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})  # values there are data, not schemas
+
+
+def bounded_strings_as_patterns(schema: Any) -> Any:
+    """A copy of ``schema`` in which every string subschema bounded by ``minLength``/``maxLength``
+    (and without a ``pattern``) carries the bounds as ``pattern: ^[\\s\\S]{min,max}$`` instead."""
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA_KEYS else bounded_strings_as_patterns(v) for k, v in schema.items()}
+    kind = out.get("type")
+    if (kind == "string" or isinstance(kind, list) and "string" in kind) and "pattern" not in out \
+            and ("minLength" in out or "maxLength" in out):
+        lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = f"^[\\s\\S]{{{lo},{'' if hi is None else int(hi)}}}$"
+    return out
+
+
+def json_schema_ebnf(schema: Any, param: str) -> str:
+    """The EBNF of ``schema`` in the fixed JSON layout (for structural tags: forced tool calls)."""
+    check_schema(schema, param)
+    try:
+        return str(_xgr().Grammar.from_json_schema(json.dumps(bounded_strings_as_patterns(schema)),
+                                                   any_whitespace=False))
+    except Exception as e:
+        raise GrammarError(f"{param} cannot be compiled: {_clean(e)}", param) from e
 
 
 class GrammarCompilers:
@@ -110,33 +128,33 @@ class GrammarCompilers:
     def compiler(self, tokenizer, eos_ids: list[int]):
         xgr = _xgr()
         with self._lock:
-            entry = self._by_tok.get(tokenizer)
-            if entry is None:
+            comp = self._by_tok.get(tokenizer)
+            if comp is None:
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=list(eos_ids))
                 comp = xgr.GrammarCompiler(info, max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
-                entry = self._by_tok[tokenizer] = (comp, control_free_tokens(info, self.vocab_size))
-        return entry
+                self._by_tok[tokenizer] = comp
+        return comp
 
     def json_schema(self, tokenizer, eos_ids: list[int], schema: Any, param: str) -> Grammar:
         """Output valid under ``schema`` (a JSON schema as a dict or boolean)."""
         check_schema(schema, param)
-        comp, json_tokens = self.compiler(tokenizer, eos_ids)
+        comp = self.compiler(tokenizer, eos_ids)
         try:
-            return Grammar(comp.compile_json_schema(json.dumps(schema), any_whitespace=False), "json_schema",
-                           json_tokens)
+            return Grammar(comp.compile_json_schema(json.dumps(bounded_strings_as_patterns(schema)),
+                                                    any_whitespace=False), "json_schema")
         except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError with the reason
             raise GrammarError(f"{param} cannot be compiled: {_clean(e)}", param) from e
 
     def json_object(self, tokenizer, eos_ids: list[int]) -> Grammar:
         """Any JSON object (``strict_mode=False``: every key and value is allowed)."""
-        comp, json_tokens = self.compiler(tokenizer, eos_ids)
+        comp = self.compiler(tokenizer, eos_ids)
         return Grammar(comp.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False),
-                       "json_object", json_tokens)
+                       "json_object")
 
     def structural_tag(self, tokenizer, eos_ids: list[int], tag, param: str) -> Grammar:
         """An xgrammar structural tag (the forced tool calls of :mod:`deltazip.runtime.serve.tool_calls`)."""
-        comp, _ = self.compiler(tokenizer, eos_ids)
+        comp = self.compiler(tokenizer, eos_ids)
         try:
             return Grammar(comp.compile_structural_tag(tag), "tool_call")
         except Exception as e:
@@ -208,16 +226,9 @@ class MaskFiller:
             # Its own threads split a large batch; on CPU the forward needs the cores.
             self._batch = xgr.BatchGrammarMatcher(max_threads=1 if self.device.type == "cpu" else "auto")
         buf = self._buffer(len(matchers))
-        fut = self._pool.submit(self._fill, [matchers[i] for i in rows], buf, rows)
+        fut = self._pool.submit(self._batch.batch_fill_next_token_bitmask, [matchers[i].state for i in rows], buf,
+                                rows)
         return StepMasks(self, fut, rows, buf[:len(matchers)])
-
-    def _fill(self, matchers: list[Matcher], buf: torch.Tensor, rows: list[int]) -> None:
-        """Worker thread: the rows' masks, one batched call; then the token filters, one indexed AND."""
-        self._batch.batch_fill_next_token_bitmask([m.state for m in matchers], buf, rows)
-        filtered = [(r, m.token_filter) for r, m in zip(rows, matchers) if m.token_filter is not None]
-        if filtered:
-            idx = torch.tensor([r for r, _ in filtered])
-            buf[idx] &= torch.stack([f for _, f in filtered])
 
     def _buffer(self, n: int) -> torch.Tensor:
         words = (self.vocab_size + 31) // 32

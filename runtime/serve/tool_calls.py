@@ -48,7 +48,13 @@ class ToolPlan:
         return self.choice != "none"
 
     def structural_tag(self):
-        """The xgrammar structural tag that forces the call(s), or None (``auto``, ``none``)."""
+        """The xgrammar structural tag that forces the call(s), or None (``auto``, ``none``).
+
+        The library's tag of the format (``qwen_3``: Hermes blocks, ``llama``: JSON) with two changes:
+        each call's arguments follow the grammar of :func:`~deltazip.runtime.serve.grammar.json_schema_ebnf`
+        (the fixed JSON layout; the tag's own JSON allows free whitespace), and ``required`` with
+        parallel calls is calls only (the library's form lets free text follow the first call).
+        """
         if self.choice not in ("required", "function"):
             return None
         import xgrammar as xgr
@@ -56,13 +62,24 @@ class ToolPlan:
         choice = "required" if self.choice == "required" else {"type": "function", "function": {"name": self.name}}
         tag = xgr.get_model_structural_tag("qwen_3" if self.fmt == "hermes" else "llama", tools=self.tools,
                                            tool_choice=choice, reasoning=False, parallel_tool_calls=self.parallel)
+        fmt = _fixed_layout(tag.model_dump()["format"])
         if self.choice == "required" and self.parallel:
-            # The library's form lets free text follow the first call; a forced answer is calls only.
-            fmt = tag.format
-            tag = xgr.StructuralTag.model_validate({"type": "structural_tag", "format": {
-                "type": "tags_with_separator", "tags": [t.model_dump() for t in fmt.tags],
-                "separator": "\n" if self.fmt == "hermes" else "; ", "at_least_one": True, "stop_after_first": False}})
-        return tag
+            fmt = {"type": "tags_with_separator", "tags": fmt["tags"], "separator": "\n" if self.fmt == "hermes" else "; ",
+                   "at_least_one": True, "stop_after_first": False}
+        return xgr.StructuralTag.model_validate({"type": "structural_tag", "format": fmt})
+
+
+def _fixed_layout(fmt: Any) -> Any:
+    """A structural tag's format with every JSON-schema content replaced by its fixed-layout grammar."""
+    from deltazip.runtime.serve.grammar import json_schema_ebnf
+
+    if isinstance(fmt, list):
+        return [_fixed_layout(f) for f in fmt]
+    if not isinstance(fmt, dict):
+        return fmt
+    if fmt.get("type") == "json_schema" and "json_schema" in fmt:
+        return {"type": "grammar", "grammar": json_schema_ebnf(fmt["json_schema"], "tools")}
+    return {k: _fixed_layout(v) for k, v in fmt.items()}
 
 
 def tool_format(template: str) -> str:

@@ -95,17 +95,13 @@ def test_100_json_schema_requests_parse_and_validate(client, served):
 
 
 def _reference(served, prompt_ids: list[int], schema: dict, max_new: int) -> str:
-    """Greedy decoding of the merged model under the schema, one token at a time: the matcher's mask and
-    the JSON token filter unpacked with plain torch (not the server's code path) before each argmax."""
+    """Greedy decoding of the merged model under the schema, one token at a time: the matcher's mask
+    unpacked with plain torch (not the server's code path) before each argmax."""
     tok = served.tokenizer()
     model = served.model("alpha")
     comp = GrammarCompilers(model.config.vocab_size)
-    grammar = comp.json_schema(tok, [tok.eos_token_id], schema, "schema")
-    matcher = grammar.matcher().state
+    matcher = comp.json_schema(tok, [tok.eos_token_id], schema, "schema").matcher().state
     v = model.config.vocab_size
-
-    def unpack(words):
-        return ((words.unsqueeze(1) >> torch.arange(32)) & 1).flatten()[:v].bool()
 
     bits = xgr.allocate_token_bitmask(1, v)
     ids = list(prompt_ids)
@@ -113,7 +109,7 @@ def _reference(served, prompt_ids: list[int], schema: dict, max_new: int) -> str
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1].float()
         matcher.fill_next_token_bitmask(bits)
-        allowed = unpack(bits[0]) & unpack(grammar.token_filter)
+        allowed = ((bits[0].unsqueeze(1) >> torch.arange(32)) & 1).flatten()[:v].bool()
         t = int(logits.masked_fill(~allowed, float("-inf")).argmax())
         assert matcher.accept_token(t)
         if t == tok.eos_token_id:
