@@ -210,6 +210,8 @@ class MaskFiller:
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, torch.device(device)
+        # xgrammar's CPU kernel on a CPU; elsewhere its pure-torch one (no kernel compiled on the engine thread)
+        self.backend = "cpu" if self.device.type == "cpu" else "torch_native"
         self._pool: ThreadPoolExecutor | None = None
         self._batch = None
         self._buf: torch.Tensor | None = None
@@ -262,12 +264,12 @@ class StepMasks:
     def apply(self, logits: torch.Tensor, offset: int) -> None:
         """Set to ``-inf`` the disallowed tokens of the constrained rows among ``logits [B, V]``, the
         step's rows ``offset .. offset + B`` (one forward's); in place, one call for all of them."""
-        b = logits.shape[0]
+        b = min(logits.shape[0], self.buf.shape[0] - offset)
         idx = [r - offset for r in self.rows if offset <= r < offset + b]
         if not idx:
             return
         from xgrammar import apply_token_bitmask_inplace
 
-        backend = "cpu" if logits.device.type == "cpu" else "torch_native"  # no JIT kernel on the engine thread
-        apply_token_bitmask_inplace(logits, self.bitmask()[offset:offset + b], indices=idx,
-                                    vocab_size=self.filler.vocab_size, backend=backend)
+        with torch.inference_mode():  # the logits are inference tensors: updated in place only in this mode
+            apply_token_bitmask_inplace(logits, self.bitmask()[offset:offset + b], indices=idx,
+                                        vocab_size=self.filler.vocab_size, backend=self.filler.backend)

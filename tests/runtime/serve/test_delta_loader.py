@@ -137,9 +137,9 @@ def test_a_long_prompt_of_a_loading_variant_is_chunked_after_its_load(served, mo
         steps: list[dict[str, tuple[int, bool]]] = []
         forward = eng._forward
 
-        def spy(group, row_slots):  # engine thread: per forward, each row's model, new tokens, decoding?
+        def spy(group, row_slots, *rest):  # engine thread: per forward, each row's model, new tokens, decoding?
             steps.append({s.model: (len(t), bool(s.output_ids)) for s, t in group})
-            return forward(group, row_slots)
+            return forward(group, row_slots, *rest)
 
         eng._forward = spy
         eng.start()

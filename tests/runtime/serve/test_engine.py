@@ -403,13 +403,13 @@ def test_chunked_prefill_keeps_decodes_going_and_outputs_equal_generate(served):
         col = Collector()
         long_rid = []
 
-        def spy(group, row_slots):  # engine thread: which rows ran in which step, and how many tokens
+        def spy(group, row_slots, *rest):  # engine thread: which rows ran in which step, and how many tokens
             rows_of_step.setdefault(eng.counters["steps"], {}).update(
                 {s.rid: (len(t), bool(s.output_ids)) for s, t in group})
             if not long_rid and len(group) == 2 and all(len(s.output_ids) >= 2 for s, _ in group):  # both decode
                 long_rid.append(eng.submit("beta", long_ids, SamplingParams(max_tokens=6, temperature=0.0),
                                            col.sink("long")))
-            return forward(group, row_slots)
+            return forward(group, row_slots, *rest)
 
         eng._forward = spy
         # beta resident from the start: its background load would otherwise hold the long prompt back
