@@ -4,15 +4,13 @@ PY := $(VENV)/bin/python
 # The CPU build of torch 2.13.0 is what CI and the developers' machines have; on a GPU machine
 # override it, e.g. `make test TORCH=torch`, or install torch first: an installed torch is kept.
 TORCH ?= torch==2.13.0
-# Extra Triton versions the offline kernel checks compile with (tests/kernels/test_sass.py).
-TRITON_OFFLINE ?= 3.6.0
 # Every other package is installed at the version pinned in the lock file, so that a new upstream
 # release cannot break `make test` overnight (pyproject.toml keeps ranges for users). `make lock`
 # rewrites it from $(VENV); `make test-latest` tests the newest releases the ranges allow, on purpose;
-# `CONSTRAINTS=` installs without it (e.g. next to a CUDA torch that needs another triton).
+# `CONSTRAINTS=` installs without it (e.g. next to a CUDA torch that needs other pins).
 CONSTRAINTS ?= constraints.txt
 PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
-EXTRAS := dev,kernels,serve,eval,cluster
+EXTRAS := dev,serve,eval,cluster
 
 .PHONY: install demo test lint lock test-latest
 
@@ -24,8 +22,6 @@ $(VENV)/.installed: pyproject.toml $(wildcard $(CONSTRAINTS))
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)" $(PIN)
 	@echo "make: installing deltazip (editable) with the $(EXTRAS) extras$(if $(CONSTRAINTS), at the versions in $(CONSTRAINTS))"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]" $(PIN)
-	@echo "make: installing Triton $(TRITON_OFFLINE) beside it (offline SASS screens of the version torch 2.11 pins)"
-	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-$(TRITON_OFFLINE) triton==$(TRITON_OFFLINE)
 	touch $@
 
 install: $(VENV)/.installed

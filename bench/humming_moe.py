@@ -119,7 +119,7 @@ def parity(bits: int, dtype: torch.dtype) -> float:
 
 def point(out_f, in_f, bits, dtype, d, r, rings, bw, replays) -> dict:
     from deltazip.kernels import dispatch_table
-    from deltazip.kernels.host_plan import plan_rows
+    from deltazip.kernels.row_plan import plan_rows
 
     stacks, layers = rings
     n = d * r

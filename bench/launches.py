@@ -6,14 +6,14 @@
 Builds a Llama model from a transformers config in code (random weights, nothing downloaded),
 decouples every linear of its layers (``DeltaLinear``), fills ``--slots`` slots with random 4-bit 2:4
 deltas and runs one decode step (``--rows`` rows, one token each, every row on a slot) under the torch
-profiler. Four settings: deltas ``dequantized`` (what a CPU server runs) or ``packed`` (SBMM; without
-CUDA through the Triton interpreter, the fast kernel's layout forced), each with one ``DeltaLinear``
+profiler. Four settings: deltas ``dequantized`` (what a CPU server runs) or ``packed`` (SBMM: the CUDA
+kernel on a GPU; without CUDA the reference over the kernel's layout, forced), each with one ``DeltaLinear``
 per projection (``per_linear``) or with q/k/v and gate/up merged (``merged``,
 ``deltazip.runtime.serve.projections``). Per setting and per layer (the difference between a 2-layer
 and a 1-layer model, so embeddings, final norm and lm_head drop out):
 
 - ``top_level_ops``: aten ops dispatched from Python (on a GPU each is one kernel launch or more);
-  under the interpreter the packed setting's count includes the interpreter's own tensor copies;
+  without CUDA the packed setting's count includes the reference's own ops;
 - ``gemms``: ``aten::linear`` calls;
 - ``sbmm``: ``dispatch.sbmm`` calls by path (``dispatch.CALLS``; one kernel launch each).
 
@@ -29,9 +29,6 @@ import sys
 from pathlib import Path
 
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _pairs import emit  # noqa: E402
@@ -125,7 +122,6 @@ def run(args) -> dict:
     results = []
     for compute in ("dequantized", "packed"):
         if compute == "packed" and not torch.cuda.is_available():
-            os.environ["DELTAZIP_FORCE_TRITON"] = "1"
             os.environ["DELTAZIP_SBMM_LAYOUT"] = "mma"
         logits = {}
         for merge in (False, True):

@@ -6,7 +6,6 @@ bf16 activations, D deltas in the batch (1, 4, 16, 64) with R rows each (1, 16),
 - ``cuda``: what the server runs: the path and launch config the dispatcher measured best for this
   key (``deltazip.kernels.dispatch_table.tune``: the CUDA SBMM kernel's configs, and dequantize +
   cuBLAS at 16+ rows per delta), with the host-built plan;
-- ``triton_fast`` / ``triton_transposed``: the Triton kernels (4096x4096 only: each compiles for a while);
 - ``bmm_fp16``: ``torch.bmm`` over the deltas kept dense in fp16 (rows pre-grouped: cheaper than real);
 - ``loop_fp16``: one dense fp16 matmul per delta (at D = 1: the dense matmul of that delta).
 
@@ -86,40 +85,24 @@ def canonical_bytes(out_f: int, in_f: int, bits: int, group: int, rows: int) -> 
 
 
 def mma_stacks(out_f, in_f, bits, count):
-    from deltazip.kernels import fast_layout
+    from deltazip.kernels import mma_layout
     from deltazip.kernels.scheme import DeltaScheme
     from deltazip.kernels.stacked import StackedDeltas
 
     stacks = []
     for _ in range(count):
-        words = fast_layout.slot_words(out_f, in_f, bits)
+        words = mma_layout.slot_words(out_f, in_f, bits)
         q = torch.randint(-2**31, 2**31 - 1, (MAX_D, words), dtype=torch.int32, device="cuda")
-        sc = (torch.rand(MAX_D, in_f // 128, fast_layout.padded_rows(out_f), device="cuda") * 0.02 + 0.002).half()
+        sc = (torch.rand(MAX_D, in_f // 128, mma_layout.padded_rows(out_f), device="cuda") * 0.02 + 0.002).half()
         stacks.append(StackedDeltas(q, sc, None, None, DeltaScheme(bits=bits, group_size=128, sparsity="2:4"), in_f,
                                     out_f, layout="mma"))
     return stacks
 
 
-def transposed_stacks(out_f, in_f, bits, count):
-    from deltazip.kernels.packed import packed_words
-    from deltazip.kernels.scheme import DeltaScheme
-    from deltazip.kernels.stacked import StackedDeltas
+def point(out_f, in_f, bits, dtype, d, r, rings, bw, quick, replays) -> dict:
+    from deltazip.kernels.row_plan import plan_rows
 
-    stacks = []
-    for _ in range(count):
-        kept = in_f // 2
-        q = torch.randint(-2**31, 2**31 - 1, (MAX_D, packed_words(kept, bits), out_f), dtype=torch.int32, device="cuda")
-        pos = torch.full((MAX_D, packed_words(kept, 2), out_f), 0x44444444, dtype=torch.int32, device="cuda")  # 0,1 pairs
-        sc = (torch.rand(MAX_D, in_f // 128, out_f, device="cuda") * 0.02 + 0.002).half()
-        stacks.append(StackedDeltas(q, sc, None, pos, DeltaScheme(bits=bits, group_size=128, sparsity="2:4"), in_f,
-                                    out_f))
-    return stacks
-
-
-def point(out_f, in_f, bits, dtype, d, r, rings, bw, quick, replays, with_triton) -> dict:
-    from deltazip.kernels.host_plan import plan_rows
-
-    stacks, dense, tstacks = rings
+    stacks, dense = rings
     n = d * r
     # launch i reads stack i % 2, slots [o_i, o_i + d): distinct weights per launch across the ring
     n_launch = max(2, min(32, 2 * MAX_D // d))
@@ -142,19 +125,8 @@ def point(out_f, in_f, bits, dtype, d, r, rings, bw, quick, replays, with_triton
                                         for s, o in windows], replays), 2)
     res["loop_fp16"] = round(graph_time([lambda s=s, o=o: [torch.mm(xb[k], dense[s][o + k].T) for k in range(d)]
                                          for s, o in windows], replays), 2)
-    if with_triton:
-        from deltazip.kernels.triton_fast import sbmm_fast
-        from deltazip.kernels.triton_sbmm import group_rows, sbmm_triton
-
-        idx = [torch.tensor(rw, device="cuda") for rw in rows]
-        dplans = [group_rows(i, MAX_D, 16) for i in idx]
-        res["triton_fast"] = round(graph_time([lambda s=s, i=i, p=p: sbmm_fast(x, i, stacks[s], plan=p)
-                                               for (s, _), i, p in zip(windows, idx, dplans)], replays), 2)
-        res["triton_transposed"] = round(graph_time([lambda s=s, i=i, p=p: sbmm_triton(x, i, tstacks[s], plan=p)
-                                                     for (s, _), i, p in zip(windows, idx, dplans)], replays), 2)
     floor = d * canonical_bytes(out_f, in_f, bits, 128, r) / bw * 1e6
-    compressed = {k: v for k, v in res.items() if k in ("cuda", "triton_fast", "triton_transposed")}
-    chosen = min(compressed, key=compressed.get)
+    chosen = "cuda"
     return {"shape": f"{out_f}x{in_f}", "bits": bits, "dtype": str(dtype).removeprefix("torch."), "deltas": d,
             "rows_per_delta": r, "us": res, "floor_us": round(floor, 2), "chosen": chosen,
             "chosen_over_floor": round(res[chosen] / floor, 2), "dispatch": best[1].to_json(),
@@ -187,7 +159,7 @@ def parity(bits, dtype) -> float:
     from _sbmm import make_delta
 
     from deltazip.kernels import cuda_sbmm, reference
-    from deltazip.kernels.host_plan import plan_rows
+    from deltazip.kernels.row_plan import plan_rows
     from deltazip.kernels.stacked import repack
 
     gen = torch.Generator().manual_seed(0)
@@ -236,7 +208,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write sbmm_table.json (and table.md) here")
     ap.add_argument("--replays", type=int, default=15)
     ap.add_argument("--shapes", default=None, help="e.g. 4096x4096,11008x4096")
-    ap.add_argument("--no-triton", action="store_true", help="skip the Triton kernels")
     ap.add_argument("--table", action="store_true", help="print a markdown table on stderr")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -256,25 +227,22 @@ def main(argv=None) -> int:
 
     def document(complete: bool) -> dict:
         return {"bench": "sbmm_table", "complete": complete,
-                "machine": {**machine(), "triton": _triton_version(), "copy_GBps": round(bw / 1e9, 1),
+                "machine": {**machine(), "copy_GBps": round(bw / 1e9, 1),
                             "cuda_runtime": torch.version.cuda},
                 "config": {"quick": args.quick, "replays": args.replays, "group": 128, "sparsity": "2:4"},
                 "parity": checks, "results": results, "seconds": round(time.time() - t0, 1)}
 
     for out_f, in_f in shapes:
         for bits in (4, 2):
-            triton_here = not args.no_triton and (out_f, in_f) == (4096, 4096)
             rings = (mma_stacks(out_f, in_f, bits, 2),
-                     [torch.randn(MAX_D, out_f, in_f, device="cuda", dtype=torch.float16) for _ in range(2)],
-                     transposed_stacks(out_f, in_f, bits, 2) if triton_here else None)
+                     [torch.randn(MAX_D, out_f, in_f, device="cuda", dtype=torch.float16) for _ in range(2)])
             for dtype in (torch.float16, torch.bfloat16):
                 for d in (1, 4, 16, 64):
                     for r in (1, 16):
                         dense = [w if dtype == torch.float16 else None for w in rings[1]]
                         if dtype == torch.bfloat16:
                             dense = [w.view(torch.bfloat16) for w in rings[1]]  # same bytes, bf16 bits
-                        p = point(out_f, in_f, bits, dtype, d, r, (rings[0], dense, rings[2]), bw, args.quick,
-                                  args.replays, triton_here and r == 1 and d in (1, 16))
+                        p = point(out_f, in_f, bits, dtype, d, r, (rings[0], dense), bw, args.quick, args.replays)
                         results.append(p)
                         log(json.dumps(p))
                         if args.out:  # the points so far, each file whole: a run stopped at a limit keeps them
@@ -292,15 +260,6 @@ def main(argv=None) -> int:
         (args.out / "table.md").write_text(table(results) + "\n")
     emit(doc, args.out, "sbmm_table.json")
     return 0
-
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-
-        return triton.__version__
-    except Exception:  # noqa: BLE001
-        return None
 
 
 if __name__ == "__main__":

@@ -85,7 +85,10 @@ def run_deployment(arts: Path, base: str, k: int, share: bool, threads: int) -> 
     variant = discover_variants(arts)[0].name
     cfg = ServeConfig(artifacts=arts, base=base, max_deltas=1, max_cpu_deltas=1, cpu_threads=threads)
     t0 = time.perf_counter()
-    with WorkerPool(cfg, workers=k, share=share, front=False, env={"OMP_NUM_THREADS": str(threads)}) as pool:
+    # No standby: a spare process would share the library pages (changing every PSS) and import
+    # while the pool is measured.
+    with WorkerPool(cfg, workers=k, share=share, front=False, env={"OMP_NUM_THREADS": str(threads)},
+                    standby=False) as pool:
         up = time.perf_counter() - t0
         for w in pool.workers:  # read the weights once (a forward touches every matrix)
             r = httpx.post(w.url + "/v1/completions", timeout=300,

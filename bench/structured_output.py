@@ -14,9 +14,9 @@ has one) and to advance the eight matchers. ``char_tokenizer`` says whether the 
 demo's character-level tokenizer (what the tests serve).
 
 ``step``: one decode step of ``--rows`` rows of the base model as the engine runs it (forward,
-sampling) against the same step with ``--constrained`` rows under a JSON schema (masks filled by
+``engine.draw_tokens``) against the same step with ``--constrained`` rows under a JSON schema (masks filled by
 ``deltazip.runtime.serve.grammar.MaskFiller`` on its thread while the forward runs, applied to the
-logits, the sampled tokens accepted by the matchers; a matcher that completes starts over), and
+logits last in ``process_logits``, the sampled tokens accepted by the matchers; a matcher that completes starts over), and
 against the grammar path with no constrained row. Interleaved, medians of ``--repeats``; the ratio
 ``constrained / plain`` is the cost of the constrained rows (``paired``: the median of each repeat's
 ratio of back-to-back steps, steadier on a busy machine). The base alone is served (no delta work):
@@ -290,10 +290,23 @@ def smollm2_base() -> tuple[Path, object]:
     return d, AutoTokenizer.from_pretrained(d)
 
 
+def _sequences(rows: int, matchers: list) -> list:
+    """The engine's ``Sequence`` objects of one step's rows (greedy; ``matchers[i]``: row i's grammar)."""
+    from deltazip.runtime.serve.engine import IncrementalDetokenizer, SamplingParams, Sequence
+
+    out = []
+    for r in range(rows):
+        seq = Sequence(f"r{r}", "m", "m", [0], SamplingParams(max_tokens=10**6, temperature=0.0), lambda ev: None,
+                       IncrementalDetokenizer(None, [], []), seed=r, arrival=0.0)
+        seq.matcher = matchers[r]
+        out.append(seq)
+    return out
+
+
 def bench_step(base_dir: Path, tok, rows: int, constrained: int, context: int, repeats: int) -> list[dict]:
     from deltazip.runtime.serve.assembly import ServeConfig, build_model
+    from deltazip.runtime.serve.engine import draw_tokens
     from deltazip.runtime.serve.grammar import GrammarCompilers, MaskFiller
-    from deltazip.runtime.serve.sampling import sample_tokens
 
     model = build_model(ServeConfig(base=str(base_dir), dtype="float32"), variants=[]).backend
     vocab = model.config.vocab_size
@@ -302,27 +315,24 @@ def bench_step(base_dir: Path, tok, rows: int, constrained: int, context: int, r
     grammars = [compilers.json_schema(tok, [tok.eos_token_id], SCHEMAS[ROWS8[i % len(ROWS8)]], "schema")
                 for i in range(constrained)]
     matchers = [g.matcher() for g in grammars] + [None] * (rows - constrained)
+    seqs = _sequences(rows, matchers)
+    plain_seqs = _sequences(rows, [None] * rows)
+    eos = [[tok.eos_token_id]] * rows
     filler = MaskFiller(vocab, model.device)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-    settings = ([0.0] * rows, [1.0] * rows, list(range(rows)), [0] * rows)
 
     def plain() -> None:
-        sample_tokens(forward(), *settings)
+        draw_tokens(plain_seqs, forward(), eos)
 
-    def with_rows(ms) -> None:
-        masks = filler.start(ms)  # filled on its thread while the forward runs
-        logits = forward()
-        if masks is not None:
-            masks.apply(logits, 0)
-        toks = sample_tokens(logits, *settings)
-        for i, m in enumerate(ms):
-            if m is not None:
-                assert m.accept(toks[i])
-                if m.terminated:
-                    m.state.reset()
+    def with_rows(batch) -> None:  # the engine's path: masks filled on their thread while the forward runs
+        masks = filler.start({s.rid: s.matcher for s in batch if s.matcher is not None})
+        for s, t, _ in draw_tokens(batch, forward(), eos, masks):
+            if s.matcher is not None:
+                assert s.matcher.accept(t)
+                if s.matcher.terminated:
+                    s.matcher.state.reset()
 
-    cands = {"plain": plain, "constrained": lambda: with_rows(matchers),
-             "grammar_path_no_rows": lambda: with_rows([None] * rows)}
+    cands = {"plain": plain, "constrained": lambda: with_rows(seqs), "grammar_path_no_rows": lambda: with_rows(plain_seqs)}
     for fn in cands.values():  # warm-up
         fn()
     times = {k: [] for k in cands}
@@ -335,7 +345,7 @@ def bench_step(base_dir: Path, tok, rows: int, constrained: int, context: int, r
             times[k].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     paired = {k: statistics.median(a / b for a, b in zip(times[k], times["plain"])) for k in times}
-    mask = _mask_only(filler, matchers, forward(), repeats)
+    mask = _mask_only(filler, seqs, forward(), repeats)
     filler.close()
     return [{"part": "step", "rows": rows, "constrained": constrained, "context": context, "vocab": vocab,
              "device": str(model.device), **{f"{k}_ms": v for k, v in med.items()},
@@ -345,16 +355,17 @@ def bench_step(base_dir: Path, tok, rows: int, constrained: int, context: int, r
              "no_rows_over_plain_paired": paired["grammar_path_no_rows"], **mask}]
 
 
-def _mask_only(filler, matchers, logits, repeats: int) -> dict:
+def _mask_only(filler, seqs, logits, repeats: int) -> dict:
     """The mask work alone at this vocabulary: filling the constrained rows, applying to the batch."""
     fills, applies = [], []
+    keyed = {s.rid: s.matcher for s in seqs if s.matcher is not None}
     for _ in range(repeats):
         t0 = time.perf_counter()
-        masks = filler.start(matchers)
+        masks = filler.start(keyed)
         masks.bitmask()
         fills.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        masks.apply(logits, 0)
+        masks.rows([s.rid if s.matcher is not None else None for s in seqs]).apply(logits)
         applies.append(time.perf_counter() - t0)
     return {"fill_ms": statistics.median(fills) * 1e3, "apply_ms": statistics.median(applies) * 1e3}
 

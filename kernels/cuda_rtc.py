@@ -1,7 +1,7 @@
 """Compile CUDA C++ at first use with NVRTC and launch it on torch's current stream.
 
-Why by hand (docs/kernels.md): the delta matmul needs a kernel whose speed does not depend on Triton's
-layout inference, built for the GPU it runs on without asking users for nvcc. NVRTC (the
+Why by hand (docs/kernels.md): the delta matmul needs a kernel whose speed does not depend on a
+compiler's layout inference, built for the GPU it runs on without asking users for nvcc. NVRTC (the
 ``nvidia-cuda-nvrtc`` wheel, which CUDA builds of torch already install) compiles the source; the CUDA
 driver loads the cubin. ``cuda-python`` would pin one more CUDA-major-specific package beside torch,
 and ``torch.cuda._compile_kernel`` is private and changes between releases; the two C entry points per
@@ -104,12 +104,17 @@ def compile_cubin(source: str, macros: dict[str, int], arch: int, *, name: str =
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def cache_dir() -> Path:
-    env = os.environ.get(_CACHE_ENV, "").strip()
-    if env:
-        return Path(env)
+def user_cache(env: str, name: str) -> Path:
+    """``$env`` when set, else ``$XDG_CACHE_HOME/deltazip/<name>`` (``~/.cache`` by default)."""
+    value = os.environ.get(env, "").strip()
+    if value:
+        return Path(value)
     base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "deltazip" / "cuda"
+    return Path(base) / "deltazip" / name
+
+
+def cache_dir() -> Path:
+    return user_cache(_CACHE_ENV, "cuda")
 
 
 @functools.lru_cache(maxsize=8)

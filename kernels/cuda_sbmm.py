@@ -1,7 +1,7 @@
 """SBMM on the CUDA kernel of ``kernels/cuda/sbmm.cu``, for stacks in the ``mma`` layout.
 
 Same semantics as ``deltazip.kernels.reference.sbmm``; what runs it is decided by
-``deltazip.kernels.dispatch`` (by measurement, ``deltazip.kernels.autotune``). The kernel is compiled
+``deltazip.kernels.dispatch`` (by measurement, ``deltazip.kernels.dispatch_table``). The kernel is compiled
 at first use for the GPU at hand by NVRTC (``deltazip.kernels.cuda_rtc``); one launch per call, no
 host synchronisation, nothing allocated per call when ``out`` is given (split-K partials go through a
 per-device workspace whose counters every launch leaves at zero), so a CUDA graph can replay it.
@@ -25,10 +25,10 @@ from importlib import resources
 
 import torch
 
-from deltazip.kernels.availability import cuda_kernel_available
-from deltazip.kernels.fast_layout import padded_rows
+from deltazip.kernels.mma_layout import padded_rows
+from deltazip.kernels.mma_layout import supported as mma_supported
+from deltazip.kernels.row_plan import RowPlan, group_rows
 from deltazip.kernels.stacked import StackedDeltas
-from deltazip.kernels.triton_sbmm import RowPlan
 
 DTYPES = (torch.float16, torch.bfloat16)
 BITS = (2, 4, 8)
@@ -62,15 +62,14 @@ def source() -> str:
     return resources.files("deltazip.kernels").joinpath("cuda/sbmm.cu").read_text()
 
 
-def group_params(stack: StackedDeltas) -> tuple[int, int] | None:
-    """``(GK16, group_shift)`` of a stack, or None when the kernel has no variant for its group size.
-
-    Groups narrower than a 128-column tile need ``GK16 = group / 16`` steps per group (16, 32 or 64
-    columns); wider ones must span a power of two of tiles, or the whole row (``group_shift`` 30)."""
-    g, k = stack.effective_group, stack.in_features
+def group_params_for(group: int, in_features: int) -> tuple[int, int] | None:
+    """``(GK16, group_shift)`` of a group size (``-1``: the whole row), or None when the kernel has no
+    variant for it. Groups narrower than a 128-column tile need ``GK16 = group / 16`` steps per group (16,
+    32 or 64 columns); wider ones must span a power of two of tiles, or the whole row (``group_shift`` 30)."""
+    g = in_features if group == -1 else group
     if g in (16, 32, 64):
         return g // 16, 0
-    if g == k:
+    if g == in_features:
         return 8, 30
     tiles = g // 128
     if g % 128 or tiles & (tiles - 1):
@@ -78,10 +77,32 @@ def group_params(stack: StackedDeltas) -> tuple[int, int] | None:
     return 8, tiles.bit_length() - 1
 
 
+def group_params(stack: StackedDeltas) -> tuple[int, int] | None:
+    """:func:`group_params_for` of a stack."""
+    return group_params_for(stack.effective_group, stack.in_features)
+
+
+def covers(scheme, in_features: int, dtype: torch.dtype) -> str | None:
+    """None when the kernel serves deltas of ``scheme`` (a ``DeltaScheme``) over ``in_features`` columns
+    with ``dtype`` activations (in the ``mma`` layout, on an sm_80+ GPU), else what it lacks, as the end
+    of a sentence ("... runs on the torch reference: <reason>")."""
+    g = scheme.effective_group(in_features)
+    if dtype not in DTYPES:
+        return f"{str(dtype).removeprefix('torch.')} activations (the kernel takes fp16 and bf16)"
+    if scheme.bits not in BITS:
+        return f"{scheme.bits}-bit codes (the kernel reads 2, 4 and 8 bits)"
+    if in_features % 128:
+        return f"in_features {in_features} is not a multiple of 128"
+    if not mma_supported(scheme.bits, scheme.group_size, in_features):
+        return f"groups of {g} columns at {scheme.bits} bits do not fit the mma layout's K steps"
+    if group_params_for(scheme.group_size, in_features) is None:
+        return f"groups of {g} columns (the kernel takes 16, 32, 64, a power-of-two multiple of 128, or the row)"
+    return None
+
+
 def supported(stack: StackedDeltas, dtype: torch.dtype) -> bool:
     """Whether the kernel has a variant for this stack and activation dtype (device checks aside)."""
-    return (stack.layout == "mma" and stack.bits in BITS and dtype in DTYPES and stack.in_features % 128 == 0
-            and group_params(stack) is not None)
+    return stack.layout == "mma" and covers(stack.scheme, stack.in_features, dtype) is None
 
 
 def stage_bytes(stack: StackedDeltas, rb: int, kt: int = 1) -> int:
@@ -177,9 +198,18 @@ def effective_split(k_tiles: int, cfg: CudaConfig) -> tuple[int, int]:
     return per_split, -(-k_tiles // per_split)
 
 
+@functools.cache
 def available(device_index: int = 0) -> bool:
     """A CUDA device of compute capability 8.0+ (mma.sync bf16, cp.async) and NVRTC that loads."""
-    return cuda_kernel_available(device_index)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device_index) < (8, 0):
+        return False
+    try:
+        from deltazip.kernels.cuda_rtc import nvrtc
+
+        nvrtc()
+    except Exception:  # noqa: BLE001 - no NVRTC: the dispatcher takes the reference path
+        return False
+    return True
 
 
 def fits(stack: StackedDeltas, cfg: CudaConfig, device_index: int) -> bool:
@@ -228,7 +258,6 @@ class _Workspace:
 
 
 _WORKSPACE = _Workspace()
-_ALL_PRESENT: dict[tuple, torch.Tensor] = {}
 
 
 def default_config(stack: StackedDeltas, plan: RowPlan, device: torch.device) -> CudaConfig:
@@ -245,14 +274,77 @@ def default_config(stack: StackedDeltas, plan: RowPlan, device: torch.device) ->
     return CudaConfig(rb=rb, stages=stages, split=split, kt=kt)
 
 
+class Build:
+    """One compiled launch of ``dz_sbmm`` over one stack, activation dtype and launch config: the kernel,
+    its shared memory, grid width and the stack's pointers, resolved once; :meth:`launch` only adds the
+    call's own tensors (``x``, ``y``, the plan, ``present``)."""
+
+    def __init__(self, stack: StackedDeltas, dtype: torch.dtype, cfg: CudaConfig):
+        if not supported(stack, dtype):
+            raise ValueError(f"no CUDA SBMM variant for {dtype} and this stack (layout {stack.layout}, "
+                             f"bits {stack.bits}, group {stack.effective_group})")
+        if not mt_ok(stack, cfg.mt):  # before compiling a build that could not run
+            raise ValueError(f"mt={cfg.mt} needs codes of 2 or 4 bits, not {stack.bits}")
+        self.k_tiles = stack.in_features // 128
+        if self.k_tiles % cfg.kt:
+            raise ValueError(f"kt={cfg.kt} does not divide the {self.k_tiles} K tiles of in_features {stack.in_features}")
+        from deltazip.kernels.cuda_rtc import load
+
+        dev = stack.device.index if stack.device.index is not None else torch.cuda.current_device()
+        self.stack, self.dtype, self.cfg, self.device = stack, dtype, cfg, stack.device
+        self.kernel = load(source(), macros(stack, dtype, cfg, dev), "dz_sbmm", dev)
+        self.smem = cfg.stages * stage_bytes(stack, cfg.rb, cfg.kt)
+        self.kernel.allow_smem(self.smem)
+        self.per_split, self.split = effective_split(self.k_tiles, cfg)
+        self.grid_x = -(-padded_rows(stack.out_features) // (64 * cfg.rb))
+        zr = stack.zeros if stack.asymmetric else stack.scales
+        c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+        self.weights = [ptr(stack.qweight.data_ptr()), c_ll(stack.qweight[0].numel()), ptr(stack.scales.data_ptr()),
+                        ptr(zr.data_ptr()), c_ll(stack.scales[0].numel()), c_int(stack.out_features),
+                        c_int(padded_rows(stack.out_features)), c_int(self.k_tiles),
+                        c_int(group_params(stack)[1])]
+        self.all_present = torch.ones(stack.num_deltas + 1, dtype=torch.uint8, device=stack.device)
+
+    def launch(self, x: torch.Tensor, y: torch.Tensor, plan: RowPlan, present: torch.Tensor | None,
+               add: bool) -> torch.Tensor:
+        """``y[r] (+)= x[r] @ W[slot(r)]^T``, one launch (arguments as :func:`sbmm_cuda`; ``add``: ``y``
+        holds what the product is added onto, else zeros)."""
+        n, out_f = x.shape[0], self.stack.out_features
+        if plan.num_tiles == 0:
+            return y
+        if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+            x = x.contiguous()  # 16-byte copies of each row
+        per_split, split = self.per_split, self.split
+        if split > 1 and split * n * out_f > MAX_WORKSPACE:  # a prefill-sized call has CTAs enough without
+            per_split, split = self.k_tiles, 1
+        ws, counters = _WORKSPACE.get(self.device, split * n * out_f if split > 1 else 0, plan.num_tiles * self.grid_x)
+        present = self.all_present if present is None else present
+        c_int, ptr = ctypes.c_int, ctypes.c_void_p
+        args = [ptr(x.data_ptr()), c_int(x.stride(0)), ptr(y.data_ptr()), c_int(y.stride(0)), ptr(plan.packed.data_ptr()),
+                c_int(n), c_int(plan.num_tiles), ptr(present.data_ptr()), *self.weights, c_int(per_split), c_int(int(add)), ptr(ws.data_ptr()), ptr(counters.data_ptr())]
+        self.kernel((self.grid_x, plan.num_tiles, split), self.cfg.threads, self.smem,
+                    torch.cuda.current_stream(self.device).cuda_stream, args)
+        return y
+
+
+def build_for(stack: StackedDeltas, dtype: torch.dtype, cfg: CudaConfig) -> Build:
+    """The :class:`Build` of a stack, dtype and config, made once and kept on the stack."""
+    builds = stack.__dict__.setdefault("_cuda_builds", {})
+    b = builds.get((dtype, cfg))
+    if b is None:
+        b = builds[(dtype, cfg)] = Build(stack, dtype, cfg)
+    return b
+
+
 def sbmm_cuda(x: torch.Tensor, stack: StackedDeltas, plan: RowPlan, *, out: torch.Tensor | None = None,
               present: torch.Tensor | None = None, config: CudaConfig | None = None) -> torch.Tensor:
-    """``y[r] (+)= x[r] @ W[slot(r)]^T`` over the rows of a host-built plan, one launch.
+    """``y[r] (+)= x[r] @ W[slot(r)]^T`` over the rows of a plan, one launch (checked; the tuner's, the
+    tests' and the benches' entry: a server's steps call a prepared :class:`Build` directly).
 
     Args:
-        x: ``[N, in]`` fp16 or bf16 on the stack's device (unit column stride).
+        x: ``[N, in]`` fp16 or bf16 on the stack's device.
         stack: ``D`` deltas in the ``mma`` layout.
-        plan: ``deltazip.kernels.host_plan.plan_rows`` of the rows' slots (its ``packed`` tensor).
+        plan: a row plan of the rows' slots with its ``packed`` tensor (``deltazip.kernels.row_plan``).
         out: ``[N, out]`` in ``x.dtype``, unit column stride: the product is added onto it (rows without
             a slot untouched); when None a zero-filled one is returned.
         present: bool/uint8 ``[D + 1]`` indexed by ``slot + 1``: tiles of slots this stack does not hold
@@ -262,15 +354,13 @@ def sbmm_cuda(x: torch.Tensor, stack: StackedDeltas, plan: RowPlan, *, out: torc
         ``[N, out]`` in ``x.dtype`` (``out`` itself when given).
     """
     if plan.packed is None:
-        raise ValueError("sbmm_cuda needs a host-built plan (deltazip.kernels.host_plan.plan_rows)")
+        raise ValueError("sbmm_cuda needs a plan with its packed tensor (deltazip.kernels.row_plan)")
     if not supported(stack, x.dtype):
         raise ValueError(f"no CUDA SBMM variant for {x.dtype} and this stack (layout {stack.layout}, "
                          f"bits {stack.bits}, group {stack.effective_group})")
     n, out_f, in_f = x.shape[0], stack.out_features, stack.in_features
     if x.dim() != 2 or x.shape[1] != in_f or plan.num_rows != n:
         raise ValueError(f"x must be [{plan.num_rows}, {in_f}], got {tuple(x.shape)}")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.contiguous()  # 16-byte copies of each row
     y = out if out is not None else torch.zeros(n, out_f, dtype=x.dtype, device=x.device)
     if out is not None and (out.shape != (n, out_f) or out.dtype != x.dtype or (out_f > 1 and out.stride(1) != 1)):
         raise ValueError(f"out must be [{n}, {out_f}] {x.dtype} with unit column stride, got "
@@ -278,38 +368,53 @@ def sbmm_cuda(x: torch.Tensor, stack: StackedDeltas, plan: RowPlan, *, out: torc
     if plan.num_tiles == 0:
         return y
     cfg = config or default_config(stack, plan, x.device)
-    if not mt_ok(stack, cfg.mt):  # before compiling a build that could not run
-        raise ValueError(f"mt={cfg.mt} needs codes of 2 or 4 bits, not {stack.bits}")
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    from deltazip.kernels.cuda_rtc import load
+    return build_for(stack, x.dtype, cfg).launch(x, y, plan, present, out is not None)
 
-    kernel = load(source(), macros(stack, x.dtype, cfg, dev), "dz_sbmm", dev)
-    smem = cfg.stages * stage_bytes(stack, cfg.rb, cfg.kt)
-    kernel.allow_smem(smem)
-    k_tiles = in_f // 128
-    if k_tiles % cfg.kt:
-        raise ValueError(f"kt={cfg.kt} does not divide the {k_tiles} K tiles of in_features {in_f}")
-    per_split, split = effective_split(k_tiles, cfg)
-    if split > 1 and split * n * out_f > MAX_WORKSPACE:  # a prefill-sized call has CTAs enough without
-        per_split, split = k_tiles, 1
-    grid_x = -(-padded_rows(out_f) // (64 * cfg.rb))
-    ws, counters = _WORKSPACE.get(x.device, split * n * out_f if split > 1 else 0, plan.num_tiles * grid_x)
-    if present is None:
-        present = _ALL_PRESENT.get((x.device, stack.num_deltas))
-        if present is None:
-            present = _ALL_PRESENT[(x.device, stack.num_deltas)] = torch.ones(
-                stack.num_deltas + 1, dtype=torch.uint8, device=x.device)
-    _, group_shift = group_params(stack)
-    zr = stack.zeros if stack.asymmetric else stack.scales
-    c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-    args = [ptr(x.data_ptr()), c_int(x.stride(0)), ptr(y.data_ptr()), c_int(y.stride(0)), ptr(plan.packed.data_ptr()),
-            c_int(n), c_int(plan.num_tiles), ptr(present.data_ptr()), ptr(stack.qweight.data_ptr()),
-            c_ll(stack.qweight[0].numel()), ptr(stack.scales.data_ptr()), ptr(zr.data_ptr()),
-            c_ll(stack.scales[0].numel()), c_int(out_f), c_int(padded_rows(out_f)), c_int(k_tiles),
-            c_int(group_shift), c_int(per_split), c_int(int(out is not None)), ptr(ws.data_ptr()),
-            ptr(counters.data_ptr())]
-    kernel((grid_x, plan.num_tiles, split), cfg.threads, smem, torch.cuda.current_stream(x.device).cuda_stream, args)
-    return y
+
+class Launch:
+    """One stack's SBMM on the CUDA kernel, prepared when the stack is written to its slot
+    (``deltazip.kernels.dispatch.prepare``). A call resolves the launch of its (rows, deltas) bucket once
+    (``choose``: the dispatcher's measured choice) and then only launches it.
+
+    Args:
+        stack, dtype: what it serves; choose: ``(rows, deltas) -> (path, CudaConfig | None)``, the path
+        ``"cuda"``, ``"dequant_mm"`` or ``"reference"`` (the configuration was distrusted while tuning:
+        ``fallback`` serves it).
+    """
+
+    path, reason = "cuda", None
+
+    def __init__(self, stack: StackedDeltas, dtype: torch.dtype, choose, fallback):
+        self.stack, self.dtype, self.choose, self.fallback = stack, dtype, choose, fallback
+        self._by_key: dict[tuple[int, int], tuple[str, Build | None]] = {}
+
+    def forget(self) -> None:
+        """Drop the resolved choices (the dispatch table changed): the next call of a bucket resolves again."""
+        self._by_key.clear()
+
+    def _resolve(self, plan: RowPlan) -> tuple[str, Build | None]:
+        path, cfg = self.choose(plan.num_rows, plan.slots_used)
+        if path == "cuda" and cfg is None:
+            cfg = default_config(self.stack, plan, self.stack.device)
+        r = self._by_key[plan.key] = (path, build_for(self.stack, self.dtype, cfg) if path == "cuda" else None)
+        return r
+
+    def __call__(self, y: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, plan_of=None,
+                 present: torch.Tensor | None = None, held: set[int] | None = None) -> torch.Tensor:
+        """``y[r] += x[r] @ W[idx[r]]^T`` (``y`` None: a new zero-filled one). ``plan_of(idx)`` gives the step's
+        shared row plan (default: one built on the device); ``present``/``held``: the slots the stack holds,
+        as a device ``[D + 1]`` mask and a host set (None: all)."""
+        plan = plan_of(idx) if plan_of is not None else group_rows(idx, self.stack.num_deltas)
+        path, build = self._by_key.get(plan.key) or self._resolve(plan)
+        if path == "reference":
+            return self.fallback(y, x, idx, plan_of, present, held)
+        if path == "dequant_mm" and plan.slot_rows is not None and not torch.cuda.is_current_stream_capturing():
+            return dequant_mm(x, self.stack, plan, out=y, slots=held)
+        if build is None:  # dequant_mm chosen for a device plan or inside a graph: the kernel's default
+            build = build_for(self.stack, self.dtype, default_config(self.stack, plan, self.stack.device))
+        add = y is not None
+        y = y if add else torch.zeros(x.shape[0], self.stack.out_features, dtype=x.dtype, device=x.device)
+        return build.launch(x, y, plan, present, add)
 
 
 def dequantize_slot(stack: StackedDeltas, slot: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:

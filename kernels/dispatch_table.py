@@ -8,10 +8,10 @@ memory, ``OutOfResources``) or fails to compile is skipped and recorded, never r
 
 Key: the stack's configuration (bits, group, 2:4, zero points, ``in x out``), the activation dtype, the
 batch's row count and the number of slots it uses, each rounded up to a power of two. Results live
-in one JSON file per GPU model, torch / Triton / NVRTC versions and kernel source hash
+in one JSON file per GPU model, torch / NVRTC versions and kernel source hash
 (``$DELTAZIP_AUTOTUNE_DIR``, default ``~/.cache/deltazip/autotune``), written atomically.
 :func:`lookup` is a dict access on the host; tuning runs when a server starts (before ``/health``
-reports ready, ``deltazip.kernels.warmup``), never on the request path: an untuned key gets
+reports ready, ``deltazip.runtime.serve.kernel_warmup``), never on the request path: an untuned key gets
 :func:`default_choice`.
 """
 
@@ -30,13 +30,40 @@ from pathlib import Path
 import torch
 
 from deltazip.kernels import cuda_sbmm
-from deltazip.kernels.autotune import cache_dir, cuda_timer, enabled, rows_bucket
+from deltazip.kernels.row_plan import plan_rows, rows_bucket
 from deltazip.kernels.stacked import StackedDeltas
 
 log = logging.getLogger("deltazip.kernels")
 
 FORMAT_VERSION = 1
 PATHS = ("cuda", "dequant_mm")
+_DIR_ENV = "DELTAZIP_AUTOTUNE_DIR"
+
+
+def cache_dir() -> Path:
+    """``$DELTAZIP_AUTOTUNE_DIR``, else ``$XDG_CACHE_HOME/deltazip/autotune`` (``~/.cache`` by default)."""
+    from deltazip.kernels.cuda_rtc import user_cache
+
+    return user_cache(_DIR_ENV, "autotune")
+
+
+def enabled() -> bool:
+    """``DELTAZIP_AUTOTUNE=0`` turns tuned launch choices (and tuning) off."""
+    return os.environ.get("DELTAZIP_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cuda_timer(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Median milliseconds of ``fn`` on the current CUDA stream (after one untimed call: the compile)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 @dataclass(frozen=True)
@@ -85,21 +112,15 @@ def kernel_version() -> str:
 
 
 def device_tag(device: torch.device) -> str:
-    """``<gpu>-torch-<v>-triton-<v>-nvrtc-<v>-kernel-<hash>``, reduced to file-safe characters."""
+    """``<gpu>-torch-<v>-nvrtc-<v>-kernel-<hash>``, reduced to file-safe characters."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    try:
-        import triton
-
-        tv = triton.__version__
-    except Exception:  # noqa: BLE001 - no Triton: the tag only names a file
-        tv = "none"
     try:
         from deltazip.kernels.cuda_rtc import nvrtc_version
 
         nv = "{}.{}".format(*nvrtc_version())
     except Exception:  # noqa: BLE001
         nv = "none"
-    tag = f"dispatch-{name}-torch-{torch.__version__}-triton-{tv}-nvrtc-{nv}-kernel-{kernel_version()}"
+    tag = f"dispatch-{name}-torch-{torch.__version__}-nvrtc-{nv}-kernel-{kernel_version()}"
     return re.sub(r"[^A-Za-z0-9._-]+", "-", tag).strip("-")
 
 
@@ -153,6 +174,17 @@ def table_for(device: torch.device) -> Table:
 
 def forget_loaded() -> None:
     _TABLES.clear()
+    changed()
+
+
+LISTENERS: list[Callable[[], None]] = []  # told when a choice is added or a configuration distrusted
+
+
+def changed() -> None:
+    """Tell the prepared launches (``deltazip.kernels.dispatch``) that choices changed: they resolve
+    their buckets again at their next call."""
+    for fn in LISTENERS:
+        fn()
 
 
 def lookup(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int) -> Choice | None:
@@ -264,8 +296,6 @@ def _better_split(stack: StackedDeltas, tiles: int, rb: int, kt: int, kept: list
 
 def _probe(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int):
     """Random activations of ``rows`` rows spread over ``deltas`` slots, and their host plan."""
-    from deltazip.kernels.host_plan import plan_rows
-
     n, d = rows_bucket(rows), min(deltas_bucket(deltas), stack.num_deltas, rows_bucket(rows))
     x = torch.randn(n, stack.in_features, device=stack.device).to(dtype)
     plan = plan_rows([i % d for i in range(n)], stack.num_deltas, stack.device)
@@ -288,8 +318,6 @@ def agrees(stack: StackedDeltas, dtype: torch.dtype, config: cuda_sbmm.CudaConfi
     2% of the largest output (summation order and one rounding to ``dtype`` differ; a wrong launch is off
     by the output's own size). Once per configuration, dtype and launch config in a process: the tuner
     never chooses a launch config that no test has run on this GPU (the uneven K splits, say) unchecked."""
-    from deltazip.kernels.host_plan import plan_rows
-
     k = (key(stack, dtype, 1, 1).rsplit("/", 2)[0], str(stack.device), config)
     if k not in _AGREES:
         dev, gen = stack.device, torch.Generator(device=stack.device).manual_seed(0)
@@ -359,8 +387,8 @@ def _config_key(stack: StackedDeltas, dtype: torch.dtype) -> tuple:
 
 def distrusted(stack: StackedDeltas, dtype: torch.dtype) -> bool:
     """Whether every CUDA launch config of this stack configuration failed :func:`agrees` while tuning in
-    this process: ``dispatch.cuda_path`` then sends its calls to the Triton or reference path, which are
-    slower and right. (A set lookup per call; nothing is built while the set is empty.)"""
+    this process: the dispatcher then sends its calls to the reference path, which is slower and
+    right. (A set lookup per call; nothing is built while the set is empty.)"""
     return bool(_DISTRUSTED) and _config_key(stack, dtype) in _DISTRUSTED
 
 
@@ -375,7 +403,7 @@ def tune(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int, *, ta
     whether a launch config computes the right thing; tests inject both.
 
     When every CUDA launch config that fits computes something else, the stack configuration is
-    :func:`distrusted` (served by the Triton or reference path from then on, with one warning) and the
+    :func:`distrusted` (served by the reference path from then on, with one warning) and the
     key is not cached: a later process checks again rather than reading a choice that serves wrong
     numbers.
     """
@@ -411,13 +439,15 @@ def tune(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int, *, ta
         table.skipped[k] = skipped
     if checked and wrong == checked:
         _DISTRUSTED.add(_config_key(stack, dtype))
+        changed()
         warnings.warn(f"the CUDA delta matmul computed a wrong result under every launch config of {k} on this GPU; "
-                      "that configuration is served by the Triton or reference path instead", stacklevel=2)
+                      "that configuration is served by the reference path instead", stacklevel=2)
         return best or Choice("dequant_mm")
     if best is None:
         best = default_choice(stack, rows, deltas)
         warnings.warn(f"no dispatch candidate ran for {k}; using the default ({skipped[:2]})", stacklevel=2)
     table.entries[k] = best
+    changed()
     if save:
         table.save()
     return best

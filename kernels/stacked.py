@@ -25,19 +25,18 @@ number of slots and :meth:`StackedDeltas.write` deltas into them as they are loa
 
 Two layouts (``StackedDeltas.layout``):
 
-- ``"transposed"`` (above): read by ``deltazip.kernels.triton_sbmm`` (and the reference anywhere);
-- ``"mma"``: read by the fast kernel ``deltazip.kernels.triton_fast``; ``qweight`` is int32
+- ``"transposed"`` (above): read by the reference (``deltazip.kernels.reference.sbmm``);
+- ``"mma"``: read by the CUDA kernel (``deltazip.kernels.cuda_sbmm``); ``qweight`` is int32
   ``[D, slot_words]`` in the register order of the tensor-core fragment
-  (``deltazip.kernels.fast_layout``), 2:4 deltas expanded to dense codes (``positions`` is None and
+  (``deltazip.kernels.mma_layout``), 2:4 deltas expanded to dense codes (``positions`` is None and
   ``sparse24`` True), ``scales`` fp16 ``[D, G, OUTP]`` and ``zeros`` fp16 ``[D, G, OUTP]`` with the
   output rows padded to ``OUTP``, a multiple of 64.
 
-:meth:`StackedDeltas.allocate` picks ``"mma"`` on CUDA when Triton is installed and the configuration
-has a fast kernel (bits 2/4/8, ``in_features`` a multiple of 128, a group size that is a multiple of
-the K step), ``"transposed"`` otherwise; ``DELTAZIP_SBMM_LAYOUT`` overrides the automatic choice
-(:func:`choose_layout`). Either way :meth:`write` takes canonical deltas and :meth:`unstack` gives them back
-(for ``"mma"`` an equivalent one: the same :meth:`delta_weight`; under 2:4 a kept value equal to the
-zero point may come back at another position of its group).
+Which one a stack gets is the dispatcher's decision (``deltazip.kernels.dispatch.layout_for``);
+``"auto"`` here (:func:`choose_layout`) is ``"mma"`` on CUDA for configurations the layout holds.
+Either way :meth:`write` takes canonical deltas and :meth:`unstack` gives them back (for ``"mma"``
+an equivalent one: the same :meth:`delta_weight`; under 2:4 a kept value equal to the zero point may
+come back at another position of its group).
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from deltazip.kernels import fast_layout
+from deltazip.kernels import mma_layout
 from deltazip.kernels.packed import PackedDelta, packed_words
 from deltazip.kernels.reference import delta_weight as _reference_delta_weight
 from deltazip.kernels.scheme import DeltaScheme, SchemeShaped
@@ -59,37 +58,26 @@ _ROW_CHUNK = 1024  # rows repacked at a time (bounds the int64 temporaries of a 
 
 def choose_layout(layout: str, *, bits: int, group_size: int, in_features: int,
                   device: torch.device | str) -> str:
-    """Resolve ``"auto"`` to ``"mma"`` or ``"transposed"``.
-
-    ``"auto"`` is ``"mma"`` when the stack lives on CUDA, the CUDA kernel (NVRTC) or Triton is there and
-    the configuration has a fast kernel (:func:`deltazip.kernels.fast_layout.fast_supported`). ``DELTAZIP_SBMM_LAYOUT``
-    overrides ``"auto"``: ``transposed`` always, ``mma`` wherever the configuration has a fast kernel
-    (any device). An explicit ``layout="mma"`` for a configuration without one raises.
-    """
+    """Resolve ``"auto"``: ``"mma"`` for a stack on CUDA whose configuration the layout holds
+    (:func:`deltazip.kernels.mma_layout.supported`), else ``"transposed"``. ``DELTAZIP_SBMM_LAYOUT``
+    (read here, at allocation only) overrides ``"auto"``: ``transposed`` always, ``mma`` wherever the
+    configuration has one (any device: the CPU tests of the layout). An explicit ``layout="mma"`` for
+    a configuration without one raises."""
     if layout not in (*LAYOUTS, "auto"):
         raise ValueError(f"layout {layout!r}: use one of {LAYOUTS} or 'auto'")
-    ok = fast_layout.fast_supported(bits, group_size, in_features)
-    if layout == "auto":
-        env = os.environ.get(_LAYOUT_ENV, "auto").strip().lower() or "auto"
-        if env not in (*LAYOUTS, "auto"):
-            raise ValueError(f"{_LAYOUT_ENV}={env!r}: use one of {LAYOUTS} or 'auto'")
-        if env == "transposed" or (env == "mma" and not ok):
-            return "transposed"  # the environment states a preference; configurations without a fast kernel keep theirs
-        if env == "mma":
-            return "mma"  # on any device (the interpreter runs it on a CPU)
+    ok = mma_layout.supported(bits, group_size, in_features)
     if layout == "mma" and not ok:
         raise ValueError(f"no mma layout for bits={bits}, group_size={group_size}, in_features={in_features} "
-                         f"(needs bits in {fast_layout.FAST_BITS}, in_features % 128 == 0, a group size that "
+                         f"(needs bits in {mma_layout.MMA_BITS}, in_features % 128 == 0, a group size that "
                          "is a multiple of 32, or 64 at 2 bits)")
-    if layout == "auto":
-        from deltazip.kernels.availability import cuda_kernel_available, triton_fast_enabled
-        from deltazip.kernels.triton_sbmm import triton_importable  # lazy: no import cycle
-
-        dev = torch.device(device)
-        kernel = dev.type == "cuda" and (cuda_kernel_available(dev.index or 0)
-                                         or (triton_importable() and triton_fast_enabled()))
-        layout = "mma" if ok and kernel else "transposed"
-    return layout
+    if layout != "auto":
+        return layout
+    env = os.environ.get(_LAYOUT_ENV, "auto").strip().lower() or "auto"
+    if env not in (*LAYOUTS, "auto"):
+        raise ValueError(f"{_LAYOUT_ENV}={env!r}: use one of {LAYOUTS} or 'auto'")
+    if env != "auto":
+        return "mma" if env == "mma" and ok else "transposed"
+    return "mma" if ok and torch.device(device).type == "cuda" else "transposed"
 
 
 @dataclass
@@ -156,8 +144,8 @@ class StackedDeltas(SchemeShaped):
                                device=device)
         g, asym = scheme.num_groups(in_features), not scheme.sym
         if layout == "mma":
-            outp = fast_layout.padded_rows(out_features)
-            words = fast_layout.slot_words(out_features, in_features, scheme.bits)
+            outp = mma_layout.padded_rows(out_features)
+            words = mma_layout.slot_words(out_features, in_features, scheme.bits)
             return cls(
                 torch.zeros(num_slots, words, dtype=torch.int32, device=device),
                 torch.zeros(num_slots, g, outp, dtype=torch.float16, device=device),
@@ -193,7 +181,7 @@ class StackedDeltas(SchemeShaped):
             )
         if not self._rows_fit(row0, delta):
             raise ValueError(f"rows {row0}..{row0 + delta.out_features} of an mma stack must start on a multiple "
-                             f"of {fast_layout.ROW_BLOCK} and end on one or at the stack's last row")
+                             f"of {mma_layout.ROW_BLOCK} and end on one or at the stack's last row")
         if delta.zeros is not None and self.zeros is None:
             raise ValueError("asymmetric delta written into a symmetric stack; allocate with asymmetric=True")
 
@@ -202,7 +190,7 @@ class StackedDeltas(SchemeShaped):
         if self.layout != "mma" or (row0 == 0 and delta.out_features == self.out_features):
             return True
         end = row0 + delta.out_features
-        return row0 % fast_layout.ROW_BLOCK == 0 and (end % fast_layout.ROW_BLOCK == 0 or end == self.out_features)
+        return row0 % mma_layout.ROW_BLOCK == 0 and (end % mma_layout.ROW_BLOCK == 0 or end == self.out_features)
 
     def write(self, slot: int, delta: PackedDelta, row0: int = 0) -> None:
         """Repack one canonical delta into ``slot`` (in place, on the stack's device).
@@ -237,14 +225,14 @@ class StackedDeltas(SchemeShaped):
 
     def _write_mma(self, slot: int, delta: PackedDelta, row0: int = 0) -> None:
         out_f, bits = delta.out_features, self.bits
-        zp = fast_layout.zero_points(delta)  # [out, G] int64
+        zp = mma_layout.zero_points(delta)  # [out, G] int64
         words = self.qweight[slot]
-        per_block = fast_layout.slot_words(fast_layout.ROW_BLOCK, self.in_features, bits)
+        per_block = mma_layout.slot_words(mma_layout.ROW_BLOCK, self.in_features, bits)
         for r0 in range(0, out_f, _ROW_CHUNK):
             r1 = min(out_f, r0 + _ROW_CHUNK)
             part = delta.map_parts(lambda t, r0=r0, r1=r1: t[r0:r1], out_features=r1 - r0)
-            packed = fast_layout.pack_codes(fast_layout.dense_codes(part), bits)
-            start = (row0 + r0) // fast_layout.ROW_BLOCK * per_block
+            packed = mma_layout.pack_codes(mma_layout.dense_codes(part), bits)
+            start = (row0 + r0) // mma_layout.ROW_BLOCK * per_block
             words[start:start + packed.numel()].copy_(packed)
         rows = slice(row0, row0 + out_f)
         if out_f == self.out_features:
@@ -261,17 +249,17 @@ class StackedDeltas(SchemeShaped):
         scales = self.scales[slot, :, :out_f].T.contiguous()
         zeros = None if self.zeros is None else self.zeros[slot, :, :out_f].T.to(torch.uint8).contiguous()
         zp = zeros if zeros is not None else torch.full_like(scales, 1 << (bits - 1), dtype=torch.uint8)
-        per_block = fast_layout.slot_words(fast_layout.ROW_BLOCK, in_f, bits)
+        per_block = mma_layout.slot_words(mma_layout.ROW_BLOCK, in_f, bits)
         qws, poss = [], []
         for r0 in range(0, out_f, _ROW_CHUNK):
             r1 = min(out_f, r0 + _ROW_CHUNK)
-            start = r0 // fast_layout.ROW_BLOCK * per_block
-            n_words = fast_layout.slot_words(r1 - r0, in_f, bits)
-            codes = fast_layout.unpack_codes(self.qweight[slot, start:start + n_words], bits, r1 - r0, in_f)
+            start = r0 // mma_layout.ROW_BLOCK * per_block
+            n_words = mma_layout.slot_words(r1 - r0, in_f, bits)
+            codes = mma_layout.unpack_codes(self.qweight[slot, start:start + n_words], bits, r1 - r0, in_f)
             if self.sparse24:
-                codes, pos = fast_layout.resparsify(codes, zp[r0:r1], group)
-                poss.append(fast_layout.pack_int32(pos, 2))
-            qws.append(fast_layout.pack_int32(codes, bits))
+                codes, pos = mma_layout.resparsify(codes, zp[r0:r1], group)
+                poss.append(mma_layout.pack_int32(pos, 2))
+            qws.append(mma_layout.pack_int32(codes, bits))
         return PackedDelta(torch.cat(qws), scales, zeros, torch.cat(poss) if self.sparse24 else None,
                            self._slot_scheme(), in_f, out_f)
 

@@ -12,14 +12,17 @@ correctness anchor of every serving test.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from _factories import calib_file, perturb, tiny_model
 
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+CHAT_TEMPLATE = ("{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
+                 "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 VARIANTS = {
     "alpha": dict(method="deltazip", bits=4, sparsity="2:4", sym=True, seed=11, scale=0.3, skip=()),
@@ -56,6 +59,16 @@ class ServedSet:
         if name == "base":
             return AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32).eval()
         return load_merged_model(Artifact(self.variant_dir(name)), Checkpoint(self.base_dir))
+
+    def merged_dir(self, name: str, out: Path) -> Path:
+        """Variant ``name`` merged into a plain checkpoint at ``out`` (what lm-eval's ``hf`` loads)."""
+        from deltazip.compress.merge import merge_to_dir
+        from deltazip.formats.artifact import Artifact
+        from deltazip.models.checkpoint import Checkpoint
+
+        with single_thread():
+            merge_to_dir(Artifact(self.variant_dir(name)), Checkpoint(self.base_dir), out)
+        return out
 
     def expected(self, name: str, prompt: str, max_tokens: int) -> str:
         return self.expected_ids(name, tuple(self.tokenizer()(prompt)["input_ids"]), max_tokens)
@@ -105,6 +118,21 @@ def served_set(tmp_root: Path) -> ServedSet:
     return _BUILT["set"]
 
 
+@contextlib.contextmanager
+def running_server(served: ServedSet, **cfg):
+    """``deltazip serve`` of ``served``'s artifacts on a loopback port (``ServeConfig`` options
+    ``cfg``), on one torch thread; yields the ``ServerThread`` with the runtime as its ``rt``."""
+    from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
+    from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
+
+    with single_thread():
+        metrics = Metrics()
+        rt = build_runtime(ServeConfig(artifacts=served.artifacts, **cfg), observer=metrics)
+        with ServerThread(create_app(rt, metrics)) as srv:
+            srv.rt = rt
+            yield srv
+
+
 class single_thread:
     """Context manager: torch on one intra-op thread (tiny models on a shared 2-core machine run
     several times faster without OpenMP threads spinning against other processes)."""
@@ -116,3 +144,36 @@ class single_thread:
 
     def __exit__(self, *exc):
         torch.set_num_threads(self.prev)
+
+
+async def send_completion(http, body: dict, header: str, first) -> dict:
+    """``POST /v1/completions`` through ``http`` (an ``httpx.AsyncClient``): ``{"status", "server": the
+    ``header`` of the answer, "json"}``, or for a stream ``"lines"``: every ``data:`` payload; the
+    future ``first`` gets the ``header`` of the first stream that received a chunk."""
+    if not body.get("stream"):
+        r = await http.post("/v1/completions", json=body)
+        return {"status": r.status_code, "server": r.headers.get(header), "json": r.json()}
+    lines = []
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+                if not first.done():
+                    first.set_result(r.headers[header])
+    return {"status": r.status_code, "server": r.headers.get(header), "lines": lines}
+
+
+def stream_outcome(out: dict, want: str, victim: str) -> bool:
+    """Checks a stream of :func:`send_completion` whose server ``victim`` was killed: it completes with
+    ``want``, or (only from ``victim``) ends with an error event and ``[DONE]`` after chunks with a
+    prefix of ``want`` (it had started answering). True for the latter."""
+    lines = out["lines"]
+    assert out["status"] == 200 and lines[-1] == "[DONE]", out
+    events = [json.loads(x) for x in lines[:-1]]
+    text = "".join(c["text"] for e in events if "choices" in e for c in e["choices"])
+    if "error" not in events[-1]:
+        assert text == want and not any("error" in e for e in events), (out, want)
+        return False
+    assert events[-1]["error"]["code"] == "worker_failed" and out["server"] == victim, out
+    assert len(events) >= 2 and want.startswith(text), (out, want)
+    return True

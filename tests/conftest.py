@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 # On a loaded machine OpenMP's spin-waiting threads slow small torch ops by 10x or more; it must be
 # set before torch starts its thread pool.
@@ -11,11 +10,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-# Without CUDA, Triton kernels run in its interpreter; the variable must be set before anything
-# (transformers, torch extensions) imports triton, so it is set here, before test modules load.
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser):

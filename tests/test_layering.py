@@ -1,7 +1,7 @@
 """The import direction of DESIGN.md "Layout": a package never imports one to its left
 (deltacli -> demo -> runtime -> compress -> models -> formats -> kernels), runtime/ never imports
 demo/, runtime's subpackages import one way too (share < serve < {eval, cluster}), and no two
-modules import each other (directly or around a circle) except the two known ones in kernels/.
+modules import each other (directly or around a circle).
 
 Imports inside functions count: a lazy import that dodges an import-time cycle is still a cycle of
 meaning (the review of 2026-11, §1.3 and §7)."""
@@ -16,8 +16,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ORDER = ["deltacli", "demo", "runtime", "compress", "models", "formats", "kernels"]
 # runtime/ subpackages by floor: a module may import its own subpackage or a lower floor only.
 RUNTIME_FLOORS = {"share": 0, "serve": 1, "eval": 2, "cluster": 2}
-# Circles left on purpose: the kernels' own, which the SBMM rewrite owns (review §5.3 move 6).
-KNOWN_CIRCLES = [{"kernels.stacked", "kernels.triton_sbmm"}, {"kernels.autotune", "kernels.triton_fast"}]
 
 
 def _imports(path: Path) -> set[str]:
@@ -117,10 +115,8 @@ def test_runtime_subpackages_import_one_way():
     assert not bad, "runtime imports against share < serve < {eval, cluster}:\n" + "\n".join(bad)
 
 
-def test_no_import_circles_but_the_known_kernel_ones():
-    found = circles(import_graph(ROOT))
-    assert [c for c in found if c not in KNOWN_CIRCLES] == [], found
-    assert not [c for c in found if any(m.startswith("runtime.") for m in c)]
+def test_no_import_circles():
+    assert circles(import_graph(ROOT)) == []
 
 
 def test_the_checks_catch_a_reintroduced_arrow(tmp_path):

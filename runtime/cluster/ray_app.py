@@ -8,7 +8,11 @@ Two deployments behind Ray Serve's HTTP proxy (one endpoint, ``--host``/``--port
   request to an engine replica through a deployment handle. Generation requests for a variant carry
   the variant name as the multiplexed model id (what the ``serve_multiplexed_model_id`` header sets),
   so Ray Serve routes them to a replica that already holds the variant; base-model and other requests
-  go to any replica. A request whose replica dies before answering is retried on another one.
+  go to any replica. A replica dying costs no request that had not started answering: Serve's router
+  already re-routes a request the replica had not accepted; for the accepted ones, the replica streams
+  the engine's progress reports with the answer (``("state", ...)`` items), the ingress holds the answer
+  back until it may go to the client and applies :func:`~deltazip.runtime.cluster.progress.after_death`
+  (resubmit once, a 503 with ``Retry-After``, or an error event ending a started stream).
 - ``Engine`` (``--replicas N``, or autoscaled between ``--min-replicas`` and ``--max-replicas``): each
   replica is today's server, ``build_runtime`` + ``create_app`` (base + tiered delta cache, API key
   check, SSE, OpenAI error shapes), called in-process as an ASGI app. Responses carry
@@ -27,12 +31,25 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from deltazip.formats.errors import InputError
+from deltazip.runtime.cluster.progress import (
+    RANK,
+    TAG_HEADER,
+    EngineReports,
+    Listeners,
+    after_death,
+    closing_stream,
+    stream_error,
+    tag_requests,
+    traits,
+)
 from deltazip.runtime.serve.assembly import ServeConfig
 from deltazip.runtime.serve.openai_schema import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -46,7 +63,6 @@ log = logging.getLogger("deltazip.cluster")
 APP_NAME = "deltazip"
 REPLICA_HEADER = b"x-deltazip-replica"
 HEALTH_PERIOD_S = 2.0
-RETRIES = 4  # attempts of a request whose replica died before answering
 INSTALL_HINT = "pip install 'deltazip[cluster]'"
 
 
@@ -147,21 +163,33 @@ def variant_log(app_name: str = APP_NAME):
 # --------------------------------------------------------------------------------------------------
 
 
-async def call_asgi(app, req: dict, extra_headers: list) -> AsyncIterator[tuple]:
+async def call_asgi(app, req: dict, extra_headers: list, listeners: Listeners | None = None) -> AsyncIterator[tuple]:
     """Run one HTTP request through an ASGI app in this process.
 
     Args:
         req: ``{"method", "path", "query", "headers": [(bytes, bytes)], "body": bytes}``.
+        listeners: the engine's progress reports (:class:`~deltazip.runtime.cluster.progress.Listeners`;
+            the app must be wrapped in ``tag_requests``): the request is tagged, and its reports come
+            out in order with the rest.
     Yields:
-        ``("start", status, headers)`` once (``extra_headers`` appended), then ``("body", bytes)``.
-        Closing the generator early (the client went away) tells the app the client disconnected.
+        ``("start", status, headers)`` once (``extra_headers`` appended), then ``("body", bytes)``;
+        with ``listeners``, ``("state", "prefilling" | "generating")`` too, each before the chunk
+        that follows what it announces. Closing the generator early (the client went away) tells the
+        app the client disconnected.
     """
     out: asyncio.Queue = asyncio.Queue()
     gone = asyncio.Event()
     state = {"sent": False}
+    headers, tag = req["headers"], None
+    if listeners is not None:
+        loop, tag = asyncio.get_running_loop(), uuid.uuid4().hex
+        # Called on the engine thread before the token it announces is handed to the loop: the
+        # report lands in ``out`` first.
+        listeners.by_tag[tag] = lambda s: loop.call_soon_threadsafe(out.put_nowait, ("state", s))
+        headers = [*headers, (TAG_HEADER.encode(), tag.encode())]
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": req["method"], "scheme": "http", "path": req["path"], "raw_path": req["path"].encode(),
-             "query_string": req["query"], "root_path": "", "headers": req["headers"],
+             "query_string": req["query"], "root_path": "", "headers": headers,
              "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80)}
 
     async def receive() -> dict:
@@ -192,6 +220,8 @@ async def call_asgi(app, req: dict, extra_headers: list) -> AsyncIterator[tuple]
             yield ("body", _error_json(500, f"internal server error: {type(failure).__name__}"))
     finally:
         gone.set()  # the app's disconnect checks see it, and cancel the engine's work
+        if listeners is not None:
+            listeners.by_tag.pop(tag, None)
 
 
 def _engine_class(max_models: int):
@@ -204,9 +234,9 @@ def _engine_class(max_models: int):
             from deltazip.runtime.serve.assembly import build_runtime
             from deltazip.runtime.serve.server import Metrics, create_app
 
-            metrics = Metrics()
-            self.rt = await asyncio.to_thread(build_runtime, cfg, metrics)
-            self.app = create_app(self.rt, metrics)
+            metrics, self.listeners = Metrics(), Listeners()
+            self.rt = await asyncio.to_thread(build_runtime, cfg, EngineReports(metrics, self.listeners))
+            self.app = tag_requests(create_app(self.rt, metrics))
             self.rt.engine.start()  # create_app's lifespan is not run: no uvicorn here
             ctx = serve.get_replica_context()
             self.replica = ctx.replica_id.unique_id
@@ -215,8 +245,8 @@ def _engine_class(max_models: int):
             await self.sync(None)
 
         async def info(self) -> dict:
-            """The base's name, this replica's id, and how many log changes it has applied."""
-            return {"base": self.rt.base_name, "replica": self.replica, "applied": self.applied}
+            """The base's name, this replica's id and process, and how many log changes it has applied."""
+            return {"base": self.rt.base_name, "replica": self.replica, "applied": self.applied, "pid": os.getpid()}
 
         @serve.multiplexed(max_num_models_per_replica=max_models)
         async def hold(self, name: str) -> str:
@@ -231,7 +261,7 @@ def _engine_class(max_models: int):
             name = serve.get_multiplexed_model_id()
             if name:
                 await self.hold(name)
-            async for item in call_asgi(self.app, req, [(REPLICA_HEADER, self.replica.encode())]):
+            async for item in call_asgi(self.app, req, [(REPLICA_HEADER, self.replica.encode())], self.listeners):
                 yield item
 
         async def sync(self, upto: int | None) -> None:
@@ -304,10 +334,15 @@ class Ingress:
         self.version: int | None = None
         self.base: str | None = None
         self.admin_lock = asyncio.Lock()
+        self.faults = {"resubmitted": 0, "refused": 0, "stream_errors": 0}  # what replica deaths did to requests
+
+    async def fault_counts(self) -> dict:
+        """``{"resubmitted", "refused", "stream_errors"}``: requests whose replica died, by outcome."""
+        return dict(self.faults)
 
     async def __call__(self, request):
         from ray.exceptions import RayActorError
-        from starlette.responses import Response, StreamingResponse
+        from starlette.responses import Response
 
         if self.version is None:  # first request (or a restarted ingress): where the log stands
             self.version = await self.log.version.remote()
@@ -323,20 +358,26 @@ class Ingress:
         model = generation_model(method, path, body)
         variant = model if model and model != self.base else ""  # base requests: any replica
         admin = path.startswith("/v1/variants") and method in ("POST", "DELETE")
+        stream, replay = traits(body) if model else (False, True)  # other routes: idempotent, never streamed
         try:
             async with self.admin_lock if admin else contextlib.nullcontext():  # changes: one at a time, in order
-                start, gen = await self._open(req, variant)
-                if admin:
-                    answer = b"".join([item[1] async for item in gen])
-                    op = admin_op(method, path, body, start[1], answer)
-                    if op is not None:
-                        self.version = await self.log.append.remote(op)
-                    return self._response(start, Response(answer, status_code=start[1]))
+                opened = await self._open(req, variant, stream, replay)
+                if isinstance(opened, Response):
+                    return opened  # its replica died, and it is not resubmitted
+                start, chunks, gen = opened
+                answer = b"".join(chunks)
+                if admin and (op := admin_op(method, path, body, start[1], answer)) is not None:
+                    self.version = await self.log.append.remote(op)
         except RayActorError as e:
             return Response(_error_json(503, f"no engine replica could take the request ({type(e).__name__}); "
                                              "retry later"), status_code=503, media_type="application/json")
-        sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start[2])
-        return self._response(start, StreamingResponse(self._relay(gen, sse), status_code=start[1]))
+        if gen is None:
+            return self._response(start, Response(answer, status_code=start[1]))
+
+        async def close():  # the client went away (or we are done): the replica's app sees a disconnect
+            gen.cancel()
+
+        return self._response(start, closing_stream(self._relay(gen, chunks), close, status_code=start[1]))
 
     @staticmethod
     def _response(start: tuple, resp):
@@ -344,35 +385,68 @@ class Ingress:
             [(k, v) for k, v in resp.raw_headers if k.lower() == b"content-length"]
         return resp
 
-    async def _open(self, req: dict, variant: str):
-        """Send ``req`` to a replica; returns its start message and the rest of its answer. Retries
-        on another replica when the chosen one dies before answering (nothing reached the client)."""
+    async def _open(self, req: dict, variant: str, stream: bool, replay: bool):
+        """Send ``req`` to a replica and read its answer up to where it may go to the client:
+        ``(start, chunks, None)``, the whole answer; ``(start, chunks, rest)`` for a stream whose
+        first token has come; or, when its replica died and ``after_death`` says so, a 503 with
+        ``Retry-After``. Otherwise a request whose replica died is sent to another one, once."""
         from ray.exceptions import RayActorError
 
-        for attempt in range(RETRIES):
+        resubmitted = False
+        while True:
             gen = self.engine.options(stream=True, multiplexed_model_id=variant).forward.remote(req)
+            state, start, chunks = "queued", None, []
             try:
-                return await gen.__anext__(), gen
-            except RayActorError:
-                if attempt == RETRIES - 1:
-                    raise
-                log.warning("an engine replica died before answering %s %s; retrying", req["method"], req["path"])
-                await asyncio.sleep(0.5 * (attempt + 1))
-        raise AssertionError("unreachable")
+                async for item in gen:
+                    if item[0] == "state":
+                        state = max(state, item[1], key=RANK.__getitem__)
+                    elif item[0] == "start":
+                        start = item
+                    else:
+                        chunks.append(item[1])
+                        if RANK[state] >= RANK["generating"] and _is_sse(start):
+                            return start, chunks, gen
+                return start, chunks, None
+            except RayActorError as e:
+                gen.cancel()
+                if after_death(stream, state, replay, resubmitted) != "resubmit":
+                    self.faults["refused"] += 1
+                    return _refusal(resubmitted)
+                log.warning("an engine replica died before answering %s %s (%s, %s); resubmitted", req["method"],
+                            req["path"], state, type(e).__name__)
+                resubmitted = True
+                self.faults["resubmitted"] += 1
 
-    @staticmethod
-    async def _relay(gen, sse: bool) -> AsyncIterator[bytes]:
+    async def _relay(self, gen, chunks: list[bytes]) -> AsyncIterator[bytes]:
+        """A stream's held-back chunks, then the rest; its replica dying now ends it with an error
+        event and ``[DONE]``."""
         from ray.exceptions import RayActorError
 
         try:
+            for chunk in chunks:
+                yield chunk
             async for item in gen:
-                yield item[1]
-        except RayActorError as e:  # the replica died mid-answer: a stream ends with an error event
-            log.warning("an engine replica died while answering: %s", type(e).__name__)
-            if sse:
-                yield b"data: " + _error_json(503, "the engine replica serving this request died") + b"\n\n"
-        finally:
-            gen.cancel()  # the client went away (or we are done): the replica's app sees a disconnect
+                if item[0] == "body":
+                    yield item[1]
+        except RayActorError as e:
+            log.warning("an engine replica died while streaming an answer: %s", type(e).__name__)
+            self.faults["stream_errors"] += 1
+            yield stream_error("the engine replica serving this request died mid-stream; the answer is incomplete")
+
+
+def _is_sse(start: tuple | None) -> bool:
+    return start is not None and any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                     for k, v in start[2])
+
+
+def _refusal(resubmitted: bool):
+    from starlette.responses import Response
+
+    why = ("its second replica died too" if resubmitted else
+           "it had started generating, and a sampled request (temperature > 0, no seed) is not rerun")
+    body = json.dumps({"error": {"message": f"the engine replica handling this request died; {why}; retry it",
+                                 "type": "server_error", "param": None, "code": "worker_failed"}}).encode()
+    return Response(body, status_code=503, media_type="application/json", headers={"Retry-After": "1"})
 
 
 # --------------------------------------------------------------------------------------------------

@@ -162,6 +162,8 @@ class TPWorker:
                 return
             if op == "forward":  # an error here ends the worker: rank 0's all-reduce then fails too
                 self.forward(*cmd[1:])
+            elif op == "fork":
+                self.kv[cmd[2]] = self.kv[cmd[1]].fork()
             elif op == "write":
                 self.write(*cmd[1:])
             else:
@@ -225,6 +227,7 @@ class TPLeader:
         self._model, self._group, self._processes = model, group, processes
         self._keys: dict[int, tuple[weakref.ref, int]] = {}  # id(SeqKV) -> (ref, key)
         self._next_key = 0
+        self._freed_early: list[int] = []  # keys found freed outside a forward, sent with the next one
         self._closed = False
 
     def __getattr__(self, name: str):
@@ -258,19 +261,28 @@ class TPLeader:
         self._group.broadcast(("remove", name))
         self._model.remove_variant(name)
 
+    def fork_kv(self, parent, child) -> None:
+        """Sequence ``child`` was forked from ``parent`` (a sample of ``n > 1``): the workers fork theirs."""
+        freed: list[int] = []
+        keys = [self._key_of(c, freed) for c in (parent, child)]
+        self._group.broadcast(("fork", keys[0], keys[1]))
+        self._freed_early += freed
+
+    def _key_of(self, c, freed: list[int]) -> int:
+        held = self._keys.get(id(c))
+        if held is not None and held[0]() is not c:  # the id of a collected cache, reused
+            freed.append(held[1])
+            held = None
+        if held is None:
+            held = (weakref.ref(c), self._next_key)
+            self._next_key += 1
+            self._keys[id(c)] = held
+        return held[1]
+
     def _sequence_keys(self, caches) -> tuple[list[int], list[int]]:
         """A stable key per row's KV cache, and the keys of caches freed since the last step."""
-        keys, freed = [], []
-        for c in caches:
-            held = self._keys.get(id(c))
-            if held is not None and held[0]() is not c:  # the id of a collected cache, reused
-                freed.append(held[1])
-                held = None
-            if held is None:
-                held = (weakref.ref(c), self._next_key)
-                self._next_key += 1
-                self._keys[id(c)] = held
-            keys.append(held[1])
+        freed, self._freed_early = self._freed_early, []
+        keys = [self._key_of(c, freed) for c in caches]
         here = {id(c) for c in caches}
         for ident, (ref, key) in list(self._keys.items()):
             c = ref()

@@ -11,7 +11,12 @@ Processes (all on one machine, all started by the supervisor):
 - **worker i** — ``python -m deltazip.runtime.cluster.workers``: attaches to the owner, builds the usual
   runtime (:func:`deltazip.runtime.serve.assembly.build_runtime`: engine, tokenizers, variants) over the
   mapped weights, and serves the usual app (:func:`deltazip.runtime.serve.server.create_app`) on a
-  loopback port of its own, which it reports to the supervisor on a pipe.
+  loopback port of its own, which it reports to the supervisor on a pipe; the same pipe then carries
+  its engine's progress reports (:mod:`deltazip.runtime.cluster.progress`).
+- **standby** — the same command with ``--standby``: it does a worker's imports (torch, transformers,
+  the base's model class: most of a worker's start-up), then waits on stdin for the slot of a worker
+  that died, and is ready about a second later instead of several. A new standby is started once no
+  worker is starting.
 
 Every child reads a pipe from the supervisor on stdin; when the supervisor goes away (even
 SIGKILLed) the pipe closes and the child shuts down, so no orphan keeps running. Children run in
@@ -34,13 +39,15 @@ the least busy worker (in swap mode it is routed like a variant). A worker that 
 ``x-deltazip-worker`` names the worker; ``deltazip_front_routed_total{how="affinity"|"least_busy"}``
 counts the choices.
 
-Failures:
-
-- a request that cannot connect to its worker (dead, restarting) is sent to another one;
-- a request in flight on a worker that dies gets ``502`` ``{"error": {..., "code": "worker_failed"}}``,
-  or, if its SSE stream had started, a final ``data: {"error": ...}`` event (the status line has
-  been sent by then) — other requests are untouched;
-- no worker ready: ``503`` (``code: "no_worker"``).
+Failures (:mod:`deltazip.runtime.cluster.failover`): the front holds each answer back until it may go
+to the client (a non-streamed one whole, a stream from its first token). A request that cannot
+connect to its worker is sent to another one. When a worker dies, each of its requests that sent
+nothing to the client is resubmitted once to a live worker (a non-streamed one that had started
+generating only if greedy or seeded, else ``503`` with ``Retry-After``); a stream that had started
+ends with ``data: {"error": ...}`` and ``data: [DONE]``. No worker ready: ``503`` (``code:
+"no_worker"``). The supervisor restarts a dead worker after ``restart_backoff``, doubled for each
+death in a row within ``QUICK_DEATH_S`` of a start (capped at ``BACKOFF_CAP_S``), and logs its exit
+code or signal and the last line of its stderr (which it copies to its own).
 
 The cost is one local hop per request (well under a millisecond, next to tens of milliseconds per
 generated token). SSE passes through chunk by chunk; a client that disconnects closes the
@@ -50,11 +57,12 @@ Endpoints on the front: ``/v1/*`` is proxied (auth is checked by the workers, wh
 key); ``/v1/models`` answers from any worker (all serve the same models). ``POST/DELETE
 /v1/variants...`` (live variant management) is sent to every ready worker and replayed on a worker
 that restarts, so all workers keep the same set. ``/health`` is the front's own: ``200`` with
-per-worker state while at least one worker is ready, ``503`` otherwise. ``/metrics`` is **per
-worker**: every worker's series with a ``worker="i"`` label added (sum them in PromQL for totals;
-summing here would hide a slow or restarting worker), plus the front's own
-``deltazip_worker_up``, ``deltazip_worker_restarts_total``, ``deltazip_worker_outstanding`` and
-``deltazip_front_errors_total``.
+per-worker state and faults while at least one worker is ready (``status: degraded`` when not all
+are), ``503`` otherwise. ``/metrics`` is **per worker**: every worker's series with a
+``worker="i"`` label added (sum them in PromQL for totals; summing here would hide a slow or
+restarting worker), plus the front's own ``deltazip_worker_up``, ``deltazip_worker_restarts_total``,
+``deltazip_worker_deaths_total``, ``deltazip_worker_outstanding``, ``deltazip_front_requests{state}``,
+``deltazip_front_resubmitted_total`` and ``deltazip_front_errors_total``.
 """
 
 from __future__ import annotations
@@ -76,10 +84,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deltazip.formats.errors import DeltazipError, InputError
+from deltazip.runtime.cluster.failover import HOP_HEADERS as _HOP_HEADERS
+from deltazip.runtime.cluster.failover import FailoverProxy, Flights
+from deltazip.runtime.cluster.progress import RANK, TAG_HEADER, read_report
 
 log = logging.getLogger("deltazip.workers")
-_HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-                "transfer-encoding", "upgrade", "host", "content-length"}
+QUICK_DEATH_S = 60.0  # a worker dying within this long of its start is in a crash loop: back off
+BACKOFF_CAP_S = 30.0  # the longest wait before restarting a worker
 
 
 class WorkerStartError(DeltazipError, RuntimeError):
@@ -112,7 +123,9 @@ class WorkerState:
     """One worker slot as the supervisor and the front see it.
 
     state: ``starting`` | ``ready`` | ``dead`` | ``stopped``; outstanding: requests the front has
-    open on it; restarts: times this slot was restarted after a death.
+    open on it; restarts: times this slot was restarted after a death; deaths: times its process
+    died; streak: deaths in a row that came within ``QUICK_DEATH_S`` of a start (the backoff's
+    exponent); last_death: ``{"code", "signal", "stderr", "at"}`` of the latest.
     """
 
     index: int
@@ -126,8 +139,17 @@ class WorkerState:
     ready_seconds: float | None = None
     report: dict[str, Any] = field(default_factory=dict)
     restart_at: float = 0.0
-    _ready_r: int | None = None
+    deaths: int = 0
+    streak: int = 0
+    last_death: dict[str, Any] | None = None
+    _ready_r: int | None = None  # the worker's pipe: its ready line, then its progress reports
     _buf: bytes = b""
+    _stderr_pump: threading.Thread | None = None
+    _tail: dict[str, str] = field(default_factory=lambda: {"line": ""})  # its stderr's last line (the pump's)
+
+    @property
+    def last_stderr(self) -> str:
+        return self._tail["line"]
 
     @property
     def url(self) -> str:
@@ -149,12 +171,17 @@ class WorkerPool:
         front: run the front in a background thread on enter (tests); ``deltazip serve`` runs it in
             the foreground instead (:func:`serve_workers`).
         start_timeout: seconds for the owner and each worker to become ready.
-        restart_backoff: first delay before restarting a dead worker (doubles on quick deaths, to 10 s).
+        restart_backoff: delay before restarting a dead worker; it doubles with each death in a row
+            that came within ``QUICK_DEATH_S`` of the worker's start, up to ``BACKOFF_CAP_S``.
         env: extra environment for the children (e.g. ``OMP_NUM_THREADS``).
+        standby: keep one spare process that has done a worker's imports (torch, transformers, the
+            base's model class: most of a worker's start-up) and waits for a slot; a dead worker is
+            replaced by it, ready in about a second instead of several.
     """
 
     def __init__(self, cfg, workers: int | None = None, *, share: bool = True, front: bool = True,
-                 start_timeout: float = 300.0, restart_backoff: float = 0.5, env: dict[str, str] | None = None):
+                 start_timeout: float = 300.0, restart_backoff: float = 0.5, env: dict[str, str] | None = None,
+                 standby: bool = True):
         self.cfg = cfg
         self.k = workers if workers is not None else cfg.workers
         if self.k < 1:
@@ -176,6 +203,10 @@ class WorkerPool:
         self.homes: dict[str, list[int]] = {}  # variant -> workers that served it (affinity routing)
         self.capacity = cfg.max_num_seqs  # open requests a home takes before others are considered
         self.routed = {"affinity": 0, "least_busy": 0}
+        self.flights = Flights()  # requests in flight through the front, and what deaths did to them
+        self.use_standby = standby
+        self._standby: WorkerState | None = None  # the spare process (index -1), when up
+        self._standby_failures = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> WorkerPool:
@@ -243,11 +274,12 @@ class WorkerPool:
             self._front = None
         if self._monitor is not None:
             self._monitor.join(timeout=5)
-        procs = [w.proc for w in self.workers if w.proc is not None]
+        spare, self._standby = self._standby, None
+        procs = [w.proc for w in [*self.workers, *([spare] if spare else [])] if w.proc is not None]
         for p in procs:
             _terminate(p)
         _reap(procs, 10.0)
-        for w in self.workers:
+        for w in [*self.workers, *([spare] if spare else [])]:
             self._close_pipes(w)
             w.state, w.proc = "stopped", None
         if self.owner is not None:
@@ -258,8 +290,10 @@ class WorkerPool:
             self.owner = None
 
     def pids(self) -> dict[str, Any]:
-        """Process ids: ``{"owner": pid | None, "workers": [pid | None, ...]}``."""
-        return {"owner": self.owner.pid if self.owner else None, "workers": [w.pid for w in self.workers]}
+        """Process ids: ``{"owner": pid | None, "workers": [pid | None, ...], "standby": pid | None}``."""
+        spare = self._standby
+        return {"owner": self.owner.pid if self.owner else None, "workers": [w.pid for w in self.workers],
+                "standby": spare.pid if spare is not None else None}
 
     # -- owner ----------------------------------------------------------------------------------
     def _start_owner(self, dtype: str) -> None:
@@ -287,44 +321,92 @@ class WorkerPool:
                  rep["nbytes"] / 2**20, rep["kind"], rep["startup_seconds"])
 
     # -- workers --------------------------------------------------------------------------------
-    def _spawn(self, w: WorkerState) -> None:
+    def _launch(self, index: int | None) -> WorkerState:
+        """A new worker process for slot ``index``, or the standby (None: it does the imports, then
+        waits on stdin for its slot). Its stderr is copied to ours by a thread that keeps the last line."""
+        child = WorkerState(-1 if index is None else index)
         r, wfd = os.pipe()
-        cmd = [sys.executable, "-m", "deltazip.runtime.cluster.workers", "--config", self._config, "--index", str(w.index),
-               "--ready-fd", str(wfd)]
+        cmd = [sys.executable, "-m", "deltazip.runtime.cluster.workers", "--config", self._config, "--ready-fd", str(wfd),
+               "--warm", str(self.base_dir), *(["--index", str(index)] if index is not None else ["--standby"])]
         if self.share:
             cmd += ["--owner", self.address]
         try:
-            w.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(wfd,), env=_child_env(self.env),
-                                      start_new_session=True)
+            child.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(wfd,),
+                                          env=_child_env(self.env), start_new_session=True)
         finally:
             os.close(wfd)
         os.set_blocking(r, False)
-        w._ready_r, w._buf = r, b""
-        w.pid, w.port, w.state, w.started_at, w.report = w.proc.pid, None, "starting", time.perf_counter(), {}
+        child._ready_r, child.pid, child.started_at, child.state = r, child.proc.pid, time.perf_counter(), "warming"
+        child._stderr_pump = threading.Thread(target=_pump_stderr, args=(child._tail, child.proc.stderr), daemon=True,
+                                              name=f"deltazip-worker{child.index}-stderr")
+        child._stderr_pump.start()
+        return child
+
+    def _spawn(self, w: WorkerState) -> None:
+        """Start slot ``w``'s process: the standby when one is up, else a new process."""
+        child, self._standby = self._standby, None
+        if child is not None and not self._activate(child, w.index):
+            child = None
+        if child is None:
+            child = self._launch(w.index)
+        w.proc, w.pid, w._ready_r, w._stderr_pump, w._tail = child.proc, child.pid, child._ready_r, child._stderr_pump, \
+            child._tail
+        w._buf, w.port, w.state, w.started_at, w.report = b"", None, "starting", time.perf_counter(), {}
+
+    def _activate(self, child: WorkerState, index: int) -> bool:
+        """Give the standby slot ``index`` (a line on its stdin); False if it is gone."""
+        try:
+            if child.alive():
+                child.proc.stdin.write(json.dumps({"index": index}).encode() + b"\n")
+                child.proc.stdin.flush()
+                log.info("worker %d: the standby (pid %s) takes its place", index, child.pid)
+                return True
+        except OSError:
+            pass
+        _terminate(child.proc, signal.SIGKILL)
+        self._close_pipes(child)
+        return False
+
+    def _keep_standby(self) -> None:
+        """Start a standby when none is up and no worker is starting (they would share the CPUs);
+        after three standbys died unasked, stop (their stderr says why)."""
+        spare = self._standby
+        if spare is not None and spare.state != "warm":
+            _read_pipe(spare)
+            if b"\n" in spare._buf:  # its imports are done: it would be ready in about a second
+                spare.state = "warm"
+        if spare is not None and not spare.alive():
+            self._standby, self._standby_failures = None, self._standby_failures + 1
+            self._close_pipes(spare)
+            log.warning("the standby worker (pid %s) died with code %s; last stderr line: %r", spare.pid,
+                        spare.proc.returncode, spare.last_stderr)
+        if (self.use_standby and self._standby is None and self._standby_failures < 3 and not self.closing.is_set()
+                and not any(w.state == "starting" for w in self.workers)):
+            self._standby = self._launch(None)
 
     def _poll_start(self, w: WorkerState, initial: bool = False) -> None:
         """Advance a starting worker: read its ready line, or notice it died."""
         if w.state != "starting":
             return
-        if w._ready_r is not None:
-            with contextlib.suppress(BlockingIOError):
-                while chunk := os.read(w._ready_r, 65536):
-                    w._buf += chunk
-        if b"\n" in w._buf:
-            rep = json.loads(w._buf.split(b"\n", 1)[0])
-            self._close_pipes(w, stdin=False)
+        _read_pipe(w)
+        while b"\n" in w._buf:
+            line, w._buf = w._buf.split(b"\n", 1)
+            rep = json.loads(line)  # the rest of the pipe carries its progress reports
+            if "port" not in rep:  # a standby's "warm" line, from before it took this slot
+                continue
             if self.replay and not initial:
                 self._replay_to(w, rep["port"])
             with self.lock:
                 w.port, w.report, w.state = rep["port"], rep, "ready"
                 w.ready_seconds = time.perf_counter() - w.started_at
-            log.info("worker %d ready: pid %s port %s (%.2f s, weights %s)", w.index, w.pid, w.port, w.ready_seconds,
-                     rep.get("weights"))
+            log.info("worker %d ready: pid %s port %s (%.2f s%s, weights %s)", w.index, w.pid, w.port, w.ready_seconds,
+                     ", from the standby" if rep.get("standby") else "", rep.get("weights"))
             return
         code = w.proc.poll() if w.proc else None
         if code is not None:
             if initial:
-                raise WorkerStartError(f"worker {w.index} exited with code {code} during start-up (see its log above)")
+                raise WorkerStartError(f"worker {w.index} exited with code {code} during start-up: "
+                                       f"{w.last_stderr or '(see its log above)'}")
             self._mark_dead(w, code)
         elif time.perf_counter() - w.started_at > self.start_timeout:
             if initial:
@@ -333,19 +415,28 @@ class WorkerPool:
             _terminate(w.proc, signal.SIGKILL)
 
     def _mark_dead(self, w: WorkerState, code: int | None) -> None:
+        if w._stderr_pump is not None:  # its last words: the pipe is closed, the pump ends soon
+            w._stderr_pump.join(timeout=1)
+        now = time.perf_counter()
         with self.lock:
-            # A worker that dies soon after starting is likely to die again: back off exponentially.
-            quick = time.perf_counter() - w.started_at < 10
-            delay = min(10.0, self.restart_backoff * 2 ** min(w.restarts, 5)) if quick else self.restart_backoff
-            w.state, w.port, w.restart_at = "dead", None, time.perf_counter() + delay
+            self._drain(w)  # every report it wrote before dying, before its pipe is closed
+            self._close_pipes(w)
+            # A worker dying soon after its start is likely to die again: back off exponentially.
+            w.streak = w.streak + 1 if now - w.started_at < QUICK_DEATH_S else 0
+            delay = min(BACKOFF_CAP_S, self.restart_backoff * 2 ** max(0, w.streak - 1))
+            w.state, w.port, w.restart_at = "dead", None, now + delay
+            w.deaths += 1
+            w.last_death = {"code": code, "signal": _signal_name(code), "stderr": w.last_stderr, "at": time.time()}
             for homes in self.homes.values():  # its slots and host tier are gone with it
                 if w.index in homes:
                     homes.remove(w.index)
-        self._close_pipes(w)
         if w.proc is not None:
             with contextlib.suppress(Exception):
                 w.proc.wait(timeout=1)
-        log.warning("worker %d (pid %s) died with code %s; restarting in %.1f s", w.index, w.pid, code, delay)
+        how = f"killed by {w.last_death['signal']}" if w.last_death["signal"] else f"exit code {code}"
+        loop = f" ({w.streak} deaths in a row within {QUICK_DEATH_S:.0f} s of a start)" if w.streak > 1 else ""
+        log.warning("worker %d (pid %s) died: %s; last stderr line: %r; restarting in %.1f s%s", w.index, w.pid, how,
+                    w.last_stderr, delay, loop)
 
     def _close_pipes(self, w: WorkerState, stdin: bool = True) -> None:
         if w._ready_r is not None:
@@ -369,6 +460,9 @@ class WorkerPool:
             for w in self.workers:
                 if self.closing.is_set():
                     return
+                if w.state == "ready":
+                    with self.lock:
+                        self._drain(w)
                 if w.state == "ready" and not w.alive():
                     self._mark_dead(w, w.proc.returncode if w.proc else None)
                 elif w.state == "starting":
@@ -377,14 +471,16 @@ class WorkerPool:
                 elif w.state == "dead" and time.perf_counter() >= w.restart_at:
                     w.restarts += 1
                     self._spawn(w)
+            self._keep_standby()
 
     # -- routing ----------------------------------------------------------------------------------
     def pick(self, exclude: set[int], model: str | None = None) -> WorkerState | None:
         """The worker for a request for ``model`` (see "Routing" in the module docstring): a home of
         the variant with capacity, else the ready worker with the fewest open requests (ties:
-        round-robin); None if no worker is ready."""
+        round-robin); None if no worker is ready. ``exclude``: process ids the request already
+        failed on (a restarted worker is a new process, and may take it)."""
         with self.lock:
-            ready = [w for w in self.workers if w.state == "ready" and w.index not in exclude]
+            ready = [w for w in self.workers if w.state == "ready" and w.pid not in exclude]
             # A SIGKILLed worker is a zombie until the supervisor notices; waitpid here catches it now.
             ready = [w for w in ready if w.alive()]
             if not ready:
@@ -418,6 +514,39 @@ class WorkerPool:
         with self.lock:
             self.errors[kind] = self.errors.get(kind, 0) + 1
 
+    # -- progress reports ---------------------------------------------------------------------------
+    def _drain(self, w: WorkerState) -> None:
+        """Apply the progress reports waiting in ``w``'s pipe (call with ``self.lock`` held)."""
+        if not w.report:  # still starting: its first line is the ready line
+            return
+        _read_pipe(w)
+        *lines, w._buf = w._buf.split(b"\n")
+        for line in lines:
+            if (r := read_report(line)) is not None:
+                self.flights.advance(*r, pid=w.pid)
+
+    def read_reports(self, pid: int | None) -> None:
+        """Apply what worker process ``pid`` has reported so far (all of it once the process is dead:
+        the pipe keeps it; a worker already marked dead was drained then)."""
+        with self.lock:
+            for w in self.workers:
+                if w.pid == pid:
+                    self._drain(w)
+
+    def reported(self, flight, state: str) -> bool:
+        """Whether ``flight``'s worker has reported it at ``state`` or later."""
+        self.read_reports(flight.pid)
+        return RANK[flight.state] >= RANK[state]
+
+    def retry_after(self) -> int:
+        """Seconds until a worker is likely ready again (a ``Retry-After``): at least 1."""
+        now = time.perf_counter()
+        with self.lock:
+            waits = [max(0.0, w.restart_at - now) + (w.ready_seconds or 5.0) for w in self.workers if w.state == "dead"]
+            waits += [max(0.0, (w.ready_seconds or 5.0) - (now - w.started_at)) for w in self.workers
+                      if w.state == "starting"]
+        return max(1, round(min(waits))) if waits else 1
+
     def _replay_to(self, w: WorkerState, port: int) -> None:
         import httpx
 
@@ -427,15 +556,29 @@ class WorkerPool:
                               content=r["body"], timeout=120)
 
     def health(self) -> dict[str, Any]:
+        """``/health``: ``status`` ok | degraded (some worker is not ready) | down (none is), per-worker
+        state and faults (deaths, restarts, the last death's code/signal/stderr line, seconds to its
+        restart), the front's open requests by state and what deaths did to requests."""
+        now, wall = time.perf_counter(), time.time()
         with self.lock:
             ws = [{"index": w.index, "state": w.state, "pid": w.pid, "port": w.port, "outstanding": w.outstanding,
-                   "restarts": w.restarts, "ready_seconds": None if w.ready_seconds is None else round(w.ready_seconds, 3),
+                   "restarts": w.restarts, "deaths": w.deaths,
+                   "ready_seconds": None if w.ready_seconds is None else round(w.ready_seconds, 3),
                    "weights": w.report.get("weights"),
-                   "variants": sorted(m for m, homes in self.homes.items() if w.index in homes)} for w in self.workers]
+                   "variants": sorted(m for m, homes in self.homes.items() if w.index in homes),
+                   "last_death": None if w.last_death is None else {
+                       **{k: v for k, v in w.last_death.items() if k != "at"},
+                       "seconds_ago": round(wall - w.last_death["at"], 1)},
+                   "restart_in": round(max(0.0, w.restart_at - now), 1) if w.state == "dead" else None}
+                  for w in self.workers]
         n = sum(w["state"] == "ready" for w in ws)
+        spare = self._standby
         return {"status": "ok" if n == len(ws) else ("degraded" if n else "down"), "workers_ready": n,
-                "workers": ws, "owner": {"pid": self.owner.pid if self.owner else None,
-                                         "shared_bytes": self.owner_report.get("nbytes")} if self.share else None}
+                "workers": ws, "standby": None if spare is None else {"pid": spare.pid, "state": spare.state},
+                "worker_deaths": sum(w["deaths"] for w in ws),
+                "worker_restarts": sum(w["restarts"] for w in ws), **self.flights.snapshot(),
+                "owner": {"pid": self.owner.pid if self.owner else None,
+                          "shared_bytes": self.owner_report.get("nbytes")} if self.share else None}
 
     def front_app(self):
         return create_front(self, self.cfg.max_request_bytes)
@@ -458,6 +601,38 @@ def _reap(procs: list[subprocess.Popen], timeout: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def _read_pipe(w: WorkerState) -> None:
+    """Append what ``w``'s pipe holds now to ``w._buf`` (non-blocking)."""
+    if w._ready_r is None:
+        return
+    with contextlib.suppress(BlockingIOError, OSError):
+        while chunk := os.read(w._ready_r, 65536):
+            w._buf += chunk
+
+
+def _pump_stderr(tail: dict[str, str], stream) -> None:
+    """Copy a worker's stderr to ours line by line, keeping its last line in ``tail["line"]`` (for
+    the log of its death)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in stream:
+            with contextlib.suppress(OSError):
+                os.write(2, line)
+            if text := line.decode("utf-8", "replace").strip():
+                tail["line"] = text[-500:]
+    with contextlib.suppress(OSError):
+        stream.close()
+
+
+def _signal_name(code: int | None) -> str | None:
+    """``"SIGKILL"`` for a process killed by a signal (Popen's code ``-9``), else None."""
+    if code is None or code >= 0:
+        return None
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
 
 
 def _read_line(stream, timeout: float) -> bytes:
@@ -514,9 +689,12 @@ class _Front:
     async def lifespan(self, _app):
         import httpx
 
-        # No read timeout: a long generation may take minutes; connects are local and quick.
+        # No read timeout: a long generation may take minutes; connects are local and quick. Idle
+        # connections are dropped well before the workers' uvicorn closes them (5 s), so a request
+        # never races a worker closing the connection it is sent on.
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                                            keepalive_expiry=2.0))
         try:
             yield
         finally:
@@ -535,74 +713,22 @@ class _Front:
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def proxy(self, request):
-        from starlette.responses import StreamingResponse
+        from deltazip.runtime.serve.openai_schema import TOKENIZER_PATHS, ApiError, read_body
 
         path = request.url.path
-        if not path.startswith("/v1"):
+        if not path.startswith("/v1") and path not in TOKENIZER_PATHS:
             return _error(404, f"no route {path}; the API is under /v1", "invalid_request_error", "not_found")
-        from deltazip.runtime.serve.openai_schema import ApiError, read_body
 
         try:  # the front refuses an oversized body too, before reading it whole (issue 25)
             body = await read_body(request, self.max_body)
         except ApiError as e:
             return _error(e.status, e.message, e.type, e.code)
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS | {TAG_HEADER}]
         target = path + (f"?{request.url.query}" if request.url.query else "")
         if path.startswith("/v1/variants") and request.method in ("POST", "PUT", "DELETE", "PATCH"):
             return await _broadcast(self.pool, self.client, request.method, target, headers, body)
-        sent = await self._send(request.method, target, headers, body, _model_of(request.method, path, body))
-        if not isinstance(sent, tuple):
-            return sent  # an error response
-        w, resp = sent
-        out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
-        out_headers["x-deltazip-worker"] = str(w.index)
-        return StreamingResponse(self._relay(w, resp), status_code=resp.status_code, headers=out_headers)
-
-    async def _send(self, method: str, target: str, headers, body: bytes, model: str | None):
-        """``(worker, streamed response)`` from the worker chosen for ``model``; a worker that cannot
-        be connected to (dead, restarting) is skipped for another. Else an error response."""
-        import httpx
-
-        tried: set[int] = set()
-        while True:
-            w = self.pool.pick(tried, model)
-            if w is None:
-                self.pool.count_error("no_worker")
-                return _error(503, "no server worker is ready (restarting); retry shortly", code="no_worker")
-            try:
-                req = self.client.build_request(method, w.url + target, headers=headers, content=body)
-                return w, await self.client.send(req, stream=True)
-            except httpx.ConnectError:
-                # The request never reached this worker (it died or is restarting): try another.
-                self.pool.release(w)
-                tried.add(w.index)
-            except httpx.HTTPError as e:
-                self.pool.release(w)
-                self.pool.count_error("worker_failed")
-                return _error(502, f"server worker {w.index} failed while handling this request "
-                                   f"({type(e).__name__}); retry it", code="worker_failed")
-            except BaseException:
-                self.pool.release(w)
-                raise
-
-    async def _relay(self, w: WorkerState, resp):
-        """The worker's body, chunk by chunk; a worker dying mid-stream ends an SSE stream with an
-        OpenAI-shaped error event (the status line is gone already)."""
-        import httpx
-
-        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-        try:
-            async for chunk in resp.aiter_raw():
-                yield chunk
-        except httpx.HTTPError as e:
-            self.pool.count_error("worker_failed")
-            if sse:
-                err = {"error": {"message": f"server worker {w.index} failed mid-stream ({type(e).__name__})",
-                                 "type": "server_error", "param": None, "code": "worker_failed"}}
-                yield f"data: {json.dumps(err)}\n\n".encode()
-        finally:
-            self.pool.release(w)
-            await resp.aclose()
+        return await FailoverProxy(self.pool, self.client).forward(request.method, target, headers, body,
+                                                                   _model_of(request.method, path, body))
 
 
 def _model_of(method: str, path: str, body: bytes) -> str | None:
@@ -663,10 +789,18 @@ async def _gather_metrics(pool: WorkerPool, client) -> bytes:
     out = GaugeMetricFamily("deltazip_worker_outstanding", "Requests the front has open on a worker",
                             labels=["worker"])
     restarts = CounterMetricFamily("deltazip_worker_restarts", "Worker restarts after a death", labels=["worker"])
+    deaths = CounterMetricFamily("deltazip_worker_deaths", "Worker processes that died", labels=["worker"])
     for w in health["workers"]:
         up.add_metric([str(w["index"])], 1.0 if w["state"] == "ready" else 0.0)
         out.add_metric([str(w["index"])], w["outstanding"])
         restarts.add_metric([str(w["index"])], w["restarts"])
+        deaths.add_metric([str(w["index"])], w["deaths"])
+    states = GaugeMetricFamily("deltazip_front_requests", "Requests open at the front, by state (queued, "
+                               "prefilling, generating: nothing sent yet; answering)", labels=["state"])
+    for state, n in health["requests"].items():
+        states.add_metric([state], n)
+    resubmitted = CounterMetricFamily("deltazip_front_resubmitted", "Requests sent to another worker after "
+                                      "theirs died before answering", value=health["resubmitted"])
     errors = CounterMetricFamily("deltazip_front_errors", "Requests the front failed, by cause", labels=["cause"])
     routed = CounterMetricFamily("deltazip_front_routed", "Requests routed to a worker, by how it was chosen "
                                  "(affinity: a home of the variant; least_busy)", labels=["how"])
@@ -679,7 +813,7 @@ async def _gather_metrics(pool: WorkerPool, client) -> bytes:
     class _Collector:
         def collect(self):
             yield from families.values()
-            yield from (up, out, restarts, errors, routed)
+            yield from (up, out, restarts, deaths, states, resubmitted, errors, routed)
 
     reg = CollectorRegistry()
     reg.register(_Collector())
@@ -713,36 +847,83 @@ def serve_workers(cfg, on_ready=None, sock=None) -> None:
 
 
 def worker_main(argv: list[str] | None = None) -> int:
-    """``python -m deltazip.runtime.cluster.workers --config JSON --index I --ready-fd N [--owner ADDRESS]``"""
+    """``python -m deltazip.runtime.cluster.workers --config JSON (--index I | --standby) --ready-fd N
+    [--owner ADDRESS] [--warm BASE_DIR]``
+
+    ``--standby``: do the imports (and the base's model class, from ``--warm``), then wait for
+    ``{"index": I}`` on stdin and become worker I (EOF first: exit).
+    """
     t_start = time.perf_counter()
     ap = argparse.ArgumentParser(description="deltazip serve worker")
     ap.add_argument("--config", required=True)
-    ap.add_argument("--index", type=int, required=True)
+    ap.add_argument("--index", type=int, default=None)
+    ap.add_argument("--standby", action="store_true")
     ap.add_argument("--ready-fd", type=int, required=True)
     ap.add_argument("--owner", default=None)
+    ap.add_argument("--warm", default=None)
     a = ap.parse_args(argv)
+    if (a.index is None) != a.standby:
+        ap.error("give exactly one of --index and --standby")
+    _warm_up(a.warm)
+    t_imported = time.perf_counter()
+    if a.standby:
+        os.write(a.ready_fd, b'{"standby": "warm"}\n')
+        line = sys.stdin.buffer.readline()
+        if not line:
+            return 0
+        a.index = int(json.loads(line)["index"])
+        t_start = time.perf_counter()  # its start-up, as a worker, begins now
     logging.basicConfig(level=os.environ.get("DELTAZIP_LOG_LEVEL", "WARNING").upper(),
                         format=f"%(asctime)s worker{a.index} %(name)s %(levelname)s %(message)s")
+    _serve_worker(a, {"standby": a.standby, "import_s": round(max(0.0, t_imported - t_start), 3)}, t_start)
+    return 0
+
+
+def _warm_up(base_dir: str | None) -> None:
+    """The imports a worker needs, and transformers' lazy ones for the base's model class (most of
+    a worker's start-up: seconds, against well under one to build the runtime after them)."""
+    import uvicorn  # noqa: F401
+
+    from deltazip.runtime.cluster import progress  # noqa: F401
+    from deltazip.runtime.serve import assembly, server  # noqa: F401
+    from deltazip.runtime.share import weight_share  # noqa: F401
+
+    if base_dir:
+        with contextlib.suppress(Exception):  # only a warm-up: build_runtime reports any real problem
+            from transformers import AutoConfig
+
+            from deltazip.runtime.serve.model import _causal_lm_class
+
+            _causal_lm_class(AutoConfig.from_pretrained(base_dir))
+
+
+def _serve_worker(a, rep: dict[str, Any], t_start: float) -> None:
+    """Attach to the owner, build the runtime, serve on a loopback port; the ready line (with
+    ``rep``'s timings) goes to the supervisor's pipe, then the engine's progress reports."""
     import socket
 
     import uvicorn
 
+    from deltazip.runtime.cluster.progress import EngineReports, report_line, tag_requests
     from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
     from deltazip.runtime.serve.server import Metrics, create_app
     from deltazip.runtime.share import weight_share
 
-    t_imported = time.perf_counter()
     cfg = ServeConfig(**json.loads(a.config))
-    attach_s = None
+    rep["attach_s"] = None
     if a.owner:
         shared = weight_share.attach(a.owner)
         weight_share.install(shared)
-        attach_s = shared.attach_seconds
+        rep["attach_s"] = shared.attach_seconds
     metrics = Metrics()
     t0 = time.perf_counter()
-    rt = build_runtime(cfg, observer=metrics)
-    build_s = time.perf_counter() - t0
-    app = create_app(rt, metrics)
+    # After the ready line the pipe carries the engine's progress reports (blocking writes of a few
+    # bytes: the supervisor reads it continually, and a report must be in the pipe before the
+    # forward or token it announces).
+    rt = build_runtime(cfg, observer=EngineReports(metrics, lambda tag, state: os.write(a.ready_fd,
+                                                                                         report_line(tag, state))))
+    rep["build_runtime_s"] = round(time.perf_counter() - t0, 3)
+    app = tag_requests(create_app(rt, metrics))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level=os.environ.get("DELTAZIP_LOG_LEVEL", "warning").lower(),
@@ -753,12 +934,9 @@ def worker_main(argv: list[str] | None = None) -> int:
             if server.should_exit:
                 return
             time.sleep(0.01)
-        rep = {"port": sock.getsockname()[1], "pid": os.getpid(), "weights": "mapped" if a.owner else "loaded",
-               "base": rt.base_name,
-               "import_s": round(t_imported - t_start, 3), "attach_s": attach_s, "build_runtime_s": round(build_s, 3),
-               "ready_s": round(time.perf_counter() - t_start, 3)}
+        rep.update(port=sock.getsockname()[1], pid=os.getpid(), weights="mapped" if a.owner else "loaded",
+                   base=rt.base_name, ready_s=round(time.perf_counter() - t_start, 3))
         os.write(a.ready_fd, (json.dumps(rep) + "\n").encode())
-        os.close(a.ready_fd)
 
     def watch_supervisor():
         # stdin is a pipe from the supervisor: EOF means it is gone (or wants us gone).
@@ -770,7 +948,6 @@ def worker_main(argv: list[str] | None = None) -> int:
     threading.Thread(target=announce, daemon=True, name="worker-announce").start()
     threading.Thread(target=watch_supervisor, daemon=True, name="worker-stdin").start()
     server.run(sockets=[sock])  # main thread: uvicorn turns SIGTERM/SIGINT into a graceful exit
-    return 0
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from deltazip.formats.errors import InputError
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import check_device, check_dtype, resolve_device
 from deltazip.runtime.serve.engine import Engine, EngineConfig, ServedVariant
+from deltazip.runtime.serve.kernel_warmup import Startup
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE
 from deltazip.runtime.serve.model import (
     DeltaModel,
@@ -100,6 +101,7 @@ class ServeConfig:
     workers: int = 1  # >1: engine processes sharing one weight owner (deltazip.runtime.cluster.workers)
     tensor_parallel: int = 1  # >1: each layer sharded over that many processes (deltazip.runtime.cluster)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get 413
+    tuner: Any = None  # the delta-matmul tuner (deltazip.kernels.tuner.Tuner); default: one per model
     # Engine knobs without a CLI option (tests and benches turn them): see EngineConfig.
     chunked_prefill: bool = True
     kv_block_size: int = DEFAULT_BLOCK_SIZE
@@ -164,6 +166,7 @@ class Runtime:
     admin_lock: threading.Lock = field(default_factory=threading.Lock)
     capacity: dict[str, Any] = field(default_factory=dict)
     warmup: dict[str, Any] = field(default_factory=dict)  # the kernel warm-up's seconds and launches
+    startup: Any = None  # kernel_warmup.Startup: the tuning the server runs once it answers /health
     _base_fp: str | None = None
 
     @property
@@ -291,7 +294,7 @@ def _backend(cfg: ServeConfig, asm: Assembly, registry, parallel: Callable[..., 
                         ledger=asm.ledger)
     if cfg.mode == "delta":
         return DeltaModel(base, variants, cfg.max_deltas, device, dtype, delta_compute=cfg.delta_compute,
-                          registry=registry, ledger=asm.ledger)
+                          registry=registry, ledger=asm.ledger, tuner=cfg.tuner)
     return SwapModels(base, variants, cfg.max_deltas, device, dtype, asm.base_name, registry=registry,
                       ledger=asm.ledger)
 
@@ -361,11 +364,12 @@ def build_runtime(cfg: ServeConfig, observer: Any = None, parallel: Callable[...
     report = startup_report(asm, cfg)
     catalog = VariantCatalog(asm.variants, asm.found)
     warmup = log_warmup(asm.backend)
+    startup = Startup(asm.backend, warmup) if hasattr(asm.backend, "tuner") else None
     cap = capacity(asm, cfg, len(catalog))
     # Warm the host tier with as many variants as it holds, in the background.
     engine.cache.prefetch(([asm.base_name] if cfg.mode == "swap" else []) + [v.name for v in asm.variants])
     rt = Runtime(engine, cfg, asm.base_name, catalog, int(time.time()), report, tokenizers, asm.index, capacity=cap,
-                 warmup=warmup)
+                 warmup=warmup, startup=startup)
     rt._base_fp = asm.base_fp
     return rt
 

@@ -12,7 +12,9 @@ a prefill), a range of blocks ``[lo, hi)``: every block meets only its owner's q
 ``[nb, H_kv, G·Tm, D]``), scores are one batched matmul against the blocks as they lie in the pool
 (``[nb, H_kv, G·Tm, block_size]``), masked to positions up to the query's; the softmax runs across
 a row's blocks with a scattered max and sum (``scatter_reduce_``/``index_add_``), and the
-block-partial outputs ``probs · V_block`` are summed per row. Work is proportional to the blocks
+block-partial outputs ``probs · V_block`` are summed per row. A block several rows of a span hold
+(the shared prompt of a request's samples) is read in place for its first holder and gathered once
+per other holder. Work is proportional to the blocks
 read, not to ``B ×`` the span. GQA: the ``G = H_q / H_kv`` query heads sharing a key/value head are
 stacked on the query axis, so K and V are never repeated. The kwargs transformers passes
 are honoured: ``scaling``, ``softcap`` (Gemma 2/3: ``tanh(s / c) · c``), ``sliding_window`` (a key
@@ -62,14 +64,17 @@ def _paged(step: PagedStep, query: torch.Tensor, key: torch.Tensor, value: torch
     hkv, dv = key.shape[1], value.shape[3]
     g = hq // hkv
     out = None if len(step.spans) == 1 else query.new_empty(b_all, tm, hq, dv)
-    for i, (rows, lo, hi, meta) in enumerate(step.spans):
+    for i, (rows, lo, hi, meta, extra) in enumerate(step.spans):
         q = query if out is None else query[rows]
-        n, nb = q.shape[0], hi - lo
+        n, nb, nr = q.shape[0], meta.shape[1], hi - lo
         owner, owner_q = meta[0], meta[1]
         # Each block meets only its owner's queries: [nb, H_kv, G·Tm, D], the G heads of a key/value
         # head stacked on the query axis (K and V are never repeated).
         qb = q.reshape(n, hkv, g * tm, d).index_select(0, owner_q)
-        scores = torch.matmul(qb, key[lo:hi].transpose(-1, -2)).mul_(scale)  # [nb, H_kv, G·Tm, bs]
+        scores = torch.matmul(qb[:nr], key[lo:hi].transpose(-1, -2))  # [nb, H_kv, G·Tm, bs]
+        if extra is not None:  # blocks shared by several rows: once more per other holder
+            scores = torch.cat([scores, torch.matmul(qb[nr:], key.index_select(0, extra).transpose(-1, -2))])
+        scores.mul_(scale)
         if softcap:
             scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
         scores = _as(scores, torch.float32).view(nb, hkv, g, tm, -1)
@@ -80,7 +85,10 @@ def _paged(step: PagedStep, query: torch.Tensor, key: torch.Tensor, value: torch
             0, owner.view(-1, 1, 1, 1).expand_as(top), top, "amax")
         e = torch.exp(scores - row_max.index_select(0, owner).unsqueeze(-1))
         den = top.new_zeros(n + 1, hkv, g, tm).index_add_(0, owner, e.sum(-1))
-        part = torch.matmul(_as(e.view(nb, hkv, g * tm, -1), value.dtype), value[lo:hi])  # [nb, H_kv, G·Tm, Dv]
+        e = _as(e.view(nb, hkv, g * tm, -1), value.dtype)
+        part = torch.matmul(e[:nr], value[lo:hi])  # [nb, H_kv, G·Tm, Dv]
+        if extra is not None:
+            part = torch.cat([part, torch.matmul(e[nr:], value.index_select(0, extra))])
         num = part.new_zeros(n + 1, hkv, g * tm, dv, dtype=torch.float32).index_add_(0, owner, _as(part, torch.float32))
         # A real row's sum is >= 1 (its max term is exp(0)); the clamp only keeps rows that see no
         # key at all (CUDA-graph padding) at 0 instead of NaN.

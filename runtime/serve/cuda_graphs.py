@@ -8,6 +8,9 @@ region makes no host synchronisation and allocates nothing new. The captured att
 whole pool (its shape must not change while the graph lives), so it also scores the blocks of
 sequences outside the batch and discards them: the price of a fixed shape.
 
+A step while some KV block is shared (the samples of a request with ``n > 1``) runs eagerly: the
+captured layout gives each block one owner.
+
 A graph bakes in what the host decided while it was captured, so it is keyed by everything those
 decisions read: the bucket, the padded rows' delta slots (the decoupled modules route rows by slot
 on the host), the KV pool's generation (its tensors are replaced when it grows or empties) and the
@@ -40,7 +43,7 @@ class StaticDecodeStep(PagedStep):
         self.past = [0] * rows
         self.q_pos = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.meta = torch.zeros(3, pool.num_blocks, dtype=torch.long, device=device)
-        self.spans = [(slice(0, rows), 0, pool.num_blocks, self.meta)]
+        self.spans = [(slice(0, rows), 0, pool.num_blocks, self.meta, None)]
         self.write = torch.zeros(4, rows, dtype=torch.long, device=device)
         self.write[0] = torch.arange(rows, device=device)
         self._write = tuple(self.write.unbind(0))
@@ -89,8 +92,8 @@ class DecodeGraphs:
         """Logits ``[B, V]`` of a decode step (each cache grows by one), or None: run it eagerly."""
         b = len(caches)
         bucket = next((x for x in BUCKETS if x >= b), None)
-        if bucket is None:
-            return None
+        if bucket is None or self.pool._refs:
+            return None  # too many rows, or blocks shared by forked samples (a block has one owner here)
         past = [c.length for c in caches]
         for c, p in zip(caches, past):  # may grow the pool: before the key is taken
             c.attach(self.pool)

@@ -3,7 +3,7 @@
 Paper §5.1: ``Y = X W_ftᵀ = X W_baseᵀ + X Δᵀ``. Every row of a batch belongs to one variant (a device
 *slot* ``0..N-1``) or to the base model (slot ``-1``). A :class:`DeltaLinear` computes the base GEMM for
 all rows together and adds each row's compressed delta with SBMM (``deltazip.kernels.dispatch.sbmm``:
-Triton on CUDA, the pure-torch reference elsewhere). Tensors a variant changes outside the
+the CUDA kernel where it covers the stack, the pure-torch reference elsewhere). Tensors a variant changes outside the
 compressed linears (embeddings, lm_head, norms, biases) are handled per row by replacement: the row
 reads its variant's own copy of the tensor, so the result is the fine-tuned model's, not an
 approximation of it. A variant whose tensor is "same as base" maps its slot to the base copy: it
@@ -33,6 +33,7 @@ from torch import nn
 from deltazip.kernels import dispatch
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
+from deltazip.kernels.row_plan import group_rows, plan_rows
 from deltazip.kernels.scheme import DeltaScheme
 from deltazip.kernels.stacked import StackedDeltas
 
@@ -118,20 +119,16 @@ class DeltaContext:
         return self._segments[key]
 
     def plan(self, idx: torch.Tensor):
-        """The row plan for ``idx`` (built once per token count, shared by every linear): on CUDA from
-        the host copy of the slots (numpy, one host-to-device copy, no GPU sort), else on the device."""
+        """The row plan for ``idx`` (built once per token count, shared by every linear): from the host
+        copy of the slots (numpy, one host-to-device copy, no GPU sort), else on the device."""
         key = idx.shape[0]
         plan = self._plans.get(key)
         if plan is None:
             host = self._row_slot_host
-            if idx.device.type == "cuda" and host is not None and key % max(1, host.shape[0]) == 0:
-                from deltazip.kernels.host_plan import plan_rows
-
+            if host is not None and key % max(1, host.shape[0]) == 0:
                 plan = plan_rows(np.repeat(host.numpy(), key // max(1, host.shape[0])), self.num_slots, idx.device)
             else:
-                from deltazip.kernels.triton_sbmm import default_block_m
-
-                plan = dispatch.group_rows(idx, self.num_slots, default_block_m(key))
+                plan = group_rows(idx, self.num_slots)
             self._plans[key] = plan
         return plan
 
@@ -231,10 +228,12 @@ def _slot_lookup(num_slots: int, device) -> torch.Tensor:
 
 @dataclass
 class _PackedGroup:
-    """The slots of one stack: deltas sharing a configuration (one SBMM call)."""
+    """The slots of one stack: deltas sharing a configuration (one SBMM call, ``launch``: the dispatcher's
+    prepared launch of the stack, ``deltazip.kernels.dispatch.prepare``)."""
 
     stack: StackedDeltas
     present: torch.Tensor  # bool [N + 1], indexed by slot + 1: slot holds a delta of this group
+    launch: object = None
     slots: set[int] = field(default_factory=set)
     owners: dict[int, set[int]] = field(default_factory=dict)  # slot -> first rows of the deltas written
 
@@ -259,7 +258,7 @@ class PackedStore:
         self.dq: torch.Tensor | None = None  # [N, out, in] dequantized deltas (ctx.dequantize)
         self.dq_owners: dict[int, set[int]] = {}  # slot -> first rows of the dequantized deltas written
         # Stack layout: a merged group whose member boundaries are not on 64-row tiles cannot use the
-        # fast kernel's tiles (one writer per tile) and asks for the transposed layout.
+        # CUDA kernel's tiles (one writer per tile) and asks for the transposed layout.
         self.layout = "auto"
 
     @property
@@ -280,18 +279,20 @@ class PackedStore:
         if g is not None and asymmetric and not g.stack.asymmetric:
             # A symmetric stack cannot hold explicit zero points: rebuild it asymmetric, keeping slots.
             old = g.stack
-            new = StackedDeltas.allocate(self.ctx.num_slots, bits=old.bits, group_size=old.group_size,
-                                         in_features=old.in_features, out_features=old.out_features,
-                                         sparse=old.sparse, asymmetric=True, device=old.device, layout=old.layout)
+            new = StackedDeltas.allocate(self.ctx.num_slots, old.scheme.replace(sym=False), in_features=old.in_features,
+                                         out_features=old.out_features, device=old.device, layout=old.layout)
             for s in g.slots:
                 new.write(s, old.unstack(s))
-            g.stack = new
+            g.stack, g.launch = new, dispatch.prepare(new, self.dtype)
         if g is None:
-            stack = StackedDeltas.allocate(self.ctx.num_slots, bits=delta.bits, group_size=delta.group_size,
-                                           in_features=delta.in_features, out_features=self.out_features,
-                                           sparse=sparse, asymmetric=asymmetric, device=self.device,
-                                           layout=self.layout)
-            g = _PackedGroup(stack, torch.zeros(self.ctx.num_slots + 1, dtype=torch.bool, device=self.device))
+            scheme = DeltaScheme(bits=delta.bits, group_size=delta.group_size, sparsity="2:4" if sparse else "none",
+                                 sym=not asymmetric)
+            layout = self.layout if self.layout != "auto" else dispatch.layout_for(scheme, delta.in_features, self.dtype,
+                                                                                   self.device)
+            stack = StackedDeltas.allocate(self.ctx.num_slots, scheme, in_features=delta.in_features,
+                                           out_features=self.out_features, device=self.device, layout=layout)
+            g = _PackedGroup(stack, torch.zeros(self.ctx.num_slots + 1, dtype=torch.bool, device=self.device),
+                             dispatch.prepare(stack, self.dtype))
             self.groups[key] = g
         return g
 
@@ -364,19 +365,8 @@ class PackedStore:
         """
         ctx, active = self.ctx, self.ctx.active
         for g in self.groups.values():
-            if not (g.slots & active):
-                continue
-            if dispatch.cuda_path(x, g.stack):  # one shared plan; the kernel skips slots the stack lacks
-                y = dispatch.sbmm(x, idx, g.stack, plan=ctx.plan(idx), out=y,
-                                  present=None if g.slots >= active else g.present, held=g.slots)
-                continue
-            if g.slots >= active:  # every row with a slot has a delta here: the shared plan applies
-                local = idx
-                plan = ctx.plan(idx) if dispatch.use_triton(x, idx, g.stack.qweight) else None
-            else:
-                local = torch.where(g.present[idx + 1], idx, torch.full_like(idx, -1))
-                plan = None
-            y = dispatch.sbmm(x, local, g.stack, plan=plan, out=y)  # added in the kernel's epilogue
+            if g.slots & active:  # the prepared launch: the step's shared plan, the slots the stack holds
+                y = g.launch(y, x, idx, ctx.plan, g.present, g.slots)
         dq = self.dq_slots & active
         if dq:
             y.add_(_dense_rows(x, idx, self.dq, dq, ctx))

@@ -39,9 +39,19 @@ Per step:
    steps and never stalls the decoders); one forward runs the prompt chunks (left-padded), one the
    decodes — rows of every variant together, sorted by slot;
 4. tokens are sampled for the whole batch in one pass on the device
-   (``deltazip.runtime.serve.sampling``), detokenized incrementally, checked against stop strings, EOS,
-   ``max_tokens`` and the context length; finished sequences free their KV cache, and their
-   line-skippers may be preempted (their KV cache moves to host memory until they resume).
+   (``deltazip.runtime.serve.sampling``: the rows' settings as tensors, ``process_logits``, the draw,
+   log probabilities for the rows that ask; the token masks of rows under a grammar,
+   ``deltazip.runtime.serve.grammar``, are filled on a worker thread while the forward runs and
+   applied last in ``process_logits``), detokenized incrementally, checked against stop strings,
+   EOS, stop token ids, ``max_tokens`` and the context length; finished sequences free their KV cache,
+   and their line-skippers may be preempted (their KV cache moves to host memory until they resume).
+
+A request of ``n`` samples (``best_of``) is one sequence until its prompt is read; then the other
+samples are forked from it (:meth:`SeqBlocks.fork <deltazip.runtime.serve.kv_cache.SeqBlocks.fork>`:
+the prompt's blocks shared, nothing re-read; each gets its own grammar matcher) and draw their first
+tokens from the same logits. Prompts
+whose log probabilities are wanted (``echo``) run in a prefill forward of their own that keeps every
+position's logits; the other rows keep only the last position's.
 
 A request that is cancelled (client gone) is dropped at the next step and its KV cache freed.
 
@@ -53,6 +63,7 @@ lets the ones already accepted finish, then unloads it from every tier.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 import threading
@@ -71,8 +82,22 @@ from deltazip.runtime.serve.delta_loader import DeltaLoader
 from deltazip.runtime.serve.grammar import GrammarCompilers, MaskFiller, StepMasks
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, SeqBlocks
 from deltazip.runtime.serve.model_runner import SeqKV, forward_step, new_kv_pool, new_seq_kv
-from deltazip.runtime.serve.sampling import sample_tokens
+from deltazip.runtime.serve.sampling import (
+    MAX_TOP_LOGPROBS,
+    process_logits,
+    sample_seed,
+    sample_step,
+    step_sampling,
+    token_logprobs,
+)
 from deltazip.runtime.serve.scheduler import BASE_KEY, SchedRequest, Scheduler
+
+# The id its owner gave the request being submitted in this context (the --workers front's, a Ray
+# replica's), set around the handler that calls ``submit``: a context variable, so the HTTP routes in
+# between need not carry it. The engine reports that request's progress under it to
+# ``observer.request_state(tag, state)``: ``prefilling`` before the first forward that reads its
+# prompt, ``generating`` when its first token is sampled, each before anything is sent for it.
+REQUEST_TAG: contextvars.ContextVar[str | None] = contextvars.ContextVar("deltazip_request_tag", default=None)
 
 log = logging.getLogger("deltazip.serve")
 
@@ -109,12 +134,22 @@ class UnknownModel(EngineError):
 
 @dataclass
 class SamplingParams:
-    """Per-request generation settings (OpenAI semantics).
+    """Per-request generation settings (OpenAI semantics, with vLLM's extras).
 
     ``temperature == 0`` is greedy (argmax, what ``generate(do_sample=False)`` does); ``top_p`` keeps
-    the smallest set of tokens whose probability reaches it; ``seed`` makes sampling reproducible;
-    ``stop`` strings end the completion and are not part of it; ``grammar`` (a compiled
-    :class:`~deltazip.runtime.serve.grammar.Grammar`) constrains every token to it.
+    the smallest set of tokens whose probability reaches it, ``top_k`` (0: off) the ``k`` most likely,
+    ``min_p`` those at least ``min_p`` times as likely as the most likely; ``seed`` makes sampling
+    reproducible; ``stop`` strings end the completion and are not part of it, nor are
+    ``stop_token_ids``, EOS (unless ``ignore_eos``) or anything before ``min_tokens`` tokens.
+    ``presence_penalty``/``frequency_penalty`` (output tokens), ``repetition_penalty`` (prompt and
+    output tokens) and ``logit_bias`` (token id -> added logit) change the logits before sampling.
+    ``grammar`` (a compiled :class:`~deltazip.runtime.serve.grammar.Grammar`) constrains every token
+    to it; its completion ends the answer, before ``min_tokens`` too (EOS is then the only token it allows).
+
+    ``n`` samples are returned; ``best_of`` (default ``n``) are drawn and share the prompt's KV cache.
+    ``logprobs``: how many alternatives each generated token reports with its log probability (None:
+    no log probabilities); ``prompt_logprobs`` the same for the prompt's tokens (echo).
+    ``max_tokens == 0`` only scores the prompt.
     """
 
     max_tokens: int = 16
@@ -123,40 +158,102 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1
+    best_of: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
     grammar: Any = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise EngineError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
-        if not (0.0 <= self.temperature <= 2.0) or math.isnan(self.temperature):
-            raise EngineError(f"temperature must lie in [0, 2], got {self.temperature}", "temperature")
-        if not (0.0 < self.top_p <= 1.0):
-            raise EngineError(f"top_p must lie in (0, 1], got {self.top_p}", "top_p")
+        for name, ok, why in self._checks():
+            if not ok:
+                raise EngineError(f"{name} {why}, got {getattr(self, name)!r}", name)
         if len(self.stop) > 4 or any(not isinstance(s, str) or not s for s in self.stop):
             raise EngineError("stop must be up to 4 non-empty strings", "stop")
+        if self.top_k == -1:  # vLLM's spelling of "off"
+            self.top_k = 0
+
+    def _checks(self) -> list[tuple[str, bool, str]]:
+        inside = lambda x, lo, hi: lo <= x <= hi and not math.isnan(x)  # noqa: E731
+        return [
+            ("max_tokens", self.max_tokens >= 0, "must be >= 0 (0: only read the prompt, to score it)"),
+            ("temperature", inside(self.temperature, 0.0, 2.0), "must lie in [0, 2]"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must lie in (0, 1]"),
+            ("n", self.n >= 1, "must be >= 1"),
+            ("best_of", self.best_of is None or self.best_of >= self.n, "must be >= n"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+             f"must lie in [0, {MAX_TOP_LOGPROBS}]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+             f"must lie in [0, {MAX_TOP_LOGPROBS}]"),
+            ("presence_penalty", inside(self.presence_penalty, -2.0, 2.0), "must lie in [-2, 2]"),
+            ("frequency_penalty", inside(self.frequency_penalty, -2.0, 2.0), "must lie in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must lie in (0, 10]"),
+            ("logit_bias", all(inside(v, -100.0, 100.0) for v in self.logit_bias.values()),
+             "values must lie in [-100, 100]"),
+            ("min_tokens", 0 <= self.min_tokens <= max(self.max_tokens, 0), "must lie in [0, max_tokens]"),
+            ("top_k", self.top_k >= -1, "must be -1 or 0 (off) or >= 1"),
+            ("min_p", inside(self.min_p, 0.0, 1.0), "must lie in [0, 1]"),
+        ]
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def samples(self) -> int:
+        """Sequences drawn for the prompt (``best_of``, default ``n``)."""
+        return self.best_of or self.n
+
+    @property
+    def ranked(self) -> bool:
+        """More samples are drawn than returned: they are ranked by cumulative log probability."""
+        return self.samples > self.n
+
+
+LogprobEntry = tuple[int, float, list[tuple[int, float]]]
+"""One token's log probability: ``(token id, logprob, [(alternative id, logprob), ...])``, the
+alternatives most likely first."""
+
 
 @dataclass
 class TokenEvent:
-    """New text of a sequence (possibly empty while a stop string might still match)."""
+    """New text of a sequence (possibly empty while a stop string might still match); ``logprobs``:
+    the entries of the tokens this text completes (requests with ``logprobs`` only);
+    ``prompt_logprobs``: the prompt's, on the sequence's first event (requests with ``prompt_logprobs``)."""
 
     text: str
     token_id: int
+    logprobs: list[LogprobEntry] | None = None
+    prompt_logprobs: list[LogprobEntry | None] | None = None  # on a sequence's first event (echo)
 
 
 @dataclass
 class FinishEvent:
-    """End of a sequence: ``reason`` is ``stop``, ``length``, ``cancelled`` or ``error``."""
+    """End of a sequence: ``reason`` is ``stop``, ``length``, ``cancelled`` or ``error``; ``completion_tokens``
+    counts every token drawn, an ending EOS or stop token id included (as vLLM's usage counts it; it has
+    no text, and ``logprobs`` lists it).
+
+    ``logprobs``: the entries of the returned text's tokens (requests with ``logprobs``);
+    ``prompt_logprobs``: one per prompt token, the first None (requests with ``prompt_logprobs``);
+    ``cumulative_logprob``: the sum over every drawn token (requests that need it: ``logprobs`` or
+    ``best_of > n``)."""
 
     reason: str
     text: str
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    logprobs: list[LogprobEntry] | None = None
+    prompt_logprobs: list[LogprobEntry | None] | None = None
+    cumulative_logprob: float | None = None
 
 
 Sink = Callable[[TokenEvent | FinishEvent], None]
@@ -177,6 +274,7 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.text = ""
         self.emitted = 0
+        self.ends: list[int] = []  # per added token, the text's length once it was added
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
 
@@ -187,6 +285,20 @@ class IncrementalDetokenizer:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.ends.append(len(self.text))
+
+    def released(self, start: int, final: bool) -> int:
+        """How many added tokens (from ``start`` on) the text handed out so far covers: those that end
+        within it, and at the end also those a stop string cut through (their text began in it)."""
+        i, n = start, len(self.ends)
+        if not final:
+            while i < n and self.ends[i] <= self.emitted:
+                i += 1
+            return i
+        cut = len(self.text)
+        while i < n and (self.ends[i] <= cut or (self.ends[i - 1] if i else 0) < cut):
+            i += 1
+        return i
 
     def find_stop(self) -> bool:
         """Cut the text at the first stop string; True when one was found."""
@@ -265,7 +377,7 @@ class Sequence:
     params: SamplingParams
     sink: Sink
     detok: IncrementalDetokenizer
-    seed: int  # sampling seed (the request's, or drawn at submission)
+    seed: int  # sampling seed (the request's, or drawn at submission; sample i: sample_seed(seed, i))
     arrival: float
     kv: SeqKV | SeqBlocks = field(default_factory=SeqKV)
     output_ids: list[int] = field(default_factory=list)
@@ -274,6 +386,28 @@ class Sequence:
     finished: bool = False
     kv_on_host: bool = False
     matcher: Any = None  # a constrained request's place in its grammar (grammar.Matcher)
+    tag: str | None = None  # REQUEST_TAG at submission: its progress is reported under it
+    forks: list[tuple[str, Sink]] = field(default_factory=list)  # samples 1.. of n, made after the prefill
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    released: int = 0  # entries of ``logprobs`` handed out with text so far
+    prompt_logprobs: list[LogprobEntry | None] | None = None
+    cumulative_logprob: float = 0.0
+    prompt_sent: bool = False  # its prompt's log probabilities went out with a TokenEvent
+    stopped_by_token: bool = False  # it ended on an EOS or stop token id (counted, not in the text)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """The drawn tokens' log probabilities are needed (reported, or to rank ``best_of``)."""
+        return self.params.logprobs is not None or self.params.ranked
+
+    def banned(self, eos_ids: list[int]) -> list[int]:
+        """Token ids this sequence may not draw now: EOS and stop ids before ``min_tokens``. A grammar's
+        completion wins over ``min_tokens``: a constrained sequence's EOS is never banned (its grammar
+        allows EOS only once the output is complete, then nothing else: a ban would leave no token)."""
+        p = self.params
+        if len(self.output_ids) >= p.min_tokens:
+            return []
+        return ([] if p.ignore_eos or self.matcher is not None else list(eos_ids)) + list(p.stop_token_ids)
 
 
 class Engine:
@@ -286,13 +420,15 @@ class Engine:
         base_name: the base model's served name.
         config: engine options.
         observer: optional metrics sink with ``ttft(seconds)``, ``e2e(seconds)``, ``finished(reason)``
-            (called from the engine thread).
+            and optionally ``request_state(tag, state)`` (see ``REQUEST_TAG``), called from the engine
+            thread.
     """
 
     def __init__(self, backend, served: dict[str, ServedVariant], base_name: str, config: EngineConfig,
                  observer: Any = None):
         self.backend, self.served, self.base_name, self.config = backend, served, base_name, config
         self.observer = observer
+        self._report_state = getattr(observer, "request_state", None)
         self.device = backend.device
         self.max_len = _max_len(backend.config)
         self.swap = backend.mode == "swap"
@@ -340,6 +476,8 @@ class Engine:
         self.counters = {"requests": 0, "finished": 0, "cancelled": 0, "errors": 0, "generated_tokens": 0,
                          "prompt_tokens": 0, "steps": 0, "preempted": 0}
         self.pad_id = 0
+        self._fork_of: dict[str, str] = {}  # rid of a sample not forked yet -> its request's rid
+        self.kv_bytes_per_token = _kv_bytes_per_token(backend.config, backend.dtype)
         vocab = getattr(backend.config, "vocab_size", None) or 0
         self.grammars = GrammarCompilers(vocab)  # compiled by request threads
         self.masks = MaskFiller(vocab, self.device)  # filled beside each step's forward
@@ -388,9 +526,33 @@ class Engine:
             raise EngineError(f"prompt token ids must lie in [0, {vocab})", "prompt")
         if model in self._broken:
             raise EngineError(f"model {model} cannot be loaded: {self._broken[model]}", "model")
+        self._check_samples(n, params)
+
+    def _check_samples(self, prompt_len: int, params: SamplingParams) -> None:
+        """The samples of one request decode side by side: they must fit one step (``--max-num-seqs``)
+        and the KV cache they need must fit the device's free memory."""
+        k, param = params.samples, "best_of" if params.ranked else "n"
+        if k > self.config.max_num_seqs:
+            raise EngineError(f"{param}={k} samples decode together, but this server runs at most "
+                              f"{self.config.max_num_seqs} sequences per step (--max-num-seqs)", param)
+        if k == 1:
+            return
+        need = self.kv_bytes_per_token * (prompt_len + k * (params.max_tokens + self.config.kv_block_size))
+        free = self._kv_room()
+        if free is not None and need > free:
+            raise EngineError(f"{param}={k} samples of {params.max_tokens} tokens need about {need / 2**20:.0f} MiB "
+                              f"of KV cache; {free / 2**20:.0f} MiB are free on {self.device}. Lower {param} or "
+                              f"max_tokens", param)
 
     def submit(self, model: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> str:
-        """Queue a request; returns its id. Raises :class:`EngineError` (400/404/429) when refused."""
+        """Queue a request of one sample; returns its id. Raises :class:`EngineError` (400/404/429)."""
+        return self.submit_samples(model, prompt_ids, params, [sink])[0]
+
+    def submit_samples(self, model: str, prompt_ids: list[int], params: SamplingParams, sinks: list[Sink]) -> list[str]:
+        """Queue a request drawing ``len(sinks)`` samples (``params.samples``) of one prompt; returns
+        one id per sample (each can be cancelled). The prompt is prefilled once: the samples after
+        the first are forked from its KV cache when the prefill ends (blocks shared, not copied).
+        Raises :class:`EngineError` (400/404/429) when refused."""
         self.validate(model, prompt_ids, params)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         with self._lock:
@@ -403,15 +565,27 @@ class Engine:
                 raise QueueFull(f"the request queue is full ({self.config.max_queue} waiting); retry later")
             rid = f"r{self._next_id}"
             self._next_id += 1
+            rids = [rid] + [f"{rid}.{i}" for i in range(1, len(sinks))]
             sv = self.served[model]
-            seq = Sequence(rid, model, self.key_of(model), list(prompt_ids), params, sink,
+            seq = Sequence(rid, model, self.key_of(model), list(prompt_ids), params, sinks[0],
                            IncrementalDetokenizer(sv.tokenizer, prompt_ids, params.stop), seed, time.perf_counter(),
-                           kv=new_seq_kv(self.kv_pool))
+                           kv=new_seq_kv(self.kv_pool), tag=REQUEST_TAG.get(), forks=list(zip(rids[1:], sinks[1:])))
             seq.matcher = params.grammar.matcher() if params.grammar is not None else None
+            for r in rids[1:]:
+                self._fork_of[r] = rid
             self._inbox.append(seq)
             self.counters["requests"] += 1
             self._lock.notify_all()
-        return rid
+        return rids
+
+    def _kv_room(self) -> int | None:
+        """Bytes the KV cache can still take: the device's free memory and the pool's free blocks."""
+        from deltazip.runtime.serve.startup_report import device_free_bytes
+
+        free = device_free_bytes(self.device)
+        if free is not None and isinstance(self.kv_pool, BlockPool):
+            free += len(self.kv_pool._free) * self.kv_pool.block_size * self.kv_bytes_per_token
+        return free
 
     def cancel(self, rid: str) -> None:
         """Drop a request (the client went away); its sequence is freed at the next step."""
@@ -520,12 +694,9 @@ class Engine:
                 _settle(fut, fn)
             for seq in inbox:
                 self._seqs[seq.rid] = seq
-                self.scheduler.add(SchedRequest(seq.rid, seq.key, len(seq.prompt_ids)))
+                self.scheduler.add(SchedRequest(seq.rid, seq.key, len(seq.prompt_ids), width=1 + len(seq.forks)))
             for rid in cancels:
-                seq = self._seqs.get(rid)
-                if seq is not None and not seq.finished:
-                    seq.cancelled = True
-                    self._finish(seq, "cancelled")
+                self._cancel_now(rid)
             if cancels:
                 self._refresh_kv_bytes()
             if self._removing:
@@ -550,6 +721,20 @@ class Engine:
         for fut in [f for _, f in left] + [f for f, _ in removals.values()]:
             fut.set_exception(EngineError("the server shut down"))
 
+    def _cancel_now(self, rid: str) -> None:
+        seq = self._seqs.get(rid)
+        if seq is not None and not seq.finished:
+            seq.cancelled = True
+            self._finish(seq, "cancelled")
+            return
+        owner = self._seqs.get(self._fork_of.pop(rid, ""))
+        if owner is not None:  # a sample not forked yet: it never will be
+            gone = [(r, sink) for r, sink in owner.forks if r == rid]
+            owner.forks = [(r, sink) for r, sink in owner.forks if r != rid]
+            self.scheduler.shrink(owner.rid, len(gone))
+            for _, sink in gone:
+                self._emit_to(sink, rid, FinishEvent("cancelled", "", len(owner.prompt_ids), 0))
+
     def _step(self) -> None:
         out = self.scheduler.schedule()
         self.counters["steps"] += 1
@@ -559,23 +744,32 @@ class Engine:
         if slots is None:
             return
         prefill, decode = self._plan(out.running)
+        if self._report_state is not None:  # before the forward: a death during it finds it reported
+            for seq, _ in prefill:
+                if seq.tag is not None and seq.kv.length == 0:
+                    self._report_state(seq.tag, "prefilling")
 
         def slot_of(seq: Sequence) -> int:
             return slots[seq.key] if (seq.key != BASE_KEY or self.swap) else -1
 
-        for group in (prefill, decode):
+        # Grammar masks of the rows that draw a token this step are filled on a worker thread while
+        # the forwards run.
+        masks = self.masks.start(_constrained(prefill + decode))
+        # Prompts whose log probabilities are wanted run in a forward of their own that keeps every
+        # position's logits; the other rows keep only the last position's (they pay nothing for it).
+        scored = [sn for sn in prefill if sn[0].params.prompt_logprobs is not None]
+        plain = [sn for sn in prefill if sn[0].params.prompt_logprobs is None]
+        results: list[tuple[Sequence, int, LogprobEntry | None]] = []
+        for group, every in ((plain, False), (scored, True), (decode, False)):
+            if not group:
+                continue
             group.sort(key=lambda sn: slot_of(sn[0]))  # rows of one delta together (paper §5.2)
-        # Grammar masks of the constrained rows are filled on a worker thread while the forwards run.
-        masks = self.masks.start([s.matcher for s, _ in prefill + decode])
-        results: list[tuple[Sequence, int]] = []
-        for group, offset in ((prefill, 0), (decode, len(prefill))):
-            if group:
-                results += self._forward(group, [slot_of(s) for s, _ in group], masks, offset)
+            results += self._forward(group, [slot_of(s) for s, _ in group], every, masks)
         now = time.perf_counter()
         with self._lock:
             self._token_times.append((now, len(results)))
-        for seq, tok in results:
-            self._accept(seq, tok, now)
+        for seq, tok, lp in results:
+            self._accept(seq, tok, lp, now)
         self._refresh_kv_bytes()  # sequences that just finished gave their blocks back
 
     def _plan(self, running: list[SchedRequest]) -> tuple[list[tuple[Sequence, list[int]]], list[tuple[Sequence, list[int]]]]:
@@ -704,28 +898,86 @@ class Engine:
         self._note_resident()
         return {k: by_name[self._cache_name(k)] for k in keys}
 
-    def _forward(self, group: list[tuple[Sequence, list[int]]], row_slots: list[int], masks: StepMasks | None = None,
-                 offset: int = 0) -> list[tuple[Sequence, int]]:
-        """Run the rows (the step's rows ``offset ..``); sample a token for every row that reached the
-        end of its prompt, constrained rows within their grammar (``masks``)."""
+    def _forward(self, group: list[tuple[Sequence, list[int]]], row_slots: list[int], every: bool = False,
+                 masks: StepMasks | None = None) -> list[tuple[Sequence, int, LogprobEntry | None]]:
+        """Run the rows; sample a token for every row that reached the end of its prompt (and for the
+        samples forked from it), constrained rows within their grammar (``masks``: the step's).
+        ``every``: keep every position's logits, for prompt log probabilities."""
         seqs = [s for s, _ in group]
         logits = None
-        if self.graphs is not None and all(len(t) == 1 for _, t in group):
+        if self.graphs is not None and not every and all(len(t) == 1 for _, t in group):
             logits = self.graphs.run([s.kv for s in seqs], row_slots, [t[0] for _, t in group], self._weights_key())
         if logits is None:
+            starts = [s.kv.length for s in seqs]
             logits = forward_step(self.backend, self.kv_pool, [s.kv for s in seqs], row_slots, [t for _, t in group],
-                                  [s.kv.length for s in seqs], self.pad_id)
+                                  starts, self.pad_id, every_position=every)
+            if every:
+                self._score_prompts(seqs, [t for _, t in group], starts, logits)
+                logits = logits[:, -1]
         self.counters["prompt_tokens"] += sum(len(t) for s, t in group if not s.output_ids)
         ready = [i for i, s in enumerate(seqs) if s.kv.length >= len(s.prompt_ids)]
-        if not ready:
+        picked, rows = [], []
+        for i in ready:  # a prompt just read forks its other samples, which draw from the same logits
+            for s in [seqs[i], *self._fork(seqs[i])]:
+                if s.params.max_tokens == 0:  # scoring the prompt only
+                    self._finish(s, "length")
+                else:
+                    picked.append(s)
+                    rows.append(i)
+        if not picked:
             return []
-        if masks is not None:
-            masks.apply(logits, offset)
-        rows = ready if len(ready) < len(seqs) else slice(None)
-        picked = [seqs[i] for i in ready]
-        toks = sample_tokens(logits[rows], [s.params.temperature for s in picked], [s.params.top_p for s in picked],
-                             [s.seed for s in picked], [len(s.output_ids) for s in picked])
-        return list(zip(picked, toks))
+        raw = logits if rows == list(range(len(seqs))) else logits.index_select(
+            0, torch.tensor(rows, device=logits.device))
+        return draw_tokens(picked, raw, [self.served[s.model].eos_ids for s in picked], masks)
+
+    def _score_prompts(self, seqs: list[Sequence], chunks: list[list[int]], starts: list[int],
+                       logits: torch.Tensor) -> None:
+        """Log probabilities of the prompt tokens this forward read (``logits [B, Tm, V]``, rows left-
+        padded): position ``j`` of a chunk scores the prompt token after it. One batched pass."""
+        tm = logits.shape[1]
+        b_idx, t_idx, target, owner = [], [], [], []
+        for b, (s, chunk, start) in enumerate(zip(seqs, chunks, starts)):
+            if s.prompt_logprobs is None:
+                s.prompt_logprobs = [None]  # the first token has nothing before it
+            for j in range(len(chunk)):
+                if start + j + 1 < len(s.prompt_ids):
+                    b_idx.append(b)
+                    t_idx.append(tm - len(chunk) + j)
+                    target.append(s.prompt_ids[start + j + 1])
+                    owner.append(s)
+        if not b_idx:
+            return
+        flat = logits[torch.tensor(b_idx, device=logits.device), torch.tensor(t_idx, device=logits.device)]
+        k = max(s.params.prompt_logprobs for s in seqs)
+        rows = torch.arange(len(b_idx), device=logits.device)
+        chosen, ids, lps = token_logprobs(flat, rows, torch.tensor(target, device=logits.device), k)
+        ks = [s.params.prompt_logprobs for s in owner]
+        for s, e in zip(owner, _entries(target, chosen.tolist(), ids.tolist(), lps.tolist(), ks)):
+            s.prompt_logprobs.append(e)
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """The other samples of ``seq``'s request, made now that its prompt is in the KV cache: each
+        shares the prompt's full blocks (reference counted) and copies only the partial last one."""
+        if not seq.forks:
+            return []
+        sv, kids = self.served[seq.model], []
+        for rid, sink in seq.forks:
+            self._fork_of.pop(rid, None)
+            index = int(rid.rsplit(".", 1)[1])  # sample i of the request (its seed depends on i only)
+            kid = Sequence(rid, seq.model, seq.key, seq.prompt_ids, seq.params, sink,
+                           IncrementalDetokenizer(sv.tokenizer, seq.prompt_ids, seq.params.stop),
+                           sample_seed(seq.seed, index), seq.arrival,
+                           kv=seq.kv.fork(), prompt_logprobs=seq.prompt_logprobs)
+            if seq.params.grammar is not None:  # its own place in the grammar, at the start as its parent's
+                kid.matcher = seq.params.grammar.matcher()
+            mirror = getattr(self.backend, "fork_kv", None)  # tensor parallel: the ranks fork theirs too
+            if mirror is not None:
+                mirror(seq.kv, kid.kv)
+            self._seqs[rid] = kid
+            kids.append(kid)
+        seq.forks = []
+        self.scheduler.fork(seq.rid, [k.rid for k in kids])
+        return kids
 
     def _write_slot(self, slot: int, name: str, host: Any) -> None:
         self._slot_writes += 1
@@ -736,23 +988,35 @@ class Engine:
         counter of writes, not the load stats, which go when a variant is evicted)."""
         return tuple(self.cache.slots), self._slot_writes
 
-    def _accept(self, seq: Sequence, tok: int, now: float) -> None:
+    def _accept(self, seq: Sequence, tok: int, lp: LogprobEntry | None, now: float) -> None:
         if seq.finished:
             return
         if seq.first_token_at is None:
             seq.first_token_at = now
             if self.observer is not None:
                 self.observer.ttft(now - seq.arrival)
+            if seq.tag is not None and self._report_state is not None:  # before the token is emitted
+                self._report_state(seq.tag, "generating")
+        if lp is not None:
+            seq.cumulative_logprob += lp[1]
         eos = tok in self.served[seq.model].eos_ids and not seq.params.ignore_eos
         if seq.matcher is not None:
             if not seq.matcher.accept(tok):  # masked out: only a grammar with no way on gets here
                 self._finish(seq, "error", error="the requested output format admits no further token")
                 return
             eos = eos or seq.matcher.terminated  # a completed grammar ends the answer, ignore_eos or not
-        if eos:
+        if eos or tok in seq.params.stop_token_ids:
+            # Drawn, so counted in usage (as vLLM counts it) and reported in logprobs, but no text.
+            seq.stopped_by_token = True
+            self.counters["generated_tokens"] += 1
+            if lp is not None and seq.params.logprobs is not None:
+                seq.logprobs.append(lp)
+                seq.detok.ends.append(len(seq.detok.text))
             self._finish(seq, "stop")
             return
         seq.output_ids.append(tok)
+        if lp is not None and seq.params.logprobs is not None:
+            seq.logprobs.append(lp)
         self.counters["generated_tokens"] += 1
         seq.detok.add(tok)
         if seq.detok.find_stop():
@@ -761,14 +1025,31 @@ class Engine:
         if len(seq.output_ids) >= seq.params.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_len:
             self._finish(seq, "length")
             return
-        self._emit(seq, TokenEvent(seq.detok.take(final=False), tok))
+        text = seq.detok.take(final=False)
+        self._emit(seq, TokenEvent(text, tok, self._release(seq, final=False)))
+
+    def _release(self, seq: Sequence, final: bool) -> list[LogprobEntry] | None:
+        """Log-probability entries of the tokens the text handed out so far covers, not handed out yet."""
+        if seq.params.logprobs is None:
+            return None
+        end = seq.detok.released(seq.released, final)
+        out, seq.released = seq.logprobs[seq.released:end], end
+        return out
 
     def _emit(self, seq: Sequence, event) -> None:
-        try:
-            seq.sink(event)
-        except Exception:  # a broken consumer must not stop the engine
-            log.warning("dropping output of %s: its consumer raised\n%s", seq.rid, traceback.format_exc())
+        if isinstance(event, TokenEvent) and seq.params.prompt_logprobs is not None and not seq.prompt_sent:
+            event.prompt_logprobs, seq.prompt_sent = seq.prompt_logprobs, True
+        if not self._emit_to(seq.sink, seq.rid, event):
             seq.cancelled = True
+
+    @staticmethod
+    def _emit_to(sink: Sink, rid: str, event) -> bool:
+        try:
+            sink(event)
+        except Exception:  # a broken consumer must not stop the engine
+            log.warning("dropping output of %s: its consumer raised\n%s", rid, traceback.format_exc())
+            return False
+        return True
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         if seq.finished:
@@ -786,11 +1067,21 @@ class Engine:
             self.observer.finished(reason)
             if reason in ("stop", "length"):
                 self.observer.e2e(time.perf_counter() - seq.arrival)
-        final = seq.detok.take(final=True) if reason in ("stop", "length") else ""
-        if final:
-            self._emit(seq, TokenEvent(final, -1))
-        self._emit(seq, FinishEvent(reason, seq.detok.text if reason in ("stop", "length") else "",
-                                    len(seq.prompt_ids), len(seq.output_ids), error))
+        done = reason in ("stop", "length")
+        final = seq.detok.take(final=True) if done else ""
+        entries = self._release(seq, final=True) if done else None
+        if final or entries:
+            self._emit(seq, TokenEvent(final, -1, entries))
+        p = seq.params
+        self._emit(seq, FinishEvent(reason, seq.detok.text if done else "", len(seq.prompt_ids),
+                                    len(seq.output_ids) + seq.stopped_by_token, error,
+                                    logprobs=seq.logprobs[:seq.released] if p.logprobs is not None else None,
+                                    prompt_logprobs=seq.prompt_logprobs if p.prompt_logprobs is not None else None,
+                                    cumulative_logprob=seq.cumulative_logprob if seq.wants_logprobs else None))
+        for rid, sink in seq.forks:  # samples never forked (the prompt did not finish) end with it
+            self._fork_of.pop(rid, None)
+            self._emit_to(sink, rid, FinishEvent(reason, "", len(seq.prompt_ids), 0, error))
+        seq.forks = []
 
 
 def _settle(fut: Future, fn: Callable[[], Any]) -> None:
@@ -800,7 +1091,62 @@ def _settle(fut: Future, fn: Callable[[], Any]) -> None:
         fut.set_exception(e)
 
 
+def _constrained(rows: list[tuple[Sequence, list[int]]]) -> dict[str, Any]:
+    """The matchers of the step's rows that draw a token under a grammar, by sequence id: decoding
+    rows and prompts read to their end, with the samples such a prompt forks (they start where it
+    does, nothing generated yet: the same mask)."""
+    out = {}
+    for seq, chunk in rows:
+        if seq.matcher is not None and seq.kv.length + len(chunk) >= len(seq.prompt_ids):
+            out[seq.rid] = seq.matcher
+            out.update((rid, seq.matcher) for rid, _ in seq.forks)
+    return out
+
+
+def draw_tokens(picked: list[Sequence], raw: torch.Tensor, eos_ids: list[list[int]], masks: StepMasks | None = None
+                ) -> list[tuple[Sequence, int, LogprobEntry | None]]:
+    """A token per row of ``raw [B, V]`` (the model's logits of the sequences ``picked``, whose EOS
+    ids are ``eos_ids``) in one batched pass (``deltazip.runtime.serve.sampling``); rows with a
+    grammar draw within it (their bitmasks: the step's ``masks``, keyed by sequence id); rows that
+    want them get the token's log probability and top alternatives (others: None), from ``raw``."""
+    want = [s.wants_logprobs for s in picked]
+    lp_k = [(s.params.logprobs or 0) if w else None for s, w in zip(picked, want)]
+    st = step_sampling([s.params for s in picked], [s.seed for s in picked], [len(s.output_ids) for s in picked],
+                       raw.shape[-1], raw.device, outputs=[s.output_ids for s in picked],
+                       prompts=[s.prompt_ids for s in picked],
+                       banned=[s.banned(e) for s, e in zip(picked, eos_ids)], logprobs=lp_k)
+    if masks is not None:
+        st.grammar = masks.rows([s.rid if s.matcher is not None else None for s in picked])
+    # Nothing reads the model's logits after the draw unless log probabilities do: changed in place then.
+    toks = sample_step(process_logits(raw, st, inplace=st.logprob_rows is None), st)
+    if st.logprob_rows is None:
+        return [(s, t, None) for s, t in zip(picked, toks.tolist())]
+    chosen_toks = toks.index_select(0, st.logprob_rows)
+    chosen, top_ids, top_lp = token_logprobs(raw, st.logprob_rows, chosen_toks, st.top_logprobs)
+    toks_l = toks.tolist()
+    entries = iter(_entries(chosen_toks.tolist(), chosen.tolist(), top_ids.tolist(), top_lp.tolist(),
+                            [k for k in lp_k if k is not None]))
+    return [(s, t, next(entries) if w else None) for s, t, w in zip(picked, toks_l, want)]
+
+
+def _entries(tokens: list[int], chosen: list[float], top_ids: list[list[int]], top_lp: list[list[float]],
+             ks: list[int]) -> list[LogprobEntry]:
+    """Per row, ``(token, its logprob, its first ks[row] alternatives)``."""
+    return [(t, c, list(zip(i[:k], v[:k]))) for t, c, i, v, k in zip(tokens, chosen, top_ids, top_lp, ks)]
+
+
 def _max_len(config) -> int:
     from deltazip.runtime.serve.model import max_context
 
     return max_context(config)
+
+
+def _kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token position holds, over every layer (from the model config)."""
+    text = getattr(config, "text_config", None) or config
+    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 1)
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", 1)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", 0)
+    head_dim = getattr(text, "head_dim", None) or hidden // max(heads, 1)
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

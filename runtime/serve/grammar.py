@@ -6,10 +6,11 @@ Two sides:
   ``json_schema``, a forced tool call) into a :class:`Grammar` with :class:`GrammarCompilers`: one
   xgrammar compiler per served tokenizer, built on first use, whose cache keeps compiled schemas;
   a schema xgrammar or ``jsonschema`` rejects is a :class:`GrammarError` naming the problem;
-- the engine thread gives each sequence with a grammar its own matcher (:meth:`Grammar.matcher`)
-  and, per step, :class:`MaskFiller` fills the bitmask of those rows on a worker thread while the
-  forward runs; :meth:`StepMasks.apply` then masks each forward's logits ``[B, V]`` in one call over
-  the constrained rows. A step without a constrained row does none of this.
+- the engine thread gives each sequence with a grammar its own matcher (:meth:`Grammar.matcher`;
+  each of ``n`` samples its own) and, per step, :class:`MaskFiller` fills the bitmask of the rows
+  that draw on a worker thread while the forward runs; the sampler's ``process_logits`` then masks
+  the logits ``[B, V]`` of a forward's rows with :meth:`RowMasks.apply`, its last change, in one call
+  over the constrained rows. A step without a constrained row does none of this.
 
 Why xgrammar and not llguidance or outlines-core: see docs/serve.md ("Structured output and tools")
 for the figures (``bench/structured_output.py``). xgrammar's masks are filled by a batched C++ call
@@ -30,6 +31,7 @@ import os
 import re
 import threading
 import weakref
+from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -216,21 +218,22 @@ class MaskFiller:
         self._batch = None
         self._buf: torch.Tensor | None = None
 
-    def start(self, matchers: list) -> StepMasks | None:
-        """Begin filling the masks of a step whose rows (all forwards together, in order) have these
-        matchers (None: unconstrained); None when no row is constrained."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        if not rows:
+    def start(self, matchers: dict[Hashable, Matcher]) -> StepMasks | None:
+        """Begin filling the masks of a step's constrained rows, ``matchers`` keyed by what names each
+        row (the engine: sequence ids; several keys may share one matcher, filled once); None when
+        there is none: a step without a constrained row does nothing here."""
+        if not matchers:
             return None
         if self._pool is None:
             xgr = _xgr()
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltazip-grammar")
             # Its own threads split a large batch; on CPU the forward needs the cores.
             self._batch = xgr.BatchGrammarMatcher(max_threads=1 if self.device.type == "cpu" else "auto")
-        buf = self._buffer(len(matchers))
-        fut = self._pool.submit(self._batch.batch_fill_next_token_bitmask, [matchers[i].state for i in rows], buf,
-                                rows)
-        return StepMasks(self, fut, rows, buf[:len(matchers)])
+        unique = list({id(m): m for m in matchers.values()}.values())
+        row_of = {id(m): i for i, m in enumerate(unique)}
+        buf = self._buffer(len(unique))[:len(unique)]
+        fut = self._pool.submit(self._batch.batch_fill_next_token_bitmask, [m.state for m in unique], buf)
+        return StepMasks(self, fut, {k: row_of[id(m)] for k, m in matchers.items()}, buf)
 
     def _buffer(self, n: int) -> torch.Tensor:
         words = (self.vocab_size + 31) // 32
@@ -247,29 +250,45 @@ class MaskFiller:
 
 
 class StepMasks:
-    """The bitmask of one step's constrained rows, being filled; :meth:`apply` masks a forward's logits."""
+    """The bitmasks of one step's constrained rows, being filled (``row_of``: key -> bitmask row)."""
 
-    def __init__(self, filler: MaskFiller, fut: Future, rows: list[int], buf: torch.Tensor):
-        self.filler, self.fut, self.rows, self.buf = filler, fut, rows, buf
+    def __init__(self, filler: MaskFiller, fut: Future, row_of: dict[Hashable, int], buf: torch.Tensor):
+        self.filler, self.fut, self.row_of, self.buf = filler, fut, row_of, buf
         self._dev: torch.Tensor | None = None
 
     def bitmask(self) -> torch.Tensor:
-        """The filled bitmask ``[rows of the step, W]`` on the logits' device (waits for the fill)."""
+        """The filled bitmask ``[constrained rows, W]`` on the logits' device (waits for the fill)."""
         if self._dev is None:
             self.fut.result()
             dev = self.filler.device
             self._dev = self.buf if dev.type == "cpu" else self.buf.to(dev, non_blocking=True)
         return self._dev
 
-    def apply(self, logits: torch.Tensor, offset: int) -> None:
-        """Set to ``-inf`` the disallowed tokens of the constrained rows among ``logits [B, V]``, the
-        step's rows ``offset .. offset + B`` (one forward's); in place, one call for all of them."""
-        b = min(logits.shape[0], self.buf.shape[0] - offset)
-        idx = [r - offset for r in self.rows if offset <= r < offset + b]
-        if not idx:
-            return
+    def rows(self, keys: list[Hashable | None]) -> RowMasks | None:
+        """The masks of a batch whose row ``b`` is the step's row ``keys[b]`` (None: unconstrained);
+        None when no row of it is constrained."""
+        at = [(b, self.row_of[k]) for b, k in enumerate(keys) if k is not None]
+        return RowMasks(self, len(keys), at) if at else None
+
+
+class RowMasks:
+    """The masks of one batch of logits ``[B, V]``: :meth:`apply` sets to ``-inf`` the tokens the
+    grammars of its constrained rows disallow, in one call over those rows; the others are untouched."""
+
+    def __init__(self, step: StepMasks, batch: int, at: list[tuple[int, int]]):
+        self.step, self.batch = step, batch
+        self.indices = [b for b, _ in at]  # rows of the batch
+        self.source = [r for _, r in at]  # their rows of the step's bitmask
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """In place on ``logits [B, V]`` (inference tensors too)."""
         from xgrammar import apply_token_bitmask_inplace
 
-        with torch.inference_mode():  # the logits are inference tensors: updated in place only in this mode
-            apply_token_bitmask_inplace(logits, self.bitmask()[offset:offset + b], indices=idx,
-                                        vocab_size=self.filler.vocab_size, backend=self.filler.backend)
+        bits = self.step.bitmask()
+        if self.indices != self.source or bits.shape[0] < self.batch:  # lay the step's rows out as the batch's
+            src = torch.zeros(self.batch, dtype=torch.int64)
+            src[self.indices] = torch.tensor(self.source)
+            bits = bits.index_select(0, src.to(bits.device, non_blocking=True))
+        with torch.inference_mode():  # a forward's logits are inference tensors: updated in place only in this mode
+            apply_token_bitmask_inplace(logits, bits, indices=self.indices, vocab_size=self.step.filler.vocab_size,
+                                        backend=self.step.filler.backend)

@@ -1,17 +1,31 @@
-"""Kernel warm-up of a decoupled model: no request compiles or tunes an SBMM kernel.
+"""Kernel tuning of a decoupled model: a few keys before ready, the rest off the engine thread.
 
-At build (and when a variant is added) :func:`warm_up_kernels` allocates the stacks that the served
-variants' packed tensors will be written into (what their first load would allocate anyway: one per
-linear or merged projection group and delta configuration, read from the manifests), then hands them
-to ``deltazip.kernels.warmup.warmup_stacks``: every kernel variant a forward can launch is compiled,
-and the launch options are tuned per batch bucket (``deltazip.kernels.autotune``, results cached on
-disk per GPU model). Only on CUDA with ``delta_compute == "packed"``; elsewhere (CPU serving keeps the
-deltas dequantized, nothing is compiled) it returns 0 without touching anything.
+The stacks the served variants' packed tensors go into are allocated (and their launches prepared,
+``deltazip.kernels.dispatch.prepare``) when the model is built; :func:`served_stacks` lists them, read
+from the manifests. The model's tuner (``deltazip.kernels.tuner.Tuner``) measures the dispatcher's
+choices:
+
+- at start-up (:class:`Startup`, on its own thread while the server already answers ``/health`` with 503
+  and the progress): the keys a server meets first (``tuner.first_pairs``) of every stack the CUDA kernel
+  serves; the other buckets are queued for the tuner's background thread, which measures them while the
+  engine is idle (or ``deltazip tune`` measures them ahead of time);
+- for a variant registered later (:func:`tune_new_keys`, engine thread): every key of its new stacks is
+  queued, nothing waits; the variant is served at once with the untuned default launch.
+
+Only keys of stacks on the CUDA path are tuned (on a CPU nothing is); the tuner's ``paths`` can widen it.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
+from deltazip.kernels import dispatch, dispatch_table
 from deltazip.kernels.stacked import StackedDeltas
+from deltazip.kernels.tuner import Job, first_pairs
+
+log = logging.getLogger("deltazip.serve")
 
 
 def served_stacks(model) -> list[StackedDeltas]:
@@ -37,17 +51,93 @@ def served_stacks(model) -> list[StackedDeltas]:
     return list(stacks.values())
 
 
-def warm_up_kernels(model, *, force: bool = False, tune: bool | None = None) -> int:
-    """Compile (and tune) every SBMM launch ``model`` can make; returns the number of warm-up launches.
+def jobs(model, pairs: list[tuple[int, int]] | None = None) -> list[Job]:
+    """The keys of ``model``'s served stacks on a tuned path (``model.tuner.paths``), one stack per
+    configuration: ``pairs`` of (rows, deltas), default every bucket (``dispatch_table.buckets``)."""
+    if model.delta_compute != "packed":
+        return []
+    out, seen = [], set()
+    for stack in served_stacks(model):
+        sig = dispatch_table.key(stack, model.dtype, 1, 1)
+        if sig in seen or dispatch.prepare(stack, model.dtype).path not in model.tuner.paths:
+            continue
+        seen.add(sig)
+        for r, d in dispatch_table.buckets(stack.num_deltas) if pairs is None else pairs:
+            out.append(Job(stack, model.dtype, r, d))
+    return out
 
-    A no-op returning 0 unless the model runs packed deltas on CUDA (``force``: also on a CPU through
-    the Triton interpreter, for the tests; tuning then needs ``tune=True`` and a GPU timer, so it is
-    off by default there).
-    """
-    if model.delta_compute != "packed" or (model.device.type != "cuda" and not force):
-        return 0
-    from deltazip.kernels.warmup import warmup_stacks
 
-    return warmup_stacks(served_stacks(model), dtypes=(model.dtype,), force=force,
-                         tune=(model.device.type == "cuda") if tune is None else tune)
+def warm_up_kernels(model, *, everything: bool = False) -> int:
+    """Measure the first keys of every served stack now and queue the others for the background (all now
+    with ``everything``: ``deltazip tune``); returns the keys measured now."""
+    first = jobs(model, first_pairs(model.num_slots))
+    n = model.tuner.tune_now(jobs(model) if everything else first)
+    if not everything:
+        model.tuner.tune_later(jobs(model))
+    return n
 
+
+def tune_new_keys(model) -> int:
+    """Queue every untuned key of ``model``'s stacks for the tuner's background thread (a variant added
+    while serving: it runs at once on the default launch); returns how many were queued."""
+    n = model.tuner.tune_later(jobs(model))
+    if n:
+        log.info("delta-matmul tuning: %d new keys queued off the engine thread (the default launch serves them "
+                 "meanwhile)", n)
+    return n
+
+
+def reference_lines(model) -> list[str]:
+    """One line per stack configuration a GPU serves on the torch reference, naming the scheme and why."""
+    if model.device.type != "cuda" or model.delta_compute != "packed":
+        return []
+    lines = {}
+    for st in served_stacks(model):
+        launch = dispatch.prepare(st, model.dtype)
+        if launch.path == "reference":
+            s = st.scheme
+            what = (f"{s.bits}-bit {'2:4' if s.sparse else 'dense'} groups of {st.effective_group} "
+                    f"[{st.out_features}x{st.in_features}] {str(model.dtype).removeprefix('torch.')}")
+            lines[what] = (f"delta matmul: {what} runs on the torch reference (correct, slower than the CUDA "
+                           f"kernel): {launch.reason}")
+    return list(lines.values())
+
+
+class Startup:
+    """The start-up tuning of a model, run on its own thread once the server answers (``run``); ``done``
+    is set when it finished (at once when there is nothing to tune), and :meth:`status` is what ``/health``
+    answers meanwhile. ``warmup``: the dict the start-up report shows, filled in when done."""
+
+    def __init__(self, model, warmup: dict):
+        self.model, self.warmup = model, warmup
+        self.done = threading.Event()
+        self.error: str | None = None
+        self.first = jobs(model, first_pairs(model.num_slots)) if hasattr(model, "tuner") else []
+        for line in reference_lines(model) if hasattr(model, "tuner") else []:
+            log.info(line)
+        if not self.first:
+            self.done.set()
+
+    def status(self) -> dict:
+        p = self.model.tuner.progress
+        return {"status": "starting", "stage": "tuning the delta-matmul kernels",
+                "keys_done": p["keys_done"], "keys_total": max(p["keys_total"], len(self.first))}
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            n = warm_up_kernels(self.model)
+            self.warmup.update(seconds=round(time.perf_counter() - t0, 3), launches=n,
+                               background_keys=self.model.tuner.pending)
+            log.info("kernel warm-up: %.3f s before ready (%d delta-matmul keys tuned for %s; %d more tuned in "
+                     "the background)", self.warmup["seconds"], n, self.model.dtype, self.model.tuner.pending)
+        except Exception as e:  # noqa: BLE001 - the defaults serve every key; the server must still come up
+            self.error = f"{type(e).__name__}: {e}"
+            log.warning("kernel tuning at start-up failed (%s); the default launches serve every key", self.error)
+        finally:
+            self.done.set()
+
+    def start(self) -> None:
+        """Run on a thread unless already done."""
+        if not self.done.is_set():
+            threading.Thread(target=self.run, daemon=True, name="deltazip-startup-tuning").start()

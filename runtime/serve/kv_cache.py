@@ -7,6 +7,11 @@
   When no block is held the tensors are dropped: an idle server holds no KV memory.
 - :class:`SeqBlocks`: one sequence's block table and length; blocks are taken on demand as the
   sequence grows, given back when it finishes, and copied to host memory while it is preempted.
+  :meth:`SeqBlocks.fork` makes a second sequence from the same prefix (the samples of a request with
+  ``n > 1``): the full blocks are shared, counted by reference in the pool (a block is free again
+  when its last holder lets it go), and only the partial last block is copied, since both
+  sequences write their next tokens into it. A shared block is never written: positions below a
+  sequence's length are read only.
 - :class:`PagedStep`: the ``past_key_values`` object of one forward. Its ``update`` writes the
   step's new keys/values into their blocks (one indexed store per layer) and returns the layer's
   pool tensors as they are: nothing of the past is gathered or concatenated. The step's layout
@@ -46,6 +51,7 @@ class BlockPool:
         self.v: list[torch.Tensor | None] = []
         self.num_blocks = 0
         self._free: list[int] = []  # a heap: lowest index first
+        self._refs: dict[int, int] = {}  # holders of each block held by more than one sequence
         self.copied_bytes = 0
         self.generation = 0  # bumped whenever the layer tensors are replaced (CUDA graphs re-capture)
 
@@ -58,12 +64,33 @@ class BlockPool:
             self._grow(max(2 * self.num_blocks, self.num_blocks + n - len(self._free), 8))
         return [heapq.heappop(self._free) for _ in range(n)]
 
-    def free(self, blocks: list[int]) -> None:
+    def share(self, blocks: list[int]) -> None:
+        """One more sequence holds ``blocks``."""
         for b in blocks:
-            heapq.heappush(self._free, b)
+            self._refs[b] = self._refs.get(b, 1) + 1
+
+    def free(self, blocks: list[int]) -> None:
+        """A sequence lets ``blocks`` go; each is free once no other sequence holds it."""
+        for b in blocks:
+            held = self._refs.get(b, 1)
+            if held > 2:
+                self._refs[b] = held - 1
+            elif held == 2:
+                del self._refs[b]
+            else:
+                heapq.heappush(self._free, b)
         if self._free and len(self._free) == self.num_blocks:  # nothing cached: give the memory back
             self.k, self.v, self.num_blocks, self._free = [], [], 0, []
             self.generation += 1
+
+    @torch.inference_mode()
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block ``dst`` of every layer becomes a copy of block ``src``."""
+        for k, v in zip(self.k, self.v):
+            if k is not None:
+                k[dst].copy_(k[src])
+                v[dst].copy_(v[src])
+                self.copied_bytes += 2 * k[src].numel() * k.element_size()
 
     @torch.inference_mode()  # the layers are inference tensors (made in the forward): update them as such
     def _grow(self, blocks: int) -> None:
@@ -131,6 +158,23 @@ class SeqBlocks:
             pool.copied_bytes += 2 * k.numel() * k.element_size()
         self.host = None
 
+    def fork(self) -> SeqBlocks:
+        """A new sequence with this one's cached positions: full blocks shared, the partial last one
+        copied (see the module docstring)."""
+        child = SeqBlocks()
+        child.pool, child.length = self.pool, self.length
+        if self.pool is None or not self.blocks:
+            return child
+        full = self.length // self.pool.block_size
+        shared = self.blocks[:full]
+        self.pool.share(shared)
+        child.blocks = list(shared)
+        if self.length % self.pool.block_size:
+            (new,) = self.pool.alloc(1)  # may grow the pool: the source index stays valid
+            self.pool.copy_block(self.blocks[full], new)
+            child.blocks.append(new)
+        return child
+
     def offload(self) -> None:
         """Copy the sequence's blocks to host memory and give them back (a preempted sequence)."""
         if not self.blocks:
@@ -170,12 +214,15 @@ class PagedStep:
 
     - ``q_pos`` ``[B, Tm]`` int64: the position of every query (a padding query gets its row's
       first new position, so it sees at least that token and no softmax row is empty);
-    - ``spans``: list of ``(rows, lo, hi, meta)``: batch rows ``rows`` (a slice) attend over pool
-      blocks ``[lo, hi)``. A decode step (``Tm == 1``) is one span for the whole batch; a prefill
-      step one span per row (its own blocks). ``meta`` is int64 ``[3, hi - lo]``: per block the
+    - ``spans``: list of ``(rows, lo, hi, meta, extra)``: batch rows ``rows`` (a slice) attend over
+      pool blocks ``[lo, hi)``. A decode step (``Tm == 1``) is one span for the whole batch; a prefill
+      step one span per row (its own blocks). ``meta`` is int64 ``[3, hi - lo + E]``: per block the
       span row owning it (``n_rows`` for a block of no row of the span), the same clamped to a
       valid row (to gather queries), and the block's index in its owner's table (the positions it
-      holds are ``index * block_size + offset``).
+      holds are ``index * block_size + offset``). A block that several rows of the span hold (the
+      shared prefix of forked samples) belongs to the first in ``[lo, hi)`` and comes once more per
+      other holder among the ``E`` entries after it, whose pool indices are ``extra`` (int64 ``[E]``,
+      None when no block is shared).
 
     Args:
         pool: the engine's :class:`BlockPool`.
@@ -183,6 +230,8 @@ class PagedStep:
         past, new: ``P_b`` and ``T_b`` per row.
         device: where the model runs.
     """
+
+    logits_to_keep = 1  # 0: the forward returns every position's logits (prompt log probabilities)
 
     def __init__(self, pool: BlockPool, caches: list[SeqBlocks], past: list[int], new: list[int],
                  device: torch.device | str):
@@ -205,7 +254,7 @@ class PagedStep:
         pos = [[max(p, p + t - (self.tm - n)) for t in range(self.tm)] for p, n in zip(self.past, self.new)]
         return torch.tensor(pos, dtype=torch.long, device=self.device)
 
-    def _spans(self) -> list[tuple[slice, int, int, torch.Tensor]]:
+    def _spans(self) -> list[tuple[slice, int, int, torch.Tensor, torch.Tensor | None]]:
         rows_of = [[b] for b in range(len(self.new))] if self.tm > 1 else [list(range(len(self.new)))]
         out = []
         for rows in rows_of:
@@ -213,11 +262,19 @@ class PagedStep:
             hi = max(max(self.tables[b]) for b in rows) + 1
             n = len(rows)
             owner, index = [n] * (hi - lo), [0] * (hi - lo)
+            extra, x_owner, x_index = [], [], []  # blocks a second row of the span holds too (forks)
             for i, b in enumerate(rows):
                 for j, blk in enumerate(self.tables[b]):
-                    owner[blk - lo], index[blk - lo] = i, j
+                    if owner[blk - lo] == n:
+                        owner[blk - lo], index[blk - lo] = i, j
+                    else:
+                        extra.append(blk)
+                        x_owner.append(i)
+                        x_index.append(j)
+            owner, index = owner + x_owner, index + x_index
             meta = torch.tensor([owner, [min(o, n - 1) for o in owner], index], dtype=torch.long, device=self.device)
-            out.append((slice(rows[0], rows[-1] + 1), lo, hi, meta))
+            more = torch.tensor(extra, dtype=torch.long, device=self.device) if extra else None
+            out.append((slice(rows[0], rows[-1] + 1), lo, hi, meta, more))
         return out
 
     def blocked(self, span: int, window: int | None) -> torch.Tensor:
@@ -226,7 +283,7 @@ class PagedStep:
         ``window``, after ``q - window``). Built once per step and window, shared by the layers."""
         key = (span, window)
         if key not in self._masks:
-            rows, _, _, meta = self.spans[span]
+            rows, _, _, meta, _ = self.spans[span]
             q = self.q_pos[rows].index_select(0, meta[1]).unsqueeze(-1)  # [nb, Tm, 1]
             k = (meta[2] * self.block_size).view(-1, 1, 1) + torch.arange(self.block_size, device=q.device)
             ok = k <= q  # [nb, Tm, bs]

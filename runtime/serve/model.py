@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from deltazip.formats.artifact import Artifact
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
+from deltazip.kernels.tuner import Tuner
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import resolve_dtype
 from deltazip.models.loader import load_causal_lm
@@ -55,7 +55,7 @@ from deltazip.runtime.serve.delta_linear import (
     is_linear,
     rms_norm_style,
 )
-from deltazip.runtime.serve.kernel_warmup import warm_up_kernels
+from deltazip.runtime.serve.kernel_warmup import tune_new_keys
 from deltazip.runtime.serve.model_runner import left_pad, new_kv_pool, new_seq_kv, run_model, step_args
 from deltazip.runtime.serve.param_names import module_names
 from deltazip.runtime.serve.projections import merge_projections
@@ -357,8 +357,9 @@ class DeltaModel:
 
     def __init__(self, base: Checkpoint, variants: list[VariantInfo], num_slots: int, device: torch.device,
                  dtype: torch.dtype, delta_compute: str = "auto", registry: TensorDedupRegistry | None = None,
-                 ledger: DedupLedger | None = None):
+                 ledger: DedupLedger | None = None, tuner: Tuner | None = None):
         self.base, self.device, self.dtype = base, device, dtype
+        self.tuner = tuner if tuner is not None else Tuner()  # the delta-matmul tuning (kernel_warmup)
         self.registry = registry if registry is not None else new_serving_registry()
         self.ledger = ledger if ledger is not None else DedupLedger()
         self.variants: dict[str, VariantInfo] = {}
@@ -397,10 +398,8 @@ class DeltaModel:
         self._merge_projections()
         for v, plan in plans:
             self._register(v, plan)
-        # CUDA + packed only: compile and tune every SBMM launch before serving (the start-up log reports it).
-        t0 = time.perf_counter()
-        launches = warm_up_kernels(self)
-        self.warmup = {"seconds": time.perf_counter() - t0, "launches": launches}
+        # Tuned at start-up once the server answers (kernel_warmup.Startup); the report fills this in.
+        self.warmup = {"seconds": 0.0, "launches": 0}
 
     # -- building -------------------------------------------------------------------------------
     def _load_model(self, base: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -437,11 +436,7 @@ class DeltaModel:
                 self.modules[mname] = self._replace(mname, kind)
         self._merge_projections()
         self._register(v, plan)
-        t0 = time.perf_counter()
-        launches = warm_up_kernels(self)  # only configurations not warmed yet cost anything
-        if launches:  # a delta configuration no earlier variant had: its first request waited for this
-            log.info("kernel warm-up for variant %s: %d SBMM launches compiled and tuned in %.3f s", v.name, launches,
-                     time.perf_counter() - t0)
+        tune_new_keys(self)  # queued off the engine thread; the default launch serves the variant meanwhile
 
     def _merge_projections(self) -> None:
         """One GEMM + one SBMM for Llama-family q/k/v and gate/up (deltazip.runtime.serve.projections)."""

@@ -116,6 +116,21 @@ class SeqKV:
                 pv[self.row, :, : self.length] = v.to(pv.device)
             self.host = None
 
+    @torch.inference_mode()
+    def fork(self) -> SeqKV:
+        """A new sequence with a copy of this one's cached positions in a row of its own (a contiguous
+        row cannot be shared)."""
+        child = SeqKV()
+        child.length = self.length
+        if self.row is None:
+            return child
+        child.attach(self.pool)
+        for k, v in zip(self.pool.k, self.pool.v):
+            if k is not None:
+                k[child.row, :, : self.length] = k[self.row, :, : self.length]
+                v[child.row, :, : self.length] = v[self.row, :, : self.length]
+        return child
+
     def offload(self) -> None:
         """Copy the cache to host memory and give the row back (a preempted sequence)."""
         if self.row is None:
@@ -162,6 +177,7 @@ class StepKV:
     """
 
     is_compileable = False
+    logits_to_keep = 1  # 0: the forward returns every position's logits (prompt log probabilities)
 
     def __init__(self, pool: KVPool, caches: list[SeqKV], past: list[int], new: list[int]):
         self.pool, self.past, self.new = pool, past, new
@@ -270,15 +286,17 @@ def step_cache(pool: KVPool | BlockPool, caches: list, past: list[int], new: lis
 
 
 def forward_step(backend, pool: KVPool | BlockPool, caches: list, row_slots: list[int], tokens: list[list[int]],
-                 past: list[int], pad_id: int = 0) -> torch.Tensor:
+                 past: list[int], pad_id: int = 0, every_position: bool = False) -> torch.Tensor:
     """One forward of ``backend`` over ``tokens`` (row ``b``: new tokens after ``past[b]`` cached
     ones, in slot ``row_slots[b]``); the caches receive them and their ``length`` grows. Returns the
-    last-position logits ``[B, V]`` fp32 (layout and masks: :func:`step_args`)."""
+    last-position logits ``[B, V]`` fp32 (layout and masks: :func:`step_args`), or with
+    ``every_position`` the logits of every position ``[B, Tm, V]`` (rows left-padded)."""
     dev = backend.device
     new = [len(t) for t in tokens]
     with torch.inference_mode():
         ids = left_pad(tokens, pad_id).to(dev)
         kv, pos, mask = step_args(pool, caches, past, new, backend.config, backend.dtype, dev)
+        kv.logits_to_keep = 0 if every_position else 1  # read by run_model
         logits = backend.forward(row_slots, ids, pos, mask, kv)
     for c, n in zip(caches, new):
         c.length += n
@@ -324,9 +342,11 @@ _CACHE_KWARG: dict[type, str] = {}
 
 
 def run_model(model: nn.Module, input_ids, position_ids, attention_mask, kv) -> torch.Tensor:
-    """One forward of a transformers causal LM over a prepared batch; last-position logits, fp32.
-    A paged step (``kv_cache.PagedStep``) is bound for the attention function while it runs."""
+    """One forward of a transformers causal LM over a prepared batch; last-position logits ``[B, V]``,
+    fp32, or every position's ``[B, T, V]`` when the step asks (``kv.logits_to_keep == 0``: prompt log
+    probabilities). A paged step (``kv_cache.PagedStep``) is bound for the attention function while it runs."""
+    keep = getattr(kv, "logits_to_keep", 1)
     with kv.bound() if hasattr(kv, "bound") else contextlib.nullcontext():
         out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                    use_cache=True, logits_to_keep=1, **{cache_kwarg(model): kv})
-    return out.logits[:, -1, :].float()
+                    use_cache=True, logits_to_keep=keep, **{cache_kwarg(model): kv})
+    return out.logits.float() if keep == 0 else out.logits[:, -1, :].float()

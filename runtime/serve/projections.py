@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltazip.kernels.fast_layout import ROW_BLOCK
+from deltazip.kernels.mma_layout import ROW_BLOCK
 from deltazip.runtime.serve.delta_linear import DeltaContext, DeltaLinear, PackedStore
 
 # Sibling projections of one parent module that read the same input (Llama, Mistral, Qwen2, ...).
@@ -48,8 +48,8 @@ class ProjectionGroup:
     Args:
         members: the ``DeltaLinear`` modules, in output order; same input size, dtype and device,
             all with a bias or none, no slot loaded yet. When a member boundary is not a multiple of
-            64 rows the stacks take the transposed layout (transposed kernel; a 64-row tile of the fast
-            kernel's layout belongs to one member), still one launch.
+            64 rows the stacks take the transposed layout (a 64-row tile of the CUDA kernel's layout
+            belongs to one member; on CUDA such projections are not merged, :func:`why_not_mergeable`).
         ctx: the model's context.
     """
 
@@ -130,6 +130,11 @@ def why_not_mergeable(members: list[nn.Module]) -> str | None:
             return "some projections have a bias and others not"
         if isinstance(m, DeltaLinear) and (m.merged is not None or m._loaded_slots()):
             return "a projection is already merged or holds variants"
+    ends = [sum(m.out_features for m in members[:i + 1]) for i in range(len(members) - 1)]
+    if first.weight.device.type == "cuda" and any(e % ROW_BLOCK for e in ends):
+        # one stack's 64-row tile of the CUDA kernel belongs to one member: apart, each projection's
+        # stack is served by the kernel; merged, the group's would fall to the reference
+        return f"a member boundary (rows {ends}) is not on the CUDA kernel's {ROW_BLOCK}-row tiles"
     return None
 
 

@@ -28,9 +28,8 @@ from deltazip.runtime.serve.engine import EngineError, FinishEvent, SamplingPara
 from deltazip.runtime.serve.grammar import Grammar, GrammarError, response_format_grammar
 from deltazip.runtime.serve.openai_schema import (
     DEFAULT_MAX_REQUEST_BYTES,
+    TOKENIZER_PATHS,
     ApiError,
-    ChatShape,
-    CompletionShape,
     check_unsupported,
     error_body,
     json_body,
@@ -40,8 +39,8 @@ from deltazip.runtime.serve.openai_schema import (
     read_body,
     request_models,
     sampling_params,
-    usage,
 )
+from deltazip.runtime.serve.openai_shapes import ChatShape, CompletionShape, TokenTexts, usage
 from deltazip.runtime.serve.tool_calls import ToolChatShape, ToolPlan, template_messages, tool_plan
 from deltazip.runtime.serve.variant_catalog import VariantRefused
 
@@ -70,6 +69,14 @@ class AppState:
     rt: Any  # deltazip.runtime.serve.assembly.Runtime
     metrics: Any  # deltazip.runtime.serve.server.Metrics
     models: tuple = field(default_factory=request_models)
+    _texts: dict[int, TokenTexts] = field(default_factory=dict)
+
+    def token_texts(self, name: str) -> TokenTexts:
+        """The token strings of model ``name``'s tokenizer (cached per tokenizer)."""
+        tok = self.served_entry(name).encoder
+        if id(tok) not in self._texts:
+            self._texts[id(tok)] = TokenTexts(tok)
+        return self._texts[id(tok)]
 
     @property
     def engine(self):
@@ -131,11 +138,12 @@ def chat_template(state: AppState, name: str) -> str:
     return template
 
 
-def encode_chat(state: AppState, name: str, messages, template: str, tools: list[dict] | None = None) -> list[int]:
+def encode_chat(state: AppState, name: str, messages, template: str, tools: list[dict] | None = None,
+                add_generation_prompt: bool = True) -> list[int]:
     tok = state.served_entry(name).encoder
     try:
-        ids = tok.apply_chat_template(template_messages(messages), chat_template=template, add_generation_prompt=True,
-                                      tokenize=True, tools=tools)
+        ids = tok.apply_chat_template(template_messages(messages), chat_template=template,
+                                      add_generation_prompt=add_generation_prompt, tokenize=True, tools=tools)
     except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
         raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from e
     if hasattr(ids, "keys"):
@@ -160,7 +168,8 @@ def request_grammar(state: AppState, name: str, req, plan: ToolPlan | None = Non
 
 
 def submit_all(state: AppState, name: str, prompts: list[list[int]], params: SamplingParams) -> list[EngineStream]:
-    """Queue one engine request per prompt (all validated first: all or none are queued)."""
+    """Queue one engine request per prompt, each drawing ``params.samples`` samples (all validated
+    first: all or none are queued); the streams come prompt by prompt, samples in order."""
     engine, loop = state.engine, asyncio.get_running_loop()
     try:
         for p in prompts:
@@ -170,15 +179,31 @@ def submit_all(state: AppState, name: str, prompts: list[list[int]], params: Sam
     streams: list[EngineStream] = []
     try:
         for p in prompts:
-            s = EngineStream(loop)
-            s.rid = engine.submit(name, p, params, s.sink)
-            streams.append(s)
+            group = [EngineStream(loop) for _ in range(params.samples)]
+            for s, rid in zip(group, engine.submit_samples(name, p, params, [s.sink for s in group])):
+                s.rid = rid
+            streams += group
     except EngineError as e:
         for s in streams:
             engine.cancel(s.rid)
         type_ = "rate_limit_error" if e.status == 429 else "invalid_request_error"
         raise ApiError(e.status, str(e), type_, param=e.param, code=e.code) from e
     return streams
+
+
+def usage_of(evs: list[FinishEvent], samples: int) -> dict:
+    """Usage of finished streams (``samples`` per prompt): each prompt counted once, every drawn token."""
+    return usage(sum(e.prompt_tokens for e in evs[::samples]), sum(e.completion_tokens for e in evs))
+
+
+def best_of(evs: list[FinishEvent], samples: int, n: int) -> list[FinishEvent]:
+    """Per prompt, its ``n`` samples of highest cumulative log probability, best first."""
+    if samples == n:
+        return evs
+    out = []
+    for i in range(0, len(evs), samples):
+        out += sorted(evs[i:i + samples], key=lambda e: -e.cumulative_logprob)[:n]
+    return out
 
 
 async def collect(state: AppState, request: Request, s: EngineStream) -> FinishEvent | None:
@@ -231,31 +256,39 @@ def _sse(obj: dict) -> str:
 
 async def sse_events(state: AppState, request: Request, streams: list[EngineStream], shape: CompletionShape,
                      include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body of a streamed answer: text chunks of all choices as they come, a final chunk per
-    choice (an error event for a failed one), the usage chunk if asked, then ``[DONE]``."""
-    finished: list[FinishEvent] = []
+    """The SSE body of a streamed answer: text chunks of all choices as they come (the echoed prompt
+    first), a final chunk per choice (an error event for a failed one), the usage chunk if asked,
+    then ``[DONE]``."""
+    finished: dict[int, FinishEvent] = {}
     merged: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.create_task(_pump(i, s, merged)) for i, s in enumerate(streams)]
+    started: set[int] = set()
     try:
         for c in shape.head():
             yield _sse(c)
         left = len(streams)
         while left:
             i, ev = await merged.get()
+            if i not in started and not (isinstance(ev, FinishEvent) and ev.reason == "error"):
+                started.add(i)
+                echo = shape.echo_chunk(i, ev)
+                if echo is not None:
+                    yield _sse(echo)
             if isinstance(ev, TokenEvent):
-                chunk = shape.chunk(i, ev.text) if ev.text else None  # None: text held back (tool calls)
-                if chunk is not None:
-                    yield _sse(chunk)
+                c = shape.chunk(i, ev)  # None: nothing to send yet (text a tool call may hold back)
+                if c is not None:
+                    yield _sse(c)
                 continue
             left -= 1
-            finished.append(ev)
+            finished[i] = ev
             if ev.reason == "error":
                 yield _sse(error_body(500, ev.error or "generation failed", "server_error", None, None))
                 continue
             yield _sse(shape.final(i, ev.reason))
-        request.state.usage = usage(finished)
+        used = usage_of([finished[i] for i in range(len(streams))], shape.samples)
+        request.state.usage = used
         if include_usage:
-            yield _sse(shape.final(None, None) | {"choices": [], "usage": usage(finished)})
+            yield _sse(shape.final(None, None) | {"choices": [], "usage": used})
         yield "data: [DONE]\n\n"
     finally:
         # Reached on normal completion and when the client disconnects (the response task is
@@ -267,9 +300,10 @@ async def sse_events(state: AppState, request: Request, streams: list[EngineStre
                 state.engine.cancel(s.rid)
 
 
-async def answer(state: AppState, request: Request, req, streams: list[EngineStream], shape: CompletionShape):
+async def answer(state: AppState, request: Request, req, streams: list[EngineStream], shape: CompletionShape,
+                 params: SamplingParams):
     """The response of a generation request: an SSE stream, or the whole JSON answer (499 if the
-    client left before the end)."""
+    client left before the end); with ``best_of > n`` the best ``n`` samples of each prompt."""
     from fastapi.responses import Response, StreamingResponse
 
     if req.stream:
@@ -278,9 +312,9 @@ async def answer(state: AppState, request: Request, req, streams: list[EngineStr
     evs = await collect_all(state, request, streams)
     if evs is None:
         return Response(status_code=499)
-    body = shape.response(evs)
-    request.state.usage = body["usage"]
-    return body
+    used = usage_of(evs, params.samples)
+    request.state.usage = used
+    return shape.response(best_of(evs, params.samples, params.n), used)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -295,7 +329,11 @@ class Routes:
         self.s = state
 
     async def health(self):
-        eng = self.s.engine
+        eng, startup = self.s.engine, self.s.rt.startup
+        if startup is not None and not startup.done.is_set():  # kernels still being tuned
+            from fastapi.responses import JSONResponse
+
+            return JSONResponse(startup.status(), status_code=503)
         if eng._thread is None or not eng._thread.is_alive():
             return error(503, "the engine is not running", "server_error")
         return {"status": "ok", "models": 1 + len(self.s.rt.catalog)}
@@ -383,8 +421,17 @@ class Routes:
         # Parsing and tokenizing take seconds for a large prompt: off the event loop, so that /health and
         # every other request go on meanwhile.
         req, prompts, grammar = await asyncio.to_thread(self._completion_prompts, request, raw)
-        streams = submit_all(self.s, req.model, prompts, sampling_params(req, req.max_tokens or 16, grammar))
-        return await answer(self.s, request, req, streams, CompletionShape(req.model))
+        params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, grammar=grammar)
+        streams = submit_all(self.s, req.model, prompts, params)
+        echo = None
+        if req.echo:
+            texts = req.prompt if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) \
+                else [req.prompt] if isinstance(req.prompt, str) else None
+            decode = self.s.served_entry(req.model).encoder.decode
+            echo = [(texts[i] if texts else decode(p), p) for i, p in enumerate(prompts)]
+        # Choice i answers prompt i // n (streams are not ranked: best_of > n is refused with stream).
+        shape = CompletionShape(req.model, self.s.token_texts(req.model), echo, params.n)
+        return await answer(self.s, request, req, streams, shape, params)
 
     def _completion_prompts(self, request: Request, raw: bytes):
         req = self._request(request, self.s.models[0], parse_json(raw), chat=False)
@@ -401,9 +448,76 @@ class Routes:
         raw = await read_body(request, self.s.max_body)
         req, ids, plan, grammar = await asyncio.to_thread(self._chat_prompt, request, raw)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.s.engine.max_len - len(ids))
-        streams = submit_all(self.s, req.model, [ids], sampling_params(req, max_tokens, grammar))
-        shape = ToolChatShape(req.model, plan) if plan is not None and plan.parses else ChatShape(req.model)
-        return await answer(self.s, request, req, streams, shape)
+        params = sampling_params(req, max_tokens, chat=True, grammar=grammar)
+        streams = submit_all(self.s, req.model, [ids], params)
+        texts = self.s.token_texts(req.model)
+        shape = ToolChatShape(req.model, plan, texts, samples=params.n) if plan is not None and plan.parses \
+            else ChatShape(req.model, texts, samples=params.n)
+        return await answer(self.s, request, req, streams, shape, params)
+
+    # -- vLLM's tokenizer routes ----------------------------------------------------------------
+    def _served_model(self, name) -> str:
+        """The model a tokenizer request names (the base when it names none), read if not yet."""
+        from deltazip.runtime.serve.assembly import serve_on_first_use
+
+        if name is None:
+            return self.s.rt.base_name
+        if not isinstance(name, str):
+            raise ApiError(400, "model must be a string", param="model")
+        try:
+            if not serve_on_first_use(self.s.rt, name):
+                raise not_found(name)
+        except VariantRefused as e:
+            raise ApiError(500, str(e), "server_error", param="model", code="invalid_variant") from e
+        return name
+
+    async def tokenize(self, request: Request):
+        """vLLM's ``POST /tokenize``: ``prompt`` (``add_special_tokens``, default true) or ``messages``
+        (rendered with the chat template, ``add_generation_prompt`` default true) -> ``{count,
+        max_model_len, tokens, token_strs}``."""
+        body = await json_body(request, self.s.max_body)
+        return await asyncio.to_thread(self._tokenize, request, body)
+
+    def _tokenize(self, request: Request, body: dict) -> dict:
+        name = request.state.model = self._served_model(body.get("model"))
+        if "messages" in body:
+            req = parse_body(self.s.models[1], {"model": name, "messages": body["messages"]})
+            gen = body.get("add_generation_prompt", True)
+            if not isinstance(gen, bool):
+                raise ApiError(400, "add_generation_prompt must be a boolean", param="add_generation_prompt")
+            ids = encode_chat(self.s, name, req.messages, chat_template(self.s, name), add_generation_prompt=gen)
+        else:
+            prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
+            if not isinstance(prompt, str):
+                raise ApiError(400, "prompt must be a string (or send messages)", param="prompt")
+            if not isinstance(special, bool):
+                raise ApiError(400, "add_special_tokens must be a boolean", param="add_special_tokens")
+            ids = list(self.s.served_entry(name).encoder(prompt, add_special_tokens=special)["input_ids"])
+        strs = None
+        if body.get("return_token_strs"):
+            strs = self.s.served_entry(name).encoder.convert_ids_to_tokens(ids)
+        return {"count": len(ids), "max_model_len": self.s.engine.max_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, request: Request):
+        """vLLM's ``POST /detokenize``: ``tokens`` -> ``{prompt}``."""
+        body = await json_body(request, self.s.max_body)
+        name = request.state.model = await asyncio.to_thread(self._served_model, body.get("model"))
+        tokens = body.get("tokens")
+        vocab = getattr(self.s.engine.backend.config, "vocab_size", None) or 2**31
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+            raise ApiError(400, f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
+        return {"prompt": self.s.served_entry(name).encoder.decode(tokens)}
+
+    async def tokenizer_info(self, request: Request):
+        """vLLM's ``GET /tokenizer_info`` (``?model=``, default the base): the tokenizer's class,
+        special tokens, chat template and the served context length."""
+        name = await asyncio.to_thread(self._served_model, request.query_params.get("model"))
+        tok = self.s.served_entry(name).encoder
+        base = self.s.engine.served[self.s.rt.base_name].encoder
+        special = {k: getattr(tok, k, None) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return {"tokenizer_class": type(tok).__name__, **{k: v if isinstance(v, str) else None for k, v in special.items()},
+                "chat_template": getattr(tok, "chat_template", None) or getattr(base, "chat_template", None),
+                "model_max_length": self.s.engine.max_len}
 
     def add_to(self, app) -> None:
         for path, fn, method in (
@@ -412,6 +526,8 @@ class Routes:
             ("/v1/variants", self.list_variants, "GET"), ("/v1/variants", self.add_variant, "POST"),
             ("/v1/variants/{name:path}", self.delete_variant, "DELETE"),
             ("/v1/completions", self.completions, "POST"), ("/v1/chat/completions", self.chat, "POST"),
+            ("/tokenize", self.tokenize, "POST"), ("/detokenize", self.detokenize, "POST"),
+            ("/tokenizer_info", self.tokenizer_info, "GET"),
         ):
             app.add_api_route(path, fn, methods=[method])
 
@@ -473,7 +589,8 @@ def log_access(request: Request, route: str, status: int, t0: float) -> None:
 
 
 def _authorized(api_key: str | None, request: Request) -> bool:
-    if api_key is None or not request.url.path.startswith("/v1"):
+    path = request.url.path
+    if api_key is None or not (path.startswith("/v1") or path in TOKENIZER_PATHS):
         return True
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
@@ -509,12 +626,15 @@ def install_middleware(app, state: AppState) -> None:
     app.middleware("http")(auth_and_count)
 
 
-def engine_lifespan(engine):
-    """The app's lifespan: the engine thread runs while the server does."""
+def engine_lifespan(engine, startup=None):
+    """The app's lifespan: the engine thread runs while the server does; ``startup`` (the kernel tuning,
+    ``kernel_warmup.Startup``) starts on its own thread once the server answers."""
 
     @asynccontextmanager
     async def lifespan(_app):
         engine.start()
+        if startup is not None:
+            startup.start()
         try:
             yield
         finally:

@@ -75,6 +75,7 @@ class SchedRequest:
     first_admitted_step: int = -1
     preemptions: int = 0
     prefill_left: int = -1  # prompt tokens not yet in the KV cache (-1: the whole prompt)
+    width: int = 1  # sequences it occupies: n for a request of n samples, until they are forked
 
 
 @dataclass
@@ -174,7 +175,7 @@ class Scheduler:
         out = ScheduleOutput()
         selected = self.selected()
         sel_set = set(selected)
-        seqs_left = self.max_num_seqs - len(self.running)
+        seqs_left = self.max_num_seqs - sum(r.width for r in self.running.values())
         tokens_left = self.max_batch_tokens - sum(self._cost(r, True) for r in self.running.values())
         blocked_seen = False
         admitted: list[SchedRequest] = []
@@ -190,9 +191,9 @@ class Scheduler:
                     out.loading.append(r.variant)
                 continue
             cost = self._cost(r, False)
-            if seqs_left < 1 or cost > tokens_left and not (self.chunked_prefill and tokens_left >= 1):
+            if seqs_left < r.width or cost > tokens_left and not (self.chunked_prefill and tokens_left >= 1):
                 break  # strict FCFS on capacity: nobody passes a request for lack of room
-            seqs_left -= 1
+            seqs_left -= r.width
             tokens_left -= cost
             if self._needs_slot(r) and r.variant not in sel_set:
                 sel_set.add(r.variant)
@@ -236,6 +237,23 @@ class Scheduler:
             if r.variant == variant and not r.skipper:
                 return r.rid
         raise AssertionError(f"variant {variant} is selected but has no running non-skipper")  # invariant
+
+    def fork(self, rid: str, child_rids: list[str]) -> None:
+        """Running request ``rid`` (``width`` samples) read its prompt: its other samples run from now
+        on as requests of their own, with its variant, line-skipping status and place in the order."""
+        r = self.running[rid]
+        r.width = 1
+        for c in child_rids:
+            self.running[c] = SchedRequest(c, r.variant, r.prompt_len, arrival=r.arrival, status="running",
+                                           has_state=True, skipper=r.skipper, parent=r.parent,
+                                           admitted_step=r.admitted_step, first_admitted_step=r.first_admitted_step,
+                                           prefill_left=0)
+
+    def shrink(self, rid: str, by: int) -> None:
+        """``by`` samples of request ``rid``, not forked yet, were cancelled: it occupies fewer sequences."""
+        r = self.running.get(rid) or next((w for w in self.waiting if w.rid == rid), None)
+        if r is not None:
+            r.width = max(1, r.width - by)
 
     def finish(self, rid: str) -> list[SchedRequest]:
         """A running request completed (or was cancelled); returns the requests preempted because of it."""

@@ -163,7 +163,7 @@ def create_app(rt: Runtime, metrics: Metrics | None = None):
     metrics = metrics or Metrics()
     metrics.engine = rt.engine
     metrics.runtime = rt
-    app = FastAPI(title="deltazip", lifespan=routes.engine_lifespan(rt.engine), docs_url=None, redoc_url=None,
+    app = FastAPI(title="deltazip", lifespan=routes.engine_lifespan(rt.engine, rt.startup), docs_url=None, redoc_url=None,
                   openapi_url=None)
     routes.install(app, routes.AppState(rt, metrics))
     return app

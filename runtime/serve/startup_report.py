@@ -4,8 +4,8 @@
 - every variant read at start-up (bytes on disk, bytes per device slot, what dedup saves), and one
   line for the variants found but read on first use;
 - the dedup summary;
-- ``kernel warm-up: ...``: how long compiling and tuning the SBMM kernels took before the server
-  reports ready (``deltazip.runtime.serve.kernel_warmup``; nothing to compile on CPU or in swap mode);
+- ``kernel warm-up: ...``: what the start-up tuning of the delta matmul will do (it runs once the server
+  answers, ``deltazip.runtime.serve.kernel_warmup``; nothing to compile on CPU or in swap mode);
 - ``capacity: ...``: how many variants fit on the device (``--max-deltas`` slots, and how many the
   free device memory would hold at the largest variant's size) and in host memory
   (``--max-cpu-deltas``, and how many the available memory would hold), the figures multi-LoRA
@@ -93,19 +93,18 @@ def startup_report(asm, cfg) -> list[dict[str, Any]]:
 
 
 def log_warmup(backend) -> dict[str, Any]:
-    """The ``kernel warm-up`` line: seconds and launches of the warm-up the model build ran."""
-    w = getattr(backend, "warmup", None)
-    if w is None:  # swap mode: whole models through transformers' own modules
-        w, why = {"seconds": 0.0, "launches": 0}, "nothing to compile: swap mode runs whole models"
-    elif w["launches"]:
-        why = f"{w['launches']} SBMM launches compiled and tuned for the served shapes and {backend.dtype}"
+    """The ``kernel warm-up`` figures: a dict that the start-up tuning (``kernel_warmup.Startup``, which
+    logs its own line when it ends) fills in; the line logged here says what there is to tune."""
+    w = {"seconds": 0.0, "launches": 0}
+    if not hasattr(backend, "tuner"):  # swap mode: whole models through transformers' own modules
+        why = "nothing to compile: swap mode runs whole models"
     elif backend.device.type == "cuda" and backend.delta_compute == "packed":
-        why = "nothing to compile: no packed delta among the variants read at start-up"
+        return w  # tuned once the server answers (/health: 503 meanwhile); kernel_warmup.Startup logs the line
     else:
         why = (f"nothing to compile: resident deltas are {backend.delta_compute} on {backend.device.type}; SBMM "
                f"kernels are compiled only for packed deltas on CUDA")
-    log.info("kernel warm-up: %.3f s before ready (%s)", w["seconds"], why)
-    return dict(w)
+    log.info("kernel warm-up: %.3f s before ready (%s)", 0.0, why)
+    return w
 
 
 def capacity(asm, cfg, registered: int) -> dict[str, Any]:

@@ -21,8 +21,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from deltazip.runtime.serve.engine import FinishEvent
-from deltazip.runtime.serve.openai_schema import ApiError, ChatShape
+from deltazip.runtime.serve.engine import FinishEvent, TokenEvent
+from deltazip.runtime.serve.openai_schema import ApiError
+from deltazip.runtime.serve.openai_shapes import ChatShape, TokenTexts
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -314,10 +315,11 @@ def finish_reason(reason: str, calls: list[dict]) -> str:
 
 class ToolChatShape(ChatShape):
     """:class:`ChatShape` of a request with tools: ``message.tool_calls`` / ``delta.tool_calls``,
-    ``finish_reason: "tool_calls"`` when the model called."""
+    ``finish_reason: "tool_calls"`` when the model called. Log probabilities go out with the tokens
+    they belong to, whether their text is shown now, held back or read as a call."""
 
-    def __init__(self, model: str, plan: ToolPlan):
-        super().__init__(model)
+    def __init__(self, model: str, plan: ToolPlan, texts: TokenTexts | None = None, samples: int = 1):
+        super().__init__(model, texts, samples=samples)
         self.plan = plan
         self.readers: dict[int, ToolCallReader] = {}
 
@@ -336,11 +338,12 @@ class ToolChatShape(ChatShape):
             delta["tool_calls"] = [{"index": first + k, **c} for k, c in enumerate(calls)]
         return delta
 
-    def chunk(self, i: int, text: str) -> dict | None:
-        delta = self._delta(i, *self._reader(i).feed(text))
-        if not delta:
+    def chunk(self, i: int, ev: TokenEvent) -> dict | None:
+        delta = self._delta(i, *self._reader(i).feed(ev.text))
+        lps = self._content(ev.logprobs) if ev.logprobs else None
+        if not delta and lps is None:
             return None
-        return self._envelope(self.object, [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+        return self._envelope(self.object, [{"index": i, "delta": delta, "logprobs": lps, "finish_reason": None}])
 
     def final(self, i: int | None, reason: str | None) -> dict:
         if i is None:
@@ -350,8 +353,8 @@ class ToolChatShape(ChatShape):
         return self._envelope(self.object, [{"index": i, "delta": delta, "logprobs": None,
                                              "finish_reason": finish_reason(reason or "stop", r.calls)}])
 
-    def response(self, evs: list[FinishEvent]) -> dict:
-        body = super().response(evs)
+    def response(self, evs: list[FinishEvent], use: dict) -> dict:
+        body = super().response(evs, use)
         for choice, ev in zip(body["choices"], evs):
             r = ToolCallReader(self.plan.fmt, self.plan.parallel)
             parts = [r.feed(ev.text), r.finish()]

@@ -3,8 +3,8 @@
 :func:`tune_ahead` builds the delta-mode model of a serve configuration over every variant under the
 served directory (every manifest read, so every delta configuration among them is covered, not only
 those a server reads at start-up). Building it compiles the CUDA delta-matmul kernels and times the
-launch choices per batch bucket (``deltazip.kernels.dispatch_table``, through
-``kernel_warmup.warm_up_kernels``); the choices land in the on-disk table that a later ``deltazip
+launch choices of every batch bucket (``deltazip.kernels.dispatch_table``, through
+``kernel_warmup.warm_up_kernels``; a server tunes only the first ones before it is ready); the choices land in the on-disk table that a later ``deltazip
 serve`` on the same GPU model and software versions reads instead of timing again. Useful where
 start-up time counts: at image build time, or before a fleet of servers starts.
 """
@@ -17,6 +17,7 @@ import torch
 
 from deltazip.formats.errors import InputError
 from deltazip.runtime.serve.assembly import ServeConfig, build_model
+from deltazip.runtime.serve.kernel_warmup import warm_up_kernels
 
 
 def tune_ahead(cfg: ServeConfig) -> dict:
@@ -32,7 +33,7 @@ def tune_ahead(cfg: ServeConfig) -> dict:
         InputError: no such directory or no variants in it, no CUDA device, or tuning switched off
             (``DELTAZIP_AUTOTUNE=0``).
     """
-    from deltazip.kernels import autotune, dispatch_table
+    from deltazip.kernels import dispatch_table
     from deltazip.runtime.serve.variant_sources import find_variants
 
     find_variants(cfg.artifacts, allow_empty=cfg.base is not None)  # a wrong directory is named before the device
@@ -40,15 +41,15 @@ def tune_ahead(cfg: ServeConfig) -> dict:
     if device.type != "cuda":
         raise InputError(f"deltazip tune times the CUDA delta-matmul kernels and needs a GPU (the device is {device}); "
                          "on a CPU, deltazip serve keeps the deltas dequantized and has nothing to tune")
-    if not autotune.enabled():
+    if not dispatch_table.enabled():
         raise InputError("kernel tuning is switched off (DELTAZIP_AUTOTUNE=0); unset it to tune")
     cfg.mode, cfg.delta_compute = "delta", "packed"
     t0 = time.perf_counter()
     asm = build_model(cfg)
-    model = asm.backend
+    t1 = time.perf_counter()
+    timed = warm_up_kernels(asm.backend, everything=True)
     table = dispatch_table.table_for(device)
     return {"gpu": torch.cuda.get_device_name(device), "dtype": str(asm.dtype).removeprefix("torch."),
-            "variants": len(asm.variants), "keys_timed": model.warmup["launches"],
-            "tuning_s": round(model.warmup["seconds"], 2), "seconds": round(time.perf_counter() - t0, 2),
+            "variants": len(asm.variants), "keys_timed": timed, "tuning_s": round(time.perf_counter() - t1, 2), "seconds": round(time.perf_counter() - t0, 2),
             "table": str(table.path), "table_entries": len(table.entries),
             "skipped": sum(len(v) for v in table.skipped.values())}

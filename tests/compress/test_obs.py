@@ -212,6 +212,9 @@ def test_loss_is_each_rows_output_error(bits, sparse):
             split = obs_solve_split(W, h, bits, sparse, 32, True, 0.01, pool, workers=2)
         E = W - res.values
         want = ((E @ h) * E).sum(1)
-        assert torch.allclose(res.loss, want, rtol=1e-4, atol=1e-6 * float(want.abs().max())), \
-            (res.stats, (res.loss - want).abs().max())
-        assert torch.allclose(split.loss, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()))
+        # E = W - values in fp32 carries a relative error of about eps * |W| / |E| (large at 8 bits, where
+        # E is small): the reference itself is no more precise than that, squared in e H eᵀ.
+        ref_rel = 4 * torch.finfo(torch.float32).eps * float(W.abs().max() / E.abs().max())
+        atol = max(1e-6, ref_rel) * float(want.abs().max())
+        assert torch.allclose(res.loss, want, rtol=1e-4, atol=atol), (res.stats, (res.loss - want).abs().max())
+        assert torch.allclose(split.loss, want, rtol=1e-4, atol=atol)

@@ -9,9 +9,8 @@ import torch
 from _sbmm import make_delta, random_index
 
 from deltazip.kernels import cuda_sbmm, reference
-from deltazip.kernels.host_plan import plan_rows
+from deltazip.kernels.row_plan import plan_rows
 from deltazip.kernels.stacked import repack
-from deltazip.kernels.triton_sbmm import group_rows
 
 
 def _nvrtc_or_skip():
@@ -22,28 +21,6 @@ def _nvrtc_or_skip():
     except cuda_rtc.CudaCompileError as e:
         pytest.skip(str(e))
     return cuda_rtc
-
-
-# ---------------------------------------------------------------------------------------------- plans
-
-
-@pytest.mark.parametrize("slots", [[0, 0, 1, -1, 1, 2, 0], [-1, -1], [3] * 40 + [0] * 3 + [-1], []])
-def test_host_plan_groups_rows_like_the_device_plan(slots):
-    host = plan_rows(slots, 4, "cpu")
-    dev = group_rows(torch.tensor(slots, dtype=torch.int64), 4, 16)
-    assert torch.equal(host.perm, dev.perm)
-    used = dev.tile_slot >= 0
-    assert torch.equal(host.tile_slot, dev.tile_slot[used])
-    assert torch.equal(host.tile_start, dev.tile_start[used])
-    assert torch.equal(host.tile_end, dev.tile_end[used])
-    assert torch.equal(host.packed, torch.cat([host.perm, host.tile_slot, host.tile_start, host.tile_end]))
-    for s, rows in host.slot_rows.items():
-        assert rows.tolist() == [i for i, v in enumerate(slots) if v == s]
-
-
-def test_host_plan_refuses_slots_out_of_range():
-    with pytest.raises(ValueError, match=r"\[-1, 2\)"):
-        plan_rows([0, 2], 2, "cpu")
 
 
 # ------------------------------------------------------------------------------------ offline compiles
@@ -68,7 +45,7 @@ def test_every_variant_compiles_offline_to_a_streaming_loop(bits, dtype, asym, g
     each of the 8 k16 steps after x4 ldmatrix (tiles of more than 8 rows), and one after x2 (8 rows or
     fewer, most decode tiles: half the activation reads)."""
     rtc = _nvrtc_or_skip()
-    from deltazip.kernels import sass
+    from deltazip.kernels import cuda_sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
@@ -96,7 +73,7 @@ def test_deep_pipelines_compile_to_the_same_loop_within_their_register_budget(bi
     the compiler may use more registers than at 4 stages). Register counts: the NVRTC constraints.txt
     pins (13.0.88)."""
     rtc = _nvrtc_or_skip()
-    from deltazip.kernels import sass
+    from deltazip.kernels import cuda_sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
@@ -121,7 +98,7 @@ def test_two_tiles_per_warp_compile_to_a_loop_that_shares_each_activation_read(b
     tiles of 8 rows or fewer), the same copies and single barrier, no spills, and registers within
     what the CTAs per SM of ``cuda_sbmm.ctas_per_sm`` need."""
     rtc = _nvrtc_or_skip()
-    from deltazip.kernels import sass
+    from deltazip.kernels import cuda_sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
@@ -150,7 +127,7 @@ def test_every_launch_config_the_tuner_times_fits_the_occupancy_the_model_assume
     constraints.txt pins (nvidia-cuda-nvrtc 13.0.88; the GPU runs had CUDA 13.0); another
     NVRTC version is checked by running this test with it."""
     rtc = _nvrtc_or_skip()
-    from deltazip.kernels import sass
+    from deltazip.kernels import cuda_sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
@@ -187,7 +164,7 @@ def test_the_prologue_reads_the_plan_in_two_rounds_and_streams_weights_before_it
     stack holds the slot and the tile's rows (two dependent rounds of global reads; the first H100 build
     chained four), and the first stages' weight copies go out before the barrier that shares the rows."""
     rtc = _nvrtc_or_skip()
-    from deltazip.kernels import sass
+    from deltazip.kernels import cuda_sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())

@@ -17,7 +17,8 @@ LIMIT = 80
 REQUEST_PATH = [
     "serve/server.py",  # create_app
     "serve/routes.py",  # handlers, streaming, auth, error shaping
-    "serve/openai_schema.py",  # request parsing, response shapes
+    "serve/openai_schema.py",  # request parsing, field checks
+    "serve/openai_shapes.py",  # response and chunk JSON, log probabilities
     "serve/engine.py",  # the engine loop every request runs in
     "serve/model_runner.py",  # every step's cache object and forward
     "serve/assembly.py",  # POST /v1/variants registers a variant while serving
@@ -43,6 +44,8 @@ REQUEST_PATH = [
     "serve/variant_catalog.py",  # listing and routing by name; a variant's first request reads it
     "serve/startup_report.py",  # a variant read on first use or added logs its line
     "cluster/workers.py",  # the front (proxy, routing)
+    "cluster/failover.py",  # the front's proxying and its requests in flight
+    "cluster/progress.py",  # the engine's progress reports, the rules for a dead worker's requests
     "share/dedup_registry.py",  # every load goes through the registry
     "share/dedup_serving.py",
     "cluster/ray_app.py",  # the Ray Serve ingress and replicas

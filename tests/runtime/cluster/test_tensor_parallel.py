@@ -126,6 +126,34 @@ def test_preempted_sequences_resume_on_every_rank(pair, served):
         assert out[i].text == served.expected(m, p, n), (m, p)
 
 
+def test_forked_samples_fork_the_worker_ranks_kv_too(pair, served):
+    """n=3 seeded samples of one prompt: forked from its KV cache on rank 0 and on the worker rank
+    (whose heads' keys and values the samples read), they equal the single-process engine's."""
+    from deltazip.runtime.serve.engine import FinishEvent
+
+    texts = {}
+    tok = served.tokenizer()
+    for name, backend in zip(("one", "tp"), pair):
+        with single_thread():
+            eng = _engine(served, backend, max_deltas=2, max_cpu_deltas=1, max_num_seqs=8)
+            done: dict = {}
+            params = SamplingParams(max_tokens=10, temperature=1.0, seed=21, n=3)
+            eng.submit_samples("alpha", tok(PROMPTS[3] * 2)["input_ids"], params,
+                               [lambda ev, i=i, d=done: d.__setitem__(i, ev) if isinstance(ev, FinishEvent) else None
+                                for i in range(3)])
+            eng.start()
+            try:
+                deadline = time.time() + 120
+                while len(done) < 3:
+                    assert time.time() < deadline, "samples did not finish"
+                    time.sleep(0.05)
+            finally:
+                eng.shutdown()
+            texts[name] = [done[i].text for i in range(3)]
+            assert eng.kv_pool.nbytes() == 0
+    assert texts["tp"] == texts["one"] and len(set(texts["one"])) == 3
+
+
 def test_variants_removed_and_added_while_serving_are_mirrored(pair, served):
     """``remove_variant`` / ``commit_variant`` (what DELETE and POST /v1/variants run) reach the worker:
     the re-added variant loads into a slot on both ranks and computes the same logits."""

@@ -8,7 +8,9 @@ all processes of a deployment (shared pages split between their users) is its ph
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import mmap
 import os
 import signal
@@ -22,7 +24,7 @@ import httpx
 import pytest
 import torch
 from _factories import calib_file, perturb, tiny_model
-from _serving import PROMPTS, served_set, single_thread
+from _serving import PROMPTS, send_completion, served_set, single_thread, stream_outcome
 
 from deltazip.runtime.cluster.workers import WorkerPool
 from deltazip.runtime.serve.assembly import ServeConfig
@@ -125,6 +127,23 @@ def test_front_models_auth_health_and_metrics(pool):
     assert httpx.get(pool.url + "/nope").status_code == 404
 
 
+def test_sampling_fields_and_tokenizer_routes_pass_through_the_front(pool, served):
+    """Log probabilities, echo, n with a seed and vLLM's tokenizer routes work through the front."""
+    tok = served.tokenizer()
+    r = complete(pool.url, "beta", PROMPTS[0], 4, logprobs=1, echo=True).json()["choices"][0]
+    assert r["text"].startswith(PROMPTS[0]) and r["logprobs"]["token_logprobs"][0] is None
+    assert len(r["logprobs"]["tokens"]) == len(tok(PROMPTS[0])["input_ids"]) + 4
+    seeded = {"model": "gamma", "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 3}
+    a, b = (sorted((c["index"], c["text"]) for c in httpx.post(pool.url + "/v1/completions", headers=AUTH, json=seeded,
+                                                               timeout=120).json()["choices"]) for _ in range(2))
+    assert a == b and len({t for _, t in a}) == 3
+    ids = httpx.post(pool.url + "/tokenize", headers=AUTH, json={"model": "alpha", "prompt": PROMPTS[2]}).json()["tokens"]
+    assert ids == tok(PROMPTS[2])["input_ids"]
+    assert httpx.post(pool.url + "/detokenize", headers=AUTH, json={"tokens": ids}).json()["prompt"] == tok.decode(ids)
+    assert httpx.get(pool.url + "/tokenizer_info", headers=AUTH).json()["eos_token"] == tok.eos_token
+    assert httpx.post(pool.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+
+
 def test_front_refuses_an_oversized_body_before_reading_it(pool):
     """The front applies --max-request-bytes itself (413 in OpenAI's shape), from Content-Length, so a
     huge body never reaches a worker; a body under the limit still goes through."""
@@ -196,12 +215,36 @@ def _other_worker_traffic(pool, served, index: int, results: list, stop: threadi
         i += 1
 
 
-def test_killed_worker_fails_only_its_request_and_comes_back(pool, served):
+def _pin_to(pool, busy):
+    """Make the front prefer ``busy`` (the others look loaded); undo with ``_pin_to(pool, None)``."""
+    for w in pool.workers:
+        if w is not busy:
+            w.outstanding += 1000 if busy is not None else -1000
+
+
+def _wait_started(pool, pid: int, n: int, timeout: float = 60) -> None:
+    """Until ``n`` requests on worker process ``pid`` have their first token sampled (as reported)."""
+    deadline = time.time() + timeout
+    while True:
+        pool.read_reports(pid)
+        with pool.flights.lock:
+            started = sum(f.pid == pid and f.state == "generating" for f in pool.flights.open.values())
+        if started >= n:
+            return
+        assert time.time() < deadline, f"{started} of {n} requests started: {pool.health()}"
+        time.sleep(0.002)
+
+
+def test_killed_worker_costs_only_what_it_had_sent_and_comes_back(pool, served):
+    """A stream that had sent chunks ends with an error event and [DONE]; non-streamed requests that
+    were generating are rerun elsewhere when greedy, refused with 503 + Retry-After when sampled; the
+    other worker's requests are untouched; both workers come back."""
     model, prompt = _long_job(served)
     with single_thread():
         for m in MODELS:  # fill the reference cache before the timing-sensitive part
             for p in PROMPTS[:3]:
                 ref(served, m, p, 8)
+        want = ref(served, model, prompt, 100)
     restarts = sum(w.restarts for w in pool.workers)
 
     # 1) Streaming: killed after its first chunk -> the stream ends with an OpenAI-shaped error event.
@@ -219,40 +262,38 @@ def test_killed_worker_fails_only_its_request_and_comes_back(pool, served):
         os.kill(pid, signal.SIGKILL)
         rest = [x for x in lines if x.startswith("data: ")]
     assert r.status_code == 200
-    assert "[DONE]" not in rest[-1] and json.loads(rest[-1][6:])["error"]["code"] == "worker_failed"
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["code"] == "worker_failed", rest[-2:]
+    got = "".join(c["text"] for x in [first, *rest[:-2]] for c in json.loads(x[6:])["choices"])
+    assert want.startswith(got)
     _wait_ready(pool, victim, pid)
     stop.set()
     t.join()
     assert ok and all(ok), "a request on the surviving worker failed"
 
-    # 2) Non-streaming: killed once the worker has accepted it -> 502 with an OpenAI error body.
-    out: dict = {}
-    busy = min(pool.workers, key=lambda w: w.index == victim)  # any ready worker; pin the request to it
-    old_pid = busy.pid
-
-    def accepted() -> float:
-        text = httpx.get(busy.url + "/metrics").text
-        return float(next(x for x in text.splitlines() if x.startswith("deltazip_requests_total")).split()[-1])
-
-    n0 = accepted()
-    for w in pool.workers:  # make the front prefer `busy`: the other looks loaded
-        if w is not busy:
-            w.outstanding += 1000
+    # 2) Non-streaming, both generating on one worker when it is killed: the greedy one is rerun on
+    # the other worker (same text), the sampled one (temperature > 0, no seed) gets a 503.
+    busy = pool.workers[1 - victim]
+    old_pid, out = busy.pid, {}
+    jobs = {"greedy": 0, "sampled": 0.01}  # 0.01: sampled by the rule, all but greedy in fact (runs 100 tokens)
+    _pin_to(pool, busy)
     try:
-        th = threading.Thread(target=lambda: out.setdefault("r", complete(pool.url, model, prompt, 100)))
-        th.start()
-        deadline = time.time() + 30
-        while accepted() == n0:
-            assert time.time() < deadline, "the request never reached the worker"
-            time.sleep(0.005)
+        ths = [threading.Thread(target=lambda k=k, t=t: out.setdefault(k, complete(pool.url, model, prompt, 100,
+                                                                                    temperature=t)))
+               for k, t in jobs.items()]
+        for th in ths:
+            th.start()
+        _wait_started(pool, old_pid, 2)
         os.kill(old_pid, signal.SIGKILL)
-        th.join(60)
+        for th in ths:
+            th.join(60)
     finally:
-        for w in pool.workers:
-            if w is not busy:
-                w.outstanding -= 1000
-    r = out["r"]
-    assert r.status_code == 502 and r.json()["error"]["code"] == "worker_failed", r.text
+        _pin_to(pool, None)
+    assert out["greedy"].status_code == 200, out["greedy"].text
+    assert out["greedy"].json()["choices"][0]["text"] == want
+    assert out["greedy"].headers["x-deltazip-worker"] == str(victim)  # rerun on the other one
+    r = out["sampled"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "worker_failed", r.text
+    assert int(r.headers["retry-after"]) >= 1 and "not rerun" in r.json()["error"]["message"]
 
     # Both restarted, with new processes, and serving correct outputs again (directly and via the front).
     _wait_ready(pool, busy.index, old_pid)
@@ -261,27 +302,90 @@ def test_killed_worker_fails_only_its_request_and_comes_back(pool, served):
         assert complete(w.url, "beta", PROMPTS[0], 8).json()["choices"][0]["text"] == ref(served, "beta", PROMPTS[0], 8)
     assert complete(pool.url, "gamma", PROMPTS[2], 8).json()["choices"][0]["text"] == ref(served, "gamma", PROMPTS[2], 8)
     assert pool.owner.poll() is None  # the owner outlived the workers
-    assert all(w["weights"] == "mapped" for w in pool.health()["workers"])
+    h = pool.health()
+    assert all(w["weights"] == "mapped" for w in h["workers"])
+    assert h["resubmitted"] >= 1 and h["refused"] >= 1 and h["stream_errors"] >= 1, h
+    assert all(w["last_death"]["signal"] == "SIGKILL" for w in h["workers"]), h["workers"]
+
+
+def test_a_worker_killed_under_load_loses_no_request_that_had_not_started_answering(served):
+    """60 concurrent greedy requests (half streamed) over the base and a variant on 2 workers taking 4
+    sequences each, so most requests are queued; one worker is SIGKILLed as soon as a stream from it
+    has a chunk. Every non-streamed request answers the merged model's text; every stream completes
+    with it, or ends with an error event and [DONE] after having sent chunks; no connection is cut;
+    /health stays 200 (``degraded``) meanwhile, and the worker is back within 10 s (the standby
+    takes its place)."""
+    n = 24
+    jobs = [(BASE if i % 2 else "alpha", PROMPTS[i % 5], i % 4 < 2) for i in range(60)]
+    with single_thread():
+        want = [ref(served, m, p, n) for m, p, _ in jobs]
+    cfg = ServeConfig(artifacts=served.artifacts, api_key=KEY, max_deltas=2, max_cpu_deltas=4, cpu_threads=1,
+                      port=0, max_num_seqs=4)
+
+    async def load(pool):
+        async with httpx.AsyncClient(base_url=pool.url, headers=AUTH, timeout=120) as http:
+            first = asyncio.get_running_loop().create_future()
+            tasks = [asyncio.create_task(send_completion(http, {"model": m, "prompt": p, "max_tokens": n, "temperature": 0,
+                                                                "stream": st}, "x-deltazip-worker", first))
+                     for m, p, st in jobs]
+            victim = int(await asyncio.wait_for(first, 120))
+            pid = pool.workers[victim].pid
+            os.kill(pid, signal.SIGKILL)
+            killed_at, health = time.monotonic(), []
+            while not health or health[-1][1]["workers"][victim]["pid"] == pid or \
+                    health[-1][1]["workers"][victim]["state"] != "ready":  # until its new process is ready
+                r = await http.get("/health")
+                health.append((r.status_code, r.json()))
+                assert time.monotonic() - killed_at < 60, health[-1]
+                await asyncio.sleep(0.05)
+            back_s = time.monotonic() - killed_at
+            return victim, pid, await asyncio.gather(*tasks, return_exceptions=True), health, back_s
+
+    with WorkerPool(cfg, workers=2, env=ENV, restart_backoff=0.2) as pool:
+        deadline = time.time() + 120  # a server up for a while has its standby warm (imports done)
+        while (pool.health()["standby"] or {}).get("state") != "warm":
+            assert time.time() < deadline, pool.health()
+            time.sleep(0.1)
+        victim, pid, outs, health, back_s = asyncio.run(load(pool))
+        deadline = time.time() + 30  # a client can read the end of an answer before the front closes it
+        while any(pool.health()["requests"].values()) or any(w.outstanding for w in pool.workers):
+            assert time.time() < deadline, f"requests left open at the front: {pool.health()}"
+            time.sleep(0.05)
+        h = pool.health()
+        text = httpx.get(pool.url + "/metrics").text
+        pool_report = [w.report for w in pool.workers]
+    cut = [(j, o) for j, o in zip(jobs, outs) if isinstance(o, BaseException)]
+    assert not cut, f"connections cut without an answer: {cut[:3]}"
+    errored = 0
+    for (m, p, stream), out, w in zip(jobs, outs, want):
+        if stream:
+            errored += stream_outcome(out, w, str(victim))
+        else:
+            assert out["status"] == 200 and out["json"]["choices"][0]["text"] == w, (m, p, out)
+    # Requests queued on the dead worker were resubmitted; only streams that had sent chunks failed.
+    assert h["resubmitted"] >= 1 and h["stream_errors"] == errored and h["refused"] == 0, h
+    assert h["worker_deaths"] == 1 and h["worker_restarts"] == 1 and h["workers"][victim]["pid"] != pid
+    assert pool_report[victim]["standby"] is True
+    assert h["workers"][victim]["last_death"]["signal"] == "SIGKILL"
+    assert all(code == 200 for code, _ in health), health  # one worker was ready all along
+    assert any(js["status"] == "degraded" and js["workers_ready"] == 1 for _, js in health)
+    assert back_s < 10, f"the worker took {back_s:.1f} s to come back"
+    assert f'deltazip_worker_deaths_total{{worker="{victim}"}} 1.0' in text
+    assert f"deltazip_front_resubmitted_total {float(h['resubmitted'])}" in text
 
 
 def test_no_worker_ready_is_503(served):
-    """A front whose workers are all gone answers 503 in OpenAI's shape (no hang, no 500)."""
+    """A front whose workers are all gone answers 503 in OpenAI's shape, with Retry-After (no hang, no
+    500); its /health is 503 too, status "down"."""
+    from deltazip.runtime.cluster.workers import create_front
     from deltazip.runtime.serve.server import ServerThread
 
-    class Empty:
-        workers, lock = [], threading.RLock()
-
-        def pick(self, exclude, model=None):
-            return None
-
-        def count_error(self, kind):
-            pass
-
-    from deltazip.runtime.cluster.workers import create_front
-
-    with ServerThread(create_front(Empty())) as srv:
+    never_started = WorkerPool(ServeConfig(artifacts=served.artifacts), workers=2)
+    with ServerThread(create_front(never_started)) as srv:
         r = complete(srv.url, "alpha", "x", 1)
-    assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
+        h = httpx.get(srv.url + "/health")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker" and r.headers["retry-after"] == "1"
+    assert h.status_code == 503 and h.json()["status"] == "down"
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +420,7 @@ def test_sharing_workers_use_far_less_memory_than_independent_servers(big):
     cfg = ServeConfig(artifacts=arts, max_deltas=1, max_cpu_deltas=1, cpu_threads=1)
     measured, texts = {}, {}
     for share in (True, False):
-        with WorkerPool(cfg, workers=2, share=share, front=False, env=ENV) as p:
+        with WorkerPool(cfg, workers=2, share=share, front=False, env=ENV, standby=False) as p:  # as bench/share.py
             texts[share] = [complete(w.url, m, "alpha beta", 6).json()["choices"][0]["text"]
                             for w in p.workers for m in ("base", "v1")]
             pids = p.pids()
@@ -339,9 +443,9 @@ def test_sharing_workers_use_far_less_memory_than_independent_servers(big):
 
 
 def test_shutdown_leaves_no_processes_or_shm(pool):
-    """Closing the pool ends the owner and every worker (current and replaced ones) and leaves
-    /dev/shm as it was. Runs last: it closes the module's pool."""
-    pids = [pool.owner.pid] + [w.pid for w in pool.workers]
+    """Closing the pool ends the owner, every worker (current and replaced ones) and the standby, and
+    leaves /dev/shm as it was. Runs last: it closes the module's pool."""
+    pids = [pool.owner.pid] + [w.pid for w in pool.workers] + [p for p in [pool.pids()["standby"]] if p]
     r = complete(pool.url, "alpha", PROMPTS[0], 4)
     assert r.status_code == 200
     pool.close()
@@ -415,3 +519,37 @@ def test_affinity_routing_keeps_a_variant_on_its_home_until_it_is_full(monkeypat
     pool._mark_dead(first, -9)
     assert pool.homes["alpha"] == [other.index] and pool.pick(set(), "alpha") is other
     assert pool.routed == {"affinity": 2, "least_busy": 5}
+
+
+def test_a_worker_dying_soon_after_each_start_backs_off_and_says_why(tmp_path, caplog):
+    """The supervisor's bookkeeping of a death, on real processes that die as a crashing worker would:
+    one dying within a minute of each start is restarted after 0.5, 1, 2, ... s, up to 30 s (no tight
+    loop); one that lived longer after 0.5 s again. Each death is logged with its exit code or signal
+    and the last line of its stderr, and /health's ``last_death`` shows them."""
+    from deltazip.runtime.cluster.workers import QUICK_DEATH_S, _pump_stderr
+
+    pool = WorkerPool(ServeConfig(artifacts=tmp_path), workers=1, restart_backoff=0.5)
+    w = pool.workers[0]
+    crash = ("import sys; sys.stderr.write('loading\\nCUDA error: an illegal memory access was encountered\\n'); "
+             "sys.exit(3)")
+    killed = "import os, signal, sys; sys.stderr.write('step 7\\n'); sys.stderr.flush(); os.kill(os.getpid(), signal.SIGKILL)"
+    caplog.set_level(logging.WARNING, "deltazip.workers")
+    delays, deaths = [], []
+    for lived, code in [(5, crash)] * 8 + [(QUICK_DEATH_S + 60, killed), (5, crash)]:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+        w.proc, w.pid, w.state, w.started_at = proc, proc.pid, "ready", time.perf_counter() - lived
+        w._stderr_pump = threading.Thread(target=_pump_stderr, args=(w._tail, proc.stderr), daemon=True)
+        w._stderr_pump.start()
+        pool._mark_dead(w, proc.wait())
+        delays.append(round(w.restart_at - time.perf_counter(), 1))
+        deaths.append(pool.health()["workers"][0]["last_death"])
+        w.restarts += 1
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 0.5, 0.5]
+    crash_death = {"code": 3, "signal": None, "stderr": "CUDA error: an illegal memory access was encountered"}
+    assert {k: deaths[0][k] for k in crash_death} == crash_death
+    assert {k: deaths[8][k] for k in crash_death} == {"code": -9, "signal": "SIGKILL", "stderr": "step 7"}
+    logged = [r.getMessage() for r in caplog.records if "died" in r.getMessage()]
+    assert len(logged) == 10 and pool.health()["worker_deaths"] == 10
+    assert "exit code 3; last stderr line: 'CUDA error: an illegal memory access was encountered'; restarting in " \
+           "30.0 s (8 deaths in a row within 60 s of a start)" in logged[7]
+    assert "killed by SIGKILL; last stderr line: 'step 7'; restarting in 0.5 s" in logged[8]

@@ -11,59 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _cli import run_cli
+from _lm_eval_tasks import evaluate, generations, loglikelihoods, write_tiny_tasks
 from _serving import served_set, single_thread
 
 pytest.importorskip("lm_eval")
 
-import lm_eval  # noqa: E402
-
-from deltazip.compress.merge import merge_to_dir  # noqa: E402
-from deltazip.formats.artifact import Artifact  # noqa: E402
-from deltazip.models.checkpoint import Checkpoint  # noqa: E402
 from deltazip.runtime.eval.lm_eval_model import DeltazipLM  # noqa: E402
 from deltazip.runtime.eval.perplexity import perplexity  # noqa: E402
 from deltazip.runtime.eval.run import task_manager  # noqa: E402
 from deltazip.runtime.eval.targets import EvalBank, parse_targets  # noqa: E402
 
-# A multiple-choice task over the character tokenizer's alphabet: random tiny models give spread-out
-# loglikelihoods, so per-sample numbers (not just an accuracy of 0) are compared.
-MC_YAML = """\
-task: tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{prompt}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-target_delimiter: ""
-metric_list:
-  - metric: acc
-metadata:
-  version: 1
-"""
-GEN_YAML = """\
-task: tiny_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{prompt}}}}"
-doc_to_target: "{{{{answer}}}}"
-target_delimiter: ""
-generation_kwargs:
-  until: [";"]
-  do_sample: false
-  max_gen_toks: 6
-metric_list:
-  - metric: exact_match
-metadata:
-  version: 1
-"""
 PPL_TEXT = "delta zip model tune 12 + 345 = 357; alpha beta gamma " * 6
 
 
@@ -75,51 +32,17 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tasks_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tasks")
-    import random
-
-    rng = random.Random(0)
-    letters = "abcdefghij"
-    with open(d / "mc.jsonl", "w") as f:
-        for _ in range(24):
-            prompt = "".join(rng.choice(letters) for _ in range(5)) + "="
-            choices = ["".join(rng.choice(letters) for _ in range(3)) for _ in range(3)]
-            f.write(json.dumps({"prompt": prompt, "choices": choices, "label": rng.randrange(3)}) + "\n")
-    with open(d / "gen.jsonl", "w") as f:
-        for _ in range(8):
-            prompt = "".join(rng.choice(letters) for _ in range(4)) + "="
-            f.write(json.dumps({"prompt": prompt, "answer": prompt[:2]}) + "\n")
-    (d / "tiny_mc.yaml").write_text(MC_YAML.format(data=d / "mc.jsonl"))
-    (d / "tiny_gen.yaml").write_text(GEN_YAML.format(data=d / "gen.jsonl"))
-    return d
+    return write_tiny_tasks(tmp_path_factory.mktemp("tasks"))
 
 
 @pytest.fixture(scope="module")
 def merged_alpha(served, tmp_path_factory):
-    out = tmp_path_factory.mktemp("merged") / "alpha-merged"
-    with single_thread():
-        merge_to_dir(Artifact(served.variant_dir("alpha")), Checkpoint(served.base_dir), out)
-    return out
-
-
-def _evaluate(model, tasks_dir, **kw):
-    with single_thread():
-        return lm_eval.simple_evaluate(model=model, tasks=["tiny_mc", "tiny_gen"],
-                                       task_manager=task_manager(["tiny_mc", "tiny_gen"], [tasks_dir]),
-                                       log_samples=True, bootstrap_iters=0, random_seed=0, **kw)
-
-
-def _loglikelihoods(res) -> list[list[float]]:
-    return [[r[0][0] for r in s["resps"]] for s in sorted(res["samples"]["tiny_mc"], key=lambda s: s["doc_id"])]
-
-
-def _generations(res) -> list[str]:
-    return [s["resps"][0][0] for s in sorted(res["samples"]["tiny_gen"], key=lambda s: s["doc_id"])]
+    return served.merged_dir("alpha", tmp_path_factory.mktemp("merged") / "alpha-merged")
 
 
 @pytest.fixture(scope="module")
 def hf_reference(merged_alpha, tasks_dir):
-    return _evaluate("hf", tasks_dir, model_args=f"pretrained={merged_alpha},device=cpu,dtype=float32,batch_size=4")
+    return evaluate("hf", tasks_dir, model_args=f"pretrained={merged_alpha},device=cpu,dtype=float32,batch_size=4")
 
 
 def test_eval_through_the_serving_model_equals_hf_on_the_merged_model(served, tasks_dir, hf_reference):
@@ -129,22 +52,22 @@ def test_eval_through_the_serving_model_equals_hf_on_the_merged_model(served, ta
     from deltazip.runtime.serve.delta_linear import DeltaLinear
 
     assert any(isinstance(m, DeltaLinear) for m in lm.model.modules())
-    ours = _evaluate(lm, tasks_dir)
+    ours = evaluate(lm, tasks_dir)
     assert ours["results"]["tiny_mc"]["acc,none"] == hf_reference["results"]["tiny_mc"]["acc,none"]
     assert ours["results"]["tiny_gen"]["exact_match,none"] == hf_reference["results"]["tiny_gen"]["exact_match,none"]
     # Per-sample loglikelihoods agree to fp32 rounding (W x + Δ x vs (W + Δ) x).
-    a, b = torch.tensor(_loglikelihoods(ours)), torch.tensor(_loglikelihoods(hf_reference))
+    a, b = torch.tensor(loglikelihoods(ours)), torch.tensor(loglikelihoods(hf_reference))
     assert a.shape == (24, 3)
     assert torch.allclose(a, b, atol=1e-4, rtol=1e-5), (a - b).abs().max()
     assert a.std() > 0.1  # the numbers compared are informative, not all equal
-    assert _generations(ours) == _generations(hf_reference)
+    assert generations(ours) == generations(hf_reference)
 
 
-def test_registered_model_type_runs_from_simple_evaluate(served, tasks_dir, hf_reference):
-    res = _evaluate("deltazip", tasks_dir, model_args=f"artifact={served.variant_dir('alpha')},"
+def test_registered_model_type_runs_from_simpleevaluate(served, tasks_dir, hf_reference):
+    res = evaluate("deltazip", tasks_dir, model_args=f"artifact={served.variant_dir('alpha')},"
                                                     f"base={served.base_dir},device=cpu,batch_size=4")
     assert res["results"]["tiny_mc"]["acc,none"] == hf_reference["results"]["tiny_mc"]["acc,none"]
-    a, b = torch.tensor(_loglikelihoods(res)), torch.tensor(_loglikelihoods(hf_reference))
+    a, b = torch.tensor(loglikelihoods(res)), torch.tensor(loglikelihoods(hf_reference))
     assert torch.allclose(a, b, atol=1e-4, rtol=1e-5)
 
 
@@ -272,7 +195,7 @@ def test_lm_eval_command_line_runs_the_deltazip_model_type(served, tasks_dir, tm
     assert r.returncode == 0, r.stderr[-2000:]
     (res_file,) = out.rglob("results*.json")
     acc = json.loads(res_file.read_text())["results"]["tiny_mc"]["acc,none"]
-    ours = _evaluate(DeltazipLM(str(served.variant_dir("alpha")), base=str(served.base_dir), device="cpu",
+    ours = evaluate(DeltazipLM(str(served.variant_dir("alpha")), base=str(served.base_dir), device="cpu",
                                 batch_size=4), tasks_dir)
     assert acc == ours["results"]["tiny_mc"]["acc,none"]
 
@@ -301,15 +224,15 @@ def test_lora_adapter_target_runs_through_the_serving_lora_path(served, tasks_di
         (target,) = parse_targets([str(adapter)])
         assert target.kind == "lora"
         lm = DeltazipLM(str(adapter), base=str(served.base_dir), device="cpu", batch_size=4)
-    ours = _evaluate(lm, tasks_dir)
-    ref = _evaluate("hf", tasks_dir, model_args=f"pretrained={tmp_path / 'lora-merged'},device=cpu,dtype=float32,"
+    ours = evaluate(lm, tasks_dir)
+    ref = evaluate("hf", tasks_dir, model_args=f"pretrained={tmp_path / 'lora-merged'},device=cpu,dtype=float32,"
                                                 "batch_size=4")
-    a, b = torch.tensor(_loglikelihoods(ours)), torch.tensor(_loglikelihoods(ref))
+    a, b = torch.tensor(loglikelihoods(ours)), torch.tensor(loglikelihoods(ref))
     assert torch.allclose(a, b, atol=1e-4, rtol=1e-5), (a - b).abs().max()
-    base_ll = torch.tensor(_loglikelihoods(_evaluate(
+    base_ll = torch.tensor(loglikelihoods(evaluate(
         "hf", tasks_dir, model_args=f"pretrained={served.base_dir},device=cpu,dtype=float32,batch_size=4")))
     assert (a - base_ll).abs().max() > 1e-2  # the adapter is really applied
-    assert _generations(ours) == _generations(ref)
+    assert generations(ours) == generations(ref)
 
 
 def test_eval_is_quiet_when_piped(served, tasks_dir, tmp_path):

@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # as tests/kernels/test_sbmm.py: before triton's first import
 from _serving import PROMPTS, VARIANTS, served_set, single_thread
 from torch import nn
 
@@ -106,35 +101,6 @@ def test_dense_rows_regrouped_per_slot_match_each_rows_own_weight(slots, t):
     else:
         assert seg.span == max(present) - min(present) + 1 and seg.span * seg.width <= 2 * rows_in
     ctx.unbind()
-
-
-def test_triton_sbmm_path_with_the_shared_row_plan(monkeypatch):
-    """The packed path through the Triton kernel (natively on CUDA, in the interpreter on CPU), with
-    the per-step row plan shared by every linear, equals the reference path."""
-    from deltazip.kernels.triton_sbmm import interpreter_ready, triton_importable
-
-    if not triton_importable() or not (torch.cuda.is_available() or interpreter_ready()):
-        pytest.skip("needs triton on CUDA, or TRITON_INTERPRET=1 set before triton was first imported")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    base = nn.Linear(64, 32, bias=False).to(dev)
-    ctx = DeltaContext(num_slots=2)
-    lin = DeltaLinear(base, ctx)
-    d = [_packed(32, 64, 4, True, False, 5), _packed(32, 64, 4, True, False, 6)]
-    for i in range(2):
-        lin.load_slot(i, packed=d[i])
-    x = torch.randn(5, 4, 64, device=dev)
-    slots = [0, 1, -1, 1, 0]
-    with torch.no_grad():
-        monkeypatch.setenv("DELTAZIP_FORCE_TRITON", "0")
-        ctx.bind(slots, dev)
-        ref = lin(x)
-        monkeypatch.setenv("DELTAZIP_FORCE_TRITON", "1")
-        ctx.bind(slots, dev)
-        got = lin(x)
-        assert len(ctx._plans) == 1  # every active slot is in the one stack: the plan was built and shared
-        ctx.unbind()
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_base_only_batch_is_the_plain_linear_and_unbound_context_is_an_error():

@@ -183,6 +183,46 @@ def test_cancel_frees_the_sequence_and_sampling_options(served):
         assert col.streamed("stop") == col.final("stop").text
 
 
+def test_a_tagged_request_reports_its_progress_before_what_it_announces(served):
+    """A request submitted under ``REQUEST_TAG`` is reported to the observer as ``prefilling`` once
+    (its prompt read in several chunks) and ``generating`` once, both before its first token reaches
+    its sink; an untagged request is not reported."""
+    from deltazip.runtime.serve.assembly import build_engine
+    from deltazip.runtime.serve.engine import REQUEST_TAG
+
+    order: list[tuple] = []
+
+    class Observer:
+        def ttft(self, seconds): pass
+        def e2e(self, seconds): pass
+        def finished(self, reason): pass
+        def request_state(self, tag, state): order.append((tag, state))
+
+    with single_thread():
+        eng = build_engine(serve_config(served, max_deltas=2, max_batch_tokens=4), observer=Observer())
+        ids = served.tokenizer()(PROMPTS[3])["input_ids"]
+        assert len(ids) > 8  # read in more than two chunks of 4
+        eng.start()
+        try:
+            col = Collector()
+            for key, tag in (("tagged", "t-1"), ("plain", None)):
+                sink = col.sink(key)
+                token = REQUEST_TAG.set(tag)
+                try:
+                    eng.submit("alpha", ids, SamplingParams(max_tokens=6, temperature=0.0),
+                               lambda ev, key=key, sink=sink: (order.append((key, type(ev).__name__)), sink(ev)))
+                finally:
+                    REQUEST_TAG.reset(token)
+            col.wait()
+        finally:
+            eng.shutdown()
+    tagged = [e for e in order if e[0] in ("t-1", "tagged")]
+    assert tagged[:3] == [("t-1", "prefilling"), ("t-1", "generating"), ("tagged", "TokenEvent")], tagged
+    assert [e for e in order if e[0] == "t-1"] == [("t-1", "prefilling"), ("t-1", "generating")]
+    assert all(e[0] != "plain" or e[1] in ("TokenEvent", "FinishEvent") for e in order)
+    assert col.final("tagged").text == col.final("plain").text == served.expected("alpha", PROMPTS[3], 6)
+
+
 def test_requests_are_validated_before_queueing(served):
     with single_thread():
         # Without chunked prefill a prompt must fit in one step's token budget.
@@ -403,13 +443,13 @@ def test_chunked_prefill_keeps_decodes_going_and_outputs_equal_generate(served):
         col = Collector()
         long_rid = []
 
-        def spy(group, row_slots, *rest):  # engine thread: which rows ran in which step, and how many tokens
+        def spy(group, row_slots, *more):  # engine thread: which rows ran in which step, and how many tokens
             rows_of_step.setdefault(eng.counters["steps"], {}).update(
                 {s.rid: (len(t), bool(s.output_ids)) for s, t in group})
             if not long_rid and len(group) == 2 and all(len(s.output_ids) >= 2 for s, _ in group):  # both decode
                 long_rid.append(eng.submit("beta", long_ids, SamplingParams(max_tokens=6, temperature=0.0),
                                            col.sink("long")))
-            return forward(group, row_slots, *rest)
+            return forward(group, row_slots, *more)
 
         eng._forward = spy
         # beta resident from the start: its background load would otherwise hold the long prompt back
@@ -469,3 +509,22 @@ def test_models_without_the_attention_interface_use_the_contiguous_cache(served,
             eng.shutdown()
         for (m, p) in col.events:
             assert col.final((m, p)).text == served.expected(m, p, 8), (m, p)
+
+
+def test_samples_that_cannot_run_together_are_refused_before_queueing(served):
+    """n (or best_of) samples decode side by side: more than --max-num-seqs, or a KV cache larger
+    than the device's free memory (a model whose KV is 1 TiB per token, here), is a 400 naming it."""
+    with single_thread():
+        eng = make_engine(served, max_num_seqs=4)
+        with pytest.raises(EngineError, match="max-num-seqs") as e:
+            eng.submit_samples("alpha", [5, 6], SamplingParams(n=5), [lambda ev: None] * 5)
+        assert e.value.param == "n"
+        with pytest.raises(EngineError, match="max-num-seqs") as e:
+            eng.submit_samples("alpha", [5, 6], SamplingParams(n=2, best_of=6), [lambda ev: None] * 6)
+        assert e.value.param == "best_of"
+        eng.kv_bytes_per_token = 2**40
+        with pytest.raises(EngineError, match="KV cache") as e:
+            eng.submit_samples("alpha", [5, 6], SamplingParams(n=2, max_tokens=4), [lambda ev: None] * 2)
+        assert e.value.param == "n"
+        eng.submit("alpha", [5, 6], SamplingParams(max_tokens=4), lambda ev: None)  # one sample is never refused so
+        eng.shutdown()

@@ -92,37 +92,72 @@ def test_text_or_nothing_is_no_grammar(tok, compilers):
 
 def test_rows_without_a_grammar_start_nothing():
     filler = MaskFiller(V, torch.device("cpu"))
-    assert filler.start([None, None, None]) is None
+    assert filler.start({}) is None
     assert filler._pool is None  # no thread, no buffer: an unconstrained step pays nothing
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch_native"])
-def test_step_masks_touch_only_the_constrained_rows_of_each_forward(tok, compilers, backend):
-    """Six rows in two forwards (prefill rows 0-2, decode rows 3-5), constrained rows 1 and 4 at two
-    different states: after apply, their allowed tokens keep their logits and the rest are -inf;
-    every other row is bit-identical. Both kernels (``torch_native`` is the one used on GPUs) on the
-    inference tensors a forward returns."""
+def test_step_masks_touch_only_the_constrained_rows_of_each_batch(tok, compilers, backend):
+    """A step with constrained sequences a, b (two states) and c, a sample forked from a's prompt
+    (a's row of the bitmask), drawn in two batches laid out differently from the bitmask: after
+    apply, each constrained row keeps its allowed tokens' logits and the rest are -inf; every other
+    row is bit-identical. Both kernels (``torch_native`` is the one used on GPUs) on the inference
+    tensors a forward returns."""
     grammar = response_format_grammar(compilers, tok, [1], {"type": "json_schema", "json_schema": {"schema": SCHEMA}})
-    m1, m4 = grammar.matcher(), grammar.matcher()
+    ma, mb = grammar.matcher(), grammar.matcher()
     for ch in '{"w": "a':
-        assert m4.accept(tok.convert_tokens_to_ids(ch))
+        assert mb.accept(tok.convert_tokens_to_ids(ch))
     filler = MaskFiller(V, torch.device("cpu"))
     filler.backend = backend
-    masks = filler.start([None, m1, None, None, m4, None])
+    masks = filler.start({"a": ma, "b": mb, "c": ma})
+    assert masks.rows([None, None]) is None
     logits = torch.randn(6, V, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        prefill, decode = logits[:3].clone(), logits[3:].clone()
-    masks.apply(prefill, 0)
-    masks.apply(decode, 3)
-    out = torch.cat([prefill, decode])
-    assert torch.equal(out[[0, 2, 3, 5]], logits[[0, 2, 3, 5]])
-    for row, matcher in ((1, m1), (4, m4)):
+        first, second = logits[:3].clone(), logits[3:].clone()
+    masks.rows([None, "b", None]).apply(first)
+    masks.rows(["c", None, "a"]).apply(second)
+    out = torch.cat([first, second])
+    assert torch.equal(out[[0, 2, 4]], logits[[0, 2, 4]])
+    for row, matcher in ((1, mb), (3, ma), (5, ma)):
         want = xgr.allocate_token_bitmask(1, V)
         matcher.state.fill_next_token_bitmask(want)
         allowed = _allowed(want[0])
         assert torch.equal(out[row][allowed], logits[row][allowed]) and torch.isneginf(out[row][~allowed]).all()
         names = {tok.convert_ids_to_tokens(i) for i in allowed.nonzero().flatten().tolist()}
-        assert names == ({"{"} if row == 1 else {"\"", *(c for c in map(chr, range(32, 127)) if c not in "\"\\")})
+        assert names == ({"\"", *(c for c in map(chr, range(32, 127)) if c not in "\"\\")} if row == 1 else {"{"})
+    filler.close()
+
+
+def test_the_mask_is_the_last_logit_change_and_logprobs_stay_raw(tok, compilers):
+    """Through the engine's draw (``engine.draw_tokens``): a constrained row with ``logit_bias`` and
+    ``logprobs`` draws within its grammar (the bias toward a disallowed token does not leak past the
+    mask), its log probability is the raw logits' ``log_softmax`` (finite), and the model's logits
+    are left as they were; without log probabilities the logits are changed in place (no copy)."""
+    from deltazip.runtime.serve.engine import IncrementalDetokenizer, SamplingParams, Sequence, draw_tokens
+
+    grammar = response_format_grammar(compilers, tok, [1], {"type": "json_schema", "json_schema": {"schema": SCHEMA}})
+    x = tok.convert_tokens_to_ids("x")
+
+    def seq(rid, **kw):
+        s = Sequence(rid, "m", "m", [5], SamplingParams(temperature=0.0, logit_bias={x: 100.0}, **kw),
+                     lambda ev: None, IncrementalDetokenizer(None, [], []), seed=0, arrival=0.0)
+        s.matcher = grammar.matcher()
+        return s
+
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
+    raw = logits.clone()
+    filler = MaskFiller(V, torch.device("cpu"))
+    seqs = [seq("a", logprobs=2), seq("b")]
+    got = draw_tokens(seqs, logits, [[1], [1]], filler.start({s.rid: s.matcher for s in seqs}))
+    brace = tok.convert_tokens_to_ids("{")
+    assert [t for _, t, _ in got] == [brace, brace]  # "{" is all the grammar allows first; the bias lost
+    lp = got[0][2]
+    assert lp[0] == brace and lp[1] == pytest.approx(torch.log_softmax(raw[0], -1)[brace].item(), abs=1e-6)
+    assert torch.equal(logits, raw)  # a row asked for log probabilities: the mask went on a copy
+    plain = [seq("c")]
+    one = logits[:1].clone()
+    draw_tokens(plain, one, [[1]], filler.start({"c": plain[0].matcher}))
+    assert torch.isneginf(one[0]).sum() == V - 1  # no log probabilities: masked in place
     filler.close()
 
 
@@ -132,9 +167,9 @@ def test_a_completed_grammar_allows_only_the_stop_token(tok, compilers):
     for ch in json.dumps({"w": "ab", "n": 22}):
         assert m.accept(tok.convert_tokens_to_ids(ch)), ch
     filler = MaskFiller(V, torch.device("cpu"))
-    masks = filler.start([m])
+    masks = filler.start({"r": m})
     logits = torch.zeros(1, V)
-    masks.apply(logits, 0)
+    masks.rows(["r"]).apply(logits)
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [1]  # </s>
     assert not m.terminated and m.accept(1) and m.terminated
     filler.close()

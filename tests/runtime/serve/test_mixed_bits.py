@@ -4,15 +4,9 @@ per setting, and every greedy output equals its merged model's."""
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 
 import pytest
-import torch
-
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
 from _factories import calib_file, perturb, tiny_model
 from _serving import CHAT_TEMPLATE, PROMPTS, ServedSet, single_thread
 

@@ -127,6 +127,45 @@ def test_paged_decoding_equals_full_forward_under_churn(arch):
         assert pool.num_blocks == 0 and pool.nbytes() == 0
 
 
+@pytest.mark.parametrize("arch,paged", [("llama", True), ("gemma2", True), ("llama", False)])
+def test_forked_sequences_share_the_prefix_and_decode_as_fresh_ones(arch, paged):
+    """The samples of one prompt (n > 1): three forks of a prefilled 13-token prompt share its three
+    full blocks (counted by reference, the partial fourth copied) and, decoding different tokens in
+    one batch beside an unrelated sequence, give the logits of a fresh forward of each sequence;
+    when all finish the pool is empty. The contiguous pool (``paged=False``) copies the row instead."""
+    import copy
+
+    with single_thread():
+        model = _gemma2() if arch == "gemma2" else tiny_model(arch)
+        ref = copy.deepcopy(model)
+        ref.set_attn_implementation("eager")
+        if paged:
+            use_paged_attention(model)
+        be = Backend(model)
+        pool = BlockPool(block_size=4) if paged else KVPool()
+        new = SeqBlocks if paged else SeqKV
+        prompt, other = list(range(5, 18)), [9, 8, 7, 6, 5]
+        parent, stranger = new(), new()
+        forward_step(be, pool, [parent, stranger], [-1, -1], [prompt, other], [0, 0])
+        kids = [parent.fork() for _ in range(3)]
+        if paged:
+            assert pool.used() == 4 + 2 + 3  # the prompt's 4 blocks, the stranger's 2, one copied block per fork
+            assert all(k.blocks[:3] == parent.blocks[:3] and k.blocks[3] != parent.blocks[3] for k in kids)
+        seqs = [(c, list(prompt)) for c in [parent, *kids]] + [(stranger, list(other))]
+        for step in range(6):  # past the shared blocks' end: the forks write only their own blocks
+            toks = [[20 + i + step] for i in range(len(seqs))]
+            caches = [c for c, _ in seqs]
+            logits = forward_step(be, pool, caches, [-1] * len(seqs), toks, [c.length for c in caches])
+            for i, ((_, ids), t) in enumerate(zip(seqs, toks)):
+                ids += t
+                with torch.no_grad():
+                    want = ref(torch.tensor([ids])).logits[0, -1]
+                torch.testing.assert_close(logits[i], want, rtol=1e-4, atol=1e-4)
+        for c, _ in seqs:
+            c.free()
+        assert pool.nbytes() == 0 and (not paged or not pool._refs)
+
+
 def _reference(q, k, v, q_pos, k_pos, scaling, window, softcap):
     """Eager attention of one row: q [H, T, D], k/v [S, H_kv, D], positions; K/V repeated per group."""
     g = q.shape[0] // k.shape[1]

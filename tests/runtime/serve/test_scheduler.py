@@ -221,3 +221,22 @@ def test_chunked_prefill_admits_long_prompts_and_charges_what_is_left_of_them():
     assert s.schedule().prefill == []  # 1 (decode) + 16 (big's rest) > 10: nobody new
     s.running["big"].prefill_left = 0
     assert [r.rid for r in s.schedule().prefill] == ["next"]  # 10 - 2 decodes = 8 left
+
+
+def test_a_request_of_n_samples_holds_n_sequences_and_forks_into_them():
+    """``width`` n: admitted only while n sequences are free; forked, its samples run as requests of
+    their own with its variant and line-skipping status; cancelled samples give their place back."""
+    s = Scheduler(max_deltas=2, max_num_seqs=4, max_batch_tokens=100)
+    s.add(SchedRequest("a", "v1", 5, width=3))
+    s.add(SchedRequest("b", "v1", 5, width=2))  # 3 + 2 > 4: waits, and FCFS stops the walk there
+    s.add(SchedRequest("c", "v1", 5))
+    out = s.schedule()
+    assert [r.rid for r in out.prefill] == ["a"]
+    s.shrink("b", 1)  # one of b's samples was cancelled before it was forked: b needs one sequence
+    s.fork("a", ["a.1", "a.2"])
+    assert {r.rid: (r.variant, r.has_state, r.skipper) for r in s.running.values() if r.rid != "a"} == \
+        {"a.1": ("v1", True, False), "a.2": ("v1", True, False)}
+    out = s.schedule()  # 3 sequences run, one is free: b (now width 1) is admitted, c is not
+    assert [r.rid for r in out.prefill] == ["b"] and [r.rid for r in out.waiting] == ["c"]
+    s.finish("a.1")
+    assert [r.rid for r in s.schedule().prefill] == ["c"]

@@ -155,8 +155,16 @@ def test_auth_is_required_on_v1_only(server):
     ({"model": "alpha", "prompt": "a", "temperature": 5}, 400, "temperature"),
     ({"model": "alpha", "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "alpha", "prompt": "a", "top_p": 0}, 400, "top_p"),
-    ({"model": "alpha", "prompt": "a", "n": 2}, 400, "n"),
-    ({"model": "alpha", "prompt": "a", "logprobs": 3}, 400, "logprobs"),
+    ({"model": "alpha", "prompt": "a", "n": 0}, 400, "n"),
+    ({"model": "alpha", "prompt": "a", "n": 17}, 400, "n"),  # more samples than --max-num-seqs runs at once
+    ({"model": "alpha", "prompt": "a", "n": 2, "best_of": 1}, 400, "best_of"),
+    ({"model": "alpha", "prompt": "a", "n": 1, "best_of": 2, "stream": True}, 400, "best_of"),
+    ({"model": "alpha", "prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ({"model": "alpha", "prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"model": "alpha", "prompt": "a", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": "alpha", "prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"model": "alpha", "prompt": "a", "min_tokens": 20, "max_tokens": 4}, 400, "min_tokens"),
+    ({"model": "alpha", "prompt": "a", "suffix": "b"}, 400, "suffix"),
     ({"model": "alpha", "prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"model": "alpha"}, 400, "prompt"),
     ({"model": "alpha", "prompt": []}, 400, "prompt"),
@@ -172,7 +180,7 @@ def test_completion_errors_use_the_openai_shape(server, body, status, param):
     err = r.json()["error"]
     assert err["message"] and err["type"] == "invalid_request_error"
     assert err["param"] is not None and err["param"].startswith(param)
-    if status == 400 and "max_tokens" in body and body["max_tokens"] > 1:
+    if status == 400 and param == "max_tokens" and body["max_tokens"] > 1:
         assert err["code"] == "context_length_exceeded"
 
 

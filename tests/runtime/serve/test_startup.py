@@ -1,7 +1,7 @@
-"""Start-up of ``deltazip serve`` (issue 23 item 1): the kernel warm-up runs inside the model build, before
-``/health`` reports ready; start-up logs one line with the warm-up's duration and one capacity line
-(variants on the device and in host memory); and after ready a request to a resident variant runs no
-warm-up or tuning function."""
+"""Start-up of ``deltazip serve``: the kernel warm-up runs before ``/health`` reports ready (with tuning,
+tests/runtime/serve/test_startup_tuning.py); start-up logs one line with the warm-up's duration and one
+capacity line (variants on the device and in host memory); and after ready a request to a resident
+variant runs no warm-up or tuning function."""
 
 from __future__ import annotations
 
@@ -121,19 +121,18 @@ def _free_port() -> int:
 
 
 def test_no_warmup_or_tuning_runs_for_a_request_to_a_resident_variant(served, monkeypatch):
-    """The build runs the kernel warm-up once; requests after ready, to a variant already in a slot,
-    run none of the warm-up or tuning functions (counted by wrapping the real functions)."""
-    import deltazip.kernels.autotune as autotune
+    """Requests after ready, to a variant already in a slot, run none of the warm-up or tuning functions
+    (counted by wrapping the real functions)."""
     import deltazip.kernels.dispatch_table as dispatch_table
-    import deltazip.kernels.warmup as kwarmup
     import deltazip.runtime.serve.kernel_warmup as kernel_warmup
     import deltazip.runtime.serve.model as model_mod
+    from deltazip.kernels.tuner import Tuner
 
     calls: dict[str, int] = {}
 
     def counted(module, name):
         real = getattr(module, name)
-        key = f"{module.__name__}.{name}"
+        key = f"{getattr(module, '__module__', module.__name__)}.{module.__name__}.{name}"
         calls[key] = 0
 
         def wrapper(*a, **kw):
@@ -142,15 +141,13 @@ def test_no_warmup_or_tuning_runs_for_a_request_to_a_resident_variant(served, mo
 
         monkeypatch.setattr(module, name, wrapper)
 
-    for module, name in ((model_mod, "warm_up_kernels"), (kernel_warmup, "warm_up_kernels"),
-                         (kwarmup, "warmup_stacks"), (kwarmup, "warmup_stack"), (dispatch_table, "tune"),
-                         (dispatch_table, "tune_stack"), (autotune, "tune")):
+    for module, name in ((model_mod, "tune_new_keys"), (kernel_warmup, "warm_up_kernels"), (Tuner, "tune_now"),
+                         (Tuner, "tune_later"), (dispatch_table, "tune"), (dispatch_table, "tune_stack")):
         counted(module, name)
     with single_thread():
         metrics = Metrics()
         rt = build_runtime(ServeConfig(artifacts=served.artifacts, max_deltas=2, delta_compute="packed"),
                            observer=metrics)
-        assert calls["deltazip.runtime.serve.model.warm_up_kernels"] == 1  # in the build, before ready
         with ServerThread(create_app(rt, metrics)) as srv:
             first = _complete(srv.url, "alpha")  # alpha into a slot
             state = {r["id"]: r["state"] for r in httpx.get(srv.url + "/v1/variants").json()["data"]}

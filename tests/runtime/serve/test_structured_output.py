@@ -10,11 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from _serving import served_set, single_thread
+from _serving import running_server, served_set, single_thread
 
-from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
 from deltazip.runtime.serve.grammar import GrammarCompilers
-from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
 
 openai = pytest.importorskip("openai")
 xgr = pytest.importorskip("xgrammar")
@@ -51,10 +49,8 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(served):
-    with single_thread():
-        rt = build_runtime(ServeConfig(artifacts=served.artifacts, max_deltas=2, max_num_seqs=16), observer=Metrics())
-        with ServerThread(create_app(rt, Metrics())) as srv:
-            yield srv
+    with running_server(served, max_deltas=2, max_num_seqs=16) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +91,15 @@ def test_100_json_schema_requests_parse_and_validate(client, served):
 
 
 def _reference(served, prompt_ids: list[int], schema: dict, max_new: int) -> str:
+    """Greedy decoding of the merged model under the schema (:func:`_reference_ids`), as text."""
+    ids = _reference_ids(served, prompt_ids, schema, max_new)
+    return served.tokenizer().decode(ids, skip_special_tokens=True)
+
+
+def _reference_ids(served, prompt_ids: list[int], schema: dict, max_new: int) -> list[int]:
     """Greedy decoding of the merged model under the schema, one token at a time: the matcher's mask
-    unpacked with plain torch (not the server's code path) before each argmax."""
+    unpacked with plain torch (not the server's code path) before each argmax. The drawn ids, an
+    ending EOS included."""
     tok = served.tokenizer()
     model = served.model("alpha")
     comp = GrammarCompilers(model.config.vocab_size)
@@ -112,10 +115,10 @@ def _reference(served, prompt_ids: list[int], schema: dict, max_new: int) -> str
         allowed = ((bits[0].unsqueeze(1) >> torch.arange(32)) & 1).flatten()[:v].bool()
         t = int(logits.masked_fill(~allowed, float("-inf")).argmax())
         assert matcher.accept_token(t)
+        ids.append(t)
         if t == tok.eos_token_id:
             break
-        ids.append(t)
-    return tok.decode(ids[len(prompt_ids):], skip_special_tokens=True)
+    return ids[len(prompt_ids):]
 
 
 @pytest.mark.parametrize("name", ["person", "pairs"])
@@ -177,3 +180,61 @@ def test_invalid_response_format_is_a_400_naming_it(server, fmt, needle):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "response_format" and needle in err["message"], err
+
+
+def _chat_ids(served, messages) -> list[int]:
+    ids = served.tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_constrained_logprobs_are_the_merged_models_raw_log_softmax(client, served):
+    """The grammar's mask does not reach log probabilities: each token of a greedy constrained answer
+    (its ending EOS included) reports a finite logprob equal to the merged model's unmasked
+    ``log_softmax`` for it, and usage counts those tokens."""
+    tok, messages = served.tokenizer(), [{"role": "user", "content": "zip 12"}]
+    prompt = _chat_ids(served, messages)
+    want = _reference_ids(served, prompt, SCHEMAS["person"], 100)
+    assert want[-1] == tok.eos_token_id
+    with torch.no_grad():
+        logits = served.model("alpha")(torch.tensor([prompt + want[:-1]])).logits[0, len(prompt) - 1:].double()
+    ref = torch.log_softmax(logits, -1)[torch.arange(len(want)), torch.tensor(want)]
+    r = client.chat.completions.create(model="alpha", messages=messages, response_format=_fmt("person"),
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    got = r.choices[0].logprobs.content
+    assert [e.token for e in got] == [tok.decode([t]) for t in want]
+    lps = torch.tensor([e.logprob for e in got], dtype=torch.float64)
+    assert torch.isfinite(lps).all() and (lps > -9999).all()
+    torch.testing.assert_close(lps, ref, atol=1e-4, rtol=0)
+    assert r.usage.completion_tokens == len(want)
+    assert (ref < torch.log_softmax(logits, -1).max(-1).values - 1e-6).any()  # the mask changed a choice
+
+
+def test_n_samples_each_follow_the_schema_with_their_own_matcher(client):
+    """n=3 samples forked from one prefilled prompt, seeded: each is valid, they differ, and the same
+    request gives the same three (each sample keeps its own place in the grammar)."""
+    def ask():
+        r = client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "a record please"}],
+                                           response_format=_fmt("person"), temperature=1.0, seed=21, n=3)
+        return [(c.finish_reason, c.message.content) for c in sorted(r.choices, key=lambda c: c.index)]
+
+    first = ask()
+    for reason, content in first:
+        assert reason == "stop", content
+        jsonschema.validate(json.loads(content), SCHEMAS["person"])
+    assert len({c for _, c in first}) >= 2
+    assert ask() == first
+    best = client.completions.create(model="alpha", prompt="zip", max_tokens=60, temperature=1.0, seed=3, n=2, best_of=4,
+                                     extra_body={"response_format": _fmt("status")})
+    for c in best.choices:
+        jsonschema.validate(json.loads(c.text), SCHEMAS["status"])
+
+
+def test_a_complete_answer_ends_before_min_tokens(client):
+    """min_tokens bans EOS, but a complete JSON answer allows nothing else: the grammar wins, the
+    answer ends there (valid, ``stop``) instead of every token being masked."""
+    r = client.completions.create(model="alpha", prompt="zip", max_tokens=100, temperature=0,
+                                  extra_body={"response_format": _fmt("status"), "min_tokens": 90})
+    c = r.choices[0]
+    assert c.finish_reason == "stop", c.text
+    jsonschema.validate(json.loads(c.text), SCHEMAS["status"])
+    assert r.usage.completion_tokens < 90

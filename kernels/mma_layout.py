@@ -1,13 +1,13 @@
-"""The ``mma`` layout: a compressed delta laid out once, at load, in the register order of the fast
-SBMM kernel (``deltazip.kernels.triton_fast``). Pure torch; nothing here needs Triton or a GPU.
+"""The ``mma`` layout: a compressed delta laid out once, at load, in the register order of the CUDA
+SBMM kernel (``kernels/cuda/sbmm.cu``, ``deltazip.kernels.cuda_sbmm``). Pure torch; no GPU needed.
 
 The canonical layout (``deltazip.kernels.packed``, docs/format.md) is unchanged: this is a
 device-side copy made by :meth:`StackedDeltas.write`, and :func:`unpack_codes` turns it back.
 
 Why a second layout
 -------------------
-The fast kernel computes ``y^T = W x^T`` ("swap AB"): the weight tile is the *A* operand of the tensor
-core instruction and lives in registers (mma.sync on sm_80, wgmma with a register A on sm_90), so a
+The kernel computes ``y^T = W x^T`` ("swap AB"): the weight tile is the *A* operand of the tensor
+core instruction and lives in registers (``mma.sync`` m16n8k16 on sm_80 and newer), so a
 dequantized tile never goes through shared memory. Each thread then owns a fixed set of
 ``(row, column)`` elements of every ``64 x 128`` weight tile (the hardware fragment layout). This
 layout stores, for every thread, exactly the codes of its elements in one contiguous run of
@@ -33,10 +33,7 @@ must be a multiple of 128. Row ``n`` and column ``k`` decompose as::
     kk = 32 * c + 16 * b + 8 * h + 2 * q + e
 
 (``q = lane % 4``, ``e`` = which 16-bit half of a pair). This is the A-operand fragment of a 16-bit
-``m16n8k16`` MMA, which Triton calls ``kWidth = 2``: wgmma on sm_90 always uses it for a register
-A operand, and mma.sync on sm_80 does when every load feeding the operand is at least 16 bits wide
-(Triton derives ``kWidth`` from the narrowest load it finds; that is why this layout keeps zero
-points as fp16). With ``j = 4 * c + 2 * b + h`` (16 pairs per thread, row and 128-column tile),
+``m16n8k16`` MMA (zero points are kept as fp16 so that the subtraction is one packed ``HSUB2``). With ``j = 4 * c + 2 * b + h`` (16 pairs per thread, row and 128-column tile),
 ``PPW = 16 // bits`` pairs per word and ``bits`` words per thread-row, a thread's word ``iw = j //
 PPW`` holds the code of ``(n, k)`` at bit ``16 * e + bits * (j % PPW)``. Words are stored per
 ``64 x 128`` tile (``KB = in / 128`` tiles per row block, one contiguous block of ``1024 * bits``
@@ -46,7 +43,7 @@ load of one run is 512 contiguous bytes.
 
 2:4 sparsity
 ------------
-Triton exposes no sparse tensor-core instruction (``mma.sp``), so 2:4 deltas are expanded once, here:
+The kernel runs the dense MMA (not ``mma.sp``), so 2:4 deltas are expanded once, here:
 a pruned position gets the zero-point code (``z``, which dequantizes to exactly 0). The kernel is
 then the dense one; the layout holds ``bits`` bits per weight, against ``bits / 2 + 1`` for the
 canonical 2:4 form (equal at 2 bits, +33% at 4 bits, +60% at 8 bits). docs/kernels.md weighs this
@@ -60,21 +57,21 @@ import torch
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import expand_24, unpack_int32
 
-# Bit widths the fast kernel handles (3-bit codes do not split into 16-bit halves evenly).
-FAST_BITS = (2, 4, 8)
+# Bit widths the layout holds (3-bit codes do not split into 16-bit halves evenly).
+MMA_BITS = (2, 4, 8)
 ROW_BLOCK = 64  # rows per weight tile (one warpgroup's wgmma M)
 K_BLOCK = 128  # columns per layout tile
 
 
 def min_block_k(bits: int) -> int:
-    """Smallest K step of the fast kernel: one word must not span two steps (2-bit words cover 64
+    """Smallest K step the layout allows: one word must not span two steps (2-bit words cover 64
     columns of a thread-row, 4- and 8-bit words 32 or 16)."""
     return 64 if bits == 2 else 32
 
 
 def block_k_for(in_features: int, group: int, bits: int) -> int | None:
-    """K step of the fast kernel: the largest of 128/64/32 that divides the group (every step inside
-    one quantization group, so the scale applies to the step's partial product), or None."""
+    """K step: the largest of 128/64/32 that divides the group (every step inside one quantization
+    group, so the scale applies to the step's partial product), or None."""
     g = in_features if group == -1 else group
     for bk in (128, 64, 32):
         if bk >= min_block_k(bits) and g % bk == 0:
@@ -82,9 +79,9 @@ def block_k_for(in_features: int, group: int, bits: int) -> int | None:
     return None
 
 
-def fast_supported(bits: int, group_size: int, in_features: int) -> bool:
-    """Whether a configuration has an ``mma`` layout (else the transposed layout and the old kernel)."""
-    if bits not in FAST_BITS or in_features % K_BLOCK or in_features <= 0:
+def supported(bits: int, group_size: int, in_features: int) -> bool:
+    """Whether a configuration has an ``mma`` layout (else the ``transposed`` one)."""
+    if bits not in MMA_BITS or in_features % K_BLOCK or in_features <= 0:
         return False
     g = in_features if group_size == -1 else group_size
     if g <= 0 or in_features % g:
@@ -146,8 +143,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     Returns:
         int32 ``[slot_words(out, in, bits)]`` (rows padded to a multiple of 64 with code 0).
     """
-    if bits not in FAST_BITS:
-        raise ValueError(f"the mma layout holds {FAST_BITS}-bit codes, not {bits}")
+    if bits not in MMA_BITS:
+        raise ValueError(f"the mma layout holds {MMA_BITS}-bit codes, not {bits}")
     out_f, in_f = codes.shape
     if in_f % K_BLOCK:
         raise ValueError(f"the mma layout needs in_features divisible by {K_BLOCK}, got {in_f}")

@@ -1,0 +1,136 @@
+"""The ``mma`` layout (``deltazip.kernels.mma_layout``) the CUDA kernel reads: packing, the index map,
+stack writes and reads back, all against the reference (pure torch, no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _sbmm import make_delta
+
+from deltazip.kernels import mma_layout, reference
+from deltazip.kernels.stacked import StackedDeltas, choose_layout, repack
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_unpack_roundtrip_pads_rows(bits):
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (100, 256), generator=gen)
+    words = mma_layout.pack_codes(codes, bits)
+    assert words.dtype == torch.int32 and words.numel() == mma_layout.slot_words(100, 256, bits)
+    assert words.numel() == 128 * 256 * bits // 32  # rows padded to 128
+    assert torch.equal(mma_layout.unpack_codes(words, bits, 100, 256), codes)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_code_lands_where_the_docstring_says(bits):
+    """One non-zero code at (n, k) must sit at the word and bit of mma_layout's index map."""
+    out_f, in_f = 192, 384
+    for n, k in [(0, 0), (37, 77), (191, 383), (64 + 9, 128 + 50)]:
+        codes = torch.zeros(out_f, in_f, dtype=torch.int64)
+        codes[n, k] = 1
+        words = mma_layout.pack_codes(codes, bits)
+        nb, r = divmod(n, 64)
+        w, rr, lane = r // 16, (r // 8) % 2, r % 8
+        kb, kk = divmod(k, 128)
+        c, b, h, q, e = kk // 32, (kk // 16) % 2, (kk // 8) % 2, (kk // 2) % 4, kk % 2
+        j = 4 * c + 2 * b + h
+        ppw, run = 16 // bits, min(bits, 4)
+        iw = j // ppw
+        hv, v = divmod(iw, run)
+        tile = (nb * (in_f // 128) + kb) * 64 * 128 * bits // 32
+        word = tile + hv * 256 * run + (((rr * 4 + w) * 8 + lane) * 4 + q) * run + v
+        bit = 16 * e + bits * (j % ppw)
+        assert words.nonzero().flatten().tolist() == [word]
+        assert int(words[word]) & 0xFFFFFFFF == 1 << bit
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("asym", [False, True])
+def test_dense_codes_dequantize_to_the_reference(sparse, asym):
+    gen = torch.Generator().manual_seed(3)
+    d = make_delta(40, 256, 4, 64, sparse, asym, gen)
+    codes = mma_layout.dense_codes(d)
+    zp = mma_layout.zero_points(d).repeat_interleave(64, dim=1)
+    scales = d.scales.float().repeat_interleave(64, dim=1)
+    assert torch.equal(scales * (codes - zp).float(), reference.delta_weight(d))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("sparse", [True, False])
+def test_mma_stack_write_unstack(bits, sparse):
+    gen = torch.Generator().manual_seed(10 * bits + sparse)
+    deltas = [make_delta(70, 256, bits, 128, sparse, s == 1, gen) for s in range(3)]
+    stack = repack(deltas, layout="mma")
+    assert stack.layout == "mma" and stack.sparse == sparse and stack.asymmetric and stack.positions is None
+    assert stack.qweight.shape == (3, mma_layout.slot_words(70, 256, bits))
+    assert stack.scales.shape == (3, 2, 128) and stack.zeros.dtype == torch.float16
+    for s, d in enumerate(deltas):
+        back = stack.unstack(s)
+        back.validate()
+        assert back.sparse == sparse
+        assert torch.equal(reference.delta_weight(back), reference.delta_weight(d))
+        if not sparse:  # dense codes come back exactly; 2:4 positions only up to equivalence
+            assert torch.equal(back.qweight, d.qweight)
+    moved = stack.to("cpu")
+    assert moved.layout == "mma" and moved.sparse24 == stack.sparse24
+    # nbytes: codes at `bits` bits per (dense) weight over padded rows, plus fp16 scales and zeros.
+    assert stack.nbytes() == 3 * (128 * 256 * bits // 8 + 2 * 2 * 128 * 2)
+
+
+def test_choose_layout(monkeypatch):
+    kw = dict(bits=4, group_size=128, in_features=256)
+    monkeypatch.delenv("DELTAZIP_SBMM_LAYOUT", raising=False)
+    assert choose_layout("auto", device="cpu", **kw) == "transposed"  # the mma layout is for the CUDA kernel
+    assert choose_layout("mma", device="cpu", **kw) == "mma"
+    monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", "mma")
+    assert choose_layout("auto", device="cpu", **kw) == "mma"
+    monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", "transposed")
+    assert choose_layout("auto", device="cpu", **kw) == "transposed"
+    for bad in (dict(bits=3, group_size=128, in_features=256), dict(bits=4, group_size=16, in_features=256),
+                dict(bits=2, group_size=32, in_features=256), dict(bits=4, group_size=-1, in_features=96)):
+        with pytest.raises(ValueError, match="no mma layout"):
+            choose_layout("mma", device="cpu", **bad)
+        for env in ("mma", "auto"):  # a preference, not an order
+            monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", env)
+            assert choose_layout("auto", device="cpu", **bad) == "transposed"
+    with pytest.raises(ValueError, match="layout"):
+        choose_layout("fancy", device="cpu", **kw)
+    monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", "fancy")
+    with pytest.raises(ValueError, match="DELTAZIP_SBMM_LAYOUT"):
+        choose_layout("auto", device="cpu", **kw)
+
+
+@pytest.mark.parametrize("layout", ["mma", "transposed"])
+def test_write_rows_builds_a_merged_stack_and_clear_rows_zeroes_a_member(layout):
+    """Deltas of [64, in], [64, in] and [32, in] written at rows 0, 64, 128 of one [160, in] stack give
+    the row-concatenated delta; clearing one member's rows leaves a zero delta there."""
+    gen = torch.Generator().manual_seed(41)
+    parts = [make_delta(o, 256, 4, 128, True, i == 1, gen) for i, o in enumerate((64, 64, 32))]
+    stack = StackedDeltas.allocate(2, bits=4, group_size=128, in_features=256, out_features=160, sparse=True,
+                                   asymmetric=True, layout=layout)
+    for r0, d in zip((0, 64, 128), parts):
+        stack.write(1, d, r0)
+    want = torch.cat([reference.delta_weight(d) for d in parts])
+    torch.testing.assert_close(stack.delta_weight(1), want, rtol=0, atol=0)
+    stack.clear_rows(1, 64, 64)
+    want[64:128] = 0
+    torch.testing.assert_close(stack.delta_weight(1), want, rtol=0, atol=0)
+    assert not stack.delta_weight(0).any()
+    if layout == "mma":
+        with pytest.raises(ValueError, match="multiple of 64"):
+            stack.write(1, make_delta(32, 256, 4, 128, True, False, gen), 32)  # would share a 64-row tile
+    with pytest.raises(ValueError, match="does not fit"):
+        stack.write(1, parts[0], 128)  # past the last row
+
+
+def test_7b_mlp_shapes_layout():
+    """4096 x 11008 (down_proj) and 11008 x 4096 (gate/up): the layout's sizes."""
+    for out_f, in_f in [(4096, 11008), (11008, 4096)]:
+        if in_f % 128:
+            assert not mma_layout.supported(4, 128, in_f)
+            continue
+        stack = StackedDeltas.allocate(2, bits=4, group_size=128, in_features=in_f, out_features=out_f,
+                                       sparse=True, asymmetric=False, layout="mma")
+        assert stack.qweight.shape == (2, out_f * in_f // 8)  # 4 bits per weight, rows already a multiple of 64
+        assert stack.scales.shape == (2, in_f // 128, out_f)
+        assert stack.nbytes() == 2 * out_f * in_f * (4 / 8 + 2 / 128)
