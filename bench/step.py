@@ -60,7 +60,7 @@ def decode_timer(model, slots: list[int], context: int, kv: str = "paged"):
     """A callable running one decode step of ``len(slots)`` rows (each with ``context`` past tokens),
     on the paged pool (``kv="paged"``, when the model runs the paged attention) or the contiguous one.
     On CUDA the paged delta step replays CUDA graphs, as the engine does. Its ``pool`` attribute
-    is the KV pool."""
+    is the KV pool; a call returns the step's logits ``[B, V]``."""
     from deltazip.runtime.serve.kv_cache import BlockPool
     from deltazip.runtime.serve.model_runner import (
         KVPool,
@@ -82,12 +82,14 @@ def decode_timer(model, slots: list[int], context: int, kv: str = "paged"):
 
         graphs = DecodeGraphs(model, pool)  # what the engine replays on CUDA
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         past = [k.length for k in kvs]
-        if graphs is None or graphs.run(kvs, slots, [t[0] for t in tok], ("bench",)) is None:
-            forward_step(model, pool, kvs, slots, tok, past)
+        logits = None if graphs is None else graphs.run(kvs, slots, [t[0] for t in tok], ("bench",))
+        if logits is None:
+            logits = forward_step(model, pool, kvs, slots, tok, past)
         for k in kvs:  # keep the past fixed: every timed step sees the same context length
             k.length = past[0]
+        return logits
 
     step.pool = pool
     return step

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from _factories import calib_file, perturb, tiny_model
 
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+CHAT_TEMPLATE = ("{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
+                 "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 VARIANTS = {
     "alpha": dict(method="deltazip", bits=4, sparsity="2:4", sym=True, seed=11, scale=0.3, skip=()),

@@ -40,13 +40,16 @@ Per step:
    decodes — rows of every variant together, sorted by slot;
 4. tokens are sampled for the whole batch in one pass on the device
    (``deltazip.runtime.serve.sampling``: the rows' settings as tensors, ``process_logits``, the draw,
-   log probabilities for the rows that ask), detokenized incrementally, checked against stop strings,
+   log probabilities for the rows that ask; the token masks of rows under a grammar,
+   ``deltazip.runtime.serve.grammar``, are filled on a worker thread while the forward runs and
+   applied last in ``process_logits``), detokenized incrementally, checked against stop strings,
    EOS, stop token ids, ``max_tokens`` and the context length; finished sequences free their KV cache,
    and their line-skippers may be preempted (their KV cache moves to host memory until they resume).
 
 A request of ``n`` samples (``best_of``) is one sequence until its prompt is read; then the other
 samples are forked from it (:meth:`SeqBlocks.fork <deltazip.runtime.serve.kv_cache.SeqBlocks.fork>`:
-the prompt's blocks shared, nothing re-read) and draw their first tokens from the same logits. Prompts
+the prompt's blocks shared, nothing re-read; each gets its own grammar matcher) and draw their first
+tokens from the same logits. Prompts
 whose log probabilities are wanted (``echo``) run in a prefill forward of their own that keeps every
 position's logits; the other rows keep only the last position's.
 
@@ -76,6 +79,7 @@ import torch
 
 from deltazip.runtime.serve.delta_cache import TieredCache
 from deltazip.runtime.serve.delta_loader import DeltaLoader
+from deltazip.runtime.serve.grammar import GrammarCompilers, MaskFiller, StepMasks
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, SeqBlocks
 from deltazip.runtime.serve.model_runner import SeqKV, forward_step, new_kv_pool, new_seq_kv
 from deltazip.runtime.serve.sampling import (
@@ -139,6 +143,8 @@ class SamplingParams:
     ``stop_token_ids``, EOS (unless ``ignore_eos``) or anything before ``min_tokens`` tokens.
     ``presence_penalty``/``frequency_penalty`` (output tokens), ``repetition_penalty`` (prompt and
     output tokens) and ``logit_bias`` (token id -> added logit) change the logits before sampling.
+    ``grammar`` (a compiled :class:`~deltazip.runtime.serve.grammar.Grammar`) constrains every token
+    to it; its completion ends the answer, before ``min_tokens`` too (EOS is then the only token it allows).
 
     ``n`` samples are returned; ``best_of`` (default ``n``) are drawn and share the prompt's KV cache.
     ``logprobs``: how many alternatives each generated token reports with its log probability (None:
@@ -164,6 +170,7 @@ class SamplingParams:
     min_tokens: int = 0
     top_k: int = 0
     min_p: float = 0.0
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         for name, ok, why in self._checks():
@@ -231,7 +238,8 @@ class TokenEvent:
 @dataclass
 class FinishEvent:
     """End of a sequence: ``reason`` is ``stop``, ``length``, ``cancelled`` or ``error``; ``completion_tokens``
-    counts the tokens of the text (an ending EOS or stop token id is not one, though ``logprobs`` lists it).
+    counts every token drawn, an ending EOS or stop token id included (as vLLM's usage counts it; it has
+    no text, and ``logprobs`` lists it).
 
     ``logprobs``: the entries of the returned text's tokens (requests with ``logprobs``);
     ``prompt_logprobs``: one per prompt token, the first None (requests with ``prompt_logprobs``);
@@ -377,6 +385,7 @@ class Sequence:
     cancelled: bool = False
     finished: bool = False
     kv_on_host: bool = False
+    matcher: Any = None  # a constrained request's place in its grammar (grammar.Matcher)
     tag: str | None = None  # REQUEST_TAG at submission: its progress is reported under it
     forks: list[tuple[str, Sink]] = field(default_factory=list)  # samples 1.. of n, made after the prefill
     logprobs: list[LogprobEntry] = field(default_factory=list)
@@ -384,6 +393,7 @@ class Sequence:
     prompt_logprobs: list[LogprobEntry | None] | None = None
     cumulative_logprob: float = 0.0
     prompt_sent: bool = False  # its prompt's log probabilities went out with a TokenEvent
+    stopped_by_token: bool = False  # it ended on an EOS or stop token id (counted, not in the text)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -391,11 +401,13 @@ class Sequence:
         return self.params.logprobs is not None or self.params.ranked
 
     def banned(self, eos_ids: list[int]) -> list[int]:
-        """Token ids this sequence may not draw now: EOS and stop ids before ``min_tokens``."""
+        """Token ids this sequence may not draw now: EOS and stop ids before ``min_tokens``. A grammar's
+        completion wins over ``min_tokens``: a constrained sequence's EOS is never banned (its grammar
+        allows EOS only once the output is complete, then nothing else: a ban would leave no token)."""
         p = self.params
         if len(self.output_ids) >= p.min_tokens:
             return []
-        return ([] if p.ignore_eos else list(eos_ids)) + list(p.stop_token_ids)
+        return ([] if p.ignore_eos or self.matcher is not None else list(eos_ids)) + list(p.stop_token_ids)
 
 
 class Engine:
@@ -466,6 +478,9 @@ class Engine:
         self.pad_id = 0
         self._fork_of: dict[str, str] = {}  # rid of a sample not forked yet -> its request's rid
         self.kv_bytes_per_token = _kv_bytes_per_token(backend.config, backend.dtype)
+        vocab = getattr(backend.config, "vocab_size", None) or 0
+        self.grammars = GrammarCompilers(vocab)  # compiled by request threads
+        self.masks = MaskFiller(vocab, self.device)  # filled beside each step's forward
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -483,6 +498,7 @@ class Engine:
             self._thread = None
         self.loader.shutdown()
         self.cache.shutdown()
+        self.masks.close()
 
     # -- submission (any thread) ----------------------------------------------------------------
     def key_of(self, model: str) -> str:
@@ -554,6 +570,7 @@ class Engine:
             seq = Sequence(rid, model, self.key_of(model), list(prompt_ids), params, sinks[0],
                            IncrementalDetokenizer(sv.tokenizer, prompt_ids, params.stop), seed, time.perf_counter(),
                            kv=new_seq_kv(self.kv_pool), tag=REQUEST_TAG.get(), forks=list(zip(rids[1:], sinks[1:])))
+            seq.matcher = params.grammar.matcher() if params.grammar is not None else None
             for r in rids[1:]:
                 self._fork_of[r] = rid
             self._inbox.append(seq)
@@ -735,6 +752,9 @@ class Engine:
         def slot_of(seq: Sequence) -> int:
             return slots[seq.key] if (seq.key != BASE_KEY or self.swap) else -1
 
+        # Grammar masks of the rows that draw a token this step are filled on a worker thread while
+        # the forwards run.
+        masks = self.masks.start(_constrained(prefill + decode))
         # Prompts whose log probabilities are wanted run in a forward of their own that keeps every
         # position's logits; the other rows keep only the last position's (they pay nothing for it).
         scored = [sn for sn in prefill if sn[0].params.prompt_logprobs is not None]
@@ -744,7 +764,7 @@ class Engine:
             if not group:
                 continue
             group.sort(key=lambda sn: slot_of(sn[0]))  # rows of one delta together (paper §5.2)
-            results += self._forward(group, [slot_of(s) for s, _ in group], every)
+            results += self._forward(group, [slot_of(s) for s, _ in group], every, masks)
         now = time.perf_counter()
         with self._lock:
             self._token_times.append((now, len(results)))
@@ -878,10 +898,11 @@ class Engine:
         self._note_resident()
         return {k: by_name[self._cache_name(k)] for k in keys}
 
-    def _forward(self, group: list[tuple[Sequence, list[int]]], row_slots: list[int], every: bool = False
-                 ) -> list[tuple[Sequence, int, LogprobEntry | None]]:
+    def _forward(self, group: list[tuple[Sequence, list[int]]], row_slots: list[int], every: bool = False,
+                 masks: StepMasks | None = None) -> list[tuple[Sequence, int, LogprobEntry | None]]:
         """Run the rows; sample a token for every row that reached the end of its prompt (and for the
-        samples forked from it). ``every``: keep every position's logits, for prompt log probabilities."""
+        samples forked from it), constrained rows within their grammar (``masks``: the step's).
+        ``every``: keep every position's logits, for prompt log probabilities."""
         seqs = [s for s, _ in group]
         logits = None
         if self.graphs is not None and not every and all(len(t) == 1 for _, t in group):
@@ -907,10 +928,7 @@ class Engine:
             return []
         raw = logits if rows == list(range(len(seqs))) else logits.index_select(
             0, torch.tensor(rows, device=logits.device))
-        return self._sample(picked, raw)
-
-    def _sample(self, picked: list[Sequence], raw: torch.Tensor) -> list[tuple[Sequence, int, LogprobEntry | None]]:
-        return draw_tokens(picked, raw, [self.served[s.model].eos_ids for s in picked])
+        return draw_tokens(picked, raw, [self.served[s.model].eos_ids for s in picked], masks)
 
     def _score_prompts(self, seqs: list[Sequence], chunks: list[list[int]], starts: list[int],
                        logits: torch.Tensor) -> None:
@@ -950,6 +968,8 @@ class Engine:
                            IncrementalDetokenizer(sv.tokenizer, seq.prompt_ids, seq.params.stop),
                            sample_seed(seq.seed, index), seq.arrival,
                            kv=seq.kv.fork(), prompt_logprobs=seq.prompt_logprobs)
+            if seq.params.grammar is not None:  # its own place in the grammar, at the start as its parent's
+                kid.matcher = seq.params.grammar.matcher()
             mirror = getattr(self.backend, "fork_kv", None)  # tensor parallel: the ranks fork theirs too
             if mirror is not None:
                 mirror(seq.kv, kid.kv)
@@ -980,8 +1000,16 @@ class Engine:
         if lp is not None:
             seq.cumulative_logprob += lp[1]
         eos = tok in self.served[seq.model].eos_ids and not seq.params.ignore_eos
+        if seq.matcher is not None:
+            if not seq.matcher.accept(tok):  # masked out: only a grammar with no way on gets here
+                self._finish(seq, "error", error="the requested output format admits no further token")
+                return
+            eos = eos or seq.matcher.terminated  # a completed grammar ends the answer, ignore_eos or not
         if eos or tok in seq.params.stop_token_ids:
-            if lp is not None and seq.params.logprobs is not None:  # reported, as vLLM does (no text)
+            # Drawn, so counted in usage (as vLLM counts it) and reported in logprobs, but no text.
+            seq.stopped_by_token = True
+            self.counters["generated_tokens"] += 1
+            if lp is not None and seq.params.logprobs is not None:
                 seq.logprobs.append(lp)
                 seq.detok.ends.append(len(seq.detok.text))
             self._finish(seq, "stop")
@@ -1046,7 +1074,8 @@ class Engine:
             self._emit(seq, TokenEvent(final, -1, entries))
         p = seq.params
         self._emit(seq, FinishEvent(reason, seq.detok.text if done else "", len(seq.prompt_ids),
-                                    len(seq.output_ids), error, logprobs=seq.logprobs[:seq.released] if p.logprobs is not None else None,
+                                    len(seq.output_ids) + seq.stopped_by_token, error,
+                                    logprobs=seq.logprobs[:seq.released] if p.logprobs is not None else None,
                                     prompt_logprobs=seq.prompt_logprobs if p.prompt_logprobs is not None else None,
                                     cumulative_logprob=seq.cumulative_logprob if seq.wants_logprobs else None))
         for rid, sink in seq.forks:  # samples never forked (the prompt did not finish) end with it
@@ -1062,18 +1091,34 @@ def _settle(fut: Future, fn: Callable[[], Any]) -> None:
         fut.set_exception(e)
 
 
-def draw_tokens(picked: list[Sequence], raw: torch.Tensor, eos_ids: list[list[int]]
+def _constrained(rows: list[tuple[Sequence, list[int]]]) -> dict[str, Any]:
+    """The matchers of the step's rows that draw a token under a grammar, by sequence id: decoding
+    rows and prompts read to their end, with the samples such a prompt forks (they start where it
+    does, nothing generated yet: the same mask)."""
+    out = {}
+    for seq, chunk in rows:
+        if seq.matcher is not None and seq.kv.length + len(chunk) >= len(seq.prompt_ids):
+            out[seq.rid] = seq.matcher
+            out.update((rid, seq.matcher) for rid, _ in seq.forks)
+    return out
+
+
+def draw_tokens(picked: list[Sequence], raw: torch.Tensor, eos_ids: list[list[int]], masks: StepMasks | None = None
                 ) -> list[tuple[Sequence, int, LogprobEntry | None]]:
     """A token per row of ``raw [B, V]`` (the model's logits of the sequences ``picked``, whose EOS
-    ids are ``eos_ids``) in one batched pass (``deltazip.runtime.serve.sampling``); rows that want them
-    get the token's log probability and top alternatives (others: None)."""
+    ids are ``eos_ids``) in one batched pass (``deltazip.runtime.serve.sampling``); rows with a
+    grammar draw within it (their bitmasks: the step's ``masks``, keyed by sequence id); rows that
+    want them get the token's log probability and top alternatives (others: None), from ``raw``."""
     want = [s.wants_logprobs for s in picked]
     lp_k = [(s.params.logprobs or 0) if w else None for s, w in zip(picked, want)]
     st = step_sampling([s.params for s in picked], [s.seed for s in picked], [len(s.output_ids) for s in picked],
                        raw.shape[-1], raw.device, outputs=[s.output_ids for s in picked],
                        prompts=[s.prompt_ids for s in picked],
                        banned=[s.banned(e) for s, e in zip(picked, eos_ids)], logprobs=lp_k)
-    toks = sample_step(process_logits(raw, st), st)
+    if masks is not None:
+        st.grammar = masks.rows([s.rid if s.matcher is not None else None for s in picked])
+    # Nothing reads the model's logits after the draw unless log probabilities do: changed in place then.
+    toks = sample_step(process_logits(raw, st, inplace=st.logprob_rows is None), st)
     if st.logprob_rows is None:
         return [(s, t, None) for s, t in zip(picked, toks.tolist())]
     chosen_toks = toks.index_select(0, st.logprob_rows)

@@ -79,6 +79,8 @@ def request_models():
         min_tokens: int | None = Field(default=None, ge=0)
         ignore_eos: bool | None = None
         stop_token_ids: list[int] | None = None
+        # structured output (grammar.response_format_grammar reads it; /v1/completions takes it, as vLLM's does)
+        response_format: Any = None
 
     class CompletionRequest(_Common):
         prompt: str | list[str] | list[int] | list[list[int]]
@@ -97,10 +99,9 @@ def request_models():
         max_completion_tokens: int | None = Field(default=None, ge=1)
         logprobs: bool | None = None
         top_logprobs: int | None = None
-        tools: list[Any] | None = None
+        tools: list[Any] | None = None  # tool_calls.tool_plan checks tools, tool_choice, parallel_tool_calls
         tool_choice: Any = None
         parallel_tool_calls: bool | None = None
-        response_format: Any = None
         audio: Any = None
         modalities: list[str] | None = None
         function_call: Any = None
@@ -131,11 +132,6 @@ def _given(v) -> bool:
     return v is not None
 
 
-def _text_format(v) -> bool:
-    """``response_format`` asking for anything but plain text."""
-    return _set(v) and not (isinstance(v, dict) and v.get("type") == "text")
-
-
 # (field, endpoints, refused when, why): the fields this server refuses, with the value that is
 # refused. ``endpoints``: "completions", "chat" or "both". Every other field of the reference bodies
 # is honoured (docs/serve.md, "Request fields", lists them all).
@@ -143,8 +139,8 @@ REFUSED: list[tuple[str, str, Any, str]] = [
     ("suffix", "completions", _set, "suffix (fill-in-the-middle) is not supported"),
     ("audio", "chat", _given, "audio output is not supported: the served models produce text"),
     ("modalities", "chat", lambda v: _set(v) and list(v) != ["text"], "only the text modality is served"),
-    ("function_call", "chat", _given, "function_call is not supported (deprecated by OpenAI)"),
-    ("functions", "chat", _set, "functions are not supported (deprecated by OpenAI)"),
+    ("function_call", "chat", _given, "function_call is not supported (deprecated by OpenAI): use tool_choice"),
+    ("functions", "chat", _set, "functions are not supported (deprecated by OpenAI): use tools"),
     ("prediction", "chat", _given, "predicted outputs are not supported"),
     ("reasoning_effort", "chat", _given, "reasoning_effort is not supported: the served models take no such setting"),
     ("verbosity", "chat", _given, "verbosity is not supported: the served models take no such setting"),
@@ -152,9 +148,6 @@ REFUSED: list[tuple[str, str, Any, str]] = [
     ("service_tier", "chat", lambda v: _set(v) and v not in ("auto", "default"),
      "only service_tier 'auto' or 'default' is served (one tier)"),
     ("store", "chat", lambda v: bool(v), "this server stores no completions (store must be false)"),
-    ("tools", "chat", _set, "tools are not supported"),
-    ("tool_choice", "chat", lambda v: _set(v) and v != "none", "tool_choice needs tools, which are not supported"),
-    ("response_format", "chat", _text_format, "response_format other than text is not supported"),
 ]
 
 
@@ -198,8 +191,9 @@ def stop_list(stop) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def sampling_params(req, max_tokens: int, *, chat: bool = False) -> SamplingParams:
-    """The engine's settings of a (checked) completion or chat request."""
+def sampling_params(req, max_tokens: int, *, chat: bool = False, grammar=None) -> SamplingParams:
+    """The engine's settings of a (checked) completion or chat request; ``grammar``: what constrains
+    its tokens (``response_format`` or a forced tool call, compiled by the routes), or None."""
     if chat:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prompt_logprobs, best_of = None, None
@@ -212,7 +206,8 @@ def sampling_params(req, max_tokens: int, *, chat: bool = False) -> SamplingPara
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                               top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop_list(req.stop),
                               n=req.n or 1, best_of=best_of, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()}, **given)
+                              logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()}, grammar=grammar,
+                              **given)
     except EngineError as e:
         raise ApiError(400, str(e), param=e.param) from e
 

@@ -25,6 +25,7 @@ from starlette.requests import Request  # at module level: FastAPI resolves endp
 
 from deltazip.formats.errors import DeltazipError
 from deltazip.runtime.serve.engine import EngineError, FinishEvent, SamplingParams, ServedVariant, TokenEvent
+from deltazip.runtime.serve.grammar import Grammar, GrammarError, response_format_grammar
 from deltazip.runtime.serve.openai_schema import (
     DEFAULT_MAX_REQUEST_BYTES,
     TOKENIZER_PATHS,
@@ -40,6 +41,7 @@ from deltazip.runtime.serve.openai_schema import (
     sampling_params,
 )
 from deltazip.runtime.serve.openai_shapes import ChatShape, CompletionShape, TokenTexts, usage
+from deltazip.runtime.serve.tool_calls import ToolChatShape, ToolPlan, template_messages, tool_plan
 from deltazip.runtime.serve.variant_catalog import VariantRefused
 
 log = logging.getLogger("deltazip.serve")
@@ -124,35 +126,45 @@ def encode_prompts(state: AppState, name: str, prompt) -> list[list[int]]:
     raise ApiError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
 
 
-def _chat_messages(messages) -> list[dict[str, str]]:
-    msgs = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):  # OpenAI content parts: only text is meaningful here
-            if any(p.get("type") != "text" for p in content):
-                raise ApiError(400, "only text content parts are supported", param="messages")
-            content = "".join(str(p.get("text", "")) for p in content)
-        msgs.append({"role": m.role, "content": content or ""})
-    return msgs
-
-
-def encode_chat(state: AppState, name: str, messages, add_generation_prompt: bool = True) -> list[int]:
+def chat_template(state: AppState, name: str) -> str:
+    """The variant's own chat template, else the base's (a fine-tune that kept tokenizer files without
+    one still chats as its base does)."""
     tok = state.served_entry(name).encoder
-    # The variant's own template, else the base's (a fine-tune that kept tokenizer files without
-    # one still chats as its base does).
     template = getattr(tok, "chat_template", None) or getattr(state.engine.served[state.rt.base_name].encoder,
                                                               "chat_template", None)
     if not template:
         raise ApiError(400, f"model `{name}` has no chat template (nor has the base); use /v1/completions",
                        param="messages")
+    return template
+
+
+def encode_chat(state: AppState, name: str, messages, template: str, tools: list[dict] | None = None,
+                add_generation_prompt: bool = True) -> list[int]:
+    tok = state.served_entry(name).encoder
     try:
-        ids = tok.apply_chat_template(_chat_messages(messages), chat_template=template,
-                                      add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = tok.apply_chat_template(template_messages(messages), chat_template=template,
+                                      add_generation_prompt=add_generation_prompt, tokenize=True, tools=tools)
     except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
         raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from e
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def request_grammar(state: AppState, name: str, req, plan: ToolPlan | None = None) -> Grammar | None:
+    """What constrains the request's tokens: a forced tool call, else its ``response_format`` (compiled
+    here, in the request's thread; a schema the engine rejects is a 400 naming the field)."""
+    sv = state.served_entry(name)
+    tag = plan.structural_tag() if plan is not None else None
+    try:
+        if tag is None:
+            return response_format_grammar(state.engine.grammars, sv.encoder, sv.eos_ids, req.response_format)
+        if (req.response_format or {}).get("type", "text") != "text":
+            raise ApiError(400, "response_format cannot be combined with tool_choice 'required' or a named function",
+                           param="response_format")
+        return state.engine.grammars.structural_tag(sv.encoder, sv.eos_ids, tag, "tools")
+    except GrammarError as e:
+        raise ApiError(400, str(e), param=e.param) from e
 
 
 def submit_all(state: AppState, name: str, prompts: list[list[int]], params: SamplingParams) -> list[EngineStream]:
@@ -263,7 +275,7 @@ async def sse_events(state: AppState, request: Request, streams: list[EngineStre
                 if echo is not None:
                     yield _sse(echo)
             if isinstance(ev, TokenEvent):
-                c = shape.chunk(i, ev)
+                c = shape.chunk(i, ev)  # None: nothing to send yet (text a tool call may hold back)
                 if c is not None:
                     yield _sse(c)
                 continue
@@ -408,8 +420,8 @@ class Routes:
         raw = await read_body(request, self.s.max_body)
         # Parsing and tokenizing take seconds for a large prompt: off the event loop, so that /health and
         # every other request go on meanwhile.
-        req, prompts = await asyncio.to_thread(self._completion_prompts, request, raw)
-        params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens)
+        req, prompts, grammar = await asyncio.to_thread(self._completion_prompts, request, raw)
+        params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, grammar=grammar)
         streams = submit_all(self.s, req.model, prompts, params)
         echo = None
         if req.echo:
@@ -423,20 +435,25 @@ class Routes:
 
     def _completion_prompts(self, request: Request, raw: bytes):
         req = self._request(request, self.s.models[0], parse_json(raw), chat=False)
-        return req, encode_prompts(self.s, req.model, req.prompt)
+        return req, encode_prompts(self.s, req.model, req.prompt), request_grammar(self.s, req.model, req)
 
     def _chat_prompt(self, request: Request, raw: bytes):
         req = self._request(request, self.s.models[1], parse_json(raw), chat=True)
-        return req, encode_chat(self.s, req.model, req.messages)
+        template = chat_template(self.s, req.model)
+        plan = tool_plan(req, template)
+        ids = encode_chat(self.s, req.model, req.messages, template, plan.template_tools if plan else None)
+        return req, ids, plan, request_grammar(self.s, req.model, req, plan)
 
     async def chat(self, request: Request):
         raw = await read_body(request, self.s.max_body)
-        req, ids = await asyncio.to_thread(self._chat_prompt, request, raw)
+        req, ids, plan, grammar = await asyncio.to_thread(self._chat_prompt, request, raw)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.s.engine.max_len - len(ids))
-        params = sampling_params(req, max_tokens, chat=True)
+        params = sampling_params(req, max_tokens, chat=True, grammar=grammar)
         streams = submit_all(self.s, req.model, [ids], params)
-        return await answer(self.s, request, req, streams, ChatShape(req.model, self.s.token_texts(req.model),
-                                                                     samples=params.n), params)
+        texts = self.s.token_texts(req.model)
+        shape = ToolChatShape(req.model, plan, texts, samples=params.n) if plan is not None and plan.parses \
+            else ChatShape(req.model, texts, samples=params.n)
+        return await answer(self.s, request, req, streams, shape, params)
 
     # -- vLLM's tokenizer routes ----------------------------------------------------------------
     def _served_model(self, name) -> str:
@@ -468,7 +485,7 @@ class Routes:
             gen = body.get("add_generation_prompt", True)
             if not isinstance(gen, bool):
                 raise ApiError(400, "add_generation_prompt must be a boolean", param="add_generation_prompt")
-            ids = encode_chat(self.s, name, req.messages, gen)
+            ids = encode_chat(self.s, name, req.messages, chat_template(self.s, name), add_generation_prompt=gen)
         else:
             prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
             if not isinstance(prompt, str):

@@ -7,8 +7,9 @@ batched tensor operations whatever the batch (no Python loop over rows touches a
    entry per row. A setting no row of the step uses stays ``None`` and costs nothing.
 2. :func:`process_logits` is **the one place where a step's logits are changed before sampling**:
    ``logit_bias``, tokens a row may not draw yet (EOS and ``stop_token_ids`` before ``min_tokens``),
-   presence / frequency / repetition penalties. A per-row mask (a grammar's token bitmask, say) is
-   applied here, as one more batched step.
+   presence / frequency / repetition penalties, and last the token bitmasks of the rows under a
+   grammar (``response_format``, forced tool calls: ``deltazip.runtime.serve.grammar``), one call
+   over those rows.
 3. :func:`sample` draws: greedy rows (``temperature == 0``) take the ``argmax`` (bit-identical to
    ``generate(do_sample=False)`` when nothing was changed); sampled rows divide by their temperature,
    keep the tokens that ``min_p``, ``top_k`` and ``top_p`` leave (in vLLM's order: min-p, then top-k,
@@ -19,8 +20,8 @@ batched tensor operations whatever the batch (no Python loop over rows touches a
    ``i`` of a request with ``n > 1`` draws with :func:`sample_seed` of (seed, i).
 
 Log probabilities (:func:`token_logprobs`) are ``log_softmax`` of the logits as the model gave them,
-before any of stage 2 and before temperature: what vLLM and OpenAI report. Only the rows that ask
-for them are computed.
+before any of stage 2 (the grammar's mask included) and before temperature: what vLLM and OpenAI
+report. Only the rows that ask for them are computed; when a row does, stage 2 changes a copy.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ class StepSampling:
         bias: ``(rows, token ids, values)`` int64/int64/fp32 ``[N]``: ``logit_bias`` entries, or None.
         banned: ``(rows, token ids)`` int64 ``[N]``: tokens set to ``-inf`` this step, or None.
         penalties: :class:`Penalties`, or None.
+        grammar: the token masks of the rows under a grammar (``grammar.RowMasks``: ``apply(logits)``
+            masks them in place), or None; set by the engine.
         logprob_rows: int64 ``[R]``, the rows whose log probabilities are wanted, or None.
         top_logprobs: how many alternatives those rows get (the largest any asked for).
     """
@@ -113,12 +116,13 @@ class StepSampling:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     penalties: Penalties | None = None
+    grammar: Any = None
     logprob_rows: torch.Tensor | None = None
     top_logprobs: int = 0
 
     @property
     def changes_logits(self) -> bool:
-        return self.bias is not None or self.banned is not None or self.penalties is not None
+        return self.bias is not None or self.banned is not None or self.penalties is not None or self.grammar is not None
 
 
 def step_sampling(params: list[Any], seeds: list[int], counters: list[int], vocab: int, device,
@@ -204,21 +208,25 @@ def _padded(lists: list[list[int]], pad: int, device) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
-def process_logits(logits: torch.Tensor, s: StepSampling) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, s: StepSampling, inplace: bool = False) -> torch.Tensor:
     """The logits ``[B, V]`` fp32 the step samples from: ``logits`` itself when no row changes
-    anything, else a changed copy (the model's logits stay as they were, for log probabilities).
+    anything, else a changed copy (the model's logits stay as they were, for log probabilities), or
+    ``logits`` changed in place with ``inplace`` (the caller reads nothing else from them).
 
     In order: ``logit_bias``, banned tokens (``-inf``), then presence / frequency / repetition
-    penalties (vLLM's order). A per-row token mask belongs here too, as the last step."""
+    penalties (vLLM's order), and last the grammar masks of the constrained rows."""
     if not s.changes_logits:
         return logits
-    out = logits.clone()
-    if s.bias is not None:
-        out.index_put_((s.bias[0], s.bias[1]), s.bias[2], accumulate=True)
-    if s.banned is not None:
-        out.index_put_(s.banned, torch.tensor(float("-inf"), device=out.device))
-    if s.penalties is not None:
-        _apply_penalties(out, s.penalties)
+    with torch.inference_mode():  # a forward's logits are inference tensors: changed in place only in this mode
+        out = logits if inplace else logits.clone()
+        if s.bias is not None:
+            out.index_put_((s.bias[0], s.bias[1]), s.bias[2], accumulate=True)
+        if s.banned is not None:
+            out.index_put_(s.banned, torch.tensor(float("-inf"), device=out.device))
+        if s.penalties is not None:
+            _apply_penalties(out, s.penalties)
+        if s.grammar is not None:
+            s.grammar.apply(out)
     return out
 
 

@@ -31,6 +31,8 @@ REQUEST_PATH = [
     "serve/attention.py",  # the paged attention of every forward
     "serve/masks.py",  # the contiguous cache's masks (ALiBi models), every step
     "serve/sampling.py",  # every step's tokens
+    "serve/grammar.py",  # constrained requests' grammars and every step's token masks
+    "serve/tool_calls.py",  # tools in chat requests, calls read from answers
     "serve/cuda_graphs.py",  # decode steps on CUDA
     "serve/projections.py",  # merged q/k/v and gate/up in the forward
     "serve/delta_embedding.py",  # decoupled embeddings in the forward

@@ -175,8 +175,9 @@ def test_best_of_returns_the_samples_of_highest_cumulative_logprob(client):
     score = {c.text: sum(c.logprobs.token_logprobs) for c in every}
     r = client.completions.create(n=2, best_of=5, **kw)
     assert [c.text for c in r.choices] == sorted(score, key=score.get, reverse=True)[:2]
-    # all 5 were drawn (an ending EOS is listed with its logprob, not counted as a completion token)
-    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) - (c.finish_reason == "stop") for c in every)
+    # all 5 were drawn; an ending EOS is listed with its logprob and counted, as vLLM counts it
+    assert any(c.finish_reason == "stop" for c in every)
+    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in every)
 
 
 def merged_greedy(served, model: str, ids: list[int], steps: int, adjust) -> list[int]:
@@ -193,10 +194,13 @@ def test_penalties_bias_and_token_controls_match_a_reference_decoding(client, se
     tok = served.tokenizer()
     ids = tok(PROMPTS[3])["input_ids"]
 
+    used = []
+
     def text(model, **kw):
         extra = {k: kw.pop(k) for k in list(kw) if k in VLLM_EXTRAS}  # the openai client sends these as extra_body
         r = client.completions.create(model=model, prompt=PROMPTS[3], max_tokens=10, temperature=0, extra_body=extra,
                                       **kw)
+        used.append(r.usage.completion_tokens)
         return r.choices[0].text, r.choices[0].finish_reason
 
     def counts(out):
@@ -220,6 +224,7 @@ def test_penalties_bias_and_token_controls_match_a_reference_decoding(client, se
     stop_at = plain[3]
     assert text("alpha", stop_token_ids=[stop_at]) == (tok.decode(plain[:plain.index(stop_at)], skip_special_tokens=True),
                                                        "stop")
+    assert used[-1] == plain.index(stop_at) + 1  # the stop token id is counted in usage (vLLM's count)
     banned = merged_greedy(served, "alpha", ids, 10, lambda x, o: torch.where(
         (torch.arange(128) == stop_at) | (torch.arange(128) == 1), -torch.inf, x) if len(o) < 6 else x)
     end = next((j for j in range(6, 10) if banned[j] in (stop_at, 1)), 10)  # EOS (id 1) ends it too

@@ -14,8 +14,7 @@ import pytest
 from _serving import running_server, served_set, single_thread
 
 # Field -> (a value to send, what the server does: "honoured" or "refused"). The lists follow
-# OpenAI's API reference (legacy completions; chat completions). Structured output and tools are
-# another part of the server: here they may be either, but refused only by name.
+# OpenAI's API reference (legacy completions; chat completions).
 COMPLETION_FIELDS = {
     "model": ("alpha", "honoured"), "prompt": ("zip", "honoured"),
     "best_of": (3, "honoured"), "echo": (True, "honoured"), "frequency_penalty": (0.7, "honoured"),
@@ -25,28 +24,30 @@ COMPLETION_FIELDS = {
     "suffix": (" end", "refused"), "temperature": (0.5, "honoured"), "top_p": (0.9, "honoured"),
     "user": ("user-1", "honoured"),
 }
-GRAMMAR = {"response_format", "tools", "tool_choice", "parallel_tool_calls"}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {},
+                                                                     "additionalProperties": False}}}]
 CHAT_FIELDS = {
     "model": ("alpha", "honoured"), "messages": ([{"role": "user", "content": "hi"}], "honoured"),
     "audio": ({"voice": "alloy", "format": "wav"}, "refused"), "frequency_penalty": (0.7, "honoured"),
     "function_call": ("auto", "refused"), "functions": ([{"name": "f", "parameters": {}}], "refused"),
     "logit_bias": ({"40": 3.0}, "honoured"), "logprobs": (True, "honoured"), "max_completion_tokens": (3, "honoured"),
     "max_tokens": (3, "honoured"), "metadata": ({"team": "eval"}, "honoured"), "modalities": (["text", "audio"], "refused"),
-    "n": (2, "honoured"), "parallel_tool_calls": (False, "grammar"),
+    "n": (2, "honoured"), "parallel_tool_calls": (False, "honoured"),
     "prediction": ({"type": "content", "content": "hi"}, "refused"), "presence_penalty": (0.7, "honoured"),
     "prompt_cache_key": ("k1", "honoured"), "reasoning_effort": ("low", "refused"),
-    "response_format": ({"type": "json_object"}, "grammar"), "safety_identifier": ("s1", "honoured"),
+    "response_format": ({"type": "json_object"}, "honoured"), "safety_identifier": ("s1", "honoured"),
     "seed": (5, "honoured"), "service_tier": ("flex", "refused"), "stop": (["x"], "honoured"), "store": (True, "refused"),
     "stream": (True, "honoured"), "stream_options": ({"include_usage": True}, "honoured"), "temperature": (0.5, "honoured"),
-    "tool_choice": ("required", "grammar"), "tools": ([{"type": "function", "function": {"name": "f", "parameters": {}}}],
-                                                      "grammar"),
+    "tool_choice": ({"type": "function", "function": {"name": "f"}}, "honoured"), "tools": (TOOLS, "honoured"),
     "top_logprobs": (2, "honoured"), "top_p": (0.9, "honoured"), "user": ("user-1", "honoured"),
     "verbosity": ("low", "refused"), "web_search_options": ({}, "refused"),
 }
 # What a request with the field honoured shows (beyond a 200); fields not listed show it in the
 # sampling tests (penalties, bias, seed, top_p, temperature...) or have no visible effect by design
 # (user, metadata, prompt_cache_key, safety_identifier: accepted, nothing is stored).
-NEEDS = {"logprobs": {"top_logprobs": 2}, "top_logprobs": {"logprobs": True}, "stream_options": {"stream": True}}
+NEEDS = {"logprobs": {"top_logprobs": 2}, "top_logprobs": {"logprobs": True}, "stream_options": {"stream": True},
+         "tool_choice": {"tools": TOOLS, "max_tokens": 60},
+         "parallel_tool_calls": {"tools": TOOLS, "tool_choice": "required", "max_tokens": 60}}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def test_every_reference_field_is_honoured_or_refused_by_name(server, chat):
     for name, (value, does) in fields.items():
         body = base | NEEDS.get(name, {}) | {name: value}
         r = _post(server, path, body)
-        if does == "refused" or (does == "grammar" and r.status_code == 400):
+        if does == "refused":
             assert r.status_code == 400, (name, r.text)
             assert r.json()["error"]["param"] == name, (name, r.text)
             continue
@@ -92,6 +93,14 @@ def test_every_reference_field_is_honoured_or_refused_by_name(server, chat):
                 lp["token_logprobs"]) >= 1)
         if name == "stream_options":
             assert used is not None and used["completion_tokens"] >= 1
+        if name == "response_format":  # cut at 4 tokens: the start of a JSON object
+            assert choices[0]["message"]["content"].startswith("{"), choices
+        if name == "tools":  # rendered into the prompt by the chat template
+            assert used["prompt_tokens"] > _post(server, path, base).json()["usage"]["prompt_tokens"]
+        if name in ("tool_choice", "parallel_tool_calls"):  # forced: exactly one call of f
+            calls = choices[0]["message"]["tool_calls"]
+            assert choices[0]["finish_reason"] == "tool_calls" and [c["function"]["name"] for c in calls] == ["f"]
+            assert json.loads(calls[0]["function"]["arguments"]) == {}
 
 
 def test_the_docs_list_every_request_field():
