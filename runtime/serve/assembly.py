@@ -365,6 +365,8 @@ def build_runtime(cfg: ServeConfig, observer: Any = None, parallel: Callable[...
     catalog = VariantCatalog(asm.variants, asm.found)
     warmup = log_warmup(asm.backend)
     startup = Startup(asm.backend, warmup) if hasattr(asm.backend, "tuner") else None
+    if startup is not None and asm.backend.tuner.idle is None:  # background keys wait for an idle engine
+        asm.backend.tuner.idle = engine.idle
     cap = capacity(asm, cfg, len(catalog))
     # Warm the host tier with as many variants as it holds, in the background.
     engine.cache.prefetch(([asm.base_name] if cfg.mode == "swap" else []) + [v.name for v in asm.variants])

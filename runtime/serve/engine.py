@@ -656,6 +656,11 @@ class Engine:
             return set(self._removing)
 
     # -- introspection --------------------------------------------------------------------------
+    def idle(self) -> bool:
+        """Nothing submitted and nothing running: when the background kernel tuner may use the device
+        (read without the lock: a stale answer only delays or advances one key by a step)."""
+        return not self._inbox and not self._seqs
+
     def stats(self) -> dict[str, Any]:
         now = time.perf_counter()
         with self._lock:
