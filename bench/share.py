@@ -16,6 +16,9 @@ After every worker has answered one request (so the weights have been read), it 
 shared pages are split between the processes using them, so the sum is the deployment's physical
 footprint; shared libraries are split with every other process on the machine, which lowers both
 modes alike) and **USS summed over the workers** (private memory: what each worker costs on its own).
+Every process runs with ``weight_share.MEASURE_ENV`` (glibc's mmap threshold fixed at 128 KiB), as
+the memory test does: what glibc's arenas keep of freed blocks varies by tens of MiB from one run or
+worker to the next and would otherwise blur the comparison.
 
 Startup: per worker, seconds from spawn to serving (``ready_s``) and of the weights phase alone —
 ``attach + build_runtime`` for a mapping worker, ``build_runtime`` (``from_pretrained``) for a
@@ -38,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _pairs import demo_pair, machine, synthetic_llama  # noqa: E402
 
-from deltazip.runtime.share.weight_share import smaps_rollup  # noqa: E402
+from deltazip.runtime.share.weight_share import MEASURE_ENV, smaps_rollup  # noqa: E402
 
 MIB = 2**20
 
@@ -87,7 +90,7 @@ def run_deployment(arts: Path, base: str, k: int, share: bool, threads: int) -> 
     t0 = time.perf_counter()
     # No standby: a spare process would share the library pages (changing every PSS) and import
     # while the pool is measured.
-    with WorkerPool(cfg, workers=k, share=share, front=False, env={"OMP_NUM_THREADS": str(threads)},
+    with WorkerPool(cfg, workers=k, share=share, front=False, env={"OMP_NUM_THREADS": str(threads), **MEASURE_ENV},
                     standby=False) as pool:
         up = time.perf_counter() - t0
         for w in pool.workers:  # read the weights once (a forward touches every matrix)
@@ -164,7 +167,8 @@ def main() -> None:
     doc = {"bench": "share", "machine": machine(),
            "config": {"quick": a.quick, "pairs": pairs, "workers": ks, "repeats": repeats, "threads": a.threads,
                       "max_deltas": 1, "max_cpu_deltas": 1, "device": "cpu", "dtype": "float32 (auto on CPU)",
-                      "memory": "PSS summed over owner + workers; USS summed over workers (/proc/PID/smaps_rollup)"},
+                      "memory": "PSS summed over owner + workers; USS summed over workers (/proc/PID/smaps_rollup)",
+                      "allocator_env": MEASURE_ENV},
            "results": results}
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)

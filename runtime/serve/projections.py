@@ -3,8 +3,9 @@
 A Llama-family attention block calls ``q_proj``, ``k_proj`` and ``v_proj`` on the same hidden
 states, its MLP ``gate_proj`` and ``up_proj``. Decoupled one by one (``DeltaLinear``), a decode step
 spends per layer seven base GEMMs and seven SBMM launches on them. A :class:`ProjectionGroup` owns the
-concatenated base weight ``[W_q; W_k; W_v]`` (the members' parameters become row views of it: no
-extra memory) and one packed store whose stacks hold each slot's deltas of all members stacked along
+concatenated base weight ``[W_q; W_k; W_v]`` (the members' parameters become row views of it; where
+they already lie back to back, as in the shared buffer of ``serve --workers``, it is a view of them:
+no extra memory either way) and one packed store whose stacks hold each slot's deltas of all members stacked along
 the output rows (``deltazip.runtime.serve.delta_linear.PackedStore``). The first member called
 computes every member's output: one base GEMM, one SBMM per delta configuration that adds its
 product onto the GEMM's output in the kernel's epilogue (``dispatch.sbmm(..., out=y)``: no
@@ -24,6 +25,7 @@ sibling names of the Llama family (:data:`PROJECTION_GROUPS`), other architectur
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -31,10 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltazip.kernels.mma_layout import ROW_BLOCK
+from deltazip.models.projection_groups import PROJECTION_GROUPS  # siblings that read one input (Llama family)
 from deltazip.runtime.serve.delta_linear import DeltaContext, DeltaLinear, PackedStore
 
-# Sibling projections of one parent module that read the same input (Llama, Mistral, Qwen2, ...).
-PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _ENV = "DELTAZIP_MERGE_PROJECTIONS"
 
 
@@ -67,12 +68,8 @@ class ProjectionGroup:
         self.out_features = o
         w0 = members[0].weight
         with torch.no_grad():
-            self.weight = torch.cat([m.weight.detach() for m in members])  # [out, in]
-            self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
-            for m, (r0, n) in zip(members, self.rows):
-                m.weight.data = self.weight[r0:r0 + n]  # the parameter becomes a view: no second copy
-                if self.bias is not None:
-                    m.bias.data = self.bias[r0:r0 + n]
+            self.weight = _stacked([m.weight for m in members], self.rows)  # [out, in]
+            self.bias = None if members[0].bias is None else _stacked([m.bias for m in members], self.rows)
         self.store = PackedStore(ctx, self.in_features, o, w0.device, w0.dtype)
         if any(r0 % ROW_BLOCK for r0, _ in self.rows):
             self.store.layout = "transposed"  # a 64-row tile of the mma layout would span two members
@@ -112,6 +109,25 @@ class ProjectionGroup:
             for m, (r0, n) in zip(self.members, self.rows):
                 m.add_extras(y[:, r0:r0 + n], x2, idx)
         return [y[:, r0:r0 + n].reshape(*lead, n) for r0, n in self.rows]
+
+
+def _stacked(parts: list[torch.Tensor], rows: list[tuple[int, int]]) -> torch.Tensor:
+    """``parts`` (``[n_i, ...]``) stacked along dim 0, and each part made a row view of the result.
+
+    Parts that already lie back to back in one storage (the shared buffer of ``serve --workers``
+    lays groups out so) are stacked by a view of that storage: no copy, and the parts stay as they
+    are. Otherwise the stack is a new tensor and each part's ``.data`` becomes its rows, so the
+    old memory is freed once nothing else holds it (the model's own load: no second copy)."""
+    first = parts[0]
+    step = math.prod(first.shape[1:])  # elements per row
+    if all(p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+           and p.storage_offset() == first.storage_offset() + r0 * step for p, (r0, _) in zip(parts, rows)):
+        total = rows[-1][0] + rows[-1][1]
+        return first.as_strided((total, *first.shape[1:]), first.stride())
+    out = torch.cat([p.detach() for p in parts])
+    for p, (r0, n) in zip(parts, rows):
+        p.data = out[r0:r0 + n]
+    return out
 
 
 def why_not_mergeable(members: list[nn.Module]) -> str | None:

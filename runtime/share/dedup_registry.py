@@ -153,7 +153,7 @@ class ReadOnlyTensor(torch.Tensor):
         if type(ret) is torch.Tensor:
             if not (flags & _ALIASES) and not ret._is_view():
                 return ret  # a fresh result (x @ w): private memory, writable
-            return ret.as_subclass(ReadOnlyTensor) if _any_shared_storage(ret, args) else ret
+            return _wrap(ret) if _any_shared_storage(ret, args) else ret
         return _rewrap(ret, args)
 
     def numpy(self, *args, **kwargs):
@@ -178,8 +178,7 @@ def _rewrap(ret, args):
     if isinstance(ret, torch.Tensor):
         if isinstance(ret, ReadOnlyTensor) or not _any_shared_storage(ret, args):
             return ret
-        with DisableTorchFunctionSubclass():
-            return ret.as_subclass(ReadOnlyTensor)
+        return _wrap(ret)
     if isinstance(ret, (tuple, list)) and ret and all(isinstance(r, torch.Tensor) for r in ret):
         wrapped = [_rewrap(r, args) for r in ret]
         return type(ret)(wrapped) if isinstance(ret, list) else tuple(wrapped)
@@ -204,8 +203,16 @@ def read_only(t: torch.Tensor) -> ReadOnlyTensor:
     """The same storage as ``t`` (no copy), as a ReadOnlyTensor."""
     if isinstance(t, ReadOnlyTensor):
         return t
+    return _wrap(t)
+
+
+def _wrap(t: torch.Tensor) -> ReadOnlyTensor:
+    # A detached alias of ``t`` (same storage, offset and strides) typed ReadOnlyTensor, as
+    # nn.Parameter makes its own. Not ``as_subclass``: that makes a view, and a view holds its base
+    # alive, so a parameter whose storage is later replaced (``.data = ...``, merged projections)
+    # would keep the memory it replaced.
     with DisableTorchFunctionSubclass():
-        return t.detach().as_subclass(ReadOnlyTensor)
+        return torch.Tensor._make_subclass(ReadOnlyTensor, t, False)
 
 
 # -------------------------------------------------------------------------------------- registry

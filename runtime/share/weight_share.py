@@ -2,7 +2,8 @@
 
 The owner (``python -m deltazip.runtime.share.weight_share``, started by ``deltazip serve --workers K``
 through :mod:`deltazip.runtime.cluster.workers`) reads the base checkpoint one tensor at a time, converts
-floating tensors to the served dtype, and lays them out back to back (64-byte aligned) in ONE
+floating tensors to the served dtype, and lays them out back to back (64-byte aligned; the
+members of a q/k/v or gate/up group with no gap, in the order the runtime stacks them) in ONE
 buffer. Workers attach over a local socket, get the buffer and the metadata (name, dtype, shape,
 offset of every tensor), and build their model over views of it instead of loading the checkpoint.
 
@@ -142,20 +143,31 @@ def _checkpoint_tables(base_dir: Path) -> list[tuple[Path, dict]]:
 
 
 def plan_layout(base_dir: Path, dtype: str) -> list[TensorMeta]:
-    """Offsets of every checkpoint tensor (floating ones in ``dtype``), 64-byte aligned."""
-    out, off, seen = [], 0, set()
-    for path, entries in _checkpoint_tables(base_dir):
-        for name, e in entries.items():
-            if name in seen:
+    """Offsets of every checkpoint tensor (floating ones in ``dtype``), 64-byte aligned, except that
+    the members of a projection group (``deltazip.models.projection_groups``: q/k/v, gate/up) of one
+    dtype follow each other with no gap, in group order: a worker stacks them by a view, no copy."""
+    from deltazip.models.projection_groups import layout_runs
+
+    entries = {}  # name -> (dtype, shape, nbytes), in file order
+    for path, table in _checkpoint_tables(base_dir):
+        for name, e in table.items():
+            if name in entries:
                 raise InputError(f"{base_dir}: tensor {name!r} appears in two weight files ({path})")
-            seen.add(name)
             dt = dtype if e.dtype in FLOAT_DTYPES else e.dtype
             numel = 1
             for s in e.shape:
                 numel *= int(s)
-            nbytes = numel * ST_SIZES[dt]
-            out.append(TensorMeta(name, dt, [int(s) for s in e.shape], off, nbytes))
-            off = (off + nbytes + ALIGN - 1) // ALIGN * ALIGN
+            entries[name] = (dt, [int(s) for s in e.shape], numel * ST_SIZES[dt])
+    out, off = [], 0
+    for run in layout_runs(entries):
+        packed = len({entries[n][0] for n in run}) == 1
+        for name in run:
+            dt, shape, nbytes = entries[name]
+            out.append(TensorMeta(name, dt, shape, off, nbytes))
+            off += nbytes
+            if not packed:
+                off = (off + ALIGN - 1) // ALIGN * ALIGN
+        off = (off + ALIGN - 1) // ALIGN * ALIGN
     return out
 
 
@@ -272,6 +284,15 @@ def _seal(fd: int) -> None:
     if not hasattr(fcntl, "F_ADD_SEALS"):
         return
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+
+
+# The environment of the processes a memory comparison measures (tests, bench/share.py). glibc
+# keeps what a thread frees in that thread's arena, resident and counted in USS and PSS, by an
+# amount that follows thread timing and allocation order, not what the process holds: 150-280 MiB
+# per worker of tests/runtime/cluster's 126 MB model, 60 MiB apart between two identical workers.
+# With a fixed mmap threshold every block of 128 KiB or more (every weight, cache and activation
+# buffer) is a mapping of its own, unmapped when freed, so the figures compare held memory.
+MEASURE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 
 
 def smaps_rollup(pid: int) -> dict[str, int]:

@@ -5,6 +5,7 @@ Llama decode step; the build hook in ``DeltaModel``; the kernel warm-up skipped 
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.util
 from pathlib import Path
 
@@ -125,6 +126,62 @@ def test_group_weights_are_views_of_one_tensor_and_slots_clear_by_rows():
     torch.testing.assert_close(ys[0][0, 0], x[0, 0] @ originals[0].T)
     torch.testing.assert_close(ys[2][0, 0], x[0, 0] @ originals[2].T)
     assert lins[0].resident_bytes(0) == 0 and lins[1].resident_bytes(0) > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_merging_registry_shared_weights_frees_the_old_ones(arch):
+    """As DeltaModel builds: parameters routed through the dedup registry, then merged. The members'
+    old tensors must be freed (their parameters become row views of the stack), not kept alive next
+    to the stack (a second copy of q/k/v and gate/up)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from deltazip.runtime.share.dedup_serving import new_serving_registry, share_parameters, share_tensor
+
+    model = tiny_model(arch)
+    registry = new_serving_registry()
+    held, _, _ = share_parameters(model, registry)
+    members = {n: p for n, p in model.named_parameters() if ".layers." in n and "_proj" in n
+               and n.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")}
+    values = {n: p.detach().clone() for n, p in members.items()}
+    old = {n: StorageWeakRef(p.untyped_storage()) for n, p in members.items()}
+    ctx = DeltaContext(1)
+    merge_projections(model, _decouple(model, ctx), ctx, held, lambda t: share_tensor(registry, t)[0])
+    gc.collect()
+    assert all(r.expired() for r in old.values()), [n for n, r in old.items() if not r.expired()]
+    params = dict(model.named_parameters())
+    for n, v in values.items():
+        assert torch.equal(params[n], v), n
+
+
+def test_members_back_to_back_in_one_buffer_are_stacked_by_a_view():
+    """The weight owner of ``serve --workers`` lays q/k/v out back to back (weights, then biases):
+    the group's weight and bias are then views of that memory, read-only like the members."""
+    from deltazip.runtime.share.dedup_registry import ReadOnlyTensor, SharedTensorWriteError, read_only
+
+    torch.manual_seed(0)
+    ctx = DeltaContext(1)
+    lins = [DeltaLinear(nn.Linear(64, o), ctx) for o in (64, 32, 32)]
+    with torch.no_grad():
+        flat = torch.cat([lin.weight.detach().reshape(-1) for lin in lins] + [lin.bias.detach() for lin in lins])
+        buf = read_only(flat.clone())  # [W_q W_k W_v b_q b_k b_v], as the owner's buffer holds them
+        w_end = sum(lin.weight.numel() for lin in lins)
+        w_off, b_off = 0, w_end
+        for lin in lins:
+            n, o = lin.weight.numel(), lin.out_features
+            lin.weight = nn.Parameter(buf[w_off:w_off + n].view(o, 64), requires_grad=False)
+            lin.bias = nn.Parameter(buf[b_off:b_off + o], requires_grad=False)
+            w_off, b_off = w_off + n, b_off + o
+    group = ProjectionGroup(lins, ctx)
+    assert group.weight.data_ptr() == buf.data_ptr() and tuple(group.weight.shape) == (128, 64)
+    assert group.bias.data_ptr() == buf[w_end:].data_ptr() and tuple(group.bias.shape) == (128,)
+    assert isinstance(group.weight, ReadOnlyTensor)
+    with pytest.raises(SharedTensorWriteError):
+        group.weight.add_(1)
+    assert torch.equal(group.weight, flat[:w_end].view(128, 64)) and torch.equal(group.bias, flat[w_end:])
+    x = torch.randn(2, 1, 64)
+    with torch.no_grad():
+        for lin in lins:
+            torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-6, atol=1e-6)
 
 
 def test_a_member_called_with_another_input_still_gets_its_own_answer():
