@@ -148,7 +148,10 @@ def _path_pattern(root: Path) -> re.Pattern:
     tops = sorted(_top_level(root), key=len, reverse=True)
     dirs = "|".join(re.escape(t) for t in tops if (root / t).is_dir())
     files = "|".join(re.escape(t) for t in tops if (root / t).is_file())
-    return re.compile(rf"(?<![\w./~$-])(?:(?:{dirs})/[\w./*<>{{}}-]*[\w*/>}}]|(?:{files})(?![\w-])|[\w-]+\.md)(?![\w(])")
+    return re.compile(rf"(?<![\w./~$-])(?:(?:{dirs})/[\w./*<>{{}}-]*[\w*/>}}]|(?:{files})(?![\w-]))(?![\w(])")
+
+
+_BARE_MD = re.compile(r"(?<![\w./~$`-])[\w-]+\.md(?![\w(`])")
 
 
 def _resolves(ref: str, page: Path, root: Path) -> bool:
@@ -219,6 +222,9 @@ def dead_references(pages: list[Path] | None = None, ref_pages: list[Path] | Non
                     continue
                 if not _resolves(ref, page, root):
                     problems.append(f"{rel(page, root)}:{n}: {ref} does not exist in the repository")
+            for m in _BARE_MD.finditer(re.sub(r"`[^`]*`", " ", line)):  # format.md in prose; `x.md` may be an output
+                if not _resolves(m.group(0), page, root):
+                    problems.append(f"{rel(page, root)}:{n}: {m.group(0)} does not exist in the repository")
             for m in _MODULE.finditer(line):
                 if not _module_resolves(m.group(0), root):
                     problems.append(f"{rel(page, root)}:{n}: {m.group(0)} names no module or attribute in the "
