@@ -148,7 +148,7 @@ def _path_pattern(root: Path) -> re.Pattern:
     tops = sorted(_top_level(root), key=len, reverse=True)
     dirs = "|".join(re.escape(t) for t in tops if (root / t).is_dir())
     files = "|".join(re.escape(t) for t in tops if (root / t).is_file())
-    return re.compile(rf"(?<![\w./~$-])(?:(?:{dirs})/[\w./*<>{{}}-]*[\w*/>}}]|(?:{files})(?![\w-]))(?![\w(])")
+    return re.compile(rf"(?<![\w./~$-])(?:(?:{dirs})/[\w./*<>{{}}-]*[\w*/>}}]|(?:{files})(?![\w-])|(?:\.\./)+[\w./-]*[\w/])(?![\w(])")
 
 
 _BARE_MD = re.compile(r"(?<![\w./~$`-])[\w-]+\.md(?![\w(`])")
@@ -156,7 +156,7 @@ _BARE_MD = re.compile(r"(?<![\w./~$`-])[\w-]+\.md(?![\w(`])")
 
 def _resolves(ref: str, page: Path, root: Path) -> bool:
     ref = ref.rstrip("/")
-    for base in (page.parent, root):
+    for base in (page.parent,) if ref.startswith("../") else (page.parent, root):
         target = base / ref
         if "*" in ref:
             if list(base.glob(ref)):
@@ -381,7 +381,7 @@ def unparsable_commands(commands: dict | None = None, pages: list[Path] | None =
 # --- development records in user pages -----------------------------------------------------------
 
 DEV_RECORD = re.compile(r"issue [0-9]|issues? \d+(?:/\d+)?\b|was lent|this window|no GPU was|this session|"
-                        r"\bcommit [0-9a-f]{7,}\b|\b[0-9a-f]{7,12}\b(?=\))|git worktree", re.I)
+                        r"\bcommit [0-9a-f]{7,}\b|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}\b(?=\))|git worktree", re.I)
 
 
 def dev_records(pages: list[Path] | None = None, root: Path = ROOT) -> list[str]:

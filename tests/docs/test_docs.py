@@ -108,3 +108,11 @@ def test_a_command_that_does_not_parse_is_reported():
     assert why('deltazip serve arts/ --api-key "$KEY" --port 8123   # comment') is None
     assert why("deltazip inspect art/ --json | jq .ratio") is None
     assert why("deltazip eval art/ ft/ base --tasks deltazip_shift [--output results.json [--overwrite]]") is None
+
+
+def test_development_records_in_a_user_page_are_reported(tmp_path):
+    page = tmp_path / "serve.md"
+    page.write_text("# serve\n\nFixed in issue 23.\nMeasured at the commit before (15ef44b).\n"
+                    "No GPU was lent to this work.\nArtifacts of 26684784 bytes (26684784) are fine.\n")
+    problems = dev_records([page], root=tmp_path)
+    assert [p.split(":")[1] for p in problems] == ["3", "4", "5"], problems

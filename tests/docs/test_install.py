@@ -1,15 +1,16 @@
-"""The README's user install, done: a fresh venv, ``pip install '.[serve]'`` (not editable) of the files
-a clone has, then the installed ``deltazip`` runs (``--version``, ``demo --help``, ``serve --help``).
+"""The README's user install, done: a fresh venv, ``pip install '.[serve]'`` (and ``'.[eval]'``,
+``'.[cluster]'``; not editable) of the files a clone has, then the installed ``deltazip`` runs
+(``--version``, ``demo --help``, and the extra's command: ``serve --help``, ``eval --help``).
 
 What makes it fast without making it a different install: the fresh venv is given the packages that
 ``deltazip[serve]`` needs, and only those, as links to the ones this environment already installed
 (CPU torch, transformers, fastapi, ... at the lock file's versions: the dependency closure is walked
 here from the requirements' metadata, markers evaluated), plus pip and setuptools to build with.
 Then pip, with no index, builds deltazip's wheel from the copied tree with its declared backend and
-installs it: it refuses if a requirement of ``deltazip[serve]`` is not satisfied by what is there, so a
+installs it: it refuses if a requirement of ``deltazip[EXTRA]`` is not satisfied by what is there, so a
 range in pyproject.toml that the lock's versions miss, a package or data file left out of the wheel, a
-broken entry point, or a command that imports a package only the dev or eval extras bring (lm-eval,
-Ray, pytest, Triton are not linked) fails here. What it does not do is download: `make install`
+broken entry point, or a command that imports a package only another extra brings (the serve install
+links no lm-eval, Ray, pytest or Triton) fails here. What it does not do is download: `make install`
 (editable, CI's first step) resolves and downloads the same requirements from the index.
 """
 
@@ -29,8 +30,15 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[2]
-EXTRAS = ("serve",)
 BUILD_TOOLS = ("pip", "setuptools", "wheel")
+# Each user recipe of the README: the extra, the command whose --help must run, an option it shows,
+# and a module the extra brings (imported from the installed copy). The GPU recipe's nvCOMP extras need
+# a CUDA torch and are not installed here.
+RECIPES = {
+    "serve": ("serve", "--max-deltas", "deltazip.runtime.serve.server"),
+    "eval": ("eval", "--tasks", "deltazip.runtime.eval.lm_eval_model"),
+    "cluster": ("serve", "--ray", "ray.serve"),
+}
 
 
 def _project() -> dict:
@@ -132,13 +140,15 @@ def _clone_files(dest: Path) -> None:
 
 
 @pytest.mark.slow
-def test_user_install_of_serve_extra_into_a_fresh_venv_runs_the_cli(tmp_path):
+@pytest.mark.parametrize("extra", list(RECIPES))
+def test_user_install_into_a_fresh_venv_runs_the_cli(tmp_path, extra):
     project = _project()
     installed = _installed()
-    keep, missing = closure(project["dependencies"] + [r for e in EXTRAS
-                                                        for r in project["optional-dependencies"][e]], EXTRAS, installed)
-    assert not missing, f"this environment lacks {missing}, which deltazip[{','.join(EXTRAS)}] needs: run `make install`"
-    assert "torch" in keep and "fastapi" in keep and "lm-eval" not in keep and "pytest" not in keep
+    keep, missing = closure(project["dependencies"] + project["optional-dependencies"][extra], (extra,), installed)
+    assert not missing, f"this environment lacks {missing}, which deltazip[{extra}] needs: run `make install`"
+    assert "torch" in keep and "pytest" not in keep and "triton" not in keep
+    assert ("lm-eval" in keep) == (extra == "eval") and ("ray" in keep) == (extra == "cluster")
+    assert extra != "serve" or "fastapi" in keep
     src, venv = tmp_path / "clone", tmp_path / "venv"
     _clone_files(src)
     r = _run([sys.executable, "-m", "venv", "--without-pip", venv], tmp_path)
@@ -148,20 +158,21 @@ def test_user_install_of_serve_extra_into_a_fresh_venv_runs_the_cli(tmp_path):
     links = link_site_packages(keep | {n for n in BUILD_TOOLS if n in installed}, installed, site)
     assert links > len(keep)
 
-    extras = ",".join(EXTRAS)
-    r = _run([py, "-m", "pip", "install", "--no-index", "--no-build-isolation", "--quiet", f".[{extras}]"], src)
-    assert r.returncode == 0, f"pip install '.[{extras}]' failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    r = _run([py, "-m", "pip", "install", "--no-index", "--no-build-isolation", "--quiet", f".[{extra}]"], src)
+    assert r.returncode == 0, f"pip install '.[{extra}]' failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
 
     deltazip = venv / "bin" / "deltazip"
     r = _run([deltazip, "--version"], tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == f"deltazip {project['version']}", r.stdout + r.stderr
-    for cmd, option in (("demo", "--workdir"), ("serve", "--max-deltas")):
+    command, shows, module = RECIPES[extra]
+    for cmd, option in (("demo", "--workdir"), (command, shows)):
         r = _run([deltazip, cmd, "--help"], tmp_path)
         assert r.returncode == 0 and option in r.stdout, f"deltazip {cmd} --help:\n{r.stdout}\n{r.stderr}"
     # The installed copy (not the clone, not this checkout) runs, with its data files and the server's
     # packages: the wheel holds every package, the lm-eval task YAMLs and the CUDA source.
-    probe = ("import pathlib, deltazip.deltacli, deltazip.runtime.serve.server as s, deltazip.runtime.eval as e, "
-             "deltazip.kernels as k; print(pathlib.Path(deltazip.deltacli.__file__).parent.parent); "
+    probe = (f"import pathlib, importlib, deltazip.deltacli, deltazip.runtime.eval as e, "
+             f"deltazip.kernels as k; importlib.import_module({module!r}); "
+             "print(pathlib.Path(deltazip.deltacli.__file__).parent.parent); "
              "print(len(list(pathlib.Path(e.__file__).parent.glob('lm_eval_tasks/*.yaml')))); "
              "print(len(list(pathlib.Path(k.__file__).parent.glob('cuda/*.cu'))))")
     r = _run([py, "-c", probe], tmp_path)
