@@ -6,6 +6,7 @@ as they are, so a new option, a renamed file or a moved page shows here, one lin
 
 from __future__ import annotations
 
+import pytest
 import typer
 import typer.main
 from _doccheck import (
@@ -25,23 +26,17 @@ def _report(problems: list[str]) -> str:
     return f"{len(problems)} problem(s):\n" + "\n".join(problems)
 
 
-def test_every_option_of_every_command_is_documented_on_its_page():
-    problems = undocumented_options()
-    assert not problems, _report(problems)
+CHECKS = {
+    "every-help-option-is-on-its-commands-page": undocumented_options,
+    "every-link-and-file-reference-resolves": dead_references,
+    "every-deltazip-command-in-a-code-block-parses": unparsable_commands,
+    "user-pages-hold-no-development-records": dev_records,
+}
 
 
-def test_every_link_and_file_reference_resolves_inside_the_repository():
-    problems = dead_references()
-    assert not problems, _report(problems)
-
-
-def test_every_deltazip_command_in_a_code_block_parses_against_its_help():
-    problems = unparsable_commands()
-    assert not problems, _report(problems)
-
-
-def test_user_pages_hold_no_development_records():
-    problems = dev_records()
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_documentation(check):
+    problems = CHECKS[check]()
     assert not problems, _report(problems)
 
 
