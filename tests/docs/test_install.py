@@ -10,7 +10,7 @@ Then pip, with no index, builds deltazip's wheel from the copied tree with its d
 installs it: it refuses if a requirement of ``deltazip[EXTRA]`` is not satisfied by what is there, so a
 range in pyproject.toml that the lock's versions miss, a package or data file left out of the wheel, a
 broken entry point, or a command that imports a package only another extra brings (the serve install
-links no lm-eval, Ray, pytest or Triton) fails here. What it does not do is download: `make install`
+links no lm-eval, Ray or pytest) fails here. What it does not do is download: `make install`
 (editable, CI's first step) resolves and downloads the same requirements from the index.
 """
 
@@ -146,7 +146,7 @@ def test_user_install_into_a_fresh_venv_runs_the_cli(tmp_path, extra):
     installed = _installed()
     keep, missing = closure(project["dependencies"] + project["optional-dependencies"][extra], (extra,), installed)
     assert not missing, f"this environment lacks {missing}, which deltazip[{extra}] needs: run `make install`"
-    assert "torch" in keep and "pytest" not in keep and "triton" not in keep
+    assert "torch" in keep and "pytest" not in keep and "ruff" not in keep
     assert ("lm-eval" in keep) == (extra == "eval") and ("ray" in keep) == (extra == "cluster")
     assert extra != "serve" or "fastapi" in keep
     src, venv = tmp_path / "clone", tmp_path / "venv"
