@@ -1,7 +1,7 @@
 """Compression bench: ΔCompress vs llm-compressor (full weights) vs SparseGPT / RTN on real model pairs.
 
     python bench/compress.py [--quick] [--out DIR] [--pairs demo,smollm2] [--llmcompressor-python PATH]
-                             [--methods SUBSTRING,...]
+                             [--methods SUBSTRING,...] [--calib-sizes 8x32,32x64,128x128]
 
 Pairs (bench/_pairs.py): ``demo``, ``smollm2`` (a realistic fine-tune stored in bf16, the default) and
 ``smollm2-fp32`` (the earlier short fp32 fine-tune, an extra).
@@ -24,6 +24,12 @@ exp(held-out loss) and ``delta_ppl`` = its distance above the fine-tune's (held-
 full texts, whose prompt digits are random: ``answer_loss``, the loss of the answer tokens given the
 prompt, and ``delta_answer_loss`` measure what the fine-tune learned). Prints one JSON document on
 stdout; progress and a summary table go to stderr.
+
+``--calib-sizes NxL,...`` runs every chosen method once per calibration size (``--nsamples N --seqlen
+L``; the default is 32x64 with ``--quick``, else 128x128), each row labelled with its size and
+recording the windows the data held (``calib_windows`` x ``calib_seqlen``): the sizing table of
+docs/compress.md. ``--render JSON [--no-times]`` prints a saved run's tables (without the time and
+memory columns with ``--no-times``).
 """
 
 from __future__ import annotations
@@ -128,6 +134,8 @@ def run_cli(pair: dict, args: list[str], nsamples: int, seqlen: int, art: Path, 
              "mean_layer_rel_out_err": round(sum(L["rel_out_err"] or 0 for L in s["layers"])
                                              / max(1, len(s["layers"])), 5),
              "format_version": s.get("format_version"),
+             "calib_windows": (s.get("calibration") or {}).get("nsamples"),
+             "calib_seqlen": (s.get("calibration") or {}).get("seqlen"),
              "bytes_by_kind": {k: v["stored_bytes"] for k, v in s["by_kind"].items()},
              "weights_by_kind": {k: v.get("weights") for k, v in s["by_kind"].items()},
              "manifest_and_side_files_bytes": s["artifact_bytes"] - sum(v["stored_bytes"]
@@ -193,7 +201,7 @@ def run_llmcompressor(pair: dict, args: list[str], nsamples: int, seqlen: int, a
 
 
 def bench_pair(pair: dict, quick: bool, workdir: Path, llmc: tuple[Path | None, str | None],
-               methods=METHODS, v1: Path | None = None) -> list[dict]:
+               methods=METHODS, v1: Path | None = None, sizes: list[tuple[int, int]] | None = None) -> list[dict]:
     from transformers import AutoTokenizer
 
     from deltazip.models.checkpoint import Checkpoint
@@ -214,9 +222,12 @@ def bench_pair(pair: dict, quick: bool, workdir: Path, llmc: tuple[Path | None, 
     for r in out:
         r.update(_versus(r, ft_q))
         log(f"{name} {r['model']}: {r}")
-    nsamples, seqlen = (32, 64) if quick else (128, 128)
-    for i, (label, runner, args) in enumerate(methods):
+    sizes = sizes or [(32, 64) if quick else (128, 128)]
+    runs = [(m, size) for size in sizes for m in methods]
+    for i, ((label, runner, args), (nsamples, seqlen)) in enumerate(runs):
         art = workdir / f"{name}-{i}"
+        if len(sizes) > 1:
+            label = f"{label}, --nsamples {nsamples} --seqlen {seqlen}"
         row = {"pair": name, "model": label}
         if runner == "cli":
             got = run_cli(pair, args, nsamples, seqlen, art)
@@ -270,9 +281,11 @@ def _table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def markdown(results: list[dict]) -> str:
+def markdown(results: list[dict], times: bool = True) -> str:
     """Two markdown tables of a run's rows: quality and size side by side, and bytes by tensor kind
-    (what docs/quality.md shows); ``--render`` prints them from a saved JSON document."""
+    (what docs/quality.md shows); ``--render`` prints them from a saved JSON document. ``times=False``
+    leaves out the time and memory columns (a table whose sizes and quality still hold after the code
+    got faster)."""
     def f(v, fmt="{}"):
         return "" if v is None else fmt.format(v)
 
@@ -292,6 +305,8 @@ def markdown(results: list[dict]) -> str:
                    f"{f(r.get('delta_ppl'), '{:+.3f}')} | {f(r.get('answer_loss'), '{:.3g}')} | "
                    f"{f(r.get('frac_groups_2of4'), '{:.3f}')} | {f(r.get('compress_seconds'), '{:.0f}')} | "
                    f"{f(r.get('process_cpu_seconds'), '{:.0f}')} | {f(r.get('peak_rss_mib'), '{:.0f}')} |")
+    if not times:  # drop the last three columns of every row of the first table
+        out = [row.rsplit("|", 4)[0] + "|" for row in out]
     kinds = sorted({k for r in results for k in (r.get("bytes_by_kind") or {})})
     if kinds:
         out += ["", "| model | " + " | ".join(kinds) + " | manifest + side files | total |",
@@ -362,10 +377,20 @@ def main() -> None:
                          "rule' rows (default: those rows are skipped)")
     ap.add_argument("--render", type=Path, default=None, metavar="JSON",
                     help="print the markdown tables of a saved run's JSON document and exit")
+    ap.add_argument("--no-times", action="store_true", help="--render without the time and memory columns")
+    ap.add_argument("--calib-sizes", default=None, metavar="NxL,...",
+                    help="run every method at each calibration size (--nsamples N --seqlen L), e.g. 8x32,32x64")
     a = ap.parse_args()
     if a.render:
-        print(markdown(json.loads(a.render.read_text())["results"]))
+        print(markdown(json.loads(a.render.read_text())["results"], times=not a.no_times))
         return
+    sizes = None
+    if a.calib_sizes:
+        try:
+            sizes = [tuple(int(x) for x in s.split("x")) for s in a.calib_sizes.split(",") if s.strip()]
+            assert sizes and all(len(s) == 2 and min(s) > 0 for s in sizes)
+        except (ValueError, AssertionError):
+            raise SystemExit(f"bench/compress: --calib-sizes {a.calib_sizes!r}: give NxL pairs, e.g. 8x32,32x64") from None
     methods = METHODS
     if a.methods:
         wanted = [w.strip() for w in a.methods.split(",") if w.strip()]
@@ -388,13 +413,13 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         for name in pairs:
             log(f"building/loading pair {name}")
-            results += bench_pair(get_pair(name, log=log), a.quick, work, llmc, methods, a.v1_tree)
+            results += bench_pair(get_pair(name, log=log), a.quick, work, llmc, methods, a.v1_tree, sizes)
     log("summary (ratio vs the fine-tune's stored dtype; recovery = acc / fine-tune acc; Δppl vs fine-tune)\n"
         + _table(results))
     plots = pareto_plot(results, a.out) if a.out else []
     doc = {"bench": "compress", "machine": machine(),
            "config": {"quick": a.quick, "pairs": pairs, "methods": [m for m, _, _ in methods],
-                      "nsamples_seqlen": [32, 64] if a.quick else [128, 128],
+                      "nsamples_seqlen": [list(s) for s in sizes] if sizes else [32, 64] if a.quick else [128, 128],
                       "llmcompressor_python": str(llmc[0]) if llmc[0] else None},
            "results": results, "plots": plots}
     print(json.dumps(doc, indent=1))
