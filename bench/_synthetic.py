@@ -320,6 +320,7 @@ def write_pair(d: Path, shape: str, layers: int, device: str | torch.device, cal
             "seconds": round(time.perf_counter() - t0, 2), "device": str(device)}
     (d / _DONE).write_text(json.dumps(info))
     log(f"synthetic {shape} pair, {layers} layers: made on {device} and written in {info['seconds']:.1f} s")
+    free_device_cache()
     return info
 
 
@@ -363,5 +364,13 @@ def serving_set(root: Path, shape: str, layers: int, count: int, device: str | t
     variants = write_variants(d / "arts", base, shape, layers, count, device, log=log)
     names = [f"v{i:02d}" for i in range(count)]
     swap = write_swap_checkpoint(d / "swap", base, shape, layers, names, device, log=log)
+    free_device_cache()  # the servers, in their own processes, get the memory the drawing used
     return {"base": base["path"], "arts": str(d / "arts"), "swap": str(swap), "base_info": base,
             "variants_info": variants}
+
+
+def free_device_cache() -> None:
+    """Hand the CUDA caching allocator's free blocks back, so that other processes (a server, the CLI)
+    can use the device memory this process drew models with."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -9,8 +9,10 @@
 #
 # Steps, in order, each under its own time limit (seconds; the whole call stays within TOTAL_LIMIT, 480:
 # a step gets what is left when that is less, and a step left with under 15 s is skipped and named):
-#   serve     150  bench/serve.py, 32 distinct variants of the synthetic 7B-shaped Llama, zipf-1.5, delta vs swap
-#   compress   95  bench/compress_memory.py: `deltazip compress --device cuda` at the default settings, 8 layers
+#   serve     150  bench/serve.py, 32 distinct variants of the synthetic 7B-shaped Llama (8 layers), zipf-1.5,
+#                  delta vs swap
+#   compress   95  bench/compress_memory.py: `deltazip compress --device cuda` at the default settings, 4 layers
+#                  (COMPRESS_LAYERS; STEPS=compress COMPRESS_LAYERS=8 COMPRESS_LIMIT=300 as a second call)
 #   step       65  bench/step.py: the decode step at batch 32 (base, generate, 1/8/32 variants, floors)
 #   gdeflate   20  bench/gdeflate_decode.py: nvCOMP GPU decode against the CPU library, one 7B-shaped variant
 #   tests      80  the gpu-marked tests and the CUDA kernel parity tests, at once, in parallel processes
@@ -110,7 +112,7 @@ if [ -n "$DRY" ]; then  # toy sizes on CPU: every step's plumbing, in about a mi
   TABLE_ARGS="--quick"
 else
   SERVE_ARGS="--layers ${SERVE_LAYERS:-8} --variants 32 --duration ${SERVE_DURATION:-10} --rate ${SERVE_RATE:-20} --drain 20"
-  COMPRESS_ARGS="--shape 7b --layers ${COMPRESS_LAYERS:-8} --defaults --device cuda --extrapolate 32"
+  COMPRESS_ARGS="--shape 7b --layers ${COMPRESS_LAYERS:-4} --defaults --device cuda --extrapolate 32"
   STEP_ARGS="--repeats 5"
   GDEFLATE_ARGS="--layers 8"
   TEST_PATHS="tests"
