@@ -88,6 +88,18 @@ def _triton_version() -> str | None:
     return triton.__version__
 
 
+def tree_shim(tree: Path, where: Path) -> Path:
+    """A directory that makes ``deltazip.*`` import from the checkout ``tree`` (a git worktree of another
+    commit, or ``git archive`` of one) when put first on PYTHONPATH: a bench runs two versions side by side."""
+    pkg = where / "deltazip"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for sub in ("deltacli", "demo", "runtime", "compress", "models", "formats", "kernels"):
+        link = pkg / sub
+        if (Path(tree) / sub).is_dir() and not link.exists():
+            link.symlink_to(Path(tree).resolve() / sub)
+    return where
+
+
 def _key(recipe: dict) -> str:
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
 

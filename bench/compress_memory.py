@@ -2,7 +2,7 @@
 
     python bench/compress_memory.py [--quick] [--out DIR] [--shape 2b|7b|toy] [--layers 4 16]
         [--nsamples 16] [--seqlen 128] [--defaults] [--device auto|cpu|cuda] [--env NAME=VAR=VALUE,...]
-        [--extrapolate 32]
+        [--tree NAME=DIR] [--extrapolate 32]
 
 The pair (bench/_synthetic.py ``write_pair``): a Llama of the given shape made from a seed (on the GPU
 when there is one) and a fine-tune of it, every linear moved by a low-rank-plus-noise delta, written to
@@ -12,7 +12,8 @@ every 20 ms for its peak anonymous memory (``RssAnon``: what the process itself 
 checkpoints' file pages it maps) and reads the peak RSS, the peak GPU memory and the seconds from the
 CLI's own ``stats``. ``--defaults`` leaves ``--nsamples``/``--seqlen`` at the CLI's defaults (256 x 2048,
 what a user runs). ``--env`` adds candidates run side by side at every depth: the same compression with
-environment variables set (e.g. ``--env glibc-mmap=MALLOC_MMAP_THRESHOLD_=65536``).
+environment variables set (e.g. ``--env glibc-mmap=MALLOC_MMAP_THRESHOLD_=65536``); ``--tree`` adds one
+run by another checkout of deltazip (``git archive main | tar -x -C DIR``), e.g. the code before a change.
 
 Each row: ``layers``, ``candidate``, ``wall_s``, ``peak_rss_anon_mib``, ``peak_rss_mib``, ``peak_cuda_mib``,
 ``artifact_bytes``. ``flat`` compares the deepest run with the shallowest per candidate: its peak
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import CACHE, emit, machine  # noqa: E402
+from _pairs import CACHE, emit, machine, tree_shim  # noqa: E402
 from _synthetic import write_pair  # noqa: E402
 
 FLAT = 1.10
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--defaults", action="store_true", help="the CLI's own --nsamples/--seqlen (256 x 2048)")
     ap.add_argument("--device", default="auto", help="deltazip compress --device")
     ap.add_argument("--env", default="", help="extra candidates: NAME=VAR=VALUE[;VAR=VALUE],... (comma between)")
+    ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                    help="a candidate run by the deltazip checkout DIR (repeatable)")
     ap.add_argument("--extrapolate", type=int, default=None, help="scale the deepest run's time to this many layers")
     ap.add_argument("--keep-pairs", action="store_true", help="keep the written pairs (default: removed after use)")
     a = ap.parse_args()
@@ -135,6 +138,11 @@ def main() -> None:
     for spec in filter(None, a.env.split(",")):
         name, _, assigns = spec.partition("=")
         cands[name] = dict(x.split("=", 1) for x in assigns.split(";") if x)
+    shims = Path(tempfile.mkdtemp(prefix="deltazip-bench-trees-"))
+    for spec in a.tree:
+        name, _, tree = spec.partition("=")
+        shim = tree_shim(Path(tree), shims / name)
+        cands[name] = {"PYTHONPATH": os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))}
     gen_device = "cuda" if torch.cuda.is_available() and a.device != "cpu" else "cpu"
     calib_tokens = int(1.2 * (256 * 2048 if a.defaults else a.nsamples * a.seqlen)) + 4096
     results: list[dict] = []
