@@ -183,25 +183,33 @@ class Server:
     """`deltazip serve` in a subprocess (its own process group, ended by pid at exit)."""
 
     def __init__(self, arts: Path, base: str, mode: str, args: argparse.Namespace, logdir: Path, slots: int):
+        self.cmd = [sys.executable, "-m", "deltazip.deltacli.app", "serve", str(arts), "--base", base, "--mode", mode,
+                    "--max-deltas", str(slots), "--max-cpu-deltas", str(args.max_cpu_deltas), "--max-num-seqs",
+                    str(args.max_num_seqs), "--max-queue", "100000"]
+        if args.cpu_threads:
+            self.cmd += ["--cpu-threads", str(args.cpu_threads)]
+        self.log_path = logdir / f"server-{mode}.log"
+        self.env = dict(os.environ, DELTAZIP_LOG_LEVEL=args.server_log_level)
+        self._start()
+
+    def _start(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "deltazip.deltacli.app", "serve", str(arts), "--base", base, "--port",
-               str(self.port), "--mode", mode, "--max-deltas", str(slots), "--max-cpu-deltas",
-               str(args.max_cpu_deltas), "--max-num-seqs", str(args.max_num_seqs), "--max-queue", "100000"]
-        if args.cpu_threads:
-            cmd += ["--cpu-threads", str(args.cpu_threads)]
-        self.log_path = logdir / f"server-{mode}.log"
-        env = dict(os.environ, DELTAZIP_LOG_LEVEL=args.server_log_level)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "w"), env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen([*self.cmd, "--port", str(self.port)], stdout=subprocess.DEVNULL,
+                                     stderr=open(self.log_path, "w"), env=self.env, start_new_session=True)
 
     def wait_ready(self, timeout: float = 600) -> None:
         import httpx
 
-        t0 = time.time()
+        t0, tries = time.time(), 1
         while time.time() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise SystemExit(f"server exited: {self.log_path.read_text()[-2000:]}")
+                text = self.log_path.read_text()
+                if "already in use" in text and tries < 3:  # another process took the free port first
+                    tries += 1
+                    self._start()
+                    continue
+                raise SystemExit(f"server exited: {text[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return

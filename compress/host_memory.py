@@ -6,9 +6,9 @@ sizes interleaving, the holes add up, and the resident memory of a 2048/5632 syn
 compression grew by 0.16 GB per layer (anonymous memory 2.8 GiB at 4 layers, 4.7 at 16).
 ``malloc_trim(0)`` after each layer returns every free page of every arena (the holes too, by
 madvise), so the peak stays that of one layer. A low mmap threshold (every buffer its own mapping,
-``MALLOC_MMAP_THRESHOLD_=65536``) was as flat but made the OBS solve of a 5632x2048 matrix 1.9x
-slower on 2 cores (every temporary then costs a mapping and its page faults); the trim runs once per
-layer and costs milliseconds.
+``MALLOC_MMAP_THRESHOLD_=65536``) was as flat but made the OBS solve of a 5632x2048 matrix 1.6-1.9x
+slower on 2 cores (33 s against 58 s, two runs each; every temporary then costs a mapping and its page
+faults); the trim runs once per layer and costs milliseconds.
 """
 
 from __future__ import annotations

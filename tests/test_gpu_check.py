@@ -27,13 +27,14 @@ def test_the_dry_run_runs_every_step_and_keeps_at_most_8_files(tmp_path):
                          text=True, timeout=600)
     assert got.returncode == 0, got.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["commands.sh", "compress_memory.json", "gdeflate_decode.json", "gpu_check.log", "serve.json",
-                     "step.json", "summary.md"], files  # sbmm_table.json needs a GPU: 8 files there
     summary = (out / "summary.md").read_text()
+    log = (out / "gpu_check.log").read_text()
+    assert files == ["commands.sh", "compress_memory.json", "gdeflate_decode.json", "gpu_check.log", "serve.json",
+                     "step.json", "summary.md"], (files, summary, log[:6000])  # sbmm_table.json needs a GPU
     steps = [ln for ln in summary.splitlines() if ln.startswith("- ") and " in " in ln]
     assert [ln.split(":")[0] for ln in steps] == [
         "- serving bench (zipf-1.5, delta vs swap)", "- compression", "- decode step", "- GDeflate decode, GPU vs CPU",
-        "- gpu-marked tests and kernel parity", "- delta matmul table (--quick)"], summary
+        "- gpu-marked tests and CUDA kernel parity", "- delta matmul table (--quick)"], summary
     assert all(": exit 0 " in ln for ln in steps[:5]), summary
     assert "needs a CUDA GPU" in steps[5]
     assert sum(ln.startswith("timeout ") for ln in (out / "commands.sh").read_text().splitlines()) == 6
