@@ -126,6 +126,9 @@ if want serve || want serve-all; then  # server logs (start-up, warm-up, capacit
     $PY bench/serve.py --pair synthetic-7b --quick --dists $dists $SERVE_ARGS --server-log-level info \
     --out "$SCRATCH/serve"
   [ -f "$SCRATCH/serve/serve.json" ] && cp "$SCRATCH/serve/serve.json" "$OUT/serve.json"
+  for f in "$SCRATCH"/serve/server-*.pgid; do  # a bench killed at its limit leaves no server holding the GPU
+    [ -f "$f" ] && kill -KILL -- "-$(cat "$f")" 2>/dev/null
+  done
   for f in "$SCRATCH"/serve/server-*.log; do
     [ -f "$f" ] && { echo "--- $(basename "$f") (start-up lines and errors)"; \
       grep -E "warm-up|capacity|tuned|ready|Error|Traceback" "$f" | head -40; } >>"$LOG"

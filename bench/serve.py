@@ -197,6 +197,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([*self.cmd, "--port", str(self.port)], stdout=subprocess.DEVNULL,
                                      stderr=open(self.log_path, "w"), env=self.env, start_new_session=True)
+        # its process group, for a caller that must end it when this bench is killed (bench/gpu_check.sh)
+        self.log_path.with_suffix(".pgid").write_text(str(self.proc.pid))
 
     def wait_ready(self, timeout: float = 600) -> None:
         import httpx
