@@ -23,6 +23,10 @@ def _p(r: dict, key: str) -> str:
     return f"{v.get('p50')} / {v.get('p99')}"
 
 
+def _gb(n) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}"
+
+
 def serve_rows(d: dict) -> list[str]:
     c = d["config"]
     out = [f"## Serving: {c['variants']} variants, {c.get('layers', '-')} layers of {c.get('shape', c['pair'])} "
@@ -39,9 +43,17 @@ def serve_rows(d: dict) -> list[str]:
             out.append(f"| delta / swap | {c.get('layers', '-')} | {r['dist']} | | "
                        f"{r['throughput_delta_over_swap']}x | {r.get('tokens_per_s_delta_over_swap')}x | "
                        f"swap/delta p99 {r.get('ttft_p99_swap_over_delta')} | | |")
-    out += ["", f"Swap: {c.get('swap_weights')}. Slots: {c['memory'].get('delta_slots')} delta, "
-                f"{c['memory'].get('swap_slots')} swap (equal device memory); KV cache grows on demand in both, "
-                f"max {c['max_num_seqs']} sequences."]
+    mem = c["memory"]
+    out += ["", f"Swap: {c.get('swap_weights')}. Slots: {mem.get('delta_slots')} delta, {mem.get('swap_slots')} swap "
+                f"(equal device memory); KV cache grows on demand in both, max {c['max_num_seqs']} sequences. "
+                f"Ready after {mem.get('delta_ready_s')} s (delta) and {mem.get('swap_ready_s')} s (swap); host tiers "
+                f"warm {mem.get('delta_host_tier_warm_s')} s / {mem.get('swap_host_tier_warm_s')} s later; tensors "
+                f"held (host and device, each once): {_gb(mem.get('delta_held_bytes'))} / "
+                f"{_gb(mem.get('swap_held_bytes'))} GB."]
+    if c.get("variants_written"):
+        w = c["variants_written"]
+        out.append(f"Variants written as artifacts: {w['bytes'] / 1e9:.2f} GB in {w['seconds']} s "
+                   f"({w['threads']} writer threads); layers limited by {c.get('layer_limits')}.")
     return out
 
 

@@ -522,6 +522,8 @@ def main() -> None:
                     if a.out:  # the rows so far: a run stopped at a time limit still leaves them
                         (a.out / "serve.json").write_text(json.dumps(document(False), indent=1))
                 memory[f"{mode}_device_weight_bytes"] = scrape(srv.url, "deltazip_device_weight_bytes")
+                # host and device tensors the server holds, each once: swap's names share one copy
+                memory[f"{mode}_held_bytes"] = scrape(srv.url, "deltazip_dedup_held_bytes")
             finally:
                 srv.stop()
         for dist in dists:
