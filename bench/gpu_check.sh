@@ -16,7 +16,8 @@
 #   step       65  bench/step.py: the decode step at batch 32 (base, generate, 1/8/32 variants, floors)
 #   gdeflate   20  bench/gdeflate_decode.py: nvCOMP GPU decode against the CPU library, one 7B-shaped variant
 #   tests      80  the gpu-marked tests and the CUDA kernel parity tests, at once, in parallel processes
-#   table      40  bench/sbmm_table.py --quick: the delta matmul table at 4096x4096
+#   table      40  bench/sbmm_table.py --quick: the delta matmul table at 4096x4096 (the CUDA kernel, with the
+#                  Triton kernels where this checkout still has them)
 # (450 s of limits after a set-up of about 25 s.)
 # Every bench writes its finished rows at once, so a step stopped at its limit keeps what it measured.
 #
@@ -116,7 +117,7 @@ else
   STEP_ARGS="--repeats 5"
   GDEFLATE_ARGS="--layers 8"
   TEST_PATHS="tests"
-  TABLE_ARGS="--quick --no-triton"
+  TABLE_ARGS="--quick"
 fi
 
 if want serve || want serve-all; then  # server logs (start-up, warm-up, capacity lines) go to the log
@@ -157,7 +158,7 @@ if want tests; then  # the gpu-marked tests and the kernel parity tests at once,
 fi
 if want table || want table-full; then
   args=$TABLE_ARGS
-  want table-full && args="--no-triton"
+  want table-full && args=""
   run "delta matmul table ($args)" ${TABLE_LIMIT:-40} $PY bench/sbmm_table.py $args --out "$SCRATCH/table"
   [ -f "$SCRATCH/table/sbmm_table.json" ] && cp "$SCRATCH/table/sbmm_table.json" "$OUT/sbmm_table.json"
 fi

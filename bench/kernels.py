@@ -70,12 +70,26 @@ def nvml_peak_bandwidth(index: int) -> float | None:
         return None
 
 
+def measured_copy_bandwidth(torch) -> float:
+    """Device-to-device copy of 1 GiB: (read + write bytes) / median time, GB/s."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * (1 << 30) / statistics.median(times[2:]) / 1e9
+
+
 def machine_info(torch, triton) -> dict:
     props = torch.cuda.get_device_properties(0)
     spec = nvml_peak_bandwidth(torch.cuda.current_device())
-    from sbmm_table import copy_bandwidth  # bench/ is on sys.path: the script's own folder
-
-    copy = copy_bandwidth() / 1e9
+    copy = measured_copy_bandwidth(torch)
     return {
         "platform": platform.platform(), "python": platform.python_version(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
