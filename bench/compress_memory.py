@@ -2,7 +2,7 @@
 
     python bench/compress_memory.py [--quick] [--out DIR] [--shape 2b|7b|toy] [--layers 4 16]
         [--nsamples 16] [--seqlen 128] [--defaults] [--device auto|cpu|cuda] [--env NAME=VAR=VALUE,...]
-        [--tree NAME=DIR] [--extrapolate 32]
+        [--tree NAME=DIR] [--repeats N] [--extrapolate 32]
 
 The pair (bench/_synthetic.py ``write_pair``): a Llama of the given shape made from a seed (on the GPU
 when there is one) and a fine-tune of it, every linear moved by a low-rank-plus-noise delta, written to
@@ -15,8 +15,10 @@ what a user runs). ``--env`` adds candidates run side by side at every depth: th
 environment variables set (e.g. ``--env glibc-mmap=MALLOC_MMAP_THRESHOLD_=65536``); ``--tree`` adds one
 run by another checkout of deltazip (``git archive main | tar -x -C DIR``), e.g. the code before a change.
 
-Each row: ``layers``, ``candidate``, ``wall_s``, ``peak_rss_anon_mib``, ``peak_rss_mib``, ``peak_cuda_mib``,
-``artifact_bytes``. ``flat`` compares the deepest run with the shallowest per candidate: its peak
+Each row: ``layers``, ``candidate``, ``repeat``, ``wall_s``, ``peak_rss_anon_mib``, ``peak_rss_mib``,
+``peak_cuda_mib``, ``artifact_bytes``. ``--repeats N`` runs every candidate N times per depth, in turns
+whose order alternates (A B, B A, ...: a machine whose load drifts favours none), and ``medians`` gives
+each candidate's median wall time and peak per depth. ``flat`` compares the deepest run with the shallowest per candidate: its peak
 anonymous memory over the shallow one's plus the extra artifact bytes (at most 1.10 is "flat in
 depth"). ``--extrapolate N`` adds, for the deepest run, its time scaled per layer to N layers
 (labelled ``extrapolated``). ``--quick``: the toy shape, depths 2 and 4.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,6 +100,18 @@ def compress_once(pair: dict, out: Path, args: argparse.Namespace, env_extra: di
             "artifact_bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
 
 
+def medians(results: list[dict]) -> list[dict]:
+    """Per candidate and depth: the median wall time and peak anonymous memory over its repeats."""
+    out = []
+    keys = dict.fromkeys((r["candidate"], r["layers"]) for r in results if "extrapolated" not in r)
+    for cand, layers in keys:
+        rows = [r for r in results if r["candidate"] == cand and r["layers"] == layers and "extrapolated" not in r]
+        out.append({"candidate": cand, "layers": layers, "runs": len(rows),
+                    "wall_s": round(statistics.median(r["wall_s"] for r in rows), 2),
+                    "peak_rss_anon_mib": round(statistics.median(r["peak_rss_anon_mib"] for r in rows), 1)})
+    return out
+
+
 def flatness(results: list[dict]) -> list[dict]:
     """Per candidate: the deepest run's peak anonymous memory over the shallowest's plus the extra
     artifact bytes, and the two times."""
@@ -129,6 +144,7 @@ def main() -> None:
     ap.add_argument("--env", default="", help="extra candidates: NAME=VAR=VALUE[;VAR=VALUE],... (comma between)")
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                     help="a candidate run by the deltazip checkout DIR (repeatable)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per candidate and depth, in alternating order")
     ap.add_argument("--extrapolate", type=int, default=None, help="scale the deepest run's time to this many layers")
     ap.add_argument("--keep-pairs", action="store_true", help="keep the written pairs (default: removed after use)")
     a = ap.parse_args()
@@ -153,16 +169,18 @@ def main() -> None:
                 "config": {"shape": a.shape, "layers": a.layers, "bits": 4, "sparsity": "2:4", "method": "deltazip",
                            "calibration": "CLI defaults" if a.defaults else f"{a.nsamples} x {a.seqlen}",
                            "device": a.device, "pair_made_on": gen_device, "candidates": cands},
-                "results": results, "flat": flatness(results)}
+                "results": results, "flat": flatness(results), "medians": medians(results)}
 
     with tempfile.TemporaryDirectory(prefix="deltazip-bench-compress-memory-") as tmp:
         for layers in sorted(a.layers):
             pair_dir = CACHE / "synthetic" / f"pair-{a.shape}-l{layers}"
             pair = write_pair(pair_dir, a.shape, layers, gen_device, calib_tokens, log=log)
-            for cand, env in cands.items():
-                log(f"compressing {layers} layers ({cand})")
-                row = {"shape": a.shape, "layers": layers, "candidate": cand, "pair_written_s": pair["seconds"],
-                       **compress_once(pair, Path(tmp) / f"art-{layers}-{cand}", a, env)}
+            turns = [list(cands) if rep % 2 == 0 else list(cands)[::-1] for rep in range(a.repeats)]
+            for rep, cand in ((rep, cand) for rep, order in enumerate(turns) for cand in order):
+                log(f"compressing {layers} layers ({cand}, run {rep + 1} of {a.repeats})")
+                row = {"shape": a.shape, "layers": layers, "candidate": cand, "repeat": rep,
+                       "pair_written_s": pair["seconds"],
+                       **compress_once(pair, Path(tmp) / f"art-{layers}-{cand}", a, cands[cand])}
                 results.append(row)
                 log(json.dumps(row))
                 if a.out:  # the rows so far: a run stopped at a time limit keeps them

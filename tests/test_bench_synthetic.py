@@ -179,3 +179,8 @@ def test_the_memory_poll_sees_a_child_allocation():
             {"candidate": "a", "layers": 32, "extrapolated": "x", "wall_s": 6.0}]
     (f,) = compress_memory.flatness(rows)
     assert f["deep_over_shallow_plus_artifact"] == round(125 / 120, 3) and f["flat"]
+    rows += [{"candidate": "a", "layers": 4, "peak_rss_anon_mib": 90.0, "artifact_bytes": 0, "wall_s": 5.0},
+             {"candidate": "a", "layers": 4, "peak_rss_anon_mib": 95.0, "artifact_bytes": 0, "wall_s": 2.0}]
+    by = {(m["candidate"], m["layers"]): m for m in compress_memory.medians(rows)}
+    assert by[("a", 4)] == {"candidate": "a", "layers": 4, "runs": 3, "wall_s": 2.0, "peak_rss_anon_mib": 95.0}
+    assert ("a", 32) not in by  # the extrapolated row is not a run
