@@ -1,14 +1,16 @@
 """Host memory of a compression, flat in depth: the pages glibc keeps after a layer go back to the system.
 
 Every layer allocates and frees the same large buffers (weights in fp32, Hessians, the solver's
-blocks, packed parts) between many small ones. glibc keeps freed chunks in its heaps for reuse; with
-sizes interleaving, the holes add up, and the resident memory of a 2048/5632 synthetic Llama's
-compression grew by 0.16 GB per layer (anonymous memory 2.8 GiB at 4 layers, 4.7 at 16).
-``malloc_trim(0)`` after each layer returns every free page of every arena (the holes too, by
-madvise), so the peak stays that of one layer. A low mmap threshold (every buffer its own mapping,
-``MALLOC_MMAP_THRESHOLD_=65536``) was as flat but made the OBS solve of a 5632x2048 matrix 1.6-1.9x
-slower on 2 cores (33 s against 58 s, two runs each; every temporary then costs a mapping and its page
-faults); the trim runs once per layer and costs milliseconds.
+blocks, the layer's activations) between many small ones. glibc keeps freed chunks in its heap for
+reuse, and with the sizes interleaving the holes add up: the anonymous memory of a 2048/5632 synthetic
+Llama's compression (4-bit 2:4, 16 x 128 calibration tokens) peaked at 2.8 GiB at 4 layers and 4.4 GiB
+at 16. ``malloc_trim(0)`` after each layer returns every free page of every arena (the holes too, by
+madvise): 0.7 GiB per layer there, in 35 ms; the 16-layer peak is then 3.0 GiB, 1% above the 4-layer
+one plus the artifact's extra bytes. The next layer faults those pages back in: at 4 layers, the
+medians of 4 alternating runs on 2 CPU cores were 79.6 s against 79.8 s without the trim in one
+measurement and 80.5 s against 77.6 s in another (bench/compress_memory.py --repeats 4 --tree). The alternatives cost more: a low mmap threshold (``MALLOC_MMAP_THRESHOLD_=65536``, every
+buffer its own mapping) made one 5632x2048 OBS solve 1.26x slower; the writer's parts held outside the
+heap, or one malloc arena, left the growth as it was.
 """
 
 from __future__ import annotations
