@@ -1,8 +1,8 @@
 """``bash bench/gpu_check.sh --dry-run``: every step of the GPU window's one command, on CPU at toy size.
 
-Marked slow: the two servers, a compression, the step bench and two pytest runs take about 50 s of CPU
-(a minute and a half on an idle 2-core machine, three minutes when the machine is shared); it is the
-only check that the window's script runs end to end before the window.
+Marked slow: the two servers, a compression, the step bench and two pytest runs take about 45 s of CPU
+(46 s on an idle 2-core machine, up to three minutes when the machine is shared); it is the only check
+that the window's script runs end to end before the window.
 """
 
 from __future__ import annotations
