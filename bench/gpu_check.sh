@@ -114,7 +114,7 @@ if [ -n "$DRY" ]; then  # toy sizes on CPU: every step's plumbing, in about a mi
 else
   SERVE_ARGS="--layers ${SERVE_LAYERS:-8} --variants 32 --duration ${SERVE_DURATION:-10} --rate ${SERVE_RATE:-20} --drain 20"
   COMPRESS_ARGS="--shape 7b --layers ${COMPRESS_LAYERS:-4} --defaults --device cuda --extrapolate 32"
-  STEP_ARGS="--repeats 5"
+  STEP_ARGS="--layers ${STEP_LAYERS:-32} --repeats 5"
   GDEFLATE_ARGS="--layers 8"
   TEST_PATHS="tests"
   TABLE_ARGS="--quick"
