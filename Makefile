@@ -10,7 +10,10 @@ TORCH ?= torch==2.13.0
 # `CONSTRAINTS=` installs without it (e.g. next to a CUDA torch that needs other pins).
 CONSTRAINTS ?= constraints.txt
 PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
-EXTRAS := dev,serve,eval,cluster
+# nvCOMP (GDeflate) for torch's CUDA major: cu12, or cu13 beside a CUDA 13 torch (`make install NVCOMP=cu13`);
+# on a CPU-only machine either gives the CPU library.
+NVCOMP ?= cu12
+EXTRAS := dev,serve,eval,cluster,$(NVCOMP)
 
 .PHONY: install demo test lint lock test-latest
 

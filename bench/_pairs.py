@@ -60,9 +60,44 @@ def emit(doc: dict, out: Path | None, filename: str) -> None:
 
 
 def machine() -> dict:
-    """What a bench ran on (its JSON's ``machine``)."""
-    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpus": os.cpu_count(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    """What a bench ran on (its JSON's ``machine``): on a GPU also its driver and the CUDA and Triton
+    versions, which every GPU figure names."""
+    out = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+           "cpus": os.cpu_count(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    if out["cuda"]:
+        out |= {"cuda_runtime": torch.version.cuda, "driver": _driver_version(), "triton": _triton_version()}
+    return out
+
+
+def _driver_version() -> str | None:
+    import subprocess
+
+    try:
+        got = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return got.stdout.strip().splitlines()[0] if got.returncode == 0 and got.stdout.strip() else None
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except Exception:  # noqa: BLE001 - any import failure means no usable Triton
+        return None
+    return triton.__version__
+
+
+def tree_shim(tree: Path, where: Path) -> Path:
+    """A directory that makes ``deltazip.*`` import from the checkout ``tree`` (a git worktree of another
+    commit, or ``git archive`` of one) when put first on PYTHONPATH: a bench runs two versions side by side."""
+    pkg = where / "deltazip"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for sub in ("deltacli", "demo", "runtime", "compress", "models", "formats", "kernels"):
+        link = pkg / sub
+        if (Path(tree) / sub).is_dir() and not link.exists():
+            link.symlink_to(Path(tree).resolve() / sub)
+    return where
 
 
 def _key(recipe: dict) -> str:
@@ -116,107 +151,6 @@ def synthetic_llama(name: str, seeds: list[int], log=print) -> tuple[Path, Path]
         tok.save_pretrained(d / f"ft{i}")
         compress_delta(base, d / f"ft{i}", calib, arts / f"v{i}", cfg, overwrite=True)
     (d / "done").write_text("ok")
-    return arts, base
-
-
-SHAPES_7B = {"7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
-                        vocab_size=32000),
-             "small": dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=8,
-                           vocab_size=512)}
-
-
-def hard_link_names(src: Path, arts: Path, names: int, distinct: int) -> None:
-    """``arts/vNN`` for ``NN < names``: hard links to ``src/v{NN % distinct}`` (one copy of the bytes on disk)."""
-    for i in range(names):
-        dst, done = arts / f"v{i:02d}", arts / f".v{i:02d}.linked"  # hidden: not a variant to the server
-        if done.is_file():
-            continue
-        one = src / f"v{i % distinct}"
-        for f in one.rglob("*"):
-            target = dst / f.relative_to(one)
-            if f.is_dir():
-                target.mkdir(parents=True, exist_ok=True)
-            else:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                if not target.exists():
-                    os.link(f, target)
-        done.write_text("ok")
-
-
-def synthetic_7b_merged(layers: int = 4, distinct: int = 1, names: int = 32, shape: str = "7b",
-                        log=print) -> Path:
-    """The variants of :func:`synthetic_7b` as whole merged checkpoints (``deltazip merge`` of each
-    distinct one, hard-linked under the same names): what a swap deployment stores and loads, so the
-    swap baseline reads a model instead of rebuilding one from its delta at every load. Returns the
-    directory of the named checkpoints."""
-    from deltazip.compress.merge import merge_to_dir
-    from deltazip.formats.artifact import Artifact
-    from deltazip.models.checkpoint import Checkpoint
-
-    arts, base = synthetic_7b(layers, distinct, names, shape, log)
-    d = arts.parent
-    merged = d / "merged"
-    for i in range(distinct):
-        out = merged / "distinct" / f"v{i}"
-        if not (out / "config.json").is_file():
-            t0 = time.time()
-            merge_to_dir(Artifact(d / "distinct" / f"v{i}"), Checkpoint(base), out, overwrite=True)
-            log(f"synthetic variant {i} merged into a whole checkpoint ({time.time() - t0:.0f}s)")
-    hard_link_names(merged / "distinct", merged / "named", names, distinct)
-    return merged / "named"
-
-
-def synthetic_7b(layers: int = 4, distinct: int = 1, names: int = 32, shape: str = "7b", log=print) -> tuple[Path, Path]:
-    """A Llama with Llama-2-7B layer shapes (hidden 4096, MLP 11008, 32 heads, vocab 32000; ``shape``
-    "small" for a CPU check) and random weights, ``layers`` layers, bf16 on disk, plus ``distinct``
-    RTN 4-bit 2:4 variants (perturbed copies, compressed on the GPU when there is one), each hard-linked
-    under several names to reach ``names`` variants: a delta matmul's time does not depend on the values
-    it reads, and compressing 32 variants of a 1B-parameter model would not fit a GPU window (one took
-    95 s to build and compress on the H100 machine, 4 layers). Cached under ``CACHE``; returns
-    ``(artifacts dir, base dir)``."""
-    d = CACHE / f"synthetic-{shape}-l{layers}-d{distinct}-raw"
-    arts, base = d / "arts", d / "base"
-    if not (d / "done").is_file():
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from _factories import calib_file
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from deltazip.compress.config import CompressConfig
-        from deltazip.compress.pipeline import compress_delta
-        from deltazip.demo.pair import build_char_tokenizer
-        from deltazip.kernels.scheme import DeltaScheme
-
-        cfg = AutoConfig.for_model("llama", num_hidden_layers=layers, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                                   max_position_embeddings=4096, **SHAPES_7B[shape])
-        dev = "cuda" if torch.cuda.is_available() else "cpu"  # 1B parameters: initialise and perturb there
-        torch.manual_seed(0)
-        with torch.device(dev):
-            m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-        tok = build_char_tokenizer()
-        m.save_pretrained(base)
-        tok.save_pretrained(base)
-        original = {k: v.clone() for k, v in m.state_dict().items()}
-        calib = str(calib_file(d / "calib", n=8))
-        ccfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=128, sparsity="2:4"), method="rtn", nsamples=4,
-                              seqlen=16, device="auto")
-        t0 = time.time()
-        for i in range(distinct):
-            g = torch.Generator(dev).manual_seed(i + 1)
-            with torch.no_grad():  # a full fine-tune's delta: every weight moved by 5% of its std
-                for k, p in m.state_dict().items():
-                    o = original[k]
-                    if "norm" not in k:
-                        noise = torch.randn(o.shape, generator=g, device=dev, dtype=torch.float32)
-                        p.copy_((o.float() + 0.05 * o.float().std() * noise).to(p.dtype))
-            m.save_pretrained(d / "ft")
-            tok.save_pretrained(d / "ft")
-            # no lossless stage: serving decodes it at load, not per step, and at level 12 on the CPU codec it
-            # would cost a GPU window minutes for ~1 GB of parts
-            compress_delta(base, d / "ft", calib, d / "distinct" / f"v{i}", ccfg, overwrite=True, lossless="none")
-            log(f"synthetic variant {i} compressed ({time.time() - t0:.0f}s)")
-        del m, original
-        (d / "done").write_text("ok")
-    hard_link_names(d / "distinct", arts, names, distinct)  # distinct variants to the server, one copy on disk
     return arts, base
 
 

@@ -46,7 +46,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _pairs import CACHE, PAIR_NAMES, get_pair, machine, read_eval_rows, score_model  # noqa: E402
+from _pairs import CACHE, PAIR_NAMES, get_pair, machine, read_eval_rows, score_model, tree_shim  # noqa: E402
 
 LLMC_PYTHON = CACHE / "llmc-venv" / "bin" / "python"
 LLMC_SCRIPT = HERE / "_llmcompressor_run.py"
@@ -90,22 +90,10 @@ def _versus(q: dict, ft: dict) -> dict:
             "delta_answer_loss": float(f"{q['answer_loss'] - ft['answer_loss']:.4g}")}
 
 
-def v1_shim(tree: Path, where: Path) -> Path:
-    """A directory that makes ``deltazip.*`` import from the checkout ``tree`` (a git worktree of an older
-    commit, e.g. ``git worktree add /tmp/v1 e436d4c``) when put first on PYTHONPATH."""
-    pkg = where / "deltazip"
-    pkg.mkdir(parents=True, exist_ok=True)
-    for sub in ("compress", "formats", "kernels", "runtime", "deltacli"):
-        link = pkg / sub
-        if not link.exists():
-            link.symlink_to(Path(tree).resolve() / sub)
-    return where
-
-
 def run_cli(pair: dict, args: list[str], nsamples: int, seqlen: int, art: Path, pythonpath: Path | None = None
             ) -> dict:
     """`deltazip compress --json` in a fresh process; the merged model and the compressor's stats.
-    ``pythonpath``: run another checkout's deltazip (``v1_shim``); its artifact is read by this one."""
+    ``pythonpath``: run another checkout's deltazip (``tree_shim``); its artifact is read by this one."""
     from deltazip.compress.merge import load_merged_model
     from deltazip.formats.artifact import Artifact
     from deltazip.models.checkpoint import Checkpoint
@@ -238,7 +226,7 @@ def bench_pair(pair: dict, quick: bool, workdir: Path, llmc: tuple[Path | None, 
         elif runner == "v1":
             got = ({"skipped": "pass --v1-tree DIR (a checkout of the format-v1 code, e.g. `git worktree add DIR "
                                "e436d4c`)"} if v1 is None else
-                   run_cli(pair, args, nsamples, seqlen, art, pythonpath=v1_shim(v1, workdir / "v1-shim")))
+                   run_cli(pair, args, nsamples, seqlen, art, pythonpath=tree_shim(v1, workdir / "v1-shim")))
         else:
             got = run_llmcompressor(pair, args, nsamples, seqlen, art, *llmc)
         if "model" not in got:

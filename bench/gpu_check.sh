@@ -1,129 +1,191 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issues 22 and 23): on one H100/H200 with no network; the default steps take at most 6 minutes.
+# The prepared GPU check: every headline figure from one call of at most 8 minutes on one cold H100 or
+# H200 with no network (set-up included). docs/dev/gpu-runs/README.md says how a window runs it.
 #
-#   bash bench/gpu_check.sh            # writes $OUT (default /tmp/gpu_check): gpu_check.log, summary.md,
-#                                      # step.json, serve.json, sbmm_table.json, table.md, humming_moe.json,
-#                                      # humming_table.md (8 files)
+#   bash bench/gpu_check.sh              # the window's call
+#   bash bench/gpu_check.sh --dry-run    # the same steps on CPU at toy size (tests/test_gpu_check.py runs it)
+#   STEPS="serve-all table-full" bash bench/gpu_check.sh   # the optional second call: uniform and azure-like
+#                                        # serving, the full kernel table (STEPS="humming": humming's MoE GEMM)
 #
-# Works with whatever torch and Triton the machine has. Python packages the image lacks travel as
-# wheels in .whl/ (see docs/kernels.md, "GPU check"), installed with --no-deps beside the image's own. nvCOMP must match the CUDA major version: nvidia-nvcomp-cu13 under CUDA 13,
-# nvidia-nvcomp-cu12 under CUDA 12; a mismatch is named in one line and the nvCOMP tests skip.
+# Steps, in order, each under its own time limit (seconds; the whole call stays within TOTAL_LIMIT, 480:
+# a step gets what is left when that is less, and a step left with under 15 s is skipped and named):
+#   serve     150  bench/serve.py, 32 distinct variants of the synthetic 7B-shaped Llama (8 layers), zipf-1.5,
+#                  delta vs swap
+#   compress   95  bench/compress_memory.py: `deltazip compress --device cuda` at the default settings, 4 layers
+#                  (COMPRESS_LAYERS; STEPS=compress COMPRESS_LAYERS=8 COMPRESS_LIMIT=300 as a second call)
+#   step       65  bench/step.py: the decode step at batch 32 (base, generate, 1/8/32 variants, floors)
+#   gdeflate   20  bench/gdeflate_decode.py: nvCOMP GPU decode against the CPU library, one 7B-shaped variant
+#   tests      80  the gpu-marked tests and the CUDA kernel parity tests, at once, in parallel processes
+#   table      40  bench/sbmm_table.py --quick: the delta matmul table at 4096x4096 (the CUDA kernel, with the
+#                  Triton kernels where this checkout still has them)
+# (450 s of limits after a set-up of about 25 s.)
+# Every bench writes its finished rows at once, so a step stopped at its limit keeps what it measured.
+#
+# Writes under $OUT (default /tmp/gpu_check) the 8 files a window keeps in docs/dev/gpu-runs/<gpu>-<date>/:
+# gpu_check.log (everything printed), summary.md (versions, one line per step, the tables), commands.sh
+# (every command with its limit), serve.json, compress_memory.json, step.json, gdeflate_decode.json,
+# sbmm_table.json. Python packages the image lacks travel as wheels in .whl/ (bench/gpu_wheels.sh makes it)
+# and are installed with --no-deps where missing.
 set -u
 cd "$(dirname "$0")/.."
+DRY=
+[ "${1:-}" = "--dry-run" ] && DRY=1
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 SUM="$OUT/summary.md"
+CMDS="$OUT/commands.sh"
+SCRATCH=${SCRATCH:-$(mktemp -d /tmp/gpu_check_scratch.XXXXXX)}
 : >"$LOG"
 : >"$SUM"
-export PYTHONUNBUFFERED=1 DELTAZIP_CUDA_CACHE=/tmp/deltazip-cuda HF_HUB_OFFLINE=1
+printf '#!/usr/bin/env bash\n# The commands bench/gpu_check.sh%s ran, in order, each with its time limit.\n' \
+  "${DRY:+ --dry-run}" >"$CMDS"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export DELTAZIP_CUDA_CACHE=${DELTAZIP_CUDA_CACHE:-/tmp/deltazip-cuda}
+export DELTAZIP_BENCH_CACHE=${DELTAZIP_BENCH_CACHE:-$SCRATCH/cache}
 PY=${PY:-python3}
+TOTAL_LIMIT=${TOTAL_LIMIT:-480}
 t0=$(date +%s)
-step() { echo "=== [$(( $(date +%s) - t0 ))s] $*" | tee -a "$LOG"; }
+elapsed() { echo $(( $(date +%s) - t0 )); }
+stamp() { echo "=== [$(elapsed)s] $*" | tee -a "$LOG"; }
 note() { echo "$*" | tee -a "$SUM"; }
 
-step "setup"
-if compgen -G ".whl/*.whl" >/dev/null; then  # packages the image lacks (none of them is replaced)
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl >>"$LOG" 2>&1
-fi
-if compgen -G ".whl/humming/*.whl" >/dev/null; then  # humming-kernels and its needs, each only where missing
-  for w in .whl/humming/*.whl; do
+stamp "setup${DRY:+ (dry run: nothing installed)}"
+if [ -z "$DRY" ]; then
+  for w in .whl/*.whl; do  # packages the image lacks; none of the image's own is replaced
+    [ -f "$w" ] || continue
     dist=$(basename "$w" | cut -d- -f1 | tr _ -)
     $PY -m pip show -q "$dist" >/dev/null 2>&1 || \
       $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$w" >>"$LOG" 2>&1
   done
+  $PY -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || note "- pip install -e . failed"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 fi
-$PY -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || { echo "pip install -e . failed" | tee -a "$SUM"; }
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 versions=$($PY - <<'EOF'
-import torch, sys
+import subprocess, sys
+import torch
 try:
-    import triton; tv = triton.__version__
+    import triton
+    tv = triton.__version__
 except Exception:
     tv = "none"
-print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__} (CUDA {torch.version.cuda}), triton {tv}, "
-      f"python {sys.version.split()[0]}")
+if torch.cuda.is_available():
+    drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                         text=True).stdout.strip() or "?"
+    print(f"{torch.cuda.get_device_name(0)}, driver {drv}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+          f"triton {tv}, python {sys.version.split()[0]}")
+else:
+    print(f"CPU only (dry run), torch {torch.__version__}, triton {tv}, python {sys.version.split()[0]}")
 EOF
 )
-note "# GPU check: $versions"
-cuda_major=$($PY -c "import torch; print((torch.version.cuda or '0').split('.')[0])")
-if ! $PY -c "import nvidia.nvcomp" 2>/dev/null; then
-  note "- nvCOMP: not importable; install nvidia-nvcomp-cu${cuda_major} (the package must match CUDA ${cuda_major})"
-fi
+note "# GPU check${DRY:+ (dry run)}: $versions"
+nvcomp=$($PY -c "from deltazip.formats.gdeflate import gpu_problem; print(gpu_problem() or '')" 2>&1)
+[ -n "$nvcomp" ] && note "- nvCOMP GPU decoder: $nvcomp"
 
-run() {  # run NAME TIMEOUT CMD...: one line per step in the summary
+run() {  # run NAME LIMIT CMD...: the command under its limit, one summary line, the command in commands.sh
   local name=$1 limit=$2; shift 2
-  step "$name: $*"
+  local left=$(( TOTAL_LIMIT - $(elapsed) ))
+  if [ "$left" -lt 15 ]; then
+    note "- $name: skipped (${left}s left of the ${TOTAL_LIMIT}s budget)"
+    return 124
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  stamp "$name (limit ${limit}s): $*"
+  { printf 'timeout %s' "$limit"; printf ' %q' "$@"; echo; } >>"$CMDS"  # quoted: the file re-runs as it is
   local s=$(date +%s) from=$(( $(wc -l <"$LOG") + 1 ))
-  timeout "$limit" "$@" >>"$LOG" 2>&1
+  timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
   local rc=$?
   local tail_line  # this step's own last pytest-style line, if it printed one
-  tail_line=$(tail -n +"$from" "$LOG" | grep -E "[0-9]+ (passed|failed)|[0-9]+ errors?( |$)" | tail -1)
+  tail_line=$(tail -n +"$from" "$LOG" | grep -E "[0-9]+ (passed|failed|skipped)|[0-9]+ errors?( |$)|needs a CUDA GPU" \
+    | tail -1)
   note "- $name: exit $rc in $(( $(date +%s) - s ))s${tail_line:+ ($tail_line)}"
   return $rc
 }
 
-# STEPS picks what runs. The default is issue 22's check, at most 6 minutes with set-up at its limits
-# (tests 110 s, parity 100, table 120): the gpu-marked tests, the CUDA kernel's parity, the kernel table.
-# Issue 23's benches and the humming candidate are a second call: STEPS="step serve humming" (limits
-# step 300, serve 270, humming 90; step and serve alone fit a 10-minute call).
-STEPS=" ${STEPS:-tests parity table} "
-[ -n "${SKIP_STEP:-}" ] && STEPS=${STEPS/ step / }
-[ -n "${SKIP_HUMMING:-}" ] && STEPS=${STEPS/ humming / }
+STEPS=" ${STEPS:-serve compress step gdeflate tests table} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
-xdist=$($PY -c "import xdist" 2>/dev/null && echo yes)  # pytest-xdist travels in .whl/ (with execnet)
-# the gpu-marked tests run serially (servers, Ray, two-process tests); TESTS_XDIST="-n 8" spreads them
-want tests && run "gpu-marked tests" ${TESTS_LIMIT:-110} $PY -m pytest -q -p no:cacheprovider ${TESTS_XDIST:-} -m gpu \
-  --require-gpu tests --deselect tests/kernels/test_cuda_sbmm.py
-# parity in 4 processes where xdist is there: its offline compile screens and the GPU tests' first
-# launches compile about 150 kernel builds (cached on disk, shared by the processes)
-pxdist=${xdist:+-n 4}
-want parity && run "CUDA kernel parity" ${PARITY_LIMIT:-100} $PY -m pytest -q -x -p no:cacheprovider $pxdist \
-  tests/kernels/test_cuda_sbmm.py
-want table && run "delta matmul table" ${TABLE_LIMIT:-120} $PY bench/sbmm_table.py --out "$OUT" --table ${TABLE_ARGS:-}
-want step && run "decode step bench (synthetic 7B-shaped Llama)" ${STEP_LIMIT:-300} \
-  $PY bench/step.py --pair synthetic-7b --repeats 5 --out "$OUT"
-# serve: the delta server first, so a run stopped at its limit keeps the delta rows; the swap server loads
-# whole merged checkpoints (one merge, hard-linked under the 32 names); host tiers of 8 variants bound the
-# start-up reads.
-if want serve; then  # server logs (warm-up, capacity, tuning lines) to the log, serve.json to $OUT
-  SERVE_OUT=/tmp/gpu_check_serve; rm -rf "$SERVE_OUT"
-  run "serving bench (synthetic 7B-shaped Llama, 32 variants, delta vs swap)" ${SERVE_LIMIT:-270} \
-    $PY bench/serve.py --pair synthetic-7b --quick --duration ${SERVE_DURATION:-10} --variants 32 \
-    --max-deltas 8 --max-cpu-deltas 8 \
-    --server-log-level info --out "$SERVE_OUT"
-  [ -f "$SERVE_OUT/serve.json" ] && cp "$SERVE_OUT/serve.json" "$OUT/serve.json"
-  for f in "$SERVE_OUT"/server-*.log; do
-    [ -f "$f" ] && { echo "--- $(basename "$f") (start-up lines and errors)"; \
-      grep -E "warm-up|capacity|tuned|Error|Traceback" "$f" | head -40; } >>"$LOG"
-  done
+if [ -n "$DRY" ]; then  # toy sizes on CPU: every step's plumbing, in about a minute and a half
+  SERVE_ARGS="--shape toy --layers 2 --variants 4 --duration 3 --rate 4 --drain 20 --cpu-threads 1"
+  COMPRESS_ARGS="--shape toy --layers 2 --nsamples 4 --seqlen 32 --device cpu --extrapolate 32"
+  STEP_ARGS="--shape toy --layers 2 --rows 8 --variants 1 4 --repeats 3"
+  GDEFLATE_ARGS="--quick"
+  TEST_PATHS="tests/formats/test_gdeflate.py"
+  TABLE_ARGS="--quick"
+else
+  SERVE_ARGS="--layers ${SERVE_LAYERS:-8} --variants 32 --duration ${SERVE_DURATION:-10} --rate ${SERVE_RATE:-20} --drain 20"
+  COMPRESS_ARGS="--shape 7b --layers ${COMPRESS_LAYERS:-4} --defaults --device cuda --extrapolate 32"
+  STEP_ARGS="--layers ${STEP_LAYERS:-32} --repeats 5"
+  GDEFLATE_ARGS="--layers 8"
+  TEST_PATHS="tests"
+  TABLE_ARGS="--quick"
 fi
-if want humming; then
+
+if want serve || want serve-all; then  # server logs (start-up, warm-up, capacity lines) go to the log
+  dists=zipf-1.5
+  want serve-all && dists=uniform,zipf-1.5,azure-like
+  run "serving bench ($dists, delta vs swap)" ${SERVE_LIMIT:-150} \
+    $PY bench/serve.py --pair synthetic-7b --quick --dists $dists $SERVE_ARGS --server-log-level info \
+    --out "$SCRATCH/serve"
+  [ -f "$SCRATCH/serve/serve.json" ] && cp "$SCRATCH/serve/serve.json" "$OUT/serve.json"
+  for f in "$SCRATCH"/serve/server-*.pgid; do  # a bench killed at its limit leaves no server holding the GPU
+    [ -f "$f" ] && kill -KILL -- "-$(cat "$f")" 2>/dev/null
+  done
+  for f in "$SCRATCH"/serve/server-*.log; do
+    [ -f "$f" ] && { echo "--- $(basename "$f") (start-up lines and errors)"; \
+      grep -E "warm-up|capacity|tuned|ready|Error|Traceback" "$f" | head -40; } >>"$LOG"
+  done
+  rm -rf "$DELTAZIP_BENCH_CACHE/synthetic"/*/arts "$DELTAZIP_BENCH_CACHE/synthetic"/*/swap  # disk for the next steps
+fi
+want compress && run "compression" \
+  ${COMPRESS_LIMIT:-95} $PY bench/compress_memory.py $COMPRESS_ARGS --out "$OUT"
+want step && run "decode step" ${STEP_LIMIT:-65} \
+  $PY bench/step.py --pair synthetic-7b $STEP_ARGS --out "$OUT"
+want gdeflate && run "GDeflate decode, GPU vs CPU" ${GDEFLATE_LIMIT:-20} \
+  $PY bench/gdeflate_decode.py $GDEFLATE_ARGS --out "$OUT"
+if want tests; then  # the gpu-marked tests and the kernel parity tests at once, each in parallel processes
+  xdist=$([ -z "$DRY" ] && $PY -c "import xdist" 2>/dev/null && echo yes)
+  require=--require-gpu
+  [ -n "$DRY" ] && require=  # on CPU the gpu-marked tests skip: the dry run checks the step's plumbing
+  run "gpu-marked tests and CUDA kernel parity" ${TESTS_LIMIT:-80} bash -c "
+    $PY -m pytest -q -p no:cacheprovider ${xdist:+-n 8} -m gpu $require $TEST_PATHS \
+      --deselect tests/kernels/test_cuda_sbmm.py > '$SCRATCH/tests.log' 2>&1 & a=\$!
+    $PY -m pytest -q -x -p no:cacheprovider ${xdist:+-n 4} ${DRY:+-m gpu} tests/kernels/test_cuda_sbmm.py \
+      > '$SCRATCH/parity.log' 2>&1 & b=\$!
+    wait \$a; ra=\$?; wait \$b; rb=\$?
+    echo '--- gpu-marked tests'; cat '$SCRATCH/tests.log'; echo '--- CUDA kernel parity'; cat '$SCRATCH/parity.log'
+    echo \"gpu-marked tests: \$(tail -1 '$SCRATCH/tests.log'); kernel parity: \$(tail -1 '$SCRATCH/parity.log')\"
+    [ \$ra -eq 0 ] && [ \$rb -eq 0 ]"
+fi
+if want table || want table-full; then
+  args=$TABLE_ARGS
+  want table-full && args=""
+  run "delta matmul table ($args)" ${TABLE_LIMIT:-40} $PY bench/sbmm_table.py $args --out "$SCRATCH/table"
+  [ -f "$SCRATCH/table/sbmm_table.json" ] && cp "$SCRATCH/table/sbmm_table.json" "$OUT/sbmm_table.json"
+fi
+
+if want humming; then  # optional: humming-kernels and its needs travel in .whl/humming/
+  for w in .whl/humming/*.whl; do
+    [ -f "$w" ] && [ -z "$DRY" ] || continue
+    dist=$(basename "$w" | cut -d- -f1 | tr _ -)
+    $PY -m pip show -q "$dist" >/dev/null 2>&1 || \
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$w" >>"$LOG" 2>&1
+  done
   if $PY -c "import humming" 2>/dev/null; then
-    run "humming-kernels MoE GEMM candidate" ${HUMMING_LIMIT:-90} $PY bench/humming_moe.py --out "$OUT"
+    run "humming-kernels MoE GEMM candidate" ${HUMMING_LIMIT:-90} $PY bench/humming_moe.py --out "$SCRATCH/humming"
+    [ -f "$SCRATCH/humming/humming_moe.json" ] && cp "$SCRATCH/humming/humming_moe.json" "$OUT/"
+    [ -f "$SCRATCH/humming/humming_table.md" ] && { note ""; cat "$SCRATCH/humming/humming_table.md" >>"$SUM"; }
   else
     note "- humming-kernels MoE GEMM candidate: not run (humming does not import; carry .whl/humming/)"
   fi
 fi
-if [ -f "$OUT/step.json" ]; then
+for kind in serve compress_memory step gdeflate_decode; do
+  [ -f "$OUT/$kind.json" ] && { note ""; $PY bench/_summary_table.py "$kind" "$OUT/$kind.json" >>"$SUM"; }
+done
+if [ -f "$SCRATCH/table/table.md" ]; then
   note ""
-  note "## Decode step (bench/step.py --pair synthetic-7b)"
-  $PY bench/_summary_table.py step "$OUT/step.json" >>"$SUM"
+  note "## Delta matmul (graph replay, µs per launch; bench/sbmm_table.py $TABLE_ARGS)"
+  cat "$SCRATCH/table/table.md" >>"$SUM"
 fi
-if [ -f "$OUT/serve.json" ]; then
-  note ""
-  note "## Serving (bench/serve.py --pair synthetic-7b --quick)"
-  $PY bench/_summary_table.py serve "$OUT/serve.json" >>"$SUM"
-fi
-if [ -f "$OUT/table.md" ]; then
-  note ""
-  note "## Delta matmul (graph replay, µs per launch)"
-  cat "$OUT/table.md" >>"$SUM"
-fi
-if [ -f "$OUT/humming_table.md" ]; then
-  note ""
-  note "## humming-kernels MoE GEMM vs the dispatched CUDA path (graph replay, µs per launch)"
-  cat "$OUT/humming_table.md" >>"$SUM"
-fi
-step "done"
+stamp "done"
+[ -z "${KEEP_SCRATCH:-}" ] && rm -rf "$SCRATCH"
 cat "$SUM"

@@ -15,10 +15,19 @@ downloaded) — it generates one open-loop trace with Poisson arrivals at ``--ra
 the same machine: ``deltazip serve --mode delta`` and ``deltazip serve --mode swap`` (same host
 cache; the swap server gets as many whole-model slots as fit in the weight memory the delta server
 used, read from its ``deltazip_device_weight_bytes`` gauge — ``--swap-slots same-count`` gives it
-``--max-deltas`` instead). With ``--pair synthetic-7b`` the swap server loads whole merged checkpoints
-(``--swap-from merged``, what a swap deployment stores) rather than rebuilding each model from its
-artifact on the host at every load, which costs seconds at that size. The client streams every request (SSE) and records time to first token
-(TTFT) and end-to-end latency (E2E).
+``--max-deltas`` instead; the KV cache of both grows on demand under the same ``--max-num-seqs``).
+The client streams every request (SSE) and records time to first token (TTFT) and end-to-end
+latency (E2E); requests still running ``--drain`` seconds after the trace's end count as failed.
+
+``--pair synthetic-7b`` (bench/_synthetic.py): a Llama with Llama-2-7B layer shapes made from a seed
+on the device, ``--layers`` of them (default: the most that fit the disk, host and device memory, at
+most 8 here; printed with every figure), and ``--variants`` distinct random 4-bit 2:4 variants written
+as artifacts in seconds. Both servers hold every variant in their host tier (``--max-cpu-deltas``
+defaults to ``--variants``) and the trace starts once the tiers are warm. The swap server serves one
+whole fine-tuned checkpoint hard-linked under every variant name: it swaps a variant's full weights in
+from pinned host memory, and the names share one pinned copy (its registry deduplicates them) — the
+best case for swapping, since 32 whole 7B models fit neither the disk nor the host memory, and a copy
+costs the same whatever the values. Every swap row says so (``swap_weights``).
 
 Per (mode, distribution): requests completed / refused, throughput (requests/s and tokens/s over
 the makespan), TTFT and E2E mean / p50 / p99, and SLO attainment (share of requests within
@@ -48,9 +57,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import CACHE, demo_pair, machine, smollm2_pair, synthetic_7b, synthetic_7b_merged  # noqa: E402
+from _pairs import CACHE, demo_pair, machine, smollm2_pair  # noqa: E402
+from _synthetic import serving_layers, serving_set  # noqa: E402
 
 DISTS = ("uniform", "zipf-1.5", "azure-like")
+SWAP_WEIGHTS = {"checkpoint": "whole weights copied to the device from pinned host memory; every variant name "
+                              "shares one pinned copy (the best case for swapping)",
+                "artifacts": "each variant rebuilt into a whole model from its artifact on the host at load"}
 
 
 def log(msg: str) -> None:
@@ -170,25 +183,35 @@ class Server:
     """`deltazip serve` in a subprocess (its own process group, ended by pid at exit)."""
 
     def __init__(self, arts: Path, base: str, mode: str, args: argparse.Namespace, logdir: Path, slots: int):
+        self.cmd = [sys.executable, "-m", "deltazip.deltacli.app", "serve", str(arts), "--base", base, "--mode", mode,
+                    "--max-deltas", str(slots), "--max-cpu-deltas", str(args.max_cpu_deltas), "--max-num-seqs",
+                    str(args.max_num_seqs), "--max-queue", "100000"]
+        if args.cpu_threads:
+            self.cmd += ["--cpu-threads", str(args.cpu_threads)]
+        self.log_path = logdir / f"server-{mode}.log"
+        self.env = dict(os.environ, DELTAZIP_LOG_LEVEL=args.server_log_level)
+        self._start()
+
+    def _start(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "deltazip.deltacli.app", "serve", str(arts), "--base", base, "--port",
-               str(self.port), "--mode", mode, "--max-deltas", str(slots), "--max-cpu-deltas",
-               str(args.max_cpu_deltas), "--max-num-seqs", str(args.max_num_seqs), "--max-queue", "100000"]
-        if args.cpu_threads:
-            cmd += ["--cpu-threads", str(args.cpu_threads)]
-        self.log_path = logdir / f"server-{mode}.log"
-        env = dict(os.environ, DELTAZIP_LOG_LEVEL=args.server_log_level)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "w"), env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen([*self.cmd, "--port", str(self.port)], stdout=subprocess.DEVNULL,
+                                     stderr=open(self.log_path, "w"), env=self.env, start_new_session=True)
+        # its process group, for a caller that must end it when this bench is killed (bench/gpu_check.sh)
+        self.log_path.with_suffix(".pgid").write_text(str(self.proc.pid))
 
     def wait_ready(self, timeout: float = 600) -> None:
         import httpx
 
-        t0 = time.time()
+        t0, tries = time.time(), 1
         while time.time() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise SystemExit(f"server exited: {self.log_path.read_text()[-2000:]}")
+                text = self.log_path.read_text()
+                if "already in use" in text and tries < 3:  # another process took the free port first
+                    tries += 1
+                    self._start()
+                    continue
+                raise SystemExit(f"server exited: {text[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -234,14 +257,20 @@ async def one_request(http, req: dict, t_start: float, max_tokens: int) -> dict:
             "e2e": end - sent, "tokens": tokens}
 
 
-async def replay(url: str, trace: list[dict], max_tokens: int) -> tuple[list[dict], float]:
+async def replay(url: str, trace: list[dict], max_tokens: int, limit: float | None = None) -> tuple[list[dict], float]:
+    """Send ``trace`` on its schedule; requests not finished ``limit`` seconds after the start are
+    cancelled and come back as ``{"status": -2}`` (unfinished)."""
     import httpx
 
     limits = httpx.Limits(max_connections=10000, max_keepalive_connections=1000)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as http:
         t0 = time.perf_counter()
-        res = await asyncio.gather(*(one_request(http, r, t0, max_tokens) for r in trace))
-    return res, t0
+        tasks = [asyncio.ensure_future(one_request(http, r, t0, max_tokens)) for r in trace]
+        done, pending = await asyncio.wait(tasks, timeout=limit) if tasks else (set(), set())
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return [t.result() if t in done else {"status": -2, "error": "unfinished at the drain limit"} for t in tasks], t0
 
 
 def pct(xs: list[float], p: float) -> float | None:
@@ -263,12 +292,25 @@ def summarize(res: list[dict], t0: float, slo: dict) -> dict:
 
     n = len(res)
     return {"requests": n, "completed": len(ok), "refused_or_failed": n - len(ok),
+            "unfinished_at_drain_limit": sum(r["status"] == -2 for r in res),
             "makespan_s": round(span, 3), "throughput_rps": round(len(ok) / span, 3) if ok else 0.0,
             "tokens_per_s": round(sum(r["tokens"] for r in ok) / span, 2) if ok else 0.0,
             "ttft_s": stats(ttft), "e2e_s": stats(e2e),
             "slo_attainment": {"ttft": round(sum(t <= slo["ttft"] for t in ttft) / n, 4),
                                "e2e": round(sum(t <= slo["e2e"] for t in e2e) / n, 4),
                                "both": round(sum(a <= slo["ttft"] and b <= slo["e2e"] for a, b in zip(ttft, e2e)) / n, 4)}}
+
+
+def wait_host_tier(url: str, want: int, timeout: float) -> float | None:
+    """Seconds until the server's host tier holds ``want`` variants with none loading (None: not
+    within ``timeout``)."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if scrape(url, "deltazip_host_deltas") >= want and scrape(url, "deltazip_loading_deltas") == 0:
+            return round(time.time() - t0, 2)
+        time.sleep(0.5)
+    log(f"the host tier did not reach {want} variants in {timeout:.0f} s; the trace starts anyway")
+    return None
 
 
 def unloaded_latency(url: str, prompts: list[str], max_tokens: int, models: list[str]) -> dict:
@@ -294,17 +336,18 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    x = range(len(DISTS))
+    dists = [d for d in DISTS if any(r["dist"] == d for r in results)]
+    x = range(len(dists))
     for k, mode in enumerate(("delta", "swap")):
         rows = {r["dist"]: r for r in results if r["mode"] == mode}
         off = [i + (k - 0.5) * 0.38 for i in x]
-        axes[0].bar(off, [rows[d]["throughput_rps"] for d in DISTS], 0.38, label=mode)
-        axes[1].bar(off, [rows[d]["ttft_s"]["p50"] or 0 for d in DISTS], 0.38, label=f"{mode} p50")
-        axes[1].scatter(off, [rows[d]["ttft_s"]["p99"] or 0 for d in DISTS], marker="_", s=300, color="k")
-        axes[2].bar(off, [rows[d]["e2e_s"]["p50"] or 0 for d in DISTS], 0.38, label=f"{mode} p50")
-        axes[2].scatter(off, [rows[d]["e2e_s"]["p99"] or 0 for d in DISTS], marker="_", s=300, color="k")
+        axes[0].bar(off, [rows[d]["throughput_rps"] for d in dists], 0.38, label=mode)
+        axes[1].bar(off, [rows[d]["ttft_s"]["p50"] or 0 for d in dists], 0.38, label=f"{mode} p50")
+        axes[1].scatter(off, [rows[d]["ttft_s"]["p99"] or 0 for d in dists], marker="_", s=300, color="k")
+        axes[2].bar(off, [rows[d]["e2e_s"]["p50"] or 0 for d in dists], 0.38, label=f"{mode} p50")
+        axes[2].scatter(off, [rows[d]["e2e_s"]["p99"] or 0 for d in dists], marker="_", s=300, color="k")
     for ax, title in zip(axes, ("throughput (requests/s)", "TTFT (s), bar p50, tick p99", "E2E latency (s)")):
-        ax.set_xticks(list(x), DISTS)
+        ax.set_xticks(list(x), dists)
         ax.set_title(title)
         ax.legend()
     axes[1].set_yscale("log")
@@ -314,6 +357,24 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------- main
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def synthetic_pair(a: argparse.Namespace, device: str) -> dict:
+    """The synthetic-7b serving set (bench/_synthetic.py) at the most layers this machine holds, at most
+    ``--layers``: ``{"arts", "base", "swap"}`` paths and what the JSON's config records of it."""
+    shape = a.shape or ("7b" if device == "cuda" else "toy")
+    fit = serving_layers(shape, a.variants, CACHE / "synthetic", device, most=a.layers)
+    a.layers = fit["layers"]
+    log(f"synthetic {shape}: {a.layers} layers (limits in layers: {fit['limits']})")
+    got = serving_set(CACHE / "synthetic", shape, a.layers, a.variants, device, log=log)
+    return {"arts": got["arts"], "base": got["base"], "swap": got["swap"], "shape": shape, "layers": a.layers,
+            "layer_limits": fit["limits"], "variants_written": {k: got["variants_info"][k] for k in
+                                                                ("seconds", "bytes", "GBps", "threads")},
+            "base_written_s": got["base_info"]["seconds"]}
 
 
 def _interrupt(signum, frame) -> None:
@@ -326,25 +387,33 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="directory for serve.json and serve.png")
     ap.add_argument("--pair", choices=("demo", "smollm2", "synthetic-7b"), default=None,
                     help="model pair (default: demo on CPU, smollm2 on a GPU); synthetic-7b: Llama-2-7B layer "
-                         "shapes, random weights, --layers of them, RTN variants (bench/_pairs.synthetic_7b)")
-    ap.add_argument("--layers", type=int, default=4, help="synthetic-7b: decoder layers")
+                         "shapes made from a seed, --layers of them, random distinct variants (bench/_synthetic.py)")
+    ap.add_argument("--layers", type=int, default=8,
+                    help="synthetic-7b: decoder layers, at most (fewer when the disk, host or device memory holds "
+                         "fewer; the count used is in the JSON beside every figure)")
+    ap.add_argument("--shape", choices=("7b", "toy"), default=None,
+                    help="synthetic-7b: layer shapes (default 7b on a GPU, toy on CPU: a dry run)")
     ap.add_argument("--variants", type=int, default=32)
     ap.add_argument("--rate", type=float, default=None, help="arrivals per second (default: 6 CPU, 20 GPU)")
     ap.add_argument("--duration", type=float, default=None, help="trace length in seconds (default 20 quick, 60)")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--max-deltas", type=int, default=8, help="device slots of the delta server")
+    ap.add_argument("--max-deltas", type=int, default=None,
+                    help="device slots of the delta server (default 8; synthetic-7b: every variant)")
     ap.add_argument("--swap-slots", choices=("equal-memory", "same-count"), default="equal-memory",
                     help="swap server's slots: as many whole models as fit in the delta server's weight memory "
                          "(default), or the same count as --max-deltas")
-    ap.add_argument("--max-cpu-deltas", type=int, default=16, help="host cache entries, both modes")
+    ap.add_argument("--max-cpu-deltas", type=int, default=None,
+                    help="host cache entries, both modes (default 16; synthetic-7b: every variant and the base)")
+    ap.add_argument("--dists", default=",".join(DISTS), help=f"comma list of: {', '.join(DISTS)}")
+    ap.add_argument("--drain", type=float, default=60.0,
+                    help="seconds after a trace's end before requests still running are counted as failed")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--cpu-threads", type=int, default=None, help="server torch threads (default 1 on CPU)")
     ap.add_argument("--slo-scale", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--swap-from", choices=("artifacts", "merged"), default=None,
-                    help="what the swap server loads: the artifacts, each rebuilt into a whole model at load, or whole "
-                         "merged checkpoints, what a swap deployment stores (default: merged for synthetic-7b, whose "
-                         "rebuild costs seconds per load on the host; artifacts for the small pairs)")
+    ap.add_argument("--swap-from", choices=("artifacts", "checkpoint"), default=None,
+                    help="what the swap server loads: the artifacts, each rebuilt into a whole model at load, or "
+                         "(synthetic-7b, its default) one whole fine-tuned checkpoint under every variant name")
     ap.add_argument("--server-log-level", default="warning",
                     help="the servers' DELTAZIP_LOG_LEVEL (info: their start-up lines, kernel tuning and one line per "
                          "request, in DIR/server-MODE.log)")
@@ -362,28 +431,34 @@ def main() -> None:
     a.cpu_threads = a.cpu_threads or (None if gpu else 1)
     method = "rtn" if a.quick else "deltazip"
 
+    dists = [d for d in a.dists.split(",") if d]
+    unknown = sorted(set(dists) - set(DISTS))
+    if unknown:
+        raise SystemExit(f"--dists: unknown {', '.join(unknown)}; use {', '.join(DISTS)}")
+    synthetic: dict = {}
     if a.pair == "synthetic-7b" and a.artifacts is None:
-        # One distinct variant under every name (the step bench's cache too): every server still reads,
-        # checks and copies each name's bytes on its own; the GPU window saves a second compress.
-        a.artifacts, a.base = synthetic_7b(a.layers, distinct=1, names=a.variants, shape="7b" if gpu else "small",
-                                           log=log)
-        a.swap_from = a.swap_from or "merged"
-        if a.swap_from == "merged":
-            swap_arts = synthetic_7b_merged(a.layers, distinct=1, names=a.variants, shape="7b" if gpu else "small",
-                                            log=log)
-        a.base = str(a.base)
+        synthetic = synthetic_pair(a, "cuda" if gpu else "cpu")
+        a.artifacts, a.base, swap_arts = Path(synthetic.pop("arts")), synthetic.pop("base"), Path(synthetic.pop("swap"))
+        a.swap_from = a.swap_from or "checkpoint"
+        a.max_cpu_deltas = a.max_cpu_deltas or a.variants + 1
+        a.max_deltas = a.max_deltas or a.variants
+    a.max_cpu_deltas = a.max_cpu_deltas or 16
+    a.max_deltas = a.max_deltas or 8
     a.swap_from = a.swap_from or "artifacts"
-    if a.swap_from == "merged" and a.pair != "synthetic-7b":
-        raise SystemExit("--swap-from merged is built for --pair synthetic-7b only")
+    if a.swap_from == "checkpoint" and not synthetic:
+        raise SystemExit("--swap-from checkpoint is built for --pair synthetic-7b only")
     if a.artifacts is not None:
         if not a.base:
             raise SystemExit("--artifacts needs --base")
-        from deltazip.runtime.serve.variant_sources import discover_variants
+        from deltazip.runtime.serve.variant_sources import find_variants
 
         arts, base = a.artifacts, a.base
-        names = [v.name for v in discover_variants(arts)]
+        names = [v.name for v in find_variants(arts)]  # names only: the servers read and check the variants
         prompts = ["alpha beta", "zip model tune", "12 + 345 =", "delta gamma"]
-        a.pair, method = f"given: {arts}", "as given"
+        if not synthetic:
+            a.pair, method = f"given: {arts}", "as given"
+        else:
+            method = "random codes and scales"
     else:
         log(f"building/loading pair {a.pair}")
         pair = demo_pair() if a.pair == "demo" else smollm2_pair(log=log)
@@ -393,17 +468,19 @@ def main() -> None:
         rows = [json.loads(x) for x in Path(pair["eval"]).read_text().splitlines() if x.strip()]
         prompts = [r["prompt"] for r in rows][:64]
     a.variants = len(names)
-    traces = {d: make_trace(d, names, a.rate, a.duration, prompts, a.seed + i) for i, d in enumerate(DISTS)}
+    traces = {d: make_trace(d, names, a.rate, a.duration, prompts, a.seed + DISTS.index(d)) for d in dists}
     results, slo, unloaded = [], None, {}
     with tempfile.TemporaryDirectory(prefix="deltazip-bench-serve-") as tmp:
         logdir = a.out or Path(tmp)
         logdir.mkdir(parents=True, exist_ok=True)
         memory: dict = {}
+        mach = machine()
 
         def document(complete: bool) -> dict:
-            return {"bench": "serve", "machine": machine(), "complete": complete,
-                    "config": {"quick": a.quick, "pair": a.pair, "variants": a.variants,
-                               "compression": method if a.artifacts else f"{method} 4-bit 2:4",
+            return {"bench": "serve", "machine": mach, "complete": complete,
+                    "config": {"quick": a.quick, "pair": a.pair, "variants": a.variants, **synthetic,
+                               "swap_weights": SWAP_WEIGHTS[a.swap_from],
+                               "compression": method if a.artifacts else f"{method} 4-bit 2:4", "drain_s": a.drain,
                                "rate_rps": a.rate, "duration_s": a.duration, "max_tokens": a.max_tokens,
                                "max_deltas": a.max_deltas, "swap_slots": a.swap_slots, "swap_from": a.swap_from,
                                "memory": memory, "max_cpu_deltas": a.max_cpu_deltas,
@@ -422,33 +499,41 @@ def main() -> None:
                 slots = max(1, int(memory["delta_device_weight_bytes"] // memory["model_bytes"]))
             memory[f"{mode}_slots"] = slots
             log(f"starting deltazip serve --mode {mode} --max-deltas {slots}")
-            srv = Server(swap_arts if mode == "swap" and a.swap_from == "merged" else arts, base, mode, a, logdir, slots)
+            srv = Server(swap_arts if mode == "swap" and a.swap_from == "checkpoint" else arts, base, mode, a, logdir,
+                         slots)
             try:
+                t_start = time.time()
                 srv.wait_ready()
+                memory[f"{mode}_ready_s"] = round(time.time() - t_start, 2)
+                if synthetic:  # every variant in host memory before the trace, in both modes
+                    want = min(a.max_cpu_deltas, a.variants + (mode == "swap"))
+                    memory[f"{mode}_host_tier_warm_s"] = wait_host_tier(srv.url, want, 600)
                 if mode == "delta":
                     memory["model_bytes"] = scrape(srv.url, "deltazip_device_weight_bytes")  # the base alone
                 unloaded[mode] = unloaded_latency(srv.url, prompts, a.max_tokens, names[:2])
                 if slo is None:  # thresholds from the delta server, used for both modes
                     slo = {k: a.slo_scale * v for k, v in unloaded[mode].items()}
-                for dist in DISTS:
+                for dist in dists:
                     log(f"{mode} / {dist}: {len(traces[dist])} requests over {a.duration:.0f}s")
-                    res, t0 = asyncio.run(replay(srv.url, traces[dist], a.max_tokens))
+                    res, t0 = asyncio.run(replay(srv.url, traces[dist], a.max_tokens, a.duration + a.drain))
                     row = {"mode": mode, "dist": dist, **summarize(res, t0, slo)}
                     results.append(row)
                     log(json.dumps(row))
                     if a.out:  # the rows so far: a run stopped at a time limit still leaves them
                         (a.out / "serve.json").write_text(json.dumps(document(False), indent=1))
                 memory[f"{mode}_device_weight_bytes"] = scrape(srv.url, "deltazip_device_weight_bytes")
+                # host and device tensors the server holds, each once: swap's names share one copy
+                memory[f"{mode}_held_bytes"] = scrape(srv.url, "deltazip_dedup_held_bytes")
             finally:
                 srv.stop()
-        for dist in DISTS:
+        for dist in dists:
             d = next(r for r in results if r["mode"] == "delta" and r["dist"] == dist)
             s = next(r for r in results if r["mode"] == "swap" and r["dist"] == dist)
-            results.append({"mode": "delta/swap", "dist": dist,
-                            "throughput_delta_over_swap": round(d["throughput_rps"] / s["throughput_rps"], 3)
-                            if s["throughput_rps"] else None,
-                            "ttft_p50_swap_over_delta": round(s["ttft_s"]["p50"] / d["ttft_s"]["p50"], 3)
-                            if d["ttft_s"]["p50"] else None})
+            results.append({"mode": "delta/swap", "dist": dist, "swap_weights": SWAP_WEIGHTS[a.swap_from],
+                            "throughput_delta_over_swap": _ratio(d["throughput_rps"], s["throughput_rps"]),
+                            "tokens_per_s_delta_over_swap": _ratio(d["tokens_per_s"], s["tokens_per_s"]),
+                            "ttft_p50_swap_over_delta": _ratio(s["ttft_s"]["p50"], d["ttft_s"]["p50"]),
+                            "ttft_p99_swap_over_delta": _ratio(s["ttft_s"]["p99"], d["ttft_s"]["p99"])})
         doc = document(True)
         if a.out:
             (a.out / "serve.json").write_text(json.dumps(doc, indent=1))

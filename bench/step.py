@@ -4,11 +4,18 @@ k whole-model steps that swap mode needs for the same rows.
     python bench/step.py [--pair demo|smollm2|synthetic-7b] [--rows 8 32 64] [--variants 1 4 8] [--repeats 15]
         [--dtype auto|float32|bfloat16|float16] [--layers 4] [--max-swap 8] [--generate] [--quick]
 
-``--pair synthetic-7b``: a Llama with Llama-2-7B layer shapes and random weights (``--layers`` of them,
-bf16), its variants RTN-compressed perturbations (``bench/_pairs.synthetic_7b``); defaults to rows 32,
-variants 1 8 32, the served dtype bf16 on CUDA, and transformers' ``generate`` timed on the same model
-and batch (``--generate`` adds it for the other pairs): ``generate_ms_per_token`` is the decode time per
-generated token (a run of 17 new tokens minus a run of 1, over 16), against ``base_ms`` per step.
+``--pair synthetic-7b`` (bench/_synthetic.py): a Llama with Llama-2-7B layer shapes made from a seed on
+the device, bf16, as many of its 32 layers as the device holds with every slot filled (at most
+``--layers``; the count is in every row); each slot's variant is drawn on the device from random codes
+and scales in the served layout (the same bytes as the artifact of that index, which plans the model:
+one artifact is written, none is read), so every slot differs. Defaults to rows 32, variants 1 8 32,
+the served dtype bf16 on CUDA, no swap rows, and transformers' ``generate`` timed on the same base and
+batch before the delta model is built (``--generate`` adds it for the other pairs):
+``generate_ms_per_token`` is the decode time per generated token (a run of 17 new tokens minus a run of
+1, over 16), against ``base_ms`` per step. Every row stands beside its floor: the bytes a
+memory-bound step must move (weights as below, plus the rows' KV cache) over the copy bandwidth
+measured in the same run (``*_floor_ms``, ``base_bytes_efficiency`` = floor / time), and
+``delta_over_scaled_base`` = delta time / (its weight bytes / the base's x the base time).
 
 Builds the models the serving engine builds (``DeltaModel`` with ``k`` filled slots, ``SwapModels``
 with ``k`` whole merged models) over the cached variants of ``bench/serve.py`` and times decode steps
@@ -48,7 +55,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pairs import demo_pair, emit, machine, smollm2_pair, synthetic_7b  # noqa: E402
+from _pairs import CACHE, demo_pair, emit, machine, smollm2_pair  # noqa: E402
+from _synthetic import build_base, fit_layers, llama_config, random_variant, sizes, write_variants  # noqa: E402
+from sbmm_table import copy_bandwidth  # noqa: E402
 from serve import build_variants  # noqa: E402
 
 
@@ -148,15 +157,121 @@ def generate_ms_per_token(base_dir, rows: int, context: int, dtype, device, sync
     return round((many - one) / new * 1e3, 3)
 
 
+def synthetic_layers(shape: str, slots: int, device: torch.device, most: int) -> dict:
+    """The most layers (at most ``most``) whose base and ``slots`` filled slots take at most 80% of the
+    device's memory (on a CPU: ``most``)."""
+    if device.type != "cuda":
+        return {"layers": most, "limits": {"requested": most}}
+    sz = sizes(shape)
+    fit = fit_layers(0.8 * torch.cuda.get_device_properties(device).total_memory,
+                     sz["model_layer"] + slots * sz["variant_layer"], sz["model_fixed"])
+    return {"layers": min(most, fit), "limits": {"requested": most, "device": fit}}
+
+
+def synthetic_model(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, generate_ms: dict, log):
+    """The synthetic-7b delta model with ``max(a.variants)`` slots, each filled with its own variant
+    drawn on the device; times transformers' ``generate`` on the base first (into ``generate_ms``, per
+    batch size), so its copy of the model is gone before the delta model is built."""
+    from dataclasses import replace
+
+    from deltazip.models.checkpoint import Checkpoint
+    from deltazip.runtime.serve.model import DeltaModel
+    from deltazip.runtime.serve.variant_sources import inspect_variant
+
+    k_max = max(a.variants)
+    shape = a.shape or ("7b" if device.type == "cuda" else "toy")
+    fit = synthetic_layers(shape, k_max, device, a.layers)
+    a.layers, a.shape, a.layer_limits = fit["layers"], shape, fit["limits"]
+    log(f"synthetic {shape}: {a.layers} layers (limits in layers: {fit['limits']})")
+    root = CACHE / "synthetic" / f"{shape}-l{a.layers}"
+    base = build_base(root / "base", shape, a.layers, device, log=log)
+    write_variants(root / "one", base, shape, a.layers, 1, device, log=log)  # the plan of every slot
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for rows in a.rows:
+        try:
+            generate_ms[rows] = generate_ms_per_token(base["path"], rows, a.context, dtype, device, sync)
+        except Exception as e:  # noqa: BLE001 - keep the engine's rows; say why this one is missing
+            log(f"transformers' generate failed: {type(e).__name__}: {str(e)[:200]}")
+            generate_ms[rows] = None
+    plan = inspect_variant(root / "one" / "v00")
+    variants = [replace(plan, name=f"v{i:02d}") for i in range(k_max)]
+    dm = DeltaModel(Checkpoint(base["path"]), variants, k_max, device, dtype)
+    tune_bench_keys(dm, [(r, k) for r in a.rows for k in a.variants if r % k == 0])  # before any slot is written
+    cfg = llama_config(shape, a.layers)
+    for i, v in enumerate(variants):
+        dm.write_slot(i, v.name, dm.stage_slot(dm.host_from_packed(v.name, random_variant(cfg, i, device))))
+    return dm, base["path"]
+
+
+def tune_bench_keys(dm, pairs: list[tuple[int, int]]) -> dict:
+    """Tune the delta-matmul keys this bench runs, ``(rows, variants)`` per stack configuration, and no
+    other (a GPU window's seconds): what a server tunes before it answers. Code where the model tunes
+    every key when it is built (no ``kernel_warmup.jobs``) has done so already."""
+    from deltazip.runtime.serve import kernel_warmup
+
+    if not hasattr(kernel_warmup, "jobs"):
+        return dict(dm.warmup)
+    t0 = time.perf_counter()
+    n = dm.tuner.tune_now(kernel_warmup.jobs(dm, pairs))
+    dm.warmup = {"seconds": time.perf_counter() - t0, "launches": n}
+    return dm.warmup
+
+
+def kv_bytes(config, rows: int, context: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V a decode step of ``rows`` rows with ``context`` past tokens reads and writes."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+    return rows * (context + 1) * per_token * torch.tensor([], dtype=dtype).element_size()
+
+
+def floors(row: dict, bw: float, base_bytes: int, variant_bytes: int, kv: int) -> dict:
+    """A row's floors: bytes over the copy bandwidth ``bw`` (bytes/s), in ms, and the ratios against them."""
+    k = row["variants"]
+    base_floor = (base_bytes + kv) / bw * 1e3
+    delta_floor = (base_bytes + k * variant_bytes + kv) / bw * 1e3
+    base_ms, delta_ms = row["base_ms"]["p50"], row["delta_ms"]["p50"]
+    scaled = (base_bytes + k * variant_bytes) / base_bytes * base_ms
+    return {"kv_bytes": kv, "base_floor_ms": round(base_floor, 4), "delta_floor_ms": round(delta_floor, 4),
+            "base_bytes_efficiency": round(base_floor / base_ms, 3),
+            "delta_bytes_efficiency": round(delta_floor / delta_ms, 3),
+            "delta_over_scaled_base": round(delta_ms / scaled, 3)}
+
+
+def time_rows(runs: dict, repeats: int, sync) -> tuple[dict, list[float]]:
+    """Interleaved timings (ms) of every mode's callables, and the host ms of issuing each delta step."""
+    host = []  # host time to issue one delta step (no sync: with CUDA graphs the GPU runs on)
+    times: dict[str, list[float]] = {m: [] for m in runs}
+    for _ in range(2):  # warm-up
+        for fns in runs.values():
+            for f in fns:
+                f()
+    for _ in range(repeats):  # interleaved, so drift hits every mode alike
+        for m, fns in runs.items():
+            sync()
+            t0 = time.perf_counter()
+            for f in fns:
+                f()
+            if m == "delta":
+                host.append((time.perf_counter() - t0) * 1e3)
+            sync()
+            times[m].append((time.perf_counter() - t0) * 1e3)
+    return times, host
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", choices=("demo", "smollm2", "synthetic-7b"), default="demo")
     ap.add_argument("--rows", type=int, nargs="+", default=None, help="default 8 32 64 (synthetic-7b: 32)")
     ap.add_argument("--variants", type=int, nargs="+", default=None, help="default 1 4 8 (synthetic-7b: 1 8 32)")
-    ap.add_argument("--layers", type=int, default=4, help="synthetic-7b: decoder layers")
+    ap.add_argument("--layers", type=int, default=32,
+                    help="synthetic-7b: decoder layers, at most (fewer when the device holds fewer with every slot "
+                         "filled)")
+    ap.add_argument("--shape", choices=("7b", "toy"), default=None,
+                    help="synthetic-7b: layer shapes (default 7b on a GPU, toy on CPU: a dry run)")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                     help="served dtype (auto: fp32 for the demo and smollm2 pairs, bf16 for synthetic-7b on CUDA)")
-    ap.add_argument("--max-swap", type=int, default=8, help="swap mode up to this many variants (whole models each)")
+    ap.add_argument("--max-swap", type=int, default=None,
+                    help="swap mode up to this many variants (whole models each; default 8, synthetic-7b 0)")
     ap.add_argument("--generate", action="store_true", help="also time transformers' generate on the base")
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=15)
@@ -167,6 +282,7 @@ def main() -> None:
     synthetic = a.pair == "synthetic-7b"
     a.rows = a.rows or ([32] if synthetic else [8, 32, 64])
     a.variants = a.variants or ([1, 8, 32] if synthetic else [1, 4, 8])
+    a.max_swap = a.max_swap if a.max_swap is not None else (0 if synthetic else 8)
     if a.quick:
         a.rows, a.variants, a.repeats = ([32], [1, 8], 7) if synthetic else ([8, 32], [1, 4], 7)
     torch.set_num_threads(a.threads)
@@ -185,65 +301,58 @@ def main() -> None:
     def phase(msg: str) -> None:
         log(f"{msg} ({time.perf_counter() - t_start:.1f} s since start)")
 
-    if synthetic:
-        # One distinct variant under every name: a decode step's time does not depend on the values it
-        # reads, each slot still holds its own device copy, and the window saves a second compress.
-        arts, base_dir = synthetic_7b(a.layers, distinct=1, names=max(a.variants),
-                                      shape="7b" if device.type == "cuda" else "small", log=log)
-        phase(f"synthetic {a.layers}-layer model and {max(a.variants)} variant names ready")
-    else:
-        pair = demo_pair() if a.pair == "demo" else smollm2_pair(log=log)
-        arts, base_dir = build_variants(pair, max(a.variants), "rtn"), pair["base"]
     dtype = getattr(torch, a.dtype) if a.dtype != "auto" else (
         torch.bfloat16 if synthetic and device.type == "cuda" else torch.float32)
-    variants = discover_variants(arts)[: max(a.variants)]
-    base = Checkpoint(base_dir)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     k_max = max(a.variants)
+    generate_ms: dict[int, float | None] = {}  # per batch size: generate runs the base alone, whatever k is
     t0 = time.perf_counter()
-    dm = DeltaModel(base, variants, k_max, device, dtype)
-    build_s = time.perf_counter() - t0
-    phase(f"delta model built in {build_s:.1f} s (kernel warm-up {dm.warmup['seconds']:.1f} s, "
-          f"{dm.warmup['launches']} launches)")
+    if synthetic:
+        dm, base_dir = synthetic_model(a, device, dtype, generate_ms, log)
+        variants = list(dm.variants.values())
+        build_s = time.perf_counter() - t0
+        phase(f"synthetic {a.layers}-layer delta model built and {k_max} slots filled with distinct variants drawn "
+              f"on {device} in {build_s:.1f} s (kernel warm-up {dm.warmup['seconds']:.1f} s)")
+    else:
+        pair = demo_pair() if a.pair == "demo" else smollm2_pair(log=log)
+        arts, base_dir = build_variants(pair, k_max, "rtn"), pair["base"]
+        variants = discover_variants(arts)[:k_max]
+        dm = DeltaModel(Checkpoint(base_dir), variants, k_max, device, dtype)
+        build_s = time.perf_counter() - t0
+        phase(f"delta model built in {build_s:.1f} s (kernel warm-up {dm.warmup['seconds']:.1f} s, "
+              f"{dm.warmup['launches']} launches)")
+        tune_bench_keys(dm, [(r, k) for r in a.rows for k in a.variants if r % k == 0])  # before any slot is written
+        for i, v in enumerate(variants):
+            dm.write_slot(i, v.name, dm.load_host(v.name))
+        phase(f"{len(variants)} variants written to delta slots (kernel tuning {dm.warmup['seconds']:.1f} s)")
     n_swap = min(k_max, a.max_swap)
-    sw = SwapModels(base, variants[:n_swap], n_swap, device, dtype, "base")
-    phase(f"swap model of {n_swap} slots built")
-    # Hard-linked copies (the synthetic pair's names) hold the same bytes: decode them once. Host
-    # loading is not what this bench times; every slot write below is still its own device copy.
-    hosts: dict[tuple, object] = {}
-
-    def host_of(model, v) -> object:
-        m = Path(v.path) / "manifest.json"
-        st = m.stat() if m.is_file() else None
-        k = (id(model), st.st_dev, st.st_ino) if st else (id(model), v.name)
-        if k not in hosts:
-            hosts[k] = model.load_host(v.name)
-        return hosts[k]
-
-    for i, v in enumerate(variants):
-        dm.write_slot(i, v.name, host_of(dm, v))
-    phase(f"{len(variants)} variants written to delta slots ({len({k for k in hosts if k[0] == id(dm)})} decoded)")
-    for i, v in enumerate(variants[:n_swap]):
-        sw.write_slot(i, v.name, host_of(sw, v))
-    phase(f"{n_swap} whole models written to swap slots")
-    hosts.clear()
+    sw = None
+    if n_swap:
+        sw = SwapModels(Checkpoint(base_dir), variants[:n_swap], n_swap, device, dtype, "base")
+        for i, v in enumerate(variants[:n_swap]):
+            sw.write_slot(i, v.name, sw.load_host(v.name))
+        phase(f"{n_swap} whole models written to swap slots")
     # What a memory-bound step must read: the base's weights (the embedding table only row by row) and
     # each distinct variant's device bytes; weight_bytes_over_base is the step-time ratio those
     # bytes alone would give (docs/serve.md, "What to expect from the step bench").
     emb = dm.model.get_input_embeddings().weight
     base_read_bytes = dm.base_bytes() - emb.numel() * emb.element_size()
     variant_bytes = dm.slot_bytes(0)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    generate_ms: dict[int, float] = {}  # per batch size: generate runs the base alone, whatever k is
+    bw = copy_bandwidth(device.type, 1 << 30 if device.type == "cuda" else 1 << 26)
+    phase(f"copy bandwidth {bw / 1e9:.1f} GB/s")
     results: list[dict] = []
+    mach = machine()
 
     def document(complete: bool) -> dict:
-        return {"bench": "step", "machine": machine(), "complete": complete,
+        return {"bench": "step", "machine": mach, "complete": complete,
                 "config": {"pair": a.pair, "context": a.context, "repeats": a.repeats, "threads": a.threads,
                            "dtype": str(dtype).removeprefix("torch."), "layers": a.layers if synthetic else None,
+                           "shape": a.shape if synthetic else None,
+                           "layer_limits": getattr(a, "layer_limits", None),
                            "delta_model_build_s": round(build_s, 2), "kernel_warmup_s": round(dm.warmup["seconds"], 2),
                            "swap_variants": n_swap, "delta_compute": dm.delta_compute, "device": str(device),
-                           "base_weight_bytes_read": base_read_bytes, "variant_device_bytes": variant_bytes,
-                           "paged_kv": is_paged(dm)},
+                           "copy_GBps": round(bw / 1e9, 2), "base_weight_bytes_read": base_read_bytes,
+                           "variant_device_bytes": variant_bytes, "paged_kv": is_paged(dm)},
                 "results": results}
 
     for rows in a.rows:
@@ -255,28 +364,14 @@ def main() -> None:
                 "delta": [decode_timer(dm, [i // per for i in range(rows)], a.context)],
                 "base": [decode_timer(dm, [-1] * rows, a.context)],
             }
-            if k <= n_swap:
+            if sw is not None and k <= n_swap:
                 runs["swap"] = [decode_timer(sw, [s] * per, a.context) for s in range(k)]
             if not synthetic:
                 runs["delta_contiguous"] = [decode_timer(dm, [i // per for i in range(rows)], a.context,
                                                          kv="contiguous")]
-            host = []  # host time to issue one delta step (no sync: with CUDA graphs the GPU runs on)
-            times: dict[str, list[float]] = {m: [] for m in runs}
-            for _ in range(2):  # warm-up
-                for fns in runs.values():
-                    for f in fns:
-                        f()
-            for _ in range(a.repeats):  # interleaved, so drift hits every mode alike
-                for m, fns in runs.items():
-                    sync()
-                    t0 = time.perf_counter()
-                    for f in fns:
-                        f()
-                    if m == "delta":
-                        host.append((time.perf_counter() - t0) * 1e3)
-                    sync()
-                    times[m].append((time.perf_counter() - t0) * 1e3)
-            row = {"rows": rows, "variants": k, "delta_host_ms": round(statistics.median(host), 3)}
+            times, host = time_rows(runs, a.repeats, sync)
+            row = {"rows": rows, "variants": k, "layers": a.layers if synthetic else None,
+                   "delta_host_ms": round(statistics.median(host), 3)}
             for m, ts in times.items():
                 ts.sort()
                 row[f"{m}_ms"] = {"p50": round(statistics.median(ts), 3), "p90": round(ts[int(0.9 * (len(ts) - 1))], 3)}
@@ -284,6 +379,7 @@ def main() -> None:
                 row["swap_over_delta"] = round(row["swap_ms"]["p50"] / row["delta_ms"]["p50"], 3)
             row["delta_over_base"] = round(row["delta_ms"]["p50"] / row["base_ms"]["p50"], 3)
             row["weight_bytes_over_base"] = round(1 + k * variant_bytes / base_read_bytes, 3)
+            row |= floors(row, bw, base_read_bytes, variant_bytes, kv_bytes(dm.config, rows, a.context, dtype))
             row["profile"] = {"paged" if m == "delta" else "contiguous": profile_step(runs[m][0], device.type == "cuda")
                               for m in ("delta", "delta_contiguous") if m in runs}
             if synthetic or a.generate:

@@ -29,6 +29,7 @@ from deltazip.compress.budget import error_curve, plan_settings
 from deltazip.compress.calibration import check_calibration_source, load_calibration, model_context
 from deltazip.compress.config import AUTO_GROUPS, CompressConfig, auto_group
 from deltazip.compress.experts import HEAD_KEY, Hessians, collect_hessians, encode_target, solve_target
+from deltazip.compress.host_memory import release_freed_memory
 from deltazip.compress.obs import SolveResult, obs_compress, rtn_compress
 from deltazip.compress.rows_and_exact import embedding_weight_names, new_stats, record_embedding, record_exact
 from deltazip.compress.sensitivity import measure
@@ -526,6 +527,7 @@ def compress_delta(
         progress("compressing layers", 0, n_layers)
         for i in range(n_layers):
             batches = run.layer(i, batches)
+            release_freed_memory()  # the next layer's peak, not every layer's holes (compress/host_memory.py)
             progress("compressing layers", i + 1, n_layers)
         run.compress_head(cal.input_ids if cal is not None else None, batches)
         for f in ft.side_files():  # byte-identical to the base's: kept by reference, not copied

@@ -62,6 +62,7 @@ import torch
 
 from deltazip.compress.allocation import LINEAR_SETTINGS, ROW_SETTINGS, Curve, Setting
 from deltazip.compress.experts import HEAD_KEY, Hessians, collect_hessians
+from deltazip.compress.host_memory import release_freed_memory
 from deltazip.compress.obs import SolveResult, obs_solve_split, rtn_compress
 from deltazip.compress.rows_and_exact import exact_stored_size
 from deltazip.formats import codecs
@@ -567,6 +568,7 @@ def _probe_all(probe: Probe, input_ids: torch.Tensor, progress) -> None:
     progress("measuring sensitivity", 0, n)
     for i in range(n):
         batches = _probe_layer(probe, i, batches)
+        release_freed_memory()
         progress("measuring sensitivity", i + 1, n)
     _head_curves(probe, input_ids, batches)
     probe.fixed += _side_file_bytes(run) + _MANIFEST_BASE + _PER_SIDE_FILE * len(run.ft.side_files()) \

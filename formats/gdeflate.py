@@ -5,8 +5,9 @@ own as one GDeflate page: the RAW bitstream that nvCOMP's batched GPU decoder ta
 batch item (no nvCOMP header). Chunk framing (sizes, offsets, checksums) lives outside this module,
 in ``deltazip.formats.chunked``.
 
-CPU backend: ``libnvcomp_cpu.so.6`` from the PyPI package ``nvidia-libnvcomp-cu12`` (no CUDA
-dependency), bound with ctypes through its libdeflate-style C symbols
+CPU backend: ``libnvcomp_cpu.so.6`` from the PyPI package ``nvidia-libnvcomp-cu12`` or
+``nvidia-libnvcomp-cu13`` (both ship it at the same place and neither needs CUDA; ``deltazip[cu12]`` /
+``deltazip[cu13]`` install one with nvCOMP's GPU module for that CUDA major), bound with ctypes through its libdeflate-style C symbols
 ``libdeflate_gdeflate_compress / _decompress / _compress_bound``. The C++ entry points
 ``nvcomp::gdeflate::compressCPU / decompressCPU`` report errors by throwing C++ exceptions, which
 must never cross a ctypes frame (the process would abort), so they are not used for real work.
@@ -98,8 +99,8 @@ def find_cpu_library() -> Path:
                 if p.is_file():
                     return p
     raise CodecUnavailableError(
-        f"GDeflate needs nvCOMP's CPU library {LIB_NAME}, shipped by the PyPI package nvidia-libnvcomp-cu12; "
-        f"install it with `pip install nvidia-nvcomp-cu12` (or point ${ENV_LIB} at the file)")
+        f"GDeflate needs nvCOMP's CPU library {LIB_NAME}, shipped by the PyPI packages nvidia-libnvcomp-cu12 and "
+        f"-cu13; {install_hint()} (or point ${ENV_LIB} at the file)")
 
 
 class _Lib:
@@ -120,8 +121,8 @@ class _Lib:
             self.free_d = lib.libdeflate_free_gdeflate_decompressor
             self.decompress = lib.libdeflate_gdeflate_decompress
         except AttributeError as e:
-            raise CodecUnavailableError(f"{path} lacks the GDeflate C symbols ({e}); reinstall "
-                                        "nvidia-libnvcomp-cu12") from e
+            raise CodecUnavailableError(f"{path} lacks the GDeflate C symbols ({e}); reinstall it: "
+                                        f"{install_hint()}") from e
         self.alloc_c.argtypes, self.alloc_c.restype = [ctypes.c_int], ctypes.c_void_p
         self.free_c.argtypes, self.free_c.restype = [ctypes.c_void_p], None
         self.compress.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(_Page),
@@ -414,6 +415,52 @@ def decompress_chunks(stored, offsets: np.ndarray, sizes: np.ndarray, nbytes: in
 _gpu_codecs: dict[tuple[int, int], object] = {}
 
 
+def cuda_major() -> int | None:
+    """The CUDA major version torch was built with (None: a CPU build)."""
+    import torch
+
+    return int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
+
+
+def install_hint() -> str:
+    """The install command of the nvCOMP extra matching torch's CUDA major (cu12 on a CPU build)."""
+    major = cuda_major()
+    cu = f"cu{major}" if major in (12, 13) else "cu12"
+    return f"pip install 'deltazip[{cu}]' (nvidia-nvcomp-{cu})"
+
+
+def gpu_problem() -> str | None:
+    """Why nvCOMP's GPU decoder cannot run beside this torch (None when it can): no CUDA device, no
+    CPU library (the GPU path decodes what it wrote), no ``nvidia.nvcomp`` module, or one built for
+    another CUDA major than torch's; each with the install command that fixes it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        cpu_library()
+    except CodecUnavailableError as e:
+        return str(e)
+    try:
+        from nvidia import nvcomp
+    except ImportError:
+        return f"nvCOMP's GPU module (nvidia.nvcomp) is not installed: {install_hint()}"
+    theirs = nvcomp_cuda_major(getattr(nvcomp, "__cuda_version__", None))
+    if theirs is not None and theirs != cuda_major():
+        return (f"nvidia.nvcomp is built for CUDA {theirs}, torch for CUDA {torch.version.cuda}: {install_hint()} "
+                f"instead")
+    return None
+
+
+def nvcomp_cuda_major(version) -> int | None:
+    """The CUDA major of ``nvidia.nvcomp.__cuda_version__`` (an int such as 12090 for 12.9, or a
+    "12.9" string); None when it says nothing readable."""
+    if isinstance(version, int) and not isinstance(version, bool):
+        return version // 1000
+    head = str(version or "").split(".")[0]
+    return int(head) if head.isdigit() else None
+
+
 def gpu_available() -> bool:
     """True when a CUDA device and nvCOMP's Python module are both present."""
     try:
@@ -430,7 +477,7 @@ def _gpu_codec(device_index: int, stream: int):
     try:
         from nvidia import nvcomp
     except ImportError as e:
-        raise CodecUnavailableError("GPU GDeflate needs nvCOMP's Python module: pip install nvidia-nvcomp-cu12") from e
+        raise CodecUnavailableError(f"GPU GDeflate needs nvCOMP's Python module: {install_hint()}") from e
     key = (device_index, stream)
     if key not in _gpu_codecs:
         _gpu_codecs[key] = nvcomp.Codec(algorithm="GDeflate", bitstream_kind=nvcomp.BitstreamKind.RAW,

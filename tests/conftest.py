@@ -1,4 +1,6 @@
-"""Shared pytest setup: the ``gpu`` marker skips without CUDA and fails under ``--require-gpu``."""
+"""Shared pytest setup: the ``gpu`` marker skips without CUDA and fails under ``--require-gpu``; the
+``nvcomp`` marker skips, naming the install command, where nvCOMP's GPU decoder for torch's CUDA major
+is missing (even under ``--require-gpu``: that is a package to install, not a missing GPU)."""
 
 from __future__ import annotations
 
@@ -29,3 +31,9 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_setup(item):
     if "gpu" in item.keywords and not torch.cuda.is_available() and item.config.getoption("--require-gpu"):
         pytest.fail("gpu test run with --require-gpu but no CUDA device is available", pytrace=False)
+    if "nvcomp" in item.keywords and torch.cuda.is_available():
+        from deltazip.formats.gdeflate import gpu_problem
+
+        problem = gpu_problem()
+        if problem:
+            pytest.skip(f"nvCOMP's GPU decoder cannot run here: {problem}")

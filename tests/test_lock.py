@@ -31,7 +31,7 @@ def _pins() -> dict[str, str]:
 def _requirements() -> list[Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = [Requirement(r) for r in project["dependencies"]]
-    for extra in ("dev", "serve", "eval", "cluster"):  # what `make install` installs
+    for extra in ("dev", "serve", "eval", "cluster", "cu12"):  # what `make install` installs
         reqs += [Requirement(r) for r in project["optional-dependencies"][extra]]
     return [r for r in reqs if r.marker is None or r.marker.evaluate({"platform_system": "Linux"})]
 

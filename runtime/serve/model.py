@@ -565,17 +565,31 @@ class DeltaModel:
             e = art.entry(tname)
             if e.kernel_ready:
                 d = _pin_packed(art.packed(tname, device=decode_on).to("cpu"))
-
-                delta = d.map_parts(tally.share)
-                for mname, attr in targets:
-                    mod = self.modules[mname]
-                    if isinstance(mod, DeltaExperts):  # one piece of an expert parameter
-                        host.modules.setdefault(mname, {})[attr] = delta if e.additive else mod.host_weight(attr, delta)
-                    else:
-                        host.modules.setdefault(mname, {}).update(packed=delta, additive=e.additive)
+                self._put_packed(host, targets, d.map_parts(tally.share), e.additive)
                 continue
             tensor = art.reconstruct(tname, self.base.get(tname) if e.needs_base else None)
             self._put_dense(host, targets, tally.share(_pin(tensor.to(self.dtype))))
+
+    def _put_packed(self, host: HostDelta, targets: list[tuple[str, str]], delta: PackedDelta, additive: bool) -> None:
+        for mname, attr in targets:
+            mod = self.modules[mname]
+            if isinstance(mod, DeltaExperts):  # one piece of an expert parameter
+                host.modules.setdefault(mname, {})[attr] = delta if additive else mod.host_weight(attr, delta)
+            else:
+                host.modules.setdefault(mname, {}).update(packed=delta, additive=additive)
+
+    def host_from_packed(self, name: str, deltas: dict[str, PackedDelta]) -> HostDelta:
+        """A :class:`HostDelta` of variant ``name`` from packed deltas already in memory (``checkpoint
+        tensor -> PackedDelta``, additive, any device), laid out as :meth:`load_host` lays out an
+        artifact's: what a bench that draws deltas on the device hands to :meth:`stage_slot` and
+        :meth:`write_slot` without reading them from disk. Every packed tensor the variant's plan
+        holds must be given."""
+        host = HostDelta(name)
+        for tname, targets in self._targets[name].items():
+            if tname not in deltas:
+                raise KeyError(f"variant {name}: no delta given for {tname}")
+            self._put_packed(host, targets, deltas[tname], True)
+        return host
 
     def _put_dense(self, host: HostDelta, targets: list[tuple[str, str]], tensor: torch.Tensor) -> None:
         for mname, attr in targets:

@@ -138,6 +138,7 @@ def test_stored_must_be_1d_uint8(sample):
 
 
 @pytest.mark.gpu
+@pytest.mark.nvcomp
 def test_gpu_decode_matches_cpu(sample):
     t, stored, meta = sample
     back = decode(meta, stored, device="cuda")

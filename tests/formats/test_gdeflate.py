@@ -132,11 +132,37 @@ def test_level_and_missing_library_errors(monkeypatch, tmp_path):
         gdeflate.find_cpu_library()
     monkeypatch.delenv(gdeflate.ENV_LIB)
     monkeypatch.setattr(gdeflate.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(gdeflate.CodecUnavailableError, match="pip install nvidia-nvcomp-cu12"):
+    with pytest.raises(gdeflate.CodecUnavailableError, match=r"pip install 'deltazip\[cu1[23]\]'"):
         gdeflate.find_cpu_library()
 
 
+def test_install_hint_follows_torchs_cuda_major(monkeypatch):
+    """The hint names the extra of torch's CUDA major (cu12 for a CPU build: its CPU library needs no
+    CUDA); an nvCOMP module built for another major is named as the problem."""
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert gdeflate.install_hint() == "pip install 'deltazip[cu13]' (nvidia-nvcomp-cu13)"
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert gdeflate.install_hint() == "pip install 'deltazip[cu12]' (nvidia-nvcomp-cu12)"
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "deltazip[cu12]" in gdeflate.install_hint()
+    assert [gdeflate.nvcomp_cuda_major(v) for v in (12090, 13000, "13.0", None, "x")] == [12, 13, 13, None, None]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gdeflate.gpu_problem() == "no CUDA device"
+
+
+def test_gpu_problem_names_a_cuda_major_mismatch(monkeypatch):
+    nvcomp = pytest.importorskip("nvidia.nvcomp")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(nvcomp, "__cuda_version__", 12090, raising=False)
+    problem = gdeflate.gpu_problem()
+    assert problem is not None and "built for CUDA 12" in problem and "deltazip[cu13]" in problem
+    monkeypatch.setattr(nvcomp, "__cuda_version__", 13000, raising=False)
+    assert gdeflate.gpu_problem() is None
+
+
 @pytest.mark.gpu
+@pytest.mark.nvcomp
 @pytest.mark.parametrize("n", [1, PAGE, 5 * PAGE + 123])
 def test_gpu_decodes_cpu_chunks_bit_exact(n):
     data = np.random.default_rng(n).choice(16, n, p=np.linspace(1, 0.1, 16) / np.linspace(1, 0.1, 16).sum())

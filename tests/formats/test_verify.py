@@ -283,6 +283,7 @@ def test_fuzz_flips_and_truncations(arts, tmp_path, which, cases):
 
 
 @pytest.mark.gpu
+@pytest.mark.nvcomp
 def test_gpu_load_matches_cpu_load(arts):
     """nvCOMP decodes the CPU-written containers straight into device memory, bit-exactly."""
     base, plain, packed = arts

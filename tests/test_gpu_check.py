@@ -1,0 +1,56 @@
+"""``bash bench/gpu_check.sh --dry-run``: every step of the GPU window's one command, on CPU at toy size.
+
+Marked slow: the two servers, a compression, the step bench and two pytest runs take about 45 s of CPU
+(46 s on an idle 2-core machine, up to three minutes when the machine is shared); it is the only check
+that the window's script runs end to end before the window.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_the_dry_run_runs_every_step_and_keeps_at_most_8_files(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PY": sys.executable, "SCRATCH": str(tmp_path / "scratch"),
+           "DELTAZIP_CUDA_CACHE": str(tmp_path / "cuda")}
+    got = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert got.returncode == 0, got.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    summary = (out / "summary.md").read_text()
+    log = (out / "gpu_check.log").read_text()
+    assert files == ["commands.sh", "compress_memory.json", "gdeflate_decode.json", "gpu_check.log", "serve.json",
+                     "step.json", "summary.md"], (files, summary, log[:6000])  # sbmm_table.json needs a GPU
+    steps = [ln for ln in summary.splitlines() if ln.startswith("- ") and " in " in ln]
+    assert [ln.split(":")[0] for ln in steps] == [
+        "- serving bench (zipf-1.5, delta vs swap)", "- compression", "- decode step", "- GDeflate decode, GPU vs CPU",
+        "- gpu-marked tests and CUDA kernel parity", "- delta matmul table (--quick)"], summary
+    assert all(": exit 0 " in ln for ln in steps[:5]), summary
+    assert "needs a CUDA GPU" in steps[5]
+    assert sum(ln.startswith("timeout ") for ln in (out / "commands.sh").read_text().splitlines()) == 6
+
+    serve = json.loads((out / "serve.json").read_text())
+    assert serve["complete"] and serve["config"]["layers"] == 2 and "pinned" in serve["config"]["swap_weights"]
+    rows = {r["mode"]: r for r in serve["results"]}
+    for mode in ("delta", "swap"):
+        assert rows[mode]["requests"] > 0 and rows[mode]["completed"] == rows[mode]["requests"], rows[mode]
+    assert rows["delta/swap"]["throughput_delta_over_swap"] > 0
+    step = json.loads((out / "step.json").read_text())
+    assert step["complete"] and [r["variants"] for r in step["results"]] == [1, 4]
+    assert all(r["layers"] == 2 and r["base_floor_ms"] > 0 and r["generate_ms_per_token"] for r in step["results"])
+    comp = json.loads((out / "compress_memory.json").read_text())
+    assert comp["complete"] and comp["results"][0]["peak_rss_anon_mib"] > 0
+    assert comp["results"][-1]["extrapolated"] and comp["results"][-1]["layers"] == 32
+    gd = json.loads((out / "gdeflate_decode.json").read_text())
+    assert gd["results"][0]["decode_GBps"] > 0 and gd["results"][1]["skipped"] == "no CUDA device"
+    assert not (tmp_path / "scratch").exists()  # the scratch (synthetic models, server logs) is removed
