@@ -205,12 +205,9 @@ def synthetic_model(a: argparse.Namespace, device: torch.device, dtype: torch.dt
 
 def tune_bench_keys(dm, pairs: list[tuple[int, int]]) -> dict:
     """Tune the delta-matmul keys this bench runs, ``(rows, variants)`` per stack configuration, and no
-    other (a GPU window's seconds): what a server tunes before it answers. Code where the model tunes
-    every key when it is built (no ``kernel_warmup.jobs``) has done so already."""
+    other (a GPU window's seconds): what a server tunes before it answers."""
     from deltazip.runtime.serve import kernel_warmup
 
-    if not hasattr(kernel_warmup, "jobs"):
-        return dict(dm.warmup)
     t0 = time.perf_counter()
     n = dm.tuner.tune_now(kernel_warmup.jobs(dm, pairs))
     dm.warmup = {"seconds": time.perf_counter() - t0, "launches": n}
