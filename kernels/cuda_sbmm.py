@@ -25,7 +25,8 @@ from importlib import resources
 
 import torch
 
-from deltazip.kernels.mma_layout import padded_rows
+from deltazip.kernels import preview
+from deltazip.kernels.mma_layout import k_tiles, padded_rows
 from deltazip.kernels.mma_layout import supported as mma_supported
 from deltazip.kernels.row_plan import RowPlan, group_rows
 from deltazip.kernels.stacked import StackedDeltas
@@ -91,8 +92,11 @@ def covers(scheme, in_features: int, dtype: torch.dtype) -> str | None:
         return f"{str(dtype).removeprefix('torch.')} activations (the kernel takes fp16 and bf16)"
     if scheme.bits not in BITS:
         return f"{scheme.bits}-bit codes (the kernel reads 2, 4 and 8 bits)"
-    if in_features % 128:
-        return f"in_features {in_features} is not a multiple of 128"
+    if in_features % 8:
+        return f"in_features {in_features} is not a multiple of 8 (the kernel copies activations in 16-byte pieces)"
+    if in_features % 128 and not preview.enabled("padded-k"):
+        return (f"in_features {in_features} is not a multiple of 128 (the padded-K kernel build awaits parity "
+                f"on a GPU: {preview.ENV}=padded-k serves it on the kernel)")
     if not mma_supported(scheme.bits, scheme.group_size, in_features):
         return f"groups of {g} columns at {scheme.bits} bits do not fit the mma layout's K steps"
     if group_params_for(scheme.group_size, in_features) is None:
@@ -115,11 +119,14 @@ def stage_bytes(stack: StackedDeltas, rb: int, kt: int = 1) -> int:
 
 def macros(stack: StackedDeltas, dtype: torch.dtype, cfg: CudaConfig, device_index: int = 0) -> dict[str, int]:
     """Compile-time constants of one kernel build; ``SMEM_SM``, the device's shared memory per SM, lets
-    the kernel's register budget (its launch bounds) assume the CTAs per SM of :func:`ctas_per_sm`."""
+    the kernel's register budget (its launch bounds) assume the CTAs per SM of :func:`ctas_per_sm`;
+    ``KCOLS`` (only where ``in_features`` is not a multiple of 128) the columns past which the padded
+    last K tile's activations are zero-filled."""
     gk16, _ = group_params(stack)
     return {"BITS": stack.bits, "BF16": int(dtype == torch.bfloat16), "ASYM": int(stack.asymmetric),
             "GK16": gk16, "RB": cfg.rb, "STAGES": cfg.stages, "KT": cfg.kt, "MT": cfg.mt,
-            "SMEM_SM": sm_limits(device_index)[1]}
+            "SMEM_SM": sm_limits(device_index)[1],
+            **({"KCOLS": stack.in_features} if stack.in_features % 128 else {})}
 
 
 @functools.cache
@@ -222,7 +229,7 @@ def kt_ok(stack: StackedDeltas, kt: int) -> bool:
     """Two K tiles per stage: at 2 and 4 bits, groups of whole tiles, an even number of tiles (8-bit
     codes and narrower groups would spill registers)."""
     gk16, _ = group_params(stack)
-    return kt == 1 or (stack.bits <= 4 and gk16 == 8 and (stack.in_features // 128) % kt == 0)
+    return kt == 1 or (stack.bits <= 4 and gk16 == 8 and k_tiles(stack.in_features) % kt == 0)
 
 
 def mt_ok(stack: StackedDeltas, mt: int) -> bool:
@@ -266,9 +273,9 @@ def default_config(stack: StackedDeltas, plan: RowPlan, device: torch.device) ->
     rb = 2 if padded_rows(stack.out_features) >= 128 else 1
     ctas = -(-padded_rows(stack.out_features) // (64 * rb)) * max(plan.num_tiles, 1)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    k_tiles, split = stack.in_features // 128, 1
+    tiles, split = k_tiles(stack.in_features), 1
     kt = 2 if kt_ok(stack, 2) else 1
-    while ctas * split < 2 * sms and k_tiles // (split * 2) >= 4:
+    while ctas * split < 2 * sms and tiles // (split * 2) >= 4:
         split *= 2
     stages = 4 if fits(stack, CudaConfig(rb, 4, 1, kt), device.index or 0) else 3
     return CudaConfig(rb=rb, stages=stages, split=split, kt=kt)
@@ -285,7 +292,7 @@ class Build:
                              f"bits {stack.bits}, group {stack.effective_group})")
         if not mt_ok(stack, cfg.mt):  # before compiling a build that could not run
             raise ValueError(f"mt={cfg.mt} needs codes of 2 or 4 bits, not {stack.bits}")
-        self.k_tiles = stack.in_features // 128
+        self.k_tiles = k_tiles(stack.in_features)
         if self.k_tiles % cfg.kt:
             raise ValueError(f"kt={cfg.kt} does not divide the {self.k_tiles} K tiles of in_features {stack.in_features}")
         from deltazip.kernels.cuda_rtc import load
@@ -429,9 +436,9 @@ def dequantize_slot(stack: StackedDeltas, slot: int, dtype: torch.dtype, out: to
     c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
     args = [ptr(stack.qweight.data_ptr()), ptr(stack.scales.data_ptr()), ptr(zr.data_ptr()), c_int(slot),
             c_ll(stack.qweight[0].numel()), c_ll(stack.scales[0].numel()), c_int(out_f),
-            c_int(padded_rows(out_f)), c_int(in_f // 128), c_int(stack.effective_group), ptr(w.data_ptr()),
+            c_int(padded_rows(out_f)), c_int(k_tiles(in_f)), c_int(stack.effective_group), ptr(w.data_ptr()),
             c_int(w.stride(0))]
-    kernel((padded_rows(out_f) // 64, in_f // 128, 1), 128, 0, torch.cuda.current_stream(stack.device).cuda_stream,
+    kernel((padded_rows(out_f) // 64, k_tiles(in_f), 1), 128, 0, torch.cuda.current_stream(stack.device).cuda_stream,
            args)
     return w
 
@@ -470,7 +477,7 @@ def _scratch(device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tens
 
 def grid_ctas(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig) -> int:
     """CTAs of a launch over ``num_tiles`` row tiles: 64-row blocks / ``rb`` x tiles x the splits it runs."""
-    _, split = effective_split(stack.in_features // 128, cfg)
+    _, split = effective_split(k_tiles(stack.in_features), cfg)
     return -(-padded_rows(stack.out_features) // (64 * cfg.rb)) * num_tiles * split
 
 

@@ -215,7 +215,7 @@ def candidates(stack: StackedDeltas, rows: int, deltas: int, sms: int | None = N
     per SM; split 3 fills 3.9 waves of 132 x 2, split 2 only 2.6). On the two Hopper runs
     (H100, H200; 192 tuned keys) 7 keys chose a split beyond this bound, each within 3.5% of the same key
     in the other activation dtype, which mostly chose split 1 (``docs/kernels.md``, "Start-up tuning")."""
-    k_tiles = stack.in_features // 128
+    k_tiles = cuda_sbmm.k_tiles(stack.in_features)
     n = rows_bucket(rows)
     d = min(deltas_bucket(deltas), stack.num_deltas, n)
     tiles = d * -(-(n // d) // 16)  # the probe spreads n rows evenly over d slots, 16-row tiles
@@ -271,7 +271,7 @@ def _deeper(stack: StackedDeltas, tiles: int, rb: int, kt: int, split: int, dev:
     need = -(-cuda_sbmm.grid_ctas(stack, tiles, base) // cuda_sbmm.sm_limits(dev)[0])  # CTAs the grid gives an SM
     for st in DEEP_STAGES:
         c = _config(rb, kt, split, st)
-        k_per_split, _ = cuda_sbmm.effective_split(stack.in_features // 128, c)
+        k_per_split, _ = cuda_sbmm.effective_split(cuda_sbmm.k_tiles(stack.in_features), c)
         if (k_per_split // kt > st and cuda_sbmm.fits(stack, c, dev)
                 and cuda_sbmm.ctas_per_sm(stack, c, dev) >= min(need, cuda_sbmm.ctas_per_sm(stack, base, dev))):
             return c
@@ -285,7 +285,7 @@ def _better_split(stack: StackedDeltas, tiles: int, rb: int, kt: int, kept: list
     adds fp32 partials of the whole output; one more candidate is cheap, and the tuner measures whether
     the fuller wave pays for them. Splits are compared by the split count a launch actually runs (3 over 8
     tiles in stages of 2 runs 2 splits of 4, the launch of split 2)."""
-    k_tiles = stack.in_features // 128
+    k_tiles = cuda_sbmm.k_tiles(stack.in_features)
     runs = {sp: cuda_sbmm.effective_split(k_tiles, _config(rb, kt, sp))[1] for sp in k_ok}
     eff = {sp: cuda_sbmm.wave_efficiency(cuda_sbmm.waves(stack, tiles, _config(rb, kt, sp), dev)) for sp in k_ok}
     taken = {runs[sp] for sp in kept}

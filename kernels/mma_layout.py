@@ -25,8 +25,11 @@ through fp16 and are converted, exact because ``|q - z| <= 255``).
 
 Index map (one slot)
 --------------------
-Rows are padded to ``OUTP = ceil(out / 64) * 64`` (padded rows hold code 0 with scale 0); ``in``
-must be a multiple of 128. Row ``n`` and column ``k`` decompose as::
+Rows are padded to ``OUTP = ceil(out / 64) * 64`` (padded rows hold code 0 with scale 0) and
+columns to ``INP = ceil(in / 128) * 128`` (padded columns hold code 0; their groups, where a group is
+narrower than a tile, scale 0; the kernel zero-fills the activations past ``in``, so they add exactly
+0). ``in`` must be a multiple of 8 (the kernel copies activations in 16-byte pieces). Row ``n`` and
+column ``k`` decompose as::
 
     n = 64 * nb + 16 * w + 8 * rr + l          (w: warp, rr: row half, l: lane // 4)
     k = 128 * kb + kk
@@ -36,7 +39,7 @@ must be a multiple of 128. Row ``n`` and column ``k`` decompose as::
 ``m16n8k16`` MMA (zero points are kept as fp16 so that the subtraction is one packed ``HSUB2``). With ``j = 4 * c + 2 * b + h`` (16 pairs per thread, row and 128-column tile),
 ``PPW = 16 // bits`` pairs per word and ``bits`` words per thread-row, a thread's word ``iw = j //
 PPW`` holds the code of ``(n, k)`` at bit ``16 * e + bits * (j % PPW)``. Words are stored per
-``64 x 128`` tile (``KB = in / 128`` tiles per row block, one contiguous block of ``1024 * bits``
+``64 x 128`` tile (``KB = INP / 128`` tiles per row block, one contiguous block of ``1024 * bits``
 bytes each) in the order ``[hv, rr, w, l, q, v]`` with ``iw = hv * V + v`` and ``V = min(bits,
 4)``: a thread's words of a row half are runs of at most four (one 16-byte load each), and a warp's
 load of one run is 512 contiguous bytes.
@@ -80,8 +83,9 @@ def block_k_for(in_features: int, group: int, bits: int) -> int | None:
 
 
 def supported(bits: int, group_size: int, in_features: int) -> bool:
-    """Whether a configuration has an ``mma`` layout (else the ``transposed`` one)."""
-    if bits not in MMA_BITS or in_features % K_BLOCK or in_features <= 0:
+    """Whether a configuration has an ``mma`` layout (else the ``transposed`` one); ``in_features``
+    not a multiple of 128 is padded (module docstring)."""
+    if bits not in MMA_BITS or in_features % 8 or in_features <= 0:
         return False
     g = in_features if group_size == -1 else group_size
     if g <= 0 or in_features % g:
@@ -93,9 +97,27 @@ def padded_rows(out_features: int) -> int:
     return -(-out_features // ROW_BLOCK) * ROW_BLOCK
 
 
+def padded_cols(in_features: int) -> int:
+    """Columns of the layout: ``in_features`` rounded up to whole 128-column tiles."""
+    return -(-in_features // K_BLOCK) * K_BLOCK
+
+
+def k_tiles(in_features: int) -> int:
+    """128-column K tiles of a row in the layout (the last one padded when ``in_features % 128``)."""
+    return padded_cols(in_features) // K_BLOCK
+
+
+def scale_groups(in_features: int, group_size: int) -> int:
+    """Groups per row of an ``mma`` stack's scales (and zero points): a group narrower than a tile
+    (dividing 128) is counted over the padded columns, so the padded tile's groups exist (scale 0);
+    wider groups (the whole row) are the delta's own."""
+    g = in_features if group_size == -1 else group_size
+    return padded_cols(in_features) // g if K_BLOCK % g == 0 else in_features // g
+
+
 def slot_words(out_features: int, in_features: int, bits: int) -> int:
     """int32 words of one slot in the ``mma`` layout."""
-    return padded_rows(out_features) * in_features * bits // 32
+    return padded_rows(out_features) * padded_cols(in_features) * bits // 32
 
 
 def zero_points(delta: PackedDelta) -> torch.Tensor:
@@ -141,16 +163,17 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack dense codes ``[out, in]`` (values in ``[0, 2**bits)``) into the ``mma`` layout.
 
     Returns:
-        int32 ``[slot_words(out, in, bits)]`` (rows padded to a multiple of 64 with code 0).
+        int32 ``[slot_words(out, in, bits)]`` (rows padded to a multiple of 64, columns to one of 128,
+        with code 0).
     """
     if bits not in MMA_BITS:
         raise ValueError(f"the mma layout holds {MMA_BITS}-bit codes, not {bits}")
     out_f, in_f = codes.shape
-    if in_f % K_BLOCK:
-        raise ValueError(f"the mma layout needs in_features divisible by {K_BLOCK}, got {in_f}")
+    if in_f % 8:
+        raise ValueError(f"the mma layout needs in_features divisible by 8, got {in_f}")
     outp = padded_rows(out_f)
-    full = torch.zeros(outp, in_f, dtype=torch.int64, device=codes.device)
-    full[:out_f] = codes.to(torch.int64)
+    full = torch.zeros(outp, padded_cols(in_f), dtype=torch.int64, device=codes.device)
+    full[:out_f, :in_f] = codes.to(torch.int64)
     frag = _to_fragment_order(full)  # [..., j(16), e(2)]
     ppw = 16 // bits
     frag = frag.reshape(*frag.shape[:-2], bits, ppw, 2)  # j -> (word, pair in word)
@@ -168,7 +191,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(words: torch.Tensor, bits: int, out_features: int, in_features: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: int64 codes ``[out, in]``."""
     outp = padded_rows(out_features)
-    nb, kb, ppw = outp // ROW_BLOCK, in_features // K_BLOCK, 16 // bits
+    nb, kb, ppw = outp // ROW_BLOCK, k_tiles(in_features), 16 // bits
     run = min(bits, 4)
     w = words.to(torch.int64).reshape(nb, kb, bits // run, 2, 4, 8, 4, run).permute(0, 1, 3, 4, 5, 6, 2, 7)
     w = w.reshape(nb, kb, 2, 4, 8, 4, bits, 1, 1) & 0xFFFFFFFF
@@ -176,7 +199,7 @@ def unpack_codes(words: torch.Tensor, bits: int, out_features: int, in_features:
     shifts = ip[:, None] * bits + torch.tensor([0, 16], device=words.device, dtype=torch.int64)[None, :]
     frag = (w >> shifts) & ((1 << bits) - 1)  # [..., bits, ppw, 2]
     frag = frag.reshape(nb, kb, 2, 4, 8, 4, 16, 2)
-    return _from_fragment_order(frag)[:out_features]
+    return _from_fragment_order(frag)[:out_features, :in_features]
 
 
 def resparsify(codes: torch.Tensor, zeros: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

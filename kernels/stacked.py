@@ -29,8 +29,9 @@ Two layouts (``StackedDeltas.layout``):
 - ``"mma"``: read by the CUDA kernel (``deltazip.kernels.cuda_sbmm``); ``qweight`` is int32
   ``[D, slot_words]`` in the register order of the tensor-core fragment
   (``deltazip.kernels.mma_layout``), 2:4 deltas expanded to dense codes (``positions`` is None and
-  ``sparse24`` True), ``scales`` fp16 ``[D, G, OUTP]`` and ``zeros`` fp16 ``[D, G, OUTP]`` with the
-  output rows padded to ``OUTP``, a multiple of 64.
+  ``sparse24`` True), ``scales`` fp16 ``[D, GP, OUTP]`` and ``zeros`` fp16 ``[D, GP, OUTP]`` with the
+  output rows padded to ``OUTP``, a multiple of 64, and the groups to ``GP``
+  (``mma_layout.scale_groups``: those of a padded last K tile included, scale 0).
 
 Which one a stack gets is the dispatcher's decision (``deltazip.kernels.dispatch.layout_for``);
 ``"auto"`` here (:func:`choose_layout`) is ``"mma"`` on CUDA for configurations the layout holds.
@@ -46,7 +47,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from deltazip.kernels import mma_layout
+from deltazip.kernels import mma_layout, preview
 from deltazip.kernels.packed import PackedDelta, packed_words
 from deltazip.kernels.reference import delta_weight as _reference_delta_weight
 from deltazip.kernels.scheme import DeltaScheme, SchemeShaped
@@ -68,7 +69,7 @@ def choose_layout(layout: str, *, bits: int, group_size: int, in_features: int,
     ok = mma_layout.supported(bits, group_size, in_features)
     if layout == "mma" and not ok:
         raise ValueError(f"no mma layout for bits={bits}, group_size={group_size}, in_features={in_features} "
-                         f"(needs bits in {mma_layout.MMA_BITS}, in_features % 128 == 0, a group size that "
+                         f"(needs bits in {mma_layout.MMA_BITS}, in_features % 8 == 0, a group size that "
                          "is a multiple of 32, or 64 at 2 bits)")
     if layout != "auto":
         return layout
@@ -77,6 +78,9 @@ def choose_layout(layout: str, *, bits: int, group_size: int, in_features: int,
         raise ValueError(f"{_LAYOUT_ENV}={env!r}: use one of {LAYOUTS} or 'auto'")
     if env != "auto":
         return "mma" if env == "mma" and ok else "transposed"
+    # a padded last K tile is a preview kernel path: until it passes parity on a GPU, such stacks
+    # keep the transposed layout the reference reads directly
+    ok = ok and (in_features % mma_layout.K_BLOCK == 0 or preview.enabled("padded-k"))
     return "mma" if ok and torch.device(device).type == "cuda" else "transposed"
 
 
@@ -146,10 +150,11 @@ class StackedDeltas(SchemeShaped):
         if layout == "mma":
             outp = mma_layout.padded_rows(out_features)
             words = mma_layout.slot_words(out_features, in_features, scheme.bits)
+            gp = mma_layout.scale_groups(in_features, scheme.group_size)
             return cls(
                 torch.zeros(num_slots, words, dtype=torch.int32, device=device),
-                torch.zeros(num_slots, g, outp, dtype=torch.float16, device=device),
-                torch.zeros(num_slots, g, outp, dtype=torch.float16, device=device) if asym else None,
+                torch.zeros(num_slots, gp, outp, dtype=torch.float16, device=device),
+                torch.zeros(num_slots, gp, outp, dtype=torch.float16, device=device) if asym else None,
                 None, scheme, in_features, out_features, layout="mma",
             )
         kept = scheme.kept_per_row(in_features)
@@ -234,20 +239,20 @@ class StackedDeltas(SchemeShaped):
             packed = mma_layout.pack_codes(mma_layout.dense_codes(part), bits)
             start = (row0 + r0) // mma_layout.ROW_BLOCK * per_block
             words[start:start + packed.numel()].copy_(packed)
-        rows = slice(row0, row0 + out_f)
+        rows, g = slice(row0, row0 + out_f), delta.scales.shape[1]  # groups past g: a padded tile's, scale 0
         if out_f == self.out_features:
             self.scales[slot].zero_()
-        self.scales[slot, :, rows].copy_(delta.scales.T)
+        self.scales[slot, :g, rows].copy_(delta.scales.T)
         if self.zeros is not None:
             if out_f == self.out_features:
                 self.zeros[slot].zero_()
-            self.zeros[slot, :, rows].copy_(zp.T.to(torch.float16))
+            self.zeros[slot, :g, rows].copy_(zp.T.to(torch.float16))
 
     def _unstack_mma(self, slot: int) -> PackedDelta:
         out_f, in_f, bits = self.out_features, self.in_features, self.bits
-        group = self.effective_group
-        scales = self.scales[slot, :, :out_f].T.contiguous()
-        zeros = None if self.zeros is None else self.zeros[slot, :, :out_f].T.to(torch.uint8).contiguous()
+        group, g = self.effective_group, self.scheme.num_groups(in_f)
+        scales = self.scales[slot, :g, :out_f].T.contiguous()
+        zeros = None if self.zeros is None else self.zeros[slot, :g, :out_f].T.to(torch.uint8).contiguous()
         zp = zeros if zeros is not None else torch.full_like(scales, 1 << (bits - 1), dtype=torch.uint8)
         per_block = mma_layout.slot_words(mma_layout.ROW_BLOCK, in_f, bits)
         qws, poss = [], []

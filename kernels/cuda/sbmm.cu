@@ -12,6 +12,9 @@
 //   KT      128-column K tiles per pipeline stage (1 or 2: 2 halves the loop's fixed work per weight)
 //   MT      16-row weight tiles per warp (1 or 2, 2 at 2 and 4 bits): each activation fragment a warp
 //           reads from shared memory feeds MT tiles' MMAs (4 RB / MT warps per CTA)
+//   KCOLS   (only when in_features is not a multiple of 128) in_features, a multiple of 8: the layout pads
+//           the last K tile (code 0; groups narrower than a tile past the row scale 0) and the kernel
+//           zero-fills the activations from column KCOLS on, so the padding adds exactly 0
 // No CUDA header is included (NVRTC needs none): every fp16/bf16 operation is inline PTX.
 //
 // Why it is shaped like this (docs/kernels.md has the measurements):
@@ -301,12 +304,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   const u16* xsrc[XP];
   u32 xdst[XP];
   int xstep[XP];
+#ifdef KCOLS
+  int xcol[XP];  // the piece's first column
+#endif
 #pragma unroll
   for (int j = 0; j < XP; ++j) {
     const int i = tid + j * NTHREADS, r = i / (16 * KT), p = i % (16 * KT);
     xsrc[j] = r < cnt ? x + (i64)xrow[r] * sx + kt0 * 128 + p * 8 : x;
     xstep[j] = r < cnt ? 128 * KT : 0;
     xdst[j] = W_BYTES + (S_HALVES + Z_HALVES + r * XS + p * 8) * 2;
+#ifdef KCOLS
+    xcol[j] = kt0 * 128 + p * 8;
+#endif
   }
   // Only the tile's own rows are copied: rows past `cnt` keep whatever the stage held, which reaches only
   // the mma columns of rows past `cnt`, never stored (each output column reads its own activation row).
@@ -314,7 +323,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   auto load_x = [&](u32 st) {  // the next K tiles' activations into stage `st`
 #pragma unroll
     for (int j = 0; j < XP; ++j) {
+#ifdef KCOLS
+      // past the row (the padded last K tile): zero-filled, never read, so its codes add exactly 0
+      const bool in_row = xcol[j] < KCOLS;
+      if (xstep[j]) cp16(st + xdst[j], in_row ? (const void*)xsrc[j] : (const void*)x, in_row ? 16 : 0);
+      xcol[j] += 128 * KT;
+#else
       if (xstep[j]) cp16(st + xdst[j], xsrc[j], 16);
+#endif
       xsrc[j] += xstep[j];
     }
   };
@@ -504,7 +520,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
 }
 
 // Dense delta of one slot: out [out_f, K] (row stride so) = scale * (q - z), in the activation dtype.
-// Grid (outp / 64, K / 128), 128 threads: each thread its fragment elements of one 64 x 128 tile.
+// Grid (outp / 64, k_tiles), 128 threads: each thread its fragment elements of one 64 x 128 tile.
 extern "C" __global__ void __launch_bounds__(128) dz_dequant(
     const u32* __restrict__ qw, const u16* __restrict__ scales, const u16* __restrict__ zeros, int slot,
     i64 slot_words, i64 slot_sz, int out_f, int outp, int k_tiles, int group, u16* __restrict__ out, int so) {
@@ -524,6 +540,9 @@ extern "C" __global__ void __launch_bounds__(128) dz_dequant(
 #pragma unroll
     for (int j = 0; j < 16; ++j) {  // pair j = 2 * step + h: columns 16 * step + 8 * h + q2 + {0, 1}
       const int col = kt * 128 + 16 * (j >> 1) + 8 * (j & 1) + q2;
+#ifdef KCOLS
+      if (col >= KCOLS) continue;  // the padded last K tile: out holds in_features columns
+#endif
       const i64 gp = slot * slot_sz + (i64)(col / group) * outp + m;
       const float s = h2f(scales[gp]);
 #if ASYM

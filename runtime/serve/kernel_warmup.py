@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 
-from deltazip.kernels import dispatch, dispatch_table
+from deltazip.kernels import dispatch, dispatch_table, preview
 from deltazip.kernels.stacked import StackedDeltas
 from deltazip.kernels.tuner import Job, first_pairs
 
@@ -88,7 +88,8 @@ def tune_new_keys(model) -> int:
 
 
 def reference_lines(model) -> list[str]:
-    """One line per stack configuration a GPU serves on the torch reference, naming the scheme and why."""
+    """One line per stack configuration a GPU serves on the torch reference, naming the scheme and why,
+    or on a preview kernel path (``deltazip.kernels.preview``: not yet validated on a GPU)."""
     if model.device.type != "cuda" or model.delta_compute != "packed":
         return []
     lines = {}
@@ -100,6 +101,10 @@ def reference_lines(model) -> list[str]:
                     f"[{st.out_features}x{st.in_features}] {str(model.dtype).removeprefix('torch.')}")
             lines[what] = (f"delta matmul: {what} runs on the torch reference (correct, slower than the CUDA "
                            f"kernel): {launch.reason}")
+        elif used := preview.used_by(st):
+            what = f"[{st.out_features}x{st.in_features}]"
+            lines[what] = (f"delta matmul: {what} runs on the CUDA kernel's preview path {', '.join(used)} "
+                           f"({preview.ENV}; not yet validated by the parity tests on a GPU)")
     return list(lines.values())
 
 

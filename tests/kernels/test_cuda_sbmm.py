@@ -361,3 +361,94 @@ def test_the_drivers_dram_bandwidth_bounds_a_measured_device_copy():
     end.synchronize()
     copied = 2 * 5 * a.numel() / (start.elapsed_time(end) / 1e3)  # read + write bytes per second
     assert 0.4 * peak < copied < 1.05 * peak, (copied, peak)
+
+
+# ------------------------------------- in_features not a multiple of 128 (preview: DELTAZIP_CUDA_PREVIEW)
+
+PADDED_VARIANTS = [(bits, dt, asym, group, in_f, rb, kt)
+                   for bits in (2, 4, 8) for dt in (torch.float16, torch.bfloat16) for asym in (False, True)
+                   for group, in_f, rb, kt in ((64, 576, 2, 1), (64, 320, 1, 1), (-1, 576, 2, 1), (-1, 960, 2, 2))
+                   if kt == 1 or bits <= 4]
+
+
+@pytest.fixture
+def padded_k(monkeypatch):
+    from deltazip.kernels import preview
+
+    monkeypatch.setenv(preview.ENV, "padded-k")
+
+
+@pytest.mark.parametrize("bits,dtype,asym,group,in_f,rb,kt", PADDED_VARIANTS)
+def test_padded_k_builds_compile_offline_to_the_same_streaming_loop(padded_k, bits, dtype, asym, group, in_f, rb, kt):
+    """The padded-K builds (``KCOLS``: the activations past the row zero-filled) keep the main loop of
+    every other build: 16-byte copies only, no shared-memory store, one barrier, the MMAs and ldmatrix
+    of a full tile, no local memory, registers within 128; the dense-dequantize kernel builds too."""
+    rtc = _nvrtc_or_skip()
+    from deltazip.kernels import cuda_sass as sass
+
+    if sass.tools_available():
+        pytest.skip(sass.tools_available())
+    _, stack = _stack(bits, group, asym, in_f=in_f)
+    cfg = cuda_sbmm.CudaConfig(rb=rb, stages=4, kt=kt)
+    assert cuda_sbmm.supported(stack, dtype) and cuda_sbmm.kt_ok(stack, kt)
+    macros = cuda_sbmm.macros(stack, dtype, cfg)
+    assert macros["KCOLS"] == in_f
+    info = sass.analyze(rtc.compile_cubin(cuda_sbmm.source(), macros, 90), function="dz_sbmm")
+    full = info["loop_full_opcodes"]
+    copies = {op: n for op, n in full.items() if op.startswith("LDGSTS")}
+    assert copies and all(op.endswith(".128") for op in copies), copies
+    assert info["loop_smem_stores"] == 0, full
+    assert sum(n for op, n in full.items() if op.startswith("BAR.SYNC")) == 1, full
+    assert info["loop_mma"] == (16 + 8) * kt, full
+    assert not any(op.startswith(("LDL", "STL")) for op in info["all_opcodes"]), "local memory (spills)"
+    assert info["registers"] * cfg.threads * cuda_sbmm.ctas_per_sm(stack, cfg) <= cuda_sbmm.sm_limits(0)[2]
+    deq = sass.opcodes(rtc.compile_cubin(cuda_sbmm.source(), macros, 80), function="dz_dequant")
+    assert deq and not any(op.startswith(("LDL", "STL")) for op in deq)
+
+
+def test_a_multiple_of_128_builds_without_kcols():
+    """The validated builds are unchanged: no ``KCOLS`` where in_features is a multiple of 128."""
+    _, stack = _stack(4, 128, False, in_f=512)
+    assert "KCOLS" not in cuda_sbmm.macros(stack, torch.float16, cuda_sbmm.CudaConfig())
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("asym,group,in_f", [(False, 64, 576), (True, 32, 576), (False, -1, 576), (True, 64, 320),
+                                             (False, -1, 960)])
+def test_padded_k_matches_the_reference_and_never_reads_past_the_row(padded_k, bits, dtype, asym, group, in_f):
+    """The padded last K tile over every launch shape (row blocks, stages, K splits through the padded
+    tile, two tiles per warp, two K tiles per stage) and the dense-dequantize path. The activations are
+    a view of a wider tensor whose columns past the row are NaN: one read past ``in_features`` would
+    poison its row."""
+    if not cuda_sbmm.available():
+        pytest.skip("sm_80+ and NVRTC needed")
+    if group == 32 and bits == 2:
+        pytest.skip("2-bit groups of 32 have no mma layout")
+    gen = torch.Generator().manual_seed(bits * 11 + in_f)
+    out_f, n_slots = 192, 4
+    deltas = [make_delta(out_f, in_f, bits, group, True, asym, gen) for _ in range(n_slots)]
+    stack = repack(deltas, device="cuda", layout="mma")
+    for rows in ([2, 0, 3, -1, 2, 2, 1], [3] * 21 + [0] * 9 + [-1] * 2, [1]):
+        index = torch.tensor(rows)
+        wide = torch.full((len(rows), in_f + 64), float("nan"), dtype=dtype)
+        wide[:, :in_f] = torch.randn(len(rows), in_f, generator=gen).to(dtype)
+        x = wide.cuda()[:, :in_f]
+        ref = reference.sbmm(x.contiguous(), index.cuda(), deltas)
+        plan = plan_rows(rows, n_slots, "cuda")
+        cfgs = [cuda_sbmm.CudaConfig(2, 4, 1), cuda_sbmm.CudaConfig(1, 3, 2), cuda_sbmm.CudaConfig(2, 2, 3),
+                cuda_sbmm.CudaConfig(2, 4, 2, kt=2), cuda_sbmm.CudaConfig(1, 8, 1),
+                cuda_sbmm.CudaConfig(2, 4, 1, mt=2), cuda_sbmm.CudaConfig(1, 4, 2, mt=2)]
+        for cfg in [c for c in cfgs if cuda_sbmm.kt_ok(stack, c.kt) and cuda_sbmm.mt_ok(stack, c.mt)]:
+            y = cuda_sbmm.sbmm_cuda(x, stack, plan, config=cfg)
+            assert torch.isfinite(y).all(), cfg
+            _check(y, ref, dtype)
+            assert torch.equal(y[index.cuda() < 0], torch.zeros_like(y[index.cuda() < 0]))
+    for s in range(n_slots):
+        _check(cuda_sbmm.dequantize_slot(stack, s, dtype), reference.delta_weight(deltas[s]).to(dtype).cuda(), dtype)
+    rows = random_index(300, n_slots, gen).tolist()
+    x = torch.randn(300, in_f, generator=gen).to(dtype).cuda()
+    _check(cuda_sbmm.dequant_mm(x, stack, plan_rows(rows, n_slots, "cuda")),
+           reference.sbmm(x, torch.tensor(rows).cuda(), deltas), dtype)

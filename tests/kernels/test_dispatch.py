@@ -12,7 +12,7 @@ import torch
 from _sbmm import make_delta
 
 from deltazip.compress.config import AUTO_GROUPS
-from deltazip.kernels import cuda_sbmm, dispatch, dispatch_table, reference
+from deltazip.kernels import cuda_sbmm, dispatch, dispatch_table, mma_layout, reference
 from deltazip.kernels.scheme import DeltaScheme, kind_rules
 from deltazip.kernels.stacked import StackedDeltas
 from deltazip.runtime.serve.delta_linear import PackedStore
@@ -58,6 +58,29 @@ def test_every_writable_scheme_is_served_by_the_cuda_kernel_or_by_the_reference_
     assert dispatch.coverage(DeltaScheme(), 11008, torch.bfloat16) is None
     assert dispatch.coverage(DeltaScheme(bits=2, group_size=32), 4096, torch.float16) is not None
     assert dispatch.coverage(DeltaScheme(group_size=384), 4608, torch.float16) is not None
+
+
+def test_padded_k_preview_puts_576_columns_on_the_cuda_kernel(monkeypatch):
+    """SmolLM2's 576-column projections are not a multiple of 128: on the reference by default, with a
+    reason naming the preview switch; with DELTAZIP_CUDA_PREVIEW=padded-k every scheme the layout holds
+    at 576 (and 2880, gpt-oss) is served by the kernel. Not a multiple of 8 stays on the reference."""
+    from deltazip.kernels import preview
+
+    monkeypatch.delenv(preview.ENV, raising=False)
+    why = dispatch.coverage(DeltaScheme(bits=4, group_size=64), 576, torch.float16)
+    assert why is not None and "not a multiple of 128" in why and f"{preview.ENV}=padded-k" in why
+    monkeypatch.setenv(preview.ENV, "padded-k")
+    served = 0
+    for s in SCHEMES:
+        for in_f in (576, 2880):
+            if not _writable(s, in_f) or cuda_sbmm.group_params_for(s.group_size, in_f) is None:
+                continue
+            if s.bits in cuda_sbmm.BITS and mma_layout.supported(s.bits, s.group_size, in_f):
+                assert dispatch.coverage(s, in_f, torch.bfloat16) is None, (s, in_f)
+                assert dispatch.layout_for(s, in_f, torch.bfloat16, "cuda") == "mma"
+                served += 1
+    assert served >= 24
+    assert "multiple of 8" in dispatch.coverage(DeltaScheme(bits=4, group_size=-1), 1000 + 4, torch.float16)
 
 
 @pytest.mark.parametrize("bits,group,sparse,asym,in_f", [(b, g, sp, a, f) for b in (2, 4, 8) for g in (*AUTO_GROUPS, -1)

@@ -87,7 +87,7 @@ def test_choose_layout(monkeypatch):
     monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", "transposed")
     assert choose_layout("auto", device="cpu", **kw) == "transposed"
     for bad in (dict(bits=3, group_size=128, in_features=256), dict(bits=4, group_size=16, in_features=256),
-                dict(bits=2, group_size=32, in_features=256), dict(bits=4, group_size=-1, in_features=96)):
+                dict(bits=2, group_size=32, in_features=256), dict(bits=4, group_size=-1, in_features=100)):
         with pytest.raises(ValueError, match="no mma layout"):
             choose_layout("mma", device="cpu", **bad)
         for env in ("mma", "auto"):  # a preference, not an order
@@ -134,3 +134,58 @@ def test_7b_mlp_shapes_layout():
         assert stack.qweight.shape == (2, out_f * in_f // 8)  # 4 bits per weight, rows already a multiple of 64
         assert stack.scales.shape == (2, in_f // 128, out_f)
         assert stack.nbytes() == 2 * out_f * in_f * (4 / 8 + 2 / 128)
+
+
+# -------------------------------------------------- in_features not a multiple of 128: a padded last K tile
+
+PADDED = [(bits, group, in_f) for bits in (2, 4, 8) for group, in_f in ((64, 576), (32, 576), (-1, 576), (64, 320),
+                                                                       (-1, 960), (32, 96))
+          if mma_layout.supported(bits, group, in_f)]
+
+
+@pytest.mark.parametrize("bits,group,in_f", PADDED)
+@pytest.mark.parametrize("sparse,asym", [(True, False), (False, True)])
+def test_a_padded_last_k_tile_reads_back_exactly_and_adds_nothing(bits, group, in_f, sparse, asym):
+    """576 columns (SmolLM2's hidden size) are 4.5 tiles: the layout holds 5, the padded columns code 0
+    and, where a group is narrower than a tile, their groups scale 0 (what the kernel reads there, times
+    the zero-filled activations, adds exactly 0); every slot reads back to its delta's reference weight,
+    including a partial-row write into a merged stack."""
+    gen = torch.Generator().manual_seed(bits * 31 + in_f)
+    deltas = [make_delta(96, in_f, bits, group, sparse, asym, gen) for _ in range(2)]
+    stack = repack(deltas, layout="mma")
+    tiles, g = mma_layout.k_tiles(in_f), in_f if group == -1 else group
+    assert tiles == -(-in_f // 128) and stack.qweight.shape == (2, 128 * tiles * 128 * bits // 32)
+    groups = tiles * 128 // g if 128 % g == 0 else in_f // g
+    assert stack.scales.shape == (2, groups, 128)
+    for s, d in enumerate(deltas):
+        assert torch.equal(stack.delta_weight(s), reference.delta_weight(d))
+        full = mma_layout.unpack_codes(stack.qweight[s], bits, 96, tiles * 128)
+        assert torch.equal(full[:, :in_f], mma_layout.dense_codes(d)) and not full[:, in_f:].any()
+        assert not stack.scales[s, in_f // g:].any()  # the padded tile's own groups: scale 0
+    top = make_delta(64, in_f, bits, group, sparse, asym, gen)
+    stack.write(1, top, 0)  # rows 0..63 of slot 1 replaced, 64..95 kept
+    want = torch.cat([reference.delta_weight(top), reference.delta_weight(deltas[1])[64:]])
+    assert torch.equal(stack.delta_weight(1), want)
+
+
+def test_a_padded_k_stack_takes_the_mma_layout_on_cuda_only_in_preview(monkeypatch):
+    """Until the padded build passes parity on a GPU, a CUDA stack over 576 columns keeps the transposed
+    layout (the reference reads it) unless DELTAZIP_CUDA_PREVIEW names padded-k; 4096 columns take the
+    mma layout either way; a misspelt preview name is refused with the known ones."""
+    from deltazip.kernels import preview
+
+    monkeypatch.delenv(preview.ENV, raising=False)
+    kw = dict(bits=4, group_size=64, device="cuda")
+    assert choose_layout("auto", in_features=576, **kw) == "transposed"
+    assert choose_layout("auto", in_features=4096, **kw) == "mma"
+    monkeypatch.setenv(preview.ENV, "padded-k")
+    assert choose_layout("auto", in_features=576, **kw) == "mma"
+    monkeypatch.setenv(preview.ENV, "paded-k")
+    with pytest.raises(ValueError, match="unknown preview path paded-k; use .*padded-k"):
+        choose_layout("auto", in_features=576, **kw)
+    assert not mma_layout.supported(4, -1, 580)  # not a multiple of 8: no 16-byte activation pieces
+    gen = torch.Generator().manual_seed(0)
+    padded = repack([make_delta(64, 576, 4, 64, True, False, gen)], layout="mma")
+    whole = repack([make_delta(64, 512, 4, 64, True, False, gen)], layout="mma")
+    flat = repack([make_delta(64, 576, 4, 64, True, False, gen)], layout="transposed")
+    assert preview.used_by(padded) == ["padded-k"] and preview.used_by(whole) == preview.used_by(flat) == []
