@@ -26,6 +26,7 @@ from importlib import resources
 import torch
 
 from deltazip.kernels import preview
+from deltazip.kernels.mma_layout import group_params as mma_group_params
 from deltazip.kernels.mma_layout import k_tiles, padded_rows
 from deltazip.kernels.mma_layout import supported as mma_supported
 from deltazip.kernels.row_plan import RowPlan, group_rows
@@ -63,24 +64,9 @@ def source() -> str:
     return resources.files("deltazip.kernels").joinpath("cuda/sbmm.cu").read_text()
 
 
-def group_params_for(group: int, in_features: int) -> tuple[int, int] | None:
-    """``(GK16, group_shift)`` of a group size (``-1``: the whole row), or None when the kernel has no
-    variant for it. Groups narrower than a 128-column tile need ``GK16 = group / 16`` steps per group (16,
-    32 or 64 columns); wider ones must span a power of two of tiles, or the whole row (``group_shift`` 30)."""
-    g = in_features if group == -1 else group
-    if g in (16, 32, 64):
-        return g // 16, 0
-    if g == in_features:
-        return 8, 30
-    tiles = g // 128
-    if g % 128 or tiles & (tiles - 1):
-        return None
-    return 8, tiles.bit_length() - 1
-
-
 def group_params(stack: StackedDeltas) -> tuple[int, int] | None:
-    """:func:`group_params_for` of a stack."""
-    return group_params_for(stack.effective_group, stack.in_features)
+    """``mma_layout.group_params`` of a stack: ``(GK16, group_shift)``."""
+    return mma_group_params(stack.effective_group, stack.in_features)
 
 
 def covers(scheme, in_features: int, dtype: torch.dtype) -> str | None:
@@ -94,13 +80,11 @@ def covers(scheme, in_features: int, dtype: torch.dtype) -> str | None:
         return f"{scheme.bits}-bit codes (the kernel reads 2, 4 and 8 bits)"
     if in_features % 8:
         return f"in_features {in_features} is not a multiple of 8 (the kernel copies activations in 16-byte pieces)"
-    if in_features % 128 and not preview.enabled("padded-k"):
-        return (f"in_features {in_features} is not a multiple of 128 (the padded-K kernel build awaits parity "
-                f"on a GPU: {preview.ENV}=padded-k serves it on the kernel)")
     if not mma_supported(scheme.bits, scheme.group_size, in_features):
-        return f"groups of {g} columns at {scheme.bits} bits do not fit the mma layout's K steps"
-    if group_params_for(scheme.group_size, in_features) is None:
         return f"groups of {g} columns (the kernel takes 16, 32, 64, a power-of-two multiple of 128, or the row)"
+    for name, what in preview.needed(scheme.bits, scheme.group_size, in_features).items():
+        if not preview.enabled(name):
+            return f"{what} (the kernel's {name} build awaits parity on a GPU: {preview.ENV}={name} serves it there)"
     return None
 
 
@@ -143,7 +127,10 @@ def reg_ctas(rb: int, bits: int, mt: int = 1, gk16: int = 8) -> int:
     ``__launch_bounds__``): the compiler keeps registers low enough for that many to fit. Fewer where
     more values stay live: groups narrower than a 128-column tile (``gk16`` < 8: a flush, and with zero
     points a load, every few k16 steps) with 8 warps, groups of 32 columns or fewer (``gk16`` < 4) with
-    4 warps or two tiles per warp (each spilled at the larger count)."""
+    4 warps or two tiles per warp, groups of 16 (``gk16`` 1, a flush every step) fewer again (each
+    spilled at the larger count)."""
+    if gk16 == 1:  # groups of 16 columns: a flush every mma step
+        return 2 if rb == 2 else (6 if mt == 2 else 4)
     if mt == 2:
         return (3 if gk16 < 4 else 4) if rb == 2 else (6 if gk16 < 4 else 8)
     return (3 if bits == 8 or gk16 < 8 else 4) if rb == 2 else (5 if bits == 8 or gk16 < 4 else 6)

@@ -66,31 +66,32 @@ ROW_BLOCK = 64  # rows per weight tile (one warpgroup's wgmma M)
 K_BLOCK = 128  # columns per layout tile
 
 
-def min_block_k(bits: int) -> int:
-    """Smallest K step the layout allows: one word must not span two steps (2-bit words cover 64
-    columns of a thread-row, 4- and 8-bit words 32 or 16)."""
-    return 64 if bits == 2 else 32
-
-
-def block_k_for(in_features: int, group: int, bits: int) -> int | None:
-    """K step: the largest of 128/64/32 that divides the group (every step inside one quantization
-    group, so the scale applies to the step's partial product), or None."""
-    g = in_features if group == -1 else group
-    for bk in (128, 64, 32):
-        if bk >= min_block_k(bits) and g % bk == 0:
-            return bk
-    return None
+def group_params(group_size: int, in_features: int) -> tuple[int, int] | None:
+    """``(GK16, group_shift)`` of a group size (``-1``: the whole row) in the CUDA kernel, or None when it
+    has no variant for it. Groups narrower than a 128-column tile take ``GK16 = group / 16`` mma steps
+    each (16, 32 or 64 columns: a tile holds whole groups); wider ones must span a power of two of tiles,
+    or the whole row (``group_shift`` 30)."""
+    g = in_features if group_size == -1 else group_size
+    if g in (16, 32, 64):
+        return g // 16, 0
+    if g == in_features:
+        return 8, 30
+    tiles = g // K_BLOCK
+    if g % K_BLOCK or tiles & (tiles - 1):
+        return None
+    return 8, tiles.bit_length() - 1
 
 
 def supported(bits: int, group_size: int, in_features: int) -> bool:
-    """Whether a configuration has an ``mma`` layout (else the ``transposed`` one); ``in_features``
-    not a multiple of 128 is padded (module docstring)."""
+    """Whether a configuration has an ``mma`` layout (else the ``transposed`` one): the code widths it
+    holds, ``in_features`` a multiple of 8 (not of 128: padded, module docstring), and a group the kernel
+    reads (:func:`group_params`)."""
     if bits not in MMA_BITS or in_features % 8 or in_features <= 0:
         return False
     g = in_features if group_size == -1 else group_size
     if g <= 0 or in_features % g:
         return False
-    return block_k_for(in_features, group_size, bits) is not None
+    return group_params(group_size, in_features) is not None
 
 
 def padded_rows(out_features: int) -> int:

@@ -15,6 +15,8 @@ ENV = "DELTAZIP_CUDA_PREVIEW"
 FEATURES = {
     "padded-k": "in_features that are not a multiple of 128 (a multiple of 8), padded to whole 128-column "
                 "tiles in the mma layout, the activations' tail zero-filled by the kernel",
+    "narrow-groups": "groups of 16 columns (any code width) and 2-bit groups of 32: one scale flush every one "
+                     "or two mma steps, a 2-bit code word spanning two groups",
 }
 
 
@@ -31,6 +33,25 @@ def enabled(name: str) -> bool:
     return name in names or "all" in names
 
 
+def needed(bits: int, group_size: int, in_features: int) -> dict[str, str]:
+    """``{preview path: what of the configuration needs it}`` for a configuration of the mma layout
+    (empty: the validated kernel serves it)."""
+    g = in_features if group_size == -1 else group_size
+    out = {}
+    if in_features % 128:
+        out["padded-k"] = f"in_features {in_features} is not a multiple of 128"
+    if g == 16 or (g == 32 and bits == 2):
+        out["narrow-groups"] = f"{bits}-bit groups of {g} columns"
+    return out
+
+
+def allowed(bits: int, group_size: int, in_features: int) -> bool:
+    """Whether every preview path the configuration needs is switched on."""
+    return all(enabled(n) for n in needed(bits, group_size, in_features))
+
+
 def used_by(stack) -> list[str]:
     """The preview paths a ``StackedDeltas``'s CUDA launch depends on (``[]``: only validated ones)."""
-    return ["padded-k"] if stack.layout == "mma" and stack.in_features % 128 else []
+    if stack.layout != "mma":
+        return []
+    return list(needed(stack.bits, stack.scheme.group_size, stack.in_features))

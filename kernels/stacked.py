@@ -69,8 +69,8 @@ def choose_layout(layout: str, *, bits: int, group_size: int, in_features: int,
     ok = mma_layout.supported(bits, group_size, in_features)
     if layout == "mma" and not ok:
         raise ValueError(f"no mma layout for bits={bits}, group_size={group_size}, in_features={in_features} "
-                         f"(needs bits in {mma_layout.MMA_BITS}, in_features % 8 == 0, a group size that "
-                         "is a multiple of 32, or 64 at 2 bits)")
+                         f"(needs bits in {mma_layout.MMA_BITS}, in_features % 8 == 0, and groups of 16, 32 or "
+                         "64 columns, a power of two of 128-column tiles, or the whole row)")
     if layout != "auto":
         return layout
     env = os.environ.get(_LAYOUT_ENV, "auto").strip().lower() or "auto"
@@ -78,9 +78,9 @@ def choose_layout(layout: str, *, bits: int, group_size: int, in_features: int,
         raise ValueError(f"{_LAYOUT_ENV}={env!r}: use one of {LAYOUTS} or 'auto'")
     if env != "auto":
         return "mma" if env == "mma" and ok else "transposed"
-    # a padded last K tile is a preview kernel path: until it passes parity on a GPU, such stacks
-    # keep the transposed layout the reference reads directly
-    ok = ok and (in_features % mma_layout.K_BLOCK == 0 or preview.enabled("padded-k"))
+    # a configuration only a preview kernel path serves (a padded last K tile, narrow groups) keeps the
+    # transposed layout the reference reads directly until that path passes parity on a GPU
+    ok = ok and preview.allowed(bits, group_size, in_features)
     return "mma" if ok and torch.device(device).type == "cuda" else "transposed"
 
 

@@ -68,12 +68,14 @@ typedef long long i64;
 // tiles per warp (twice the accumulators and codes per thread) 128 registers: 4 CTAs of 4 warps, 8 of 2;
 // groups narrower than a tile (a flush, and with zero points a load, every few k16 steps) need a few
 // more: 3 CTAs of 8 warps, and with groups of 32 columns or fewer 5 of 4 warps; two tiles per warp with
-// such groups over 128 (the offline test compiles every launch config and finds no spill)
+// such groups over 128; groups of 16 columns (a flush every mma step) 2 CTAs of 8 warps or of two-tile
+// warps, 4 of 4 warps (the offline test compiles every launch config and finds no spill)
 #ifndef SMEM_SM
 #define SMEM_SM 233472                 // an H100/H200's 228 KiB
 #endif
 #define SMEM_CTAS (SMEM_SM / (STAGES * STAGE_BYTES + 1024))
-#define REG_CTAS (MT == 2 ? (RB == 2 ? (GK16 < 4 ? 3 : 4) : (GK16 < 4 ? 6 : 8)) \
+#define REG_CTAS (GK16 == 1 ? (RB == 2 ? 2 : MT == 2 ? 6 : 4) \
+                  : MT == 2 ? (RB == 2 ? (GK16 < 4 ? 3 : 4) : (GK16 < 4 ? 6 : 8)) \
                   : RB == 2 ? (BITS == 8 || GK16 < 8 ? 3 : 4) : (BITS == 8 || GK16 < 4 ? 5 : 6))
 #define MIN_CTAS (SMEM_CTAS < 1 ? 1 : (SMEM_CTAS < REG_CTAS ? SMEM_CTAS : REG_CTAS))
 #if BF16 && BITS < 8

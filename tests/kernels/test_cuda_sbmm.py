@@ -192,8 +192,12 @@ def test_group_params_cover_the_mma_layouts_group_sizes():
     assert cuda_sbmm.group_params(srow) == (8, 30)
     _, s256 = _stack(4, 256, False, in_f=1024)
     assert cuda_sbmm.group_params(s256) == (8, 1)
-    _, s384 = _stack(4, 384, False, in_f=768)
-    assert cuda_sbmm.group_params(s384) is None and not cuda_sbmm.supported(s384, torch.float16)
+    _, s16 = _stack(2, 16, False)
+    assert cuda_sbmm.group_params(s16) == (1, 0)
+    from deltazip.kernels import mma_layout
+
+    assert mma_layout.group_params(384, 768) is None and not mma_layout.supported(4, 384, 768)
+    assert mma_layout.group_params(96, 384) is None and mma_layout.group_params(512, 1536) == (8, 2)
 
 
 # ----------------------------------------------------------------------------------------- on a GPU
@@ -365,45 +369,81 @@ def test_the_drivers_dram_bandwidth_bounds_a_measured_device_copy():
 
 # ------------------------------------- in_features not a multiple of 128 (preview: DELTAZIP_CUDA_PREVIEW)
 
-PADDED_VARIANTS = [(bits, dt, asym, group, in_f, rb, kt)
-                   for bits in (2, 4, 8) for dt in (torch.float16, torch.bfloat16) for asym in (False, True)
-                   for group, in_f, rb, kt in ((64, 576, 2, 1), (64, 320, 1, 1), (-1, 576, 2, 1), (-1, 960, 2, 2))
-                   if kt == 1 or bits <= 4]
+PREVIEW_VARIANTS = ([(bits, dt, asym, group, in_f, rb, kt, 1)  # padded-k
+                     for bits in (2, 4, 8) for dt in (torch.float16, torch.bfloat16) for asym in (False, True)
+                     for group, in_f, rb, kt in ((64, 576, 2, 1), (64, 320, 1, 1), (-1, 576, 2, 1), (-1, 960, 2, 2))
+                     if kt == 1 or bits <= 4]
+                    + [(bits, dt, asym, group, 512, rb, 1, mt)  # narrow-groups
+                       for bits, group in ((2, 32), (2, 16), (4, 16), (8, 16)) for dt in (torch.float16, torch.bfloat16)
+                       for asym in (False, True) for rb in (1, 2) for mt in (1, 2) if mt == 1 or bits <= 4]
+                    + [(4, torch.bfloat16, True, 16, 208, 2, 1, 1), (2, torch.float16, True, 32, 576, 1, 1, 2)])
 
 
 @pytest.fixture
-def padded_k(monkeypatch):
+def preview_on(monkeypatch):
     from deltazip.kernels import preview
 
-    monkeypatch.setenv(preview.ENV, "padded-k")
+    monkeypatch.setenv(preview.ENV, "all")
 
 
-@pytest.mark.parametrize("bits,dtype,asym,group,in_f,rb,kt", PADDED_VARIANTS)
-def test_padded_k_builds_compile_offline_to_the_same_streaming_loop(padded_k, bits, dtype, asym, group, in_f, rb, kt):
-    """The padded-K builds (``KCOLS``: the activations past the row zero-filled) keep the main loop of
-    every other build: 16-byte copies only, no shared-memory store, one barrier, the MMAs and ldmatrix
-    of a full tile, no local memory, registers within 128; the dense-dequantize kernel builds too."""
+@pytest.mark.parametrize("bits,dtype,asym,group,in_f,rb,kt,mt", PREVIEW_VARIANTS)
+def test_preview_builds_compile_offline_to_the_same_streaming_loop(preview_on, bits, dtype, asym, group, in_f, rb,
+                                                                   kt, mt):
+    """The preview builds (``kernels/preview.py``): a padded last K tile (``KCOLS``: the activations past
+    the row zero-filled) and narrow groups (a scale flush every one or two mma steps) keep the main loop
+    of every other build: 16-byte copies only, no shared-memory store, one barrier, the MMAs and
+    ldmatrix of a full tile, no local memory, registers within what ``ctas_per_sm`` counts on; the
+    dense-dequantize kernel builds too."""
     rtc = _nvrtc_or_skip()
     from deltazip.kernels import cuda_sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
     _, stack = _stack(bits, group, asym, in_f=in_f)
-    cfg = cuda_sbmm.CudaConfig(rb=rb, stages=4, kt=kt)
-    assert cuda_sbmm.supported(stack, dtype) and cuda_sbmm.kt_ok(stack, kt)
+    cfg = cuda_sbmm.CudaConfig(rb=rb, stages=4, kt=kt, mt=mt)
+    assert cuda_sbmm.supported(stack, dtype) and cuda_sbmm.fits(stack, cfg, 0)
     macros = cuda_sbmm.macros(stack, dtype, cfg)
-    assert macros["KCOLS"] == in_f
+    assert macros.get("KCOLS", 0) == (in_f if in_f % 128 else 0)
     info = sass.analyze(rtc.compile_cubin(cuda_sbmm.source(), macros, 90), function="dz_sbmm")
     full = info["loop_full_opcodes"]
     copies = {op: n for op, n in full.items() if op.startswith("LDGSTS")}
     assert copies and all(op.endswith(".128") for op in copies), copies
     assert info["loop_smem_stores"] == 0, full
     assert sum(n for op, n in full.items() if op.startswith("BAR.SYNC")) == 1, full
-    assert info["loop_mma"] == (16 + 8) * kt, full
+    assert info["loop_mma"] == (16 + 8) * kt * mt, full
+    assert {op: n for op, n in full.items() if op.startswith("LDSM")} == {"LDSM.16.M88.4": 8 * kt,
+                                                                         "LDSM.16.M88.2": 8 * kt}, full
     assert not any(op.startswith(("LDL", "STL")) for op in info["all_opcodes"]), "local memory (spills)"
     assert info["registers"] * cfg.threads * cuda_sbmm.ctas_per_sm(stack, cfg) <= cuda_sbmm.sm_limits(0)[2]
     deq = sass.opcodes(rtc.compile_cubin(cuda_sbmm.source(), macros, 80), function="dz_dequant")
     assert deq and not any(op.startswith(("LDL", "STL")) for op in deq)
+
+
+def test_every_launch_config_of_narrow_groups_fits_the_occupancy_the_model_assumes(preview_on, tmp_path, monkeypatch):
+    """As the sweep above, for the narrow-groups preview (groups of 16, 2-bit groups of 32; symmetric,
+    which spilled where zero points did not): every config the tuner can time compiles with no local
+    memory and within the register file at ``ctas_per_sm``."""
+    rtc = _nvrtc_or_skip()
+    from deltazip.kernels import cuda_sass as sass
+
+    if sass.tools_available():
+        pytest.skip(sass.tools_available())
+    monkeypatch.setenv("DELTAZIP_CUDA_CACHE", str(tmp_path))
+    over, checked = [], 0
+    for bits, group in ((2, 32), (2, 16), (4, 16), (8, 16)):
+        _, stack = _stack(bits, group, False, in_f=1024)
+        cfgs = [cuda_sbmm.CudaConfig(rb=rb, stages=st, kt=1, mt=mt) for rb in (1, 2) for st in (4, 6, 8)
+                for mt in (1, 2)]
+        cfgs = [c for c in cfgs if cuda_sbmm.fits(stack, c, 0)]
+        rtc.precompile(cuda_sbmm.source(), [cuda_sbmm.macros(stack, torch.bfloat16, c) for c in cfgs], 90)
+        for c in cfgs:
+            info = sass.analyze(rtc.cubin_for(cuda_sbmm.source(), cuda_sbmm.macros(stack, torch.bfloat16, c), 90),
+                                function="dz_sbmm")
+            checked += 1
+            if (info["registers"] * c.threads * cuda_sbmm.ctas_per_sm(stack, c) > cuda_sbmm.sm_limits(0)[2]
+                    or any(op.startswith(("LDL", "STL")) for op in info["all_opcodes"])):
+                over.append((bits, group, c, info["registers"], cuda_sbmm.ctas_per_sm(stack, c)))
+    assert checked >= 36 and not over, (checked, over)
 
 
 def test_a_multiple_of_128_builds_without_kcols():
@@ -417,16 +457,14 @@ def test_a_multiple_of_128_builds_without_kcols():
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("asym,group,in_f", [(False, 64, 576), (True, 32, 576), (False, -1, 576), (True, 64, 320),
-                                             (False, -1, 960)])
-def test_padded_k_matches_the_reference_and_never_reads_past_the_row(padded_k, bits, dtype, asym, group, in_f):
-    """The padded last K tile over every launch shape (row blocks, stages, K splits through the padded
-    tile, two tiles per warp, two K tiles per stage) and the dense-dequantize path. The activations are
-    a view of a wider tensor whose columns past the row are NaN: one read past ``in_features`` would
-    poison its row."""
+                                             (False, -1, 960), (True, 16, 512), (False, 32, 512), (True, 16, 208)])
+def test_preview_paths_match_the_reference_and_never_read_past_the_row(preview_on, bits, dtype, asym, group, in_f):
+    """The preview paths, a padded last K tile and narrow groups, over every launch shape (row blocks,
+    stages, K splits through the padded tile, two tiles per warp, two K tiles per stage) and the
+    dense-dequantize path. The activations are a view of a wider tensor whose columns past the row are
+    NaN: one read past ``in_features`` would poison its row."""
     if not cuda_sbmm.available():
         pytest.skip("sm_80+ and NVRTC needed")
-    if group == 32 and bits == 2:
-        pytest.skip("2-bit groups of 32 have no mma layout")
     gen = torch.Generator().manual_seed(bits * 11 + in_f)
     out_f, n_slots = 192, 4
     deltas = [make_delta(out_f, in_f, bits, group, True, asym, gen) for _ in range(n_slots)]

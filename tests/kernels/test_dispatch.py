@@ -43,7 +43,7 @@ def test_every_writable_scheme_is_served_by_the_cuda_kernel_or_by_the_reference_
                 if why is None:
                     served += 1
                     assert dispatch.layout_for(s, in_f, dt, "cuda") == "mma"
-                    assert cuda_sbmm.group_params_for(s.group_size, in_f) is not None and s.bits in cuda_sbmm.BITS
+                    assert mma_layout.group_params(s.group_size, in_f) is not None and s.bits in cuda_sbmm.BITS
                 else:
                     assert dispatch.layout_for(s, in_f, dt, "cuda") == "transposed"
                     ref.setdefault(why.split(" (")[0].split(" at ")[0], set()).add((s.bits, s.effective_group(in_f)))
@@ -60,27 +60,34 @@ def test_every_writable_scheme_is_served_by_the_cuda_kernel_or_by_the_reference_
     assert dispatch.coverage(DeltaScheme(group_size=384), 4608, torch.float16) is not None
 
 
-def test_padded_k_preview_puts_576_columns_on_the_cuda_kernel(monkeypatch):
-    """SmolLM2's 576-column projections are not a multiple of 128: on the reference by default, with a
-    reason naming the preview switch; with DELTAZIP_CUDA_PREVIEW=padded-k every scheme the layout holds
-    at 576 (and 2880, gpt-oss) is served by the kernel. Not a multiple of 8 stays on the reference."""
+def test_with_every_preview_path_on_the_kernel_serves_every_2_4_8_bit_scheme_with_a_kernel_group(monkeypatch):
+    """Preview paths (``DELTAZIP_CUDA_PREVIEW``): a padded last K tile (SmolLM2's 576 columns, 200, 1000)
+    and narrow groups (16 columns, 2-bit groups of 32). Off, each such scheme is on the reference with
+    a reason naming its switch; with ``all`` the kernel serves every writable 2/4/8-bit fp16/bf16 scheme
+    whose group the kernel reads, over every input size of the list that is a multiple of 8."""
     from deltazip.kernels import preview
 
     monkeypatch.delenv(preview.ENV, raising=False)
-    why = dispatch.coverage(DeltaScheme(bits=4, group_size=64), 576, torch.float16)
-    assert why is not None and "not a multiple of 128" in why and f"{preview.ENV}=padded-k" in why
-    monkeypatch.setenv(preview.ENV, "padded-k")
-    served = 0
+    for s, in_f, name in ((DeltaScheme(bits=4, group_size=64), 576, "padded-k"),
+                          (DeltaScheme(bits=2, group_size=32), 4096, "narrow-groups"),
+                          (DeltaScheme(bits=8, group_size=16), 4096, "narrow-groups")):
+        why = dispatch.coverage(s, in_f, torch.float16)
+        assert why is not None and f"{preview.ENV}={name}" in why, why
+        assert dispatch.layout_for(s, in_f, torch.float16, "cuda") == "transposed"
+    monkeypatch.setenv(preview.ENV, "all")
+    served = set()
     for s in SCHEMES:
-        for in_f in (576, 2880):
-            if not _writable(s, in_f) or cuda_sbmm.group_params_for(s.group_size, in_f) is None:
+        for in_f in (*IN_FEATURES, 576):
+            if not _writable(s, in_f) or s.bits not in cuda_sbmm.BITS or in_f % 8:
                 continue
-            if s.bits in cuda_sbmm.BITS and mma_layout.supported(s.bits, s.group_size, in_f):
-                assert dispatch.coverage(s, in_f, torch.bfloat16) is None, (s, in_f)
-                assert dispatch.layout_for(s, in_f, torch.bfloat16, "cuda") == "mma"
-                served += 1
-    assert served >= 24
-    assert "multiple of 8" in dispatch.coverage(DeltaScheme(bits=4, group_size=-1), 1000 + 4, torch.float16)
+            for dt in (torch.float16, torch.bfloat16):
+                why = dispatch.coverage(s, in_f, dt)
+                assert (why is None) == (mma_layout.group_params(s.group_size, in_f) is not None), (s, in_f, why)
+                if why is None:
+                    assert dispatch.layout_for(s, in_f, dt, "cuda") == "mma"
+                    served.add((s.bits, s.effective_group(in_f), in_f))
+    assert {(2, 32, 4096), (2, 16, 4096), (4, 16, 896), (4, 64, 576), (8, 576, 576), (2, 1000, 1000)} <= served
+    assert "multiple of 8" in dispatch.coverage(DeltaScheme(bits=4, group_size=-1), 1004, torch.float16)
 
 
 @pytest.mark.parametrize("bits,group,sparse,asym,in_f", [(b, g, sp, a, f) for b in (2, 4, 8) for g in (*AUTO_GROUPS, -1)
@@ -134,6 +141,42 @@ def test_every_covered_kernel_variant_builds_for_sm80_and_sm90_without_spills():
             if any(op.startswith(("LDL", "STL")) for op in ops):
                 spills.add((arch, m["BITS"], m["GK16"], m["ASYM"], m["BF16"]))
     assert spills == KNOWN_SPILLS
+
+
+# Preview builds that spill on sm_80 (correct, slower), as the validated one above: 4-bit groups of 32,
+# symmetric, over a padded 576-column row, in either activation dtype.
+PREVIEW_KNOWN_SPILLS = {(80, 4, 2, 0, 0, 576), (80, 4, 2, 0, 1, 576)}  # (arch, BITS, GK16, ASYM, BF16, KCOLS)
+
+
+def test_every_preview_kernel_variant_builds_for_sm80_and_sm90_without_spills(monkeypatch):
+    """The builds only the preview paths use (a padded 576-column row, narrow groups), default launch
+    config, every covered scheme and dtype: they compile offline for sm_80 and sm_90 with no local
+    memory (but :data:`PREVIEW_KNOWN_SPILLS`)."""
+    from deltazip.kernels import cuda_rtc, cuda_sass, preview
+
+    try:
+        cuda_rtc.nvrtc()
+    except cuda_rtc.CudaCompileError as e:
+        pytest.skip(str(e))
+    if cuda_sass.tools_available():
+        pytest.skip(cuda_sass.tools_available())
+    monkeypatch.setenv(preview.ENV, "all")
+    sets = {}
+    for s in SCHEMES:
+        for in_f in (4096, 576):
+            for dt in (torch.float16, torch.bfloat16):
+                if dispatch.coverage(s, in_f, dt) is None and preview.needed(s.bits, s.group_size, in_f):
+                    st = StackedDeltas.allocate(1, s, in_features=in_f, out_features=128, layout="mma")
+                    m = cuda_sbmm.macros(st, dt, cuda_sbmm.CudaConfig())
+                    sets[tuple(sorted(m.items()))] = m
+    assert len(sets) >= 48
+    spills = set()
+    for arch in (80, 90):
+        for m in sets.values():
+            ops = cuda_sass.opcodes(cuda_rtc.compile_cubin(cuda_sbmm.source(), m, arch), "dz_sbmm")
+            if any(op.startswith(("LDL", "STL")) for op in ops):
+                spills.add((arch, m["BITS"], m["GK16"], m["ASYM"], m["BF16"], m.get("KCOLS")))
+    assert spills == PREVIEW_KNOWN_SPILLS
 
 
 def test_a_stack_is_prepared_once_when_it_is_allocated_and_names_its_path():

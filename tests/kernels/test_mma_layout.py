@@ -86,8 +86,8 @@ def test_choose_layout(monkeypatch):
     assert choose_layout("auto", device="cpu", **kw) == "mma"
     monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", "transposed")
     assert choose_layout("auto", device="cpu", **kw) == "transposed"
-    for bad in (dict(bits=3, group_size=128, in_features=256), dict(bits=4, group_size=16, in_features=256),
-                dict(bits=2, group_size=32, in_features=256), dict(bits=4, group_size=-1, in_features=100)):
+    for bad in (dict(bits=3, group_size=128, in_features=256), dict(bits=4, group_size=96, in_features=384),
+                dict(bits=2, group_size=384, in_features=768), dict(bits=4, group_size=-1, in_features=100)):
         with pytest.raises(ValueError, match="no mma layout"):
             choose_layout("mma", device="cpu", **bad)
         for env in ("mma", "auto"):  # a preference, not an order
@@ -139,8 +139,7 @@ def test_7b_mlp_shapes_layout():
 # -------------------------------------------------- in_features not a multiple of 128: a padded last K tile
 
 PADDED = [(bits, group, in_f) for bits in (2, 4, 8) for group, in_f in ((64, 576), (32, 576), (-1, 576), (64, 320),
-                                                                       (-1, 960), (32, 96))
-          if mma_layout.supported(bits, group, in_f)]
+                                                                       (-1, 960), (32, 96), (16, 208))]
 
 
 @pytest.mark.parametrize("bits,group,in_f", PADDED)
