@@ -5,7 +5,8 @@
 #   bash bench/gpu_check.sh              # the window's call
 #   bash bench/gpu_check.sh --dry-run    # the same steps on CPU at toy size (tests/test_gpu_check.py runs it)
 #   STEPS="serve-all table-full" bash bench/gpu_check.sh   # the optional second call: uniform and azure-like
-#                                        # serving, the full kernel table (STEPS="humming": humming's MoE GEMM)
+#                                        # serving, the full kernel table (STEPS="humming": humming's MoE GEMM;
+#                                        # STEPS=preview: the preview paths' parity)
 #
 # Steps, in order, each under its own time limit (seconds; the whole call stays within TOTAL_LIMIT, 480:
 # a step gets what is left when that is less, and a step left with under 15 s is skipped and named):
@@ -18,6 +19,8 @@
 #   tests      80  the gpu-marked tests and the CUDA kernel parity tests, at once, in parallel processes
 #   table      40  bench/sbmm_table.py --quick: the delta matmul table at 4096x4096 (the CUDA kernel, with the
 #                  Triton kernels where this checkout still has them)
+#   preview    90  (not in the first call: STEPS=preview) the parity tests of the kernel's preview paths
+#                  (kernels/preview.py: a padded last K tile, narrow groups); the first call's parity skips them
 # (450 s of limits after a set-up of about 25 s.)
 # Every bench writes its finished rows at once, so a step stopped at its limit keeps what it measured.
 #
@@ -149,8 +152,8 @@ if want tests; then  # the gpu-marked tests and the kernel parity tests at once,
   run "gpu-marked tests and CUDA kernel parity" ${TESTS_LIMIT:-80} bash -c "
     $PY -m pytest -q -p no:cacheprovider ${xdist:+-n 8} -m gpu $require $TEST_PATHS \
       --deselect tests/kernels/test_cuda_sbmm.py > '$SCRATCH/tests.log' 2>&1 & a=\$!
-    $PY -m pytest -q -x -p no:cacheprovider ${xdist:+-n 4} ${DRY:+-m gpu} tests/kernels/test_cuda_sbmm.py \
-      > '$SCRATCH/parity.log' 2>&1 & b=\$!
+    $PY -m pytest -q -x -p no:cacheprovider ${xdist:+-n 4} ${DRY:+-m gpu} -k 'not preview' \
+      tests/kernels/test_cuda_sbmm.py > '$SCRATCH/parity.log' 2>&1 & b=\$!
     wait \$a; ra=\$?; wait \$b; rb=\$?
     echo '--- gpu-marked tests'; cat '$SCRATCH/tests.log'; echo '--- CUDA kernel parity'; cat '$SCRATCH/parity.log'
     echo \"gpu-marked tests: \$(tail -1 '$SCRATCH/tests.log'); kernel parity: \$(tail -1 '$SCRATCH/parity.log')\"
@@ -163,6 +166,13 @@ if want table || want table-full; then
   [ -f "$SCRATCH/table/sbmm_table.json" ] && cp "$SCRATCH/table/sbmm_table.json" "$OUT/sbmm_table.json"
 fi
 
+if want preview; then  # the preview paths' GPU parity: what lets DELTAZIP_CUDA_PREVIEW paths become the default
+  xdist=$([ -z "$DRY" ] && $PY -c "import xdist" 2>/dev/null && echo yes)
+  require=--require-gpu
+  [ -n "$DRY" ] && require=
+  run "CUDA kernel preview-path parity" ${PREVIEW_LIMIT:-90} \
+    $PY -m pytest -q -p no:cacheprovider ${xdist:+-n 8} -m gpu -k preview $require tests/kernels/test_cuda_sbmm.py
+fi
 if want humming; then  # optional: humming-kernels and its needs travel in .whl/humming/
   for w in .whl/humming/*.whl; do
     [ -f "$w" ] && [ -z "$DRY" ] || continue

@@ -54,3 +54,16 @@ def test_the_dry_run_runs_every_step_and_keeps_at_most_8_files(tmp_path):
     gd = json.loads((out / "gdeflate_decode.json").read_text())
     assert gd["results"][0]["decode_GBps"] > 0 and gd["results"][1]["skipped"] == "no CUDA device"
     assert not (tmp_path / "scratch").exists()  # the scratch (synthetic models, server logs) is removed
+
+
+def test_the_preview_step_selects_exactly_the_preview_parity_tests(tmp_path):
+    """``STEPS=preview``: the GPU parity of the kernel's preview paths, which the first call's parity
+    run leaves out; on CPU every selected test skips (needs a CUDA device), none is missing."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PY": sys.executable, "SCRATCH": str(tmp_path / "scratch"),
+           "STEPS": "preview"}
+    got = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-3000:]
+    line = next(ln for ln in (out / "summary.md").read_text().splitlines() if ln.startswith("- CUDA kernel preview"))
+    assert ": exit 0 " in line and "48 skipped" in line and "passed" not in line, line

@@ -109,15 +109,9 @@ def test_a_covered_scheme_packs_into_the_kernel_layout_exactly(bits, group, spar
         assert torch.equal(stack.delta_weight(i), reference.delta_weight(d))
 
 
-# The one build that spills: on sm_80 the 4-bit, groups-of-32, symmetric fp16 build at the default launch
-# config (8 warps, 3 CTAs of register budget) keeps a few values in local memory (correct, slower; its
-# sm_90 build does not). Found by this check; any other spill fails it.
-KNOWN_SPILLS = {(80, 4, 2, 0, 0)}  # (arch, BITS, GK16, ASYM, BF16)
-
-
-def test_every_covered_kernel_variant_builds_for_sm80_and_sm90_without_spills():
-    """The kernel builds (default launch config) of every covered scheme and dtype compile offline for
-    sm_80 and sm_90 with NVRTC, and use no local memory (but :data:`KNOWN_SPILLS`)."""
+def _default_builds(in_sizes, keep) -> list[dict]:
+    """The default-config kernel macros of every covered scheme and dtype over ``in_sizes`` for which
+    ``keep(scheme, in_features)`` holds, one per distinct build; skips without NVRTC or the SASS tools."""
     from deltazip.kernels import cuda_rtc, cuda_sass
 
     try:
@@ -128,55 +122,57 @@ def test_every_covered_kernel_variant_builds_for_sm80_and_sm90_without_spills():
         pytest.skip(cuda_sass.tools_available())
     sets = {}
     for s in SCHEMES:
-        for dt in (torch.float16, torch.bfloat16):
-            if dispatch.coverage(s, 4096, dt) is None:
-                st = StackedDeltas.allocate(1, s, in_features=4096, out_features=128, layout="mma")
-                m = cuda_sbmm.macros(st, dt, cuda_sbmm.CudaConfig())
-                sets[tuple(sorted(m.items()))] = m
-    assert len(sets) >= 3 * 2 * 2 * 2  # bits x dtype x zero points x group kinds
-    spills = set()
+        for in_f in in_sizes:
+            for dt in (torch.float16, torch.bfloat16):
+                if dispatch.coverage(s, in_f, dt) is None and keep(s, in_f):
+                    st = StackedDeltas.allocate(1, s, in_features=in_f, out_features=128, layout="mma")
+                    m = cuda_sbmm.macros(st, dt, cuda_sbmm.CudaConfig())
+                    sets[tuple(sorted(m.items()))] = m
+    return list(sets.values())
+
+
+def _spilling(builds: list[dict]) -> set[tuple]:
+    """``(arch, BITS, GK16, ASYM, BF16, KCOLS)`` of the builds whose sm_80 or sm_90 SASS uses local memory."""
+    from deltazip.kernels import cuda_rtc, cuda_sass
+
+    out = set()
     for arch in (80, 90):
-        for m in sets.values():
+        for m in builds:
             ops = cuda_sass.opcodes(cuda_rtc.compile_cubin(cuda_sbmm.source(), m, arch), "dz_sbmm")
             if any(op.startswith(("LDL", "STL")) for op in ops):
-                spills.add((arch, m["BITS"], m["GK16"], m["ASYM"], m["BF16"]))
-    assert spills == KNOWN_SPILLS
+                out.add((arch, m["BITS"], m["GK16"], m["ASYM"], m["BF16"], m.get("KCOLS")))
+    return out
+
+
+# The one build that spills: on sm_80 the 4-bit, groups-of-32, symmetric fp16 build at the default launch
+# config (8 warps, 3 CTAs of register budget) keeps a few values in local memory (correct, slower; its
+# sm_90 build does not). Found by this check; any other spill fails it.
+KNOWN_SPILLS = {(80, 4, 2, 0, 0, None)}  # (arch, BITS, GK16, ASYM, BF16, KCOLS)
+
+
+def test_every_covered_kernel_variant_builds_for_sm80_and_sm90_without_spills():
+    """The kernel builds (default launch config) of every covered scheme and dtype compile offline for
+    sm_80 and sm_90 with NVRTC, and use no local memory (but :data:`KNOWN_SPILLS`)."""
+    builds = _default_builds((4096,), lambda s, in_f: True)
+    assert len(builds) >= 3 * 2 * 2 * 2  # bits x dtype x zero points x group kinds
+    assert _spilling(builds) == KNOWN_SPILLS
 
 
 # Preview builds that spill on sm_80 (correct, slower), as the validated one above: 4-bit groups of 32,
 # symmetric, over a padded 576-column row, in either activation dtype.
-PREVIEW_KNOWN_SPILLS = {(80, 4, 2, 0, 0, 576), (80, 4, 2, 0, 1, 576)}  # (arch, BITS, GK16, ASYM, BF16, KCOLS)
+PREVIEW_KNOWN_SPILLS = {(80, 4, 2, 0, 0, 576), (80, 4, 2, 0, 1, 576)}
 
 
 def test_every_preview_kernel_variant_builds_for_sm80_and_sm90_without_spills(monkeypatch):
     """The builds only the preview paths use (a padded 576-column row, narrow groups), default launch
     config, every covered scheme and dtype: they compile offline for sm_80 and sm_90 with no local
     memory (but :data:`PREVIEW_KNOWN_SPILLS`)."""
-    from deltazip.kernels import cuda_rtc, cuda_sass, preview
+    from deltazip.kernels import preview
 
-    try:
-        cuda_rtc.nvrtc()
-    except cuda_rtc.CudaCompileError as e:
-        pytest.skip(str(e))
-    if cuda_sass.tools_available():
-        pytest.skip(cuda_sass.tools_available())
     monkeypatch.setenv(preview.ENV, "all")
-    sets = {}
-    for s in SCHEMES:
-        for in_f in (4096, 576):
-            for dt in (torch.float16, torch.bfloat16):
-                if dispatch.coverage(s, in_f, dt) is None and preview.needed(s.bits, s.group_size, in_f):
-                    st = StackedDeltas.allocate(1, s, in_features=in_f, out_features=128, layout="mma")
-                    m = cuda_sbmm.macros(st, dt, cuda_sbmm.CudaConfig())
-                    sets[tuple(sorted(m.items()))] = m
-    assert len(sets) >= 48
-    spills = set()
-    for arch in (80, 90):
-        for m in sets.values():
-            ops = cuda_sass.opcodes(cuda_rtc.compile_cubin(cuda_sbmm.source(), m, arch), "dz_sbmm")
-            if any(op.startswith(("LDL", "STL")) for op in ops):
-                spills.add((arch, m["BITS"], m["GK16"], m["ASYM"], m["BF16"], m.get("KCOLS")))
-    assert spills == PREVIEW_KNOWN_SPILLS
+    builds = _default_builds((4096, 576), lambda s, in_f: bool(preview.needed(s.bits, s.group_size, in_f)))
+    assert len(builds) >= 48
+    assert _spilling(builds) == PREVIEW_KNOWN_SPILLS
 
 
 def test_a_stack_is_prepared_once_when_it_is_allocated_and_names_its_path():
