@@ -6,7 +6,7 @@
 #   bash bench/gpu_check.sh --dry-run    # the same steps on CPU at toy size (tests/test_gpu_check.py runs it)
 #   STEPS="serve-all table-full" bash bench/gpu_check.sh   # the optional second call: uniform and azure-like
 #                                        # serving, the full kernel table (STEPS="humming": humming's MoE GEMM;
-#                                        # STEPS=preview: the preview paths' parity)
+#                                        # STEPS="preview lora": the preview paths' parity, grouped LoRA)
 #
 # Steps, in order, each under its own time limit (seconds; the whole call stays within TOTAL_LIMIT, 480:
 # a step gets what is left when that is less, and a step left with under 15 s is skipped and named):
@@ -21,6 +21,7 @@
 #                  Triton kernels where this checkout still has them)
 #   preview    90  (not in the first call: STEPS=preview) the parity tests of the kernel's preview paths
 #                  (kernels/preview.py: a padded last K tile, narrow groups); the first call's parity skips them
+#   lora       40  (not in the first call: STEPS=lora) bench/lora.py: grouped LoRA's three paths in bf16
 # (450 s of limits after a set-up of about 25 s.)
 # Every bench writes its finished rows at once, so a step stopped at its limit keeps what it measured.
 #
@@ -114,6 +115,7 @@ if [ -n "$DRY" ]; then  # toy sizes on CPU: every step's plumbing, in about a mi
   GDEFLATE_ARGS="--quick"
   TEST_PATHS="tests/formats/test_gdeflate.py"
   TABLE_ARGS="--quick"
+  LORA_ARGS="--quick --repeats 3"
 else
   SERVE_ARGS="--layers ${SERVE_LAYERS:-8} --variants 32 --duration ${SERVE_DURATION:-10} --rate ${SERVE_RATE:-20} --drain 20"
   COMPRESS_ARGS="--shape 7b --layers ${COMPRESS_LAYERS:-4} --defaults --device cuda --extrapolate 32"
@@ -121,6 +123,7 @@ else
   GDEFLATE_ARGS="--layers 8"
   TEST_PATHS="tests"
   TABLE_ARGS="--quick"
+  LORA_ARGS="--repeats 11"
 fi
 
 if want serve || want serve-all; then  # server logs (start-up, warm-up, capacity lines) go to the log
@@ -173,6 +176,7 @@ if want preview; then  # the preview paths' GPU parity: what lets DELTAZIP_CUDA_
   run "CUDA kernel preview-path parity" ${PREVIEW_LIMIT:-90} \
     $PY -m pytest -q -p no:cacheprovider ${xdist:+-n 8} -m gpu -k preview $require tests/kernels/test_cuda_sbmm.py
 fi
+want lora && run "grouped LoRA paths" ${LORA_LIMIT:-40} $PY bench/lora.py $LORA_ARGS --out "$OUT"
 if want humming; then  # optional: humming-kernels and its needs travel in .whl/humming/
   for w in .whl/humming/*.whl; do
     [ -f "$w" ] && [ -z "$DRY" ] || continue

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from deltazip.kernels import cuda_sbmm, dispatch_table, reference
+from deltazip.kernels import cuda_sbmm, dispatch_table, grouped_lora, reference
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.row_plan import RowPlan, group_rows
 from deltazip.kernels.scheme import DeltaScheme
@@ -28,8 +28,8 @@ from deltazip.kernels.stacked import StackedDeltas, choose_layout, config_key, r
 
 __all__ = ["CALLS", "RowPlan", "coverage", "group_rows", "layout_for", "lora", "prepare", "sbmm", "sbmm_experts"]
 
-# Calls per path ("cuda", "dequant_mm", "reference", "lora_reference"), counted by the launch objects'
-# callers below and by bench/launches.py; ``CALLS.clear()`` resets it.
+# Calls per path ("cuda", "dequant_mm", "reference", "lora_loop", "lora_stacked", "lora_grouped"), counted by
+# the launch objects' callers below and by bench/launches.py; ``CALLS.clear()`` resets it.
 CALLS: Counter = Counter()
 
 
@@ -173,8 +173,10 @@ def sbmm_experts(x: torch.Tensor, slot_index: torch.Tensor, expert_index: torch.
 
 def lora(x: torch.Tensor, lora_index: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
          scale: torch.Tensor) -> torch.Tensor:
-    """Grouped LoRA ``y[r] = (x[r] @ A[i].T) @ B[i].T * scale[i]``, ``i = lora_index[r]``; -1 gives zeros
-    (the torch reference: one GEMM pair per adapter in the batch).
+    """Grouped LoRA ``y[r] = (x[r] @ A[i].T) @ B[i].T * scale[i]``, ``i = lora_index[r]``; -1 gives zeros,
+    on the path measured fastest for the shape and rows bucket (``deltazip.kernels.grouped_lora``: a GEMM
+    pair per adapter, two GEMMs over every adapter, or torch's grouped GEMM), counted in :data:`CALLS`
+    as ``lora_<path>``.
 
     Args:
         x: ``[N, in]``; lora_index: integer ``[N]`` in ``[-1, L)``; A: ``[L, rank, in]``;
@@ -182,8 +184,10 @@ def lora(x: torch.Tensor, lora_index: torch.Tensor, A: torch.Tensor, B: torch.Te
     Returns:
         ``[N, out]`` in ``x.dtype``.
     """
-    CALLS["lora_reference"] += 1
-    return reference.lora_shrink_expand(x, lora_index, A, B, scale)
+    reference.check_lora_shapes(x, A, B, scale)
+    y, path = grouped_lora.lora(x, lora_index, A, B, scale)
+    CALLS[f"lora_{path}"] += 1
+    return y
 
 
 def reference_schemes(schemes, in_features: int, dtype: torch.dtype) -> dict[DeltaScheme, str]:

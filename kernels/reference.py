@@ -127,6 +127,18 @@ def sbmm(x: torch.Tensor, delta_index: torch.Tensor, deltas) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+def check_lora_shapes(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor) -> None:
+    """Raise ValueError naming the mismatch unless ``x [N, in]``, ``A [L, rank, in]``, ``B [L, out, rank]``
+    and ``scale [L]`` fit together."""
+    if A.dim() != 3 or B.dim() != 3 or A.shape[0] != B.shape[0] or A.shape[1] != B.shape[2]:
+        raise ValueError(f"A must be [L, rank, in] and B [L, out, rank], got {tuple(A.shape)} and {tuple(B.shape)}")
+    num, _, in_f = A.shape
+    if scale.shape != (num,):
+        raise ValueError(f"scale must be [{num}], got {tuple(scale.shape)}")
+    if x.dim() != 2 or x.shape[1] != in_f:
+        raise ValueError(f"x must be [N, {in_f}], got {tuple(x.shape)}")
+
+
 def lora_shrink_expand(
     x: torch.Tensor, lora_index: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor
 ) -> torch.Tensor:
@@ -143,13 +155,8 @@ def lora_shrink_expand(
     Returns:
         ``[N, out]`` in ``x.dtype``.
     """
-    if A.dim() != 3 or B.dim() != 3 or A.shape[0] != B.shape[0] or A.shape[1] != B.shape[2]:
-        raise ValueError(f"A must be [L, rank, in] and B [L, out, rank], got {tuple(A.shape)} and {tuple(B.shape)}")
-    num, _, in_f = A.shape
-    if scale.shape != (num,):
-        raise ValueError(f"scale must be [{num}], got {tuple(scale.shape)}")
-    if x.dim() != 2 or x.shape[1] != in_f:
-        raise ValueError(f"x must be [N, {in_f}], got {tuple(x.shape)}")
+    check_lora_shapes(x, A, B, scale)
+    num = A.shape[0]
     index = _check_index(lora_index, x.shape[0], num, "lora_index")
     y = torch.zeros(x.shape[0], B.shape[1], dtype=torch.float32, device=x.device)
     for i in torch.unique(index).tolist():

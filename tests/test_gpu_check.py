@@ -56,14 +56,17 @@ def test_the_dry_run_runs_every_step_and_keeps_at_most_8_files(tmp_path):
     assert not (tmp_path / "scratch").exists()  # the scratch (synthetic models, server logs) is removed
 
 
-def test_the_preview_step_selects_exactly_the_preview_parity_tests(tmp_path):
-    """``STEPS=preview``: the GPU parity of the kernel's preview paths, which the first call's parity
-    run leaves out; on CPU every selected test skips (needs a CUDA device), none is missing."""
+def test_the_second_call_steps_run_the_preview_parity_and_the_lora_bench(tmp_path):
+    """``STEPS="preview lora"``: the GPU parity of the kernel's preview paths, which the first call's parity
+    run leaves out (on CPU every selected test skips, none is missing), and bench/lora.py's JSON."""
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PY": sys.executable, "SCRATCH": str(tmp_path / "scratch"),
-           "STEPS": "preview"}
+           "STEPS": "preview lora"}
     got = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], env=env, capture_output=True,
                          text=True, timeout=300)
     assert got.returncode == 0, got.stderr[-3000:]
     line = next(ln for ln in (out / "summary.md").read_text().splitlines() if ln.startswith("- CUDA kernel preview"))
     assert ": exit 0 " in line and "48 skipped" in line and "passed" not in line, line
+    lora = json.loads((out / "lora.json").read_text())
+    assert lora["bench"] == "lora" and [r["rows"] for r in lora["results"]] == [1, 32]
+    assert all(r["chosen"] in ("loop", "stacked", "grouped") for r in lora["results"])
