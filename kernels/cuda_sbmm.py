@@ -33,7 +33,7 @@ from deltazip.kernels.row_plan import RowPlan, group_rows
 from deltazip.kernels.stacked import StackedDeltas
 
 DTYPES = (torch.float16, torch.bfloat16)
-BITS = (2, 4, 8)
+BITS = (2, 3, 4, 8)
 BM = 16
 
 
@@ -77,7 +77,7 @@ def covers(scheme, in_features: int, dtype: torch.dtype) -> str | None:
     if dtype not in DTYPES:
         return f"{str(dtype).removeprefix('torch.')} activations (the kernel takes fp16 and bf16)"
     if scheme.bits not in BITS:
-        return f"{scheme.bits}-bit codes (the kernel reads 2, 4 and 8 bits)"
+        return f"{scheme.bits}-bit codes (the kernel reads 2, 3, 4 and 8 bits)"
     if in_features % 8:
         return f"in_features {in_features} is not a multiple of 8 (the kernel copies activations in 16-byte pieces)"
     if not mma_supported(scheme.bits, scheme.group_size, in_features):
@@ -130,7 +130,7 @@ def reg_ctas(rb: int, bits: int, mt: int = 1, gk16: int = 8) -> int:
     4 warps or two tiles per warp, groups of 16 (``gk16`` 1, a flush every step) fewer again (each
     spilled at the larger count)."""
     if gk16 == 1:  # groups of 16 columns: a flush every mma step
-        return 2 if rb == 2 else (6 if mt == 2 else 4)
+        return 2 if rb == 2 else 4
     if mt == 2:
         return (3 if gk16 < 4 else 4) if rb == 2 else (6 if gk16 < 4 else 8)
     return (3 if bits == 8 or gk16 < 8 else 4) if rb == 2 else (5 if bits == 8 or gk16 < 4 else 6)

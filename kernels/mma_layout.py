@@ -44,6 +44,11 @@ bytes each) in the order ``[hv, rr, w, l, q, v]`` with ``iw = hv * V + v`` and `
 4)``: a thread's words of a row half are runs of at most four (one 16-byte load each), and a warp's
 load of one run is 512 contiguous bytes.
 
+3-bit codes do not split into 16-bit halves evenly; they are stored as two bit planes per tile: the
+codes' low two bits in the 2-bit layout (512 words), then their high bits as a 1-bit layout (256
+words, ``PPW`` 16: pair ``j`` at bit ``16 * e + j`` of the thread-row's one word), ``3 * 256`` words per
+tile in all. The kernel ORs a pair's high bit into bit 2 of its two low bits with a second ``LOP3``.
+
 2:4 sparsity
 ------------
 The kernel runs the dense MMA (not ``mma.sp``), so 2:4 deltas are expanded once, here:
@@ -60,8 +65,8 @@ import torch
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import expand_24, unpack_int32
 
-# Bit widths the layout holds (3-bit codes do not split into 16-bit halves evenly).
-MMA_BITS = (2, 4, 8)
+# Bit widths the layout holds (3-bit codes as two bit planes, module docstring).
+MMA_BITS = (2, 3, 4, 8)
 ROW_BLOCK = 64  # rows per weight tile (one warpgroup's wgmma M)
 K_BLOCK = 128  # columns per layout tile
 
@@ -160,6 +165,32 @@ def _from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
     return v.reshape(nb * ROW_BLOCK, kb * K_BLOCK)
 
 
+def _pack_tiles(full: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``[OUTP, INP]`` of ``bits`` in (1, 2, 4, 8) -> int64 words ``[NB, KB, 256 * bits]`` per tile."""
+    frag = _to_fragment_order(full)  # [..., j(16), e(2)]
+    ppw = 16 // bits
+    frag = frag.reshape(*frag.shape[:-2], bits, ppw, 2)  # j -> (word, pair in word)
+    ip = torch.arange(ppw, device=full.device, dtype=torch.int64)
+    shifts = ip[:, None] * bits + torch.tensor([0, 16], device=full.device, dtype=torch.int64)[None, :]
+    words = (frag << shifts).sum(dim=(-1, -2))  # disjoint bit fields: the sum is an OR; [NB, KB, rr, w, l, q, bits]
+    # A thread's ``bits`` words of a row half are split into runs of at most 4 (16-byte loads),
+    # the run index outermost in a tile: [NB, KB, hv, rr, w, l, q, v].
+    run = min(bits, 4)
+    words = words.reshape(*words.shape[:-1], bits // run, run).permute(0, 1, 6, 2, 3, 4, 5, 7)
+    return words.reshape(words.shape[0], words.shape[1], -1)
+
+
+def _unpack_tiles(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_tiles`: int64 words ``[NB, KB, 256 * bits]`` -> codes ``[OUTP, INP]``."""
+    nb, kb, ppw, run = words.shape[0], words.shape[1], 16 // bits, min(bits, 4)
+    w = words.reshape(nb, kb, bits // run, 2, 4, 8, 4, run).permute(0, 1, 3, 4, 5, 6, 2, 7)
+    w = w.reshape(nb, kb, 2, 4, 8, 4, bits, 1, 1)
+    ip = torch.arange(ppw, device=words.device, dtype=torch.int64)
+    shifts = ip[:, None] * bits + torch.tensor([0, 16], device=words.device, dtype=torch.int64)[None, :]
+    frag = (w >> shifts) & ((1 << bits) - 1)  # [..., bits, ppw, 2]
+    return _from_fragment_order(frag.reshape(nb, kb, 2, 4, 8, 4, 16, 2))
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack dense codes ``[out, in]`` (values in ``[0, 2**bits)``) into the ``mma`` layout.
 
@@ -175,32 +206,23 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     outp = padded_rows(out_f)
     full = torch.zeros(outp, padded_cols(in_f), dtype=torch.int64, device=codes.device)
     full[:out_f, :in_f] = codes.to(torch.int64)
-    frag = _to_fragment_order(full)  # [..., j(16), e(2)]
-    ppw = 16 // bits
-    frag = frag.reshape(*frag.shape[:-2], bits, ppw, 2)  # j -> (word, pair in word)
-    ip = torch.arange(ppw, device=codes.device, dtype=torch.int64)
-    shifts = ip[:, None] * bits + torch.tensor([0, 16], device=codes.device, dtype=torch.int64)[None, :]
-    words = (frag << shifts).sum(dim=(-1, -2))  # disjoint bit fields: the sum is an OR
-    words = torch.where(words >= 2**31, words - 2**32, words)  # [NB, KB, rr, w, l, q, bits]
-    # A thread's ``bits`` words of a row half are split into runs of at most 4 (16-byte loads),
-    # the run index outermost in a tile: [NB, KB, hv, rr, w, l, q, v].
-    run = min(bits, 4)
-    words = words.reshape(*words.shape[:-1], bits // run, run).permute(0, 1, 6, 2, 3, 4, 5, 7)
+    if bits == 3:  # bit planes: the low two bits as the 2-bit layout, then the high bit as a 1-bit one
+        words = torch.cat([_pack_tiles(full & 3, 2), _pack_tiles(full >> 2, 1)], dim=-1)
+    else:
+        words = _pack_tiles(full, bits)
+    words = torch.where(words >= 2**31, words - 2**32, words)
     return words.to(torch.int32).reshape(-1)
 
 
 def unpack_codes(words: torch.Tensor, bits: int, out_features: int, in_features: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: int64 codes ``[out, in]``."""
-    outp = padded_rows(out_features)
-    nb, kb, ppw = outp // ROW_BLOCK, k_tiles(in_features), 16 // bits
-    run = min(bits, 4)
-    w = words.to(torch.int64).reshape(nb, kb, bits // run, 2, 4, 8, 4, run).permute(0, 1, 3, 4, 5, 6, 2, 7)
-    w = w.reshape(nb, kb, 2, 4, 8, 4, bits, 1, 1) & 0xFFFFFFFF
-    ip = torch.arange(ppw, device=words.device, dtype=torch.int64)
-    shifts = ip[:, None] * bits + torch.tensor([0, 16], device=words.device, dtype=torch.int64)[None, :]
-    frag = (w >> shifts) & ((1 << bits) - 1)  # [..., bits, ppw, 2]
-    frag = frag.reshape(nb, kb, 2, 4, 8, 4, 16, 2)
-    return _from_fragment_order(frag)[:out_features, :in_features]
+    nb, kb = padded_rows(out_features) // ROW_BLOCK, k_tiles(in_features)
+    w = words.to(torch.int64).reshape(nb, kb, 256 * bits) & 0xFFFFFFFF
+    if bits == 3:
+        codes = _unpack_tiles(w[..., :512], 2) | (_unpack_tiles(w[..., 512:], 1) << 2)
+    else:
+        codes = _unpack_tiles(w, bits)
+    return codes[:out_features, :in_features]
 
 
 def resparsify(codes: torch.Tensor, zeros: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

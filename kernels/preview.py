@@ -17,6 +17,7 @@ FEATURES = {
                 "tiles in the mma layout, the activations' tail zero-filled by the kernel",
     "narrow-groups": "groups of 16 columns (any code width) and 2-bit groups of 32: one scale flush every one "
                      "or two mma steps, a 2-bit code word spanning two groups",
+    "three-bit": "3-bit codes, held as two bit planes (the low two bits, then the high bit) in the mma layout",
 }
 
 
@@ -42,6 +43,8 @@ def needed(bits: int, group_size: int, in_features: int) -> dict[str, str]:
         out["padded-k"] = f"in_features {in_features} is not a multiple of 128"
     if g == 16 or (g == 32 and bits == 2):
         out["narrow-groups"] = f"{bits}-bit groups of {g} columns"
+    if bits == 3:
+        out["three-bit"] = "3-bit codes"
     return out
 
 

@@ -2,7 +2,8 @@
 //
 // Host side: deltazip/kernels/cuda_sbmm.py (plans, launch, split-K workspace); compiled at first use
 // by NVRTC (deltazip/kernels/cuda_rtc.py) with these macros:
-//   BITS    code width: 2, 4 or 8
+//   BITS    code width: 2, 3, 4 or 8 (3: two bit planes per tile, the low two bits as the 2-bit layout
+//           and the high bit as a 1-bit one; see mma_layout.py)
 //   BF16    activations bf16 (else fp16)
 //   ASYM    explicit fp16 zero points per group (else 2**(BITS-1))
 //   GK16    16-column mma steps per quantization group when a group is narrower than a 128-column tile
@@ -51,9 +52,17 @@ typedef long long i64;
 #define BM 16                          // activation rows per tile
 
 #define XS (128 * KT + 8)              // halves per staged activation row (+8: ldmatrix rows on distinct banks)
+#if BITS == 3
+#define RUN 2                          // the 2-bit plane's two words of a thread-row (one 8-byte load)
+#define HV 1
+#define PPW 8                          // pairs per 2-bit-plane word (the 1-bit plane's word holds all 16)
+#define NWA 2                          // words of a thread-row that the pair loop walks
+#else
 #define RUN (BITS < 4 ? BITS : 4)      // words of one thread-row stored together (one vector load)
 #define HV (BITS / RUN)
 #define PPW (16 / BITS)                // pairs of codes per word
+#define NWA BITS
+#endif
 #define TILE_WORDS (256 * BITS)        // one 64 x 128 tile
 #define SG (GK16 < 8 ? 8 / GK16 : 1)   // quantization groups in one tile
 #define W_BYTES (RB * KT * TILE_WORDS * 4)  // [rb][u]: a block's KT tiles are contiguous in memory too
@@ -69,12 +78,13 @@ typedef long long i64;
 // groups narrower than a tile (a flush, and with zero points a load, every few k16 steps) need a few
 // more: 3 CTAs of 8 warps, and with groups of 32 columns or fewer 5 of 4 warps; two tiles per warp with
 // such groups over 128; groups of 16 columns (a flush every mma step) 2 CTAs of 8 warps or of two-tile
-// warps, 4 of 4 warps (the offline test compiles every launch config and finds no spill)
+// warps, 4 of 4 warps or of 2 two-tile warps (the offline test compiles every launch config and finds
+// no spill)
 #ifndef SMEM_SM
 #define SMEM_SM 233472                 // an H100/H200's 228 KiB
 #endif
 #define SMEM_CTAS (SMEM_SM / (STAGES * STAGE_BYTES + 1024))
-#define REG_CTAS (GK16 == 1 ? (RB == 2 ? 2 : MT == 2 ? 6 : 4) \
+#define REG_CTAS (GK16 == 1 ? (RB == 2 ? 2 : 4) \
                   : MT == 2 ? (RB == 2 ? (GK16 < 4 ? 3 : 4) : (GK16 < 4 ? 6 : 8)) \
                   : RB == 2 ? (BITS == 8 || GK16 < 8 ? 3 : 4) : (BITS == 8 || GK16 < 4 ? 5 : 6))
 #define MIN_CTAS (SMEM_CTAS < 1 ? 1 : (SMEM_CTAS < REG_CTAS ? SMEM_CTAS : REG_CTAS))
@@ -170,6 +180,23 @@ __device__ __forceinline__ void dequant_word(u32 w, const int* z, u32* out) {
   if constexpr (J + 1 < PPW) dequant_word<J + 1>(w, z, out);
 }
 
+#if BITS == 3
+// Pair j (0..15) of a 3-bit thread-row: its low two bits at bit 2 (j % 8) of each half of 2-bit-plane word
+// wa (word j / 8), its high bit at bit j of each half of the 1-bit-plane word wb. One LOP3 places the low
+// bits under MAGIC, a second ORs the high bit in at bit 2, one packed FMA makes (q - z), exact.
+__device__ __forceinline__ u32 dequant_pair3(u32 wa, u32 wb, int j, int z) {
+  const u32 lo = lop3_and_or(wa >> (2 * (j % 8)), 0x00030003u, MAGIC);
+  const u32 hb = j >= 2 ? wb >> (j - 2) : wb << (2 - j);
+  return hfma2(lop3_and_or(hb, 0x00040004u, lo), pow2_neg(0), neg_int2(MVAL + z));
+}
+
+// The 8 pairs of 2-bit-plane word iw (pairs 8 iw .. 8 iw + 7 of the thread-row).
+__device__ __forceinline__ void dequant_word3(u32 wa, u32 wb, int iw, const int* z, u32* out) {
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) out[jj] = dequant_pair3(wa, wb, 8 * iw + jj, z[jj]);
+}
+#endif
+
 __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
 #if BF16
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -257,7 +284,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
 
   // Copy sources of this thread, advanced KT K tiles per load (a piece outside the matrix or past the
   // tile's rows stays put and is zero-filled), and their offsets inside a stage.
-  constexpr int WP = (RB * KT * 64 * BITS) / NTHREADS;  // pieces of 16 bytes per thread
+  constexpr int WTOTAL = RB * KT * 64 * BITS;                 // pieces of 16 bytes per stage
+  constexpr int WP = (WTOTAL + NTHREADS - 1) / NTHREADS;      // per thread (3 bits: the last round partial)
   // Piece i = tid + j * NTHREADS lands at stage byte 16 i; its source is one 32-bit word offset from
   // the slot's first K tile of this split (fewer registers than a pointer per piece).
   const u32* wbase = qw + slot * slot_words + (i64)kt0 * TILE_WORDS;
@@ -267,7 +295,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   for (int j = 0; j < WP; ++j) {
     const int i = tid + j * NTHREADS, r = i / (KT * 64 * BITS), p = i % (KT * 64 * BITS);
     woff[j] = (u32)((nb0 + r) * k_tiles * TILE_WORDS + p * 4);
-    wok |= (nb0 + r < nblocks ? 1u : 0u) << j;
+    wok |= ((WP * NTHREADS == WTOTAL || i < WTOTAL) && nb0 + r < nblocks ? 1u : 0u) << j;
   }
   // 64 scales (128 bytes, 8 pieces) per block, tile and group: RB * KT * SG * 8 <= NTHREADS
   const bool sload = tid < RB * KT * SG * 8;
@@ -280,7 +308,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
 #pragma unroll
     for (int j = 0; j < WP; ++j) {
       const bool ok = (wok >> j) & 1u;
-      cp16(st + 16 * (tid + j * NTHREADS), ok ? wbase + woff[j] + (u32)(kt - kt0) * TILE_WORDS : qw, ok ? 16 : 0);
+      // (a piece past the stage's weights, only at 3 bits, is not copied: its bytes are the scales')
+      if (WP * NTHREADS == WTOTAL || tid + j * NTHREADS < WTOTAL)
+        cp16(st + 16 * (tid + j * NTHREADS), ok ? wbase + woff[j] + (u32)(kt - kt0) * TILE_WORDS : qw, ok ? 16 : 0);
     }
     if (sload) {
       const int t = kt + s_u;
@@ -349,6 +379,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   // Offsets inside a stage of what this thread reads: its words, its rows' scales, its ldmatrix row
   // (weight tile m of the warp: words + m * 32 * RUN * 4 bytes, scales + 32 bytes).
   const u32 w_rd = rb * KT * TILE_WORDS * 4 + (wi * 32 * RUN + lane * RUN) * 4;
+#if BITS == 3
+  const u32 wb_rd = rb * KT * TILE_WORDS * 4 + 2048 + (wi * 32 + lane) * 4;  // the 1-bit plane's word
+#endif
   const u32 sc_rd = W_BYTES + (rb * KT * SG * 64 + row) * 2;
   const u32 x_rd = W_BYTES + (S_HALVES + Z_HALVES + ((lane & 7) + 8 * (lane >> 4)) * XS + 8 * ((lane >> 3) & 1)) * 2;
 
@@ -380,9 +413,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
 #else
             asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(w[m][rr][0]), "=r"(w[m][rr][1]) : "r"(p));
 #endif
+#if BITS == 3
+            asm volatile("ld.shared.u32 %0, [%1];"
+                         : "=r"(w[m][rr][2]) : "r"(rd + wb_rd + u * TILE_WORDS * 4 + m * 128 + rr * 512));
+#endif
           }
 #pragma unroll
-      for (int iw = 0; iw < BITS; ++iw) {  // word iw holds the pairs of mma steps iw * PPW / 2 ...
+      for (int iw = 0; iw < NWA; ++iw) {  // word iw holds the pairs of mma steps iw * PPW / 2 ...
         u32 a[MT][2][PPW];
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
@@ -397,8 +434,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
             z[0][pj] = z[1][pj] = 1 << (BITS - 1);
 #endif
           }
+#if BITS == 3
+          dequant_word3(w[m][0][iw], w[m][0][2], iw, z[0], a[m][0]);
+          dequant_word3(w[m][1][iw], w[m][1][2], iw, z[1], a[m][1]);
+#else
           dequant_word(w[m][0][iw], z[0], a[m][0]);
           dequant_word(w[m][1][iw], z[1], a[m][1]);
+#endif
         }
 #pragma unroll
         for (int sp = 0; sp < PPW / 2; ++sp) {
@@ -532,8 +574,12 @@ extern "C" __global__ void __launch_bounds__(128) dz_dequant(
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr)
 #pragma unroll
-    for (int iw = 0; iw < BITS; ++iw)
+    for (int iw = 0; iw < NWA; ++iw)
       w[rr][iw] = wq[(((iw / RUN) * 2 + rr) * 4 + wi) * 32 * RUN + lane * RUN + iw % RUN];
+#if BITS == 3
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) w[rr][2] = wq[512 + (rr * 4 + wi) * 32 + lane];  // the 1-bit plane
+#endif
   const int q2 = 2 * (lane & 3);
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
@@ -552,9 +598,15 @@ extern "C" __global__ void __launch_bounds__(128) dz_dequant(
 #else
       const float z = (float)(1 << (BITS - 1));
 #endif
+#if BITS == 3
+      const u32 v = ((w[rr][j / 8] >> (2 * (j % 8))) & 0x00030003u) | (((w[rr][2] >> j) & 0x00010001u) << 2);
+      const u32 mask = 7u;
+#else
       const u32 v = w[rr][j / PPW] >> (BITS * (j % PPW));
-      const float lo = ((float)(v & ((1u << BITS) - 1u)) - z) * s;
-      const float hi = ((float)((v >> 16) & ((1u << BITS) - 1u)) - z) * s;
+      const u32 mask = (1u << BITS) - 1u;
+#endif
+      const float lo = ((float)(v & mask) - z) * s;
+      const float hi = ((float)((v >> 16) & mask) - z) * s;
       *(u32*)(out + (i64)m * so + col) = (u32)from_f32(lo) | ((u32)from_f32(hi) << 16);
     }
   }

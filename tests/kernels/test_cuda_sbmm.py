@@ -376,7 +376,12 @@ PREVIEW_VARIANTS = ([(bits, dt, asym, group, in_f, rb, kt, 1)  # padded-k
                     + [(bits, dt, asym, group, 512, rb, 1, mt)  # narrow-groups
                        for bits, group in ((2, 32), (2, 16), (4, 16), (8, 16)) for dt in (torch.float16, torch.bfloat16)
                        for asym in (False, True) for rb in (1, 2) for mt in (1, 2) if mt == 1 or bits <= 4]
-                    + [(4, torch.bfloat16, True, 16, 208, 2, 1, 1), (2, torch.float16, True, 32, 576, 1, 1, 2)])
+                    + [(3, dt, asym, group, 512, rb, kt, mt)  # three-bit
+                       for dt in (torch.float16, torch.bfloat16) for asym in (False, True)
+                       for group, rb, kt, mt in ((128, 2, 1, 1), (128, 1, 2, 1), (64, 2, 1, 1), (32, 1, 1, 2),
+                                                 (-1, 2, 2, 1), (128, 2, 1, 2))]
+                    + [(4, torch.bfloat16, True, 16, 208, 2, 1, 1), (2, torch.float16, True, 32, 576, 1, 1, 2),
+                       (3, torch.bfloat16, True, 64, 576, 2, 1, 1), (3, torch.float16, False, 16, 512, 1, 1, 1)])
 
 
 @pytest.fixture
@@ -390,8 +395,9 @@ def preview_on(monkeypatch):
 def test_preview_builds_compile_offline_to_the_same_streaming_loop(preview_on, bits, dtype, asym, group, in_f, rb,
                                                                    kt, mt):
     """The preview builds (``kernels/preview.py``): a padded last K tile (``KCOLS``: the activations past
-    the row zero-filled) and narrow groups (a scale flush every one or two mma steps) keep the main loop
-    of every other build: 16-byte copies only, no shared-memory store, one barrier, the MMAs and
+    the row zero-filled), narrow groups (a scale flush every one or two mma steps) and 3-bit codes (two
+    bit planes; a stage's 16-byte pieces do not divide evenly over the threads) keep the main loop of
+    every other build: 16-byte copies only, no shared-memory store, one barrier, the MMAs and
     ldmatrix of a full tile, no local memory, registers within what ``ctas_per_sm`` counts on; the
     dense-dequantize kernel builds too."""
     rtc = _nvrtc_or_skip()
@@ -419,10 +425,11 @@ def test_preview_builds_compile_offline_to_the_same_streaming_loop(preview_on, b
     assert deq and not any(op.startswith(("LDL", "STL")) for op in deq)
 
 
-def test_every_launch_config_of_narrow_groups_fits_the_occupancy_the_model_assumes(preview_on, tmp_path, monkeypatch):
+def test_every_launch_config_of_the_preview_builds_fits_the_occupancy_the_model_assumes(preview_on, tmp_path,
+                                                                                       monkeypatch):
     """As the sweep above, for the narrow-groups preview (groups of 16, 2-bit groups of 32; symmetric,
-    which spilled where zero points did not): every config the tuner can time compiles with no local
-    memory and within the register file at ``ctas_per_sm``."""
+    which spilled where zero points did not) and 3-bit codes: every config the tuner can time compiles
+    with no local memory and within the register file at ``ctas_per_sm``."""
     rtc = _nvrtc_or_skip()
     from deltazip.kernels import cuda_sass as sass
 
@@ -430,10 +437,10 @@ def test_every_launch_config_of_narrow_groups_fits_the_occupancy_the_model_assum
         pytest.skip(sass.tools_available())
     monkeypatch.setenv("DELTAZIP_CUDA_CACHE", str(tmp_path))
     over, checked = [], 0
-    for bits, group in ((2, 32), (2, 16), (4, 16), (8, 16)):
+    for bits, group in ((2, 32), (2, 16), (4, 16), (8, 16), (3, 128), (3, 32), (3, 16)):
         _, stack = _stack(bits, group, False, in_f=1024)
-        cfgs = [cuda_sbmm.CudaConfig(rb=rb, stages=st, kt=1, mt=mt) for rb in (1, 2) for st in (4, 6, 8)
-                for mt in (1, 2)]
+        cfgs = [cuda_sbmm.CudaConfig(rb=rb, stages=st, kt=kt, mt=mt) for rb in (1, 2) for st in (4, 6, 8)
+                for mt in (1, 2) for kt in (1, 2)]
         cfgs = [c for c in cfgs if cuda_sbmm.fits(stack, c, 0)]
         rtc.precompile(cuda_sbmm.source(), [cuda_sbmm.macros(stack, torch.bfloat16, c) for c in cfgs], 90)
         for c in cfgs:
@@ -443,7 +450,7 @@ def test_every_launch_config_of_narrow_groups_fits_the_occupancy_the_model_assum
             if (info["registers"] * c.threads * cuda_sbmm.ctas_per_sm(stack, c) > cuda_sbmm.sm_limits(0)[2]
                     or any(op.startswith(("LDL", "STL")) for op in info["all_opcodes"])):
                 over.append((bits, group, c, info["registers"], cuda_sbmm.ctas_per_sm(stack, c)))
-    assert checked >= 36 and not over, (checked, over)
+    assert checked >= 60 and not over, (checked, over)
 
 
 def test_a_multiple_of_128_builds_without_kcols():
@@ -454,12 +461,13 @@ def test_a_multiple_of_128_builds_without_kcols():
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("asym,group,in_f", [(False, 64, 576), (True, 32, 576), (False, -1, 576), (True, 64, 320),
-                                             (False, -1, 960), (True, 16, 512), (False, 32, 512), (True, 16, 208)])
+                                             (False, -1, 960), (True, 16, 512), (False, 32, 512), (True, 16, 208),
+                                             (True, 128, 512)])
 def test_preview_paths_match_the_reference_and_never_read_past_the_row(preview_on, bits, dtype, asym, group, in_f):
-    """The preview paths, a padded last K tile and narrow groups, over every launch shape (row blocks,
+    """The preview paths, a padded last K tile, narrow groups and 3-bit codes, over every launch shape (row blocks,
     stages, K splits through the padded tile, two tiles per warp, two K tiles per stage) and the
     dense-dequantize path. The activations are a view of a wider tensor whose columns past the row are
     NaN: one read past ``in_features`` would poison its row."""

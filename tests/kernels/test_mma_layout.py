@@ -11,7 +11,7 @@ from deltazip.kernels import mma_layout, reference
 from deltazip.kernels.stacked import StackedDeltas, choose_layout, repack
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_pack_unpack_roundtrip_pads_rows(bits):
     gen = torch.Generator().manual_seed(bits)
     codes = torch.randint(0, 2**bits, (100, 256), generator=gen)
@@ -44,6 +44,32 @@ def test_code_lands_where_the_docstring_says(bits):
         assert int(words[word]) & 0xFFFFFFFF == 1 << bit
 
 
+def test_a_3_bit_code_lands_in_both_bit_planes_where_the_docstring_says():
+    """3-bit codes: the low two bits at the 2-bit layout's word and bit in the tile's first 512 words,
+    the high bit at bit ``16 e + j`` of the thread-row's word in the 1-bit plane that follows (word
+    ``512 + ((rr * 4 + w) * 8 + l) * 4 + q`` of the tile)."""
+    out_f, in_f = 128, 256
+    for n, k, code in [(0, 0, 7), (37, 77, 5), (127, 255, 6), (64 + 9, 128 + 50, 4), (3, 9, 3)]:
+        codes = torch.zeros(out_f, in_f, dtype=torch.int64)
+        codes[n, k] = code
+        words = mma_layout.pack_codes(codes, 3)
+        nb, r = divmod(n, 64)
+        w, rr, lane = r // 16, (r // 8) % 2, r % 8
+        kb, kk = divmod(k, 128)
+        c, b, h, q, e = kk // 32, (kk // 16) % 2, (kk // 8) % 2, (kk // 2) % 4, kk % 2
+        j = 4 * c + 2 * b + h
+        tile = (nb * (in_f // 128) + kb) * 768
+        lo_word = tile + (((rr * 4 + w) * 8 + lane) * 4 + q) * 2 + j // 8
+        hi_word = tile + 512 + ((rr * 4 + w) * 8 + lane) * 4 + q
+        want = {}
+        if code & 3:
+            want[lo_word] = (code & 3) << (16 * e + 2 * (j % 8))
+        if code >> 2:
+            want[hi_word] = 1 << (16 * e + j)
+        got = {i: int(words[i]) & 0xFFFFFFFF for i in words.nonzero().flatten().tolist()}
+        assert got == want, (n, k, code)
+
+
 @pytest.mark.parametrize("sparse", [True, False])
 @pytest.mark.parametrize("asym", [False, True])
 def test_dense_codes_dequantize_to_the_reference(sparse, asym):
@@ -55,7 +81,7 @@ def test_dense_codes_dequantize_to_the_reference(sparse, asym):
     assert torch.equal(scales * (codes - zp).float(), reference.delta_weight(d))
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("sparse", [True, False])
 def test_mma_stack_write_unstack(bits, sparse):
     gen = torch.Generator().manual_seed(10 * bits + sparse)
@@ -86,7 +112,7 @@ def test_choose_layout(monkeypatch):
     assert choose_layout("auto", device="cpu", **kw) == "mma"
     monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", "transposed")
     assert choose_layout("auto", device="cpu", **kw) == "transposed"
-    for bad in (dict(bits=3, group_size=128, in_features=256), dict(bits=4, group_size=96, in_features=384),
+    for bad in (dict(bits=6, group_size=128, in_features=256), dict(bits=4, group_size=96, in_features=384),
                 dict(bits=2, group_size=384, in_features=768), dict(bits=4, group_size=-1, in_features=100)):
         with pytest.raises(ValueError, match="no mma layout"):
             choose_layout("mma", device="cpu", **bad)
@@ -138,7 +164,7 @@ def test_7b_mlp_shapes_layout():
 
 # -------------------------------------------------- in_features not a multiple of 128: a padded last K tile
 
-PADDED = [(bits, group, in_f) for bits in (2, 4, 8) for group, in_f in ((64, 576), (32, 576), (-1, 576), (64, 320),
+PADDED = [(bits, group, in_f) for bits in (2, 3, 4, 8) for group, in_f in ((64, 576), (32, 576), (-1, 576), (64, 320),
                                                                        (-1, 960), (32, 96), (16, 208))]
 
 
