@@ -25,7 +25,7 @@ from importlib import resources
 
 import torch
 
-from deltazip.kernels import preview
+from deltazip.kernels import mma_layout, preview
 from deltazip.kernels.mma_layout import group_params as mma_group_params
 from deltazip.kernels.mma_layout import k_tiles, padded_rows
 from deltazip.kernels.mma_layout import supported as mma_supported
@@ -81,7 +81,7 @@ def covers(scheme, in_features: int, dtype: torch.dtype) -> str | None:
     if in_features % 8:
         return f"in_features {in_features} is not a multiple of 8 (the kernel copies activations in 16-byte pieces)"
     if not mma_supported(scheme.bits, scheme.group_size, in_features):
-        return f"groups of {g} columns (the kernel takes 16, 32, 64, a power-of-two multiple of 128, or the row)"
+        return f"groups of {g} columns (the kernel takes 16, 32, 64, a multiple of 128, or the row)"
     for name, what in preview.needed(scheme.bits, scheme.group_size, in_features).items():
         if not preview.enabled(name):
             return f"{what} (the kernel's {name} build awaits parity on a GPU: {preview.ENV}={name} serves it there)"
@@ -105,12 +105,14 @@ def macros(stack: StackedDeltas, dtype: torch.dtype, cfg: CudaConfig, device_ind
     """Compile-time constants of one kernel build; ``SMEM_SM``, the device's shared memory per SM, lets
     the kernel's register budget (its launch bounds) assume the CTAs per SM of :func:`ctas_per_sm`;
     ``KCOLS`` (only where ``in_features`` is not a multiple of 128) the columns past which the padded
-    last K tile's activations are zero-filled."""
+    last K tile's activations are zero-filled; ``GDIV`` (only for groups of whole tiles that are not a
+    power of two of them) that ``group_shift`` is a tile count to divide by."""
     gk16, _ = group_params(stack)
     return {"BITS": stack.bits, "BF16": int(dtype == torch.bfloat16), "ASYM": int(stack.asymmetric),
             "GK16": gk16, "RB": cfg.rb, "STAGES": cfg.stages, "KT": cfg.kt, "MT": cfg.mt,
             "SMEM_SM": sm_limits(device_index)[1],
-            **({"KCOLS": stack.in_features} if stack.in_features % 128 else {})}
+            **({"KCOLS": stack.in_features} if stack.in_features % 128 else {}),
+            **({"GDIV": 1} if mma_layout.divided_groups(stack.scheme.group_size, stack.in_features) else {})}
 
 
 @functools.cache

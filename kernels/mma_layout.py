@@ -74,17 +74,28 @@ K_BLOCK = 128  # columns per layout tile
 def group_params(group_size: int, in_features: int) -> tuple[int, int] | None:
     """``(GK16, group_shift)`` of a group size (``-1``: the whole row) in the CUDA kernel, or None when it
     has no variant for it. Groups narrower than a 128-column tile take ``GK16 = group / 16`` mma steps
-    each (16, 32 or 64 columns: a tile holds whole groups); wider ones must span a power of two of tiles,
-    or the whole row (``group_shift`` 30)."""
+    each (16, 32 or 64 columns: a tile holds whole groups); wider ones span whole tiles (``group_shift``
+    their log2, or for a count that is not a power of two the count itself, :func:`divided_groups`) or the
+    whole row (``group_shift`` 30)."""
     g = in_features if group_size == -1 else group_size
     if g in (16, 32, 64):
         return g // 16, 0
     if g == in_features:
         return 8, 30
     tiles = g // K_BLOCK
-    if g % K_BLOCK or tiles & (tiles - 1):
+    if g % K_BLOCK:
         return None
+    if tiles & (tiles - 1):  # not a power of two (384 columns): the kernel divides (``GDIV`` builds)
+        return 8, tiles
     return 8, tiles.bit_length() - 1
+
+
+def divided_groups(group_size: int, in_features: int) -> bool:
+    """Groups of whole tiles that are not a power of two of them (384, 640, 768 columns, but not the whole
+    row): the kernel's ``GDIV`` builds, whose ``group_shift`` argument is the tiles per group."""
+    g = in_features if group_size == -1 else group_size
+    tiles = g // K_BLOCK
+    return g != in_features and g % K_BLOCK == 0 and tiles & (tiles - 1) != 0
 
 
 def supported(bits: int, group_size: int, in_features: int) -> bool:

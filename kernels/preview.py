@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from deltazip.kernels import mma_layout
+
 ENV = "DELTAZIP_CUDA_PREVIEW"
 
 # name -> what it enables (docs/kernels.md, "Preview paths")
@@ -18,6 +20,8 @@ FEATURES = {
     "narrow-groups": "groups of 16 columns (any code width) and 2-bit groups of 32: one scale flush every one "
                      "or two mma steps, a 2-bit code word spanning two groups",
     "three-bit": "3-bit codes, held as two bit planes (the low two bits, then the high bit) in the mma layout",
+    "wide-groups": "groups of whole 128-column tiles that are not a power of two of them (384, 640, 768 "
+                   "columns): the kernel divides by the tiles per group instead of shifting",
 }
 
 
@@ -45,6 +49,8 @@ def needed(bits: int, group_size: int, in_features: int) -> dict[str, str]:
         out["narrow-groups"] = f"{bits}-bit groups of {g} columns"
     if bits == 3:
         out["three-bit"] = "3-bit codes"
+    if mma_layout.divided_groups(group_size, in_features):
+        out["wide-groups"] = f"groups of {g} columns ({g // 128} tiles)"
     return out
 
 

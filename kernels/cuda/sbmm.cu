@@ -8,6 +8,8 @@
 //   ASYM    explicit fp16 zero points per group (else 2**(BITS-1))
 //   GK16    16-column mma steps per quantization group when a group is narrower than a 128-column tile
 //           (1, 2 or 4); 8 when a group spans whole tiles (2**group_shift of them, or the whole row)
+//   GDIV    (only for groups of whole tiles that are not a power of two of them, e.g. 384 columns) the
+//           kernel's group_shift argument holds the tiles per group, divided by rather than shifted
 //   RB      64-row weight blocks per CTA (1 or 2): 4 / MT warps each
 //   STAGES  depth of the cp.async pipeline (>= 2)
 //   KT      128-column K tiles per pipeline stage (1 or 2: 2 halves the loop's fixed work per weight)
@@ -280,7 +282,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   const int nb0 = blockIdx.x * RB, nblocks = outp >> 6;
   const bool active = nb0 + rb < nblocks;
   const int kt0 = blockIdx.z * tiles_per_split, kt1 = imin(k_tiles, kt0 + tiles_per_split);
+#ifdef GDIV
+#define TILE_GROUP(t) ((t) / group_shift)                   // group_shift: tiles per group
+#define GROUP_ENDS(t) (((t) + 1) % group_shift == 0)
+#else
   const int group_mask = (1 << group_shift) - 1;  // K tiles per group: a power of two (or the whole row)
+#define TILE_GROUP(t) ((t) >> group_shift)
+#define GROUP_ENDS(t) ((((t) + 1) & group_mask) == 0)
+#endif
 
   // Copy sources of this thread, advanced KT K tiles per load (a piece outside the matrix or past the
   // tile's rows stays put and is zero-filled), and their offsets inside a stage.
@@ -314,7 +323,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
     }
     if (sload) {
       const int t = kt + s_u;
-      const i64 off = s_off + (GK16 < 8 ? (i64)t * SG * outp : (i64)(t >> group_shift) * outp);
+      const i64 off = s_off + (GK16 < 8 ? (i64)t * SG * outp : (i64)TILE_GROUP(t) * outp);
       cp16(st + s_dst, s_ok ? (const void*)(scales + off) : (const void*)scales, s_ok ? 16 : 0);
 #if ASYM
       cp16(st + s_dst + S_HALVES * 2, s_ok ? (const void*)(zeros + off) : (const void*)zeros, s_ok ? 16 : 0);
@@ -464,7 +473,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
       }
       if (GK16 == 8) {
         const int kt = kt0 + it * KT + u;
-        if (((kt + 1) & group_mask) == 0 || kt + 1 == kt1)
+        if (GROUP_ENDS(kt) || kt + 1 == kt1)
 #pragma unroll
           for (int m = 0; m < MT; ++m) flush(acc[m], cg[m], su + m * 32);
       }

@@ -196,8 +196,10 @@ def test_group_params_cover_the_mma_layouts_group_sizes():
     assert cuda_sbmm.group_params(s16) == (1, 0)
     from deltazip.kernels import mma_layout
 
-    assert mma_layout.group_params(384, 768) is None and not mma_layout.supported(4, 384, 768)
-    assert mma_layout.group_params(96, 384) is None and mma_layout.group_params(512, 1536) == (8, 2)
+    assert mma_layout.group_params(384, 1536) == (8, 3) and mma_layout.divided_groups(384, 1536)
+    assert mma_layout.group_params(512, 1536) == (8, 2) and not mma_layout.divided_groups(512, 1536)
+    assert not mma_layout.divided_groups(-1, 384)  # the whole row of 3 tiles: group_shift 30, no division
+    assert mma_layout.group_params(96, 384) is None and not mma_layout.supported(4, 192, 768)
 
 
 # ----------------------------------------------------------------------------------------- on a GPU
@@ -381,7 +383,12 @@ PREVIEW_VARIANTS = ([(bits, dt, asym, group, in_f, rb, kt, 1)  # padded-k
                        for group, rb, kt, mt in ((128, 2, 1, 1), (128, 1, 2, 1), (64, 2, 1, 1), (32, 1, 1, 2),
                                                  (-1, 2, 2, 1), (128, 2, 1, 2))]
                     + [(4, torch.bfloat16, True, 16, 208, 2, 1, 1), (2, torch.float16, True, 32, 576, 1, 1, 2),
-                       (3, torch.bfloat16, True, 64, 576, 2, 1, 1), (3, torch.float16, False, 16, 512, 1, 1, 1)])
+                       (3, torch.bfloat16, True, 64, 576, 2, 1, 1), (3, torch.float16, False, 16, 512, 1, 1, 1)]
+                    + [(bits, dt, asym, group, in_f, rb, kt, mt)  # wide-groups
+                       for bits in (2, 4, 8) for dt in (torch.float16, torch.bfloat16) for asym in (False, True)
+                       for group, in_f, rb, kt, mt in ((384, 1536, 2, 1, 1), (384, 1536, 1, 2, 1), (640, 1280, 2, 2, 1),
+                                                       (384, 1536, 2, 1, 2))
+                       if (kt == 1 and mt == 1) or bits <= 4])
 
 
 @pytest.fixture
@@ -410,6 +417,7 @@ def test_preview_builds_compile_offline_to_the_same_streaming_loop(preview_on, b
     assert cuda_sbmm.supported(stack, dtype) and cuda_sbmm.fits(stack, cfg, 0)
     macros = cuda_sbmm.macros(stack, dtype, cfg)
     assert macros.get("KCOLS", 0) == (in_f if in_f % 128 else 0)
+    assert macros.get("GDIV", 0) == int(group in (384, 640))
     info = sass.analyze(rtc.compile_cubin(cuda_sbmm.source(), macros, 90), function="dz_sbmm")
     full = info["loop_full_opcodes"]
     copies = {op: n for op, n in full.items() if op.startswith("LDGSTS")}
@@ -437,8 +445,8 @@ def test_every_launch_config_of_the_preview_builds_fits_the_occupancy_the_model_
         pytest.skip(sass.tools_available())
     monkeypatch.setenv("DELTAZIP_CUDA_CACHE", str(tmp_path))
     over, checked = [], 0
-    for bits, group in ((2, 32), (2, 16), (4, 16), (8, 16), (3, 128), (3, 32), (3, 16)):
-        _, stack = _stack(bits, group, False, in_f=1024)
+    for bits, group in ((2, 32), (2, 16), (4, 16), (8, 16), (3, 128), (3, 32), (3, 16), (4, 384)):
+        _, stack = _stack(bits, group, False, in_f=1536 if group == 384 else 1024)
         cfgs = [cuda_sbmm.CudaConfig(rb=rb, stages=st, kt=kt, mt=mt) for rb in (1, 2) for st in (4, 6, 8)
                 for mt in (1, 2) for kt in (1, 2)]
         cfgs = [c for c in cfgs if cuda_sbmm.fits(stack, c, 0)]
@@ -465,9 +473,10 @@ def test_a_multiple_of_128_builds_without_kcols():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("asym,group,in_f", [(False, 64, 576), (True, 32, 576), (False, -1, 576), (True, 64, 320),
                                              (False, -1, 960), (True, 16, 512), (False, 32, 512), (True, 16, 208),
-                                             (True, 128, 512)])
+                                             (True, 128, 512), (False, 384, 1536), (True, 640, 1280)])
 def test_preview_paths_match_the_reference_and_never_read_past_the_row(preview_on, bits, dtype, asym, group, in_f):
-    """The preview paths, a padded last K tile, narrow groups and 3-bit codes, over every launch shape (row blocks,
+    """The preview paths, a padded last K tile, narrow groups, 3-bit codes and groups of 3 or 5 tiles (K
+    splits and two-tile stages inside a group), over every launch shape (row blocks,
     stages, K splits through the padded tile, two tiles per warp, two K tiles per stage) and the
     dense-dequantize path. The activations are a view of a wider tensor whose columns past the row are
     NaN: one read past ``in_features`` would poison its row."""

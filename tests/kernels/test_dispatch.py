@@ -69,6 +69,8 @@ def test_with_every_preview_path_on_the_kernel_serves_every_2_4_8_bit_scheme_wit
 
     monkeypatch.delenv(preview.ENV, raising=False)
     for s, in_f, name in ((DeltaScheme(bits=4, group_size=64), 576, "padded-k"),
+                          (DeltaScheme(bits=3, group_size=128), 4096, "three-bit"),
+                          (DeltaScheme(bits=4, group_size=384), 4608, "wide-groups"),
                           (DeltaScheme(bits=2, group_size=32), 4096, "narrow-groups"),
                           (DeltaScheme(bits=8, group_size=16), 4096, "narrow-groups")):
         why = dispatch.coverage(s, in_f, torch.float16)
@@ -88,6 +90,8 @@ def test_with_every_preview_path_on_the_kernel_serves_every_2_4_8_bit_scheme_wit
                     served.add((s.bits, s.effective_group(in_f), in_f))
     assert {(2, 32, 4096), (2, 16, 4096), (4, 16, 896), (4, 64, 576), (8, 576, 576), (2, 1000, 1000)} <= served
     assert "multiple of 8" in dispatch.coverage(DeltaScheme(bits=4, group_size=-1), 1004, torch.float16)
+    assert dispatch.coverage(DeltaScheme(group_size=384), 4608, torch.float16) is None  # wide-groups
+    assert dispatch.coverage(DeltaScheme(group_size=96), 4608, torch.float16) is not None
 
 
 @pytest.mark.parametrize("bits,group,sparse,asym,in_f", [(b, g, sp, a, f) for b in (2, 4, 8) for g in (*AUTO_GROUPS, -1)

@@ -113,7 +113,7 @@ def test_choose_layout(monkeypatch):
     monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", "transposed")
     assert choose_layout("auto", device="cpu", **kw) == "transposed"
     for bad in (dict(bits=6, group_size=128, in_features=256), dict(bits=4, group_size=96, in_features=384),
-                dict(bits=2, group_size=384, in_features=768), dict(bits=4, group_size=-1, in_features=100)):
+                dict(bits=2, group_size=192, in_features=768), dict(bits=4, group_size=-1, in_features=100)):
         with pytest.raises(ValueError, match="no mma layout"):
             choose_layout("mma", device="cpu", **bad)
         for env in ("mma", "auto"):  # a preference, not an order
