@@ -178,7 +178,7 @@ def run_codec(label: dict, codec, ts: list[torch.Tensor], repeats: int) -> dict:
 
 def gpu_decode(art_dir: Path, repeats: int) -> dict | None:
     """GB/s of nvCOMP decoding every lossless part of an artifact (decoded bytes / time)."""
-    if not (torch.cuda.is_available() and gdeflate.gpu_available()):
+    if gdeflate.gpu_problem() is not None:  # no device, or no nvCOMP GPU module for torch's CUDA
         return None
     from safetensors import safe_open
 

@@ -461,18 +461,6 @@ def nvcomp_cuda_major(version) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def gpu_available() -> bool:
-    """True when a CUDA device and nvCOMP's Python module are both present."""
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return False
-        return importlib.util.find_spec("nvidia.nvcomp") is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def _gpu_codec(device_index: int, stream: int):
     try:
         from nvidia import nvcomp

@@ -25,9 +25,9 @@ from importlib import resources
 
 import torch
 
-from deltazip.kernels import mma_layout, preview
+from deltazip.kernels import preview
+from deltazip.kernels.mma_layout import divided_groups, k_tiles, padded_rows
 from deltazip.kernels.mma_layout import group_params as mma_group_params
-from deltazip.kernels.mma_layout import k_tiles, padded_rows
 from deltazip.kernels.mma_layout import supported as mma_supported
 from deltazip.kernels.row_plan import RowPlan, group_rows
 from deltazip.kernels.stacked import StackedDeltas
@@ -112,7 +112,7 @@ def macros(stack: StackedDeltas, dtype: torch.dtype, cfg: CudaConfig, device_ind
             "GK16": gk16, "RB": cfg.rb, "STAGES": cfg.stages, "KT": cfg.kt, "MT": cfg.mt,
             "SMEM_SM": sm_limits(device_index)[1],
             **({"KCOLS": stack.in_features} if stack.in_features % 128 else {}),
-            **({"GDIV": 1} if mma_layout.divided_groups(stack.scheme.group_size, stack.in_features) else {})}
+            **({"GDIV": 1} if divided_groups(stack.scheme.group_size, stack.in_features) else {})}
 
 
 @functools.cache

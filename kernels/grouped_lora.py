@@ -59,7 +59,7 @@ def stacked(x: torch.Tensor, index: torch.Tensor, A: torch.Tensor, B: torch.Tens
     n, (num, rank, _) = x.shape[0], A.shape
     h = (x @ A.reshape(num * rank, -1).T).view(n, num, rank)
     own = index[:, None] == torch.arange(num, device=x.device)[None, :]  # [N, L]; -1 rows own nothing
-    w = torch.where(own, scale.to(h.dtype)[None, :], torch.zeros((), dtype=h.dtype, device=x.device))
+    w = torch.where(own, scale.to(h.dtype)[None, :], 0.0)
     return (h * w[:, :, None]).view(n, num * rank) @ _b_by_rank_rows(B)
 
 
@@ -71,12 +71,11 @@ def grouped(x: torch.Tensor, index: torch.Tensor, A: torch.Tensor, B: torch.Tens
     key = torch.where(index >= 0, index, num)
     order = torch.argsort(key, stable=True)
     offs = torch.cumsum(torch.bincount(key, minlength=num + 1)[:num], 0).to(torch.int32)
-    xs = x.index_select(0, order)
-    h = torch._grouped_mm(xs, A.transpose(1, 2), offs=offs)  # [N, R]; rows past the groups: undefined
-    s = torch.cat([scale, scale.new_zeros(1)]).index_select(0, key.index_select(0, order))
-    h = (h.float() * s[:, None]).to(x.dtype)
-    y = torch._grouped_mm(h, B.transpose(1, 2), offs=offs)
-    y = torch.where((key.index_select(0, order) < num)[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+    sorted_key = key.index_select(0, order)
+    h = torch._grouped_mm(x.index_select(0, order), A.transpose(1, 2), offs=offs)  # [N, R]; rows past the groups: undefined
+    s = torch.cat([scale, scale.new_zeros(1)]).index_select(0, sorted_key)
+    y = torch._grouped_mm((h.float() * s[:, None]).to(x.dtype), B.transpose(1, 2), offs=offs)
+    y = torch.where((sorted_key < num)[:, None], y, 0.0)
     return torch.empty_like(y).index_copy_(0, order, y)
 
 

@@ -82,12 +82,11 @@ def group_params(group_size: int, in_features: int) -> tuple[int, int] | None:
         return g // 16, 0
     if g == in_features:
         return 8, 30
-    tiles = g // K_BLOCK
     if g % K_BLOCK:
         return None
-    if tiles & (tiles - 1):  # not a power of two (384 columns): the kernel divides (``GDIV`` builds)
-        return 8, tiles
-    return 8, tiles.bit_length() - 1
+    if divided_groups(group_size, in_features):  # 384 columns: the kernel divides (``GDIV`` builds)
+        return 8, g // K_BLOCK
+    return 8, (g // K_BLOCK).bit_length() - 1
 
 
 def divided_groups(group_size: int, in_features: int) -> bool:
