@@ -20,7 +20,8 @@
 #   table      40  bench/sbmm_table.py --quick: the delta matmul table at 4096x4096 (the CUDA kernel, with the
 #                  Triton kernels where this checkout still has them)
 #   preview    90  (not in the first call: STEPS=preview) the parity tests of the kernel's preview paths
-#                  (kernels/preview.py: a padded last K tile, narrow groups); the first call's parity skips them
+#                  (kernels/preview.py: a padded last K tile, narrow, wide and split groups, 3-bit codes); the
+#                  first call's parity skips them
 #   lora       40  (not in the first call: STEPS=lora) bench/lora.py: grouped LoRA's three paths in bf16
 # (450 s of limits after a set-up of about 25 s.)
 # Every bench writes its finished rows at once, so a step stopped at its limit keeps what it measured.

@@ -26,7 +26,7 @@ from importlib import resources
 import torch
 
 from deltazip.kernels import preview
-from deltazip.kernels.mma_layout import divided_groups, k_tiles, padded_rows
+from deltazip.kernels.mma_layout import divided_groups, k_tiles, layout_group, padded_rows
 from deltazip.kernels.mma_layout import group_params as mma_group_params
 from deltazip.kernels.mma_layout import supported as mma_supported
 from deltazip.kernels.row_plan import RowPlan, group_rows
@@ -81,7 +81,7 @@ def covers(scheme, in_features: int, dtype: torch.dtype) -> str | None:
     if in_features % 8:
         return f"in_features {in_features} is not a multiple of 8 (the kernel copies activations in 16-byte pieces)"
     if not mma_supported(scheme.bits, scheme.group_size, in_features):
-        return f"groups of {g} columns (the kernel takes 16, 32, 64, a multiple of 128, or the row)"
+        return f"groups of {g} columns (the kernel takes groups of a multiple of 16 columns, or the row)"
     for name, what in preview.needed(scheme.bits, scheme.group_size, in_features).items():
         if not preview.enabled(name):
             return f"{what} (the kernel's {name} build awaits parity on a GPU: {preview.ENV}={name} serves it there)"
@@ -425,7 +425,7 @@ def dequantize_slot(stack: StackedDeltas, slot: int, dtype: torch.dtype, out: to
     c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
     args = [ptr(stack.qweight.data_ptr()), ptr(stack.scales.data_ptr()), ptr(zr.data_ptr()), c_int(slot),
             c_ll(stack.qweight[0].numel()), c_ll(stack.scales[0].numel()), c_int(out_f),
-            c_int(padded_rows(out_f)), c_int(k_tiles(in_f)), c_int(stack.effective_group), ptr(w.data_ptr()),
+            c_int(padded_rows(out_f)), c_int(k_tiles(in_f)), c_int(layout_group(stack.group_size, in_f)), ptr(w.data_ptr()),
             c_int(w.stride(0))]
     kernel((padded_rows(out_f) // 64, k_tiles(in_f), 1), 128, 0, torch.cuda.current_stream(stack.device).cuda_stream,
            args)

@@ -60,6 +60,8 @@ against expanding in registers.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from deltazip.kernels.packed import PackedDelta
@@ -71,19 +73,52 @@ ROW_BLOCK = 64  # rows per weight tile (one warpgroup's wgmma M)
 K_BLOCK = 128  # columns per layout tile
 
 
+def layout_group(group_size: int, in_features: int) -> int | None:
+    """Columns per scale group of the ``mma`` layout, or None when the kernel reads no such group.
+
+    The delta's own group where the kernel reads it: 16, 32 or 64 columns (a tile holds whole groups), whole
+    128-column tiles, or the row. A group that is a multiple of 16 columns but neither divides a tile nor is
+    made of whole tiles (48, 96, 160, 192, ...) is held as sub-groups of ``16 * gcd(group / 16, 8)`` columns
+    (32 for 96, 64 for 192), each with its group's scale and zero point (:func:`layout_scales`): every
+    sub-group lies inside one group and tiles hold whole sub-groups, so the kernel reads them as narrow
+    groups and the result is the delta's, up to fp32 summation order. Other groups (8, 24, 200 columns: an
+    mma step of 16 columns would span two groups) are None."""
+    g = in_features if group_size == -1 else group_size
+    if g <= 0 or in_features % g:
+        return None
+    if g in (16, 32, 64) or g == in_features or g % K_BLOCK == 0:
+        return g
+    if g % 16:
+        return None
+    return 16 * math.gcd(g // 16, 8)
+
+
+def split_groups(group_size: int, in_features: int) -> int:
+    """Sub-groups per group in the ``mma`` layout (:func:`layout_group`; 1: the delta's own groups)."""
+    g, lg = (in_features if group_size == -1 else group_size), layout_group(group_size, in_features)
+    return 1 if lg is None else g // lg
+
+
+def layout_scales(t: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
+    """Per-group values ``[out, G]`` (scales, zero points) as the ``mma`` layout's ``[out, G * split]``:
+    each group's value repeated over its sub-groups (:func:`layout_group`)."""
+    rep = split_groups(group_size, in_features)
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
 def group_params(group_size: int, in_features: int) -> tuple[int, int] | None:
     """``(GK16, group_shift)`` of a group size (``-1``: the whole row) in the CUDA kernel, or None when it
-    has no variant for it. Groups narrower than a 128-column tile take ``GK16 = group / 16`` mma steps
-    each (16, 32 or 64 columns: a tile holds whole groups); wider ones span whole tiles (``group_shift``
-    their log2, or for a count that is not a power of two the count itself, :func:`divided_groups`) or the
-    whole row (``group_shift`` 30)."""
-    g = in_features if group_size == -1 else group_size
+    has no variant for it. The kernel reads the layout's groups (:func:`layout_group`): those narrower than
+    a 128-column tile take ``GK16 = group / 16`` mma steps each (16, 32 or 64 columns: a tile holds whole
+    groups); wider ones span whole tiles (``group_shift`` their log2, or for a count that is not a power of
+    two the count itself, :func:`divided_groups`) or the whole row (``group_shift`` 30)."""
+    g = layout_group(group_size, in_features)
+    if g is None:
+        return None
     if g in (16, 32, 64):
         return g // 16, 0
     if g == in_features:
         return 8, 30
-    if g % K_BLOCK:
-        return None
     if divided_groups(group_size, in_features):  # 384 columns: the kernel divides (``GDIV`` builds)
         return 8, g // K_BLOCK
     return 8, (g // K_BLOCK).bit_length() - 1
@@ -124,10 +159,10 @@ def k_tiles(in_features: int) -> int:
 
 
 def scale_groups(in_features: int, group_size: int) -> int:
-    """Groups per row of an ``mma`` stack's scales (and zero points): a group narrower than a tile
-    (dividing 128) is counted over the padded columns, so the padded tile's groups exist (scale 0);
-    wider groups (the whole row) are the delta's own."""
-    g = in_features if group_size == -1 else group_size
+    """Groups per row of an ``mma`` stack's scales (and zero points), those of :func:`layout_group`: a
+    group narrower than a tile (dividing 128) is counted over the padded columns, so the padded tile's
+    groups exist (scale 0); wider groups (the whole row, whole tiles) are the delta's own."""
+    g = layout_group(group_size, in_features)
     return padded_cols(in_features) // g if K_BLOCK % g == 0 else in_features // g
 
 

@@ -22,6 +22,8 @@ FEATURES = {
     "three-bit": "3-bit codes, held as two bit planes (the low two bits, then the high bit) in the mma layout",
     "wide-groups": "groups of whole 128-column tiles that are not a power of two of them (384, 640, 768 "
                    "columns): the kernel divides by the tiles per group instead of shifting",
+    "split-groups": "groups of a multiple of 16 columns that neither divide a tile nor are whole tiles (48, 96, "
+                    "160, 192 columns): held as sub-groups of 16, 32 or 64 columns that repeat the group's scale",
 }
 
 
@@ -42,11 +44,14 @@ def needed(bits: int, group_size: int, in_features: int) -> dict[str, str]:
     """``{preview path: what of the configuration needs it}`` for a configuration of the mma layout
     (empty: the validated kernel serves it)."""
     g = in_features if group_size == -1 else group_size
+    lg = mma_layout.layout_group(group_size, in_features) or g  # the groups the kernel reads
     out = {}
     if in_features % 128:
         out["padded-k"] = f"in_features {in_features} is not a multiple of 128"
-    if g == 16 or (g == 32 and bits == 2):
-        out["narrow-groups"] = f"{bits}-bit groups of {g} columns"
+    if lg == 16 or (lg == 32 and bits == 2):
+        out["narrow-groups"] = f"{bits}-bit groups of {lg} columns" + (f" (of groups of {g})" if lg != g else "")
+    if lg != g:
+        out["split-groups"] = f"groups of {g} columns (as {g // lg} groups of {lg} in the kernel's layout)"
     if bits == 3:
         out["three-bit"] = "3-bit codes"
     if mma_layout.divided_groups(group_size, in_features):

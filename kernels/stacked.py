@@ -31,7 +31,8 @@ Two layouts (``StackedDeltas.layout``):
   (``deltazip.kernels.mma_layout``), 2:4 deltas expanded to dense codes (``positions`` is None and
   ``sparse24`` True), ``scales`` fp16 ``[D, GP, OUTP]`` and ``zeros`` fp16 ``[D, GP, OUTP]`` with the
   output rows padded to ``OUTP``, a multiple of 64, and the groups to ``GP``
-  (``mma_layout.scale_groups``: those of a padded last K tile included, scale 0).
+  (``mma_layout.scale_groups``: those of a padded last K tile included, scale 0; a group the kernel
+  does not read whole, 96 columns say, as sub-groups that repeat its scale, ``mma_layout.layout_group``).
 
 Which one a stack gets is the dispatcher's decision (``deltazip.kernels.dispatch.layout_for``);
 ``"auto"`` here (:func:`choose_layout`) is ``"mma"`` on CUDA for configurations the layout holds.
@@ -69,8 +70,8 @@ def choose_layout(layout: str, *, bits: int, group_size: int, in_features: int,
     ok = mma_layout.supported(bits, group_size, in_features)
     if layout == "mma" and not ok:
         raise ValueError(f"no mma layout for bits={bits}, group_size={group_size}, in_features={in_features} "
-                         f"(needs bits in {mma_layout.MMA_BITS}, in_features % 8 == 0, and groups of 16, 32 or "
-                         "64 columns, a power of two of 128-column tiles, or the whole row)")
+                         f"(needs bits in {mma_layout.MMA_BITS}, in_features % 8 == 0, and groups of a multiple of 16 "
+                         "columns that divides the row)")
     if layout != "auto":
         return layout
     env = os.environ.get(_LAYOUT_ENV, "auto").strip().lower() or "auto"
@@ -239,20 +240,24 @@ class StackedDeltas(SchemeShaped):
             packed = mma_layout.pack_codes(mma_layout.dense_codes(part), bits)
             start = (row0 + r0) // mma_layout.ROW_BLOCK * per_block
             words[start:start + packed.numel()].copy_(packed)
-        rows, g = slice(row0, row0 + out_f), delta.scales.shape[1]  # groups past g: a padded tile's, scale 0
+        # the layout's groups (a group split into sub-groups repeats its scale); past them a padded tile's, scale 0
+        scales = mma_layout.layout_scales(delta.scales, self.group_size, self.in_features)
+        rows, g = slice(row0, row0 + out_f), scales.shape[1]
         if out_f == self.out_features:
             self.scales[slot].zero_()
-        self.scales[slot, :g, rows].copy_(delta.scales.T)
+        self.scales[slot, :g, rows].copy_(scales.T)
         if self.zeros is not None:
             if out_f == self.out_features:
                 self.zeros[slot].zero_()
-            self.zeros[slot, :g, rows].copy_(zp.T.to(torch.float16))
+            self.zeros[slot, :g, rows].copy_(mma_layout.layout_scales(zp, self.group_size, self.in_features).T
+                                             .to(torch.float16))
 
     def _unstack_mma(self, slot: int) -> PackedDelta:
         out_f, in_f, bits = self.out_features, self.in_features, self.bits
-        group, g = self.effective_group, self.scheme.num_groups(in_f)
-        scales = self.scales[slot, :g, :out_f].T.contiguous()
-        zeros = None if self.zeros is None else self.zeros[slot, :g, :out_f].T.to(torch.uint8).contiguous()
+        group, rep = self.effective_group, mma_layout.split_groups(self.group_size, in_f)
+        g = self.scheme.num_groups(in_f) * rep  # the delta's groups: the first sub-group of each
+        scales = self.scales[slot, :g:rep, :out_f].T.contiguous()
+        zeros = None if self.zeros is None else self.zeros[slot, :g:rep, :out_f].T.to(torch.uint8).contiguous()
         zp = zeros if zeros is not None else torch.full_like(scales, 1 << (bits - 1), dtype=torch.uint8)
         per_block = mma_layout.slot_words(mma_layout.ROW_BLOCK, in_f, bits)
         qws, poss = [], []

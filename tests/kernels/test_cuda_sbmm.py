@@ -199,7 +199,9 @@ def test_group_params_cover_the_mma_layouts_group_sizes():
     assert mma_layout.group_params(384, 1536) == (8, 3) and mma_layout.divided_groups(384, 1536)
     assert mma_layout.group_params(512, 1536) == (8, 2) and not mma_layout.divided_groups(512, 1536)
     assert not mma_layout.divided_groups(-1, 384)  # the whole row of 3 tiles: group_shift 30, no division
-    assert mma_layout.group_params(96, 384) is None and not mma_layout.supported(4, 192, 768)
+    # split into sub-groups (split-groups): 96 -> 32-column groups, 192 -> 64; 24 spans mma steps: none
+    assert mma_layout.group_params(96, 384) == (2, 0) and mma_layout.group_params(192, 768) == (4, 0)
+    assert mma_layout.group_params(24, 384) is None and not mma_layout.supported(4, 24, 384)
 
 
 # ----------------------------------------------------------------------------------------- on a GPU
@@ -388,7 +390,9 @@ PREVIEW_VARIANTS = ([(bits, dt, asym, group, in_f, rb, kt, 1)  # padded-k
                        for bits in (2, 4, 8) for dt in (torch.float16, torch.bfloat16) for asym in (False, True)
                        for group, in_f, rb, kt, mt in ((384, 1536, 2, 1, 1), (384, 1536, 1, 2, 1), (640, 1280, 2, 2, 1),
                                                        (384, 1536, 2, 1, 2))
-                       if (kt == 1 and mt == 1) or bits <= 4])
+                       if (kt == 1 and mt == 1) or bits <= 4]
+                    + [(4, torch.float16, True, 96, 576, 2, 1, 1), (2, torch.bfloat16, False, 96, 1536, 1, 1, 2),  # split
+                       (8, torch.bfloat16, True, 192, 1536, 2, 1, 1), (4, torch.float16, False, 48, 960, 1, 1, 1)])
 
 
 @pytest.fixture
@@ -473,10 +477,11 @@ def test_a_multiple_of_128_builds_without_kcols():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("asym,group,in_f", [(False, 64, 576), (True, 32, 576), (False, -1, 576), (True, 64, 320),
                                              (False, -1, 960), (True, 16, 512), (False, 32, 512), (True, 16, 208),
-                                             (True, 128, 512), (False, 384, 1536), (True, 640, 1280)])
+                                             (True, 128, 512), (False, 384, 1536), (True, 640, 1280),
+                                             (True, 96, 576), (False, 192, 1536)])
 def test_preview_paths_match_the_reference_and_never_read_past_the_row(preview_on, bits, dtype, asym, group, in_f):
-    """The preview paths, a padded last K tile, narrow groups, 3-bit codes and groups of 3 or 5 tiles (K
-    splits and two-tile stages inside a group), over every launch shape (row blocks,
+    """The preview paths, a padded last K tile, narrow groups, 3-bit codes, groups of 3 or 5 tiles (K
+    splits and two-tile stages inside a group) and groups split into sub-groups (96, 192 columns), over every launch shape (row blocks,
     stages, K splits through the padded tile, two tiles per warp, two K tiles per stage) and the
     dense-dequantize path. The activations are a view of a wider tensor whose columns past the row are
     NaN: one read past ``in_features`` would poison its row."""

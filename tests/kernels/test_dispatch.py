@@ -21,7 +21,7 @@ from deltazip.runtime.serve.delta_linear import PackedStore
 # sparsities, both symmetries, the groups --group-size auto picks, the whole row, and other sizes a user
 # may pass; over the input sizes of common models (Llama 4096/11008, Qwen 896/4864, gpt-oss 2880) and
 # sizes no kernel tile divides.
-GROUPS = (*AUTO_GROUPS, -1, 16, 96, 256, 384, 512)
+GROUPS = (*AUTO_GROUPS, -1, 16, 24, 48, 96, 192, 256, 384, 512)
 IN_FEATURES = (896, 2880, 4096, 4864, 11008, 200, 1000)
 SCHEMES = [DeltaScheme(bits=b, group_size=g, sparsity=sp, sym=sym) for b in kind_rules("packed").bits
            for g in GROUPS for sp in ("2:4", "none") for sym in (True, False)]
@@ -72,7 +72,9 @@ def test_with_every_preview_path_on_the_kernel_serves_every_2_4_8_bit_scheme_wit
                           (DeltaScheme(bits=3, group_size=128), 4096, "three-bit"),
                           (DeltaScheme(bits=4, group_size=384), 4608, "wide-groups"),
                           (DeltaScheme(bits=2, group_size=32), 4096, "narrow-groups"),
-                          (DeltaScheme(bits=8, group_size=16), 4096, "narrow-groups")):
+                          (DeltaScheme(bits=8, group_size=16), 4096, "narrow-groups"),
+                          (DeltaScheme(bits=4, group_size=96), 4608, "split-groups"),
+                          (DeltaScheme(bits=8, group_size=192), 4608, "split-groups")):
         why = dispatch.coverage(s, in_f, torch.float16)
         assert why is not None and f"{preview.ENV}={name}" in why, why
         assert dispatch.layout_for(s, in_f, torch.float16, "cuda") == "transposed"
@@ -91,7 +93,10 @@ def test_with_every_preview_path_on_the_kernel_serves_every_2_4_8_bit_scheme_wit
     assert {(2, 32, 4096), (2, 16, 4096), (4, 16, 896), (4, 64, 576), (8, 576, 576), (2, 1000, 1000)} <= served
     assert "multiple of 8" in dispatch.coverage(DeltaScheme(bits=4, group_size=-1), 1004, torch.float16)
     assert dispatch.coverage(DeltaScheme(group_size=384), 4608, torch.float16) is None  # wide-groups
-    assert dispatch.coverage(DeltaScheme(group_size=96), 4608, torch.float16) is not None
+    # groups that are a multiple of 16 but neither divide a tile nor are whole tiles: split, served
+    assert {(4, 96, 2880), (2, 96, 2880), (8, 192, 2880), (4, 48, 2880), (4, 96, 576), (3, 192, 576)} <= served
+    # an mma step (16 columns) would span two groups of 24: the reference, with the reason
+    assert "multiple of 16" in dispatch.coverage(DeltaScheme(group_size=24), 4608, torch.float16)
 
 
 @pytest.mark.parametrize("bits,group,sparse,asym,in_f", [(b, g, sp, a, f) for b in (2, 4, 8) for g in (*AUTO_GROUPS, -1)

@@ -112,8 +112,8 @@ def test_choose_layout(monkeypatch):
     assert choose_layout("auto", device="cpu", **kw) == "mma"
     monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", "transposed")
     assert choose_layout("auto", device="cpu", **kw) == "transposed"
-    for bad in (dict(bits=6, group_size=128, in_features=256), dict(bits=4, group_size=96, in_features=384),
-                dict(bits=2, group_size=192, in_features=768), dict(bits=4, group_size=-1, in_features=100)):
+    for bad in (dict(bits=6, group_size=128, in_features=256), dict(bits=4, group_size=24, in_features=384),
+                dict(bits=2, group_size=200, in_features=1000), dict(bits=4, group_size=-1, in_features=100)):
         with pytest.raises(ValueError, match="no mma layout"):
             choose_layout("mma", device="cpu", **bad)
         for env in ("mma", "auto"):  # a preference, not an order
@@ -214,3 +214,58 @@ def test_a_padded_k_stack_takes_the_mma_layout_on_cuda_only_in_preview(monkeypat
     whole = repack([make_delta(64, 512, 4, 64, True, False, gen)], layout="mma")
     flat = repack([make_delta(64, 576, 4, 64, True, False, gen)], layout="transposed")
     assert preview.used_by(padded) == ["padded-k"] and preview.used_by(whole) == preview.used_by(flat) == []
+
+
+# ------------------------------- groups the kernel does not read whole: split into sub-groups (split-groups)
+
+SPLIT = [(48, 960, 16), (96, 960, 32), (160, 960, 32), (192, 960, 64), (320, 960, 64), (96, 576, 32),
+         (192, 1536, 64), (144, 1152, 16)]  # (group, in_features, the layout's sub-group)
+
+
+def _kernel_view(stack: StackedDeltas, slot: int) -> torch.Tensor:
+    """fp32 ``[out, in]`` weight as the kernel reads slot ``slot`` of an mma stack whose groups divide a
+    tile: column ``k`` takes the codes at ``k`` and the scale and zero point of layout group ``k // lg``."""
+    out_f, in_f, bits = stack.out_features, stack.in_features, stack.bits
+    lg = mma_layout.layout_group(stack.group_size, in_f)
+    codes = mma_layout.unpack_codes(stack.qweight[slot], bits, out_f, in_f).float()
+    col_group = torch.arange(in_f) // lg
+    scales = stack.scales[slot, col_group, :out_f].T.float()
+    zeros = (torch.full_like(scales, 1 << (bits - 1)) if stack.zeros is None
+             else stack.zeros[slot, col_group, :out_f].T.float())
+    return scales * (codes - zeros)
+
+
+@pytest.mark.parametrize("group,in_f,sub", SPLIT)
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("sparse,asym", [(True, False), (False, True)])
+def test_a_group_the_kernel_does_not_read_whole_is_held_as_sub_groups_that_read_back_exactly(group, in_f, sub, bits,
+                                                                                             sparse, asym):
+    """Groups of 96 columns are 3 sub-groups of 32 in the layout (192: 3 of 64; 48: 3 of 16), each with its
+    group's scale and zero point: what the kernel reads, column by column, is the reference weight bit
+    for bit, a padded last tile's sub-groups scale 0, and the stack reads back to the canonical delta."""
+    from deltazip.kernels import preview
+
+    assert mma_layout.layout_group(group, in_f) == sub and mma_layout.split_groups(group, in_f) == group // sub
+    assert mma_layout.group_params(group, in_f) == (sub // 16, 0)
+    gen = torch.Generator().manual_seed(group * 7 + bits)
+    deltas = [make_delta(80, in_f, bits, group, sparse, asym, gen) for _ in range(2)]
+    stack = repack(deltas, layout="mma")
+    assert stack.scales.shape == (2, mma_layout.padded_cols(in_f) // sub, 128)
+    for s, d in enumerate(deltas):
+        want = reference.delta_weight(d)
+        assert torch.equal(_kernel_view(stack, s), want)
+        assert torch.equal(stack.delta_weight(s), want)
+        assert not stack.scales[s, in_f // sub:].any()  # the padded tile's sub-groups
+        # each group's sub-groups hold one scale
+        held = stack.scales[s, :in_f // sub, :80].T.reshape(80, in_f // group, group // sub)
+        assert torch.equal(held, held[..., :1].expand_as(held))
+    assert "split-groups" in preview.used_by(stack)
+
+
+def test_groups_the_kernel_cannot_read_keep_the_reference_layout():
+    """A 16-column mma step would span two groups of 24 (or 8, or 200): no mma layout, so the stack takes
+    the transposed layout the reference reads, and an explicit mma layout is refused."""
+    for group, in_f in ((24, 384), (8, 512), (200, 1000), (40, 960)):
+        assert mma_layout.layout_group(group, in_f) is None and not mma_layout.supported(4, group, in_f)
+        assert choose_layout("auto", bits=4, group_size=group, in_features=in_f, device="cuda") == "transposed"
+    assert mma_layout.layout_group(-1, 1000) == 1000 and mma_layout.layout_group(384, 1536) == 384
