@@ -6,7 +6,8 @@
 #   bash bench/gpu_check.sh --dry-run    # the same steps on CPU at toy size (tests/test_gpu_check.py runs it)
 #   STEPS="serve-all table-full" bash bench/gpu_check.sh   # the optional second call: uniform and azure-like
 #                                        # serving, the full kernel table (STEPS="humming": humming's MoE GEMM;
-#                                        # STEPS="preview lora": the preview paths' parity, grouped LoRA)
+#                                        # STEPS="preview compact lora": the preview paths' parity, the compact
+#                                        # 2:4 layout's table, grouped LoRA)
 #
 # Steps, in order, each under its own time limit (seconds; the whole call stays within TOTAL_LIMIT, 480:
 # a step gets what is left when that is less, and a step left with under 15 s is skipped and named):
@@ -22,6 +23,8 @@
 #   preview    90  (not in the first call: STEPS=preview) the parity tests of the kernel's preview paths
 #                  (kernels/preview.py: a padded last K tile, narrow, wide and split groups, 3-bit codes); the
 #                  first call's parity skips them
+#   compact    60  (not in the first call: STEPS=compact) bench/sbmm_table.py --quick --bits 4 --compact: the
+#                  4-bit points on the compact 2:4 layout (sparse-mma preview) beside the expanded one
 #   lora       40  (not in the first call: STEPS=lora) bench/lora.py: grouped LoRA's three paths in bf16
 # (450 s of limits after a set-up of about 25 s.)
 # Every bench writes its finished rows at once, so a step stopped at its limit keeps what it measured.
@@ -177,6 +180,11 @@ if want preview; then  # the preview paths' GPU parity: what lets DELTAZIP_CUDA_
   run "CUDA kernel preview-path parity" ${PREVIEW_LIMIT:-90} \
     $PY -m pytest -q -p no:cacheprovider ${xdist:+-n 8} -m gpu -k preview $require tests/kernels/test_cuda_sbmm.py
 fi
+if want compact; then  # the compact 2:4 layout on the sparse tensor cores, beside the expanded layout
+  run "compact 2:4 delta matmul table" ${COMPACT_LIMIT:-60} env DELTAZIP_CUDA_PREVIEW=sparse-mma \
+    $PY bench/sbmm_table.py --quick --bits 4 --compact --out "$SCRATCH/compact"
+  [ -f "$SCRATCH/compact/sbmm_table.json" ] && cp "$SCRATCH/compact/sbmm_table.json" "$OUT/sbmm_compact.json"
+fi
 want lora && run "grouped LoRA paths" ${LORA_LIMIT:-40} $PY bench/lora.py $LORA_ARGS --out "$OUT"
 if want humming; then  # optional: humming-kernels and its needs travel in .whl/humming/
   for w in .whl/humming/*.whl; do
@@ -200,6 +208,11 @@ if [ -f "$SCRATCH/table/table.md" ]; then
   note ""
   note "## Delta matmul (graph replay, µs per launch; bench/sbmm_table.py $TABLE_ARGS)"
   cat "$SCRATCH/table/table.md" >>"$SUM"
+fi
+if [ -f "$SCRATCH/compact/table.md" ]; then
+  note ""
+  note "## Compact 2:4 delta matmul (bench/sbmm_table.py --quick --bits 4 --compact, DELTAZIP_CUDA_PREVIEW=sparse-mma)"
+  cat "$SCRATCH/compact/table.md" >>"$SUM"
 fi
 stamp "done"
 [ -z "${KEEP_SCRATCH:-}" ] && rm -rf "$SCRATCH"

@@ -7,7 +7,9 @@ bf16 activations, D deltas in the batch (1, 4, 16, 64) with R rows each (1, 16),
   key (``deltazip.kernels.dispatch_table.tune``: the CUDA SBMM kernel's configs, and dequantize +
   cuBLAS at 16+ rows per delta), with the host-built plan;
 - ``bmm_fp16``: ``torch.bmm`` over the deltas kept dense in fp16 (rows pre-grouped: cheaper than real);
-- ``loop_fp16``: one dense fp16 matmul per delta (at D = 1: the dense matmul of that delta).
+- ``loop_fp16``: one dense fp16 matmul per delta (at D = 1: the dense matmul of that delta);
+- ``cuda_compact`` (``--compact``, 4-bit points): as ``cuda`` on the compact 2:4 layout the sparse tensor
+  cores read (``DELTAZIP_CUDA_PREVIEW=sparse-mma``), 3 bits per weight where ``cuda`` reads 4.
 
 Protocol: each candidate is captured in a CUDA graph of L launches, each on other weights (a ring of
 stacks and slots larger than 4x the L2), replayed 3 times to warm up, then each of ``--replays`` replays
@@ -90,25 +92,32 @@ def canonical_bytes(out_f: int, in_f: int, bits: int, group: int, rows: int) -> 
     return kept * bits // 8 + kept * 2 // 8 + out_f * (in_f // group) * 2 + rows * (in_f + out_f) * 2
 
 
-def mma_stacks(out_f, in_f, bits, count):
-    from deltazip.kernels import mma_layout
+def mma_stacks(out_f, in_f, bits, count, compact=False):
+    """``count`` stacks of ``MAX_D`` random slots in the ``mma`` layout (``compact``: the compact 2:4 one,
+    whose metadata must be valid positions: one random slot packed, repeated over the slots)."""
+    from deltazip.kernels import mma_layout, mma_sparse
     from deltazip.kernels.scheme import DeltaScheme
     from deltazip.kernels.stacked import StackedDeltas
 
     stacks = []
     for _ in range(count):
-        words = mma_layout.slot_words(out_f, in_f, bits)
-        q = torch.randint(-2**31, 2**31 - 1, (MAX_D, words), dtype=torch.int32, device="cuda")
+        if compact:
+            kept = torch.randint(0, 1 << bits, (out_f, in_f // 2))
+            pos = torch.rand(out_f, in_f // 4, 4).argsort(-1)[..., :2].sort(-1).values.reshape(out_f, in_f // 2)
+            q = mma_sparse.pack(kept, pos, bits).cuda().repeat(MAX_D, 1)
+        else:
+            words = mma_layout.slot_words(out_f, in_f, bits)
+            q = torch.randint(-2**31, 2**31 - 1, (MAX_D, words), dtype=torch.int32, device="cuda")
         sc = (torch.rand(MAX_D, in_f // 128, mma_layout.padded_rows(out_f), device="cuda") * 0.02 + 0.002).half()
         stacks.append(StackedDeltas(q, sc, None, None, DeltaScheme(bits=bits, group_size=128, sparsity="2:4"), in_f,
-                                    out_f, layout="mma"))
+                                    out_f, layout="mma", compact=compact))
     return stacks
 
 
 def point(out_f, in_f, bits, dtype, d, r, rings, bw, quick, replays) -> dict:
     from deltazip.kernels.row_plan import plan_rows
 
-    stacks, dense = rings
+    stacks, dense, compact = rings
     n = d * r
     # launch i reads stack i % 2, slots [o_i, o_i + d): distinct weights per launch across the ring
     n_launch = max(2, min(32, 2 * MAX_D // d))
@@ -126,6 +135,11 @@ def point(out_f, in_f, bits, dtype, d, r, rings, bw, quick, replays) -> dict:
                     for (s, _), p in zip(windows, plans)], replays)
     best = (t, choice)
     res["cuda"] = round(best[0], 2)
+    if compact:  # the compact 2:4 layout on the sparse MMA, the same rows and plans
+        c_choice = dispatch_table.tune(compact[0], dtype, n, d)
+        res["cuda_compact"] = round(graph_time([lambda s=s, p=p: dispatch_table.run_choice(c_choice, x, compact[s], p,
+                                                                                            out=y)
+                                                for (s, _), p in zip(windows, plans)], replays), 2)
     xb = x.view(r, d, in_f).transpose(0, 1).contiguous()  # [d, r, in]: rows grouped per delta
     res["bmm_fp16"] = round(graph_time([lambda s=s, o=o: torch.bmm(xb, dense[s][o:o + d].transpose(1, 2))
                                         for s, o in windows], replays), 2)
@@ -137,10 +151,13 @@ def point(out_f, in_f, bits, dtype, d, r, rings, bw, quick, replays) -> dict:
             "rows_per_delta": r, "us": res, "floor_us": round(floor, 2), "chosen": chosen,
             "chosen_over_floor": round(res[chosen] / floor, 2), "dispatch": best[1].to_json(),
             "chosen_vs_bmm": round(res[chosen] / res["bmm_fp16"], 3),
-            "chosen_vs_loop": round(res[chosen] / res["loop_fp16"], 3)}
+            "chosen_vs_loop": round(res[chosen] / res["loop_fp16"], 3),
+            **({"compact_vs_cuda": round(res["cuda_compact"] / res["cuda"], 3),
+                "slot_bytes": stacks[0].qweight[0].numel() * 4, "compact_slot_bytes": compact[0].qweight[0].numel() * 4}
+               if compact else {})}
 
 
-def precompile_all(shapes) -> None:
+def precompile_all(shapes, bit_widths=(4, 2), compact=False) -> None:
     """Every kernel build the tuner will time for the table's keys, compiled in parallel threads first
     (``dispatch_table.precompile``): serially, the compiles alone took a large share of a GPU window."""
     from deltazip.kernels import dispatch_table
@@ -150,16 +167,18 @@ def precompile_all(shapes) -> None:
     props = torch.cuda.get_device_properties(0)
     pairs = [(d * r, d) for d in (1, 4, 16, 64) for r in (1, 16)]
     for out_f, in_f in shapes:
-        for bits in (4, 2):
-            meta = StackedDeltas.allocate(MAX_D, bits=bits, group_size=128, in_features=in_f, out_features=out_f,
-                                          sparse=True, asymmetric=False, layout="mma", device="meta")
-            for dtype in (torch.float16, torch.bfloat16):
-                n += dispatch_table.precompile(meta, dtype, pairs, props.multi_processor_count,
-                                               10 * props.major + props.minor)
+        for bits in bit_widths:
+            for packed in (False, True) if compact and bits == 4 else (False,):
+                meta = StackedDeltas.allocate(MAX_D, bits=bits, group_size=128, in_features=in_f, out_features=out_f,
+                                              sparse=True, asymmetric=False, layout="mma", device="meta",
+                                              compact=packed)
+                for dtype in (torch.float16, torch.bfloat16):
+                    n += dispatch_table.precompile(meta, dtype, pairs, props.multi_processor_count,
+                                                   10 * props.major + props.minor)
     log(f"compiled {n} kernel builds in {time.time() - t0:.1f} s")
 
 
-def parity(bits, dtype) -> float:
+def parity(bits, dtype, compact=False) -> float:
     """Relative L2 error of the CUDA kernel against the reference on a small random stack."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from _sbmm import make_delta
@@ -170,7 +189,7 @@ def parity(bits, dtype) -> float:
 
     gen = torch.Generator().manual_seed(0)
     deltas = [make_delta(256, 1024, bits, 128, True, False, gen) for _ in range(4)]
-    stack = repack(deltas, device="cuda", layout="mma")
+    stack = repack(deltas, device="cuda", layout="mma", compact=compact)
     rows = [0, 3, 1, 1, 2, -1, 0, 3]
     x = torch.randn(len(rows), 1024, generator=gen).to(dtype).cuda()
     y = torch.full((len(rows), 256), float("nan"), dtype=dtype, device="cuda")
@@ -193,7 +212,10 @@ def markdown(results: list[dict], columns: dict[str, object]) -> str:
 
 
 def table(results: list[dict]) -> str:
-    return markdown(results, {"cuda µs": lambda p: p["us"]["cuda"], "bmm fp16": lambda p: p["us"]["bmm_fp16"],
+    compact = {"compact µs": lambda p: p["us"].get("cuda_compact", "-"),
+               "compact/cuda": lambda p: p.get("compact_vs_cuda", "-")} if any("compact_vs_cuda" in p for p in results) \
+        else {}
+    return markdown(results, {"cuda µs": lambda p: p["us"]["cuda"], **compact, "bmm fp16": lambda p: p["us"]["bmm_fp16"],
                               "loop fp16": lambda p: p["us"]["loop_fp16"], "floor": "floor_us",
                               "chosen/floor": "chosen_over_floor", "vs bmm": "chosen_vs_bmm",
                               "vs loop": "chosen_vs_loop", "config": config_label})
@@ -215,6 +237,9 @@ def main(argv=None) -> int:
     ap.add_argument("--replays", type=int, default=15)
     ap.add_argument("--shapes", default=None, help="e.g. 4096x4096,11008x4096")
     ap.add_argument("--table", action="store_true", help="print a markdown table on stderr")
+    ap.add_argument("--bits", default="4,2", help="code widths, e.g. 4")
+    ap.add_argument("--compact", action="store_true",
+                    help="also time 4-bit points on the compact 2:4 layout (the sparse-mma preview)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/sbmm_table.py needs a CUDA GPU", file=sys.stderr)
@@ -225,10 +250,14 @@ def main(argv=None) -> int:
     shapes = SHAPES[:1] if args.quick else SHAPES
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    bit_widths = tuple(int(b) for b in args.bits.split(","))
     checks = {f"{b}-bit {str(dt).removeprefix('torch.')}": parity(b, dt)
-              for b in (4, 2) for dt in (torch.float16, torch.bfloat16)}
+              for b in bit_widths for dt in (torch.float16, torch.bfloat16)}
+    if args.compact:
+        checks.update({f"4-bit compact {str(dt).removeprefix('torch.')}": parity(4, dt, compact=True)
+                       for dt in (torch.float16, torch.bfloat16)})
     log(f"parity (relative L2 vs reference): {checks}")
-    precompile_all(shapes)
+    precompile_all(shapes, bit_widths, args.compact)
     results = []
     mach = machine()
 
@@ -236,20 +265,23 @@ def main(argv=None) -> int:
         return {"bench": "sbmm_table", "complete": complete,
                 "machine": {**mach, "copy_GBps": round(bw / 1e9, 1),
                             "cuda_runtime": torch.version.cuda},
-                "config": {"quick": args.quick, "replays": args.replays, "group": 128, "sparsity": "2:4"},
+                "config": {"quick": args.quick, "replays": args.replays, "group": 128, "sparsity": "2:4",
+                           "bits": list(bit_widths), "compact": args.compact},
                 "parity": checks, "results": results, "seconds": round(time.time() - t0, 1)}
 
     for out_f, in_f in shapes:
-        for bits in (4, 2):
+        for bits in bit_widths:
             rings = (mma_stacks(out_f, in_f, bits, 2),
-                     [torch.randn(MAX_D, out_f, in_f, device="cuda", dtype=torch.float16) for _ in range(2)])
+                     [torch.randn(MAX_D, out_f, in_f, device="cuda", dtype=torch.float16) for _ in range(2)],
+                     mma_stacks(out_f, in_f, bits, 2, compact=True) if args.compact and bits == 4 else None)
             for dtype in (torch.float16, torch.bfloat16):
                 for d in (1, 4, 16, 64):
                     for r in (1, 16):
                         dense = [w if dtype == torch.float16 else None for w in rings[1]]
                         if dtype == torch.bfloat16:
                             dense = [w.view(torch.bfloat16) for w in rings[1]]  # same bytes, bf16 bits
-                        p = point(out_f, in_f, bits, dtype, d, r, (rings[0], dense), bw, args.quick, args.replays)
+                        p = point(out_f, in_f, bits, dtype, d, r, (rings[0], dense, rings[2]), bw, args.quick,
+                                  args.replays)
                         results.append(p)
                         log(json.dumps(p))
                         if args.out:  # the points so far, each file whole: a run stopped at a limit keeps them

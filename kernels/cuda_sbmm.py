@@ -25,7 +25,7 @@ from importlib import resources
 
 import torch
 
-from deltazip.kernels import preview
+from deltazip.kernels import mma_sparse, preview
 from deltazip.kernels.mma_layout import divided_groups, k_tiles, layout_group, padded_rows
 from deltazip.kernels.mma_layout import group_params as mma_group_params
 from deltazip.kernels.mma_layout import supported as mma_supported
@@ -98,7 +98,8 @@ def stage_bytes(stack: StackedDeltas, rb: int, kt: int = 1) -> int:
     gk16, _ = group_params(stack)
     sg = 8 // gk16 if gk16 < 8 else 1
     s_halves = rb * kt * sg * 64
-    return rb * kt * 1024 * stack.bits + (s_halves * (2 if stack.asymmetric else 1) + BM * (128 * kt + 8)) * 2
+    tile = 4 * mma_sparse.tile_words(stack.bits) if stack.compact else 1024 * stack.bits
+    return rb * kt * tile + (s_halves * (2 if stack.asymmetric else 1) + BM * (128 * kt + 8)) * 2
 
 
 def macros(stack: StackedDeltas, dtype: torch.dtype, cfg: CudaConfig, device_index: int = 0) -> dict[str, int]:
@@ -106,13 +107,15 @@ def macros(stack: StackedDeltas, dtype: torch.dtype, cfg: CudaConfig, device_ind
     the kernel's register budget (its launch bounds) assume the CTAs per SM of :func:`ctas_per_sm`;
     ``KCOLS`` (only where ``in_features`` is not a multiple of 128) the columns past which the padded
     last K tile's activations are zero-filled; ``GDIV`` (only for groups of whole tiles that are not a
-    power of two of them) that ``group_shift`` is a tile count to divide by."""
+    power of two of them) that ``group_shift`` is a tile count to divide by; ``SP24`` (only for a compact
+    2:4 stack) the sparse MMA over kept codes and positions."""
     gk16, _ = group_params(stack)
     return {"BITS": stack.bits, "BF16": int(dtype == torch.bfloat16), "ASYM": int(stack.asymmetric),
             "GK16": gk16, "RB": cfg.rb, "STAGES": cfg.stages, "KT": cfg.kt, "MT": cfg.mt,
             "SMEM_SM": sm_limits(device_index)[1],
             **({"KCOLS": stack.in_features} if stack.in_features % 128 else {}),
-            **({"GDIV": 1} if divided_groups(stack.scheme.group_size, stack.in_features) else {})}
+            **({"GDIV": 1} if divided_groups(stack.scheme.group_size, stack.in_features) else {}),
+            **({"SP24": 1} if stack.compact else {})}
 
 
 @functools.cache

@@ -97,7 +97,8 @@ def deltas_bucket(deltas: int) -> int:
 
 
 def key(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int) -> str:
-    return (f"{stack.layout}/b{stack.bits}/g{stack.effective_group}/{'24' if stack.sparse else 'dense'}/"
+    return (f"{stack.layout}{'-compact' if stack.compact else ''}/b{stack.bits}/g{stack.effective_group}/"
+            f"{'24' if stack.sparse else 'dense'}/"
             f"{'asym' if stack.asymmetric else 'sym'}/{stack.in_features}x{stack.out_features}/"
             f"{str(dtype).removeprefix('torch.')}/r{rows_bucket(rows)}/d{deltas_bucket(min(deltas, rows))}")
 
@@ -382,7 +383,7 @@ _DISTRUSTED: set[tuple] = set()  # stack configurations whose CUDA launches all 
 
 def _config_key(stack: StackedDeltas, dtype: torch.dtype) -> tuple:
     return (str(stack.device), stack.bits, stack.effective_group, stack.sparse, stack.asymmetric, stack.in_features,
-            stack.out_features, dtype)
+            stack.out_features, dtype, stack.compact)
 
 
 def distrusted(stack: StackedDeltas, dtype: torch.dtype) -> bool:

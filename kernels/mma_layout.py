@@ -51,11 +51,12 @@ tile in all. The kernel ORs a pair's high bit into bit 2 of its two low bits wit
 
 2:4 sparsity
 ------------
-The kernel runs the dense MMA (not ``mma.sp``), so 2:4 deltas are expanded once, here:
+By default the kernel runs the dense MMA, so 2:4 deltas are expanded once, here:
 a pruned position gets the zero-point code (``z``, which dequantizes to exactly 0). The kernel is
 then the dense one; the layout holds ``bits`` bits per weight, against ``bits / 2 + 1`` for the
 canonical 2:4 form (equal at 2 bits, +33% at 4 bits, +60% at 8 bits). docs/kernels.md weighs this
-against expanding in registers.
+against expanding in registers. The ``sparse-mma`` preview keeps 4- and 8-bit 2:4 deltas compact for the
+sparse MMA instead (``deltazip.kernels.mma_sparse``).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from deltazip.kernels import mma_layout, preview
+from deltazip.kernels import mma_layout, mma_sparse, preview
 from deltazip.kernels.packed import PackedDelta, packed_words
 from deltazip.kernels.reference import delta_weight as _reference_delta_weight
 from deltazip.kernels.scheme import DeltaScheme, SchemeShaped
@@ -98,6 +98,8 @@ class StackedDeltas(SchemeShaped):
             stack with zero points holds symmetric deltas too, their implicit zero point written out).
         in_features, out_features: of every slot.
         layout: ``"transposed"`` or ``"mma"`` (module docstring).
+        compact: (``mma``, 2:4 only) the kept codes and their positions in the compact layout the
+            kernel's sparse MMA reads (``deltazip.kernels.mma_sparse``), not expanded to every column.
     """
 
     qweight: torch.Tensor
@@ -108,6 +110,7 @@ class StackedDeltas(SchemeShaped):
     in_features: int
     out_features: int
     layout: str = "transposed"
+    compact: bool = False
 
     @property
     def num_deltas(self) -> int:
@@ -115,7 +118,8 @@ class StackedDeltas(SchemeShaped):
 
     @property
     def sparse24(self) -> bool:
-        """The ``mma`` layout holds 2:4 deltas (expanded to dense codes; ``positions`` is None)."""
+        """The ``mma`` layout holds 2:4 deltas (expanded to dense codes, or :attr:`compact`; ``positions`` is
+        None)."""
         return self.layout == "mma" and self.scheme.sparse
 
     @property
@@ -128,12 +132,15 @@ class StackedDeltas(SchemeShaped):
 
     @classmethod
     def allocate(cls, num_slots: int, scheme: DeltaScheme | None = None, *, in_features: int, out_features: int,
-                 device: torch.device | str = "cpu", layout: str = "auto", **fields) -> StackedDeltas:
+                 device: torch.device | str = "cpu", layout: str = "auto", compact: bool | None = None,
+                 **fields) -> StackedDeltas:
         """An all-zero stack of ``num_slots`` slots (a zero slot is a zero delta: scale 0).
 
         Args:
             scheme: what the slots hold; an asymmetric scheme allocates zero points.
             layout: ``"transposed"``, ``"mma"`` or ``"auto"`` (:func:`choose_layout`).
+            compact: an ``mma`` stack of 2:4 deltas in the compact layout (:func:`compact_for`; None: where
+                it has one and the ``sparse-mma`` preview is on).
             fields: instead of ``scheme``, its loose fields ``bits``, ``group_size``, ``sparse``,
                 ``asymmetric`` (call sites that read them from a delta or a manifest).
         """
@@ -150,13 +157,14 @@ class StackedDeltas(SchemeShaped):
         g, asym = scheme.num_groups(in_features), not scheme.sym
         if layout == "mma":
             outp = mma_layout.padded_rows(out_features)
-            words = mma_layout.slot_words(out_features, in_features, scheme.bits)
+            compact = compact_for(scheme, in_features, compact)
+            words = (mma_sparse.slot_words if compact else mma_layout.slot_words)(out_features, in_features, scheme.bits)
             gp = mma_layout.scale_groups(in_features, scheme.group_size)
             return cls(
                 torch.zeros(num_slots, words, dtype=torch.int32, device=device),
                 torch.zeros(num_slots, gp, outp, dtype=torch.float16, device=device),
                 torch.zeros(num_slots, gp, outp, dtype=torch.float16, device=device) if asym else None,
-                None, scheme, in_features, out_features, layout="mma",
+                None, scheme, in_features, out_features, layout="mma", compact=compact,
             )
         kept = scheme.kept_per_row(in_features)
         qweight = torch.zeros(num_slots, packed_words(kept, scheme.bits), out_features, dtype=torch.int32,
@@ -233,11 +241,15 @@ class StackedDeltas(SchemeShaped):
         out_f, bits = delta.out_features, self.bits
         zp = mma_layout.zero_points(delta)  # [out, G] int64
         words = self.qweight[slot]
-        per_block = mma_layout.slot_words(mma_layout.ROW_BLOCK, self.in_features, bits)
+        per_block = self._slot_words(mma_layout.ROW_BLOCK)
         for r0 in range(0, out_f, _ROW_CHUNK):
             r1 = min(out_f, r0 + _ROW_CHUNK)
             part = delta.map_parts(lambda t, r0=r0, r1=r1: t[r0:r1], out_features=r1 - r0)
-            packed = mma_layout.pack_codes(mma_layout.dense_codes(part), bits)
+            if self.compact:  # the kept codes at distinct ascending positions (the sparse MMA's metadata)
+                kept, pos = mma_layout.resparsify(mma_layout.dense_codes(part), zp[r0:r1], self.effective_group)
+                packed = mma_sparse.pack(kept, pos, bits)
+            else:
+                packed = mma_layout.pack_codes(mma_layout.dense_codes(part), bits)
             start = (row0 + r0) // mma_layout.ROW_BLOCK * per_block
             words[start:start + packed.numel()].copy_(packed)
         # the layout's groups (a group split into sub-groups repeats its scale); past them a padded tile's, scale 0
@@ -252,6 +264,10 @@ class StackedDeltas(SchemeShaped):
             self.zeros[slot, :g, rows].copy_(mma_layout.layout_scales(zp, self.group_size, self.in_features).T
                                              .to(torch.float16))
 
+    def _slot_words(self, rows: int) -> int:
+        """int32 words of ``rows`` output rows of one slot of an ``mma`` stack."""
+        return (mma_sparse.slot_words if self.compact else mma_layout.slot_words)(rows, self.in_features, self.bits)
+
     def _unstack_mma(self, slot: int) -> PackedDelta:
         out_f, in_f, bits = self.out_features, self.in_features, self.bits
         group, rep = self.effective_group, mma_layout.split_groups(self.group_size, in_f)
@@ -259,13 +275,18 @@ class StackedDeltas(SchemeShaped):
         scales = self.scales[slot, :g:rep, :out_f].T.contiguous()
         zeros = None if self.zeros is None else self.zeros[slot, :g:rep, :out_f].T.to(torch.uint8).contiguous()
         zp = zeros if zeros is not None else torch.full_like(scales, 1 << (bits - 1), dtype=torch.uint8)
-        per_block = mma_layout.slot_words(mma_layout.ROW_BLOCK, in_f, bits)
+        per_block = self._slot_words(mma_layout.ROW_BLOCK)
         qws, poss = [], []
         for r0 in range(0, out_f, _ROW_CHUNK):
             r1 = min(out_f, r0 + _ROW_CHUNK)
             start = r0 // mma_layout.ROW_BLOCK * per_block
-            n_words = mma_layout.slot_words(r1 - r0, in_f, bits)
-            codes = mma_layout.unpack_codes(self.qweight[slot, start:start + n_words], bits, r1 - r0, in_f)
+            part = self.qweight[slot, start:start + self._slot_words(r1 - r0)]
+            if self.compact:
+                codes, pos = mma_sparse.unpack(part, bits, r1 - r0, in_f)
+                poss.append(mma_layout.pack_int32(pos, 2))
+                qws.append(mma_layout.pack_int32(codes, bits))
+                continue
+            codes = mma_layout.unpack_codes(part, bits, r1 - r0, in_f)
             if self.sparse24:
                 codes, pos = mma_layout.resparsify(codes, zp[r0:r1], group)
                 poss.append(mma_layout.pack_int32(pos, 2))
@@ -312,7 +333,22 @@ class StackedDeltas(SchemeShaped):
                        positions=mv(self.positions))
 
 
-def repack(deltas: list[PackedDelta], device: torch.device | str | None = None, layout: str = "auto") -> StackedDeltas:
+def compact_for(scheme: DeltaScheme, in_features: int, want: bool | None = None) -> bool:
+    """Whether an ``mma`` stack of ``scheme`` holds its deltas in the compact 2:4 layout: ``want`` where
+    given (raises when the configuration has none), else where it has one and the ``sparse-mma``
+    preview is on (``DELTAZIP_CUDA_PREVIEW``)."""
+    ok = mma_sparse.supported(scheme.bits, scheme.sparse, mma_layout.layout_group(scheme.group_size, in_features))
+    if want is None:
+        return ok and preview.enabled("sparse-mma")
+    if want and not ok:
+        raise ValueError(f"no compact 2:4 layout for {scheme.bits}-bit {scheme.sparsity} groups of "
+                         f"{scheme.effective_group(in_features)} columns (needs 2:4, {mma_sparse.SPARSE_BITS} bits "
+                         "and groups of 32 columns or more)")
+    return want
+
+
+def repack(deltas: list[PackedDelta], device: torch.device | str | None = None, layout: str = "auto",
+           compact: bool | None = None) -> StackedDeltas:
     """Stack canonical deltas into the kernel-ready layout (slot ``i`` holds ``deltas[i]``).
 
     Args:
@@ -320,6 +356,7 @@ def repack(deltas: list[PackedDelta], device: torch.device | str | None = None, 
             and asymmetric quantization.
         device: where the stack lives (default: the device of ``deltas[0]``).
         layout: ``"transposed"``, ``"mma"`` or ``"auto"`` (:func:`choose_layout`).
+        compact: as :meth:`StackedDeltas.allocate`.
     Returns:
         A ``StackedDeltas`` with ``num_deltas == D``.
     """
@@ -333,6 +370,7 @@ def repack(deltas: list[PackedDelta], device: torch.device | str | None = None, 
         out_features=first.out_features,
         device=first.qweight.device if device is None else device,
         layout=layout,
+        compact=compact,
     )
     for i, d in enumerate(deltas):
         stack.write(i, d)

@@ -18,6 +18,9 @@
 //   KCOLS   (only when in_features is not a multiple of 128) in_features, a multiple of 8: the layout pads
 //           the last K tile (code 0; groups narrower than a tile past the row scale 0) and the kernel
 //           zero-fills the activations from column KCOLS on, so the padding adds exactly 0
+//   SP24    (only for the compact 2:4 layout, deltazip/kernels/mma_sparse.py; 4 and 8 bits, groups of 32
+//           columns or more) the two kept codes of every four columns and their positions: the sparse MMA
+//           (mma.sp m16n8k32) multiplies them, reading bits / 2 + 1 bits per weight instead of bits
 // No CUDA header is included (NVRTC needs none): every fp16/bf16 operation is inline PTX.
 //
 // Why it is shaped like this (docs/kernels.md has the measurements):
@@ -53,8 +56,16 @@ typedef long long i64;
 #define NTHREADS (32 * NWARPS)
 #define BM 16                          // activation rows per tile
 
+#ifndef SP24
+#define SP24 0
+#endif
 #define XS (128 * KT + 8)              // halves per staged activation row (+8: ldmatrix rows on distinct banks)
-#if BITS == 3
+#if SP24
+#define RUN 4                          // a thread's words of a tile (both row halves) in runs of four
+#define HV (BITS / 4)
+#define PPW (16 / BITS)
+#define NWA (BITS / 2)                 // words of a row half: 8 pairs (two per k32 step)
+#elif BITS == 3
 #define RUN 2                          // the 2-bit plane's two words of a thread-row (one 8-byte load)
 #define HV 1
 #define PPW 8                          // pairs per 2-bit-plane word (the 1-bit plane's word holds all 16)
@@ -65,7 +76,12 @@ typedef long long i64;
 #define PPW (16 / BITS)                // pairs of codes per word
 #define NWA BITS
 #endif
+#if SP24
+#define TILE_WORDS (128 * BITS + 256)  // one 64 x 128 tile: the kept codes, then the mma.sp metadata
+#else
 #define TILE_WORDS (256 * BITS)        // one 64 x 128 tile
+#endif
+#define TILE_PIECES (TILE_WORDS / 4)   // its 16-byte pieces
 #define SG (GK16 < 8 ? 8 / GK16 : 1)   // quantization groups in one tile
 #define W_BYTES (RB * KT * TILE_WORDS * 4)  // [rb][u]: a block's KT tiles are contiguous in memory too
 #define S_HALVES (RB * KT * SG * 64)          // [rb][u][group][64 rows]
@@ -209,6 +225,24 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+#if SP24
+// The sparse MMA: A is 16 x 32 with two of every four columns kept (a0..a3 the kept values' dense
+// m16n8k16 fragment), e the positions (metadata) that lanes 2F and 2F + 1 of each four supply.
+template <int F>
+__device__ __forceinline__ void mma_sp(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, u32 b2, u32 b3,
+                                       u32 e) {
+#if BF16
+  asm("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;\n"
+#else
+  asm("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;\n"
+#endif
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(b2), "r"(b3), "r"(e), "n"(F));
+}
+#endif
+
 __device__ __forceinline__ float to_f32(u16 v) {
 #if BF16
   float f;
@@ -293,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
 
   // Copy sources of this thread, advanced KT K tiles per load (a piece outside the matrix or past the
   // tile's rows stays put and is zero-filled), and their offsets inside a stage.
-  constexpr int WTOTAL = RB * KT * 64 * BITS;                 // pieces of 16 bytes per stage
+  constexpr int WTOTAL = RB * KT * TILE_PIECES;               // pieces of 16 bytes per stage
   constexpr int WP = (WTOTAL + NTHREADS - 1) / NTHREADS;      // per thread (3 bits: the last round partial)
   // Piece i = tid + j * NTHREADS lands at stage byte 16 i; its source is one 32-bit word offset from
   // the slot's first K tile of this split (fewer registers than a pointer per piece).
@@ -302,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   u32 wok = 0;
 #pragma unroll
   for (int j = 0; j < WP; ++j) {
-    const int i = tid + j * NTHREADS, r = i / (KT * 64 * BITS), p = i % (KT * 64 * BITS);
+    const int i = tid + j * NTHREADS, r = i / (KT * TILE_PIECES), p = i % (KT * TILE_PIECES);
     woff[j] = (u32)((nb0 + r) * k_tiles * TILE_WORDS + p * 4);
     wok |= ((WP * NTHREADS == WTOTAL || i < WTOTAL) && nb0 + r < nblocks ? 1u : 0u) << j;
   }
@@ -392,7 +426,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   const u32 wb_rd = rb * KT * TILE_WORDS * 4 + 2048 + (wi * 32 + lane) * 4;  // the 1-bit plane's word
 #endif
   const u32 sc_rd = W_BYTES + (rb * KT * SG * 64 + row) * 2;
+#if SP24
+  // the thread's metadata words; its ldmatrix row: row lane % 8 at k offset 8 (lane / 8) (x4: a k32 step)
+  const u32 e_rd = rb * KT * TILE_WORDS * 4 + 128 * BITS * 4 + (wi * 32 + lane) * 8;
+  const u32 x_rd = W_BYTES + (S_HALVES + Z_HALVES + (lane & 7) * XS + 8 * (lane >> 3)) * 2;
+#else
   const u32 x_rd = W_BYTES + (S_HALVES + Z_HALVES + ((lane & 7) + 8 * (lane >> 4)) * XS + 8 * ((lane >> 3) & 1)) * 2;
+#endif
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
@@ -406,6 +446,63 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
 #pragma unroll
     for (int u = 0; u < KT; ++u) {
       const u32 wu = rd + w_rd + u * TILE_WORDS * 4, su = rd + sc_rd + u * SG * 128, xu = rd + x_rd + u * 256;
+#if SP24
+      // compact 2:4: a thread's BITS code words of the tile (row half rr's at rr * NWA) and its two
+      // metadata words (word mw: k32 step 2 mw + F for lanes 2F, 2F + 1 of each four)
+      u32 w[MT][BITS], e[MT][2];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int hv = 0; hv < HV; ++hv)
+          asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                       : "=r"(w[m][hv * 4]), "=r"(w[m][hv * 4 + 1]), "=r"(w[m][hv * 4 + 2]), "=r"(w[m][hv * 4 + 3])
+                       : "r"(wu + m * 512 + hv * 2048));
+        asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];"
+                     : "=r"(e[m][0]), "=r"(e[m][1]) : "r"(rd + e_rd + u * TILE_WORDS * 4 + m * 256));
+      }
+#pragma unroll
+      for (int iw = 0; iw < NWA; ++iw) {  // word iw of each row half: pairs iw * PPW ..., k32 steps iw * PPW / 2 ...
+        u32 a[MT][2][PPW];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          int z[2][PPW];
+#pragma unroll
+          for (int pj = 0; pj < PPW; ++pj) {
+#if ASYM
+            const int g = GK16 < 8 ? (iw * PPW + pj) / GK16 : 0;  // pair j covers k16 step j of the tile
+            z[0][pj] = zero_of(su + m * 32 + (S_HALVES + g * 64) * 2);
+            z[1][pj] = zero_of(su + m * 32 + (S_HALVES + g * 64 + 8) * 2);
+#else
+            z[0][pj] = z[1][pj] = 1 << (BITS - 1);
+#endif
+          }
+          dequant_word(w[m][iw], z[0], a[m][0]);
+          dequant_word(w[m][NWA + iw], z[1], a[m][1]);
+        }
+#pragma unroll
+        for (int sp = 0; sp < PPW / 2; ++sp) {
+          const int s = iw * PPW / 2 + sp;  // k32 step: activation columns 32 s .. 32 s + 31 of the tile
+          u32 b0, b1, b2, b3, b4 = 0u, b5 = 0u, b6 = 0u, b7 = 0u;
+          asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                       : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(xu + s * 64));
+          if (TWO)
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(b4), "=r"(b5), "=r"(b6), "=r"(b7) : "r"(xu + s * 64 + 16 * XS));
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            const u32 a0 = a[m][0][2 * sp], a1 = a[m][1][2 * sp], a2 = a[m][0][2 * sp + 1], a3 = a[m][1][2 * sp + 1];
+            if (s & 1) {
+              mma_sp<1>(cg[m][0], a0, a1, a2, a3, b0, b1, b2, b3, e[m][s >> 1]);
+              if (TWO) mma_sp<1>(cg[m][1], a0, a1, a2, a3, b4, b5, b6, b7, e[m][s >> 1]);
+            } else {
+              mma_sp<0>(cg[m][0], a0, a1, a2, a3, b0, b1, b2, b3, e[m][s >> 1]);
+              if (TWO) mma_sp<0>(cg[m][1], a0, a1, a2, a3, b4, b5, b6, b7, e[m][s >> 1]);
+            }
+            if (GK16 < 8 && (2 * s + 2) % GK16 == 0) flush(acc[m], cg[m], su + m * 32 + ((2 * s + 1) / GK16) * 128);
+          }
+        }
+      }
+#else
       u32 w[MT][2][BITS];
 #pragma unroll
       for (int m = 0; m < MT; ++m)
@@ -471,6 +568,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
           }
         }
       }
+#endif
       if (GK16 == 8) {
         const int kt = kt0 + it * KT + u;
         if (GROUP_ENDS(kt) || kt + 1 == kt1)
@@ -579,6 +677,44 @@ extern "C" __global__ void __launch_bounds__(128) dz_dequant(
     i64 slot_words, i64 slot_sz, int out_f, int outp, int k_tiles, int group, u16* __restrict__ out, int so) {
   const int nb = blockIdx.x, kt = blockIdx.y, tid = threadIdx.x, lane = tid & 31, wi = tid >> 5;
   const u32* wq = qw + slot * slot_words + ((i64)nb * k_tiles + kt) * TILE_WORDS;
+#if SP24
+  // Compact 2:4: the thread writes the four columns of each of its groups, the two kept values at their
+  // positions (the metadata word of lane 2 (s % 2) + h of its four, module docstring of mma_sparse.py)
+  // and 0 at the other two.
+  u32 w[BITS];
+#pragma unroll
+  for (int iw = 0; iw < BITS; ++iw) w[iw] = wq[(((iw / 4) * 4 + wi) * 32 + lane) * 4 + iw % 4];
+  const int q = lane & 3;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int m = nb * 64 + 16 * wi + 8 * rr + (lane >> 2);
+    if (m >= out_f) continue;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {  // pair j = 2 s + h: the group of columns 32 s + 16 h + 4 q .. + 3
+      const int sj = j >> 1, h = j & 1, col = kt * 128 + 32 * sj + 16 * h + 4 * q;
+#ifdef KCOLS
+      if (col >= KCOLS) continue;  // the padded last K tile (KCOLS is a multiple of 8: whole groups)
+#endif
+      const u32 meta = wq[128 * BITS + (wi * 32 + (lane & ~3) + 2 * (sj & 1) + h) * 2 + (sj >> 1)] >> (16 * rr + 4 * q);
+      const i64 gp = slot * slot_sz + (i64)(col / group) * outp + m;
+      const float sc = h2f(scales[gp]);
+#if ASYM
+      const float z = h2f(zeros[gp]);
+#else
+      const float z = (float)(1 << (BITS - 1));
+#endif
+      const u32 v = w[rr * NWA + j / PPW] >> (BITS * (j % PPW)), mask = (1u << BITS) - 1u;
+      const float v0 = ((float)(v & mask) - z) * sc, v1 = ((float)((v >> 16) & mask) - z) * sc;
+      const u32 p0 = meta & 3u, p1 = (meta >> 2) & 3u;
+      u16 hv[4];  // selects, not an indexed array (which would live in local memory)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) hv[c] = from_f32(p0 == (u32)c ? v0 : p1 == (u32)c ? v1 : 0.f);
+      u32* o = (u32*)(out + (i64)m * so + col);
+      o[0] = (u32)hv[0] | ((u32)hv[1] << 16);
+      o[1] = (u32)hv[2] | ((u32)hv[3] << 16);
+    }
+  }
+#else
   u32 w[2][BITS];
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr)
@@ -619,4 +755,5 @@ extern "C" __global__ void __launch_bounds__(128) dz_dequant(
       *(u32*)(out + (i64)m * so + col) = (u32)from_f32(lo) | ((u32)from_f32(hi) << 16);
     }
   }
+#endif
 }

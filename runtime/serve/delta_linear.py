@@ -280,7 +280,8 @@ class PackedStore:
             # A symmetric stack cannot hold explicit zero points: rebuild it asymmetric, keeping slots.
             old = g.stack
             new = StackedDeltas.allocate(self.ctx.num_slots, old.scheme.replace(sym=False), in_features=old.in_features,
-                                         out_features=old.out_features, device=old.device, layout=old.layout)
+                                         out_features=old.out_features, device=old.device, layout=old.layout,
+                                         compact=old.compact)
             for s in g.slots:
                 new.write(s, old.unstack(s))
             g.stack, g.launch = new, dispatch.prepare(new, self.dtype)

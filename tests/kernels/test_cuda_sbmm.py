@@ -397,9 +397,11 @@ PREVIEW_VARIANTS = ([(bits, dt, asym, group, in_f, rb, kt, 1)  # padded-k
 
 @pytest.fixture
 def preview_on(monkeypatch):
+    """Every preview path but the compact 2:4 layout (whose builds have tests of their own below), so that
+    4- and 8-bit 2:4 stacks here stay expanded."""
     from deltazip.kernels import preview
 
-    monkeypatch.setenv(preview.ENV, "all")
+    monkeypatch.setenv(preview.ENV, ",".join(n for n in preview.FEATURES if n != "sparse-mma"))
 
 
 @pytest.mark.parametrize("bits,dtype,asym,group,in_f,rb,kt,mt", PREVIEW_VARIANTS)
@@ -506,6 +508,136 @@ def test_preview_paths_match_the_reference_and_never_read_past_the_row(preview_o
             assert torch.isfinite(y).all(), cfg
             _check(y, ref, dtype)
             assert torch.equal(y[index.cuda() < 0], torch.zeros_like(y[index.cuda() < 0]))
+    for s in range(n_slots):
+        _check(cuda_sbmm.dequantize_slot(stack, s, dtype), reference.delta_weight(deltas[s]).to(dtype).cuda(), dtype)
+    rows = random_index(300, n_slots, gen).tolist()
+    x = torch.randn(300, in_f, generator=gen).to(dtype).cuda()
+    _check(cuda_sbmm.dequant_mm(x, stack, plan_rows(rows, n_slots, "cuda")),
+           reference.sbmm(x, torch.tensor(rows).cuda(), deltas), dtype)
+
+
+# ------------------------------------ the compact 2:4 layout on the sparse MMA (preview: sparse-mma, SP24)
+
+@pytest.fixture
+def all_previews(monkeypatch):
+    """Every preview path: a compact stack over 576 columns also needs padded-k, over groups of 384 wide-groups."""
+    from deltazip.kernels import preview
+
+    monkeypatch.setenv(preview.ENV, "all")
+
+
+SPARSE_VARIANTS = [(bits, dt, asym, group, in_f, rb, kt, mt)
+                   for bits in (4, 8) for dt in (torch.float16, torch.bfloat16) for asym in (False, True)
+                   for group, in_f, rb, kt, mt in ((128, 512, 2, 1, 1), (64, 512, 1, 1, 2), (32, 576, 2, 1, 1),
+                                                   (-1, 1024, 2, 2, 1), (384, 1536, 1, 1, 1))
+                   if (kt == 1 and mt == 1) or bits == 4]
+
+
+@pytest.mark.parametrize("bits,dtype,asym,group,in_f,rb,kt,mt", SPARSE_VARIANTS)
+def test_sparse_mma_preview_builds_compile_offline_to_the_streaming_loop(all_previews, bits, dtype, asym, group, in_f,
+                                                                        rb, kt, mt):
+    """The SP24 builds keep the main loop of the dense ones (16-byte copies only, no shared-memory store,
+    one barrier, no local memory, registers within what ``ctas_per_sm`` counts on) with a sparse MMA
+    (HMMA.SP, m16n8k32) per 32 columns where the dense build has two: 8 + 4 per tile for the two compute
+    copies (tiles of more than 8 rows, and of 8 or fewer), and one x4 ldmatrix per k32 step and n8 tile."""
+    rtc = _nvrtc_or_skip()
+    from deltazip.kernels import cuda_sass as sass
+
+    if sass.tools_available():
+        pytest.skip(sass.tools_available())
+    gen = torch.Generator().manual_seed(bits)
+    stack = repack([make_delta(128, in_f, bits, group, True, asym, gen) for _ in range(2)], layout="mma",
+                   compact=True)
+    cfg = cuda_sbmm.CudaConfig(rb=rb, stages=4, kt=kt, mt=mt)
+    assert cuda_sbmm.supported(stack, dtype) and cuda_sbmm.fits(stack, cfg, 0)
+    macros = cuda_sbmm.macros(stack, dtype, cfg)
+    assert macros["SP24"] == 1
+    for arch in (80, 90):
+        info = sass.analyze(rtc.compile_cubin(cuda_sbmm.source(), macros, arch), function="dz_sbmm")
+        full = info["loop_full_opcodes"]
+        copies = {op: n for op, n in full.items() if op.startswith("LDGSTS")}
+        assert copies and all(op.endswith(".128") for op in copies), copies
+        assert info["loop_smem_stores"] == 0, full
+        assert sum(n for op, n in full.items() if op.startswith("BAR.SYNC")) == 1, full
+        assert {op: n for op, n in full.items() if op.startswith("HMMA")} == {
+            "HMMA.SP.16832.F32" + (".BF16" if dtype == torch.bfloat16 else ""): (8 + 4) * kt * mt}, full
+        assert {op: n for op, n in full.items() if op.startswith("LDSM")} == {"LDSM.16.M88.4": 12 * kt}, full
+        assert not any(op.startswith(("LDL", "STL")) for op in info["all_opcodes"]), "local memory (spills)"
+        assert info["registers"] * cfg.threads * cuda_sbmm.ctas_per_sm(stack, cfg) <= cuda_sbmm.sm_limits(0)[2]
+        deq = sass.opcodes(rtc.compile_cubin(cuda_sbmm.source(), macros, arch), function="dz_dequant")
+        assert deq and not any(op.startswith(("LDL", "STL")) for op in deq)
+
+
+def test_every_launch_config_of_the_sparse_mma_builds_fits_the_occupancy_the_model_assumes(tmp_path, monkeypatch):
+    """Every config the tuner can time of the SP24 builds compiles for sm_90 with no local memory and
+    within the register file at ``ctas_per_sm``."""
+    rtc = _nvrtc_or_skip()
+    from deltazip.kernels import cuda_sass as sass
+
+    if sass.tools_available():
+        pytest.skip(sass.tools_available())
+    monkeypatch.setenv("DELTAZIP_CUDA_CACHE", str(tmp_path))
+    over, checked = [], 0
+    gen = torch.Generator().manual_seed(0)
+    for bits, group in ((4, 128), (4, 32), (8, 64)):
+        stack = repack([make_delta(128, 1024, bits, group, True, False, gen)], layout="mma", compact=True)
+        cfgs = [cuda_sbmm.CudaConfig(rb=rb, stages=st, kt=kt, mt=mt) for rb in (1, 2) for st in (4, 6, 8)
+                for mt in (1, 2) for kt in (1, 2)]
+        cfgs = [c for c in cfgs if cuda_sbmm.fits(stack, c, 0)]
+        rtc.precompile(cuda_sbmm.source(), [cuda_sbmm.macros(stack, torch.float16, c) for c in cfgs], 90)
+        for c in cfgs:
+            info = sass.analyze(rtc.cubin_for(cuda_sbmm.source(), cuda_sbmm.macros(stack, torch.float16, c), 90),
+                                function="dz_sbmm")
+            checked += 1
+            if (info["registers"] * c.threads * cuda_sbmm.ctas_per_sm(stack, c) > cuda_sbmm.sm_limits(0)[2]
+                    or any(op.startswith(("LDL", "STL")) for op in info["all_opcodes"])):
+                over.append((bits, group, c, info["registers"], cuda_sbmm.ctas_per_sm(stack, c)))
+    assert checked >= 30 and not over, (checked, over)
+
+
+def test_a_compact_stack_stages_fewer_bytes_and_keys_its_own_tuning():
+    """A stage of a compact 4-bit stack holds 768 code words per tile (1024 expanded), and its measured
+    launch choices are kept apart from the expanded layout's."""
+    from deltazip.kernels import dispatch_table
+
+    gen = torch.Generator().manual_seed(0)
+    d = make_delta(128, 512, 4, 128, True, False, gen)
+    compact, expanded = repack([d], layout="mma", compact=True), repack([d], layout="mma", compact=False)
+    assert cuda_sbmm.stage_bytes(expanded, 2) - cuda_sbmm.stage_bytes(compact, 2) == 2 * 256 * 4
+    assert "SP24" not in cuda_sbmm.macros(expanded, torch.float16, cuda_sbmm.CudaConfig())
+    assert dispatch_table.key(compact, torch.float16, 4, 2) != dispatch_table.key(expanded, torch.float16, 4, 2)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("asym,group,in_f", [(False, 128, 512), (True, 64, 512), (False, 32, 576), (True, -1, 1024),
+                                             (False, 384, 1536), (True, 96, 576)])
+def test_sparse_mma_preview_matches_the_reference(all_previews, bits, dtype, asym, group, in_f):
+    """The compact 2:4 layout on the sparse MMA over every launch shape, and the dense-dequantize path,
+    against the reference (the activations past the row NaN, as above)."""
+    if not cuda_sbmm.available():
+        pytest.skip("sm_80+ and NVRTC needed")
+    gen = torch.Generator().manual_seed(bits * 13 + in_f)
+    out_f, n_slots = 192, 4
+    deltas = [make_delta(out_f, in_f, bits, group, True, asym, gen) for _ in range(n_slots)]
+    stack = repack(deltas, device="cuda", layout="mma", compact=True)
+    assert stack.compact
+    for rows in ([2, 0, 3, -1, 2, 2, 1], [3] * 21 + [0] * 9 + [-1] * 2, [1]):
+        index = torch.tensor(rows)
+        wide = torch.full((len(rows), in_f + 64), float("nan"), dtype=dtype)
+        wide[:, :in_f] = torch.randn(len(rows), in_f, generator=gen).to(dtype)
+        x = wide.cuda()[:, :in_f]
+        ref = reference.sbmm(x.contiguous(), index.cuda(), deltas)
+        plan = plan_rows(rows, n_slots, "cuda")
+        cfgs = [cuda_sbmm.CudaConfig(2, 4, 1), cuda_sbmm.CudaConfig(1, 3, 2), cuda_sbmm.CudaConfig(2, 2, 3),
+                cuda_sbmm.CudaConfig(2, 4, 2, kt=2), cuda_sbmm.CudaConfig(2, 4, 1, mt=2),
+                cuda_sbmm.CudaConfig(1, 4, 2, mt=2)]
+        for cfg in [c for c in cfgs if cuda_sbmm.kt_ok(stack, c.kt) and cuda_sbmm.mt_ok(stack, c.mt)]:
+            y = cuda_sbmm.sbmm_cuda(x, stack, plan, config=cfg)
+            assert torch.isfinite(y).all(), cfg
+            _check(y, ref, dtype)
     for s in range(n_slots):
         _check(cuda_sbmm.dequantize_slot(stack, s, dtype), reference.delta_weight(deltas[s]).to(dtype).cuda(), dtype)
     rows = random_index(300, n_slots, gen).tolist()

@@ -208,6 +208,7 @@ def test_a_padded_k_stack_takes_the_mma_layout_on_cuda_only_in_preview(monkeypat
     monkeypatch.setenv(preview.ENV, "paded-k")
     with pytest.raises(ValueError, match="unknown preview path paded-k; use .*padded-k"):
         choose_layout("auto", in_features=576, **kw)
+    monkeypatch.delenv(preview.ENV)
     assert not mma_layout.supported(4, -1, 580)  # not a multiple of 8: no 16-byte activation pieces
     gen = torch.Generator().manual_seed(0)
     padded = repack([make_delta(64, 576, 4, 64, True, False, gen)], layout="mma")
