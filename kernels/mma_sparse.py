@@ -4,7 +4,8 @@ m16n8k32) of the CUDA kernel's ``SP24`` builds. Pure torch; no GPU needed.
 The dense ``mma`` layout (``deltazip.kernels.mma_layout``) expands a 2:4 delta to every column (a
 pruned position holds the zero point): ``bits`` bits per weight. Here only the two kept codes of every
 four columns are stored, with the 2-bit position of each (the instruction's metadata): ``bits / 2 + 1``
-bits per weight, 3 at 4 bits (25% fewer bytes than expanded) and 5 at 8 bits (37.5% fewer). The
+bits per weight, 3 at 4 bits (25% fewer bytes than expanded), 5 at 8 bits (37.5% fewer) and 2.5 at 3
+bits (17% fewer). The
 kernel dequantizes the kept codes exactly as the dense build does and the sparse MMA multiplies each
 by the activation at its position.
 
@@ -29,7 +30,10 @@ A thread's pair ``j = 2 s + h`` (8 per thread-row and tile) holds the two kept c
 (``e`` = the 16-bit half); as in the dense layout a word holds ``PPW = 16 // bits`` pairs, pair ``j`` at
 bit ``16 * e + bits * (j % PPW)`` of word ``j // PPW``. A thread's ``bits`` words of a tile (``bits / 2``
 per row half, row half outermost) are stored in runs of four (one 16-byte load), ``[hv, w, l, q, v]``:
-``128 * bits`` words. Then ``256`` metadata words, ``[w, l, q, mw]``: word ``mw`` of lane ``q`` is the
+``128 * bits`` words. 3-bit codes are two bit planes, as in the dense layout: the low two bits of a row
+half's 8 pairs in one word (pair ``j`` at bit ``16 * e + 2 * j``), ``[w, l, q, rr]`` (256 words), then the
+high bits of both row halves in one word (pair ``j`` of row half ``rr`` at bit ``16 * e + 8 * rr + j``),
+``[w, l, q]`` (128 words). Then ``256`` metadata words, ``[w, l, q, mw]``: word ``mw`` of lane ``q`` is the
 register of k32 step ``s = 2 mw + q // 2`` (selector ``F = q // 2``) for compressed columns ``8 (q % 2)
 .. 8 (q % 2) + 7``, i.e. the positions of groups ``ch = 8 s + 4 (q % 2) + (0..3)``. The two positions of a
 group are distinct and ascending (the instruction's ordered metadata).
@@ -42,12 +46,12 @@ import torch
 from deltazip.kernels.mma_layout import K_BLOCK, ROW_BLOCK, padded_cols, padded_rows
 
 # Code widths held compactly: at 2 bits the compact form (1 + 1 bits per weight) saves nothing over the
-# expanded one, and 3-bit codes keep their bit-plane layout (expanded).
-SPARSE_BITS = (4, 8)
+# expanded one.
+SPARSE_BITS = (3, 4, 8)
 
 
 def supported(bits: int, sparse: bool, layout_group: int | None) -> bool:
-    """Whether a 2:4 configuration has a compact layout: 4 or 8 bits, and groups (the ``mma`` layout's,
+    """Whether a 2:4 configuration has a compact layout: 3, 4 or 8 bits, and groups (the ``mma`` layout's,
     ``mma_layout.layout_group``) of at least 32 columns, so that a k32 step lies in one group."""
     return sparse and bits in SPARSE_BITS and layout_group is not None and layout_group >= 32
 
@@ -80,15 +84,23 @@ def pack(kept: torch.Tensor, positions: torch.Tensor, bits: int) -> torch.Tensor
     full_p = torch.arange(inp // 2, device=dev, dtype=torch.int64).remainder(2).expand(outp, -1).clone()
     full_k[:out_f, :half] = kept.to(torch.int64)
     full_p[:out_f, :half] = positions.to(torch.int64)
-    ppw = 16 // bits
-    # codes: [nb, w, rr, l, kb, s, h, q, e] -> [nb, kb, w, l, q, rr, j(8) as (word, pair in word), e]
-    c = _tile_dims(full_k).permute(0, 4, 1, 3, 7, 2, 5, 6, 8)
-    c = c.reshape(*c.shape[:6], 8 // ppw, ppw, 2)
-    pair = torch.arange(ppw, device=dev, dtype=torch.int64)
-    shifts = pair[:, None] * bits + torch.tensor([0, 16], device=dev, dtype=torch.int64)
-    words = (c << shifts).sum(dim=(-1, -2))  # [nb, kb, w, l, q, rr, bits/2]: disjoint fields, the sum is an OR
-    nb, kb = words.shape[:2]
-    words = words.reshape(nb, kb, 4, 8, 4, bits // 4, 4).permute(0, 1, 5, 2, 3, 4, 6).reshape(nb, kb, -1)
+    # codes: [nb, w, rr, l, kb, s, h, q, e] -> [nb, kb, w, l, q, rr, j(8), e]
+    c = _tile_dims(full_k).permute(0, 4, 1, 3, 7, 2, 5, 6, 8).reshape(outp // ROW_BLOCK, inp // K_BLOCK, 4, 8, 4, 2,
+                                                                       8, 2)
+    nb, kb = c.shape[:2]
+    half_bit = torch.tensor([0, 16], device=dev, dtype=torch.int64)
+    j = torch.arange(8, device=dev, dtype=torch.int64)[:, None]
+    if bits == 3:  # the low-bit plane per row half, then the high-bit plane of both
+        low = ((c & 3) << (2 * j + half_bit)).sum(dim=(-1, -2))  # [nb, kb, w, l, q, rr]
+        rr = torch.arange(2, device=dev, dtype=torch.int64)[:, None, None]
+        high = ((c >> 2) << (8 * rr + j + half_bit)).sum(dim=(-1, -2, -3))  # [nb, kb, w, l, q]
+        words = torch.cat([low.reshape(nb, kb, 256), high.reshape(nb, kb, 128)], dim=-1)
+    else:
+        ppw = 16 // bits
+        c = c.reshape(*c.shape[:6], 8 // ppw, ppw, 2)  # j -> (word, pair in word)
+        shifts = j[:ppw] * bits + half_bit
+        words = (c << shifts).sum(dim=(-1, -2))  # [nb, kb, w, l, q, rr, bits/2]: disjoint fields, the sum is an OR
+        words = words.reshape(nb, kb, 4, 8, 4, bits // 4, 4).permute(0, 1, 5, 2, 3, 4, 6).reshape(nb, kb, -1)
     # metadata: [nb, w, rr, l, kb, s=(mw, F), h, q, e] -> [nb, kb, w, l, F, h, mw, rr, q, e]
     p = _tile_dims(full_p).reshape(nb, 4, 2, 8, kb, 2, 2, 2, 4, 2).permute(0, 4, 1, 3, 6, 7, 5, 2, 8, 9)
     rr, qq, ee = torch.meshgrid(*(torch.arange(n, device=dev, dtype=torch.int64) for n in (2, 4, 2)), indexing="ij")
@@ -100,14 +112,21 @@ def pack(kept: torch.Tensor, positions: torch.Tensor, bits: int) -> torch.Tensor
 
 def unpack(words: torch.Tensor, bits: int, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack`: int64 (kept codes, positions), each ``[out, in / 2]``."""
-    nb, kb, ppw = padded_rows(out_features) // ROW_BLOCK, padded_cols(in_features) // K_BLOCK, 16 // bits
+    nb, kb = padded_rows(out_features) // ROW_BLOCK, padded_cols(in_features) // K_BLOCK
     w = words.to(torch.int64).reshape(nb, kb, tile_words(bits)) & 0xFFFFFFFF
-    codes = w[..., :128 * bits].reshape(nb, kb, bits // 4, 4, 8, 4, 4).permute(0, 1, 3, 4, 5, 2, 6)
-    codes = codes.reshape(nb, kb, 4, 8, 4, 2, 8 // ppw, 1, 1)  # [nb, kb, w, l, q, rr, word, -, -]
-    pair = torch.arange(ppw, dtype=torch.int64)
-    shifts = pair[:, None] * bits + torch.tensor([0, 16], dtype=torch.int64)
-    c = (codes >> shifts) & ((1 << bits) - 1)  # [nb, kb, w, l, q, rr, word, pair, e]
-    c = c.reshape(nb, kb, 4, 8, 4, 2, 4, 2, 2)  # j = 2 s + h
+    half_bit = torch.tensor([0, 16], dtype=torch.int64)
+    j = torch.arange(8, dtype=torch.int64)[:, None]
+    if bits == 3:
+        low = w[..., :256].reshape(nb, kb, 4, 8, 4, 2, 1, 1)  # [nb, kb, w, l, q, rr, -, -]
+        high = w[..., 256:384].reshape(nb, kb, 4, 8, 4, 1, 1, 1)
+        rr = torch.arange(2, dtype=torch.int64)[:, None, None]
+        c = ((low >> (2 * j + half_bit)) & 3) | (((high >> (8 * rr + j + half_bit)) & 1) << 2)
+    else:
+        ppw = 16 // bits
+        codes = w[..., :128 * bits].reshape(nb, kb, bits // 4, 4, 8, 4, 4).permute(0, 1, 3, 4, 5, 2, 6)
+        codes = codes.reshape(nb, kb, 4, 8, 4, 2, 8 // ppw, 1, 1)  # [nb, kb, w, l, q, rr, word, -, -]
+        c = (codes >> (j[:ppw] * bits + half_bit)) & ((1 << bits) - 1)  # [nb, kb, w, l, q, rr, word, pair, e]
+    c = c.reshape(nb, kb, 4, 8, 4, 2, 4, 2, 2)  # [nb, kb, w, l, q, rr, s, h, e]: j = 2 s + h
     kept = c.permute(0, 2, 5, 3, 1, 6, 7, 4, 8).reshape(nb * ROW_BLOCK, kb * 64)
     meta = w[..., 128 * bits:].reshape(nb, kb, 4, 8, 2, 2, 2, 1, 1, 1)  # [nb, kb, w, l, F, h, mw, -, -, -]
     rr, qq, ee = torch.meshgrid(*(torch.arange(n, dtype=torch.int64) for n in (2, 4, 2)), indexing="ij")

@@ -22,8 +22,8 @@ FEATURES = {
     "three-bit": "3-bit codes, held as two bit planes (the low two bits, then the high bit) in the mma layout",
     "wide-groups": "groups of whole 128-column tiles that are not a power of two of them (384, 640, 768 "
                    "columns): the kernel divides by the tiles per group instead of shifting",
-    "sparse-mma": "4- and 8-bit 2:4 deltas in the compact layout (the kept codes and their positions, 3 and 5 "
-                  "bits per weight instead of 4 and 8) on the sparse tensor-core MMA (mma.sp)",
+    "sparse-mma": "3-, 4- and 8-bit 2:4 deltas in the compact layout (the kept codes and their positions, 2.5, "
+                  "3 and 5 bits per weight instead of 3, 4 and 8) on the sparse tensor-core MMA (mma.sp)",
     "split-groups": "groups of a multiple of 16 columns that neither divide a tile nor are whole tiles (48, 96, "
                     "160, 192 columns): held as sub-groups of 16, 32 or 64 columns that repeat the group's scale",
 }

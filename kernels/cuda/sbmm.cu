@@ -1,4 +1,4 @@
-// SBMM over stacks in the mma layout (deltazip/kernels/fast_layout.py): y[r] (+)= x[r] @ W[slot(r)]^T.
+// SBMM over stacks in the mma layout (deltazip/kernels/mma_layout.py): y[r] (+)= x[r] @ W[slot(r)]^T.
 //
 // Host side: deltazip/kernels/cuda_sbmm.py (plans, launch, split-K workspace); compiled at first use
 // by NVRTC (deltazip/kernels/cuda_rtc.py) with these macros:
@@ -18,7 +18,7 @@
 //   KCOLS   (only when in_features is not a multiple of 128) in_features, a multiple of 8: the layout pads
 //           the last K tile (code 0; groups narrower than a tile past the row scale 0) and the kernel
 //           zero-fills the activations from column KCOLS on, so the padding adds exactly 0
-//   SP24    (only for the compact 2:4 layout, deltazip/kernels/mma_sparse.py; 4 and 8 bits, groups of 32
+//   SP24    (only for the compact 2:4 layout, deltazip/kernels/mma_sparse.py; 3, 4 and 8 bits, groups of 32
 //           columns or more) the two kept codes of every four columns and their positions: the sparse MMA
 //           (mma.sp m16n8k32) multiplies them, reading bits / 2 + 1 bits per weight instead of bits
 // No CUDA header is included (NVRTC needs none): every fp16/bf16 operation is inline PTX.
@@ -60,7 +60,12 @@ typedef long long i64;
 #define SP24 0
 #endif
 #define XS (128 * KT + 8)              // halves per staged activation row (+8: ldmatrix rows on distinct banks)
-#if SP24
+#if SP24 && BITS == 3
+#define RUN 2                          // the low-bit plane's word of each row half (one 8-byte load)
+#define HV 1
+#define PPW 8                          // all 8 pairs of a row half in one low-plane word
+#define NWA 1
+#elif SP24
 #define RUN 4                          // a thread's words of a tile (both row halves) in runs of four
 #define HV (BITS / 4)
 #define PPW (16 / BITS)
@@ -423,7 +428,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   // (weight tile m of the warp: words + m * 32 * RUN * 4 bytes, scales + 32 bytes).
   const u32 w_rd = rb * KT * TILE_WORDS * 4 + (wi * 32 * RUN + lane * RUN) * 4;
 #if BITS == 3
-  const u32 wb_rd = rb * KT * TILE_WORDS * 4 + 2048 + (wi * 32 + lane) * 4;  // the 1-bit plane's word
+  // the 1-bit plane's word (compact: after the 256 words of the low-bit plane, both row halves in one)
+  const u32 wb_rd = rb * KT * TILE_WORDS * 4 + (SP24 ? 1024 : 2048) + (wi * 32 + lane) * 4;
 #endif
   const u32 sc_rd = W_BYTES + (rb * KT * SG * 64 + row) * 2;
 #if SP24
@@ -452,11 +458,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
       u32 w[MT][BITS], e[MT][2];
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
+#if BITS == 3  // the low-bit plane's word of each row half, then the high-bit plane's word of both
+        asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(w[m][0]), "=r"(w[m][1]) : "r"(wu + m * 256));
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w[m][2]) : "r"(rd + wb_rd + u * TILE_WORDS * 4 + m * 128));
+#else
 #pragma unroll
         for (int hv = 0; hv < HV; ++hv)
           asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
                        : "=r"(w[m][hv * 4]), "=r"(w[m][hv * 4 + 1]), "=r"(w[m][hv * 4 + 2]), "=r"(w[m][hv * 4 + 3])
                        : "r"(wu + m * 512 + hv * 2048));
+#endif
         asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];"
                      : "=r"(e[m][0]), "=r"(e[m][1]) : "r"(rd + e_rd + u * TILE_WORDS * 4 + m * 256));
       }
@@ -476,8 +487,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
             z[0][pj] = z[1][pj] = 1 << (BITS - 1);
 #endif
           }
+#if BITS == 3  // row half rr's high bits at bit 8 rr + j of the high-plane word
+#pragma unroll
+          for (int pj = 0; pj < 8; ++pj) {
+            a[m][0][pj] = dequant_pair3(w[m][0], w[m][2], pj, z[0][pj]);
+            a[m][1][pj] = dequant_pair3(w[m][1], w[m][2], pj + 8, z[1][pj]);
+          }
+#else
           dequant_word(w[m][iw], z[0], a[m][0]);
           dequant_word(w[m][NWA + iw], z[1], a[m][1]);
+#endif
         }
 #pragma unroll
         for (int sp = 0; sp < PPW / 2; ++sp) {
@@ -682,8 +701,14 @@ extern "C" __global__ void __launch_bounds__(128) dz_dequant(
   // positions (the metadata word of lane 2 (s % 2) + h of its four, module docstring of mma_sparse.py)
   // and 0 at the other two.
   u32 w[BITS];
+#if BITS == 3  // the low-bit plane's words of the two row halves, then the high-bit plane's word
+  w[0] = wq[(wi * 32 + lane) * 2];
+  w[1] = wq[(wi * 32 + lane) * 2 + 1];
+  w[2] = wq[256 + wi * 32 + lane];
+#else
 #pragma unroll
   for (int iw = 0; iw < BITS; ++iw) w[iw] = wq[(((iw / 4) * 4 + wi) * 32 + lane) * 4 + iw % 4];
+#endif
   const int q = lane & 3;
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
@@ -703,7 +728,11 @@ extern "C" __global__ void __launch_bounds__(128) dz_dequant(
 #else
       const float z = (float)(1 << (BITS - 1));
 #endif
+#if BITS == 3
+      const u32 v = ((w[rr] >> (2 * j)) & 0x00030003u) | (((w[2] >> (8 * rr + j)) & 0x00010001u) << 2), mask = 7u;
+#else
       const u32 v = w[rr * NWA + j / PPW] >> (BITS * (j % PPW)), mask = (1u << BITS) - 1u;
+#endif
       const float v0 = ((float)(v & mask) - z) * sc, v1 = ((float)((v >> 16) & mask) - z) * sc;
       const u32 p0 = meta & 3u, p1 = (meta >> 2) & 3u;
       u16 hv[4];  // selects, not an indexed array (which would live in local memory)

@@ -19,7 +19,7 @@ def _positions(out_f: int, in_f: int, gen: torch.Generator) -> torch.Tensor:
     return pick.sort(-1).values.reshape(out_f, in_f // 2)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("out_f,in_f", [(64, 128), (100, 576), (130, 256), (64, 1000 - 1000 % 8)])
 def test_pack_unpack_round_trip_with_padding(bits, out_f, in_f):
     gen = torch.Generator().manual_seed(bits + in_f)
@@ -33,6 +33,20 @@ def test_pack_unpack_round_trip_with_padding(bits, out_f, in_f):
         mma_sparse.pack(kept, pos, 2)
 
 
+def _thread_pair(t: torch.Tensor, bits: int, warp: int, lane: int, rr: int, j: int) -> tuple[int, int]:
+    """The two codes of pair ``j`` of row half ``rr`` of a thread, read from tile ``t``'s words at the
+    addresses the kernel's SP24 code reads (3 bits: the low-bit plane's word of the row half and the
+    high-bit plane's word; else the thread's run of ``bits`` words)."""
+    if bits == 3:
+        lo = int(t[(warp * 32 + lane) * 2 + rr]) >> (2 * j)
+        hi = int(t[256 + warp * 32 + lane]) >> (8 * rr + j)
+        return (lo & 3) | ((hi & 1) << 2), ((lo >> 16) & 3) | (((hi >> 16) & 1) << 2)
+    ppw, nwa = 16 // bits, bits // 2
+    iw = rr * nwa + j // ppw
+    v = int(t[(((iw // 4) * 4 + warp) * 32 + lane) * 4 + iw % 4]) >> (bits * (j % ppw))
+    return v & ((1 << bits) - 1), (v >> 16) & ((1 << bits) - 1)
+
+
 def _sp_fragments(words: torch.Tensor, bits: int, out_f: int, in_f: int) -> torch.Tensor:
     """Dense ``[OUTP, INP]`` codes as the kernel's SP24 loop hands them to ``mma.sp``, 0 where nothing
     is kept: per tile, warp and lane the code words and metadata at the addresses the kernel reads, the
@@ -40,7 +54,7 @@ def _sp_fragments(words: torch.Tensor, bits: int, out_f: int, in_f: int) -> torc
     columns; a1, a3: row l + 8), and per k32 step the metadata of lane 4l + 2F + j for compressed columns
     8j .. 8j + 7 (selector F = step % 2; PTX ISA, sparse mma metadata 16832 f16)."""
     outp, inp = mma_layout.padded_rows(out_f), mma_layout.padded_cols(in_f)
-    tw, ppw, nwa = mma_sparse.tile_words(bits), 16 // bits, bits // 2
+    tw = mma_sparse.tile_words(bits)
     w = words.to(torch.int64) & 0xFFFFFFFF
     dense = torch.full((outp, inp), -1, dtype=torch.int64)
     for nb in range(outp // 64):
@@ -50,16 +64,8 @@ def _sp_fragments(words: torch.Tensor, bits: int, out_f: int, in_f: int) -> torc
                 for s in range(4):  # k32 step
                     a_rows = {}  # (lane) -> [row half][pair h] -> (code e0, code e1)
                     for lane in range(32):
-                        tw_ = [int(t[(((iw // 4) * 4 + warp) * 32 + lane) * 4 + iw % 4]) for iw in range(bits)]
-                        pairs = []
-                        for rr in range(2):
-                            row = []
-                            for h in range(2):
-                                j = 2 * s + h
-                                v = tw_[rr * nwa + j // ppw] >> (bits * (j % ppw))
-                                row.append((v & ((1 << bits) - 1), (v >> 16) & ((1 << bits) - 1)))
-                            pairs.append(row)
-                        a_rows[lane] = pairs
+                        a_rows[lane] = [[_thread_pair(t, bits, warp, lane, rr, 2 * s + h) for h in range(2)]
+                                        for rr in range(2)]
                     for lane in range(32):
                         grp, q = lane // 4, lane % 4
                         for rr in range(2):
@@ -77,7 +83,7 @@ def _sp_fragments(words: torch.Tensor, bits: int, out_f: int, in_f: int) -> torc
     return dense
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("group,in_f,asym", [(128, 256, False), (64, 576, True), (-1, 384, False)])
 def test_what_the_sparse_mma_reads_is_the_delta(bits, group, in_f, asym):
     """The kernel's SP24 addressing plus the instruction's fragment and metadata layout put every kept
@@ -99,7 +105,7 @@ def _dequant_view(stack: StackedDeltas, slot: int) -> torch.Tensor:
     """fp32 ``[out, in]`` as the SP24 ``dz_dequant`` writes it: per thread and group of four columns, the
     metadata word of lane ``(lane & ~3) + 2 (s % 2) + h`` (word ``s // 2``) shifted by ``16 rr + 4 q``."""
     bits, out_f, in_f = stack.bits, stack.out_features, stack.in_features
-    tw, ppw, nwa = mma_sparse.tile_words(bits), 16 // bits, bits // 2
+    tw = mma_sparse.tile_words(bits)
     lg = mma_layout.layout_group(stack.group_size, in_f)
     w = stack.qweight[slot].to(torch.int64) & 0xFFFFFFFF
     out = torch.zeros(out_f, in_f)
@@ -110,7 +116,6 @@ def _dequant_view(stack: StackedDeltas, slot: int) -> torch.Tensor:
             for wi in range(4):
                 for lane in range(32):
                     q = lane % 4
-                    tw_ = [int(t[(((iw // 4) * 4 + wi) * 32 + lane) * 4 + iw % 4]) for iw in range(bits)]
                     for rr in range(2):
                         m = nb * 64 + 16 * wi + 8 * rr + lane // 4
                         if m >= out_f:
@@ -124,14 +129,13 @@ def _dequant_view(stack: StackedDeltas, slot: int) -> torch.Tensor:
                             meta >>= 16 * rr + 4 * q
                             sc = float(stack.scales[slot, col // lg, m])
                             z = (1 << (bits - 1)) if stack.zeros is None else float(stack.zeros[slot, col // lg, m])
-                            v = tw_[rr * nwa + j // ppw] >> (bits * (j % ppw))
-                            mask = (1 << bits) - 1
-                            out[m, col + (meta & 3)] = ((v & mask) - z) * sc
-                            out[m, col + ((meta >> 2) & 3)] = (((v >> 16) & mask) - z) * sc
+                            c0, c1 = _thread_pair(t, bits, wi, lane, rr, j)
+                            out[m, col + (meta & 3)] = (c0 - z) * sc
+                            out[m, col + ((meta >> 2) & 3)] = (c1 - z) * sc
     return out
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 def test_what_the_dense_dequantize_kernel_writes_is_the_delta(bits):
     gen = torch.Generator().manual_seed(bits)
     delta = make_delta(80, 576, bits, 64, True, True, gen)
@@ -139,18 +143,18 @@ def test_what_the_dense_dequantize_kernel_writes_is_the_delta(bits):
     assert torch.allclose(_dequant_view(stack, 0), reference.delta_weight(delta), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("group,in_f", [(32, 256), (64, 576), (128, 512), (-1, 640), (96, 576), (384, 1536)])
 @pytest.mark.parametrize("asym", [False, True])
 def test_a_compact_stack_reads_back_exactly_in_a_quarter_fewer_bytes(bits, group, in_f, asym):
     """Every slot reads back to its delta's reference weight, a partial-row write into a merged stack
-    included; the code words take 3/4 (4 bits) or 5/8 (8 bits) of the expanded layout's."""
+    included; the code words take 3/4 (4 bits), 5/8 (8 bits) or 5/6 (3 bits) of the expanded layout's."""
     gen = torch.Generator().manual_seed(bits * 5 + in_f + asym)
     deltas = [make_delta(100, in_f, bits, group, True, asym, gen) for _ in range(2)]
     stack = repack(deltas, layout="mma", compact=True)
     expanded = repack(deltas, layout="mma", compact=False)
     assert stack.compact and not expanded.compact
-    assert stack.qweight.numel() * (8 if bits == 4 else 16) == expanded.qweight.numel() * (6 if bits == 4 else 10)
+    assert stack.qweight.numel() * {3: 6, 4: 8, 8: 16}[bits] == expanded.qweight.numel() * {3: 5, 4: 6, 8: 10}[bits]
     assert torch.equal(stack.scales, expanded.scales)
     for s, d in enumerate(deltas):
         assert torch.equal(stack.delta_weight(s), reference.delta_weight(d))
@@ -162,14 +166,15 @@ def test_a_compact_stack_reads_back_exactly_in_a_quarter_fewer_bytes(bits, group
 
 
 def test_the_compact_layout_is_a_preview_for_the_configurations_that_have_one(monkeypatch):
-    """Off unless ``DELTAZIP_CUDA_PREVIEW`` names ``sparse-mma`` (or ``all``); 2-bit, 3-bit, dense, and
+    """Off unless ``DELTAZIP_CUDA_PREVIEW`` names ``sparse-mma`` (or ``all``); 2-bit, dense, and
     groups of 16 columns (a k32 step would span two groups) stay expanded; asking for it there fails."""
     monkeypatch.delenv(preview.ENV, raising=False)
     s4 = DeltaScheme(bits=4, group_size=128)
     assert not compact_for(s4, 4096)
     monkeypatch.setenv(preview.ENV, "sparse-mma")
     assert compact_for(s4, 4096) and compact_for(s4.replace(bits=8, group_size=32), 576)
-    for s in (s4.replace(bits=2), s4.replace(bits=3), s4.replace(sparsity="none"), s4.replace(group_size=16),
+    assert compact_for(s4.replace(bits=3), 4096)
+    for s in (s4.replace(bits=2), s4.replace(sparsity="none"), s4.replace(group_size=16),
               s4.replace(group_size=48)):
         assert not compact_for(s, 4608)
         with pytest.raises(ValueError, match="no compact 2:4 layout"):
