@@ -276,6 +276,22 @@ __device__ __forceinline__ float lds_h2f(u32 addr) {  // an fp16 in shared memor
 
 __device__ __forceinline__ int zero_of(u32 addr) { return (int)lds_h2f(addr); }  // fp16 integer zero point
 
+// Zero points of the PPW pairs of word iw of both row halves (the warp tile's scales at su): pair j covers
+// k16 step j / PPS of the tile (PPS pairs per step: 2 for the dense MMA, 1 for the sparse one).
+template <int PPS>
+__device__ __forceinline__ void word_zeros(u32 su, int iw, int (*z)[PPW]) {
+#pragma unroll
+  for (int pj = 0; pj < PPW; ++pj) {
+#if ASYM
+    const int g = GK16 < 8 ? ((iw * PPW + pj) / PPS) / GK16 : 0;
+    z[0][pj] = zero_of(su + (S_HALVES + g * 64) * 2);
+    z[1][pj] = zero_of(su + (S_HALVES + g * 64 + 8) * 2);
+#else
+    z[0][pj] = z[1][pj] = 1 << (BITS - 1);
+#endif
+  }
+}
+
 // acc += cg * scale (rows l and l + 8 of the warp's 16: scales at addr and addr + 16), then cg = 0.
 __device__ __forceinline__ void flush(float (*acc)[4], float (*cg)[4], u32 addr) {
   const float s0 = lds_h2f(addr), s1 = lds_h2f(addr + 16);
@@ -477,16 +493,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           int z[2][PPW];
-#pragma unroll
-          for (int pj = 0; pj < PPW; ++pj) {
-#if ASYM
-            const int g = GK16 < 8 ? (iw * PPW + pj) / GK16 : 0;  // pair j covers k16 step j of the tile
-            z[0][pj] = zero_of(su + m * 32 + (S_HALVES + g * 64) * 2);
-            z[1][pj] = zero_of(su + m * 32 + (S_HALVES + g * 64 + 8) * 2);
-#else
-            z[0][pj] = z[1][pj] = 1 << (BITS - 1);
-#endif
-          }
+          word_zeros<1>(su + m * 32, iw, z);  // pair j covers k16 step j of the tile
 #if BITS == 3  // row half rr's high bits at bit 8 rr + j of the high-plane word
 #pragma unroll
           for (int pj = 0; pj < 8; ++pj) {
@@ -549,16 +556,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           int z[2][PPW];
-#pragma unroll
-          for (int pj = 0; pj < PPW; ++pj) {
-#if ASYM
-            const int g = GK16 < 8 ? ((iw * PPW + pj) / 2) / GK16 : 0;
-            z[0][pj] = zero_of(su + m * 32 + (S_HALVES + g * 64) * 2);
-            z[1][pj] = zero_of(su + m * 32 + (S_HALVES + g * 64 + 8) * 2);
-#else
-            z[0][pj] = z[1][pj] = 1 << (BITS - 1);
-#endif
-          }
+          word_zeros<2>(su + m * 32, iw, z);
 #if BITS == 3
           dequant_word3(w[m][0][iw], w[m][0][2], iw, z[0], a[m][0]);
           dequant_word3(w[m][1][iw], w[m][1][2], iw, z[1], a[m][1]);
@@ -689,6 +687,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   if (tid == 0) *counter = 0;
 }
 
+// The scale and zero point of scale-table entry gp (group, row of a slot).
+__device__ __forceinline__ void scale_zero(const u16* __restrict__ scales, const u16* __restrict__ zeros, i64 gp,
+                                           float& s, float& z) {
+  s = h2f(scales[gp]);
+#if ASYM
+  z = h2f(zeros[gp]);
+#else
+  z = (float)(1 << (BITS - 1));
+#endif
+}
+
 // Dense delta of one slot: out [out_f, K] (row stride so) = scale * (q - z), in the activation dtype.
 // Grid (outp / 64, k_tiles), 128 threads: each thread its fragment elements of one 64 x 128 tile.
 extern "C" __global__ void __launch_bounds__(128) dz_dequant(
@@ -721,13 +730,8 @@ extern "C" __global__ void __launch_bounds__(128) dz_dequant(
       if (col >= KCOLS) continue;  // the padded last K tile (KCOLS is a multiple of 8: whole groups)
 #endif
       const u32 meta = wq[128 * BITS + (wi * 32 + (lane & ~3) + 2 * (sj & 1) + h) * 2 + (sj >> 1)] >> (16 * rr + 4 * q);
-      const i64 gp = slot * slot_sz + (i64)(col / group) * outp + m;
-      const float sc = h2f(scales[gp]);
-#if ASYM
-      const float z = h2f(zeros[gp]);
-#else
-      const float z = (float)(1 << (BITS - 1));
-#endif
+      float sc, z;
+      scale_zero(scales, zeros, slot * slot_sz + (i64)(col / group) * outp + m, sc, z);
 #if BITS == 3
       const u32 v = ((w[rr] >> (2 * j)) & 0x00030003u) | (((w[2] >> (8 * rr + j)) & 0x00010001u) << 2), mask = 7u;
 #else
@@ -765,13 +769,8 @@ extern "C" __global__ void __launch_bounds__(128) dz_dequant(
 #ifdef KCOLS
       if (col >= KCOLS) continue;  // the padded last K tile: out holds in_features columns
 #endif
-      const i64 gp = slot * slot_sz + (i64)(col / group) * outp + m;
-      const float s = h2f(scales[gp]);
-#if ASYM
-      const float z = h2f(zeros[gp]);
-#else
-      const float z = (float)(1 << (BITS - 1));
-#endif
+      float s, z;
+      scale_zero(scales, zeros, slot * slot_sz + (i64)(col / group) * outp + m, s, z);
 #if BITS == 3
       const u32 v = ((w[rr][j / 8] >> (2 * (j % 8))) & 0x00030003u) | (((w[rr][2] >> j) & 0x00010001u) << 2);
       const u32 mask = 7u;

@@ -37,6 +37,29 @@ def _stack(bits, group, asym, sparse=True, out_f=128, in_f=256, n=2, device="cpu
     return deltas, repack(deltas, device=device, layout="mma")
 
 
+def _configs_over_budget(stacks, dtype=torch.bfloat16) -> tuple[int, list]:
+    """Every launch config the tuner can time (``rb``, ``kt``, 4/6/8 stages, ``mt``) that fits each stack,
+    compiled for sm_90: ``(builds checked, those with local memory or registers x threads x ctas_per_sm
+    over the SM's register file)``."""
+    from deltazip.kernels import cuda_rtc as rtc
+    from deltazip.kernels import cuda_sass as sass
+
+    over, checked = [], 0
+    for stack in stacks:
+        cfgs = [cuda_sbmm.CudaConfig(rb=rb, stages=st, kt=kt, mt=mt) for rb in (1, 2) for kt in (1, 2)
+                for st in (4, 6, 8) for mt in (1, 2)]
+        cfgs = [c for c in cfgs if cuda_sbmm.fits(stack, c, 0)]
+        rtc.precompile(cuda_sbmm.source(), [cuda_sbmm.macros(stack, dtype, c) for c in cfgs], 90)
+        for c in cfgs:
+            info = sass.analyze(rtc.cubin_for(cuda_sbmm.source(), cuda_sbmm.macros(stack, dtype, c), 90),
+                                function="dz_sbmm")
+            checked += 1
+            if (info["registers"] * c.threads * cuda_sbmm.ctas_per_sm(stack, c) > cuda_sbmm.sm_limits(0)[2]
+                    or any(op.startswith(("LDL", "STL")) for op in info["all_opcodes"])):
+                over.append((stack.bits, stack.effective_group, stack.asymmetric, c, info["registers"]))
+    return checked, over
+
+
 @pytest.mark.parametrize("bits,dtype,asym,group,rb,kt", VARIANTS)
 def test_every_variant_compiles_offline_to_a_streaming_loop(bits, dtype, asym, group, rb, kt):
     """NVRTC for sm_90 without a GPU; the SASS main loop is what the design needs on any compiler
@@ -126,27 +149,15 @@ def test_every_launch_config_the_tuner_times_fits_the_occupancy_the_model_assume
     passes too; CI runs these 102. Register counts are the compiler's: this holds for the NVRTC that
     constraints.txt pins (nvidia-cuda-nvrtc 13.0.88; the GPU runs had CUDA 13.0); another
     NVRTC version is checked by running this test with it."""
-    rtc = _nvrtc_or_skip()
+    _nvrtc_or_skip()
     from deltazip.kernels import cuda_sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
     monkeypatch.setenv("DELTAZIP_CUDA_CACHE", str(tmp_path))
-    over, checked = [], 0
-    for bits in (2, 4, 8):
-        for asym, group in ((False, 128), (True, 64)) + (((False, 32),) if bits > 2 else ()):
-            _, stack = _stack(bits, group, asym, in_f=1024)
-            cfgs = [cuda_sbmm.CudaConfig(rb=rb, stages=st, kt=kt, mt=mt) for rb in (1, 2) for kt in (1, 2)
-                    for st in (4, 6, 8) for mt in (1, 2)]
-            cfgs = [c for c in cfgs if cuda_sbmm.fits(stack, c, 0)]
-            rtc.precompile(cuda_sbmm.source(), [cuda_sbmm.macros(stack, torch.bfloat16, c) for c in cfgs], 90)
-            for c in cfgs:
-                cubin = rtc.cubin_for(cuda_sbmm.source(), cuda_sbmm.macros(stack, torch.bfloat16, c), 90)
-                info = sass.analyze(cubin, function="dz_sbmm")
-                checked += 1
-                regs = info["registers"] * c.threads * cuda_sbmm.ctas_per_sm(stack, c)
-                if regs > cuda_sbmm.sm_limits(0)[2] or any(op.startswith(("LDL", "STL")) for op in info["all_opcodes"]):
-                    over.append((bits, asym, c, info["registers"], cuda_sbmm.ctas_per_sm(stack, c)))
+    checked, over = _configs_over_budget([_stack(bits, group, asym, in_f=1024)[1] for bits in (2, 4, 8)
+                                          for asym, group in ((False, 128), (True, 64)) + (((False, 32),) if bits > 2
+                                                                                             else ())])
     assert checked == 102 and not over, over
 
 
@@ -444,26 +455,15 @@ def test_every_launch_config_of_the_preview_builds_fits_the_occupancy_the_model_
     """As the sweep above, for the narrow-groups preview (groups of 16, 2-bit groups of 32; symmetric,
     which spilled where zero points did not) and 3-bit codes: every config the tuner can time compiles
     with no local memory and within the register file at ``ctas_per_sm``."""
-    rtc = _nvrtc_or_skip()
+    _nvrtc_or_skip()
     from deltazip.kernels import cuda_sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
     monkeypatch.setenv("DELTAZIP_CUDA_CACHE", str(tmp_path))
-    over, checked = [], 0
-    for bits, group in ((2, 32), (2, 16), (4, 16), (8, 16), (3, 128), (3, 32), (3, 16), (4, 384)):
-        _, stack = _stack(bits, group, False, in_f=1536 if group == 384 else 1024)
-        cfgs = [cuda_sbmm.CudaConfig(rb=rb, stages=st, kt=kt, mt=mt) for rb in (1, 2) for st in (4, 6, 8)
-                for mt in (1, 2) for kt in (1, 2)]
-        cfgs = [c for c in cfgs if cuda_sbmm.fits(stack, c, 0)]
-        rtc.precompile(cuda_sbmm.source(), [cuda_sbmm.macros(stack, torch.bfloat16, c) for c in cfgs], 90)
-        for c in cfgs:
-            info = sass.analyze(rtc.cubin_for(cuda_sbmm.source(), cuda_sbmm.macros(stack, torch.bfloat16, c), 90),
-                                function="dz_sbmm")
-            checked += 1
-            if (info["registers"] * c.threads * cuda_sbmm.ctas_per_sm(stack, c) > cuda_sbmm.sm_limits(0)[2]
-                    or any(op.startswith(("LDL", "STL")) for op in info["all_opcodes"])):
-                over.append((bits, group, c, info["registers"], cuda_sbmm.ctas_per_sm(stack, c)))
+    checked, over = _configs_over_budget([_stack(bits, group, False, in_f=1536 if group == 384 else 1024)[1]
+                                          for bits, group in ((2, 32), (2, 16), (4, 16), (8, 16), (3, 128), (3, 32),
+                                                              (3, 16), (4, 384))])
     assert checked >= 60 and not over, (checked, over)
 
 
@@ -473,26 +473,16 @@ def test_a_multiple_of_128_builds_without_kcols():
     assert "KCOLS" not in cuda_sbmm.macros(stack, torch.float16, cuda_sbmm.CudaConfig())
 
 
-@pytest.mark.gpu
-@cuda
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("asym,group,in_f", [(False, 64, 576), (True, 32, 576), (False, -1, 576), (True, 64, 320),
-                                             (False, -1, 960), (True, 16, 512), (False, 32, 512), (True, 16, 208),
-                                             (True, 128, 512), (False, 384, 1536), (True, 640, 1280),
-                                             (True, 96, 576), (False, 192, 1536)])
-def test_preview_paths_match_the_reference_and_never_read_past_the_row(preview_on, bits, dtype, asym, group, in_f):
-    """The preview paths, a padded last K tile, narrow groups, 3-bit codes, groups of 3 or 5 tiles (K
-    splits and two-tile stages inside a group) and groups split into sub-groups (96, 192 columns), over every launch shape (row blocks,
-    stages, K splits through the padded tile, two tiles per warp, two K tiles per stage) and the
+def _parity_past_the_row(bits, dtype, asym, group, in_f, compact, seed):
+    """Four 2:4 slots of ``[192, in_f]`` against the reference over several launch shapes (row blocks,
+    stages, K splits, two tiles per warp, two K tiles per stage), rows of no slot adding exactly 0, and the
     dense-dequantize path. The activations are a view of a wider tensor whose columns past the row are
     NaN: one read past ``in_features`` would poison its row."""
-    if not cuda_sbmm.available():
-        pytest.skip("sm_80+ and NVRTC needed")
-    gen = torch.Generator().manual_seed(bits * 11 + in_f)
+    gen = torch.Generator().manual_seed(seed)
     out_f, n_slots = 192, 4
     deltas = [make_delta(out_f, in_f, bits, group, True, asym, gen) for _ in range(n_slots)]
-    stack = repack(deltas, device="cuda", layout="mma")
+    stack = repack(deltas, device="cuda", layout="mma", compact=compact)
+    assert stack.compact == compact
     for rows in ([2, 0, 3, -1, 2, 2, 1], [3] * 21 + [0] * 9 + [-1] * 2, [1]):
         index = torch.tensor(rows)
         wide = torch.full((len(rows), in_f + 64), float("nan"), dtype=dtype)
@@ -514,6 +504,25 @@ def test_preview_paths_match_the_reference_and_never_read_past_the_row(preview_o
     x = torch.randn(300, in_f, generator=gen).to(dtype).cuda()
     _check(cuda_sbmm.dequant_mm(x, stack, plan_rows(rows, n_slots, "cuda")),
            reference.sbmm(x, torch.tensor(rows).cuda(), deltas), dtype)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("asym,group,in_f", [(False, 64, 576), (True, 32, 576), (False, -1, 576), (True, 64, 320),
+                                             (False, -1, 960), (True, 16, 512), (False, 32, 512), (True, 16, 208),
+                                             (True, 128, 512), (False, 384, 1536), (True, 640, 1280),
+                                             (True, 96, 576), (False, 192, 1536)])
+def test_preview_paths_match_the_reference_and_never_read_past_the_row(preview_on, bits, dtype, asym, group, in_f):
+    """The preview paths, a padded last K tile, narrow groups, 3-bit codes, groups of 3 or 5 tiles (K
+    splits and two-tile stages inside a group) and groups split into sub-groups (96, 192 columns), over every launch shape (row blocks,
+    stages, K splits through the padded tile, two tiles per warp, two K tiles per stage) and the
+    dense-dequantize path. The activations are a view of a wider tensor whose columns past the row are
+    NaN: one read past ``in_features`` would poison its row."""
+    if not cuda_sbmm.available():
+        pytest.skip("sm_80+ and NVRTC needed")
+    _parity_past_the_row(bits, dtype, asym, group, in_f, compact=False, seed=bits * 11 + in_f)
 
 
 # ------------------------------------ the compact 2:4 layout on the sparse MMA (preview: sparse-mma, SP24)
@@ -571,27 +580,17 @@ def test_sparse_mma_preview_builds_compile_offline_to_the_streaming_loop(all_pre
 def test_every_launch_config_of_the_sparse_mma_builds_fits_the_occupancy_the_model_assumes(tmp_path, monkeypatch):
     """Every config the tuner can time of the SP24 builds compiles for sm_90 with no local memory and
     within the register file at ``ctas_per_sm``."""
-    rtc = _nvrtc_or_skip()
+    _nvrtc_or_skip()
     from deltazip.kernels import cuda_sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
     monkeypatch.setenv("DELTAZIP_CUDA_CACHE", str(tmp_path))
-    over, checked = [], 0
     gen = torch.Generator().manual_seed(0)
-    for bits, group in ((4, 128), (4, 32), (8, 64), (3, 128), (3, 32)):
-        stack = repack([make_delta(128, 1024, bits, group, True, False, gen)], layout="mma", compact=True)
-        cfgs = [cuda_sbmm.CudaConfig(rb=rb, stages=st, kt=kt, mt=mt) for rb in (1, 2) for st in (4, 6, 8)
-                for mt in (1, 2) for kt in (1, 2)]
-        cfgs = [c for c in cfgs if cuda_sbmm.fits(stack, c, 0)]
-        rtc.precompile(cuda_sbmm.source(), [cuda_sbmm.macros(stack, torch.float16, c) for c in cfgs], 90)
-        for c in cfgs:
-            info = sass.analyze(rtc.cubin_for(cuda_sbmm.source(), cuda_sbmm.macros(stack, torch.float16, c), 90),
-                                function="dz_sbmm")
-            checked += 1
-            if (info["registers"] * c.threads * cuda_sbmm.ctas_per_sm(stack, c) > cuda_sbmm.sm_limits(0)[2]
-                    or any(op.startswith(("LDL", "STL")) for op in info["all_opcodes"])):
-                over.append((bits, group, c, info["registers"], cuda_sbmm.ctas_per_sm(stack, c)))
+    checked, over = _configs_over_budget([repack([make_delta(128, 1024, bits, group, True, False, gen)], layout="mma",
+                                                 compact=True)
+                                          for bits, group in ((4, 128), (4, 32), (8, 64), (3, 128), (3, 32))],
+                                         torch.float16)
     assert checked >= 50 and not over, (checked, over)
 
 
@@ -619,28 +618,4 @@ def test_sparse_mma_preview_matches_the_reference(all_previews, bits, dtype, asy
     against the reference (the activations past the row NaN, as above)."""
     if not cuda_sbmm.available():
         pytest.skip("sm_80+ and NVRTC needed")
-    gen = torch.Generator().manual_seed(bits * 13 + in_f)
-    out_f, n_slots = 192, 4
-    deltas = [make_delta(out_f, in_f, bits, group, True, asym, gen) for _ in range(n_slots)]
-    stack = repack(deltas, device="cuda", layout="mma", compact=True)
-    assert stack.compact
-    for rows in ([2, 0, 3, -1, 2, 2, 1], [3] * 21 + [0] * 9 + [-1] * 2, [1]):
-        index = torch.tensor(rows)
-        wide = torch.full((len(rows), in_f + 64), float("nan"), dtype=dtype)
-        wide[:, :in_f] = torch.randn(len(rows), in_f, generator=gen).to(dtype)
-        x = wide.cuda()[:, :in_f]
-        ref = reference.sbmm(x.contiguous(), index.cuda(), deltas)
-        plan = plan_rows(rows, n_slots, "cuda")
-        cfgs = [cuda_sbmm.CudaConfig(2, 4, 1), cuda_sbmm.CudaConfig(1, 3, 2), cuda_sbmm.CudaConfig(2, 2, 3),
-                cuda_sbmm.CudaConfig(2, 4, 2, kt=2), cuda_sbmm.CudaConfig(2, 4, 1, mt=2),
-                cuda_sbmm.CudaConfig(1, 4, 2, mt=2)]
-        for cfg in [c for c in cfgs if cuda_sbmm.kt_ok(stack, c.kt) and cuda_sbmm.mt_ok(stack, c.mt)]:
-            y = cuda_sbmm.sbmm_cuda(x, stack, plan, config=cfg)
-            assert torch.isfinite(y).all(), cfg
-            _check(y, ref, dtype)
-    for s in range(n_slots):
-        _check(cuda_sbmm.dequantize_slot(stack, s, dtype), reference.delta_weight(deltas[s]).to(dtype).cuda(), dtype)
-    rows = random_index(300, n_slots, gen).tolist()
-    x = torch.randn(300, in_f, generator=gen).to(dtype).cuda()
-    _check(cuda_sbmm.dequant_mm(x, stack, plan_rows(rows, n_slots, "cuda")),
-           reference.sbmm(x, torch.tensor(rows).cuda(), deltas), dtype)
+    _parity_past_the_row(bits, dtype, asym, group, in_f, compact=True, seed=bits * 13 + in_f)
