@@ -102,9 +102,7 @@ def mma_stacks(out_f, in_f, bits, count, compact=False):
     stacks = []
     for _ in range(count):
         if compact:
-            kept = torch.randint(0, 1 << bits, (out_f, in_f // 2))
-            pos = torch.rand(out_f, in_f // 4, 4).argsort(-1)[..., :2].sort(-1).values.reshape(out_f, in_f // 2)
-            q = mma_sparse.pack(kept, pos, bits).cuda().repeat(MAX_D, 1)
+            q = mma_sparse.random_slot(bits, out_f, in_f).cuda().repeat(MAX_D, 1)
         else:
             words = mma_layout.slot_words(out_f, in_f, bits)
             q = torch.randint(-2**31, 2**31 - 1, (MAX_D, words), dtype=torch.int32, device="cuda")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from deltazip.kernels import cuda_sbmm
+from deltazip.kernels import cuda_sbmm, mma_sparse
 from deltazip.kernels.row_plan import plan_rows, rows_bucket
 from deltazip.kernels.stacked import StackedDeltas
 
@@ -323,8 +323,13 @@ def agrees(stack: StackedDeltas, dtype: torch.dtype, config: cuda_sbmm.CudaConfi
     if k not in _AGREES:
         dev, gen = stack.device, torch.Generator(device=stack.device).manual_seed(0)
         s = StackedDeltas.allocate(2, stack.scheme, in_features=stack.in_features, out_features=stack.out_features,
-                                   device=dev, layout="mma")
-        s.qweight.copy_(torch.randint(-2**31, 2**31 - 1, s.qweight.shape, dtype=torch.int32, device=dev, generator=gen))
+                                   device=dev, layout="mma", compact=stack.compact)
+        if s.compact:  # random codes at valid positions (two distinct, ascending, per four columns)
+            for slot in range(2):
+                s.qweight[slot].copy_(mma_sparse.random_slot(s.bits, s.out_features, s.in_features, gen))
+        else:
+            s.qweight.copy_(torch.randint(-2**31, 2**31 - 1, s.qweight.shape, dtype=torch.int32, device=dev,
+                                          generator=gen))
         s.scales.copy_(torch.rand(s.scales.shape, device=dev, generator=gen) * 0.02 + 0.002)
         if s.zeros is not None:
             s.zeros.copy_(torch.randint(0, 1 << s.bits, s.zeros.shape, device=dev, generator=gen))

@@ -113,13 +113,14 @@ def pack(kept: torch.Tensor, positions: torch.Tensor, bits: int) -> torch.Tensor
 def unpack(words: torch.Tensor, bits: int, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack`: int64 (kept codes, positions), each ``[out, in / 2]``."""
     nb, kb = padded_rows(out_features) // ROW_BLOCK, padded_cols(in_features) // K_BLOCK
+    dev = words.device
     w = words.to(torch.int64).reshape(nb, kb, tile_words(bits)) & 0xFFFFFFFF
-    half_bit = torch.tensor([0, 16], dtype=torch.int64)
-    j = torch.arange(8, dtype=torch.int64)[:, None]
+    half_bit = torch.tensor([0, 16], dtype=torch.int64, device=dev)
+    j = torch.arange(8, dtype=torch.int64, device=dev)[:, None]
     if bits == 3:
         low = w[..., :256].reshape(nb, kb, 4, 8, 4, 2, 1, 1)  # [nb, kb, w, l, q, rr, -, -]
         high = w[..., 256:384].reshape(nb, kb, 4, 8, 4, 1, 1, 1)
-        rr = torch.arange(2, dtype=torch.int64)[:, None, None]
+        rr = torch.arange(2, dtype=torch.int64, device=dev)[:, None, None]
         c = ((low >> (2 * j + half_bit)) & 3) | (((high >> (8 * rr + j + half_bit)) & 1) << 2)
     else:
         ppw = 16 // bits
@@ -129,18 +130,24 @@ def unpack(words: torch.Tensor, bits: int, out_features: int, in_features: int) 
     c = c.reshape(nb, kb, 4, 8, 4, 2, 4, 2, 2)  # [nb, kb, w, l, q, rr, s, h, e]: j = 2 s + h
     kept = c.permute(0, 2, 5, 3, 1, 6, 7, 4, 8).reshape(nb * ROW_BLOCK, kb * 64)
     meta = w[..., 128 * bits:].reshape(nb, kb, 4, 8, 2, 2, 2, 1, 1, 1)  # [nb, kb, w, l, F, h, mw, -, -, -]
-    rr, qq, ee = torch.meshgrid(*(torch.arange(n, dtype=torch.int64) for n in (2, 4, 2)), indexing="ij")
+    rr, qq, ee = torch.meshgrid(*(torch.arange(n, dtype=torch.int64, device=dev) for n in (2, 4, 2)), indexing="ij")
     p = (meta >> (16 * rr + 4 * qq + 2 * ee)) & 3  # [nb, kb, w, l, F, h, mw, rr, q, e]
     pos = p.permute(0, 2, 7, 3, 1, 6, 4, 5, 8, 9).reshape(nb * ROW_BLOCK, kb * 64)
     half = in_features // 2
     return kept[:out_features, :half], pos[:out_features, :half]
 
 
-def expand(kept: torch.Tensor, positions: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    """Dense ``[out, in]`` codes: each kept code at its position, ``fill`` (``[out, in]``, the zero
-    points) elsewhere."""
-    out_f, half = kept.shape
-    dense = fill.clone()
-    col = torch.arange(half, device=kept.device).div(2, rounding_mode="floor") * 4 + positions
-    dense.scatter_(1, col, kept.to(dense.dtype))
-    return dense
+def random_positions(rows: int, in_features: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random valid positions ``[rows, in / 2]``: two distinct ascending columns of every four (on the
+    generator's device)."""
+    dev = generator.device if generator is not None else "cpu"
+    pick = torch.rand(rows, in_features // 4, 4, generator=generator, device=dev).argsort(-1)[..., :2]
+    return pick.sort(-1).values.reshape(rows, in_features // 2)
+
+
+def random_slot(bits: int, out_features: int, in_features: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One slot of random codes at random valid positions, packed (for timing and launch checks, where
+    random words would be invalid metadata)."""
+    dev = generator.device if generator is not None else "cpu"
+    kept = torch.randint(0, 1 << bits, (out_features, in_features // 2), generator=generator, device=dev)
+    return pack(kept, random_positions(out_features, in_features, generator), bits)

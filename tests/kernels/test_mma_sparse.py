@@ -13,24 +13,29 @@ from deltazip.kernels.scheme import DeltaScheme
 from deltazip.kernels.stacked import StackedDeltas, compact_for, repack
 
 
-def _positions(out_f: int, in_f: int, gen: torch.Generator) -> torch.Tensor:
-    """Random distinct ascending positions, two per group of four columns: ``[out, in / 2]``."""
-    pick = torch.rand(out_f, in_f // 4, 4, generator=gen).argsort(-1)[..., :2]
-    return pick.sort(-1).values.reshape(out_f, in_f // 2)
-
-
 @pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("out_f,in_f", [(64, 128), (100, 576), (130, 256), (64, 1000 - 1000 % 8)])
 def test_pack_unpack_round_trip_with_padding(bits, out_f, in_f):
     gen = torch.Generator().manual_seed(bits + in_f)
     kept = torch.randint(0, 1 << bits, (out_f, in_f // 2), generator=gen)
-    pos = _positions(out_f, in_f, gen)
+    pos = mma_sparse.random_positions(out_f, in_f, gen)
     words = mma_sparse.pack(kept, pos, bits)
     assert words.dtype == torch.int32 and words.numel() == mma_sparse.slot_words(out_f, in_f, bits)
     k2, p2 = mma_sparse.unpack(words, bits, out_f, in_f)
     assert torch.equal(k2, kept) and torch.equal(p2, pos)
     with pytest.raises(ValueError, match="compact 2:4 layout holds"):
         mma_sparse.pack(kept, pos, 2)
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_a_random_slot_holds_valid_metadata(bits):
+    """What the launch checks and the bench fill compact stacks with: every group of four columns has two
+    distinct ascending positions (equal ones are invalid metadata for the sparse MMA)."""
+    words = mma_sparse.random_slot(bits, 96, 320, torch.Generator().manual_seed(bits))
+    assert words.numel() == mma_sparse.slot_words(96, 320, bits)
+    kept, pos = mma_sparse.unpack(words, bits, 96, 320)
+    pairs = pos.reshape(96, -1, 2)
+    assert bool((pairs[..., 0] < pairs[..., 1]).all()) and int(pos.max()) <= 3 and int(kept.max()) < 1 << bits
 
 
 def _thread_pair(t: torch.Tensor, bits: int, warp: int, lane: int, rr: int, j: int) -> tuple[int, int]:
