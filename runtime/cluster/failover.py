@@ -254,6 +254,8 @@ class FailoverProxy:
             if events.tail:
                 yield events.tail
         except httpx.HTTPError as e:
+            if events.done:  # the whole answer went out; the connection broke after it
+                return
             self.pool.flights.count("stream_errors")
             self.pool.count_error("worker_failed")
             yield stream_error(f"server worker {o.worker.index} failed mid-stream ({type(e).__name__}); "

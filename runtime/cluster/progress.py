@@ -92,17 +92,22 @@ def closing_stream(body, on_close: Callable[[], Any], **kw):
 
 
 class SseEvents:
-    """Cuts relayed SSE bytes at event boundaries, so an error event never lands inside a half-sent one."""
+    """Cuts relayed SSE bytes at event boundaries, so an error event never lands inside a half-sent one;
+    ``done`` once the stream's ``[DONE]`` event went out (the answer is whole: an engine dying after it
+    must not add an error event and a second ``[DONE]``)."""
 
     def __init__(self):
         self.tail = b""
+        self.done = False
 
     def feed(self, chunk: bytes) -> bytes:
         """The complete events so far (the rest is kept for the next chunk)."""
         data = self.tail + chunk
         cut = data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0
         self.tail = data[cut:]
-        return data[:cut]
+        out = data[:cut]
+        self.done = self.done or b"data: [DONE]\n\n" in out
+        return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from deltazip.runtime.cluster.progress import (
     TAG_HEADER,
     EngineReports,
     Listeners,
+    SseEvents,
     after_death,
     closing_stream,
     stream_error,
@@ -422,13 +423,19 @@ class Ingress:
         event and ``[DONE]``."""
         from ray.exceptions import RayActorError
 
+        events = SseEvents()
         try:
             for chunk in chunks:
-                yield chunk
+                if out := events.feed(chunk):
+                    yield out
             async for item in gen:
-                if item[0] == "body":
-                    yield item[1]
+                if item[0] == "body" and (out := events.feed(item[1])):
+                    yield out
+            if events.tail:
+                yield events.tail
         except RayActorError as e:
+            if events.done:  # the whole answer went out; the replica died after it
+                return
             log.warning("an engine replica died while streaming an answer: %s", type(e).__name__)
             self.faults["stream_errors"] += 1
             yield stream_error("the engine replica serving this request died mid-stream; the answer is incomplete")
