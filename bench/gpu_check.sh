@@ -7,7 +7,8 @@
 #   STEPS="serve-all table-full" bash bench/gpu_check.sh   # the optional second call: uniform and azure-like
 #                                        # serving, the full kernel table (STEPS="humming": humming's MoE GEMM;
 #                                        # STEPS="preview compact lora": the preview paths' parity, the compact
-#                                        # 2:4 layout's table, grouped LoRA)
+#                                        # 2:4 layout's table, grouped LoRA; STEPS="preview options": the parity
+#                                        # and the small-batch table of the preview launch options)
 #
 # Steps, in order, each under its own time limit (seconds; the whole call stays within TOTAL_LIMIT, 480:
 # a step gets what is left when that is less, and a step left with under 15 s is skipped and named):
@@ -20,9 +21,11 @@
 #   tests      80  the gpu-marked tests and the CUDA kernel parity tests, at once, in parallel processes
 #   table      40  bench/sbmm_table.py --quick: the delta matmul table at 4096x4096 (the CUDA kernel, with the
 #                  Triton kernels where this checkout still has them)
-#   preview    90  (not in the first call: STEPS=preview) the parity tests of the kernel's preview paths
-#                  (kernels/preview.py: a padded last K tile, narrow, wide and split groups, 3-bit codes); the
-#                  first call's parity skips them
+#   preview   150  (not in the first call: STEPS=preview) the parity tests of the kernel's preview paths
+#                  (kernels/preview.py: a padded last K tile, narrow, wide and split groups, 3-bit codes, and the
+#                  launch options stream-k, pdl, evict-first); the first call's parity skips them
+#   options   120  (not in the first call: STEPS=options) bench/sbmm_options.py --quick: the preview launch
+#                  options at 1, 2 and 4 deltas, each after its layer's base GEMM, beside the validated launch
 #   compact    60  (not in the first call: STEPS=compact) bench/sbmm_table.py --quick --bits 4 --compact: the
 #                  4-bit points on the compact 2:4 layout (sparse-mma preview) beside the expanded one
 #   lora       40  (not in the first call: STEPS=lora) bench/lora.py: grouped LoRA's three paths in bf16
@@ -158,7 +161,8 @@ if want tests; then  # the gpu-marked tests and the kernel parity tests at once,
   [ -n "$DRY" ] && require=  # on CPU the gpu-marked tests skip: the dry run checks the step's plumbing
   run "gpu-marked tests and CUDA kernel parity" ${TESTS_LIMIT:-80} bash -c "
     $PY -m pytest -q -p no:cacheprovider ${xdist:+-n 8} -m gpu $require $TEST_PATHS \
-      --deselect tests/kernels/test_cuda_sbmm.py > '$SCRATCH/tests.log' 2>&1 & a=\$!
+      --deselect tests/kernels/test_cuda_sbmm.py --deselect tests/kernels/test_launch_options.py \
+      > '$SCRATCH/tests.log' 2>&1 & a=\$!
     $PY -m pytest -q -x -p no:cacheprovider ${xdist:+-n 4} ${DRY:+-m gpu} -k 'not preview' \
       tests/kernels/test_cuda_sbmm.py > '$SCRATCH/parity.log' 2>&1 & b=\$!
     wait \$a; ra=\$?; wait \$b; rb=\$?
@@ -177,8 +181,14 @@ if want preview; then  # the preview paths' GPU parity: what lets DELTAZIP_CUDA_
   xdist=$([ -z "$DRY" ] && $PY -c "import xdist" 2>/dev/null && echo yes)
   require=--require-gpu
   [ -n "$DRY" ] && require=
-  run "CUDA kernel preview-path parity" ${PREVIEW_LIMIT:-90} \
-    $PY -m pytest -q -p no:cacheprovider ${xdist:+-n 8} -m gpu -k preview $require tests/kernels/test_cuda_sbmm.py
+  run "CUDA kernel preview-path parity" ${PREVIEW_LIMIT:-150} \
+    $PY -m pytest -q -p no:cacheprovider ${xdist:+-n 8} -m gpu -k preview $require tests/kernels/test_cuda_sbmm.py \
+    tests/kernels/test_launch_options.py
+fi
+if want options; then  # the preview launch options beside the validated launch, at 1, 2 and 4 deltas
+  run "preview launch options table" ${OPTIONS_LIMIT:-120} \
+    $PY bench/sbmm_options.py --quick --out "$SCRATCH/options"
+  [ -f "$SCRATCH/options/sbmm_options.json" ] && cp "$SCRATCH/options/sbmm_options.json" "$OUT/sbmm_options.json"
 fi
 if want compact; then  # the compact 2:4 layout on the sparse tensor cores, beside the expanded layout
   run "compact 2:4 delta matmul table" ${COMPACT_LIMIT:-60} env DELTAZIP_CUDA_PREVIEW=sparse-mma \
@@ -208,6 +218,11 @@ if [ -f "$SCRATCH/table/table.md" ]; then
   note ""
   note "## Delta matmul (graph replay, µs per launch; bench/sbmm_table.py $TABLE_ARGS)"
   cat "$SCRATCH/table/table.md" >>"$SUM"
+fi
+if [ -f "$SCRATCH/options/options.md" ]; then
+  note ""
+  note "## Preview launch options at small batches (bench/sbmm_options.py --quick; µs per delta matmul after its base GEMM)"
+  cat "$SCRATCH/options/options.md" >>"$SUM"
 fi
 if [ -f "$SCRATCH/compact/table.md" ]; then
   note ""

@@ -221,11 +221,50 @@ class Kernel:
                 f"allowing {nbytes} B of shared memory for {self.name}")
             self.smem = nbytes
 
-    def __call__(self, grid: tuple[int, int, int], block: int, smem: int, stream: int, args: list) -> None:
-        """Launch on ``stream`` (a ``cudaStream_t`` as int; torch's ``current_stream().cuda_stream``)."""
+    def __call__(self, grid: tuple[int, int, int], block: int, smem: int, stream: int, args: list,
+                 pdl: bool = False) -> None:
+        """Launch on ``stream`` (a ``cudaStream_t`` as int; torch's ``current_stream().cuda_stream``);
+        ``pdl``: as a programmatic dependent launch (sm_90+; the kernel must ``griddepcontrol.wait``
+        before it reads what the previous kernel wrote)."""
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
-        _cu(driver().cuLaunchKernel(self.func, grid[0], grid[1], grid[2], block, 1, 1, smem,
-                                    ctypes.c_void_p(stream), params, None), f"launching {self.name}")
+        if pdl:
+            cfg = LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, smem, stream, _PDL_ATTR, 1)
+            rc = driver().cuLaunchKernelEx(ctypes.byref(cfg), self.func, params, None)
+        else:
+            rc = driver().cuLaunchKernel(self.func, grid[0], grid[1], grid[2], block, 1, 1, smem,
+                                         ctypes.c_void_p(stream), params, None)
+        _cu(rc, f"launching {self.name}")
+
+
+# cuLaunchKernelEx's arguments (cuda.h, CUDA 12+): tests/kernels/test_cuda_rtc.py checks these layouts and
+# the attribute's number against the header.
+LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union (8-byte aligned)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint64 * 8)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig``."""
+
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+def _pdl_attribute() -> ctypes.Array:
+    attr = (LaunchAttribute * 1)()
+    attr[0].id = LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr[0].value[0] = 1  # programmaticStreamSerializationAllowed (an int in the union's first bytes)
+    return attr
+
+
+_PDL_ARRAY = _pdl_attribute()
+_PDL_ATTR = ctypes.cast(_PDL_ARRAY, ctypes.POINTER(LaunchAttribute))
 
 
 _MODULES: dict[tuple, ctypes.c_void_p] = {}

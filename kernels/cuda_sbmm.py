@@ -9,7 +9,10 @@ per-device workspace whose counters every launch leaves at zero), so a CUDA grap
 Launch options (:class:`CudaConfig`): ``rb`` 64-row weight blocks per CTA (1 or 2: 4 or 8 warps),
 ``stages`` cp.async pipeline depth, ``split`` K splits reduced in the kernel, ``kt`` 128-column K tiles
 per pipeline stage, ``mt`` 16-row weight tiles per warp (2: half the warps, each activation fragment
-read from shared memory feeds two tiles). None of them changes the result beyond fp32 summation order.
+read from shared memory feeds two tiles); and three behind ``DELTAZIP_CUDA_PREVIEW`` (``kernels/preview.py``):
+``stream_k`` a persistent grid of one wave sharing the work evenly (:func:`stream_k_grid`), ``pdl`` a
+programmatic dependent launch (sm_90+), ``evict`` an L2 evict-first policy on the weight copies. None of
+them changes the result beyond fp32 summation order.
 
 Prefill-sized calls (many rows per slot) are better served by dequantizing each used slot once and
 calling cuBLAS: :func:`dequant_mm`, the second candidate the dispatcher measures.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 
 import torch
@@ -46,12 +49,17 @@ class CudaConfig:
     split: int = 1
     kt: int = 1
     mt: int = 1
+    stream_k: bool = False
+    pdl: bool = False
+    evict: bool = False
 
     def __post_init__(self):
         if (self.rb not in (1, 2) or not 2 <= self.stages <= 8 or self.split < 1 or self.kt not in (1, 2)
                 or self.mt not in (1, 2)):
             raise ValueError(f"CudaConfig {self}: rb in (1, 2), 2 <= stages <= 8, split >= 1, kt in (1, 2), "
                              "mt in (1, 2)")
+        if self.stream_k and self.split != 1:
+            raise ValueError(f"CudaConfig {self}: a stream-K launch cuts K itself; give split 1")
 
     @property
     def threads(self) -> int:
@@ -108,14 +116,17 @@ def macros(stack: StackedDeltas, dtype: torch.dtype, cfg: CudaConfig, device_ind
     ``KCOLS`` (only where ``in_features`` is not a multiple of 128) the columns past which the padded
     last K tile's activations are zero-filled; ``GDIV`` (only for groups of whole tiles that are not a
     power of two of them) that ``group_shift`` is a tile count to divide by; ``SP24`` (only for a compact
-    2:4 stack) the sparse MMA over kept codes and positions."""
+    2:4 stack) the sparse MMA over kept codes and positions; ``STREAMK``, ``PDL``, ``EVICT`` the preview launch
+    options of ``cfg``."""
     gk16, _ = group_params(stack)
     return {"BITS": stack.bits, "BF16": int(dtype == torch.bfloat16), "ASYM": int(stack.asymmetric),
             "GK16": gk16, "RB": cfg.rb, "STAGES": cfg.stages, "KT": cfg.kt, "MT": cfg.mt,
             "SMEM_SM": sm_limits(device_index)[1],
             **({"KCOLS": stack.in_features} if stack.in_features % 128 else {}),
             **({"GDIV": 1} if divided_groups(stack.scheme.group_size, stack.in_features) else {}),
-            **({"SP24": 1} if stack.compact else {})}
+            **({"SP24": 1} if stack.compact else {}),
+            **({"STREAMK": 1} if cfg.stream_k else {}), **({"PDL": 1} if cfg.pdl else {}),
+            **({"EVICT": 1} if cfg.evict else {})}
 
 
 @functools.cache
@@ -211,10 +222,50 @@ def available(device_index: int = 0) -> bool:
     return True
 
 
+@functools.cache
+def arch(device_index: int = 0) -> int:
+    """The GPU's compute capability as ``10 major + minor`` (90 when no GPU is there to ask: offline planning)."""
+    if not torch.cuda.is_available():
+        return 90
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return 10 * major + minor
+
+
 def fits(stack: StackedDeltas, cfg: CudaConfig, device_index: int) -> bool:
-    """Whether the pipeline's shared memory fits the device (checked before any launch)."""
+    """Whether the pipeline's shared memory fits the device and its options the GPU (programmatic
+    dependent launch: sm_90+), checked before any launch."""
     return (cfg.stages * stage_bytes(stack, cfg.rb, cfg.kt) + 1024 <= _smem_limit(device_index)
-            and kt_ok(stack, cfg.kt) and mt_ok(stack, cfg.mt))
+            and kt_ok(stack, cfg.kt) and mt_ok(stack, cfg.mt) and (not cfg.pdl or arch(device_index) >= 90))
+
+
+def stream_k_grid(units: int, stages: int, wave: int) -> tuple[int, int]:
+    """``(CTAs, parts)`` of a stream-K launch over ``units`` (row tile, block) units of ``stages`` K stages
+    each, on a device that runs ``wave`` CTAs at once: one CTA per resident slot (fewer when there are fewer
+    stages), each taking a contiguous run of ``units * stages // CTAs`` or one more stages (the kernel's
+    ``STREAMK`` loop); ``parts`` bounds the CTAs that share one unit (the workspace slices its partials
+    need): a unit's first stage may be the last of one CTA, and each further CTA brings at least the
+    shortest run."""
+    total = units * stages
+    ctas = max(1, min(wave, total))
+    shortest = max(1, total // ctas)
+    return ctas, min(ctas, stages, 1 + -(-(stages - 1) // shortest))
+
+
+def stream_k_parts(cta: int, ctas: int, units: int, stages: int) -> list[tuple[int, int, int, int, int]]:
+    """The work of stream-K CTA ``cta`` of ``ctas``, in order: ``(unit, first stage, end stage, part, parts)``
+    per unit it takes part in, by the kernel's own integer arithmetic (``dz_sbmm``'s ``STREAMK`` loop in
+    ``cuda/sbmm.cu``; tests/kernels/test_stream_k.py runs it against a dense product on CPU)."""
+    total = units * stages
+    s, e = cta * total // ctas, (cta + 1) * total // ctas
+    out = []
+    while s < e:
+        u = s // stages
+        k0 = s - u * stages
+        k1 = min(stages, k0 + (e - s))
+        first, last = ((u * stages + 1) * ctas - 1) // total, ((u + 1) * stages * ctas - 1) // total
+        out.append((u, k0, k1, cta - first, last - first + 1))
+        s += k1 - k0
+    return out
 
 
 def kt_ok(stack: StackedDeltas, kt: int) -> bool:
@@ -296,6 +347,7 @@ class Build:
         self.kernel.allow_smem(self.smem)
         self.per_split, self.split = effective_split(self.k_tiles, cfg)
         self.grid_x = -(-padded_rows(stack.out_features) // (64 * cfg.rb))
+        self.wave = sm_limits(dev)[0] * ctas_per_sm(stack, cfg, dev) if cfg.stream_k else 0
         zr = stack.zeros if stack.asymmetric else stack.scales
         c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
         self.weights = [ptr(stack.qweight.data_ptr()), c_ll(stack.qweight[0].numel()), ptr(stack.scales.data_ptr()),
@@ -314,15 +366,23 @@ class Build:
         if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
             x = x.contiguous()  # 16-byte copies of each row
         per_split, split = self.per_split, self.split
-        if split > 1 and split * n * out_f > MAX_WORKSPACE:  # a prefill-sized call has CTAs enough without
-            per_split, split = self.k_tiles, 1
+        if self.wave:  # stream-K: one wave of CTAs; `split` is the most CTAs that share one unit
+            units = self.grid_x * plan.num_tiles
+            ctas, split = stream_k_grid(units, self.k_tiles // self.cfg.kt, self.wave)
+            if units * self.k_tiles >= 1 << 31 or split * n * out_f > MAX_WORKSPACE:  # prefill-sized
+                return build_for(self.stack, self.dtype, replace(self.cfg, stream_k=False)).launch(x, y, plan, present, add)
+            grid = (ctas, 1, 1)
+        else:
+            if split > 1 and split * n * out_f > MAX_WORKSPACE:  # a prefill-sized call has CTAs enough without
+                per_split, split = self.k_tiles, 1
+            grid = (self.grid_x, plan.num_tiles, split)
         ws, counters = _WORKSPACE.get(self.device, split * n * out_f if split > 1 else 0, plan.num_tiles * self.grid_x)
         present = self.all_present if present is None else present
         c_int, ptr = ctypes.c_int, ctypes.c_void_p
         args = [ptr(x.data_ptr()), c_int(x.stride(0)), ptr(y.data_ptr()), c_int(y.stride(0)), ptr(plan.packed.data_ptr()),
                 c_int(n), c_int(plan.num_tiles), ptr(present.data_ptr()), *self.weights, c_int(per_split), c_int(int(add)), ptr(ws.data_ptr()), ptr(counters.data_ptr())]
-        self.kernel((self.grid_x, plan.num_tiles, split), self.cfg.threads, self.smem,
-                    torch.cuda.current_stream(self.device).cuda_stream, args)
+        self.kernel(grid, self.cfg.threads, self.smem, torch.cuda.current_stream(self.device).cuda_stream, args,
+                    pdl=self.cfg.pdl)
         return y
 
 
@@ -467,16 +527,21 @@ def _scratch(device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tens
     return t[:numel]
 
 
-def grid_ctas(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig) -> int:
-    """CTAs of a launch over ``num_tiles`` row tiles: 64-row blocks / ``rb`` x tiles x the splits it runs."""
-    _, split = effective_split(k_tiles(stack.in_features), cfg)
-    return -(-padded_rows(stack.out_features) // (64 * cfg.rb)) * num_tiles * split
+def grid_ctas(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig, device_index: int = 0) -> int:
+    """CTAs of a launch over ``num_tiles`` row tiles: 64-row blocks / ``rb`` x tiles x the splits it runs
+    (stream-K: one wave, :func:`stream_k_grid`)."""
+    blocks = -(-padded_rows(stack.out_features) // (64 * cfg.rb)) * num_tiles
+    if cfg.stream_k:
+        wave = sm_limits(device_index)[0] * ctas_per_sm(stack, cfg, device_index)
+        return stream_k_grid(blocks, k_tiles(stack.in_features) // cfg.kt, wave)[0]
+    return blocks * effective_split(k_tiles(stack.in_features), cfg)[1]
 
 
 def waves(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig, device_index: int = 0) -> float:
     """The grid of a launch over the CTAs the device runs at once (``sm_limits``, ``ctas_per_sm``): a wave
     count, whose fractional tail leaves SMs idle while the last wave runs."""
-    return grid_ctas(stack, num_tiles, cfg) / (sm_limits(device_index)[0] * ctas_per_sm(stack, cfg, device_index))
+    return grid_ctas(stack, num_tiles, cfg, device_index) / (sm_limits(device_index)[0]
+                                                            * ctas_per_sm(stack, cfg, device_index))
 
 
 def weight_stage_bytes(stack: StackedDeltas, rb: int, kt: int = 1) -> int:
@@ -491,7 +556,7 @@ def in_flight_bytes(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig, devic
     """Weight bytes one SM has requested and not yet received while a launch streams: its resident CTAs
     (those the grid gives it, at most :func:`ctas_per_sm`) times the ``stages - 1`` stages each keeps in
     flight. By Little's law an SM streams at most this over the memory latency."""
-    given = -(-grid_ctas(stack, num_tiles, cfg) // sm_limits(device_index)[0])  # CTAs the grid gives an SM
+    given = -(-grid_ctas(stack, num_tiles, cfg, device_index) // sm_limits(device_index)[0])  # CTAs given an SM
     resident = min(ctas_per_sm(stack, cfg, device_index), given)
     return resident * (cfg.stages - 1) * weight_stage_bytes(stack, cfg.rb, cfg.kt)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from deltazip.kernels import cuda_sbmm, mma_sparse
+from deltazip.kernels import cuda_sbmm, mma_sparse, preview
 from deltazip.kernels.row_plan import plan_rows, rows_bucket
 from deltazip.kernels.stacked import StackedDeltas
 
@@ -87,7 +87,8 @@ class Choice:
         cfg = None
         if d["path"] == "cuda":
             cfg = cuda_sbmm.CudaConfig(**{k: int(d[k]) for k in ("rb", "stages", "split", "kt")},
-                                       mt=int(d.get("mt", 1)))  # tables written before two-tile warps lack it
+                                       mt=int(d.get("mt", 1)),  # tables written before two-tile warps lack it
+                                       **{k: bool(d.get(k, False)) for k in ("stream_k", "pdl", "evict")})
         us = d.get("us")
         return cls(d["path"], cfg, float(us) if us is not None else None)
 
@@ -189,9 +190,14 @@ def changed() -> None:
 
 
 def lookup(stack: StackedDeltas, dtype: torch.dtype, rows: int, deltas: int) -> Choice | None:
+    """The measured choice of a key; None when untuned, tuning is off, or the choice uses a preview launch
+    option that is not switched on now (it was tuned with ``DELTAZIP_CUDA_PREVIEW`` naming it)."""
     if not enabled():
         return None
-    return table_for(stack.device).entries.get(key(stack, dtype, rows, deltas))
+    c = table_for(stack.device).entries.get(key(stack, dtype, rows, deltas))
+    if c is not None and c.config is not None and not preview.config_options(c.config) <= preview.launch_options():
+        return None
+    return c
 
 
 def default_choice(stack: StackedDeltas, rows: int, deltas: int) -> Choice:
@@ -204,9 +210,14 @@ def default_choice(stack: StackedDeltas, rows: int, deltas: int) -> Choice:
 SPLIT_WAVES = 8  # a K split is timed only while the split grid stays within this many CTAs per SM
 
 
-def candidates(stack: StackedDeltas, rows: int, deltas: int, sms: int | None = None) -> list[Choice]:
+def candidates(stack: StackedDeltas, rows: int, deltas: int, sms: int | None = None,
+               options: frozenset[str] | None = None) -> list[Choice]:
     """Every CUDA launch config worth timing for this key, and ``dequant_mm`` for batches of at least
     16 rows per slot.
+
+    ``options``: the preview launch options to time (``kernels/preview.py``; default: those switched on in
+    ``DELTAZIP_CUDA_PREVIEW``): ``stream-k`` adds a stream-K launch per ``rb`` and ``kt``; ``pdl`` (sm_90+)
+    and ``evict-first`` turn their option on in every CUDA candidate.
 
     For each ``rb`` and ``kt``: K splits 1, 2, 4 and 8; with ``sms`` (the device's SM count) those above 1
     only while the split grid has at most ``SPLIT_WAVES`` CTAs per SM (splitting exists to fill an
@@ -221,6 +232,7 @@ def candidates(stack: StackedDeltas, rows: int, deltas: int, sms: int | None = N
     d = min(deltas_bucket(deltas), stack.num_deltas, n)
     tiles = d * -(-(n // d) // 16)  # the probe spreads n rows evenly over d slots, 16-row tiles
     dev = (stack.device.index or 0) if stack.device.type == "cuda" else 0
+    options = preview.launch_options() if options is None else options
     out = []
     for kt in (1, 2):
         if not cuda_sbmm.kt_ok(stack, kt):
@@ -235,8 +247,13 @@ def candidates(stack: StackedDeltas, rows: int, deltas: int, sms: int | None = N
             out += [Choice("cuda", _config(rb, kt, sp)) for sp in splits]
             if sms is not None:
                 out += [Choice("cuda", c) for sp in splits if (c := _deeper(stack, tiles, rb, kt, sp, dev))]
+            if "stream-k" in options:
+                out.append(Choice("cuda", cuda_sbmm.CudaConfig(rb=rb, kt=kt, stream_k=True)))
     if n // d > 8 and cuda_sbmm.mt_ok(stack, 2):  # tiles of two n8 halves: their activation reads halve too
         out += [Choice("cuda", replace(c.config, mt=2)) for c in list(out) if c.config is not None]
+    flags = {"pdl": "pdl" in options and cuda_sbmm.arch(dev) >= 90, "evict": "evict-first" in options}
+    if any(flags.values()):
+        out = [Choice("cuda", replace(c.config, **flags)) if c.config is not None else c for c in out]
     if rows // max(1, min(deltas, rows)) >= 16:
         out.append(Choice("dequant_mm"))
     return out
@@ -474,10 +491,10 @@ def buckets(num_slots: int, rows: tuple[int, ...] = DECODE_ROWS + PREFILL_ROWS) 
 
 
 def precompile(stack: StackedDeltas, dtype: torch.dtype, pairs: list[tuple[int, int]], sms: int | None = None,
-               arch: int | None = None) -> int:
+               arch: int | None = None, options: frozenset[str] | None = None) -> int:
     """Compile, in parallel, every kernel build the candidates of these (rows, deltas) keys launch (and
     the dequantize kernel of ``dequant_mm``) before any is timed; returns how many were compiled now.
-    ``sms`` and ``arch`` default to the stack's GPU."""
+    ``sms`` and ``arch`` default to the stack's GPU; ``options`` as in :func:`candidates`."""
     if stack.device.type == "cuda":
         props = torch.cuda.get_device_properties(stack.device)
         sms, arch = sms or props.multi_processor_count, arch or 10 * props.major + props.minor
@@ -485,7 +502,7 @@ def precompile(stack: StackedDeltas, dtype: torch.dtype, pairs: list[tuple[int, 
         raise ValueError("precompile needs a CUDA stack or an explicit arch")
     from deltazip.kernels.cuda_rtc import precompile as compile_all
 
-    configs = {c.config for r, d in pairs for c in candidates(stack, r, d, sms) if c.config is not None}
+    configs = {c.config for r, d in pairs for c in candidates(stack, r, d, sms, options) if c.config is not None}
     configs.add(cuda_sbmm.CudaConfig(rb=1, stages=2, kt=1))  # dz_dequant's build (dequant_mm, agrees)
     dev = (stack.device.index or 0) if stack.device.type == "cuda" else 0
     sets = [cuda_sbmm.macros(stack, dtype, c, dev) for c in sorted(configs, key=lambda c: astuple(c))

@@ -26,7 +26,15 @@ FEATURES = {
                   "3 and 5 bits per weight instead of 3, 4 and 8) on the sparse tensor-core MMA (mma.sp)",
     "split-groups": "groups of a multiple of 16 columns that neither divide a tile nor are whole tiles (48, 96, "
                     "160, 192 columns): held as sub-groups of 16, 32 or 64 columns that repeat the group's scale",
+    # launch options: the tuner times them beside the validated launches and keeps them where they win
+    "stream-k": "a persistent grid of one wave of CTAs sharing the (row tile, block, K stage) work evenly, the "
+                "units it cuts summed by their last CTA: no wave tail, every SM busy for 1-4 deltas",
+    "pdl": "programmatic dependent launch (sm_90+): the kernel's CTAs start while the kernel before them ends "
+           "and wait on the device for its results (griddepcontrol), hiding the launch gap",
+    "evict-first": "the weight copies carry an L2 evict-first policy: codes read once per step do not push "
+                   "the activations and outputs that the next kernels read out of L2",
 }
+LAUNCH_OPTIONS = ("stream-k", "pdl", "evict-first")  # CudaConfig fields stream_k, pdl, evict
 
 
 def enabled(name: str) -> bool:
@@ -71,3 +79,13 @@ def used_by(stack) -> list[str]:
     if stack.layout != "mma":
         return []
     return list(needed(stack.bits, stack.scheme.group_size, stack.in_features)) + (["sparse-mma"] if stack.compact else [])
+
+
+def launch_options() -> frozenset[str]:
+    """The launch-option previews (:data:`LAUNCH_OPTIONS`) switched on in the environment."""
+    return frozenset(n for n in LAUNCH_OPTIONS if enabled(n))
+
+
+def config_options(cfg) -> frozenset[str]:
+    """The launch-option previews a ``CudaConfig`` uses."""
+    return frozenset(n for n, on in zip(LAUNCH_OPTIONS, (cfg.stream_k, cfg.pdl, cfg.evict)) if on)

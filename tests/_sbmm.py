@@ -1,4 +1,4 @@
-"""Shared helpers of the SBMM kernel tests (tests/kernels/test_sbmm.py, test_fast.py).
+"""Shared helpers of the SBMM kernel tests (tests/kernels/).
 
 Tolerance (``assert_matches``): the reference computes in fp32 and rounds once to ``x.dtype``. The
 kernels feed integer codes (exact in fp16/bf16) to the tensor core and apply the fp32 scale
@@ -64,3 +64,34 @@ def random_index(n, num_slots, gen, unused=(), minus_one=0.2):
     index = pool[torch.randint(0, len(pool), (n,), generator=gen)]
     index[torch.rand(n, generator=gen) < minus_one] = -1
     return index
+
+
+def offline_tools():
+    """``(cuda_rtc, cuda_sass)`` for a test that compiles and disassembles kernel builds without a GPU;
+    skips it where NVRTC or the SASS tools are not installed."""
+    import pytest
+
+    from deltazip.kernels import cuda_rtc, cuda_sass
+
+    try:
+        cuda_rtc.nvrtc()
+    except cuda_rtc.CudaCompileError as e:
+        pytest.skip(str(e))
+    if cuda_sass.tools_available():
+        pytest.skip(cuda_sass.tools_available())
+    return cuda_rtc, cuda_sass
+
+
+def graph_case():
+    """A small split-K case for graph-replay tests on a GPU: ``(deltas, stack, x, plan, ref)``: 3 deltas of
+    256 x 1024, six rows over them (one of no slot), fp16."""
+    from deltazip.kernels import reference
+    from deltazip.kernels.row_plan import plan_rows
+    from deltazip.kernels.stacked import repack
+
+    gen = torch.Generator().manual_seed(3)
+    deltas = [make_delta(256, 1024, 4, 128, True, False, gen) for _ in range(3)]
+    stack = repack(deltas, device="cuda", layout="mma")
+    rows = [0, 1, 2, 2, 1, -1]
+    x = torch.randn(len(rows), 1024, generator=gen).half().cuda()
+    return deltas, stack, x, plan_rows(rows, 3, "cuda"), reference.sbmm(x, torch.tensor(rows).cuda(), deltas)

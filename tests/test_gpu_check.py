@@ -57,26 +57,32 @@ def test_the_dry_run_runs_every_step_and_keeps_at_most_8_files(tmp_path):
 
 
 def test_the_second_call_steps_run_the_preview_parity_the_compact_table_and_the_lora_bench(tmp_path):
-    """``STEPS="preview compact lora"``: the GPU parity of the kernel's preview paths, which the first call's
-    parity run leaves out (on CPU every selected test skips, none is missing), the compact 2:4 table (which
-    needs a GPU: on CPU it says so) and bench/lora.py's JSON."""
+    """``STEPS="preview compact lora options"``: the GPU parity of the kernel's preview paths and launch
+    options, which the first call's parity run leaves out (on CPU every selected test skips, none is
+    missing), the compact 2:4 table and the launch options' table (which need a GPU: on CPU they say so)
+    and bench/lora.py's JSON."""
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PY": sys.executable, "SCRATCH": str(tmp_path / "scratch"),
-           "STEPS": "preview compact lora"}
+           "STEPS": "preview compact lora options"}
     got = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], env=env, capture_output=True,
                          text=True, timeout=300)
     assert got.returncode == 0, got.stderr[-3000:]
     line = next(ln for ln in (out / "summary.md").read_text().splitlines() if ln.startswith("- CUDA kernel preview"))
     listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                             "-k", "preview", str(ROOT / "tests" / "kernels" / "test_cuda_sbmm.py")],
+                             "-k", "preview", str(ROOT / "tests" / "kernels" / "test_cuda_sbmm.py"),
+                             str(ROOT / "tests" / "kernels" / "test_launch_options.py")],
                             capture_output=True, text=True, timeout=300, cwd=ROOT).stdout
     selected = sum("::test_preview_paths_match" in ln or "::test_sparse_mma_preview_matches" in ln
-                   for ln in listed.splitlines())
-    assert selected >= 72 + 24 and ": exit 0 " in line and f"({selected} skipped" in line and "passed" not in line, line
+                   or "::test_launch_option_preview" in ln for ln in listed.splitlines())
+    assert selected >= 72 + 24 + 48 + 4 + 4 and ": exit 0 " in line and f"({selected} skipped" in line, line
+    assert "passed" not in line, line
     summary = (out / "summary.md").read_text()
     compact = next(ln for ln in summary.splitlines() if ln.startswith("- compact 2:4 delta matmul table"))
     assert "needs a CUDA GPU" in compact, compact
     assert "sbmm_table.py --quick --bits 4 --compact" in (out / "commands.sh").read_text()
+    options = next(ln for ln in summary.splitlines() if ln.startswith("- preview launch options table"))
+    assert "needs a CUDA GPU" in options, options
+    assert "sbmm_options.py --quick" in (out / "commands.sh").read_text()
     lora = json.loads((out / "lora.json").read_text())
     assert lora["bench"] == "lora" and [r["rows"] for r in lora["results"]] == [1, 32]
     assert all(r["chosen"] in ("loop", "stacked", "grouped") for r in lora["results"])

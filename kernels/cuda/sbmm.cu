@@ -21,6 +21,14 @@
 //   SP24    (only for the compact 2:4 layout, deltazip/kernels/mma_sparse.py; 3, 4 and 8 bits, groups of 32
 //           columns or more) the two kept codes of every four columns and their positions: the sparse MMA
 //           (mma.sp m16n8k32) multiplies them, reading bits / 2 + 1 bits per weight instead of bits
+//   STREAMK (the stream-k preview) one wave of persistent CTAs shares the (row tile, 64-row block, K stage)
+//           work evenly: each CTA takes a contiguous run of stages, which may cut units anywhere; a unit
+//           cut between CTAs is summed through the split-K workspace by its last CTA to finish
+//   PDL     (the pdl preview, sm_90+) launched as a programmatic dependent: the CTAs are resident and
+//           wait in griddepcontrol.wait for the previous kernel's results, so the launch and the CTAs'
+//           start overlap that kernel's tail; the kernel lets its own dependents launch at once
+//   EVICT   (the evict-first preview) the weight copies carry an L2 evict-first policy: the codes are read
+//           once per step, and the activations and outputs that other kernels read next stay in L2
 // No CUDA header is included (NVRTC needs none): every fp16/bf16 operation is inline PTX.
 //
 // Why it is shaped like this (docs/kernels.md has the measurements):
@@ -133,6 +141,19 @@ __device__ __forceinline__ void cp16(u32 dst, const void* src, int bytes) {
   // bytes 0 zero-fills the 16 destination bytes (rows past the tile's end, blocks past the matrix)
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
+#ifndef EVICT
+#define EVICT 0
+#endif
+#if EVICT
+// The weights' copies: cp16 with an L2 evict-first cache policy (policy: createpolicy's 64-bit value).
+__device__ __forceinline__ void cp16_hint(u32 dst, const void* src, int bytes, unsigned long long policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src), "r"(bytes),
+               "l"(policy));
+}
+#define CP16W(dst, src, bytes) cp16_hint(dst, src, bytes, wpolicy)
+#else
+#define CP16W(dst, src, bytes) cp16(dst, src, bytes)
+#endif
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -308,19 +329,66 @@ __device__ __forceinline__ void flush(float (*acc)[4], float (*cg)[4], u32 addr)
 //   plan int32: perm[n_rows] ++ tile_slot[n_tiles] ++ tile_start[n_tiles] ++ tile_end[n_tiles];
 //   present uint8 [num_slots + 1] indexed by slot + 1 (0: the stack holds nothing for that slot);
 //   qw int32 [D, slot_words]; scales, zeros fp16 [D, G, outp] (slot stride slot_sz);
-//   ws fp32 [splits, n_rows, out_f] (split K only) and counters int32 [n_tiles * gridDim.x], zero on
-//   entry and on exit (the last CTA of each tile resets its counter).
-// Grid: (ceil(outp / (64 * RB)), n_tiles, splits); each split covers tiles_per_split K tiles.
-extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
-    const u16* __restrict__ x, int sx, u16* __restrict__ y, int sy, const int* __restrict__ plan,
-    int n_rows, int n_tiles, const unsigned char* __restrict__ present, const u32* __restrict__ qw,
-    i64 slot_words, const u16* __restrict__ scales, const u16* __restrict__ zeros, i64 slot_sz,
-    int out_f, int outp, int k_tiles, int group_shift, int tiles_per_split, int acc_into,
-    float* __restrict__ ws, int* __restrict__ counters) {
+//   ws fp32 [parts, n_rows, out_f] (K cut between CTAs only) and counters int32 [n_tiles * grid_x], zero
+//   on entry and on exit (the last CTA of each unit resets its counter).
+#ifndef PDL
+#define PDL 0
+#endif
+#ifndef STREAMK
+#define STREAMK 0
+#endif
+#if PDL
+// Everything the kernel reads may come from the kernel before it: it waits for that one first. The
+// kernels after it wait the same way, so they may launch now and sit resident until this one ends.
+#define PDL_WAIT()                                             \
+  do {                                                         \
+    asm volatile("griddepcontrol.wait;" ::: "memory");         \
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); \
+  } while (0)
+#endif
+#define SBMM_ARGS                                                                                            \
+  const u16 *__restrict__ x, int sx, u16 *__restrict__ y, int sy, const int *__restrict__ plan, int n_rows,  \
+      int n_tiles, const unsigned char *__restrict__ present, const u32 *__restrict__ qw, i64 slot_words,   \
+      const u16 *__restrict__ scales, const u16 *__restrict__ zeros, i64 slot_sz, int out_f, int outp,      \
+      int k_tiles, int group_shift
+#define SBMM_PASS x, sx, y, sy, plan, n_rows, n_tiles, present, qw, slot_words, scales, zeros, slot_sz, out_f, outp, \
+                  k_tiles, group_shift
+
+#if STREAMK
+// One unit of work of a stream-K CTA: K tiles kt0 .. kt1 - 1 of the 64-row blocks RB bx .. RB bx + RB - 1 of
+// row tile `tile`, part `part` of the `parts` that cover the unit's K tiles (their partials summed by the
+// last to finish; parts 1: the output written at once); grid_x: blocks of RB 64-row blocks per row tile.
+// (The classic build below is the same body as the kernel itself, indexed by the CTA's position: written
+// once, it compiles to the validated kernel's exact SASS.)
+__device__ __forceinline__ void sbmm_unit(SBMM_ARGS, int acc_into, float* __restrict__ ws, int* __restrict__ counters,
+                                          int bx, int tile_, int kt0_, int kt1_, int part_, int parts_, int grid_x) {
+#define UNIT_TILE tile_
+#define UNIT_BX bx
+#define UNIT_KT0 kt0_
+#define UNIT_KT1 kt1_
+#define UNIT_PART part_
+#define UNIT_PARTS parts_
+#define UNIT_GRID_X grid_x
+#else
+// Grid: (grid_x = ceil(outp / (64 RB)), n_tiles, splits); split z covers K tiles z tiles_per_split ..
+// (z + 1) tiles_per_split - 1.
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(SBMM_ARGS, int tiles_per_split, int acc_into,
+                                                                        float* __restrict__ ws, int* __restrict__ counters) {
+#if PDL
+  PDL_WAIT();
+#endif
+#define UNIT_TILE blockIdx.y
+#define UNIT_BX blockIdx.x
+#define UNIT_KT0 blockIdx.z * tiles_per_split
+#define UNIT_KT1 imin(k_tiles, kt0 + tiles_per_split)
+#define UNIT_PART blockIdx.z
+#define UNIT_PARTS (int)gridDim.z
+#define UNIT_GRID_X gridDim.x
+#endif
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int xrow[BM];
   __shared__ int last;
-  const int tile = blockIdx.y, tid = threadIdx.x;
+  const int tile = UNIT_TILE, tid = threadIdx.x;
   // The tile's slot, first row and row count are read together, then whether the stack holds the slot
   // and the tile's row indices, together: two dependent global reads before the weights stream, where
   // reading each after the other took four (each an L2 or DRAM round trip at the start of every CTA).
@@ -334,9 +402,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   if (!present[slot + 1]) return;
   const int lane = tid & 31, warp = tid >> 5;
   const int rb = (warp * MT) >> 2, wi = (warp * MT) & 3;  // the warp's block and first 16-row tile in it
-  const int nb0 = blockIdx.x * RB, nblocks = outp >> 6;
+  const int nb0 = UNIT_BX * RB, nblocks = outp >> 6;
   const bool active = nb0 + rb < nblocks;
-  const int kt0 = blockIdx.z * tiles_per_split, kt1 = imin(k_tiles, kt0 + tiles_per_split);
+  const int kt0 = UNIT_KT0, kt1 = UNIT_KT1;
 #ifdef GDIV
 #define TILE_GROUP(t) ((t) / group_shift)                   // group_shift: tiles per group
 #define GROUP_ENDS(t) (((t) + 1) % group_shift == 0)
@@ -368,20 +436,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   const i64 s_off = s_ok ? slot * slot_sz + (i64)(nb0 + s_r) * 64 + s_p * 8 + (GK16 < 8 ? (i64)s_g * outp : 0) : 0;
   const u32 s_dst = W_BYTES + (((s_r * KT + s_u) * SG + s_g) * 64 + s_p * 8) * 2;
   const u32 sbase = smem_u32(smem), send = sbase + STAGES * STAGE_BYTES;
+#if EVICT
+  unsigned long long wpolicy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(wpolicy));
+#endif
   auto load_w = [&](int kt, u32 st) {  // codes and scales of K tiles kt .. kt + KT - 1 into stage `st`
 #pragma unroll
     for (int j = 0; j < WP; ++j) {
       const bool ok = (wok >> j) & 1u;
       // (a piece past the stage's weights, only at 3 bits, is not copied: its bytes are the scales')
       if (WP * NTHREADS == WTOTAL || tid + j * NTHREADS < WTOTAL)
-        cp16(st + 16 * (tid + j * NTHREADS), ok ? wbase + woff[j] + (u32)(kt - kt0) * TILE_WORDS : qw, ok ? 16 : 0);
+        CP16W(st + 16 * (tid + j * NTHREADS), ok ? wbase + woff[j] + (u32)(kt - kt0) * TILE_WORDS : qw, ok ? 16 : 0);
     }
     if (sload) {
       const int t = kt + s_u;
       const i64 off = s_off + (GK16 < 8 ? (i64)t * SG * outp : (i64)TILE_GROUP(t) * outp);
-      cp16(st + s_dst, s_ok ? (const void*)(scales + off) : (const void*)scales, s_ok ? 16 : 0);
+      CP16W(st + s_dst, s_ok ? (const void*)(scales + off) : (const void*)scales, s_ok ? 16 : 0);
 #if ASYM
-      cp16(st + s_dst + S_HALVES * 2, s_ok ? (const void*)(zeros + off) : (const void*)zeros, s_ok ? 16 : 0);
+      CP16W(st + s_dst + S_HALVES * 2, s_ok ? (const void*)(zeros + off) : (const void*)zeros, s_ok ? 16 : 0);
 #endif
     }
   };
@@ -619,7 +691,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
 
   // Epilogue: c0, c1 are weight row `row` (+ 16 mt) for activation rows 8t + 2q + {0, 1}; c2, c3 row + 8.
   const int mrow = (nb0 + rb) * 64 + row, q2 = 2 * (lane & 3);
-  if (gridDim.z == 1) {
+  if (UNIT_PARTS == 1) {
     if (!active) return;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -648,17 +720,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
         for (int c = 0; c < 4; ++c) {
           const int n = 8 * t + q2 + (c & 1), m = mrow + 16 * mt + 8 * (c >> 1);
           if (n < cnt && m < out_f)
-            asm volatile("st.global.cg.f32 [%0], %1;" ::"l"(ws + blockIdx.z * slice + (i64)xrow[n] * out_f + m),
+            asm volatile("st.global.cg.f32 [%0], %1;" ::"l"(ws + UNIT_PART * slice + (i64)xrow[n] * out_f + m),
                          "f"(acc[mt][t][c]) : "memory");
         }
   }
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
   __syncthreads();
-  int* counter = counters + tile * gridDim.x + blockIdx.x;
+  int* counter = counters + tile * UNIT_GRID_X + UNIT_BX;
   if (tid == 0) {
     int prev;
     asm volatile("atom.global.acq_rel.gpu.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(counter) : "memory");
-    last = prev == (int)gridDim.z - 1;
+    last = prev == UNIT_PARTS - 1;
   }
   __syncthreads();
   if (!last) return;
@@ -674,7 +746,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
           if (n < cnt && m < out_f) {
             const float* wp = ws + (i64)xrow[n] * out_f + m;
             float v = 0.f;
-            for (int z = 0; z < (int)gridDim.z; ++z) {
+            for (int z = 0; z < UNIT_PARTS; ++z) {
               float part;
               asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(part) : "l"(wp + z * slice) : "memory");
               v += part;
@@ -686,6 +758,32 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(
   }
   if (tid == 0) *counter = 0;
 }
+
+#if STREAMK
+// Grid: (the CTAs of one wave, 1, 1); tiles_per_split is not read.
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(SBMM_ARGS, int tiles_per_split, int acc_into,
+                                                                        float* __restrict__ ws, int* __restrict__ counters) {
+#if PDL
+  PDL_WAIT();
+#endif
+  // The units (row tile, block) in tile-major order, each of ks stages of KT K tiles: CTA c takes stages
+  // [c T / C, (c + 1) T / C) of the T in all, so every CTA streams the same number of weight bytes, give or
+  // take one stage. Stage i belongs to CTA ((i + 1) C - 1) / T: a unit's parts are the CTAs from that
+  // of its first stage to that of its last, numbered from 0 in that order (kernels/cuda_sbmm.py,
+  // stream_k_parts, mirrors this).
+  const int grid_x = ((outp >> 6) + RB - 1) / RB, ks = k_tiles / KT, ctas = gridDim.x, c = blockIdx.x;
+  const int total = grid_x * n_tiles * ks;  // < 2^31 (the host checks); its products with ctas are not
+  const int e = (int)((i64)(c + 1) * total / ctas);
+  for (int s = (int)((i64)c * total / ctas); s < e;) {
+    const int u = s / ks, k0 = s - u * ks, k1 = imin(ks, k0 + (e - s));
+    const int first = (int)((((i64)u * ks + 1) * ctas - 1) / total), lastc = (int)(((i64)(u + 1) * ks * ctas - 1) / total);
+    sbmm_unit(SBMM_PASS, acc_into, ws, counters, u % grid_x, u / grid_x, k0 * KT, k1 * KT, c - first, lastc - first + 1,
+              grid_x);
+    s += k1 - k0;
+    __syncthreads();  // the next unit's prologue writes the stages and row ids this one read
+  }
+}
+#endif
 
 // The scale and zero point of scale-table entry gp (group, row of a slot).
 __device__ __forceinline__ void scale_zero(const u16* __restrict__ scales, const u16* __restrict__ zeros, i64 gp,

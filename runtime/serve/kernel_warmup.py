@@ -92,9 +92,10 @@ def reference_lines(model) -> list[str]:
     or on a preview kernel path (``deltazip.kernels.preview``: not yet validated on a GPU)."""
     if model.device.type != "cuda" or model.delta_compute != "packed":
         return []
-    lines = {}
+    lines, on_cuda = {}, False
     for st in served_stacks(model):
         launch = dispatch.prepare(st, model.dtype)
+        on_cuda |= launch.path == "cuda"
         if launch.path == "reference":
             s = st.scheme
             what = (f"{s.bits}-bit {'2:4' if s.sparse else 'dense'} groups of {st.effective_group} "
@@ -105,6 +106,10 @@ def reference_lines(model) -> list[str]:
             what = f"[{st.out_features}x{st.in_features}]"
             lines[what] = (f"delta matmul: {what} runs on the CUDA kernel's preview path {', '.join(used)} "
                            f"({preview.ENV}; not yet validated by the parity tests on a GPU)")
+    if on_cuda and (options := preview.launch_options()):
+        lines["launch options"] = (f"delta matmul: the tuner also times the CUDA kernel's preview launch options "
+                                   f"{', '.join(sorted(options))} ({preview.ENV}; not yet validated by the parity "
+                                   "tests on a GPU)")
     return list(lines.values())
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _sbmm import make_delta, random_index
+from _sbmm import graph_case, make_delta, random_index
 
 from deltazip.kernels import cuda_sbmm, reference
 from deltazip.kernels.row_plan import plan_rows
@@ -288,15 +288,9 @@ def test_uneven_k_splits_match_the_reference(dtype, asym, group):
 @pytest.mark.gpu
 @cuda
 def test_split_k_resets_its_counters_is_deterministic_and_replays_in_a_graph():
-    gen = torch.Generator().manual_seed(3)
-    deltas = [make_delta(256, 1024, 4, 128, True, False, gen) for _ in range(3)]
-    stack = repack(deltas, device="cuda", layout="mma")
-    rows = [0, 1, 2, 2, 1, -1]
-    x = torch.randn(len(rows), 1024, generator=gen).half().cuda()
-    plan = plan_rows(rows, 3, "cuda")
-    ref = reference.sbmm(x, torch.tensor(rows).cuda(), deltas)
+    _, stack, x, plan, ref = graph_case()
     cfg = cuda_sbmm.CudaConfig(2, 4, 4)
-    y = torch.zeros(len(rows), 256, dtype=torch.float16, device="cuda")
+    y = torch.zeros(x.shape[0], 256, dtype=torch.float16, device="cuda")
     cuda_sbmm.sbmm_cuda(x, stack, plan, out=y, config=cfg)  # compile and warm up outside the capture
     counters = cuda_sbmm._WORKSPACE.counters[0]
     torch.cuda.synchronize()

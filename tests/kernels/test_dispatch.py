@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from _sbmm import make_delta
+from _sbmm import make_delta, offline_tools
 
 from deltazip.compress.config import AUTO_GROUPS
 from deltazip.kernels import cuda_sbmm, dispatch, dispatch_table, mma_layout, reference
@@ -121,14 +121,7 @@ def test_a_covered_scheme_packs_into_the_kernel_layout_exactly(bits, group, spar
 def _default_builds(in_sizes, keep) -> list[dict]:
     """The default-config kernel macros of every covered scheme and dtype over ``in_sizes`` for which
     ``keep(scheme, in_features)`` holds, one per distinct build; skips without NVRTC or the SASS tools."""
-    from deltazip.kernels import cuda_rtc, cuda_sass
-
-    try:
-        cuda_rtc.nvrtc()
-    except cuda_rtc.CudaCompileError as e:
-        pytest.skip(str(e))
-    if cuda_sass.tools_available():
-        pytest.skip(cuda_sass.tools_available())
+    offline_tools()
     sets = {}
     for s in SCHEMES:
         for in_f in in_sizes:
