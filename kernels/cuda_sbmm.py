@@ -251,23 +251,6 @@ def stream_k_grid(units: int, stages: int, wave: int) -> tuple[int, int]:
     return ctas, min(ctas, stages, 1 + -(-(stages - 1) // shortest))
 
 
-def stream_k_parts(cta: int, ctas: int, units: int, stages: int) -> list[tuple[int, int, int, int, int]]:
-    """The work of stream-K CTA ``cta`` of ``ctas``, in order: ``(unit, first stage, end stage, part, parts)``
-    per unit it takes part in, by the kernel's own integer arithmetic (``dz_sbmm``'s ``STREAMK`` loop in
-    ``cuda/sbmm.cu``; tests/kernels/test_stream_k.py runs it against a dense product on CPU)."""
-    total = units * stages
-    s, e = cta * total // ctas, (cta + 1) * total // ctas
-    out = []
-    while s < e:
-        u = s // stages
-        k0 = s - u * stages
-        k1 = min(stages, k0 + (e - s))
-        first, last = ((u * stages + 1) * ctas - 1) // total, ((u + 1) * stages * ctas - 1) // total
-        out.append((u, k0, k1, cta - first, last - first + 1))
-        s += k1 - k0
-    return out
-
-
 def kt_ok(stack: StackedDeltas, kt: int) -> bool:
     """Two K tiles per stage: at 2 and 4 bits, groups of whole tiles, an even number of tiles (8-bit
     codes and narrower groups would spill registers)."""

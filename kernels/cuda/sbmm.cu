@@ -769,8 +769,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS) dz_sbmm(SBMM_AR
   // The units (row tile, block) in tile-major order, each of ks stages of KT K tiles: CTA c takes stages
   // [c T / C, (c + 1) T / C) of the T in all, so every CTA streams the same number of weight bytes, give or
   // take one stage. Stage i belongs to CTA ((i + 1) C - 1) / T: a unit's parts are the CTAs from that
-  // of its first stage to that of its last, numbered from 0 in that order (kernels/cuda_sbmm.py,
-  // stream_k_parts, mirrors this).
+  // of its first stage to that of its last, numbered from 0 in that order (tests/kernels/test_launch_options.py
+  // runs this arithmetic, transcribed, and the reduction on CPU).
   const int grid_x = ((outp >> 6) + RB - 1) / RB, ks = k_tiles / KT, ctas = gridDim.x, c = blockIdx.x;
   const int total = grid_x * n_tiles * ks;  // < 2^31 (the host checks); its products with ctas are not
   const int e = (int)((i64)(c + 1) * total / ctas);

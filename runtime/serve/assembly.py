@@ -101,7 +101,7 @@ class ServeConfig:
     workers: int = 1  # >1: engine processes sharing one weight owner (deltazip.runtime.cluster.workers)
     tensor_parallel: int = 1  # >1: each layer sharded over that many processes (deltazip.runtime.cluster)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get 413
-    tuner: Any = None  # the delta-matmul tuner (deltazip.kernels.tuner.Tuner); default: one per model
+    tuner: Any = None  # the delta-matmul tuner (deltazip.runtime.serve.kernel_tuner.Tuner); default: one per model
     # Engine knobs without a CLI option (tests and benches turn them): see EngineConfig.
     chunked_prefill: bool = True
     kv_block_size: int = DEFAULT_BLOCK_SIZE

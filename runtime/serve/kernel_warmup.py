@@ -2,7 +2,7 @@
 
 The stacks the served variants' packed tensors go into are allocated (and their launches prepared,
 ``deltazip.kernels.dispatch.prepare``) when the model is built; :func:`served_stacks` lists them, read
-from the manifests. The model's tuner (``deltazip.kernels.tuner.Tuner``) measures the dispatcher's
+from the manifests. The model's tuner (``deltazip.runtime.serve.kernel_tuner.Tuner``) measures the dispatcher's
 choices:
 
 - at start-up (:class:`Startup`, on its own thread while the server already answers ``/health`` with 503
@@ -23,7 +23,7 @@ import time
 
 from deltazip.kernels import dispatch, dispatch_table, preview
 from deltazip.kernels.stacked import StackedDeltas
-from deltazip.kernels.tuner import Job, first_pairs
+from deltazip.runtime.serve.kernel_tuner import Job, first_pairs
 
 log = logging.getLogger("deltazip.serve")
 

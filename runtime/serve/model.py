@@ -41,7 +41,6 @@ from deltazip.formats.artifact import Artifact
 from deltazip.formats.errors import ArtifactError, InputError
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
-from deltazip.kernels.tuner import Tuner
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import resolve_dtype
 from deltazip.models.loader import load_causal_lm
@@ -55,6 +54,7 @@ from deltazip.runtime.serve.delta_linear import (
     is_linear,
     rms_norm_style,
 )
+from deltazip.runtime.serve.kernel_tuner import Tuner
 from deltazip.runtime.serve.kernel_warmup import tune_new_keys
 from deltazip.runtime.serve.model_runner import left_pad, new_kv_pool, new_seq_kv, run_model, step_args
 from deltazip.runtime.serve.param_names import module_names

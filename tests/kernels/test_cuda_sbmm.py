@@ -41,8 +41,9 @@ def _configs_over_budget(stacks, dtype=torch.bfloat16) -> tuple[int, list]:
     """Every launch config the tuner can time (``rb``, ``kt``, 4/6/8 stages, ``mt``) that fits each stack,
     compiled for sm_90: ``(builds checked, those with local memory or registers x threads x ctas_per_sm
     over the SM's register file)``."""
+    import _sass as sass
+
     from deltazip.kernels import cuda_rtc as rtc
-    from deltazip.kernels import cuda_sass as sass
 
     over, checked = [], 0
     for stack in stacks:
@@ -68,7 +69,7 @@ def test_every_variant_compiles_offline_to_a_streaming_loop(bits, dtype, asym, g
     each of the 8 k16 steps after x4 ldmatrix (tiles of more than 8 rows), and one after x2 (8 rows or
     fewer, most decode tiles: half the activation reads)."""
     rtc = _nvrtc_or_skip()
-    from deltazip.kernels import cuda_sass as sass
+    import _sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
@@ -96,7 +97,7 @@ def test_deep_pipelines_compile_to_the_same_loop_within_their_register_budget(bi
     the compiler may use more registers than at 4 stages). Register counts: the NVRTC constraints.txt
     pins (13.0.88)."""
     rtc = _nvrtc_or_skip()
-    from deltazip.kernels import cuda_sass as sass
+    import _sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
@@ -121,7 +122,7 @@ def test_two_tiles_per_warp_compile_to_a_loop_that_shares_each_activation_read(b
     tiles of 8 rows or fewer), the same copies and single barrier, no spills, and registers within
     what the CTAs per SM of ``cuda_sbmm.ctas_per_sm`` need."""
     rtc = _nvrtc_or_skip()
-    from deltazip.kernels import cuda_sass as sass
+    import _sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
@@ -150,7 +151,7 @@ def test_every_launch_config_the_tuner_times_fits_the_occupancy_the_model_assume
     constraints.txt pins (nvidia-cuda-nvrtc 13.0.88; the GPU runs had CUDA 13.0); another
     NVRTC version is checked by running this test with it."""
     _nvrtc_or_skip()
-    from deltazip.kernels import cuda_sass as sass
+    import _sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
@@ -175,7 +176,7 @@ def test_the_prologue_reads_the_plan_in_two_rounds_and_streams_weights_before_it
     stack holds the slot and the tile's rows (two dependent rounds of global reads; the first H100 build
     chained four), and the first stages' weight copies go out before the barrier that shares the rows."""
     rtc = _nvrtc_or_skip()
-    from deltazip.kernels import cuda_sass as sass
+    import _sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
@@ -419,7 +420,7 @@ def test_preview_builds_compile_offline_to_the_same_streaming_loop(preview_on, b
     ldmatrix of a full tile, no local memory, registers within what ``ctas_per_sm`` counts on; the
     dense-dequantize kernel builds too."""
     rtc = _nvrtc_or_skip()
-    from deltazip.kernels import cuda_sass as sass
+    import _sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
@@ -450,7 +451,7 @@ def test_every_launch_config_of_the_preview_builds_fits_the_occupancy_the_model_
     which spilled where zero points did not) and 3-bit codes: every config the tuner can time compiles
     with no local memory and within the register file at ``ctas_per_sm``."""
     _nvrtc_or_skip()
-    from deltazip.kernels import cuda_sass as sass
+    import _sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
@@ -544,7 +545,7 @@ def test_sparse_mma_preview_builds_compile_offline_to_the_streaming_loop(all_pre
     (HMMA.SP, m16n8k32) per 32 columns where the dense build has two: 8 + 4 per tile for the two compute
     copies (tiles of more than 8 rows, and of 8 or fewer), and one x4 ldmatrix per k32 step and n8 tile."""
     rtc = _nvrtc_or_skip()
-    from deltazip.kernels import cuda_sass as sass
+    import _sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())
@@ -575,7 +576,7 @@ def test_every_launch_config_of_the_sparse_mma_builds_fits_the_occupancy_the_mod
     """Every config the tuner can time of the SP24 builds compiles for sm_90 with no local memory and
     within the register file at ``ctas_per_sm``."""
     _nvrtc_or_skip()
-    from deltazip.kernels import cuda_sass as sass
+    import _sass as sass
 
     if sass.tools_available():
         pytest.skip(sass.tools_available())

@@ -135,7 +135,9 @@ def _default_builds(in_sizes, keep) -> list[dict]:
 
 def _spilling(builds: list[dict]) -> set[tuple]:
     """``(arch, BITS, GK16, ASYM, BF16, KCOLS)`` of the builds whose sm_80 or sm_90 SASS uses local memory."""
-    from deltazip.kernels import cuda_rtc, cuda_sass
+    import _sass as cuda_sass
+
+    from deltazip.kernels import cuda_rtc
 
     out = set()
     for arch in (80, 90):

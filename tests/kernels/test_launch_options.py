@@ -24,6 +24,23 @@ from deltazip.kernels.stacked import StackedDeltas, repack
 # ------------------------------------------------------------------------------ the stream-K work split
 
 
+def stream_k_parts(cta: int, ctas: int, units: int, stages: int) -> list[tuple[int, int, int, int, int]]:
+    """The work of stream-K CTA ``cta`` of ``ctas``, in order: ``(unit, first stage, end stage, part, parts)``
+    per unit it takes part in, by the kernel's own integer arithmetic (``dz_sbmm``'s ``STREAMK`` loop in
+    ``kernels/cuda/sbmm.cu``, transcribed)."""
+    total = units * stages
+    s, e = cta * total // ctas, (cta + 1) * total // ctas
+    out = []
+    while s < e:
+        u = s // stages
+        k0 = s - u * stages
+        k1 = min(stages, k0 + (e - s))
+        first, last = ((u * stages + 1) * ctas - 1) // total, ((u + 1) * stages * ctas - 1) // total
+        out.append((u, k0, k1, cta - first, last - first + 1))
+        s += k1 - k0
+    return out
+
+
 @pytest.mark.parametrize("units,stages,wave", [(1, 32, 792), (64, 32, 792), (64, 32, 528), (130, 86, 264),
                                                (7, 10, 3), (5, 1, 9), (1, 1, 1), (344, 32, 264), (3, 5, 15)])
 def test_stream_k_gives_every_stage_to_one_cta_in_runs_that_differ_by_at_most_one(units, stages, wave):
@@ -36,7 +53,7 @@ def test_stream_k_gives_every_stage_to_one_cta_in_runs_that_differ_by_at_most_on
     parts: dict[int, list[tuple[int, int, int]]] = {}
     lengths = []
     for c in range(ctas):
-        work = cuda_sbmm.stream_k_parts(c, ctas, units, stages)
+        work = stream_k_parts(c, ctas, units, stages)
         assert work, f"CTA {c} has no stage"
         lengths.append(sum(k1 - k0 for _, k0, k1, _, _ in work))
         flat = [u * stages + k for u, k0, k1, _, _ in work for k in range(k0, k1)]
@@ -67,7 +84,7 @@ def _stream_k_emulate(x, w, plan_slots, out_f, rb, stages, wave, acc, order_seed
     y = acc.copy()
     ws = np.full((bound,) + acc.shape, np.nan, dtype=np.float32)
     counters = np.zeros(units, dtype=np.int64)
-    work = [(c, item) for c in range(ctas) for item in cuda_sbmm.stream_k_parts(c, ctas, units, stages)]
+    work = [(c, item) for c in range(ctas) for item in stream_k_parts(c, ctas, units, stages)]
     random.Random(order_seed).shuffle(work)  # any finish order
     for _, (u, k0, k1, part, count) in work:
         slot, rows = rows_of_tile[u // grid_x]

@@ -126,7 +126,7 @@ def test_no_warmup_or_tuning_runs_for_a_request_to_a_resident_variant(served, mo
     import deltazip.kernels.dispatch_table as dispatch_table
     import deltazip.runtime.serve.kernel_warmup as kernel_warmup
     import deltazip.runtime.serve.model as model_mod
-    from deltazip.kernels.tuner import Tuner
+    from deltazip.runtime.serve.kernel_tuner import Tuner
 
     calls: dict[str, int] = {}
 

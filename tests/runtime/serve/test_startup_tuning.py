@@ -17,8 +17,8 @@ import pytest
 from _serving import served_set, single_thread
 
 from deltazip.kernels.dispatch_table import Choice
-from deltazip.kernels.tuner import Tuner
 from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
+from deltazip.runtime.serve.kernel_tuner import Tuner
 from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
 
 SECONDS_PER_KEY = 0.25

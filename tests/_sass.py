@@ -1,6 +1,7 @@
-"""The SASS of the CUDA kernel's cubins, read offline: ``cuobjdump`` on a cubin NVRTC compiled, no GPU.
+"""The SASS of the CUDA kernel's cubins, read offline: ``cuobjdump`` on a cubin NVRTC compiled, no GPU (a
+helper of the tests: nothing that serves reads SASS).
 
-The offline checks (tests/kernels/test_cuda_sbmm.py, CI) compile every launch config the tuner can time
+The offline checks (tests/kernels/test_cuda_sbmm.py and its neighbours, CI) compile every launch config the tuner can time
 for sm_80 and sm_90 and read the result here: the main K loop (the backward branch whose body holds the
 most tensor-core instructions), its opcodes (``LDGSTS...128``: 16-byte copies; ``STS``: shared-memory
 stores; ``LDL``/``STL``: spills) and the registers per thread (``cuobjdump -res-usage``).

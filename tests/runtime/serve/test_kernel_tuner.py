@@ -12,7 +12,7 @@ import torch
 from deltazip.kernels.dispatch_table import Choice
 from deltazip.kernels.scheme import DeltaScheme
 from deltazip.kernels.stacked import StackedDeltas
-from deltazip.kernels.tuner import Job, Tuner
+from deltazip.runtime.serve.kernel_tuner import Job, Tuner
 
 
 def _stack(bits: int) -> StackedDeltas:

@@ -1,4 +1,4 @@
-"""When the dispatcher's choices are measured: a few keys before a server reports ready, the others on a
+"""When the delta matmul's dispatcher (``deltazip.kernels.dispatch_table``) measures its choices: a few keys before a server reports ready, the others on a
 background thread (a variant registered late, the keys a start-up left, ``deltazip tune`` ahead of time).
 
 A key is one stack configuration, activation dtype and (rows, deltas) bucket (``dispatch_table.key``).
