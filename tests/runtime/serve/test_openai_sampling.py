@@ -180,13 +180,17 @@ def test_best_of_returns_the_samples_of_highest_cumulative_logprob(client):
     assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in every)
 
 
-def merged_greedy(served, model: str, ids: list[int], steps: int, adjust) -> list[int]:
-    """Greedy decoding of the merged model with ``adjust(logits [V], generated ids)`` applied."""
+def merged_greedy(served, model: str, ids: list[int], steps: int, adjust, eos: int | None = 1) -> list[int]:
+    """Greedy decoding of the merged model with ``adjust(logits [V], generated ids)`` applied, ending after
+    ``eos`` (the tokenizer's ``</s>``, id 1) as the server's does; ``eos`` None: ``steps`` tokens whatever
+    they are."""
     out = []
     for _ in range(steps):
         with torch.no_grad():
             logits = served.model(model)(torch.tensor([ids + out])).logits[0, -1].double()
         out.append(int(adjust(logits, out).argmax()))
+        if out[-1] == eos:
+            break
     return out
 
 
@@ -226,7 +230,7 @@ def test_penalties_bias_and_token_controls_match_a_reference_decoding(client, se
                                                        "stop")
     assert used[-1] == plain.index(stop_at) + 1  # the stop token id is counted in usage (vLLM's count)
     banned = merged_greedy(served, "alpha", ids, 10, lambda x, o: torch.where(
-        (torch.arange(128) == stop_at) | (torch.arange(128) == 1), -torch.inf, x) if len(o) < 6 else x)
+        (torch.arange(128) == stop_at) | (torch.arange(128) == 1), -torch.inf, x) if len(o) < 6 else x, eos=None)
     end = next((j for j in range(6, 10) if banned[j] in (stop_at, 1)), 10)  # EOS (id 1) ends it too
     want = banned[:end]
     assert len(want) > plain.index(stop_at)
