@@ -236,7 +236,7 @@ class Kernel:
         _cu(rc, f"launching {self.name}")
 
 
-# cuLaunchKernelEx's arguments (cuda.h, CUDA 12+): tests/kernels/test_cuda_rtc.py checks these layouts and
+# cuLaunchKernelEx's arguments (cuda.h, CUDA 12+): tests/kernels/test_launch_options.py checks these layouts and
 # the attribute's number against the header.
 LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 

@@ -238,6 +238,11 @@ def fits(stack: StackedDeltas, cfg: CudaConfig, device_index: int) -> bool:
             and kt_ok(stack, cfg.kt) and mt_ok(stack, cfg.mt) and (not cfg.pdl or arch(device_index) >= 90))
 
 
+def stream_k_wave(stack: StackedDeltas, cfg: CudaConfig, device_index: int = 0) -> int:
+    """CTAs a stream-K launch of ``cfg`` runs: every SM's resident CTAs (:func:`ctas_per_sm`)."""
+    return sm_limits(device_index)[0] * ctas_per_sm(stack, cfg, device_index)
+
+
 def stream_k_grid(units: int, stages: int, wave: int) -> tuple[int, int]:
     """``(CTAs, parts)`` of a stream-K launch over ``units`` (row tile, block) units of ``stages`` K stages
     each, on a device that runs ``wave`` CTAs at once: one CTA per resident slot (fewer when there are fewer
@@ -330,7 +335,8 @@ class Build:
         self.kernel.allow_smem(self.smem)
         self.per_split, self.split = effective_split(self.k_tiles, cfg)
         self.grid_x = -(-padded_rows(stack.out_features) // (64 * cfg.rb))
-        self.wave = sm_limits(dev)[0] * ctas_per_sm(stack, cfg, dev) if cfg.stream_k else 0
+        self.wave = stream_k_wave(stack, cfg, dev) if cfg.stream_k else 0
+        self._stream_k: dict[tuple[int, int], tuple[int, int]] = {}  # (row tiles, wave) -> stream_k_grid
         zr = stack.zeros if stack.asymmetric else stack.scales
         c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
         self.weights = [ptr(stack.qweight.data_ptr()), c_ll(stack.qweight[0].numel()), ptr(stack.scales.data_ptr()),
@@ -351,7 +357,11 @@ class Build:
         per_split, split = self.per_split, self.split
         if self.wave:  # stream-K: one wave of CTAs; `split` is the most CTAs that share one unit
             units = self.grid_x * plan.num_tiles
-            ctas, split = stream_k_grid(units, self.k_tiles // self.cfg.kt, self.wave)
+            sk = self._stream_k.get((plan.num_tiles, self.wave))
+            if sk is None:
+                sk = self._stream_k[(plan.num_tiles, self.wave)] = stream_k_grid(units, self.k_tiles // self.cfg.kt,
+                                                                               self.wave)
+            ctas, split = sk
             if units * self.k_tiles >= 1 << 31 or split * n * out_f > MAX_WORKSPACE:  # prefill-sized
                 return build_for(self.stack, self.dtype, replace(self.cfg, stream_k=False)).launch(x, y, plan, present, add)
             grid = (ctas, 1, 1)
@@ -515,8 +525,7 @@ def grid_ctas(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig, device_inde
     (stream-K: one wave, :func:`stream_k_grid`)."""
     blocks = -(-padded_rows(stack.out_features) // (64 * cfg.rb)) * num_tiles
     if cfg.stream_k:
-        wave = sm_limits(device_index)[0] * ctas_per_sm(stack, cfg, device_index)
-        return stream_k_grid(blocks, k_tiles(stack.in_features) // cfg.kt, wave)[0]
+        return stream_k_grid(blocks, k_tiles(stack.in_features) // cfg.kt, stream_k_wave(stack, cfg, device_index))[0]
     return blocks * effective_split(k_tiles(stack.in_features), cfg)[1]
 
 

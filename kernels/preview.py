@@ -34,7 +34,7 @@ FEATURES = {
     "evict-first": "the weight copies carry an L2 evict-first policy: codes read once per step do not push "
                    "the activations and outputs that the next kernels read out of L2",
 }
-LAUNCH_OPTIONS = ("stream-k", "pdl", "evict-first")  # CudaConfig fields stream_k, pdl, evict
+LAUNCH_OPTIONS = {"stream-k": "stream_k", "pdl": "pdl", "evict-first": "evict"}  # name -> CudaConfig field
 
 
 def enabled(name: str) -> bool:
@@ -88,4 +88,4 @@ def launch_options() -> frozenset[str]:
 
 def config_options(cfg) -> frozenset[str]:
     """The launch-option previews a ``CudaConfig`` uses."""
-    return frozenset(n for n, on in zip(LAUNCH_OPTIONS, (cfg.stream_k, cfg.pdl, cfg.evict)) if on)
+    return frozenset(n for n, field in LAUNCH_OPTIONS.items() if getattr(cfg, field))

@@ -213,7 +213,7 @@ def test_a_choice_keeps_its_options_through_json_and_older_tables_read_without_t
 def test_a_stream_k_grid_is_one_wave_of_the_ctas_the_model_counts_per_sm():
     stack = _meta(n=4)
     cfg = cuda_sbmm.CudaConfig(rb=1, kt=1, stream_k=True)
-    wave = cuda_sbmm.sm_limits(0)[0] * cuda_sbmm.ctas_per_sm(stack, cfg)
+    wave = cuda_sbmm.stream_k_wave(stack, cfg)
     assert cuda_sbmm.grid_ctas(stack, 1, cfg) == wave  # 64 blocks x 32 stages: more stages than CTAs
     assert cuda_sbmm.waves(stack, 4, cfg) == pytest.approx(1.0)
     tiny = _meta(in_f=256, out_f=64, n=2)
@@ -426,7 +426,7 @@ def test_launch_option_preview_stream_k_cuts_units_into_many_parts_and_still_mat
         try:
             _check(cuda_sbmm.sbmm_cuda(x, stack, plan, config=cfg), ref, torch.float16)
         finally:
-            build.wave = cuda_sbmm.sm_limits(0)[0] * cuda_sbmm.ctas_per_sm(stack, cfg)
+            build.wave = cuda_sbmm.stream_k_wave(stack, cfg)
 
 
 @pytest.mark.gpu
