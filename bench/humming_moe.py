@@ -118,8 +118,8 @@ def parity(bits: int, dtype: torch.dtype) -> float:
 
 
 def point(out_f, in_f, bits, dtype, d, r, rings, bw, replays) -> dict:
-    from deltazip.kernels import dispatch_table
     from deltazip.kernels.row_plan import plan_rows
+    from deltazip.runtime.serve import kernel_tuning
 
     stacks, layers = rings
     n = d * r
@@ -130,8 +130,8 @@ def point(out_f, in_f, bits, dtype, d, r, rings, bw, replays) -> dict:
     rows = [[o + (k % d) for k in range(n)] for _, o in windows]  # rows interleaved over the deltas
     res = {}
     plans = [plan_rows(rw, MAX_D, "cuda") for rw in rows]
-    choice = dispatch_table.tune(stacks[0], dtype, n, d)
-    res["cuda"] = round(graph_time([lambda s=s, p=p: dispatch_table.run_choice(choice, x, stacks[s], p, out=y)
+    choice = kernel_tuning.tune(stacks[0], dtype, n, d)
+    res["cuda"] = round(graph_time([lambda s=s, p=p: kernel_tuning.run_choice(choice, x, stacks[s], p, out=y)
                                     for (s, _), p in zip(windows, plans)], replays), 2)
     hplans = [moe_plan(layers[s], rw, MAX_D) for (s, _), rw in zip(windows, rows)]
     res["humming"] = round(graph_time([lambda s=s, p=p: run(layers[s], x, p, out=y)

@@ -2,7 +2,7 @@
 runs them (GPU only).
 
 At 1, 2 and 4 deltas with R rows each (1, 16), 2:4 deltas of 4 and 2 bits, group 128, fp16, the tuner
-picks the fastest launch of each candidate set for the key (``dispatch_table.tune`` with its own table:
+picks the fastest launch of each candidate set for the key (``kernel_tuning.tune`` with its own table:
 the same choice a server would make with ``DELTAZIP_CUDA_PREVIEW`` naming the set) and the set's choice
 is timed:
 
@@ -55,6 +55,7 @@ def timed(pairs: list, base_only: list, replays: int) -> float:
 def point(out_f, in_f, bits, d, r, stacks, dense, bw, replays, tables) -> dict:
     from deltazip.kernels import dispatch_table
     from deltazip.kernels.row_plan import plan_rows
+    from deltazip.runtime.serve import kernel_tuning
 
     dtype, n = torch.float16, d * r
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -68,11 +69,11 @@ def point(out_f, in_f, bits, d, r, stacks, dense, bw, replays, tables) -> dict:
     us, chosen, wrong = {}, {}, {}
     for name, options in SETS.items():
         table = tables[name]
-        cands = dispatch_table.candidates(stacks[0], n, d, sms, options)
-        choice = dispatch_table.tune(stacks[0], dtype, n, d, table=table, cands=cands, save=False)
+        cands = kernel_tuning.candidates(stacks[0], n, d, sms, options)
+        choice = kernel_tuning.tune(stacks[0], dtype, n, d, table=table, cands=cands, save=False)
         key = dispatch_table.key(stacks[0], dtype, n, d)
         wrong[name] = sum("differs" in s for s in table.skipped.get(key, []))
-        pairs = [lambda s=s, p=p, w=w, c=choice: (torch.mm(x, w.T, out=y), dispatch_table.run_choice(c, x, stacks[s], p,
+        pairs = [lambda s=s, p=p, w=w, c=choice: (torch.mm(x, w.T, out=y), kernel_tuning.run_choice(c, x, stacks[s], p,
                                                                                                      out=y))
                  for (s, _), p, w in zip(windows, plans, bases)]
         us[name] = round(timed(pairs, base_only, replays), 2)
@@ -110,6 +111,7 @@ def main(argv=None) -> int:
         return 1
     from deltazip.kernels import dispatch_table
     from deltazip.kernels.stacked import StackedDeltas
+    from deltazip.runtime.serve import kernel_tuning
 
     t0 = time.time()
     bw = copy_bandwidth()
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
             meta = StackedDeltas.allocate(MAX_D, bits=bits, group_size=128, in_features=in_f, out_features=out_f,
                                           sparse=True, asymmetric=False, layout="mma", device="meta")
             for options in SETS.values():
-                n += dispatch_table.precompile(meta, torch.float16, [(d * r, d) for d in DELTAS for r in (1, 16)],
+                n += kernel_tuning.precompile(meta, torch.float16, [(d * r, d) for d in DELTAS for r in (1, 16)],
                                                props.multi_processor_count, 10 * props.major + props.minor, options)
     log(f"compiled {n} kernel builds in {time.time() - t0:.1f} s")
     results, mach = [], machine()

@@ -4,7 +4,7 @@ For Llama-7B shapes (4096x4096, 11008x4096, 4096x11008), 2:4 deltas at 4 and 2 b
 bf16 activations, D deltas in the batch (1, 4, 16, 64) with R rows each (1, 16), side by side:
 
 - ``cuda``: what the server runs: the path and launch config the dispatcher measured best for this
-  key (``deltazip.kernels.dispatch_table.tune``: the CUDA SBMM kernel's configs, and dequantize +
+  key (``deltazip.runtime.serve.kernel_tuning.tune``: the CUDA SBMM kernel's configs, and dequantize +
   cuBLAS at 16+ rows per delta), with the host-built plan;
 - ``bmm_fp16``: ``torch.bmm`` over the deltas kept dense in fp16 (rows pre-grouped: cheaper than real);
 - ``loop_fp16``: one dense fp16 matmul per delta (at D = 1: the dense matmul of that delta);
@@ -125,17 +125,17 @@ def point(out_f, in_f, bits, dtype, d, r, rings, bw, quick, replays) -> dict:
     rows = [[o + (k % d) for k in range(n)] for _, o in windows]  # rows interleaved over the deltas
     plans = [plan_rows(rw, MAX_D, "cuda") for rw in rows]
     res = {}
-    from deltazip.kernels import dispatch_table
+    from deltazip.runtime.serve import kernel_tuning
 
     # what the server runs: the dispatcher's measured choice for this key (tuned now if not cached)
-    choice = dispatch_table.tune(stacks[0], dtype, n, d)
-    t = graph_time([lambda s=s, p=p: dispatch_table.run_choice(choice, x, stacks[s], p, out=y)
+    choice = kernel_tuning.tune(stacks[0], dtype, n, d)
+    t = graph_time([lambda s=s, p=p: kernel_tuning.run_choice(choice, x, stacks[s], p, out=y)
                     for (s, _), p in zip(windows, plans)], replays)
     best = (t, choice)
     res["cuda"] = round(best[0], 2)
     if compact:  # the compact 2:4 layout on the sparse MMA, the same rows and plans
-        c_choice = dispatch_table.tune(compact[0], dtype, n, d)
-        res["cuda_compact"] = round(graph_time([lambda s=s, p=p: dispatch_table.run_choice(c_choice, x, compact[s], p,
+        c_choice = kernel_tuning.tune(compact[0], dtype, n, d)
+        res["cuda_compact"] = round(graph_time([lambda s=s, p=p: kernel_tuning.run_choice(c_choice, x, compact[s], p,
                                                                                             out=y)
                                                 for (s, _), p in zip(windows, plans)], replays), 2)
     xb = x.view(r, d, in_f).transpose(0, 1).contiguous()  # [d, r, in]: rows grouped per delta
@@ -157,9 +157,9 @@ def point(out_f, in_f, bits, dtype, d, r, rings, bw, quick, replays) -> dict:
 
 def precompile_all(shapes, bit_widths=(4, 2), compact=False) -> None:
     """Every kernel build the tuner will time for the table's keys, compiled in parallel threads first
-    (``dispatch_table.precompile``): serially, the compiles alone took a large share of a GPU window."""
-    from deltazip.kernels import dispatch_table
+    (``kernel_tuning.precompile``): serially, the compiles alone took a large share of a GPU window."""
     from deltazip.kernels.stacked import StackedDeltas
+    from deltazip.runtime.serve import kernel_tuning
 
     t0, n = time.time(), 0
     props = torch.cuda.get_device_properties(0)
@@ -171,7 +171,7 @@ def precompile_all(shapes, bit_widths=(4, 2), compact=False) -> None:
                                               sparse=True, asymmetric=False, layout="mma", device="meta",
                                               compact=packed)
                 for dtype in (torch.float16, torch.bfloat16):
-                    n += dispatch_table.precompile(meta, dtype, pairs, props.multi_processor_count,
+                    n += kernel_tuning.precompile(meta, dtype, pairs, props.multi_processor_count,
                                                    10 * props.major + props.minor)
     log(f"compiled {n} kernel builds in {time.time() - t0:.1f} s")
 

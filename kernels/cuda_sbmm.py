@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 from dataclasses import dataclass, replace
 from importlib import resources
 
@@ -161,33 +160,6 @@ def sm_limits(device_index: int = 0) -> tuple[int, int, int]:
     p = torch.cuda.get_device_properties(device_index)
     return (p.multi_processor_count, int(getattr(p, "shared_memory_per_multiprocessor", 0) or 233472),
             int(getattr(p, "regs_per_multiprocessor", 0) or 65536))
-
-
-H100_DRAM_BYTES_PER_S = 2 * 2619e6 * 5120 / 8  # an H100 SXM's HBM3: 2619 MHz, 5120 bits, double data rate
-
-
-@functools.cache
-def dram_bandwidth(device_index: int = 0) -> float:
-    """Peak DRAM bytes per second of the GPU: memory clock x bus width x 2, from the driver
-    (``cuDeviceGetAttribute``; torch does not expose them); an H100 SXM's when no GPU is there to ask
-    (offline planning) or the driver does not answer."""
-    if not torch.cuda.is_available():
-        return H100_DRAM_BYTES_PER_S
-    try:
-        from deltazip.kernels.cuda_rtc import driver
-
-        lib = driver()
-        torch.cuda.init()
-        dev, clk_khz, bus_bits = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-        if (lib.cuDeviceGet(ctypes.byref(dev), device_index)
-                or lib.cuDeviceGetAttribute(ctypes.byref(clk_khz), 36, dev)  # MEMORY_CLOCK_RATE (kHz)
-                or lib.cuDeviceGetAttribute(ctypes.byref(bus_bits), 37, dev)):  # GLOBAL_MEMORY_BUS_WIDTH
-            return H100_DRAM_BYTES_PER_S
-    except OSError:
-        return H100_DRAM_BYTES_PER_S
-    if clk_khz.value <= 0 or bus_bits.value <= 0:
-        return H100_DRAM_BYTES_PER_S
-    return 2 * clk_khz.value * 1e3 * bus_bits.value / 8
 
 
 def ctas_per_sm(stack: StackedDeltas, cfg: CudaConfig, device_index: int = 0) -> int:
@@ -518,42 +490,3 @@ def _scratch(device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tens
     if t is None or t.numel() < numel:
         t = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
     return t[:numel]
-
-
-def grid_ctas(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig, device_index: int = 0) -> int:
-    """CTAs of a launch over ``num_tiles`` row tiles: 64-row blocks / ``rb`` x tiles x the splits it runs
-    (stream-K: one wave, :func:`stream_k_grid`)."""
-    blocks = -(-padded_rows(stack.out_features) // (64 * cfg.rb)) * num_tiles
-    if cfg.stream_k:
-        return stream_k_grid(blocks, k_tiles(stack.in_features) // cfg.kt, stream_k_wave(stack, cfg, device_index))[0]
-    return blocks * effective_split(k_tiles(stack.in_features), cfg)[1]
-
-
-def waves(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig, device_index: int = 0) -> float:
-    """The grid of a launch over the CTAs the device runs at once (``sm_limits``, ``ctas_per_sm``): a wave
-    count, whose fractional tail leaves SMs idle while the last wave runs."""
-    return grid_ctas(stack, num_tiles, cfg, device_index) / (sm_limits(device_index)[0]
-                                                            * ctas_per_sm(stack, cfg, device_index))
-
-
-def weight_stage_bytes(stack: StackedDeltas, rb: int, kt: int = 1) -> int:
-    """Bytes of one pipeline stage read from the stack (codes, scales, zero points): what a stage in
-    flight brings from DRAM (the activations come from L2)."""
-    gk16, _ = group_params(stack)
-    sg = 8 // gk16 if gk16 < 8 else 1
-    return rb * kt * 1024 * stack.bits + rb * kt * sg * 64 * 2 * (2 if stack.asymmetric else 1)
-
-
-def in_flight_bytes(stack: StackedDeltas, num_tiles: int, cfg: CudaConfig, device_index: int = 0) -> int:
-    """Weight bytes one SM has requested and not yet received while a launch streams: its resident CTAs
-    (those the grid gives it, at most :func:`ctas_per_sm`) times the ``stages - 1`` stages each keeps in
-    flight. By Little's law an SM streams at most this over the memory latency."""
-    given = -(-grid_ctas(stack, num_tiles, cfg, device_index) // sm_limits(device_index)[0])  # CTAs given an SM
-    resident = min(ctas_per_sm(stack, cfg, device_index), given)
-    return resident * (cfg.stages - 1) * weight_stage_bytes(stack, cfg.rb, cfg.kt)
-
-
-def wave_efficiency(w: float) -> float:
-    """Share of the SM time of a launch of ``w`` waves that does work (1 for whole waves; ``w`` below one
-    wave, which leaves SMs idle throughout)."""
-    return w / math.ceil(w) if w > 0 else 0.0

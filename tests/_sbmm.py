@@ -66,10 +66,9 @@ def random_index(n, num_slots, gen, unused=(), minus_one=0.2):
     return index
 
 
-def offline_tools():
-    """``(cuda_rtc, cuda_sass)`` for a test that compiles and disassembles kernel builds without a GPU;
-    skips it where NVRTC or the SASS tools are not installed."""
-    import _sass as cuda_sass
+def nvrtc_or_skip():
+    """``deltazip.kernels.cuda_rtc`` for a test that compiles kernel builds without a GPU; skips it where
+    NVRTC is not installed."""
     import pytest
 
     from deltazip.kernels import cuda_rtc
@@ -78,6 +77,16 @@ def offline_tools():
         cuda_rtc.nvrtc()
     except cuda_rtc.CudaCompileError as e:
         pytest.skip(str(e))
+    return cuda_rtc
+
+
+def offline_tools():
+    """``(cuda_rtc, cuda_sass)`` for a test that compiles and disassembles kernel builds without a GPU;
+    skips it where NVRTC or the SASS tools are not installed."""
+    import _sass as cuda_sass
+    import pytest
+
+    cuda_rtc = nvrtc_or_skip()
     if cuda_sass.tools_available():
         pytest.skip(cuda_sass.tools_available())
     return cuda_rtc, cuda_sass
@@ -96,3 +105,14 @@ def graph_case():
     rows = [0, 1, 2, 2, 1, -1]
     x = torch.randn(len(rows), 1024, generator=gen).half().cuda()
     return deltas, stack, x, plan_rows(rows, 3, "cuda"), reference.sbmm(x, torch.tensor(rows).cuda(), deltas)
+
+
+def mma_stack(**kw):
+    """An all-zero 8-slot ``mma`` stack for planning and table tests: 4-bit 2:4 groups of 128, 1024 -> 256
+    (``kw`` overrides any of ``StackedDeltas.allocate``'s fields)."""
+    from deltazip.kernels.stacked import StackedDeltas
+
+    args = dict(bits=4, group_size=128, in_features=1024, out_features=256, sparse=True, asymmetric=False,
+                layout="mma")
+    args.update(kw)
+    return StackedDeltas.allocate(8, **args)

@@ -37,3 +37,14 @@ def pytest_runtest_setup(item):
         problem = gpu_problem()
         if problem:
             pytest.skip(f"nvCOMP's GPU decoder cannot run here: {problem}")
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    """A fresh, empty dispatch table directory (``DELTAZIP_AUTOTUNE_DIR``), no table loaded before or after."""
+    from deltazip.kernels import dispatch_table
+
+    monkeypatch.setenv("DELTAZIP_AUTOTUNE_DIR", str(tmp_path))
+    dispatch_table.forget_loaded()
+    yield tmp_path
+    dispatch_table.forget_loaded()

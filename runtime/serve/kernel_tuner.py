@@ -2,7 +2,7 @@
 background thread (a variant registered late, the keys a start-up left, ``deltazip tune`` ahead of time).
 
 A key is one stack configuration, activation dtype and (rows, deltas) bucket (``dispatch_table.key``).
-:class:`Tuner` holds the measuring function (by default ``dispatch_table.tune`` on the GPU: compile, check
+:class:`Tuner` holds the measuring function (by default ``kernel_tuning.tune`` on the GPU: compile, check
 and time every candidate; a test hands in another real callable) and reports its progress; until a key is
 measured, the prepared launches run it with the untuned default (``dispatch_table.default_choice``), and
 when it is, ``dispatch_table.changed`` makes them pick the measured choice up at their next call.
@@ -21,11 +21,12 @@ import torch
 
 from deltazip.kernels import dispatch_table
 from deltazip.kernels.stacked import StackedDeltas
+from deltazip.runtime.serve import kernel_tuning
 
 log = logging.getLogger("deltazip.kernels")
 
 # The buckets a server meets first: decode steps of a few rows, each on its own variant, and one prompt's
-# prefill chunk. The others (dispatch_table.buckets) are left to the background or to `deltazip tune`.
+# prefill chunk. The others (kernel_tuning.buckets) are left to the background or to `deltazip tune`.
 FIRST_PAIRS = ((1, 1), (2, 2), (4, 4), (8, 8), (512, 1))
 
 
@@ -53,7 +54,7 @@ class Tuner:
 
     Args:
         measure: ``(stack, dtype, rows, deltas) -> Choice``, the measurement of one key (default: the GPU
-            tuner, ``dispatch_table.tune`` without saving; the table is saved after each batch).
+            tuner, ``kernel_tuning.tune`` without saving; the table is saved after each batch).
         idle: ``() -> bool``: the background thread measures only while it answers True (a server's
             engine with nothing to run), so that tuning does not compete with requests.
         paths: the prepared paths whose stacks are tuned (the CUDA kernel's; a test may widen it).
@@ -61,7 +62,7 @@ class Tuner:
 
     def __init__(self, measure: Callable | None = None, idle: Callable[[], bool] | None = None,
                  paths: tuple[str, ...] = ("cuda",)):
-        self.measure = measure or (lambda st, dt, r, d: dispatch_table.tune(st, dt, r, d, save=False))
+        self.measure = measure or (lambda st, dt, r, d: kernel_tuning.tune(st, dt, r, d, save=False))
         self.idle, self.paths = idle, paths
         self.progress = {"keys_done": 0, "keys_total": 0}
         self.done_keys: set[str] = set()

@@ -23,6 +23,7 @@ import time
 
 from deltazip.kernels import dispatch, dispatch_table, preview
 from deltazip.kernels.stacked import StackedDeltas
+from deltazip.runtime.serve import kernel_tuning
 from deltazip.runtime.serve.kernel_tuner import Job, first_pairs
 
 log = logging.getLogger("deltazip.serve")
@@ -53,7 +54,7 @@ def served_stacks(model) -> list[StackedDeltas]:
 
 def jobs(model, pairs: list[tuple[int, int]] | None = None) -> list[Job]:
     """The keys of ``model``'s served stacks on a tuned path (``model.tuner.paths``), one stack per
-    configuration: ``pairs`` of (rows, deltas), default every bucket (``dispatch_table.buckets``)."""
+    configuration: ``pairs`` of (rows, deltas), default every bucket (``kernel_tuning.buckets``)."""
     if model.delta_compute != "packed":
         return []
     out, seen = [], set()
@@ -62,7 +63,7 @@ def jobs(model, pairs: list[tuple[int, int]] | None = None) -> list[Job]:
         if sig in seen or dispatch.prepare(stack, model.dtype).path not in model.tuner.paths:
             continue
         seen.add(sig)
-        for r, d in dispatch_table.buckets(stack.num_deltas) if pairs is None else pairs:
+        for r, d in kernel_tuning.buckets(stack.num_deltas) if pairs is None else pairs:
             out.append(Job(stack, model.dtype, r, d))
     return out
 

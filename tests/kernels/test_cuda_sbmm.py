@@ -6,22 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _sbmm import graph_case, make_delta, random_index
+from _sbmm import graph_case, make_delta, nvrtc_or_skip, random_index
 
 from deltazip.kernels import cuda_sbmm, reference
 from deltazip.kernels.row_plan import plan_rows
 from deltazip.kernels.stacked import repack
-
-
-def _nvrtc_or_skip():
-    from deltazip.kernels import cuda_rtc
-
-    try:
-        cuda_rtc.nvrtc()
-    except cuda_rtc.CudaCompileError as e:
-        pytest.skip(str(e))
-    return cuda_rtc
-
 
 # ------------------------------------------------------------------------------------ offline compiles
 
@@ -68,7 +57,7 @@ def test_every_variant_compiles_offline_to_a_streaming_loop(bits, dtype, asym, g
     local memory. The loop holds the stage's compute twice, one picked per stage: the two n8 MMAs of
     each of the 8 k16 steps after x4 ldmatrix (tiles of more than 8 rows), and one after x2 (8 rows or
     fewer, most decode tiles: half the activation reads)."""
-    rtc = _nvrtc_or_skip()
+    rtc = nvrtc_or_skip()
     import _sass as sass
 
     if sass.tools_available():
@@ -91,12 +80,12 @@ def test_every_variant_compiles_offline_to_a_streaming_loop(bits, dtype, asym, g
 
 @pytest.mark.parametrize("bits,rb,kt,stages", [(4, 1, 1, 8), (4, 2, 1, 8), (2, 2, 2, 6), (2, 1, 2, 8), (8, 1, 1, 8)])
 def test_deep_pipelines_compile_to_the_same_loop_within_their_register_budget(bits, rb, kt, stages):
-    """The tuner's deeper pipelines (``dispatch_table._deeper``: 6 or 8 stages where 4 keep too few weight
+    """The tuner's deeper pipelines (``kernel_tuning._deeper``: 6 or 8 stages where 4 keep too few weight
     bytes in flight) keep the loop of the 4-stage build, spill nothing, and use few enough registers for
     the CTAs per SM that ``cuda_sbmm.ctas_per_sm`` counts on (their launch bounds ask for fewer CTAs, so
     the compiler may use more registers than at 4 stages). Register counts: the NVRTC constraints.txt
     pins (13.0.88)."""
-    rtc = _nvrtc_or_skip()
+    rtc = nvrtc_or_skip()
     import _sass as sass
 
     if sass.tools_available():
@@ -121,7 +110,7 @@ def test_two_tiles_per_warp_compile_to_a_loop_that_shares_each_activation_read(b
     from shared memory feeds two tiles' MMAs: per K tile 32 MMAs after 8 x4 ldmatrix (16 after 8 x2 for
     tiles of 8 rows or fewer), the same copies and single barrier, no spills, and registers within
     what the CTAs per SM of ``cuda_sbmm.ctas_per_sm`` need."""
-    rtc = _nvrtc_or_skip()
+    rtc = nvrtc_or_skip()
     import _sass as sass
 
     if sass.tools_available():
@@ -150,7 +139,7 @@ def test_every_launch_config_the_tuner_times_fits_the_occupancy_the_model_assume
     passes too; CI runs these 102. Register counts are the compiler's: this holds for the NVRTC that
     constraints.txt pins (nvidia-cuda-nvrtc 13.0.88; the GPU runs had CUDA 13.0); another
     NVRTC version is checked by running this test with it."""
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     import _sass as sass
 
     if sass.tools_available():
@@ -175,7 +164,7 @@ def test_the_prologue_reads_the_plan_in_two_rounds_and_streams_weights_before_it
     """Each CTA's start: the tile's slot, first row and row count are read together, then whether the
     stack holds the slot and the tile's rows (two dependent rounds of global reads; the first H100 build
     chained four), and the first stages' weight copies go out before the barrier that shares the rows."""
-    rtc = _nvrtc_or_skip()
+    rtc = nvrtc_or_skip()
     import _sass as sass
 
     if sass.tools_available():
@@ -328,55 +317,6 @@ def test_dequant_mm_matches_the_reference(dtype):
     assert np.array_equal(sorted(plan.slot_rows), sorted({r for r in rows if r >= 0}))
 
 
-def test_precompile_builds_every_candidate_in_parallel_threads_identical_to_serial_compiles(tmp_path, monkeypatch):
-    """A server's tuning (``dispatch_table.tune_stack``) and the kernel table first compile every build
-    the candidates launch, in threads (NVRTC outside the GIL): one cubin per distinct build, each the
-    same bytes a serial compile gives, cached so that the second call compiles nothing."""
-    rtc = _nvrtc_or_skip()
-    from deltazip.kernels import dispatch_table
-    from deltazip.kernels.stacked import StackedDeltas
-
-    monkeypatch.setenv("DELTAZIP_CUDA_CACHE", str(tmp_path))
-    monkeypatch.setattr(rtc, "_CUBINS", {})
-    s = StackedDeltas.allocate(8, bits=4, group_size=128, in_features=1024, out_features=256, sparse=True,
-                               asymmetric=False, layout="mma", device="meta")
-    pairs = [(1, 1), (64, 4)]  # one row; 16 rows per delta (two tiles per warp join)
-    builds = {c.config for r, d in pairs for c in dispatch_table.candidates(s, r, d, 132) if c.config is not None}
-    builds = {(b.rb, b.stages, b.kt, b.mt) for b in builds} | {(1, 2, 1, 1)}  # + the dequantize kernel's
-    assert any(mt == 2 for *_, mt in builds)
-    assert dispatch_table.precompile(s, torch.float16, pairs, sms=132, arch=90) == len(builds)
-    assert len(list(tmp_path.glob("*.cubin"))) == len(builds)
-    assert dispatch_table.precompile(s, torch.float16, pairs, sms=132, arch=90) == 0
-    rb, st, kt, mt = sorted(builds)[-1]
-    macros = cuda_sbmm.macros(s, torch.float16, cuda_sbmm.CudaConfig(rb=rb, stages=st, kt=kt, mt=mt))
-    assert rtc.cubin_for(cuda_sbmm.source(), macros, 90) == rtc.compile_cubin(cuda_sbmm.source(), macros, 90)
-
-
-def test_without_a_gpu_the_dram_bandwidth_is_an_h100s():
-    if torch.cuda.is_available():
-        pytest.skip("a GPU answers for itself (the gpu test below)")
-    assert cuda_sbmm.dram_bandwidth(0) == cuda_sbmm.H100_DRAM_BYTES_PER_S == pytest.approx(3.35232e12)
-
-
-@pytest.mark.gpu
-@cuda
-def test_the_drivers_dram_bandwidth_bounds_a_measured_device_copy():
-    """The peak the deeper-pipeline model divides (memory clock x bus width x 2, from the driver) is above
-    what a device-to-device copy reaches, and not far above it (an H100 copies at about 90% of it)."""
-    peak = cuda_sbmm.dram_bandwidth(0)
-    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    copied = 2 * 5 * a.numel() / (start.elapsed_time(end) / 1e3)  # read + write bytes per second
-    assert 0.4 * peak < copied < 1.05 * peak, (copied, peak)
-
-
 # ------------------------------------- in_features not a multiple of 128 (preview: DELTAZIP_CUDA_PREVIEW)
 
 PREVIEW_VARIANTS = ([(bits, dt, asym, group, in_f, rb, kt, 1)  # padded-k
@@ -419,7 +359,7 @@ def test_preview_builds_compile_offline_to_the_same_streaming_loop(preview_on, b
     every other build: 16-byte copies only, no shared-memory store, one barrier, the MMAs and
     ldmatrix of a full tile, no local memory, registers within what ``ctas_per_sm`` counts on; the
     dense-dequantize kernel builds too."""
-    rtc = _nvrtc_or_skip()
+    rtc = nvrtc_or_skip()
     import _sass as sass
 
     if sass.tools_available():
@@ -450,7 +390,7 @@ def test_every_launch_config_of_the_preview_builds_fits_the_occupancy_the_model_
     """As the sweep above, for the narrow-groups preview (groups of 16, 2-bit groups of 32; symmetric,
     which spilled where zero points did not) and 3-bit codes: every config the tuner can time compiles
     with no local memory and within the register file at ``ctas_per_sm``."""
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     import _sass as sass
 
     if sass.tools_available():
@@ -544,7 +484,7 @@ def test_sparse_mma_preview_builds_compile_offline_to_the_streaming_loop(all_pre
     one barrier, no local memory, registers within what ``ctas_per_sm`` counts on) with a sparse MMA
     (HMMA.SP, m16n8k32) per 32 columns where the dense build has two: 8 + 4 per tile for the two compute
     copies (tiles of more than 8 rows, and of 8 or fewer), and one x4 ldmatrix per k32 step and n8 tile."""
-    rtc = _nvrtc_or_skip()
+    rtc = nvrtc_or_skip()
     import _sass as sass
 
     if sass.tools_available():
@@ -575,7 +515,7 @@ def test_sparse_mma_preview_builds_compile_offline_to_the_streaming_loop(all_pre
 def test_every_launch_config_of_the_sparse_mma_builds_fits_the_occupancy_the_model_assumes(tmp_path, monkeypatch):
     """Every config the tuner can time of the SP24 builds compiles for sm_90 with no local memory and
     within the register file at ``ctas_per_sm``."""
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     import _sass as sass
 
     if sass.tools_available():

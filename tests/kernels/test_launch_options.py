@@ -20,6 +20,7 @@ from _sbmm import graph_case, make_delta, offline_tools
 from deltazip.kernels import cuda_sbmm, dispatch_table, preview, reference
 from deltazip.kernels.row_plan import plan_rows
 from deltazip.kernels.stacked import StackedDeltas, repack
+from deltazip.runtime.serve import kernel_tuning
 
 # ------------------------------------------------------------------------------ the stream-K work split
 
@@ -160,23 +161,23 @@ def test_the_options_are_macros_of_their_own_builds_and_pdl_needs_sm_90(monkeypa
 def test_the_tuner_times_the_options_only_when_they_are_switched_on(monkeypatch):
     stack = _meta()
     monkeypatch.delenv(preview.ENV, raising=False)
-    plain = dispatch_table.candidates(stack, 4, 4, 132)
+    plain = kernel_tuning.candidates(stack, 4, 4, 132)
     assert plain and not any(preview.config_options(c.config) for c in plain if c.config is not None)
-    sk = dispatch_table.candidates(stack, 4, 4, 132, frozenset({"stream-k"}))
+    sk = kernel_tuning.candidates(stack, 4, 4, 132, frozenset({"stream-k"}))
     streamed = [c.config for c in sk if c.config is not None and c.config.stream_k]
     assert {(c.rb, c.kt) for c in streamed} == {(1, 1), (2, 1), (1, 2), (2, 2)}
     assert all(c.split == 1 and not (c.pdl or c.evict) for c in streamed)
     assert [c for c in sk if c.config is None or not c.config.stream_k] == plain
-    both = dispatch_table.candidates(stack, 64, 4, 132, frozenset({"pdl", "evict-first"}))
+    both = kernel_tuning.candidates(stack, 64, 4, 132, frozenset({"pdl", "evict-first"}))
     assert all(c.config.pdl and c.config.evict for c in both if c.config is not None)
     assert [replace(c.config, pdl=False, evict=False) if c.config else None for c in both] == \
-        [c.config for c in dispatch_table.candidates(stack, 64, 4, 132)]
+        [c.config for c in kernel_tuning.candidates(stack, 64, 4, 132)]
     assert any(c.path == "dequant_mm" for c in both)  # 16 rows per slot: the cuBLAS path stays a candidate
     monkeypatch.setenv(preview.ENV, "stream-k,pdl")
-    assert dispatch_table.candidates(stack, 4, 4, 132) == dispatch_table.candidates(
+    assert kernel_tuning.candidates(stack, 4, 4, 132) == kernel_tuning.candidates(
         stack, 4, 4, 132, frozenset({"stream-k", "pdl"}))
     monkeypatch.setattr(cuda_sbmm, "arch", lambda device_index=0: 80)
-    assert not any(c.config.pdl for c in dispatch_table.candidates(stack, 4, 4, 132) if c.config is not None)
+    assert not any(c.config.pdl for c in kernel_tuning.candidates(stack, 4, 4, 132) if c.config is not None)
 
 
 def test_a_tuned_choice_that_uses_an_option_switched_off_since_is_not_used(tmp_path, monkeypatch):
@@ -214,10 +215,10 @@ def test_a_stream_k_grid_is_one_wave_of_the_ctas_the_model_counts_per_sm():
     stack = _meta(n=4)
     cfg = cuda_sbmm.CudaConfig(rb=1, kt=1, stream_k=True)
     wave = cuda_sbmm.stream_k_wave(stack, cfg)
-    assert cuda_sbmm.grid_ctas(stack, 1, cfg) == wave  # 64 blocks x 32 stages: more stages than CTAs
-    assert cuda_sbmm.waves(stack, 4, cfg) == pytest.approx(1.0)
+    assert kernel_tuning.grid_ctas(stack, 1, cfg) == wave  # 64 blocks x 32 stages: more stages than CTAs
+    assert kernel_tuning.waves(stack, 4, cfg) == pytest.approx(1.0)
     tiny = _meta(in_f=256, out_f=64, n=2)
-    assert cuda_sbmm.grid_ctas(tiny, 1, cfg) == 2  # one block of 2 stages: a CTA per stage
+    assert kernel_tuning.grid_ctas(tiny, 1, cfg) == 2  # one block of 2 stages: a CTA per stage
 
 
 # ------------------------------------------------------------------------------------ offline builds

@@ -40,6 +40,7 @@ REQUEST_PATH = [
     "serve/param_names.py",  # planning a variant added while serving
     "serve/kernel_warmup.py",  # kernels warmed when a variant is added while serving
     "serve/kernel_tuner.py",  # a variant added while serving queues its keys; the thread measures between steps
+    "serve/kernel_tuning.py",  # what the tuner's thread runs for a key of a variant added while serving
     "serve/lora_variant.py",  # LoRA loads while serving
     "serve/variant_sources.py",  # POST /v1/variants
     "serve/variant_catalog.py",  # listing and routing by name; a variant's first request reads it

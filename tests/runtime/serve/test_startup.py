@@ -123,7 +123,7 @@ def _free_port() -> int:
 def test_no_warmup_or_tuning_runs_for_a_request_to_a_resident_variant(served, monkeypatch):
     """Requests after ready, to a variant already in a slot, run none of the warm-up or tuning functions
     (counted by wrapping the real functions)."""
-    import deltazip.kernels.dispatch_table as dispatch_table
+    import deltazip.runtime.serve.kernel_tuning as kernel_tuning
     import deltazip.runtime.serve.kernel_warmup as kernel_warmup
     import deltazip.runtime.serve.model as model_mod
     from deltazip.runtime.serve.kernel_tuner import Tuner
@@ -142,7 +142,7 @@ def test_no_warmup_or_tuning_runs_for_a_request_to_a_resident_variant(served, mo
         monkeypatch.setattr(module, name, wrapper)
 
     for module, name in ((model_mod, "tune_new_keys"), (kernel_warmup, "warm_up_kernels"), (Tuner, "tune_now"),
-                         (Tuner, "tune_later"), (dispatch_table, "tune"), (dispatch_table, "tune_stack")):
+                         (Tuner, "tune_later"), (kernel_tuning, "tune"), (kernel_tuning, "tune_stack")):
         counted(module, name)
     with single_thread():
         metrics = Metrics()
