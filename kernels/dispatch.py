@@ -41,10 +41,10 @@ def coverage(scheme: DeltaScheme, in_features: int, dtype: torch.dtype) -> str |
 
 def layout_for(scheme: DeltaScheme, in_features: int, dtype: torch.dtype, device: torch.device | str) -> str:
     """The stack layout of a configuration: the CUDA kernel's ``mma`` where it serves it on CUDA, else
-    ``transposed`` (the reference reads it with no unpacking); ``DELTAZIP_SBMM_LAYOUT`` as in
+    ``canonical`` (the reference reads it a slot at a time, with no copy); ``DELTAZIP_SBMM_LAYOUT`` as in
     ``stacked.choose_layout``."""
     if torch.device(device).type == "cuda" and coverage(scheme, in_features, dtype) is not None:
-        return "transposed"
+        return "canonical"
     return choose_layout("auto", bits=scheme.bits, group_size=scheme.group_size, in_features=in_features,
                          device=device)
 
@@ -89,7 +89,7 @@ def _why_not_cuda(stack: StackedDeltas, dtype: torch.dtype) -> str | None:
         return f"the device is {stack.device.type}"
     why = coverage(stack.scheme, stack.in_features, dtype)
     if why is None and stack.layout != "mma":
-        why = "its stack is in the transposed layout (row groups not on the kernel's 64-row tiles)"
+        why = "its stack is in the canonical layout (row groups not on the kernel's 64-row tiles)"
     if why is None and not cuda_sbmm.available(stack.device.index or 0):
         why = "the GPU is older than sm_80 or NVRTC is missing"
     return why

@@ -134,7 +134,7 @@ def divided_groups(group_size: int, in_features: int) -> bool:
 
 
 def supported(bits: int, group_size: int, in_features: int) -> bool:
-    """Whether a configuration has an ``mma`` layout (else the ``transposed`` one): the code widths it
+    """Whether a configuration has an ``mma`` layout (else the ``canonical`` one): the code widths it
     holds, ``in_features`` a multiple of 8 (not of 128: padded, module docstring), and a group the kernel
     reads (:func:`group_params`)."""
     if bits not in MMA_BITS or in_features % 8 or in_features <= 0:

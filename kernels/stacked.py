@@ -1,38 +1,29 @@
 """Kernel-ready layout: many compressed deltas of one linear stacked in one device tensor per part.
 
-The canonical layout (``deltazip.kernels.packed``) stores one delta row-major along the output
-dimension: ``qweight[out, words]``. A kernel tile covers ``BLOCK_N`` consecutive output features and
-walks the input dimension, so neighbouring threads of a warp own neighbouring *output* features; in
-the canonical layout they would read words ``words * 4`` bytes apart. The stacked layout therefore
-transposes every part so that the output dimension is the contiguous one, and stacks the deltas
-along a leading slot dimension:
-
-- ``qweight``   int32 ``[D, Kw, out]``: word ``w`` of output row ``o`` of slot ``d`` is
-  ``canonical.qweight[o, w]`` (same code order inside a word: code ``k`` at word ``k // per``,
-  bit ``(k % per) * bits``; ``per = 32 // bits``; ``Kw = ceil(K / per)``).
-- ``positions`` int32 ``[D, Kp, out]`` (2:4 only), ``Kp = ceil(K / 16)``, transposed the same way.
-- ``scales``    fp16 ``[D, G, out]``: the group scales interleaved across output rows, so one
-  group's scales for a tile of ``BLOCK_N`` outputs are one contiguous ``2 * BLOCK_N``-byte load.
-- ``zeros``     uint8 ``[D, G, out]`` or None (all slots symmetric, zero point ``2**(bits-1)``).
-  When some deltas are asymmetric and others symmetric, the symmetric ones get their implicit
-  zero point written out, so one stack serves both.
-
-Slot ``d`` of a part starts at element offset ``d * part[0].numel()`` of the single contiguous
-tensor: the kernel receives one base pointer per part plus integer strides, never a table of
-pointers. A stack is homogeneous in ``bits``, ``group_size``, sparsity and shape (those are
-compile-time constants of the kernel); a runtime cache can :meth:`StackedDeltas.allocate` a fixed
-number of slots and :meth:`StackedDeltas.write` deltas into them as they are loaded.
+A stack is homogeneous in ``bits``, ``group_size``, sparsity and shape (those are compile-time constants
+of the kernel); slot ``d`` of a part starts at element offset ``d * part[0].numel()`` of the single
+contiguous tensor, so a kernel receives one base pointer per part plus integer strides, never a table of
+pointers. A runtime cache can :meth:`StackedDeltas.allocate` a fixed number of slots and
+:meth:`StackedDeltas.write` deltas into them as they are loaded.
 
 Two layouts (``StackedDeltas.layout``):
 
-- ``"transposed"`` (above): read by the reference (``deltazip.kernels.reference.sbmm``);
+- ``"canonical"``: each slot holds the canonical parts of its delta (``deltazip.kernels.packed``):
+  ``qweight`` int32 ``[D, out, Kw]``, ``positions`` int32 ``[D, out, Kp]`` (2:4 only), ``scales`` fp16
+  ``[D, out, G]``, ``zeros`` uint8 ``[D, out, G]`` or None (all slots symmetric, zero point
+  ``2**(bits-1)``). When some deltas are asymmetric and others symmetric, the symmetric ones get their
+  implicit zero point written out, so one stack serves both. Read by the torch reference
+  (``deltazip.kernels.reference.sbmm``), a slot at a time, with no copy.
 - ``"mma"``: read by the CUDA kernel (``deltazip.kernels.cuda_sbmm``); ``qweight`` is int32
   ``[D, slot_words]`` in the register order of the tensor-core fragment
   (``deltazip.kernels.mma_layout``), 2:4 deltas expanded to dense codes (``positions`` is None and
-  ``sparse24`` True), ``scales`` fp16 ``[D, GP, OUTP]`` and ``zeros`` fp16 ``[D, GP, OUTP]`` with the
-  output rows padded to ``OUTP``, a multiple of 64, and the groups to ``GP``
-  (``mma_layout.scale_groups``: those of a padded last K tile included, scale 0; a group the kernel
-  does not read whole, 96 columns say, as sub-groups that repeat its scale, ``mma_layout.layout_group``).
+  ``sparse24`` True) or, in the compact layout, their kept codes and positions
+  (``deltazip.kernels.mma_sparse``); ``scales`` fp16 ``[D, GP, OUTP]`` and ``zeros`` fp16
+  ``[D, GP, OUTP]``, the groups' values interleaved across output rows (one group's scales for a tile of
+  output rows are one contiguous load), the rows padded to ``OUTP``, a multiple of 64, and the groups to
+  ``GP`` (``mma_layout.scale_groups``: those of a padded last K tile included, scale 0; a group the
+  kernel does not read whole, 96 columns say, as sub-groups that repeat its scale,
+  ``mma_layout.layout_group``).
 
 Which one a stack gets is the dispatcher's decision (``deltazip.kernels.dispatch.layout_for``);
 ``"auto"`` here (:func:`choose_layout`) is ``"mma"`` on CUDA for configurations the layout holds.
@@ -53,7 +44,7 @@ from deltazip.kernels.packed import PackedDelta, packed_words
 from deltazip.kernels.reference import delta_weight as _reference_delta_weight
 from deltazip.kernels.scheme import DeltaScheme, SchemeShaped
 
-LAYOUTS = ("transposed", "mma")
+LAYOUTS = ("canonical", "mma")
 _LAYOUT_ENV = "DELTAZIP_SBMM_LAYOUT"
 _ROW_CHUNK = 1024  # rows repacked at a time (bounds the int64 temporaries of a 7B-sized linear)
 
@@ -61,8 +52,8 @@ _ROW_CHUNK = 1024  # rows repacked at a time (bounds the int64 temporaries of a 
 def choose_layout(layout: str, *, bits: int, group_size: int, in_features: int,
                   device: torch.device | str) -> str:
     """Resolve ``"auto"``: ``"mma"`` for a stack on CUDA whose configuration the layout holds
-    (:func:`deltazip.kernels.mma_layout.supported`), else ``"transposed"``. ``DELTAZIP_SBMM_LAYOUT``
-    (read here, at allocation only) overrides ``"auto"``: ``transposed`` always, ``mma`` wherever the
+    (:func:`deltazip.kernels.mma_layout.supported`), else ``"canonical"``. ``DELTAZIP_SBMM_LAYOUT``
+    (read here, at allocation only) overrides ``"auto"``: ``canonical`` always, ``mma`` wherever the
     configuration has one (any device: the CPU tests of the layout). An explicit ``layout="mma"`` for
     a configuration without one raises."""
     if layout not in (*LAYOUTS, "auto"):
@@ -78,11 +69,11 @@ def choose_layout(layout: str, *, bits: int, group_size: int, in_features: int,
     if env not in (*LAYOUTS, "auto"):
         raise ValueError(f"{_LAYOUT_ENV}={env!r}: use one of {LAYOUTS} or 'auto'")
     if env != "auto":
-        return "mma" if env == "mma" and ok else "transposed"
+        return "mma" if env == "mma" and ok else "canonical"
     # a configuration only a preview kernel path serves (a padded last K tile, narrow groups) keeps the
-    # transposed layout the reference reads directly until that path passes parity on a GPU
+    # canonical layout the reference reads directly until that path passes parity on a GPU
     ok = ok and preview.allowed(bits, group_size, in_features)
-    return "mma" if ok and torch.device(device).type == "cuda" else "transposed"
+    return "mma" if ok and torch.device(device).type == "cuda" else "canonical"
 
 
 @dataclass
@@ -90,14 +81,14 @@ class StackedDeltas(SchemeShaped):
     """``D`` compressed deltas of one ``[out, in]`` linear in the kernel-ready layout (module docstring).
 
     Attributes:
-        qweight: int32 ``[D, Kw, out]`` (``mma``: ``[D, slot_words]``).
-        scales: fp16 ``[D, G, out]`` (``mma``: ``[D, G, OUTP]``).
-        zeros: uint8 ``[D, G, out]`` (``mma``: fp16 ``[D, G, OUTP]``) or None (symmetric).
-        positions: int32 ``[D, Kp, out]`` or None (dense, no 2:4, or the ``mma`` layout).
+        qweight: int32 ``[D, out, Kw]`` (``mma``: ``[D, slot_words]``).
+        scales: fp16 ``[D, out, G]`` (``mma``: ``[D, GP, OUTP]``).
+        zeros: uint8 ``[D, out, G]`` (``mma``: fp16 ``[D, GP, OUTP]``) or None (symmetric).
+        positions: int32 ``[D, out, Kp]`` or None (dense, no 2:4, or the ``mma`` layout).
         scheme: shared by every slot; ``scheme.sym`` is False exactly when ``zeros`` is stored (a
             stack with zero points holds symmetric deltas too, their implicit zero point written out).
         in_features, out_features: of every slot.
-        layout: ``"transposed"`` or ``"mma"`` (module docstring).
+        layout: ``"canonical"`` or ``"mma"`` (module docstring).
         compact: (``mma``, 2:4 only) the kept codes and their positions in the compact layout the
             kernel's sparse MMA reads (``deltazip.kernels.mma_sparse``), not expanded to every column.
     """
@@ -109,7 +100,7 @@ class StackedDeltas(SchemeShaped):
     scheme: DeltaScheme
     in_features: int
     out_features: int
-    layout: str = "transposed"
+    layout: str = "canonical"
     compact: bool = False
 
     @property
@@ -138,7 +129,7 @@ class StackedDeltas(SchemeShaped):
 
         Args:
             scheme: what the slots hold; an asymmetric scheme allocates zero points.
-            layout: ``"transposed"``, ``"mma"`` or ``"auto"`` (:func:`choose_layout`).
+            layout: ``"canonical"``, ``"mma"`` or ``"auto"`` (:func:`choose_layout`).
             compact: an ``mma`` stack of 2:4 deltas in the compact layout (:func:`compact_for`; None: where
                 it has one and the ``sparse-mma`` preview is on).
             fields: instead of ``scheme``, its loose fields ``bits``, ``group_size``, ``sparse``,
@@ -166,14 +157,13 @@ class StackedDeltas(SchemeShaped):
                 torch.zeros(num_slots, gp, outp, dtype=torch.float16, device=device) if asym else None,
                 None, scheme, in_features, out_features, layout="mma", compact=compact,
             )
-        kept = scheme.kept_per_row(in_features)
-        qweight = torch.zeros(num_slots, packed_words(kept, scheme.bits), out_features, dtype=torch.int32,
-                              device=device)
+        kept, o = scheme.kept_per_row(in_features), out_features
+        qweight = torch.zeros(num_slots, o, packed_words(kept, scheme.bits), dtype=torch.int32, device=device)
         positions = None
         if scheme.sparse:
-            positions = torch.zeros(num_slots, packed_words(kept, 2), out_features, dtype=torch.int32, device=device)
-        scales = torch.zeros(num_slots, g, out_features, dtype=torch.float16, device=device)
-        zeros = torch.zeros(num_slots, g, out_features, dtype=torch.uint8, device=device) if asym else None
+            positions = torch.zeros(num_slots, o, packed_words(kept, 2), dtype=torch.int32, device=device)
+        scales = torch.zeros(num_slots, o, g, dtype=torch.float16, device=device)
+        zeros = torch.zeros(num_slots, o, g, dtype=torch.uint8, device=device) if asym else None
         return cls(qweight, scales, zeros, positions, scheme, in_features, out_features)
 
     def slots(self, start: int, stop: int) -> StackedDeltas:
@@ -217,25 +207,25 @@ class StackedDeltas(SchemeShaped):
             raise IndexError(f"slot {slot} outside [0, {self.num_deltas})")
         delta.validate()
         self._check_compatible(delta, row0)
-        dev = self.device
         if self.layout == "mma":
-            self._write_mma(slot, delta.to(dev), row0)
+            self._write_mma(slot, delta.to(self.device), row0)
             return
         rows = slice(row0, row0 + delta.out_features)
-        self.qweight[slot, :, rows].copy_(delta.qweight.to(dev).T)
+        self.qweight[slot, rows].copy_(delta.qweight)
         if self.positions is not None:
-            self.positions[slot, :, rows].copy_(delta.positions.to(dev).T)
-        self.scales[slot, :, rows].copy_(delta.scales.to(dev).T)
+            self.positions[slot, rows].copy_(delta.positions)
+        self.scales[slot, rows].copy_(delta.scales)
         if self.zeros is not None:
             if delta.zeros is None:
-                self.zeros[slot, :, rows].fill_(2 ** (delta.bits - 1))
+                self.zeros[slot, rows].fill_(2 ** (delta.bits - 1))
             else:
-                self.zeros[slot, :, rows].copy_(delta.zeros.to(dev).T)
+                self.zeros[slot, rows].copy_(delta.zeros)
 
     def clear_rows(self, slot: int, row0: int, rows: int) -> None:
         """Make output rows ``row0 .. row0 + rows - 1`` of ``slot`` a zero delta (scale 0; the codes
         stay, ``(code - zero) * 0`` is exactly 0)."""
-        self.scales[slot, :, row0:row0 + rows].zero_()
+        scales = self.scales[slot] if self.layout == "canonical" else self.scales[slot].T  # [out(p), G(p)]
+        scales[row0:row0 + rows].zero_()
 
     def _write_mma(self, slot: int, delta: PackedDelta, row0: int = 0) -> None:
         out_f, bits = delta.out_features, self.bits
@@ -297,7 +287,8 @@ class StackedDeltas(SchemeShaped):
     def unstack(self, slot: int) -> PackedDelta:
         """Slot ``slot`` back in canonical layout (asymmetric stacks return explicit zero points).
 
-        From the ``mma`` layout the delta is equivalent rather than identical under 2:4 (module
+        From the ``canonical`` layout its parts are views of the slot (a later write into the slot shows
+        through); from the ``mma`` layout a new delta, equivalent rather than identical under 2:4 (module
         docstring)."""
         if not 0 <= slot < self.num_deltas:
             raise IndexError(f"slot {slot} outside [0, {self.num_deltas})")
@@ -305,7 +296,7 @@ class StackedDeltas(SchemeShaped):
             return self._unstack_mma(slot)
 
         def t(part):
-            return None if part is None else part[slot].T.contiguous()
+            return None if part is None else part[slot]
 
         return PackedDelta(t(self.qweight), t(self.scales), t(self.zeros), t(self.positions),
                            self._slot_scheme(), self.in_features, self.out_features)
@@ -355,7 +346,7 @@ def repack(deltas: list[PackedDelta], device: torch.device | str | None = None, 
         deltas: ``D >= 1`` deltas sharing bits, group size, sparsity and shape; any mix of symmetric
             and asymmetric quantization.
         device: where the stack lives (default: the device of ``deltas[0]``).
-        layout: ``"transposed"``, ``"mma"`` or ``"auto"`` (:func:`choose_layout`).
+        layout: ``"canonical"``, ``"mma"`` or ``"auto"`` (:func:`choose_layout`).
         compact: as :meth:`StackedDeltas.allocate`.
     Returns:
         A ``StackedDeltas`` with ``num_deltas == D``.

@@ -2,11 +2,10 @@
 
 Tolerance (``assert_matches``): the reference computes in fp32 and rounds once to ``x.dtype``. The
 kernels feed integer codes (exact in fp16/bf16) to the tensor core and apply the fp32 scale
-afterwards when a K tile lies inside one quantization group; otherwise (the transposed kernel with group
-sizes that are not a multiple of its K tile) they round each dequantized weight to ``x.dtype``
-first. So per element ``|y - ref| <= eps * sum_k |x_k w_k| + eps * |ref|`` (weight rounding, then
-one ulp of the final rounding, ``eps = torch.finfo(dtype).eps``), plus fp32 summation-order noise
-(``1e-5 * sum``).
+afterwards (within a group); a path that dequantizes first (``dequant_mm``) rounds each weight to
+``x.dtype`` before the product. So per element ``|y - ref| <= eps * sum_k |x_k w_k| + eps * |ref|``
+(weight rounding, then one ulp of the final rounding, ``eps = torch.finfo(dtype).eps``), plus fp32
+summation-order noise (``1e-5 * sum``).
 """
 
 from __future__ import annotations

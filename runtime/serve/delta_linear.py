@@ -258,7 +258,7 @@ class PackedStore:
         self.dq: torch.Tensor | None = None  # [N, out, in] dequantized deltas (ctx.dequantize)
         self.dq_owners: dict[int, set[int]] = {}  # slot -> first rows of the dequantized deltas written
         # Stack layout: a merged group whose member boundaries are not on 64-row tiles cannot use the
-        # CUDA kernel's tiles (one writer per tile) and asks for the transposed layout.
+        # CUDA kernel's tiles (one writer per tile) and asks for the canonical layout.
         self.layout = "auto"
 
     @property

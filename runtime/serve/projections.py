@@ -49,7 +49,7 @@ class ProjectionGroup:
     Args:
         members: the ``DeltaLinear`` modules, in output order; same input size, dtype and device,
             all with a bias or none, no slot loaded yet. When a member boundary is not a multiple of
-            64 rows the stacks take the transposed layout (a 64-row tile of the CUDA kernel's layout
+            64 rows the stacks take the canonical layout (a 64-row tile of the CUDA kernel's layout
             belongs to one member; on CUDA such projections are not merged, :func:`why_not_mergeable`).
         ctx: the model's context.
     """
@@ -72,7 +72,7 @@ class ProjectionGroup:
             self.bias = None if members[0].bias is None else _stacked([m.bias for m in members], self.rows)
         self.store = PackedStore(ctx, self.in_features, o, w0.device, w0.dtype)
         if any(r0 % ROW_BLOCK for r0, _ in self.rows):
-            self.store.layout = "transposed"  # a 64-row tile of the mma layout would span two members
+            self.store.layout = "canonical"  # a 64-row tile of the mma layout would span two members
         for m, (r0, _) in zip(members, self.rows):
             m._store, m._row0, m.merged = self.store, r0, self
         self._key: tuple | None = None

@@ -45,7 +45,7 @@ def test_every_writable_scheme_is_served_by_the_cuda_kernel_or_by_the_reference_
                     assert dispatch.layout_for(s, in_f, dt, "cuda") == "mma"
                     assert mma_layout.group_params(s.group_size, in_f) is not None and s.bits in cuda_sbmm.BITS
                 else:
-                    assert dispatch.layout_for(s, in_f, dt, "cuda") == "transposed"
+                    assert dispatch.layout_for(s, in_f, dt, "cuda") == "canonical"
                     ref.setdefault(why.split(" (")[0].split(" at ")[0], set()).add((s.bits, s.effective_group(in_f)))
     assert served > 0
     # The reference serves exactly these, each named at start-up (docs/kernels.md lists them):
@@ -77,7 +77,7 @@ def test_with_every_preview_path_on_the_kernel_serves_every_2_4_8_bit_scheme_wit
                           (DeltaScheme(bits=8, group_size=192), 4608, "split-groups")):
         why = dispatch.coverage(s, in_f, torch.float16)
         assert why is not None and f"{preview.ENV}={name}" in why, why
-        assert dispatch.layout_for(s, in_f, torch.float16, "cuda") == "transposed"
+        assert dispatch.layout_for(s, in_f, torch.float16, "cuda") == "canonical"
     monkeypatch.setenv(preview.ENV, "all")
     served = set()
     for s in SCHEMES:

@@ -106,19 +106,19 @@ def test_mma_stack_write_unstack(bits, sparse):
 def test_choose_layout(monkeypatch):
     kw = dict(bits=4, group_size=128, in_features=256)
     monkeypatch.delenv("DELTAZIP_SBMM_LAYOUT", raising=False)
-    assert choose_layout("auto", device="cpu", **kw) == "transposed"  # the mma layout is for the CUDA kernel
+    assert choose_layout("auto", device="cpu", **kw) == "canonical"  # the mma layout is for the CUDA kernel
     assert choose_layout("mma", device="cpu", **kw) == "mma"
     monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", "mma")
     assert choose_layout("auto", device="cpu", **kw) == "mma"
-    monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", "transposed")
-    assert choose_layout("auto", device="cpu", **kw) == "transposed"
+    monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", "canonical")
+    assert choose_layout("auto", device="cpu", **kw) == "canonical"
     for bad in (dict(bits=6, group_size=128, in_features=256), dict(bits=4, group_size=24, in_features=384),
                 dict(bits=2, group_size=200, in_features=1000), dict(bits=4, group_size=-1, in_features=100)):
         with pytest.raises(ValueError, match="no mma layout"):
             choose_layout("mma", device="cpu", **bad)
         for env in ("mma", "auto"):  # a preference, not an order
             monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", env)
-            assert choose_layout("auto", device="cpu", **bad) == "transposed"
+            assert choose_layout("auto", device="cpu", **bad) == "canonical"
     with pytest.raises(ValueError, match="layout"):
         choose_layout("fancy", device="cpu", **kw)
     monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", "fancy")
@@ -126,7 +126,7 @@ def test_choose_layout(monkeypatch):
         choose_layout("auto", device="cpu", **kw)
 
 
-@pytest.mark.parametrize("layout", ["mma", "transposed"])
+@pytest.mark.parametrize("layout", ["mma", "canonical"])
 def test_write_rows_builds_a_merged_stack_and_clear_rows_zeroes_a_member(layout):
     """Deltas of [64, in], [64, in] and [32, in] written at rows 0, 64, 128 of one [160, in] stack give
     the row-concatenated delta; clearing one member's rows leaves a zero delta there."""
@@ -194,14 +194,14 @@ def test_a_padded_last_k_tile_reads_back_exactly_and_adds_nothing(bits, group, i
 
 
 def test_a_padded_k_stack_takes_the_mma_layout_on_cuda_only_in_preview(monkeypatch):
-    """Until the padded build passes parity on a GPU, a CUDA stack over 576 columns keeps the transposed
+    """Until the padded build passes parity on a GPU, a CUDA stack over 576 columns keeps the canonical
     layout (the reference reads it) unless DELTAZIP_CUDA_PREVIEW names padded-k; 4096 columns take the
     mma layout either way; a misspelt preview name is refused with the known ones."""
     from deltazip.kernels import preview
 
     monkeypatch.delenv(preview.ENV, raising=False)
     kw = dict(bits=4, group_size=64, device="cuda")
-    assert choose_layout("auto", in_features=576, **kw) == "transposed"
+    assert choose_layout("auto", in_features=576, **kw) == "canonical"
     assert choose_layout("auto", in_features=4096, **kw) == "mma"
     monkeypatch.setenv(preview.ENV, "padded-k")
     assert choose_layout("auto", in_features=576, **kw) == "mma"
@@ -213,7 +213,7 @@ def test_a_padded_k_stack_takes_the_mma_layout_on_cuda_only_in_preview(monkeypat
     gen = torch.Generator().manual_seed(0)
     padded = repack([make_delta(64, 576, 4, 64, True, False, gen)], layout="mma")
     whole = repack([make_delta(64, 512, 4, 64, True, False, gen)], layout="mma")
-    flat = repack([make_delta(64, 576, 4, 64, True, False, gen)], layout="transposed")
+    flat = repack([make_delta(64, 576, 4, 64, True, False, gen)], layout="canonical")
     assert preview.used_by(padded) == ["padded-k"] and preview.used_by(whole) == preview.used_by(flat) == []
 
 
@@ -265,8 +265,8 @@ def test_a_group_the_kernel_does_not_read_whole_is_held_as_sub_groups_that_read_
 
 def test_groups_the_kernel_cannot_read_keep_the_reference_layout():
     """A 16-column mma step would span two groups of 24 (or 8, or 200): no mma layout, so the stack takes
-    the transposed layout the reference reads, and an explicit mma layout is refused."""
+    the canonical layout the reference reads, and an explicit mma layout is refused."""
     for group, in_f in ((24, 384), (8, 512), (200, 1000), (40, 960)):
         assert mma_layout.layout_group(group, in_f) is None and not mma_layout.supported(4, group, in_f)
-        assert choose_layout("auto", bits=4, group_size=group, in_features=in_f, device="cuda") == "transposed"
+        assert choose_layout("auto", bits=4, group_size=group, in_features=in_f, device="cuda") == "canonical"
     assert mma_layout.layout_group(-1, 1000) == 1000 and mma_layout.layout_group(384, 1536) == 384

@@ -128,17 +128,19 @@ def test_sbmm_rejects_bad_inputs():
 
 
 @pytest.mark.parametrize("sparse", [False, True])
-def test_repack_is_a_transpose_of_the_canonical_layout(sparse):
+def test_repack_stacks_the_canonical_parts_and_unstacks_views_of_them(sparse):
     gen = torch.Generator().manual_seed(6)
     deltas = [make_delta(24, 64, 4, 32, sparse, False, gen)[0] for _ in range(3)]
     stack = repack(deltas)
     assert stack.num_deltas == 3 and not stack.asymmetric and stack.sparse == sparse
-    assert stack.qweight.shape == (3, deltas[0].qweight.shape[1], 24) and stack.qweight.is_contiguous()
-    assert stack.scales.shape == (3, 2, 24)
+    assert stack.layout == "canonical" and stack.qweight.shape == (3, *deltas[0].qweight.shape)
+    assert stack.qweight.is_contiguous()
+    assert stack.scales.shape == (3, 24, 2)
     assert stack.nbytes() == sum(d.nbytes() for d in deltas)
     for i, d in enumerate(deltas):
         back = stack.unstack(i)
         assert torch.equal(back.qweight, d.qweight) and torch.equal(back.scales, d.scales)
+        assert back.qweight.data_ptr() == stack.qweight[i].data_ptr()  # a view of the slot, no copy
         assert back.zeros is None
         if sparse:
             assert torch.equal(back.positions, d.positions)
@@ -146,7 +148,7 @@ def test_repack_is_a_transpose_of_the_canonical_layout(sparse):
         # Slot i starts at element offset i * slot size of the one flat tensor.
         flat = stack.qweight.reshape(-1)
         per = stack.qweight[0].numel()
-        assert torch.equal(flat[i * per:(i + 1) * per].reshape(-1, 24).T, d.qweight)
+        assert torch.equal(flat[i * per:(i + 1) * per].reshape(24, -1), d.qweight)
 
 
 def test_stack_of_symmetric_and_asymmetric_deltas_writes_implicit_zero_points():

@@ -54,7 +54,7 @@ def test_grouped_product_equals_the_per_pair_loop(sparse):
     want = _loop(x, slot, expert, deltas)
     assert want[slot >= 0].abs().sum() > 0
     got_list = reference.sbmm_experts(x, slot, expert, deltas, EXPERTS)
-    got_stack = dispatch.sbmm_experts(x, slot, expert, repack(deltas, layout="transposed"), EXPERTS)
+    got_stack = dispatch.sbmm_experts(x, slot, expert, repack(deltas, layout="canonical"), EXPERTS)
     for got in (got_list, got_stack):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert not got[slot == -1].any()

@@ -22,7 +22,7 @@ def test_every_kind_has_one_codec_in_its_own_module():
     for kind in codecs.kinds(manifest_only=False):
         assert codecs.get(kind).kind == kind
         assert codecs.codec_file(kind).parent == ROOT / "formats" / "codecs"
-    assert codecs.get("packed").layouts == ("transposed", "mma")  # what it offers the SBMM kernels
+    assert codecs.get("packed").layouts == ("canonical", "mma")  # what it offers the SBMM kernels
     with pytest.raises(Exception, match="unknown kind 'codebook'"):
         codecs.get("codebook")
 
