@@ -172,7 +172,7 @@ def sbmm_experts(x: torch.Tensor, slot_index: torch.Tensor, expert_index: torch.
 
 
 def lora(x: torch.Tensor, lora_index: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-         scale: torch.Tensor) -> torch.Tensor:
+         scale: torch.Tensor, defer: Callable[[grouped_lora.Shape], None] | None = None) -> torch.Tensor:
     """Grouped LoRA ``y[r] = (x[r] @ A[i].T) @ B[i].T * scale[i]``, ``i = lora_index[r]``; -1 gives zeros,
     on the path measured fastest for the shape and rows bucket (``deltazip.kernels.grouped_lora``: a GEMM
     pair per adapter, two GEMMs over every adapter, or torch's grouped GEMM), counted in :data:`CALLS`
@@ -180,12 +180,13 @@ def lora(x: torch.Tensor, lora_index: torch.Tensor, A: torch.Tensor, B: torch.Te
 
     Args:
         x: ``[N, in]``; lora_index: integer ``[N]`` in ``[-1, L)``; A: ``[L, rank, in]``;
-        B: ``[L, out, rank]``; scale: ``[L]``.
+        B: ``[L, out, rank]``; scale: ``[L]``; defer: as ``grouped_lora.lora`` (a server's request path
+        measures nothing: it hands an unmeasured key to its tuner).
     Returns:
         ``[N, out]`` in ``x.dtype``.
     """
     reference.check_lora_shapes(x, A, B, scale)
-    y, path = grouped_lora.lora(x, lora_index, A, B, scale)
+    y, path = grouped_lora.lora(x, lora_index, A, B, scale, defer)
     CALLS[f"lora_{path}"] += 1
     return y
 

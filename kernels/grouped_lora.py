@@ -12,8 +12,11 @@ the fastest of three implementations, chosen by measuring them.
 :func:`lora` measures every candidate at the first call of a key (device, dtype, stack shape, rows
 bucket), on the call's own adapters with the rows spread over as many of them as there are rows (the
 loop's worst case: it cannot see how many a batch uses without a sync), checks each against the loop
-(a candidate that raises or differs is not chosen) and keeps the fastest for the process. Inside CUDA
-graph capture nothing is measured: a measured graph-safe choice runs, else ``stacked``.
+(a candidate that raises or differs is not chosen) and keeps the fastest for the process. A server
+measures nothing on its request path: its calls pass ``defer``, which receives the :class:`Shape` of
+an unmeasured key once (the server's tuner measures it off the engine thread, :func:`measure_shape`,
+on random factors of that shape) while :func:`default_path` serves it. Inside CUDA graph capture
+nothing is measured: a measured graph-safe choice runs, else ``stacked``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -134,8 +139,59 @@ def measure(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tens
     return out
 
 
-def choose(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor) -> str:
-    """The path of this call's key: measured at its first call outside graph capture, kept after."""
+@dataclass(frozen=True)
+class Shape:
+    """What a key's measurement needs: the device, the activations' and the factors' dtypes, the stack's
+    ``L`` adapters of rank ``R`` over ``in -> out``, and the rows bucket."""
+
+    device: torch.device
+    dtype: torch.dtype
+    factor_dtype: torch.dtype
+    num: int
+    rank: int
+    in_features: int
+    out_features: int
+    rows: int
+
+    @property
+    def key(self) -> tuple:
+        """:func:`key` of a call of this shape."""
+        return (self.device.type, self.device.index, self.dtype, self.num, self.rank, self.in_features,
+                self.out_features, self.rows)
+
+
+def default_path(device: torch.device) -> str:
+    """What serves an unmeasured key whose measurement is deferred: on a GPU the stacked GEMMs (no sync,
+    graph-safe), on a CPU the loop (the reference)."""
+    return "stacked" if device.type == "cuda" else "loop"
+
+
+def _keep(k: tuple, times: dict) -> str:
+    MEASURED[k] = times
+    ok = {p: t for p, t in times.items() if isinstance(t, float)}
+    path = CHOICES[k] = min(ok, key=ok.get) if ok else "loop"
+    return path
+
+
+def measure_shape(shape: Shape, reps: int = 5) -> str:
+    """Measure a deferred key on random factors of its shape (a server's tuner, off the engine thread)
+    and keep the fastest path for the process; returns it."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    n, r, i, o = shape.num, shape.rank, shape.in_features, shape.out_features
+    a = (torch.randn(n, r, i, generator=gen) / i**0.5).to(device=shape.device, dtype=shape.factor_dtype)
+    b = (torch.randn(n, o, r, generator=gen) / max(r, 1)**0.5).to(device=shape.device, dtype=shape.factor_dtype)
+    scale = torch.ones(n, device=shape.device)
+    x = torch.empty(shape.rows, i, device=shape.device, dtype=shape.dtype)  # measure reads its rows bucket only
+    return _keep(shape.key, measure(x, a, b, scale, reps))
+
+
+QUEUED: set[tuple] = set()  # deferred keys handed to a ``defer`` already
+
+
+def choose(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
+           defer: Callable[[Shape], None] | None = None) -> str:
+    """The path of this call's key: measured at its first call outside graph capture (with ``defer``:
+    handed to it once, :func:`default_path` serving until it is measured), kept after."""
     k = key(x, A, B)
     path = CHOICES.get(k)
     if path is not None:
@@ -144,22 +200,27 @@ def choose(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tenso
         return "stacked"
     if not dispatch_table.enabled():  # DELTAZIP_AUTOTUNE=0: nothing measured, the reference serves
         return "loop"
-    times = MEASURED[k] = measure(x, A, B, scale)
-    ok = {p: t for p, t in times.items() if isinstance(t, float)}
-    path = CHOICES[k] = min(ok, key=ok.get) if ok else "loop"
-    return path
+    if defer is not None:
+        if k not in QUEUED:
+            QUEUED.add(k)
+            defer(Shape(x.device, x.dtype, A.dtype, *A.shape, B.shape[1], rows_bucket(x.shape[0])))
+        return default_path(x.device)
+    return _keep(k, measure(x, A, B, scale))
 
 
-def lora(x: torch.Tensor, index: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor) -> tuple:
+def lora(x: torch.Tensor, index: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
+         defer: Callable[[Shape], None] | None = None) -> tuple:
     """``(y, path)``: grouped LoRA on the measured fastest path.
 
     Args:
         x: ``[N, in]``; index: integer ``[N]`` in ``[-1, L)``; A: ``[L, R, in]``; B: ``[L, out, R]``
             (ranks below ``R`` zero-padded); scale: ``[L]``.
+        defer: called once with the :class:`Shape` of an unmeasured key instead of measuring it now
+            (a server's request path); :func:`default_path` serves the call.
     Returns:
         ``[N, out]`` in ``x.dtype``, and the path that ran.
     """
-    path = choose(x, A, B, scale)
+    path = choose(x, A, B, scale, defer)
     if path == "loop" and x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         path = "stacked"  # the loop lists adapters on the host: not capturable
     return _IMPL[path](x, index, A, B, scale), path

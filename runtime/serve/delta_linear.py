@@ -23,6 +23,7 @@ repeated ``t`` times (``t`` is the step's token count, or 1 for ``lm_head`` on t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +62,9 @@ class DeltaContext:
         self._row_slot_host: torch.Tensor | None = None
         self._segments: dict[tuple[int, frozenset[int]], SlotSegments | None] = {}
         self.generation = 0  # counts binds: a merged projection group's cached output is per forward
+        # Grouped LoRA's unmeasured keys go here instead of being measured in a forward (a server's tuner
+        # measures them off the engine thread; ``grouped_lora.lora(defer=...)``); None: measured at once.
+        self.defer_lora: Callable | None = None
 
     def bind(self, row_slots: list[int], device: torch.device | str) -> None:
         """Set the batch's slots: one per sequence row, ``-1`` for base rows, else in ``[0, N)``.
@@ -588,7 +592,7 @@ class DeltaLinear(nn.Module):
             y.add_(_ref_rows(x2, idx, self._dense, self._dense.keys() & active))
         if self._lora_rank.keys() & active:
             local = torch.where(self._lora_present[idx + 1], idx, torch.full_like(idx, -1))
-            y.add_(dispatch.lora(x2, local, self._lora_A, self._lora_B, self._lora_scale))
+            y.add_(dispatch.lora(x2, local, self._lora_A, self._lora_B, self._lora_scale, self.ctx.defer_lora))
         if self._bias_table is not None:
             y.add_(self._bias_table[self._bias_row[idx + 1]])
 

@@ -6,6 +6,10 @@ A key is one stack configuration, activation dtype and (rows, deltas) bucket (``
 and time every candidate; a test hands in another real callable) and reports its progress; until a key is
 measured, the prepared launches run it with the untuned default (``dispatch_table.default_choice``), and
 when it is, ``dispatch_table.changed`` makes them pick the measured choice up at their next call.
+
+Grouped LoRA's path choice (``deltazip.kernels.grouped_lora``) goes through the same thread: a request
+that meets an unmeasured LoRA key hands it over (:class:`LoraJob`, queued by ``DeltaContext.defer_lora``)
+and runs on ``grouped_lora.default_path`` until it is measured.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltazip.kernels import dispatch_table
+from deltazip.kernels import dispatch_table, grouped_lora
 from deltazip.kernels.stacked import StackedDeltas
 from deltazip.runtime.serve import kernel_tuning
 
@@ -42,6 +46,24 @@ class Job:
     @property
     def key(self) -> str:
         return dispatch_table.key(self.stack, self.dtype, self.rows, self.deltas)
+
+    def measured(self) -> bool:
+        return self.key in dispatch_table.table_for(self.stack.device).entries
+
+
+@dataclass(frozen=True)
+class LoraJob:
+    """One grouped-LoRA key to measure (``grouped_lora.Shape``), met by a request and deferred to the
+    tuner (``DeltaContext.defer_lora``); its choice lives in the process (``grouped_lora.CHOICES``)."""
+
+    shape: grouped_lora.Shape
+
+    @property
+    def key(self) -> tuple:
+        return self.shape.key
+
+    def measured(self) -> bool:
+        return self.key in grouped_lora.CHOICES
 
 
 def first_pairs(num_slots: int) -> list[tuple[int, int]]:
@@ -67,29 +89,32 @@ class Tuner:
         self.progress = {"keys_done": 0, "keys_total": 0}
         self.done_keys: set[str] = set()
         self._claimed: set[str] = set()  # keys measured, being measured or queued
-        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._queue: queue.Queue[Job | LoraJob | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._busy = 0
         self._lock = threading.Lock()
 
-    def _untuned(self, jobs: list[Job]) -> list[Job]:
+    def _untuned(self, jobs: list[Job | LoraJob]) -> list[Job | LoraJob]:
         """The jobs of keys neither in the table nor claimed yet, claimed now (each key is measured once)."""
         out = []
         with self._lock:
             for j in jobs:
                 k = j.key
-                if k not in self._claimed and k not in dispatch_table.table_for(j.stack.device).entries:
+                if k not in self._claimed and not j.measured():
                     self._claimed.add(k)
                     out.append(j)
         return out
 
-    def _run(self, job: Job) -> None:
-        self.measure(job.stack, job.dtype, job.rows, job.deltas)
+    def _run(self, job: Job | LoraJob) -> None:
+        if isinstance(job, LoraJob):
+            grouped_lora.measure_shape(job.shape)
+        else:
+            self.measure(job.stack, job.dtype, job.rows, job.deltas)
         self.done_keys.add(job.key)
         with self._lock:
             self.progress["keys_done"] += 1
 
-    def tune_now(self, jobs: list[Job]) -> int:
+    def tune_now(self, jobs: list[Job | LoraJob]) -> int:
         """Measure every untuned key of ``jobs`` on this thread; returns how many were measured."""
         todo = self._untuned(jobs)
         with self._lock:
@@ -102,7 +127,7 @@ class Tuner:
             log.info("tuned %d delta-matmul keys in %.1f s", len(todo), time.perf_counter() - t0)
         return len(todo)
 
-    def tune_later(self, jobs: list[Job]) -> int:
+    def tune_later(self, jobs: list[Job | LoraJob]) -> int:
         """Queue the untuned keys of ``jobs`` for the background thread (started on first use); returns
         how many were queued. Nothing waits for them."""
         todo = self._untuned(jobs)
@@ -144,8 +169,8 @@ class Tuner:
                 with self._lock:
                     self._busy -= 1
 
-    def _save(self, jobs: list[Job]) -> None:
-        for dev in {j.stack.device for j in jobs}:
+    def _save(self, jobs: list[Job | LoraJob]) -> None:
+        for dev in {j.stack.device for j in jobs if isinstance(j, Job)}:
             if dev.type == "cuda":
                 dispatch_table.table_for(dev).save()
 

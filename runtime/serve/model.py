@@ -54,7 +54,7 @@ from deltazip.runtime.serve.delta_linear import (
     is_linear,
     rms_norm_style,
 )
-from deltazip.runtime.serve.kernel_tuner import Tuner
+from deltazip.runtime.serve.kernel_tuner import LoraJob, Tuner
 from deltazip.runtime.serve.kernel_warmup import tune_new_keys
 from deltazip.runtime.serve.model_runner import left_pad, new_kv_pool, new_seq_kv, run_model, step_args
 from deltazip.runtime.serve.param_names import module_names
@@ -377,6 +377,7 @@ class DeltaModel:
         self.ledger.base_new_bytes, self.ledger.base_reused_bytes = new, reused
         self.config = self.model.config
         self.ctx = DeltaContext(num_slots, dequantize=self.delta_compute == "dequantized")
+        self.ctx.defer_lora = lambda shape: self.tuner.tune_later([LoraJob(shape)])  # never measured in a step
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         # Parameters that share storage (tied embeddings): a change to one is a change to all names
         # that the checkpoint does not store separately.

@@ -115,3 +115,30 @@ def test_with_autotune_off_nothing_is_measured_and_the_loop_serves(monkeypatch):
     y, path = grouped_lora.lora(x, torch.tensor([4, -1, 0]), a, b, scale)
     assert path == "loop" and k not in grouped_lora.MEASURED and k not in grouped_lora.CHOICES
     assert torch.equal(y, grouped_lora.loop(x, torch.tensor([4, -1, 0]), a, b, scale))
+
+
+def test_a_deferred_key_runs_the_default_path_and_is_handed_over_once(monkeypatch):
+    """With ``defer`` (a server's forward) an unmeasured key is not measured: its shape goes to ``defer``
+    once, the call runs the default path (the loop on a CPU) and gives the reference's result; measuring
+    the shape on random factors (the server's tuner) keeps a choice that the next call takes."""
+    for name, empty in (("CHOICES", {}), ("MEASURED", {}), ("QUEUED", set())):
+        monkeypatch.setattr(grouped_lora, name, empty)
+    gen = torch.Generator().manual_seed(10)
+    a, b, scale = _lora(4, 8, 64, 32, gen, torch.float32)
+    x = torch.randn(6, 64, generator=gen)
+    index = torch.tensor([3, -1, 0, 2, 2, 1])
+    handed = []
+    y, path = grouped_lora.lora(x, index, a, b, scale, defer=handed.append)
+    assert path == grouped_lora.default_path(x.device) == "loop" and not grouped_lora.MEASURED
+    assert torch.equal(y, grouped_lora.loop(x, index, a, b, scale))
+    grouped_lora.lora(x[:5], index[:5], a, b, scale, defer=handed.append)  # the same rows bucket: the same key
+    assert handed == [grouped_lora.Shape(torch.device("cpu"), torch.float32, torch.float32, 4, 8, 64, 32, 8)]
+    assert handed[0].key == grouped_lora.key(x, a, b)
+    kept = grouped_lora.measure_shape(handed[0])
+    times = grouped_lora.MEASURED[handed[0].key]
+    assert set(times) == set(grouped_lora.CANDIDATES) and kept == grouped_lora.CHOICES[handed[0].key]
+    assert kept == min((p for p in times if isinstance(times[p], float)), key=times.get)
+    y2, path2 = grouped_lora.lora(x, index, a, b, scale, defer=handed.append)
+    assert path2 == kept and len(handed) == 1
+    want = _rowwise(x, index, a, b, scale)
+    assert ((y2.double() - want).norm() / want.norm()).item() < 1e-5

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 
 import httpx
 import pytest
@@ -191,6 +192,49 @@ def test_lora_and_delta_rows_in_one_forward_equal_each_alone(fleet, server):
             torch.testing.assert_close(together[r], ref, rtol=1e-4, atol=1e-4)
     lin = backend.modules["model.layers.0.self_attn.q_proj"]
     assert lin._lora_rank and lin._dense  # LoRA and a dense replacement side by side in one linear
+
+
+def test_a_lora_key_met_by_a_request_is_measured_off_the_engine_thread(fleet, monkeypatch):
+    """A request's forward measures nothing: the first request of the adapter runs its unmeasured keys on
+    the default path (the loop, on a CPU) and hands them to the tuner, whose thread measures each once
+    while the engine is idle; the same request again runs the measured paths, queues nothing, and answers
+    the same (the merged model's greedy output)."""
+    from deltazip.kernels import dispatch, grouped_lora
+
+    for name, empty in (("CHOICES", {}), ("MEASURED", {}), ("QUEUED", set())):  # this test's keys only
+        monkeypatch.setattr(grouped_lora, name, empty)
+    threads = []
+    real = grouped_lora.measure
+
+    def counted(*a, **kw):
+        threads.append(threading.current_thread().name)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(grouped_lora, "measure", counted)
+
+    def complete(url):
+        r = httpx.post(url + "/v1/completions", json={"model": "lora", "prompt": PROMPTS[0], "max_tokens": 6,
+                                                      "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with single_thread():
+        srv, rt = start(fleet.arts, fleet.served.base_dir, max_deltas=2)
+        with srv:
+            dispatch.CALLS.clear()
+            first = complete(srv.url)
+            lora_paths = {k for k, n in dispatch.CALLS.items() if k.startswith("lora_") and n}
+            assert lora_paths == {"lora_loop"} and not threads  # nothing measured inside the request
+            queued = set(grouped_lora.QUEUED)
+            assert queued and rt.backend.tuner.wait(120)
+            assert set(threads) == {"deltazip-tuner"} and len(threads) == len(queued)
+            assert set(grouped_lora.CHOICES) == queued
+            dispatch.CALLS.clear()
+            again = complete(srv.url)
+            assert set(grouped_lora.QUEUED) == queued and len(threads) == len(queued)
+            assert {k for k, n in dispatch.CALLS.items() if k.startswith("lora_") and n} <= \
+                {f"lora_{p}" for p in grouped_lora.CHOICES.values()}
+    assert first == again == fleet.expected("lora", PROMPTS[0], 6)
 
 
 def test_lora_and_delta_requests_batched_over_http_equal_sequential(fleet, server):
