@@ -19,8 +19,8 @@
 #   step       65  bench/step.py: the decode step at batch 32 (base, generate, 1/8/32 variants, floors)
 #   gdeflate   20  bench/gdeflate_decode.py: nvCOMP GPU decode against the CPU library, one 7B-shaped variant
 #   tests      80  the gpu-marked tests and the CUDA kernel parity tests, at once, in parallel processes
-#   table      40  bench/sbmm_table.py --quick: the delta matmul table at 4096x4096 (the CUDA kernel, with the
-#                  Triton kernels where this checkout still has them)
+#   table      40  bench/sbmm_table.py --quick: the delta matmul table at 4096x4096 (the CUDA kernel beside
+#                  dense fp16 bmm and the bandwidth floor)
 #   preview   150  (not in the first call: STEPS=preview) the parity tests of the kernel's preview paths
 #                  (kernels/preview.py: a padded last K tile, narrow, wide and split groups, 3-bit codes, and the
 #                  launch options stream-k, pdl, evict-first); the first call's parity skips them
