@@ -100,13 +100,19 @@ def supported(stack: StackedDeltas, dtype: torch.dtype) -> bool:
     return stack.layout == "mma" and covers(stack.scheme, stack.in_features, dtype) is None
 
 
-def stage_bytes(stack: StackedDeltas, rb: int, kt: int = 1) -> int:
-    """Shared memory of one pipeline stage: codes, scales (and zero points) and activations."""
+def weight_stage_bytes(stack: StackedDeltas, rb: int, kt: int = 1) -> int:
+    """Bytes of one pipeline stage read from the stack (codes, scales, zero points): what a stage in
+    flight brings from DRAM (the activations come from L2)."""
     gk16, _ = group_params(stack)
     sg = 8 // gk16 if gk16 < 8 else 1
-    s_halves = rb * kt * sg * 64
     tile = 4 * mma_sparse.tile_words(stack.bits) if stack.compact else 1024 * stack.bits
-    return rb * kt * tile + (s_halves * (2 if stack.asymmetric else 1) + BM * (128 * kt + 8)) * 2
+    return rb * kt * tile + rb * kt * sg * 64 * 2 * (2 if stack.asymmetric else 1)
+
+
+def stage_bytes(stack: StackedDeltas, rb: int, kt: int = 1) -> int:
+    """Shared memory of one pipeline stage: its weight bytes (:func:`weight_stage_bytes`) and the tile's
+    activations (``BM`` rows of ``128 kt`` halves, padded by 8)."""
+    return weight_stage_bytes(stack, rb, kt) + BM * (128 * kt + 8) * 2
 
 
 def macros(stack: StackedDeltas, dtype: torch.dtype, cfg: CudaConfig, device_index: int = 0) -> dict[str, int]:

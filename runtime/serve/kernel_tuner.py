@@ -50,6 +50,14 @@ class Job:
     def measured(self) -> bool:
         return self.key in dispatch_table.table_for(self.stack.device).entries
 
+    def run(self, measure: Callable) -> None:
+        measure(self.stack, self.dtype, self.rows, self.deltas)
+
+    @property
+    def table_device(self) -> torch.device | None:
+        """Where the measured choice is saved (the dispatch table of the stack's GPU)."""
+        return self.stack.device if self.stack.device.type == "cuda" else None
+
 
 @dataclass(frozen=True)
 class LoraJob:
@@ -64,6 +72,11 @@ class LoraJob:
 
     def measured(self) -> bool:
         return self.key in grouped_lora.CHOICES
+
+    def run(self, measure: Callable) -> None:  # the tuner's SBMM measure does not apply
+        grouped_lora.measure_shape(self.shape)
+
+    table_device = None  # the choice lives in the process
 
 
 def first_pairs(num_slots: int) -> list[tuple[int, int]]:
@@ -106,10 +119,7 @@ class Tuner:
         return out
 
     def _run(self, job: Job | LoraJob) -> None:
-        if isinstance(job, LoraJob):
-            grouped_lora.measure_shape(job.shape)
-        else:
-            self.measure(job.stack, job.dtype, job.rows, job.deltas)
+        job.run(self.measure)
         self.done_keys.add(job.key)
         with self._lock:
             self.progress["keys_done"] += 1
@@ -170,9 +180,8 @@ class Tuner:
                     self._busy -= 1
 
     def _save(self, jobs: list[Job | LoraJob]) -> None:
-        for dev in {j.stack.device for j in jobs if isinstance(j, Job)}:
-            if dev.type == "cuda":
-                dispatch_table.table_for(dev).save()
+        for dev in {j.table_device for j in jobs} - {None}:
+            dispatch_table.table_for(dev).save()
 
     def close(self) -> None:
         """Stop the background thread after the key it is measuring."""

@@ -30,6 +30,7 @@ from dataclasses import astuple, replace
 import torch
 
 from deltazip.kernels import cuda_sbmm, dispatch_table, mma_sparse, preview
+from deltazip.kernels.cuda_sbmm import weight_stage_bytes
 from deltazip.kernels.dispatch_table import Choice
 from deltazip.kernels.row_plan import plan_rows, rows_bucket
 from deltazip.kernels.stacked import StackedDeltas
@@ -81,15 +82,6 @@ def waves(stack: StackedDeltas, num_tiles: int, cfg: cuda_sbmm.CudaConfig, devic
     count, whose fractional tail leaves SMs idle while the last wave runs."""
     return grid_ctas(stack, num_tiles, cfg, device_index) / (cuda_sbmm.sm_limits(device_index)[0]
                                                             * cuda_sbmm.ctas_per_sm(stack, cfg, device_index))
-
-
-def weight_stage_bytes(stack: StackedDeltas, rb: int, kt: int = 1) -> int:
-    """Bytes of one pipeline stage read from the stack (codes, scales, zero points): what a stage in
-    flight brings from DRAM (the activations come from L2)."""
-    gk16, _ = cuda_sbmm.group_params(stack)
-    sg = 8 // gk16 if gk16 < 8 else 1
-    tile = 4 * mma_sparse.tile_words(stack.bits) if stack.compact else 1024 * stack.bits
-    return rb * kt * tile + rb * kt * sg * 64 * 2 * (2 if stack.asymmetric else 1)
 
 
 def in_flight_bytes(stack: StackedDeltas, num_tiles: int, cfg: cuda_sbmm.CudaConfig, device_index: int = 0) -> int:
