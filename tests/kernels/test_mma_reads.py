@@ -1,0 +1,346 @@
+"""What the CUDA kernel's dense builds read from an ``mma`` stack, emulated on CPU (pure torch, no GPU).
+
+The kernel's own arithmetic, transcribed from ``kernels/cuda/sbmm.cu`` (the dense, not ``SP24``, code):
+
+- where each thread loads its code words in a stage (``w_rd``, the ``RUN``/``HV`` runs, the 3-bit high
+  plane at ``wb_rd``), and which A-fragment element each pair of codes becomes (``mma`` m16n8k16: pair
+  ``j`` of row half ``rr`` is row ``8 rr + lane / 4``, columns ``16 (j / 2) + 8 (j % 2) + 2 (lane % 4) + e``);
+- the "magic number" dequantization bit for bit (``dequant_pair``, ``dequant_pair3``: the shift, the
+  LOP3 mask, ``pow2_neg``, ``neg_int2`` and the packed FMA in fp16 or bf16);
+- which zero point each pair takes (``word_zeros``) and which scale each k16 step's partial sum is
+  flushed with (``flush`` after every ``GK16`` steps, or at a group's last tile or a split's, with
+  ``TILE_GROUP``/``GROUP_ENDS`` and the ``GDIV`` builds);
+- what ``dz_dequant`` (the prefill path's dequantize) writes.
+
+The weight they add up to, column by column, must be the reference's ``scale * (code - zero)`` exactly,
+for every scheme the dense builds serve: the validated 2-, 4- and 8-bit ones, and those only preview
+builds serve (3-bit planes, groups of 16 and 2-bit groups of 32, split and wide groups, a padded last K
+tile), whose GPU parity has not run yet. A GPU runs the same builds in tests/kernels/test_cuda_sbmm.py.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+import pytest
+import torch
+from _sbmm import make_delta
+
+from deltazip.kernels import cuda_sbmm, mma_layout, reference
+from deltazip.kernels.stacked import repack
+
+SOURCE = resources.files("deltazip.kernels").joinpath("cuda/sbmm.cu").read_text()
+U32 = 0xFFFFFFFF
+
+
+def _defines(name: str) -> list[str]:
+    return re.findall(rf"^#define {name} (\S+)", SOURCE, flags=re.M)
+
+
+def test_the_transcribed_constants_are_the_kernels():
+    """The magic numbers below are the source's (bf16 128.0 and fp16 1024.0, twice)."""
+    assert _defines("MAGIC") == ["0x43004300u", "0x64006400u"]
+    assert _defines("MANT") == ["7", "10"] and _defines("MVAL") == ["128", "1024"]
+
+
+def _magic(bits: int, bf16: bool) -> tuple[bool, int, int, int]:
+    """``(bf16 arithmetic, MANT, MVAL, MAGIC)`` of a build: bf16 magic below 8 bits, else fp16's."""
+    b = bf16 and bits < 8
+    return (b, 7, 128, 0x43004300) if b else (b, 10, 1024, 0x64006400)
+
+
+def _halves(v: torch.Tensor, as_bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two 16-bit halves of int64 words ``v`` (< 2**32) as fp64 values of fp16 or bf16."""
+    out = []
+    for h in (v & 0xFFFF, (v >> 16) & 0xFFFF):
+        bits16 = torch.where(h >= 1 << 15, h - (1 << 16), h).to(torch.int16)
+        out.append(bits16.view(torch.bfloat16 if as_bf16 else torch.float16).double())
+    return out[0], out[1]
+
+
+def _neg_int2(v: torch.Tensor, as_bf16: bool) -> torch.Tensor:
+    """``neg_int2``: -(v) in both halves, v > 0 an integer (int64 tensor)."""
+    e = torch.floor(torch.log2(v.double())).long()  # 31 - __clz(v)
+    if as_bf16:
+        h = 0x8000 | ((e + 127) << 7) | ((v << (7 - e)) & 0x7F)
+    else:
+        h = 0x8000 | ((e + 15) << 10) | ((v << (10 - e)) & 0x3FF)
+    return h * 0x10001
+
+
+def _pow2_neg(p: torch.Tensor, as_bf16: bool) -> torch.Tensor:
+    return ((0x3F80 - (p << 7)) if as_bf16 else (0x3C00 - (p << 10))) * 0x10001
+
+
+def _hfma2_to_dtype(t, p, c, as_bf16: bool, bf16_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hfma2(t, p, c)`` per half (the exact product and sum, one rounding to the build's half type),
+    then (8-bit codes under bf16) the conversion of the fp16 result to bf16."""
+    dtype = torch.bfloat16 if as_bf16 else torch.float16
+    out = []
+    for tt, pp, cc in zip(_halves(t, as_bf16), _halves(p, as_bf16), _halves(c, as_bf16)):
+        r = (tt * pp + cc).to(dtype)
+        out.append((r.to(torch.bfloat16) if bf16_out and not as_bf16 else r).double())
+    return out[0], out[1]
+
+
+def dequant_pair(w: torch.Tensor, j: torch.Tensor, z: torch.Tensor, bits: int, bf16: bool):
+    """``dequant_pair<J>(w, z)`` for 2, 4 and 8 bits (``J = j % PPW``): the pair's two exact (q - z)."""
+    as_bf16, mant, mval, magic = _magic(bits, bf16)
+    off = (bits * j) % 8
+    shifted = off + bits > mant
+    place = torch.where(shifted, 0, off)
+    v = w >> (8 * ((bits * j) // 8) + torch.where(shifted, off, 0))
+    t = (v & ((((1 << bits) - 1) << place) * 0x10001)) | magic  # lop3 (a & b) | c
+    return _hfma2_to_dtype(t, _pow2_neg(place, as_bf16), _neg_int2((mval >> place) + z, as_bf16), as_bf16, bf16)
+
+
+def dequant_pair3(wa: torch.Tensor, wb: torch.Tensor, j: torch.Tensor, z: torch.Tensor, bf16: bool):
+    """``dequant_pair3(wa, wb, j, z)``: 3-bit codes, low two bits from plane word ``wa``, high bit from ``wb``."""
+    as_bf16, _, mval, magic = _magic(3, bf16)
+    lo = ((wa >> (2 * (j % 8))) & 0x00030003) | magic
+    hb = torch.where(j >= 2, wb >> (j - 2).clamp(min=0), (wb << (2 - j).clamp(min=0)) & U32)
+    t = (hb & 0x00040004) | lo
+    return _hfma2_to_dtype(t, _pow2_neg(torch.zeros_like(j), as_bf16), _neg_int2(mval + z, as_bf16), as_bf16, bf16)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_magic_number_dequantization_is_exact_for_every_code_and_zero_point(bits, bf16):
+    """Every pair position of a word, every two codes (the other pairs' bits set at random: the mask must
+    drop them) and zero points across the range: each half is exactly (q - z) in the build's type."""
+    gen = torch.Generator().manual_seed(bits + 10 * bf16)
+    ppw = 8 if bits == 3 else 16 // bits
+    n = 1 << bits
+    q0, q1 = (a.flatten() for a in torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij"))
+    zs = torch.tensor(sorted({0, 1, n // 2, n - 1, *torch.randint(0, n, (4,), generator=gen).tolist()}))
+    q0, q1 = q0.repeat(len(zs)), q1.repeat(len(zs))
+    z = zs.repeat_interleave(n * n)
+    noise = torch.randint(0, 1 << 32, q0.shape, generator=gen, dtype=torch.int64)
+    for j in range(16 if bits == 3 else ppw):
+        jj = torch.full_like(q0, j)
+        if bits == 3:  # low bits at 2 (j % 8) of each half of plane word j // 8, the high bit at bit j
+            low_at, high_at = 2 * (j % 8), j
+            low_mask, high_mask = (3 << low_at) * 0x10001, (1 << high_at) * 0x10001
+            wa = (noise & ~low_mask & U32) | ((q0 & 3) << low_at) | ((q1 & 3) << (16 + low_at))
+            wb = (noise.flip(0) & ~high_mask & U32) | ((q0 >> 2) << high_at) | ((q1 >> 2) << (16 + high_at))
+            lo, hi = dequant_pair3(wa, wb, jj, z, bf16)
+        else:
+            at, mask = bits * j, ((n - 1) << (bits * j)) * 0x10001
+            w = (noise & ~mask & U32) | (q0 << at) | (q1 << (16 + at))
+            lo, hi = dequant_pair(w, jj, z, bits, bf16)
+        assert torch.equal(lo, (q0 - z).double()) and torch.equal(hi, (q1 - z).double()), f"pair {j}"
+
+
+# ------------------------------------------------------------------------------ the main loop's reads
+
+def _build_constants(stack):
+    """``(GK16, group_shift, SG, GDIV, RUN, PPW, TILE_WORDS)`` of the stack's dense build."""
+    bits = stack.bits
+    gk16, shift = cuda_sbmm.group_params(stack)
+    gdiv = mma_layout.divided_groups(stack.scheme.group_size, stack.in_features)
+    run = 2 if bits == 3 else min(bits, 4)
+    return gk16, shift, (8 // gk16 if gk16 < 8 else 1), gdiv, run, (8 if bits == 3 else 16 // bits), 256 * bits
+
+
+def _stage(stack, slot: int, cfg, nb0: int, kt: int):
+    """One pipeline stage as ``load_w`` fills it for the CTA of blocks ``nb0 ..`` at K tile ``kt``: the
+    code words ``[RB * KT * TILE_WORDS]`` (each 16-byte piece ``i = tid + j NTHREADS`` from word
+    ``(nb0 + r) k_tiles TILE_WORDS + kt TILE_WORDS + 4 p``, zero-filled past the matrix) and the scales and
+    zero points ``[RB, KT, SG, 64]`` (thread ``tid < RB KT SG 8`` copies 8 of them); every entry is asserted
+    written exactly once."""
+    gk16, shift, sg, gdiv, _, _, tw = _build_constants(stack)
+    kts, outp = mma_layout.k_tiles(stack.in_features), mma_layout.padded_rows(stack.out_features)
+    nblocks, nthreads = outp // 64, cfg.threads
+    words = stack.qweight[slot].to(torch.int64) & U32
+    total = cfg.rb * cfg.kt * tw // 4  # WTOTAL
+    wp = -(-total // nthreads)
+    tid, jp = (t.flatten() for t in torch.meshgrid(torch.arange(nthreads), torch.arange(wp), indexing="ij"))
+    i = tid + jp * nthreads
+    i = i[(wp * nthreads == total) | (i < total)]  # the copy's guard
+    assert torch.equal(i.sort().values, torch.arange(total)), f"{cfg}: stage pieces not copied exactly once"
+    r, p = i // (cfg.kt * tw // 4), i % (cfg.kt * tw // 4)
+    src = ((nb0 + r) * kts * tw + kt * tw + 4 * p)[:, None] + torch.arange(4)
+    ok = (nb0 + r < nblocks)[:, None]
+    stage = torch.zeros(total, 4, dtype=torch.int64)
+    stage[i] = torch.where(ok, words[src.clamp(max=words.numel() - 1)], 0)
+    stage = stage.flatten()
+    n_s = min(nthreads, cfg.rb * cfg.kt * sg * 8)  # the threads with `sload`
+    assert n_s == cfg.rb * cfg.kt * sg * 8, f"{cfg}: {cfg.rb * cfg.kt * sg * 8} scale pieces, {nthreads} threads"
+    tid = torch.arange(n_s)
+    s_r, s_u, s_g, s_p = tid // (cfg.kt * sg * 8), (tid // (sg * 8)) % cfg.kt, (tid // 8) % sg, tid % 8
+    t = kt + s_u
+    group = t * sg + s_g if gk16 < 8 else (t // shift if gdiv else t >> shift)
+    rows = ((nb0 + s_r) * 64 + 8 * s_p)[:, None] + torch.arange(8)
+    s_ok = (nb0 + s_r < nblocks)[:, None]
+    rows_c = rows.clamp(max=outp - 1)
+    scales = torch.where(s_ok, stack.scales[slot, group[:, None], rows_c].double(), 0.0)
+    zeros = (None if stack.zeros is None else
+             torch.where(s_ok, stack.zeros[slot, group[:, None], rows_c].to(torch.int64), 0))
+    shape = (cfg.rb, cfg.kt, sg, 64)
+    dst = ((s_r * cfg.kt + s_u) * sg + s_g) * 64 + 8 * s_p  # the pieces' places in the stage
+    assert torch.equal(dst.sort().values, torch.arange(0, shape[0] * shape[1] * sg * 64, 8))
+    out_s = torch.empty(n_s, 8, dtype=torch.float64)
+    out_s[dst // 8] = scales
+    out_z = None
+    if zeros is not None:
+        out_z = torch.empty(n_s, 8, dtype=torch.int64)
+        out_z[dst // 8] = zeros
+    return stage, out_s.reshape(shape), None if out_z is None else out_z.reshape(shape)
+
+
+def _thread_codes(tile: torch.Tensor, bits: int, run: int, ppw: int, w, lane, rr, j):
+    """The word(s) the kernel loads for pair ``j`` of row half ``rr`` of 16-row weight tile ``w`` (the
+    warp's tile ``wi + m``: ``w_rd`` plus ``m * 32 RUN`` words) and ``lane``, from one 64 x 128 tile of a
+    stage (3 bits: the low plane's word and the high plane's)."""
+    if bits == 3:  # w_rd: RUN 2 words per row half at rr * 256; wb_rd: 512 + (w * 32 + lane) + rr * 128
+        return tile[w * 32 * run + lane * run + rr * 4 * 32 * run + j // 8], tile[512 + w * 32 + lane + rr * 128]
+    iw = j // ppw  # the pair's word: hv = iw // RUN, v = iw % RUN
+    return (tile[(iw // run * 2 + rr) * 4 * 32 * run + w * 32 * run + lane * run + iw % run],)
+
+
+def _kernel_weight(stack, slot: int, bf16: bool, cfg, splits: list[tuple[int, int]]) -> torch.Tensor:
+    """fp64 ``[OUTP, INP]``: the weight the dense ``dz_sbmm`` with launch options ``cfg`` multiplies, read
+    from its stages (:func:`_stage`), each tile's k16 steps taking the scale their partial sum is flushed
+    with, over K ranges ``splits`` (the CTAs' ``[kt0, kt1)``)."""
+    bits = stack.bits
+    gk16, shift, sg, gdiv, run, ppw, tw = _build_constants(stack)
+    outp, kts = mma_layout.padded_rows(stack.out_features), mma_layout.k_tiles(stack.in_features)
+
+    def group_ends(t):
+        return (t + 1) % shift == 0 if gdiv else ((t + 1) & ((1 << shift) - 1)) == 0
+
+    w, lane, rr, j = torch.meshgrid(*(torch.arange(n) for n in (4, 32, 2, 16)), indexing="ij")
+    step = j // 2  # pairs 2 s and 2 s + 1 are k16 step s's a0/a2 (row half 0) and a1/a3 (row half 1)
+    cols = [16 * step + 8 * (j % 2) + 2 * (lane % 4) + e for e in (0, 1)]
+    in_block = 16 * w + 8 * rr + lane // 4  # the thread's row in its 64-row block
+    weight = torch.full((outp, kts * 128), float("nan"), dtype=torch.float64)
+    for kt0, kt1 in splits:
+        for nb0 in range(0, outp // 64, cfg.rb):
+            pending = {rb: [] for rb in range(cfg.rb)}  # tiles whose steps await their flush
+            for it in range((kt1 - kt0) // cfg.kt):
+                stage, scales, zeros = _stage(stack, slot, cfg, nb0, kt0 + it * cfg.kt)
+                for rb in range(cfg.rb):
+                    if nb0 + rb >= outp // 64:
+                        continue  # an inactive warp
+                    rows = (nb0 + rb) * 64 + in_block
+                    for u in range(cfg.kt):
+                        kt = kt0 + it * cfg.kt + u
+                        tile = stage[(rb * cfg.kt + u) * tw:][:tw]
+                        # word_zeros<2>: pair j covers k16 step j / 2, in-tile group (j / 2) / GK16 (GK16 8: the tile's)
+                        g = step // gk16 if gk16 < 8 else torch.zeros_like(step)
+                        z = torch.full_like(step, 1 << (bits - 1)) if stack.zeros is None else zeros[rb, u, g, in_block]
+                        loaded = _thread_codes(tile, bits, run, ppw, w, lane, rr, j)
+                        pair = (dequant_pair3(*loaded, j, z, bf16) if bits == 3 else
+                                dequant_pair(loaded[0], j % ppw, z, bits, bf16))
+                        if gk16 < 8:  # flush after step s when (s + 1) % GK16 == 0, with in-tile group s / GK16
+                            todo = []
+                            for s in range(8):
+                                todo.append(s)
+                                if (s + 1) % gk16:
+                                    continue
+                                for s_ in todo:
+                                    sel = step == s_
+                                    sc = scales[rb, u, s // gk16, in_block[sel]]
+                                    for e in (0, 1):
+                                        weight[rows[sel], kt * 128 + cols[e][sel]] = pair[e][sel] * sc
+                                todo = []
+                            assert not todo
+                            continue
+                        pending[rb].append((kt, pair))
+                        if group_ends(kt) or kt + 1 == kt1:  # flush: the pending tiles take this tile's scale
+                            sc = scales[rb, u, 0, in_block]
+                            for t, p in pending[rb]:
+                                for e in (0, 1):
+                                    weight[rows, t * 128 + cols[e]] = p[e] * sc
+                            pending[rb] = []
+            assert not any(pending.values())
+    return weight
+
+
+def _splits(k_tiles: int, kt: int = 1) -> list[list[tuple[int, int]]]:
+    """K ranges the CTAs of a launch take: one CTA, the host's split 3 (whole stages), and every stage cut
+    apart (what a stream-K launch may do to any unit)."""
+    per, n = cuda_sbmm.effective_split(k_tiles, cuda_sbmm.CudaConfig(split=3, kt=kt))
+    return [[(0, k_tiles)], [(i * per, min(k_tiles, (i + 1) * per)) for i in range(n)],
+            [(t, t + kt) for t in range(0, k_tiles, kt)]]
+
+
+def _configs(stack) -> list:
+    """Launch options whose stage and warp arithmetic differ: 1 or 2 blocks per CTA, 1 or 2 K tiles per
+    stage and 16-row tiles per warp where the stack allows them."""
+    return [cuda_sbmm.CudaConfig(rb=rb, kt=kt, mt=mt) for rb in (1, 2) for kt in (1, 2) for mt in (1, 2)
+            if cuda_sbmm.kt_ok(stack, kt) and cuda_sbmm.mt_ok(stack, mt)]
+
+
+# (bits, group, in_features): validated builds first, then those only a preview build serves
+SCHEMES = [(4, 128, 512), (2, 64, 512), (8, 32, 256), (4, -1, 384), (4, 256, 1024), (2, 128, 256),
+           (3, 128, 512), (3, 32, 256),                    # three-bit
+           (4, 16, 256), (2, 32, 256), (3, 16, 128),       # narrow-groups
+           (4, 96, 384), (2, 192, 768), (8, 48, 384),      # split-groups
+           (4, 384, 1536), (2, 384, 768),                  # wide-groups
+           (4, 64, 576), (2, -1, 320), (3, 32, 224), (8, -1, 448)]  # padded-k
+
+
+@pytest.mark.parametrize("bits,group,in_f", SCHEMES)
+@pytest.mark.parametrize("sparse,asym", [(True, False), (False, True)])
+def test_what_the_dense_mma_reads_is_the_delta(bits, group, in_f, sparse, asym):
+    """Column for column, for each launch config's stages and warps, over every way a launch cuts K
+    between CTAs, in fp16 and bf16 builds: the reference weight exactly; the padded last tile's columns
+    finite (they meet zero-filled activations)."""
+    gen = torch.Generator().manual_seed(bits * 101 + in_f + 7 * asym)
+    out_f = 70
+    delta = make_delta(out_f, in_f, bits, group, sparse, asym, gen)
+    stack = repack([delta], layout="mma", compact=False)
+    want = reference.delta_weight(delta).double()
+    kts = mma_layout.k_tiles(in_f)
+    for cfg in _configs(stack):
+        for bf16 in (False, True):
+            for splits in _splits(kts, cfg.kt):
+                got = _kernel_weight(stack, 0, bf16, cfg, splits)
+                assert torch.equal(got[:out_f, :in_f], want), f"{cfg}, bf16 {bf16}, K ranges {splits}"
+                assert bool(torch.isfinite(got).all())
+
+
+def _dequantize_kernel(stack, slot: int) -> torch.Tensor:
+    """fp64 ``[out, in]`` as the dense ``dz_dequant`` writes it: each thread's words at
+    ``wq[((iw / RUN * 2 + rr) * 4 + wi) * 32 RUN + lane RUN + iw % RUN]`` (3 bits: the plane word at
+    ``512 + (rr * 4 + wi) * 32 + lane``), pair ``j``'s columns, the scale and zero point of layout group
+    ``col / group``, columns past ``KCOLS`` not written."""
+    bits, out_f, in_f = stack.bits, stack.out_features, stack.in_features
+    _, _, _, _, run, ppw, tile_words = _build_constants(stack)
+    group = mma_layout.layout_group(stack.scheme.group_size, in_f)  # what dequantize_slot passes
+    kts = mma_layout.k_tiles(in_f)
+    words = stack.qweight[slot].to(torch.int64) & U32
+    out = torch.full((out_f, in_f), float("nan"), dtype=torch.float64)
+    wi, lane, rr, j = (t.flatten() for t in torch.meshgrid(*(torch.arange(n) for n in (4, 32, 2, 16)), indexing="ij"))
+    for nb in range(mma_layout.padded_rows(out_f) // 64):
+        for kt in range(kts):
+            wq = words[(nb * kts + kt) * tile_words:][:tile_words]
+            m = nb * 64 + 16 * wi + 8 * rr + lane // 4
+            col = kt * 128 + 16 * (j // 2) + 8 * (j % 2) + 2 * (lane % 4)
+            keep = (m < out_f) & (col < in_f)
+            if bits == 3:
+                lo = wq[((j // 8 // run * 2 + rr) * 4 + wi) * 32 * run + lane * run + (j // 8) % run]
+                hi = wq[512 + (rr * 4 + wi) * 32 + lane]
+                v = ((lo >> (2 * (j % 8))) & 0x00030003) | (((hi >> j) & 0x00010001) << 2)
+                mask = 7
+            else:
+                iw = j // ppw
+                v = wq[((iw // run * 2 + rr) * 4 + wi) * 32 * run + lane * run + iw % run] >> (bits * (j % ppw))
+                mask = (1 << bits) - 1
+            m_, col_, v_ = m[keep], col[keep], v[keep]
+            s = stack.scales[slot, col_ // group, m_].double()
+            z = (torch.full_like(s, 1 << (bits - 1)) if stack.zeros is None
+                 else stack.zeros[slot, col_ // group, m_].double())
+            out[m_, col_] = ((v_ & mask).double() - z) * s
+            out[m_, col_ + 1] = (((v_ >> 16) & mask).double() - z) * s
+    return out
+
+
+@pytest.mark.parametrize("bits,group,in_f", SCHEMES)
+def test_what_the_dense_dequantize_kernel_writes_is_the_delta(bits, group, in_f):
+    gen = torch.Generator().manual_seed(bits * 13 + in_f)
+    delta = make_delta(70, in_f, bits, group, True, True, gen)
+    stack = repack([delta], layout="mma", compact=False)
+    assert torch.equal(_dequantize_kernel(stack, 0), reference.delta_weight(delta).double())
