@@ -1,21 +1,26 @@
-"""What the CUDA kernel's dense builds read from an ``mma`` stack, emulated on CPU (pure torch, no GPU).
+"""What the CUDA kernel's builds read from an ``mma`` stack, emulated on CPU (pure torch, no GPU).
 
-The kernel's own arithmetic, transcribed from ``kernels/cuda/sbmm.cu`` (the dense, not ``SP24``, code):
+The kernel's own arithmetic, transcribed from ``kernels/cuda/sbmm.cu``:
 
-- where each thread loads its code words in a stage (``w_rd``, the ``RUN``/``HV`` runs, the 3-bit high
-  plane at ``wb_rd``), and which A-fragment element each pair of codes becomes (``mma`` m16n8k16: pair
-  ``j`` of row half ``rr`` is row ``8 rr + lane / 4``, columns ``16 (j / 2) + 8 (j % 2) + 2 (lane % 4) + e``);
+- how ``load_w`` fills a pipeline stage for each launch config (``RB``, ``KT``, ``MT``: which thread copies
+  which 16-byte piece of codes and which 8 scales and zero points, zero-filled past the matrix);
+- where each thread reads its code words in a stage (``w_rd``, the ``RUN``/``HV`` runs, the 3-bit high
+  plane at ``wb_rd``; the ``SP24`` builds' words and metadata at ``e_rd``) and which A-fragment element a
+  pair of codes becomes (dense ``mma`` m16n8k16: pair ``j`` of row half ``rr`` is row ``8 rr + lane / 4``,
+  columns ``16 (j / 2) + 8 (j % 2) + 2 (lane % 4) + e``; ``mma.sp`` m16n8k32: the column its metadata names);
 - the "magic number" dequantization bit for bit (``dequant_pair``, ``dequant_pair3``: the shift, the
   LOP3 mask, ``pow2_neg``, ``neg_int2`` and the packed FMA in fp16 or bf16);
-- which zero point each pair takes (``word_zeros``) and which scale each k16 step's partial sum is
-  flushed with (``flush`` after every ``GK16`` steps, or at a group's last tile or a split's, with
+- which zero point each pair takes (``word_zeros``) and which scale each step's partial sum is flushed
+  with (``flush`` after every ``GK16`` k16 steps, or at a group's last tile or a split's, with
   ``TILE_GROUP``/``GROUP_ENDS`` and the ``GDIV`` builds);
 - what ``dz_dequant`` (the prefill path's dequantize) writes.
 
 The weight they add up to, column by column, must be the reference's ``scale * (code - zero)`` exactly,
-for every scheme the dense builds serve: the validated 2-, 4- and 8-bit ones, and those only preview
+for every scheme the kernel serves: the validated 2-, 4- and 8-bit dense builds, and those only preview
 builds serve (3-bit planes, groups of 16 and 2-bit groups of 32, split and wide groups, a padded last K
-tile), whose GPU parity has not run yet. A GPU runs the same builds in tests/kernels/test_cuda_sbmm.py.
+tile, the compact 2:4 layout on the sparse MMA), whose GPU parity has not run yet. What this cannot see
+(the activations' side, the MMA itself, the epilogue and split-K reduction, timing) is what a GPU's
+parity tests check: tests/kernels/test_cuda_sbmm.py runs the same builds there.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import pytest
 import torch
 from _sbmm import make_delta
 
-from deltazip.kernels import cuda_sbmm, mma_layout, reference
+from deltazip.kernels import cuda_sbmm, mma_layout, mma_sparse, reference
 from deltazip.kernels.stacked import repack
 
 SOURCE = resources.files("deltazip.kernels").joinpath("cuda/sbmm.cu").read_text()
@@ -135,12 +140,14 @@ def test_the_magic_number_dequantization_is_exact_for_every_code_and_zero_point(
 # ------------------------------------------------------------------------------ the main loop's reads
 
 def _build_constants(stack):
-    """``(GK16, group_shift, SG, GDIV, RUN, PPW, TILE_WORDS)`` of the stack's dense build."""
+    """``(GK16, group_shift, SG, GDIV, RUN, PPW, TILE_WORDS)`` of the stack's build (``SP24`` for a compact
+    stack)."""
     bits = stack.bits
     gk16, shift = cuda_sbmm.group_params(stack)
     gdiv = mma_layout.divided_groups(stack.scheme.group_size, stack.in_features)
-    run = 2 if bits == 3 else min(bits, 4)
-    return gk16, shift, (8 // gk16 if gk16 < 8 else 1), gdiv, run, (8 if bits == 3 else 16 // bits), 256 * bits
+    run = 2 if bits == 3 else 4 if stack.compact else min(bits, 4)
+    tw = mma_sparse.tile_words(bits) if stack.compact else 256 * bits
+    return gk16, shift, (8 // gk16 if gk16 < 8 else 1), gdiv, run, (8 if bits == 3 else 16 // bits), tw
 
 
 def _stage(stack, slot: int, cfg, nb0: int, kt: int):
@@ -258,6 +265,77 @@ def _kernel_weight(stack, slot: int, bf16: bool, cfg, splits: list[tuple[int, in
     return weight
 
 
+def _sparse_kernel_weight(stack, slot: int, bf16: bool, cfg, splits: list[tuple[int, int]]) -> torch.Tensor:
+    """As :func:`_kernel_weight` for the ``SP24`` build over a compact 2:4 stack: each thread's code words
+    and its two metadata words at the addresses the SP24 loop reads, pair ``j = 2 s + h`` of k32 step ``s``
+    dequantized with the zero point of k16 step ``j`` (``word_zeros<1>``), its two codes placed at the
+    positions the metadata of lane ``4 (lane / 4) + 2 (s % 2) + h`` names (selector ``s % 2``), and each
+    step's partial sum flushed after k32 step ``s`` when ``(2 s + 2) % GK16 == 0`` (in-tile group
+    ``(2 s + 1) / GK16``) or at a group's or split's last tile; the other two columns of every group of four
+    are 0."""
+    bits = stack.bits
+    gk16, shift, sg, gdiv, run, ppw, tw = _build_constants(stack)
+    outp, kts = mma_layout.padded_rows(stack.out_features), mma_layout.k_tiles(stack.in_features)
+
+    def group_ends(t):
+        return (t + 1) % shift == 0 if gdiv else ((t + 1) & ((1 << shift) - 1)) == 0
+
+    w, lane, rr, j = torch.meshgrid(*(torch.arange(n) for n in (4, 32, 2, 8)), indexing="ij")
+    ks, h, q = j // 2, j % 2, lane % 4  # k32 step, its half, the thread's group of four in the half
+    in_block = 16 * w + 8 * rr + lane // 4
+    weight = torch.zeros(outp, kts * 128, dtype=torch.float64)
+    for kt0, kt1 in splits:
+        for nb0 in range(0, outp // 64, cfg.rb):
+            pending = {rb: [] for rb in range(cfg.rb)}
+            for it in range((kt1 - kt0) // cfg.kt):
+                stage, scales, zeros = _stage(stack, slot, cfg, nb0, kt0 + it * cfg.kt)
+                for rb in range(cfg.rb):
+                    if nb0 + rb >= outp // 64:
+                        continue
+                    rows = (nb0 + rb) * 64 + in_block
+                    for u in range(cfg.kt):
+                        kt = kt0 + it * cfg.kt + u
+                        tile = stage[(rb * cfg.kt + u) * tw:][:tw]
+                        g = j // gk16 if gk16 < 8 else torch.zeros_like(j)  # word_zeros<1>: pair j is k16 step j
+                        z = torch.full_like(j, 1 << (bits - 1)) if stack.zeros is None else zeros[rb, u, g, in_block]
+                        if bits == 3:  # w[0], w[1]: the low plane's word of each row half; w[2]: the high plane's
+                            wa = tile[w * 32 * run + lane * run + rr]
+                            wb = tile[256 + w * 32 + lane]
+                            pair = dequant_pair3(wa, wb, j + 8 * rr, z, bf16)
+                        else:  # the thread's BITS words in runs of four, row half rr's at rr * NWA
+                            iw = rr * (bits // 2) + j // ppw
+                            word = tile[(iw // 4 * 4 + w) * 32 * run + lane * run + iw % 4]
+                            pair = dequant_pair(word, j % ppw, z, bits, bf16)
+                        meta = tile[128 * bits + (w * 32 + 4 * (lane // 4) + 2 * (ks % 2) + h) * 2 + ks // 2]
+                        half = (meta >> (16 * rr)) & 0xFFFF
+                        base = kt * 128 + 32 * ks + 16 * h + 4 * q
+                        pos = [base + ((half >> (2 * (2 * q + e))) & 3) for e in (0, 1)]
+                        assert bool((pos[0] < pos[1]).all()), "metadata positions not ascending"
+                        if gk16 < 8:
+                            todo = []
+                            for s_ in range(4):
+                                todo.append(s_)
+                                if (2 * s_ + 2) % gk16:
+                                    continue
+                                for t_ in todo:
+                                    sel = ks == t_
+                                    sc = scales[rb, u, (2 * s_ + 1) // gk16, in_block[sel]]
+                                    for e in (0, 1):
+                                        weight[rows[sel], pos[e][sel]] = pair[e][sel] * sc
+                                todo = []
+                            assert not todo
+                            continue
+                        pending[rb].append((pos, pair))
+                        if group_ends(kt) or kt + 1 == kt1:
+                            sc = scales[rb, u, 0, in_block]
+                            for ps, p in pending[rb]:
+                                for e in (0, 1):
+                                    weight[rows, ps[e]] = p[e] * sc
+                            pending[rb] = []
+            assert not any(pending.values())
+    return weight
+
+
 def _splits(k_tiles: int, kt: int = 1) -> list[list[tuple[int, int]]]:
     """K ranges the CTAs of a launch take: one CTA, the host's split 3 (whole stages), and every stage cut
     apart (what a stream-K launch may do to any unit)."""
@@ -338,9 +416,73 @@ def _dequantize_kernel(stack, slot: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("bits,group,in_f", SCHEMES)
-def test_what_the_dense_dequantize_kernel_writes_is_the_delta(bits, group, in_f):
-    gen = torch.Generator().manual_seed(bits * 13 + in_f)
+# (bits, group, in_features) of the compact layout: groups of 32 columns or more, 3, 4 and 8 bits
+SPARSE = [(4, 128, 512), (4, 32, 256), (8, 64, 256), (3, 128, 256), (3, 32, 128), (4, -1, 384), (4, 96, 384),
+          (8, 384, 768), (4, 64, 576), (3, -1, 320)]
+
+
+@pytest.mark.parametrize("bits,group,in_f", SPARSE)
+@pytest.mark.parametrize("asym", [False, True])
+def test_what_the_sparse_mma_multiplies_is_the_delta(bits, group, in_f, asym):
+    """The sparse-mma preview's SP24 builds: codes, zero points, positions and scales as the loop reads
+    them from its stages, for each launch config and way of cutting K, in fp16 and bf16: the reference
+    weight exactly, pruned columns included."""
+    gen = torch.Generator().manual_seed(bits * 37 + in_f + asym)
+    out_f = 70
+    delta = make_delta(out_f, in_f, bits, group, True, asym, gen)
+    stack = repack([delta], layout="mma", compact=True)
+    want = reference.delta_weight(delta).double()
+    for cfg in _configs(stack):
+        for bf16 in (False, True):
+            for splits in _splits(mma_layout.k_tiles(in_f), cfg.kt):
+                got = _sparse_kernel_weight(stack, 0, bf16, cfg, splits)
+                assert torch.equal(got[:out_f, :in_f], want), f"{cfg}, bf16 {bf16}, K ranges {splits}"
+
+
+def _sparse_dequantize_kernel(stack, slot: int) -> torch.Tensor:
+    """fp64 ``[out, in]`` as the ``SP24`` ``dz_dequant`` writes it: per thread, row half and pair ``j = 2 s + h``
+    the four columns of group ``32 s + 16 h + 4 q``, the two kept values at the positions of the metadata
+    word of lane ``(lane & ~3) + 2 (s % 2) + h`` (word ``s / 2``) shifted by ``16 rr + 4 q``, 0 at the others."""
+    bits, out_f, in_f = stack.bits, stack.out_features, stack.in_features
+    _, _, _, _, _, ppw, tw = _build_constants(stack)
+    group = mma_layout.layout_group(stack.scheme.group_size, in_f)
+    kts = mma_layout.k_tiles(in_f)
+    words = stack.qweight[slot].to(torch.int64) & U32
+    out = torch.full((out_f, in_f), float("nan"), dtype=torch.float64)
+    wi, lane, rr, j = (t.flatten() for t in torch.meshgrid(*(torch.arange(n) for n in (4, 32, 2, 8)), indexing="ij"))
+    sj, h, q = j // 2, j % 2, lane % 4
+    for nb in range(mma_layout.padded_rows(out_f) // 64):
+        for kt in range(kts):
+            wq = words[(nb * kts + kt) * tw:][:tw]
+            m = nb * 64 + 16 * wi + 8 * rr + lane // 4
+            col = kt * 128 + 32 * sj + 16 * h + 4 * q
+            if bits == 3:
+                v = (((wq[(wi * 32 + lane) * 2 + rr] >> (2 * j)) & 0x00030003)
+                     | (((wq[256 + wi * 32 + lane] >> (8 * rr + j)) & 0x00010001) << 2))
+                mask = 7
+            else:
+                iw = rr * (bits // 2) + j // ppw
+                v = wq[((iw // 4 * 4 + wi) * 32 + lane) * 4 + iw % 4] >> (bits * (j % ppw))
+                mask = (1 << bits) - 1
+            meta = wq[128 * bits + (wi * 32 + (lane & ~3) + 2 * (sj & 1) + h) * 2 + (sj >> 1)] >> (16 * rr + 4 * q)
+            keep = (m < out_f) & (col < in_f)
+            m, col, v, meta = m[keep], col[keep], v[keep], meta[keep]
+            sc = stack.scales[slot, col // group, m].double()
+            z = (torch.full_like(sc, 1 << (bits - 1)) if stack.zeros is None
+                 else stack.zeros[slot, col // group, m].double())
+            v0, v1 = ((v & mask).double() - z) * sc, (((v >> 16) & mask).double() - z) * sc
+            p0, p1 = meta & 3, (meta >> 2) & 3
+            for c in range(4):
+                out[m, col + c] = torch.where(p0 == c, v0, torch.where(p1 == c, v1, torch.zeros_like(v0)))
+    return out
+
+
+@pytest.mark.parametrize("bits,group,in_f,compact", [(*sc, False) for sc in SCHEMES] + [(*sc, True) for sc in SPARSE])
+def test_what_the_dequantize_kernel_writes_is_the_delta(bits, group, in_f, compact):
+    """``dz_dequant`` (the prefill path dequantizes each used slot with it, then calls cuBLAS): every column
+    of every row, the padded tile's left out, is the reference weight exactly (dense and SP24 builds)."""
+    gen = torch.Generator().manual_seed(bits * 13 + in_f + compact)
     delta = make_delta(70, in_f, bits, group, True, True, gen)
-    stack = repack([delta], layout="mma", compact=False)
-    assert torch.equal(_dequantize_kernel(stack, 0), reference.delta_weight(delta).double())
+    stack = repack([delta], layout="mma", compact=compact)
+    view = _sparse_dequantize_kernel if compact else _dequantize_kernel
+    assert torch.equal(view(stack, 0), reference.delta_weight(delta).double())

@@ -1,6 +1,6 @@
 """The compact 2:4 ``mma`` layout (``deltazip.kernels.mma_sparse``) the kernel's sparse MMA reads: packing,
-stack writes and reads back against the reference, and what the kernel's ``SP24`` code reads from it,
-emulated on CPU from the instruction's documented fragments (pure torch, no GPU)."""
+stack writes and reads back against the reference (pure torch, no GPU). What the kernel's ``SP24`` code
+reads from it is emulated in tests/kernels/test_mma_reads.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from _sbmm import make_delta
 
-from deltazip.kernels import mma_layout, mma_sparse, preview, reference
+from deltazip.kernels import mma_sparse, preview, reference
 from deltazip.kernels.scheme import DeltaScheme
 from deltazip.kernels.stacked import StackedDeltas, compact_for, repack
 
@@ -36,116 +36,6 @@ def test_a_random_slot_holds_valid_metadata(bits):
     kept, pos = mma_sparse.unpack(words, bits, 96, 320)
     pairs = pos.reshape(96, -1, 2)
     assert bool((pairs[..., 0] < pairs[..., 1]).all()) and int(pos.max()) <= 3 and int(kept.max()) < 1 << bits
-
-
-def _thread_pair(t: torch.Tensor, bits: int, warp: int, lane: int, rr: int, j: int) -> tuple[int, int]:
-    """The two codes of pair ``j`` of row half ``rr`` of a thread, read from tile ``t``'s words at the
-    addresses the kernel's SP24 code reads (3 bits: the low-bit plane's word of the row half and the
-    high-bit plane's word; else the thread's run of ``bits`` words)."""
-    if bits == 3:
-        lo = int(t[(warp * 32 + lane) * 2 + rr]) >> (2 * j)
-        hi = int(t[256 + warp * 32 + lane]) >> (8 * rr + j)
-        return (lo & 3) | ((hi & 1) << 2), ((lo >> 16) & 3) | (((hi >> 16) & 1) << 2)
-    ppw, nwa = 16 // bits, bits // 2
-    iw = rr * nwa + j // ppw
-    v = int(t[(((iw // 4) * 4 + warp) * 32 + lane) * 4 + iw % 4]) >> (bits * (j % ppw))
-    return v & ((1 << bits) - 1), (v >> 16) & ((1 << bits) - 1)
-
-
-def _sp_fragments(words: torch.Tensor, bits: int, out_f: int, in_f: int) -> torch.Tensor:
-    """Dense ``[OUTP, INP]`` codes as the kernel's SP24 loop hands them to ``mma.sp``, 0 where nothing
-    is kept: per tile, warp and lane the code words and metadata at the addresses the kernel reads, the
-    A fragment of the compressed 16 x 16 matrix (a0: row l, compressed columns 2q, 2q + 1; a2: + 8
-    columns; a1, a3: row l + 8), and per k32 step the metadata of lane 4l + 2F + j for compressed columns
-    8j .. 8j + 7 (selector F = step % 2; PTX ISA, sparse mma metadata 16832 f16)."""
-    outp, inp = mma_layout.padded_rows(out_f), mma_layout.padded_cols(in_f)
-    tw = mma_sparse.tile_words(bits)
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    dense = torch.full((outp, inp), -1, dtype=torch.int64)
-    for nb in range(outp // 64):
-        for kb in range(inp // 128):
-            t = w[(nb * (inp // 128) + kb) * tw:][:tw]
-            for warp in range(4):
-                for s in range(4):  # k32 step
-                    a_rows = {}  # (lane) -> [row half][pair h] -> (code e0, code e1)
-                    for lane in range(32):
-                        a_rows[lane] = [[_thread_pair(t, bits, warp, lane, rr, 2 * s + h) for h in range(2)]
-                                        for rr in range(2)]
-                    for lane in range(32):
-                        grp, q = lane // 4, lane % 4
-                        for rr in range(2):
-                            for h in range(2):  # compressed columns 8h + 2q, 8h + 2q + 1: group 4h + q
-                                meta_lane = 4 * grp + 2 * (s % 2) + h
-                                meta = int(t[128 * bits + (warp * 32 + meta_lane) * 2 + s // 2])
-                                half = (meta >> (16 * rr)) & 0xFFFF
-                                row = nb * 64 + 16 * warp + 8 * rr + grp
-                                for e in range(2):
-                                    c = 2 * q + e  # compressed column within the 8 of this half
-                                    p = (half >> (2 * c)) & 3
-                                    col = kb * 128 + 32 * s + 16 * h + 4 * q + p
-                                    assert dense[row, col] == -1, "two kept values at one position"
-                                    dense[row, col] = a_rows[lane][rr][h][e]
-    return dense
-
-
-@pytest.mark.parametrize("bits", [3, 4, 8])
-@pytest.mark.parametrize("group,in_f,asym", [(128, 256, False), (64, 576, True), (-1, 384, False)])
-def test_what_the_sparse_mma_reads_is_the_delta(bits, group, in_f, asym):
-    """The kernel's SP24 addressing plus the instruction's fragment and metadata layout put every kept
-    code at its column (emulated lane by lane); every other column of the row's group of four is a
-    pruned one, whose value is the zero point: the delta, column for column."""
-    gen = torch.Generator().manual_seed(bits * 3 + in_f)
-    out_f = 70
-    delta = make_delta(out_f, in_f, bits, group, True, asym, gen)
-    stack = repack([delta], layout="mma", compact=True)
-    got = _sp_fragments(stack.qweight[0], bits, out_f, in_f)[:out_f, :in_f]
-    want = mma_layout.dense_codes(delta)
-    zp = mma_layout.zero_points(delta).repeat_interleave(delta.effective_group, dim=1)
-    kept = got >= 0
-    assert torch.equal(kept.reshape(out_f, -1, 4).sum(-1), torch.full((out_f, in_f // 4), 2))
-    assert torch.equal(torch.where(kept, got, zp), want)
-
-
-def _dequant_view(stack: StackedDeltas, slot: int) -> torch.Tensor:
-    """fp32 ``[out, in]`` as the SP24 ``dz_dequant`` writes it: per thread and group of four columns, the
-    metadata word of lane ``(lane & ~3) + 2 (s % 2) + h`` (word ``s // 2``) shifted by ``16 rr + 4 q``."""
-    bits, out_f, in_f = stack.bits, stack.out_features, stack.in_features
-    tw = mma_sparse.tile_words(bits)
-    lg = mma_layout.layout_group(stack.group_size, in_f)
-    w = stack.qweight[slot].to(torch.int64) & 0xFFFFFFFF
-    out = torch.zeros(out_f, in_f)
-    kts = mma_layout.k_tiles(in_f)
-    for nb in range(mma_layout.padded_rows(out_f) // 64):
-        for kt in range(kts):
-            t = w[(nb * kts + kt) * tw:][:tw]
-            for wi in range(4):
-                for lane in range(32):
-                    q = lane % 4
-                    for rr in range(2):
-                        m = nb * 64 + 16 * wi + 8 * rr + lane // 4
-                        if m >= out_f:
-                            continue
-                        for j in range(8):
-                            sj, h = j >> 1, j & 1
-                            col = kt * 128 + 32 * sj + 16 * h + 4 * q
-                            if col >= in_f:
-                                continue
-                            meta = int(t[128 * bits + (wi * 32 + (lane & ~3) + 2 * (sj & 1) + h) * 2 + (sj >> 1)])
-                            meta >>= 16 * rr + 4 * q
-                            sc = float(stack.scales[slot, col // lg, m])
-                            z = (1 << (bits - 1)) if stack.zeros is None else float(stack.zeros[slot, col // lg, m])
-                            c0, c1 = _thread_pair(t, bits, wi, lane, rr, j)
-                            out[m, col + (meta & 3)] = (c0 - z) * sc
-                            out[m, col + ((meta >> 2) & 3)] = (c1 - z) * sc
-    return out
-
-
-@pytest.mark.parametrize("bits", [3, 4, 8])
-def test_what_the_dense_dequantize_kernel_writes_is_the_delta(bits):
-    gen = torch.Generator().manual_seed(bits)
-    delta = make_delta(80, 576, bits, 64, True, True, gen)
-    stack = repack([delta], layout="mma", compact=True)
-    assert torch.allclose(_dequant_view(stack, 0), reference.delta_weight(delta), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("bits", [3, 4, 8])
