@@ -196,141 +196,104 @@ def _stage(stack, slot: int, cfg, nb0: int, kt: int):
     return stage, out_s.reshape(shape), None if out_z is None else out_z.reshape(shape)
 
 
-def _thread_codes(tile: torch.Tensor, bits: int, run: int, ppw: int, w, lane, rr, j):
-    """The word(s) the kernel loads for pair ``j`` of row half ``rr`` of 16-row weight tile ``w`` (the
-    warp's tile ``wi + m``: ``w_rd`` plus ``m * 32 RUN`` words) and ``lane``, from one 64 x 128 tile of a
-    stage (3 bits: the low plane's word and the high plane's)."""
+def _grid(pairs: int):
+    """Index tensors ``(w, lane, rr, j)``, each ``[4, 32, 2, pairs]``: the 16-row weight tile (the warp's
+    tile ``wi + m``: its reads are ``w_rd`` plus ``m * 32 RUN`` words), lane, row half and pair of a thread."""
+    return torch.meshgrid(*(torch.arange(n) for n in (4, 32, 2, pairs)), indexing="ij")
+
+
+def _zero_points(stack, zeros, g, in_block):
+    return torch.full_like(in_block, 1 << (stack.bits - 1)) if zeros is None else zeros[g, in_block]
+
+
+def _dense_reads(stack, tile, kt: int, zeros, bf16: bool):
+    """One 64 x 128 tile of a stage as the dense loop reads it: ``(pair values (lo, hi), their columns,
+    the k16 step of each pair, the flushes (after step s, with in-tile group g), each pair's row in the
+    block)``. Pair ``j`` of row half ``rr`` is k16 step ``j / 2``'s a0/a2 (row half 0) or a1/a3 (1)."""
+    bits = stack.bits
+    gk16, _, _, _, run, ppw, _ = _build_constants(stack)
+    w, lane, rr, j = _grid(16)
+    in_block = 16 * w + 8 * rr + lane // 4
+    step = j // 2
+    # word_zeros<2>: pair j covers k16 step j / 2, in-tile group (j / 2) / GK16 (GK16 8: the tile's own)
+    z = _zero_points(stack, zeros, step // gk16 if gk16 < 8 else torch.zeros_like(step), in_block)
     if bits == 3:  # w_rd: RUN 2 words per row half at rr * 256; wb_rd: 512 + (w * 32 + lane) + rr * 128
-        return tile[w * 32 * run + lane * run + rr * 4 * 32 * run + j // 8], tile[512 + w * 32 + lane + rr * 128]
-    iw = j // ppw  # the pair's word: hv = iw // RUN, v = iw % RUN
-    return (tile[(iw // run * 2 + rr) * 4 * 32 * run + w * 32 * run + lane * run + iw % run],)
+        wa = tile[w * 32 * run + lane * run + rr * 4 * 32 * run + j // 8]
+        pair = dequant_pair3(wa, tile[512 + w * 32 + lane + rr * 128], j, z, bf16)
+    else:  # the pair's word iw: run hv = iw / RUN, word iw % RUN of it
+        iw = j // ppw
+        pair = dequant_pair(tile[(iw // run * 2 + rr) * 4 * 32 * run + w * 32 * run + lane * run + iw % run],
+                            j % ppw, z, bits, bf16)
+    cols = [kt * 128 + 16 * step + 8 * (j % 2) + 2 * (lane % 4) + e for e in (0, 1)]
+    return pair, cols, step, [(s, s // gk16) for s in range(8) if (s + 1) % gk16 == 0], in_block
+
+
+def _sparse_reads(stack, tile, kt: int, zeros, bf16: bool):
+    """As :func:`_dense_reads` for the ``SP24`` loop: pair ``j = 2 s + h`` of k32 step ``s`` dequantized with
+    the zero point of k16 step ``j`` (``word_zeros<1>``), its two codes placed at the positions that the
+    metadata of lane ``4 (lane / 4) + 2 (s % 2) + h`` names (selector ``s % 2``); flushes after k32 step ``s``
+    when ``(2 s + 2) % GK16 == 0``, with in-tile group ``(2 s + 1) / GK16``."""
+    bits = stack.bits
+    gk16, _, _, _, run, ppw, _ = _build_constants(stack)
+    w, lane, rr, j = _grid(8)
+    in_block = 16 * w + 8 * rr + lane // 4
+    ks, h, q = j // 2, j % 2, lane % 4  # k32 step, its half, the thread's group of four in the half
+    z = _zero_points(stack, zeros, j // gk16 if gk16 < 8 else torch.zeros_like(j), in_block)
+    if bits == 3:  # w[0], w[1]: the low plane's word of each row half; w[2]: the high plane's
+        pair = dequant_pair3(tile[w * 32 * run + lane * run + rr], tile[256 + w * 32 + lane], j + 8 * rr, z, bf16)
+    else:  # the thread's BITS words in runs of four, row half rr's at rr * NWA
+        iw = rr * (bits // 2) + j // ppw
+        pair = dequant_pair(tile[(iw // 4 * 4 + w) * 32 * run + lane * run + iw % 4], j % ppw, z, bits, bf16)
+    meta = (tile[128 * bits + (w * 32 + 4 * (lane // 4) + 2 * (ks % 2) + h) * 2 + ks // 2] >> (16 * rr)) & 0xFFFF
+    base = kt * 128 + 32 * ks + 16 * h + 4 * q
+    pos = [base + ((meta >> (2 * (2 * q + e))) & 3) for e in (0, 1)]
+    assert bool((pos[0] < pos[1]).all()), "metadata positions not ascending"
+    return pair, pos, ks, [(s, (2 * s + 1) // gk16) for s in range(4) if (2 * s + 2) % gk16 == 0], in_block
 
 
 def _kernel_weight(stack, slot: int, bf16: bool, cfg, splits: list[tuple[int, int]]) -> torch.Tensor:
-    """fp64 ``[OUTP, INP]``: the weight the dense ``dz_sbmm`` with launch options ``cfg`` multiplies, read
-    from its stages (:func:`_stage`), each tile's k16 steps taking the scale their partial sum is flushed
-    with, over K ranges ``splits`` (the CTAs' ``[kt0, kt1)``)."""
-    bits = stack.bits
-    gk16, shift, sg, gdiv, run, ppw, tw = _build_constants(stack)
+    """fp64 ``[OUTP, INP]``: the weight ``dz_sbmm`` with launch options ``cfg`` multiplies (the ``SP24``
+    build for a compact stack, whose pruned columns are 0), read from its stages (:func:`_stage`), every
+    step taking the scale its partial sum is flushed with (groups narrower than a tile: at the flushes of
+    the tile; else at a group's last tile or the split's, the pending tiles all take that tile's), over
+    K ranges ``splits`` (the CTAs' ``[kt0, kt1)``)."""
+    gk16, shift, _, gdiv, _, _, tw = _build_constants(stack)
     outp, kts = mma_layout.padded_rows(stack.out_features), mma_layout.k_tiles(stack.in_features)
+    reads = _sparse_reads if stack.compact else _dense_reads
 
     def group_ends(t):
         return (t + 1) % shift == 0 if gdiv else ((t + 1) & ((1 << shift) - 1)) == 0
 
-    w, lane, rr, j = torch.meshgrid(*(torch.arange(n) for n in (4, 32, 2, 16)), indexing="ij")
-    step = j // 2  # pairs 2 s and 2 s + 1 are k16 step s's a0/a2 (row half 0) and a1/a3 (row half 1)
-    cols = [16 * step + 8 * (j % 2) + 2 * (lane % 4) + e for e in (0, 1)]
-    in_block = 16 * w + 8 * rr + lane // 4  # the thread's row in its 64-row block
-    weight = torch.full((outp, kts * 128), float("nan"), dtype=torch.float64)
+    weight = torch.full((outp, kts * 128), 0.0 if stack.compact else float("nan"), dtype=torch.float64)
     for kt0, kt1 in splits:
         for nb0 in range(0, outp // 64, cfg.rb):
-            pending = {rb: [] for rb in range(cfg.rb)}  # tiles whose steps await their flush
+            pending = {rb: [] for rb in range(cfg.rb)}  # tiles whose partial sums await their flush
             for it in range((kt1 - kt0) // cfg.kt):
                 stage, scales, zeros = _stage(stack, slot, cfg, nb0, kt0 + it * cfg.kt)
                 for rb in range(cfg.rb):
                     if nb0 + rb >= outp // 64:
                         continue  # an inactive warp
-                    rows = (nb0 + rb) * 64 + in_block
                     for u in range(cfg.kt):
                         kt = kt0 + it * cfg.kt + u
-                        tile = stage[(rb * cfg.kt + u) * tw:][:tw]
-                        # word_zeros<2>: pair j covers k16 step j / 2, in-tile group (j / 2) / GK16 (GK16 8: the tile's)
-                        g = step // gk16 if gk16 < 8 else torch.zeros_like(step)
-                        z = torch.full_like(step, 1 << (bits - 1)) if stack.zeros is None else zeros[rb, u, g, in_block]
-                        loaded = _thread_codes(tile, bits, run, ppw, w, lane, rr, j)
-                        pair = (dequant_pair3(*loaded, j, z, bf16) if bits == 3 else
-                                dequant_pair(loaded[0], j % ppw, z, bits, bf16))
-                        if gk16 < 8:  # flush after step s when (s + 1) % GK16 == 0, with in-tile group s / GK16
-                            todo = []
-                            for s in range(8):
-                                todo.append(s)
-                                if (s + 1) % gk16:
-                                    continue
-                                for s_ in todo:
-                                    sel = step == s_
-                                    sc = scales[rb, u, s // gk16, in_block[sel]]
-                                    for e in (0, 1):
-                                        weight[rows[sel], kt * 128 + cols[e][sel]] = pair[e][sel] * sc
-                                todo = []
-                            assert not todo
-                            continue
-                        pending[rb].append((kt, pair))
-                        if group_ends(kt) or kt + 1 == kt1:  # flush: the pending tiles take this tile's scale
-                            sc = scales[rb, u, 0, in_block]
-                            for t, p in pending[rb]:
-                                for e in (0, 1):
-                                    weight[rows, t * 128 + cols[e]] = p[e] * sc
-                            pending[rb] = []
-            assert not any(pending.values())
-    return weight
-
-
-def _sparse_kernel_weight(stack, slot: int, bf16: bool, cfg, splits: list[tuple[int, int]]) -> torch.Tensor:
-    """As :func:`_kernel_weight` for the ``SP24`` build over a compact 2:4 stack: each thread's code words
-    and its two metadata words at the addresses the SP24 loop reads, pair ``j = 2 s + h`` of k32 step ``s``
-    dequantized with the zero point of k16 step ``j`` (``word_zeros<1>``), its two codes placed at the
-    positions the metadata of lane ``4 (lane / 4) + 2 (s % 2) + h`` names (selector ``s % 2``), and each
-    step's partial sum flushed after k32 step ``s`` when ``(2 s + 2) % GK16 == 0`` (in-tile group
-    ``(2 s + 1) / GK16``) or at a group's or split's last tile; the other two columns of every group of four
-    are 0."""
-    bits = stack.bits
-    gk16, shift, sg, gdiv, run, ppw, tw = _build_constants(stack)
-    outp, kts = mma_layout.padded_rows(stack.out_features), mma_layout.k_tiles(stack.in_features)
-
-    def group_ends(t):
-        return (t + 1) % shift == 0 if gdiv else ((t + 1) & ((1 << shift) - 1)) == 0
-
-    w, lane, rr, j = torch.meshgrid(*(torch.arange(n) for n in (4, 32, 2, 8)), indexing="ij")
-    ks, h, q = j // 2, j % 2, lane % 4  # k32 step, its half, the thread's group of four in the half
-    in_block = 16 * w + 8 * rr + lane // 4
-    weight = torch.zeros(outp, kts * 128, dtype=torch.float64)
-    for kt0, kt1 in splits:
-        for nb0 in range(0, outp // 64, cfg.rb):
-            pending = {rb: [] for rb in range(cfg.rb)}
-            for it in range((kt1 - kt0) // cfg.kt):
-                stage, scales, zeros = _stage(stack, slot, cfg, nb0, kt0 + it * cfg.kt)
-                for rb in range(cfg.rb):
-                    if nb0 + rb >= outp // 64:
-                        continue
-                    rows = (nb0 + rb) * 64 + in_block
-                    for u in range(cfg.kt):
-                        kt = kt0 + it * cfg.kt + u
-                        tile = stage[(rb * cfg.kt + u) * tw:][:tw]
-                        g = j // gk16 if gk16 < 8 else torch.zeros_like(j)  # word_zeros<1>: pair j is k16 step j
-                        z = torch.full_like(j, 1 << (bits - 1)) if stack.zeros is None else zeros[rb, u, g, in_block]
-                        if bits == 3:  # w[0], w[1]: the low plane's word of each row half; w[2]: the high plane's
-                            wa = tile[w * 32 * run + lane * run + rr]
-                            wb = tile[256 + w * 32 + lane]
-                            pair = dequant_pair3(wa, wb, j + 8 * rr, z, bf16)
-                        else:  # the thread's BITS words in runs of four, row half rr's at rr * NWA
-                            iw = rr * (bits // 2) + j // ppw
-                            word = tile[(iw // 4 * 4 + w) * 32 * run + lane * run + iw % 4]
-                            pair = dequant_pair(word, j % ppw, z, bits, bf16)
-                        meta = tile[128 * bits + (w * 32 + 4 * (lane // 4) + 2 * (ks % 2) + h) * 2 + ks // 2]
-                        half = (meta >> (16 * rr)) & 0xFFFF
-                        base = kt * 128 + 32 * ks + 16 * h + 4 * q
-                        pos = [base + ((half >> (2 * (2 * q + e))) & 3) for e in (0, 1)]
-                        assert bool((pos[0] < pos[1]).all()), "metadata positions not ascending"
+                        pair, cols, step, flushes, in_block = reads(
+                            stack, stage[(rb * cfg.kt + u) * tw:][:tw], kt, None if zeros is None else zeros[rb, u], bf16)
+                        rows = (nb0 + rb) * 64 + in_block
                         if gk16 < 8:
-                            todo = []
-                            for s_ in range(4):
-                                todo.append(s_)
-                                if (2 * s_ + 2) % gk16:
-                                    continue
-                                for t_ in todo:
-                                    sel = ks == t_
-                                    sc = scales[rb, u, (2 * s_ + 1) // gk16, in_block[sel]]
-                                    for e in (0, 1):
-                                        weight[rows[sel], pos[e][sel]] = pair[e][sel] * sc
-                                todo = []
-                            assert not todo
+                            done, prev = torch.zeros_like(step, dtype=torch.bool), -1
+                            for s, g in flushes:
+                                sel = (step > prev) & (step <= s)
+                                sc = scales[rb, u, g, in_block[sel]]
+                                for e in (0, 1):
+                                    weight[rows[sel], cols[e][sel]] = pair[e][sel] * sc
+                                done, prev = done | sel, s
+                            assert bool(done.all()), "steps left unflushed at the tile's end"
                             continue
-                        pending[rb].append((pos, pair))
+                        pending[rb].append((cols, pair))
                         if group_ends(kt) or kt + 1 == kt1:
                             sc = scales[rb, u, 0, in_block]
-                            for ps, p in pending[rb]:
+                            for c, p in pending[rb]:
                                 for e in (0, 1):
-                                    weight[rows, ps[e]] = p[e] * sc
+                                    weight[rows, c[e]] = p[e] * sc
                             pending[rb] = []
             assert not any(pending.values())
     return weight
@@ -435,7 +398,7 @@ def test_what_the_sparse_mma_multiplies_is_the_delta(bits, group, in_f, asym):
     for cfg in _configs(stack):
         for bf16 in (False, True):
             for splits in _splits(mma_layout.k_tiles(in_f), cfg.kt):
-                got = _sparse_kernel_weight(stack, 0, bf16, cfg, splits)
+                got = _kernel_weight(stack, 0, bf16, cfg, splits)
                 assert torch.equal(got[:out_f, :in_f], want), f"{cfg}, bf16 {bf16}, K ranges {splits}"
 
 
