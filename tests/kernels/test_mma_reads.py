@@ -13,14 +13,17 @@ The kernel's own arithmetic, transcribed from ``kernels/cuda/sbmm.cu``:
 - which zero point each pair takes (``word_zeros``) and which scale each step's partial sum is flushed
   with (``flush`` after every ``GK16`` k16 steps, or at a group's last tile or a split's, with
   ``TILE_GROUP``/``GROUP_ENDS`` and the ``GDIV`` builds);
-- what ``dz_dequant`` (the prefill path's dequantize) writes.
+- what ``dz_dequant`` (the prefill path's dequantize) writes;
+- how ``load_x`` stages a tile's activation rows (zero-filled from ``KCOLS`` on) and which activation each
+  lane's ``ldmatrix`` hands the MMA as its B operand (dense x4 and x2, the SP24 builds' k32 steps).
 
 The weight they add up to, column by column, must be the reference's ``scale * (code - zero)`` exactly,
 for every scheme the kernel serves: the validated 2-, 4- and 8-bit dense builds, and those only preview
 builds serve (3-bit planes, groups of 16 and 2-bit groups of 32, split and wide groups, a padded last K
 tile, the compact 2:4 layout on the sparse MMA), whose GPU parity has not run yet. What this cannot see
-(the activations' side, the MMA itself, the epilogue and split-K reduction, timing) is what a GPU's
-parity tests check: tests/kernels/test_cuda_sbmm.py runs the same builds there.
+(the instructions themselves, whose fragment layouts it takes from the PTX ISA, the epilogue, the
+split-K reduction, the compiler, timing) is what a GPU's parity tests check: tests/kernels/test_cuda_sbmm.py
+runs the same builds there.
 """
 
 from __future__ import annotations
@@ -449,3 +452,82 @@ def test_what_the_dequantize_kernel_writes_is_the_delta(bits, group, in_f, compa
     stack = repack([delta], layout="mma", compact=compact)
     view = _sparse_dequantize_kernel if compact else _dequantize_kernel
     assert torch.equal(view(stack, 0), reference.delta_weight(delta).double())
+
+
+# ------------------------------------------------------------------------------ the activations' side
+
+def _stage_x(x: torch.Tensor, xrow: list[int], cfg, kt0: int, it: int, kcols: int | None) -> torch.Tensor:
+    """A stage's activations ``[BM, XS]`` as ``load_x`` copies them: piece ``i = tid + j NTHREADS`` is row
+    ``i / (16 KT)``, columns ``8 (i % (16 KT))`` + 8 of the stage's ``128 KT``; rows past the tile's count
+    are not copied (-1 here: whatever the stage held), columns from ``KCOLS`` on zero-filled."""
+    xs, nthreads = 128 * cfg.kt + 8, cfg.threads
+    xp = 16 * 16 * cfg.kt // nthreads
+    assert xp * nthreads == 16 * 16 * cfg.kt
+    stage = torch.full((16, xs), -1, dtype=torch.int64)
+    for tid in range(nthreads):
+        for j in range(xp):
+            i = tid + j * nthreads
+            r, p = i // (16 * cfg.kt), i % (16 * cfg.kt)
+            if r >= len(xrow):
+                continue
+            col = kt0 * 128 + p * 8 + it * 128 * cfg.kt
+            stage[r, p * 8:p * 8 + 8] = 0 if kcols is not None and col >= kcols else x[xrow[r], col:col + 8]
+    return stage
+
+
+def _ldmatrix(stage: torch.Tensor, addr_of_lane, matrices: int) -> list[list[tuple[int, int]]]:
+    """``ldmatrix.m8n8.x{matrices}`` (not transposed) from halves offsets ``addr_of_lane(lane)``: lane
+    ``8 i + r`` gives row ``r`` of matrix ``i``; per lane, per register ``i``, the two halves it receives
+    (row ``lane / 4``, columns ``2 (lane % 4)`` and + 1 of matrix ``i``) as their stage offsets."""
+    rows = [addr_of_lane(lane) for lane in range(8 * matrices)]
+    return [[(rows[8 * i + lane // 4] + 2 * (lane % 4), rows[8 * i + lane // 4] + 2 * (lane % 4) + 1)
+             for i in range(matrices)] for lane in range(32)]
+
+
+@pytest.mark.parametrize("sp24", [False, True])
+@pytest.mark.parametrize("in_f,cnt", [(512, 16), (576, 5), (200, 9), (1024, 1)])
+def test_each_thread_loads_the_activations_its_mma_multiplies(sp24, in_f, cnt):
+    """For each launch config's stages: the B fragments each lane's ldmatrix loads (dense: x4 for tiles of
+    more than 8 rows, x2 for the rest; SP24: x4 per k32 step, a second x4 8 rows on) hold activation
+    ``(row n, column k)`` where the MMA reads it (m16n8k16: register ``i`` is ``k = 8 i + 2 (lane % 4) + e``,
+    ``n = lane / 4``; m16n8k32 the same over four registers), columns past ``in_features`` (``KCOLS``) zero,
+    for every row of the tile (rows past its count are never stored)."""
+    gen = torch.Generator().manual_seed(in_f + cnt)
+    kts = mma_layout.k_tiles(in_f)
+    n_rows = 40
+    x = torch.arange(n_rows)[:, None] * 100_000 + torch.arange(kts * 128)[None, :] + 1  # each value names its place
+    x[:, in_f:] = -5  # past the row: whatever memory follows it, never to reach an MMA
+    xrow = torch.randperm(n_rows, generator=gen)[:cnt].tolist()
+    kcols = in_f if in_f % 128 else None
+    for cfg in [cuda_sbmm.CudaConfig(rb=rb, kt=kt, mt=mt) for rb in (1, 2) for kt in (1, 2) for mt in (1, 2)]:
+        if kts % cfg.kt:
+            continue
+        xs = 128 * cfg.kt + 8
+        for it in range(kts // cfg.kt):
+            stage = _stage_x(x, xrow, cfg, 0, it, kcols).flatten()
+            for u in range(cfg.kt):
+                kt = it * cfg.kt + u
+                if sp24:
+                    steps, k_step = 4, 32
+                    loads = [(lambda lane, n0=n0, s=s, u=u, xs=xs: ((lane & 7) + n0) * xs + 8 * (lane >> 3) + u * 128 + 32 * s, 4, n0)
+                             for s in range(steps) for n0 in (0, 8)]
+                else:  # x4 for tiles of more than 8 rows (matrices 2, 3: rows 8-15), x2 for the rest
+                    steps, k_step = 8, 16
+                    loads = [(lambda lane, s=s, u=u, xs=xs: ((lane & 7) + 8 * (lane >> 4)) * xs + 8 * ((lane >> 3) & 1) + u * 128
+                              + 16 * s, 4 if cnt > 8 else 2, None) for s in range(steps)]
+                for li, (addr, matrices, n0) in enumerate(loads):
+                    s = li // 2 if sp24 else li
+                    got = _ldmatrix(stage, addr, matrices)
+                    for lane in range(32):
+                        g, q = lane // 4, lane % 4
+                        for i in range(matrices):
+                            if sp24:
+                                n, k = n0 + g, 8 * i + 2 * q
+                            else:  # b0, b1: n8 tile 0's k 0-7 and 8-15; b2, b3: tile 1's
+                                n, k = 8 * (i // 2) + g, 8 * (i % 2) + 2 * q
+                            if n >= cnt:
+                                continue
+                            for e in (0, 1):
+                                col = kt * 128 + s * k_step + k + e
+                                want = 0 if col >= in_f else int(x[xrow[n], col])
+                                assert int(stage[got[lane][i][e]]) == want, (cfg, kt, s, lane, i, e)
