@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 from importlib import resources
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -142,15 +143,25 @@ def test_the_magic_number_dequantization_is_exact_for_every_code_and_zero_point(
 
 # ------------------------------------------------------------------------------ the main loop's reads
 
-def _build_constants(stack):
-    """``(GK16, group_shift, SG, GDIV, RUN, PPW, TILE_WORDS)`` of the stack's build (``SP24`` for a compact
-    stack)."""
+class Build(NamedTuple):
+    """Compile-time constants of a stack's build (``SP24`` for a compact stack) that its reads use."""
+
+    gk16: int  # 16-column steps per group narrower than a tile, else 8
+    shift: int  # group_shift: log2 of tiles per group, the tiles per group (GDIV), or 30 (the row)
+    sg: int  # groups in one tile
+    gdiv: bool
+    run: int  # words of a thread-row loaded together
+    ppw: int  # pairs of codes per word
+    tile_words: int
+
+
+def _build(stack) -> Build:
     bits = stack.bits
     gk16, shift = cuda_sbmm.group_params(stack)
-    gdiv = mma_layout.divided_groups(stack.scheme.group_size, stack.in_features)
-    run = 2 if bits == 3 else 4 if stack.compact else min(bits, 4)
-    tw = mma_sparse.tile_words(bits) if stack.compact else 256 * bits
-    return gk16, shift, (8 // gk16 if gk16 < 8 else 1), gdiv, run, (8 if bits == 3 else 16 // bits), tw
+    return Build(gk16, shift, 8 // gk16 if gk16 < 8 else 1,
+                 mma_layout.divided_groups(stack.scheme.group_size, stack.in_features),
+                 2 if bits == 3 else 4 if stack.compact else min(bits, 4), 8 if bits == 3 else 16 // bits,
+                 mma_sparse.tile_words(bits) if stack.compact else 256 * bits)
 
 
 def _stage(stack, slot: int, cfg, nb0: int, kt: int):
@@ -159,7 +170,8 @@ def _stage(stack, slot: int, cfg, nb0: int, kt: int):
     ``(nb0 + r) k_tiles TILE_WORDS + kt TILE_WORDS + 4 p``, zero-filled past the matrix) and the scales and
     zero points ``[RB, KT, SG, 64]`` (thread ``tid < RB KT SG 8`` copies 8 of them); every entry is asserted
     written exactly once."""
-    gk16, shift, sg, gdiv, _, _, tw = _build_constants(stack)
+    b = _build(stack)
+    gk16, shift, sg, gdiv, tw = b.gk16, b.shift, b.sg, b.gdiv, b.tile_words
     kts, outp = mma_layout.k_tiles(stack.in_features), mma_layout.padded_rows(stack.out_features)
     nblocks, nthreads = outp // 64, cfg.threads
     words = stack.qweight[slot].to(torch.int64) & U32
@@ -214,7 +226,8 @@ def _dense_reads(stack, tile, kt: int, zeros, bf16: bool):
     the k16 step of each pair, the flushes (after step s, with in-tile group g), each pair's row in the
     block)``. Pair ``j`` of row half ``rr`` is k16 step ``j / 2``'s a0/a2 (row half 0) or a1/a3 (1)."""
     bits = stack.bits
-    gk16, _, _, _, run, ppw, _ = _build_constants(stack)
+    b = _build(stack)
+    gk16, run, ppw = b.gk16, b.run, b.ppw
     w, lane, rr, j = _grid(16)
     in_block = 16 * w + 8 * rr + lane // 4
     step = j // 2
@@ -237,7 +250,8 @@ def _sparse_reads(stack, tile, kt: int, zeros, bf16: bool):
     metadata of lane ``4 (lane / 4) + 2 (s % 2) + h`` names (selector ``s % 2``); flushes after k32 step ``s``
     when ``(2 s + 2) % GK16 == 0``, with in-tile group ``(2 s + 1) / GK16``."""
     bits = stack.bits
-    gk16, _, _, _, run, ppw, _ = _build_constants(stack)
+    b = _build(stack)
+    gk16, run, ppw = b.gk16, b.run, b.ppw
     w, lane, rr, j = _grid(8)
     in_block = 16 * w + 8 * rr + lane // 4
     ks, h, q = j // 2, j % 2, lane % 4  # k32 step, its half, the thread's group of four in the half
@@ -260,7 +274,8 @@ def _kernel_weight(stack, slot: int, bf16: bool, cfg, splits: list[tuple[int, in
     step taking the scale its partial sum is flushed with (groups narrower than a tile: at the flushes of
     the tile; else at a group's last tile or the split's, the pending tiles all take that tile's), over
     K ranges ``splits`` (the CTAs' ``[kt0, kt1)``)."""
-    gk16, shift, _, gdiv, _, _, tw = _build_constants(stack)
+    b = _build(stack)
+    gk16, shift, gdiv, tw = b.gk16, b.shift, b.gdiv, b.tile_words
     outp, kts = mma_layout.padded_rows(stack.out_features), mma_layout.k_tiles(stack.in_features)
     reads = _sparse_reads if stack.compact else _dense_reads
 
@@ -352,7 +367,8 @@ def _dequantize_kernel(stack, slot: int) -> torch.Tensor:
     ``512 + (rr * 4 + wi) * 32 + lane``), pair ``j``'s columns, the scale and zero point of layout group
     ``col / group``, columns past ``KCOLS`` not written."""
     bits, out_f, in_f = stack.bits, stack.out_features, stack.in_features
-    _, _, _, _, run, ppw, tile_words = _build_constants(stack)
+    b = _build(stack)
+    run, ppw, tile_words = b.run, b.ppw, b.tile_words
     group = mma_layout.layout_group(stack.scheme.group_size, in_f)  # what dequantize_slot passes
     kts = mma_layout.k_tiles(in_f)
     words = stack.qweight[slot].to(torch.int64) & U32
@@ -410,7 +426,8 @@ def _sparse_dequantize_kernel(stack, slot: int) -> torch.Tensor:
     the four columns of group ``32 s + 16 h + 4 q``, the two kept values at the positions of the metadata
     word of lane ``(lane & ~3) + 2 (s % 2) + h`` (word ``s / 2``) shifted by ``16 rr + 4 q``, 0 at the others."""
     bits, out_f, in_f = stack.bits, stack.out_features, stack.in_features
-    _, _, _, _, _, ppw, tw = _build_constants(stack)
+    b = _build(stack)
+    ppw, tw = b.ppw, b.tile_words
     group = mma_layout.layout_group(stack.scheme.group_size, in_f)
     kts = mma_layout.k_tiles(in_f)
     words = stack.qweight[slot].to(torch.int64) & U32
@@ -475,7 +492,7 @@ def _stage_x(x: torch.Tensor, xrow: list[int], cfg, kt0: int, it: int, kcols: in
     return stage
 
 
-def _ldmatrix(stage: torch.Tensor, addr_of_lane, matrices: int) -> list[list[tuple[int, int]]]:
+def _ldmatrix(addr_of_lane, matrices: int) -> list[list[tuple[int, int]]]:
     """``ldmatrix.m8n8.x{matrices}`` (not transposed) from halves offsets ``addr_of_lane(lane)``: lane
     ``8 i + r`` gives row ``r`` of matrix ``i``; per lane, per register ``i``, the two halves it receives
     (row ``lane / 4``, columns ``2 (lane % 4)`` and + 1 of matrix ``i``) as their stage offsets."""
@@ -517,7 +534,7 @@ def test_each_thread_loads_the_activations_its_mma_multiplies(sp24, in_f, cnt):
                               + 16 * s, 4 if cnt > 8 else 2, None) for s in range(steps)]
                 for li, (addr, matrices, n0) in enumerate(loads):
                     s = li // 2 if sp24 else li
-                    got = _ldmatrix(stage, addr, matrices)
+                    got = _ldmatrix(addr, matrices)
                     for lane in range(32):
                         g, q = lane // 4, lane % 4
                         for i in range(matrices):
