@@ -114,11 +114,6 @@ class CompressConfig(SchemeFields):
         return self.embed_bits or (self.bits if self.bits in SUPPORTED_BITS else 4)
 
     @property
-    def row_group(self) -> int:
-        """Hidden columns per group of embedding rows (-1: whole row)."""
-        return self.embed_group_size or self.group_size
-
-    @property
     def sparse24(self) -> bool:
         return self.scheme.sparse
 

@@ -34,7 +34,7 @@ from deltazip.compress.obs import SolveResult, obs_compress, rtn_compress
 from deltazip.compress.rows_and_exact import embedding_weight_names, new_stats, record_embedding, record_exact
 from deltazip.compress.sensitivity import measure
 from deltazip.formats import codecs
-from deltazip.formats.artifact import Artifact, ArtifactWriter
+from deltazip.formats.artifact import LOSSLESS_DEFAULT, Artifact, ArtifactWriter
 from deltazip.formats.codecs.xor import bitwise_equal
 from deltazip.formats.errors import DeltazipWarning, InputError
 from deltazip.formats.gdeflate import DEFAULT_LEVEL
@@ -483,7 +483,7 @@ def compress_delta(
     cfg: CompressConfig,
     overwrite: bool = False,
     progress: Progress | None = None,
-    lossless: str = "auto",
+    lossless: str = LOSSLESS_DEFAULT,
     lossless_level: int = DEFAULT_LEVEL,
 ) -> dict:
     """Compress a fine-tune against its base into an artifact at ``out_dir``.

@@ -80,7 +80,6 @@ LOSSLESS = ("none", "gdeflate")
 # the tiered cache keeps decoded deltas in host memory, so no request waits on a decode twice.
 LOSSLESS_DEFAULT = "auto"
 CODECS = ("gdeflate",)
-LOSSLESS_SUFFIX = ".gdeflate"
 # A part is stored compressed only when that (container + its chunk table in the manifest) saves at
 # least this fraction of its bytes: below it, decoding costs time on every load for next to nothing.
 MIN_SAVING = 0.03

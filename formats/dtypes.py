@@ -56,14 +56,6 @@ def compute_dtype(name: str, option: str = "--dtype"):
     return parse_dtype(name)
 
 
-def st_name(dtype) -> str:
-    """The safetensors name (``F32``...) of a torch dtype or of a name like ``float32``."""
-    name = dtype_name(dtype)
-    if name not in ST_OF_NAME:
-        raise ValueError(f"dtype {name!r} has no safetensors name")
-    return ST_OF_NAME[name]
-
-
 @functools.cache
 def _tables() -> tuple[dict, dict]:
     to_torch = {k: parse_dtype(name) for k, (name, _) in ST.items() if name}

@@ -176,15 +176,6 @@ def cpu_library() -> _Lib:
     return _lib
 
 
-def cpu_available() -> bool:
-    """True when the CPU backend loads (without raising)."""
-    try:
-        cpu_library()
-        return True
-    except CodecUnavailableError:
-        return False
-
-
 # -- per-thread native objects -------------------------------------------------------------------
 
 class _Native:

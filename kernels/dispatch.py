@@ -8,8 +8,8 @@ table lookups per call. The CUDA launch (``cuda_sbmm.Launch``) resolves each (ro
 measured choice (``dispatch_table``) on its first call and keeps it until the table changes.
 
 :func:`coverage` says, without a device, whether the CUDA kernel serves a scheme (tests enumerate every
-scheme compress writes against it); :func:`reference_schemes` lists those it does not, the ones a GPU
-serves on the reference with a start-up line that names them.
+scheme compress writes against it); for those it does not, a prepared launch's ``reason`` is the
+start-up line a server prints where a GPU serves them on the reference.
 """
 
 from __future__ import annotations
@@ -190,7 +190,3 @@ def lora(x: torch.Tensor, lora_index: torch.Tensor, A: torch.Tensor, B: torch.Te
     CALLS[f"lora_{path}"] += 1
     return y
 
-
-def reference_schemes(schemes, in_features: int, dtype: torch.dtype) -> dict[DeltaScheme, str]:
-    """``{scheme: why}`` for those of ``schemes`` the CUDA kernel does not serve (:func:`coverage`)."""
-    return {s: why for s in schemes if (why := coverage(s, in_features, dtype)) is not None}

@@ -33,7 +33,6 @@ from deltazip.kernels import dispatch_table, reference
 from deltazip.kernels.row_plan import rows_bucket
 
 CANDIDATES = ("loop", "stacked", "grouped")
-GRAPH_SAFE = ("stacked", "grouped")
 
 
 def loop(x: torch.Tensor, index: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

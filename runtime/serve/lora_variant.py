@@ -35,10 +35,6 @@ _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 
 
-def is_adapter_dir(path: Path) -> bool:
-    return (path / ADAPTER_CONFIG).is_file()
-
-
 @dataclass
 class LoraFactors:
     """One adapted linear: ``A [r, in]``, ``B [out, r]`` (served dtype) and its fp32 ``scale``."""

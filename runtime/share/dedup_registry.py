@@ -328,11 +328,6 @@ class TensorDedupRegistry:
             build = (lambda: host.clone()) if dev.type == "cpu" else (lambda: host)
         return self._lookup_or_insert(dev, fp, build, nbytes)[0]
 
-    def register_bytes(self, raw, dtype: str, shape: Sequence[int], device: torch.device | str | None = None,
-                       pin_memory: bool = False) -> torch.Tensor:
-        """Deduplicate a tensor given as raw bytes; see :meth:`acquire_bytes` (this drops the flag)."""
-        return self.acquire_bytes(raw, dtype, shape, device, pin_memory)[0]
-
     def acquire_bytes(self, raw, dtype: str, shape: Sequence[int], device: torch.device | str | None = None,
                       pin_memory: bool = False, build=None) -> tuple[torch.Tensor, bool]:
         """Deduplicate a tensor given as raw bytes (a safetensors mmap view), building it only on a miss.
