@@ -1,13 +1,14 @@
-"""Grouped LoRA: the three paths ``deltazip.kernels.grouped_lora`` measures, side by side in one run.
+"""Grouped LoRA: the four paths ``deltazip.kernels.grouped_lora`` measures, side by side in one run.
 
     python bench/lora.py [--adapters 8 32] [--rank 16] [--shapes 576x1536 4096x4096] [--rows 1 8 32 256]
         [--repeats 21] [--quick] [--out DIR]
 
 For each linear shape (``in x out``), stack of ``--adapters`` adapters of rank ``--rank`` and batch of
 ``--rows`` rows spread over as many adapters as there are rows (``min(rows, adapters)``): the median
-seconds of ``loop`` (a GEMM pair per adapter in the batch), ``stacked`` (two GEMMs over every adapter)
-and ``grouped`` (torch's grouped GEMM), each checked against the loop first, the path
-``grouped_lora`` would choose, and each path's ratio to the loop. On CPU fp32, on a GPU bf16.
+seconds of ``loop`` (a GEMM pair per adapter in the batch), ``stacked`` (two GEMMs over every adapter),
+``gathered`` (each row's factors gathered, two batched matmuls) and ``grouped`` (torch's grouped GEMM),
+each checked against the loop first, the path ``grouped_lora`` would choose, and each path's ratio to the
+loop. On CPU fp32, on a GPU bf16.
 ``--quick``: one shape (576x1536), 8 adapters, rows 1 and 32, 7 repeats.
 """
 

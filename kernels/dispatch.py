@@ -28,7 +28,7 @@ from deltazip.kernels.stacked import StackedDeltas, choose_layout, config_key, r
 
 __all__ = ["CALLS", "RowPlan", "coverage", "group_rows", "layout_for", "lora", "prepare", "sbmm", "sbmm_experts"]
 
-# Calls per path ("cuda", "dequant_mm", "reference", "lora_loop", "lora_stacked", "lora_grouped"), counted by
+# Calls per path ("cuda", "dequant_mm", "reference", "lora_<path>" of grouped_lora.CANDIDATES), counted by
 # the launch objects' callers below and by bench/launches.py; ``CALLS.clear()`` resets it.
 CALLS: Counter = Counter()
 

@@ -1,11 +1,14 @@
 """Grouped LoRA, ``y[r] = scale[i] * (x[r] @ A[i]^T) @ B[i]^T`` with ``i = index[r]`` (-1: zeros), on
-the fastest of three implementations, chosen by measuring them.
+the fastest of four implementations, chosen by measuring them.
 
 - ``loop``: one shrink and one expand GEMM per adapter the batch uses (``reference.lora_shrink_expand``,
   in fp32); reads only those adapters, but lists them on the host (a device sync) and cannot be
   captured in a CUDA graph.
 - ``stacked``: two GEMMs against every adapter at once, each row's shrink product masked to its own
   adapter's rank block: no sync, graph-safe, but it reads every adapter of the stack.
+- ``gathered``: each row's own factors gathered, then two batched matmuls (``torch.bmm``) of one row
+  each: no sync, graph-safe, reads only the adapters the batch uses (once per row: a copy that grows with
+  the rows).
 - ``grouped``: rows sorted by adapter on the device, then torch's grouped GEMM (``torch._grouped_mm``)
   for the shrink and the expand: no sync; only where this torch, device and dtype run it.
 
@@ -32,7 +35,7 @@ import torch
 from deltazip.kernels import dispatch_table, reference
 from deltazip.kernels.row_plan import rows_bucket
 
-CANDIDATES = ("loop", "stacked", "grouped")
+CANDIDATES = ("loop", "stacked", "gathered", "grouped")
 
 
 def loop(x: torch.Tensor, index: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -83,7 +86,19 @@ def grouped(x: torch.Tensor, index: torch.Tensor, A: torch.Tensor, B: torch.Tens
     return torch.empty_like(y).index_copy_(0, order, y)
 
 
-_IMPL = {"loop": loop, "stacked": stacked, "grouped": grouped}
+
+def gathered(x: torch.Tensor, index: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             scale: torch.Tensor) -> torch.Tensor:
+    """Each row's own factors gathered (``[N, R, in]`` and ``[N, out, R]``), then two batched matmuls of one
+    row each: no sync, graph-safe, and it reads only the adapters the rows use, once per row (shapes as
+    :func:`lora`)."""
+    own = index.clamp(min=0)
+    h = torch.bmm(A.index_select(0, own), x[:, :, None])  # [N, R, 1]
+    s = torch.where(index >= 0, scale.index_select(0, own).to(h.dtype), 0.0)
+    return torch.bmm(B.index_select(0, own), h * s[:, None, None])[:, :, 0]
+
+
+_IMPL = {"loop": loop, "stacked": stacked, "gathered": gathered, "grouped": grouped}
 CHOICES: dict[tuple, str] = {}  # key -> the measured path, for the process
 MEASURED: dict[tuple, dict[str, float | str]] = {}  # key -> {path: median seconds, or why it was not chosen}
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from deltazip.kernels import grouped_lora
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -85,4 +87,4 @@ def test_the_second_call_steps_run_the_preview_parity_the_compact_table_and_the_
     assert "sbmm_options.py --quick" in (out / "commands.sh").read_text()
     lora = json.loads((out / "lora.json").read_text())
     assert lora["bench"] == "lora" and [r["rows"] for r in lora["results"]] == [1, 32]
-    assert all(r["chosen"] in ("loop", "stacked", "grouped") for r in lora["results"])
+    assert all(r["chosen"] in grouped_lora.CANDIDATES for r in lora["results"])
