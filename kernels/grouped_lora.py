@@ -86,7 +86,6 @@ def grouped(x: torch.Tensor, index: torch.Tensor, A: torch.Tensor, B: torch.Tens
     return torch.empty_like(y).index_copy_(0, order, y)
 
 
-
 def gathered(x: torch.Tensor, index: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
              scale: torch.Tensor) -> torch.Tensor:
     """Each row's own factors gathered (``[N, R, in]`` and ``[N, out, R]``), then two batched matmuls of one
