@@ -28,7 +28,7 @@
 #                  options at 1, 2 and 4 deltas, each after its layer's base GEMM, beside the validated launch
 #   compact    60  (not in the first call: STEPS=compact) bench/sbmm_table.py --quick --bits 4 --compact: the
 #                  4-bit points on the compact 2:4 layout (sparse-mma preview) beside the expanded one
-#   lora       40  (not in the first call: STEPS=lora) bench/lora.py: grouped LoRA's three paths in bf16
+#   lora       40  (not in the first call: STEPS=lora) bench/lora.py: grouped LoRA's four paths in bf16
 # (450 s of limits after a set-up of about 25 s.)
 # Every bench writes its finished rows at once, so a step stopped at its limit keeps what it measured.
 #

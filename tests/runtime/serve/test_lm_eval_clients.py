@@ -57,6 +57,23 @@ def test_local_completions_scores_equal_hf_on_the_merged_checkpoint(server, merg
     assert ours["results"]["tiny_gen"]["exact_match,none"] == ref["results"]["tiny_gen"]["exact_match,none"]
 
 
+def test_local_completions_with_the_base_tokenizer_scores_equal_hf_defaults(served, server, merged_alpha, tasks_dir):
+    """docs/eval.md's command for a tokenizer that adds a BOS: lm-eval tokenizes with the base's own
+    tokenizer, BOS included, and scores what ``hf`` (and so ``deltazip eval``) scores at its defaults."""
+    assert served.tokenizer()("ab")["input_ids"][0] == served.tokenizer().bos_token_id  # a BOS-adding tokenizer
+    ref = evaluate("hf", tasks_dir, model_args=f"pretrained={merged_alpha},device=cpu,dtype=float32,batch_size=8")
+    ours = evaluate("local-completions", tasks_dir, model_args=(
+        f"model=alpha,base_url={server.url}/v1/completions,num_concurrent=1,max_retries=1,batch_size=8,max_length=120,"
+        f"tokenizer={served.base_dir},tokenizer_backend=huggingface,add_bos_token=True"))
+    no_bos = evaluate("hf", tasks_dir, model_args=f"pretrained={merged_alpha},device=cpu,dtype=float32,batch_size=8,"
+                                                  "add_bos_token=False")
+    a, b = torch.tensor(loglikelihoods(ours)), torch.tensor(loglikelihoods(ref))
+    assert torch.allclose(a, b, atol=1e-4, rtol=0), (a - b).abs().max()
+    assert (a - torch.tensor(loglikelihoods(no_bos))).abs().max() > 0.1  # the BOS changes the numbers here
+    assert generations(ours) == generations(ref)
+    assert ours["results"]["tiny_mc"]["acc,none"] == ref["results"]["tiny_mc"]["acc,none"]
+
+
 def test_local_chat_completions_generations_equal_hf_with_the_chat_template(server, merged_alpha, tasks_dir):
     """The chat client renders nothing itself: the server applies the variant's chat template (which
     adds no BOS; nor does hf, told so). lm-eval scores only generate tasks through a chat API (it
