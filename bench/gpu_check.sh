@@ -3,6 +3,10 @@
 # H200 with no network (set-up included). docs/dev/gpu-runs/README.md says how a window runs it.
 #
 #   bash bench/gpu_check.sh              # the window's call
+#   bash bench/gpu_check.sh --smoke      # every step on the GPU at one layer and toy traffic (about 3 minutes),
+#                                        # the GPU tests and every parity test (preview paths included) beside
+#                                        # them: a first call that finds what breaks on a GPU before the
+#                                        # measuring call spends its minutes
 #   bash bench/gpu_check.sh --dry-run    # the same steps on CPU at toy size (tests/test_gpu_check.py runs it)
 #   STEPS="serve-all table-full" bash bench/gpu_check.sh   # the optional second call: uniform and azure-like
 #                                        # serving, the full kernel table (STEPS="humming": humming's MoE GEMM;
@@ -18,7 +22,8 @@
 #                  (COMPRESS_LAYERS; STEPS=compress COMPRESS_LAYERS=8 COMPRESS_LIMIT=300 as a second call)
 #   step       65  bench/step.py: the decode step at batch 32 (base, generate, 1/8/32 variants, floors)
 #   gdeflate   20  bench/gdeflate_decode.py: nvCOMP GPU decode against the CPU library, one 7B-shaped variant
-#   tests      80  the gpu-marked tests and the CUDA kernel parity tests, at once, in parallel processes
+#   tests      80  the gpu-marked tests and the CUDA kernel parity tests, at once, in parallel processes (the
+#                  kernel file's offline builds are CI's, not the window's)
 #   table      40  bench/sbmm_table.py --quick: the delta matmul table at 4096x4096 (the CUDA kernel beside
 #                  dense fp16 bmm and the bandwidth floor)
 #   preview   150  (not in the first call: STEPS=preview) the parity tests of the kernel's preview paths
@@ -30,6 +35,10 @@
 #                  4-bit points on the compact 2:4 layout (sparse-mma preview) beside the expanded one
 #   lora       40  (not in the first call: STEPS=lora) bench/lora.py: grouped LoRA's four paths in bf16
 # (450 s of limits after a set-up of about 25 s.)
+# --smoke runs serve, compress, step and gdeflate at one layer and toy traffic (limits 70, 30, 40, 15 s; the
+# whole call within 180 s), with the tests and preview parity (140 s each) started beside them at once; a
+# window that begins with it and passes runs the measuring call next while the machine is warm, with
+# STEPS="serve compress step gdeflate table" (the tests already ran). docs/dev/gpu-runs/README.md.
 # Every bench writes its finished rows at once, so a step stopped at its limit keeps what it measured.
 #
 # Writes under $OUT (default /tmp/gpu_check) the 8 files a window keeps in docs/dev/gpu-runs/<gpu>-<date>/:
@@ -40,22 +49,30 @@
 set -u
 cd "$(dirname "$0")/.."
 DRY=
-[ "${1:-}" = "--dry-run" ] && DRY=1
+SMOKE=
+case "${1:-}" in
+  --dry-run) DRY=1 ;;
+  --smoke) SMOKE=1 ;;
+  "") ;;
+  *) echo "gpu_check.sh: unknown argument ${1}; use --dry-run, --smoke or nothing" >&2; exit 2 ;;
+esac
+MODE=${DRY:+ --dry-run}${SMOKE:+ --smoke}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 SUM="$OUT/summary.md"
 CMDS="$OUT/commands.sh"
 SCRATCH=${SCRATCH:-$(mktemp -d /tmp/gpu_check_scratch.XXXXXX)}
+mkdir -p "$SCRATCH"
 : >"$LOG"
 : >"$SUM"
 printf '#!/usr/bin/env bash\n# The commands bench/gpu_check.sh%s ran, in order, each with its time limit.\n' \
-  "${DRY:+ --dry-run}" >"$CMDS"
+  "$MODE" >"$CMDS"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export DELTAZIP_CUDA_CACHE=${DELTAZIP_CUDA_CACHE:-/tmp/deltazip-cuda}
 export DELTAZIP_BENCH_CACHE=${DELTAZIP_BENCH_CACHE:-$SCRATCH/cache}
 PY=${PY:-python3}
-TOTAL_LIMIT=${TOTAL_LIMIT:-480}
+TOTAL_LIMIT=${TOTAL_LIMIT:-$([ -n "$SMOKE" ] && echo 180 || echo 480)}
 t0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - t0 )); }
 stamp() { echo "=== [$(elapsed)s] $*" | tee -a "$LOG"; }
@@ -69,7 +86,10 @@ if [ -z "$DRY" ]; then
     $PY -m pip show -q "$dist" >/dev/null 2>&1 || \
       $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$w" >>"$LOG" 2>&1
   done
-  $PY -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || note "- pip install -e . failed"
+  # this checkout, unless the python already imports deltazip from it (a development venv)
+  here=$($PY -c "import pathlib, deltazip.kernels as k; print(pathlib.Path(k.__path__[0]).resolve().parent)" 2>/dev/null)
+  [ "$here" = "$(pwd -P)" ] || \
+    $PY -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || note "- pip install -e . failed"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 fi
 versions=$($PY - <<'EOF'
@@ -86,10 +106,10 @@ if torch.cuda.is_available():
     print(f"{torch.cuda.get_device_name(0)}, driver {drv}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
           f"triton {tv}, python {sys.version.split()[0]}")
 else:
-    print(f"CPU only (dry run), torch {torch.__version__}, triton {tv}, python {sys.version.split()[0]}")
+    print(f"CPU only, torch {torch.__version__}, triton {tv}, python {sys.version.split()[0]}")
 EOF
 )
-note "# GPU check${DRY:+ (dry run)}: $versions"
+note "# GPU check${DRY:+ (dry run)}${SMOKE:+ (smoke: one layer, toy traffic)}: $versions"
 nvcomp=$($PY -c "from deltazip.formats.gdeflate import gpu_problem; print(gpu_problem() or '')" 2>&1)
 [ -n "$nvcomp" ] && note "- nvCOMP GPU decoder: $nvcomp"
 
@@ -113,7 +133,8 @@ run() {  # run NAME LIMIT CMD...: the command under its limit, one summary line,
   return $rc
 }
 
-STEPS=" ${STEPS:-serve compress step gdeflate tests table} "
+STEPS=" ${STEPS:-$([ -n "$SMOKE" ] && echo "tests preview serve compress step gdeflate" \
+  || echo "serve compress step gdeflate tests table")} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 if [ -n "$DRY" ]; then  # toy sizes on CPU: every step's plumbing, in about a minute and a half
   SERVE_ARGS="--shape toy --layers 2 --variants 4 --duration 3 --rate 4 --drain 20 --cpu-threads 1"
@@ -121,6 +142,17 @@ if [ -n "$DRY" ]; then  # toy sizes on CPU: every step's plumbing, in about a mi
   STEP_ARGS="--shape toy --layers 2 --rows 8 --variants 1 4 --repeats 3"
   GDEFLATE_ARGS="--quick"
   TEST_PATHS="tests/formats/test_gdeflate.py"
+  TABLE_ARGS="--quick"
+  LORA_ARGS="--quick --repeats 3"
+elif [ -n "$SMOKE" ]; then  # the GPU window's code paths at one 7B-shaped layer: what breaks, not how fast
+  SERVE_ARGS="--layers 1 --variants 4 --duration 3 --rate 4 --drain 20"
+  COMPRESS_ARGS="--shape 7b --layers 1 --nsamples 16 --seqlen 256 --device cuda --extrapolate 32"
+  STEP_ARGS="--layers 1 --rows 8 --variants 1 4 --repeats 3"
+  GDEFLATE_ARGS="--layers 1 --repeats 2"
+  # the benches one after another in about 155 s with set-up; the tests beside them, ending by then too
+  : "${SERVE_LIMIT:=70}" "${COMPRESS_LIMIT:=30}" "${STEP_LIMIT:=40}" "${GDEFLATE_LIMIT:=15}"
+  : "${TESTS_LIMIT:=140}" "${PREVIEW_LIMIT:=140}"
+  TEST_PATHS="tests"
   TABLE_ARGS="--quick"
   LORA_ARGS="--quick --repeats 3"
 else
@@ -131,6 +163,39 @@ else
   TEST_PATHS="tests"
   TABLE_ARGS="--quick"
   LORA_ARGS="--repeats 11"
+fi
+XDIST=$([ -z "$DRY" ] && $PY -c "import xdist" 2>/dev/null && echo yes)
+REQUIRE=--require-gpu
+[ -n "$DRY" ] && REQUIRE=  # on CPU the gpu-marked tests skip: the dry run checks the steps' plumbing
+
+PARITY_STOP=$([ -z "$SMOKE" ] && echo -x)
+TEST_WORKERS=$([ -n "$SMOKE" ] && echo 6 || echo 8)  # a smoke call runs two such pytest runs and the benches at once
+tests_step() {  # the gpu-marked tests and the kernel parity tests at once, each in parallel processes
+  # (-x stops the parity run at its first failure, except in a smoke call, which wants every one; the
+  # kernel file's offline builds run in CI, not in a window's seconds)
+  run "gpu-marked tests and CUDA kernel parity" ${TESTS_LIMIT:-80} bash -c "
+    $PY -m pytest -q -p no:cacheprovider ${XDIST:+-n $TEST_WORKERS} -m gpu $REQUIRE $TEST_PATHS \
+      --deselect tests/kernels/test_cuda_sbmm.py --deselect tests/kernels/test_launch_options.py \
+      > '$SCRATCH/tests.log' 2>&1 & a=\$!
+    $PY -m pytest -q $PARITY_STOP -p no:cacheprovider ${XDIST:+-n 4} -m gpu $REQUIRE -k 'not preview' \
+      tests/kernels/test_cuda_sbmm.py > '$SCRATCH/parity.log' 2>&1 & b=\$!
+    wait \$a; ra=\$?; wait \$b; rb=\$?
+    echo '--- gpu-marked tests'; cat '$SCRATCH/tests.log'; echo '--- CUDA kernel parity'; cat '$SCRATCH/parity.log'
+    echo \"gpu-marked tests: \$(tail -1 '$SCRATCH/tests.log'); kernel parity: \$(tail -1 '$SCRATCH/parity.log')\"
+    [ \$ra -eq 0 ] && [ \$rb -eq 0 ]"
+}
+preview_step() {  # the preview paths' GPU parity: what lets DELTAZIP_CUDA_PREVIEW paths become the default
+  run "CUDA kernel preview-path parity" ${PREVIEW_LIMIT:-150} \
+    $PY -m pytest -q -p no:cacheprovider ${XDIST:+-n $TEST_WORKERS} -m gpu -k preview $REQUIRE tests/kernels/test_cuda_sbmm.py \
+    tests/kernels/test_launch_options.py
+}
+BACKGROUND=()
+if [ -n "$SMOKE" ]; then  # correctness needs no quiet GPU: the tests run beside the one-layer benches
+  for s in tests preview; do
+    want $s || continue
+    ( LOG="$SCRATCH/background-$s.log"; : >"$LOG"; "${s}_step" ) &
+    BACKGROUND+=("$!:$s")
+  done
 fi
 
 if want serve || want serve-all; then  # server logs (start-up, warm-up, capacity lines) go to the log
@@ -155,21 +220,7 @@ want step && run "decode step" ${STEP_LIMIT:-65} \
   $PY bench/step.py --pair synthetic-7b $STEP_ARGS --out "$OUT"
 want gdeflate && run "GDeflate decode, GPU vs CPU" ${GDEFLATE_LIMIT:-20} \
   $PY bench/gdeflate_decode.py $GDEFLATE_ARGS --out "$OUT"
-if want tests; then  # the gpu-marked tests and the kernel parity tests at once, each in parallel processes
-  xdist=$([ -z "$DRY" ] && $PY -c "import xdist" 2>/dev/null && echo yes)
-  require=--require-gpu
-  [ -n "$DRY" ] && require=  # on CPU the gpu-marked tests skip: the dry run checks the step's plumbing
-  run "gpu-marked tests and CUDA kernel parity" ${TESTS_LIMIT:-80} bash -c "
-    $PY -m pytest -q -p no:cacheprovider ${xdist:+-n 8} -m gpu $require $TEST_PATHS \
-      --deselect tests/kernels/test_cuda_sbmm.py --deselect tests/kernels/test_launch_options.py \
-      > '$SCRATCH/tests.log' 2>&1 & a=\$!
-    $PY -m pytest -q -x -p no:cacheprovider ${xdist:+-n 4} ${DRY:+-m gpu} -k 'not preview' \
-      tests/kernels/test_cuda_sbmm.py > '$SCRATCH/parity.log' 2>&1 & b=\$!
-    wait \$a; ra=\$?; wait \$b; rb=\$?
-    echo '--- gpu-marked tests'; cat '$SCRATCH/tests.log'; echo '--- CUDA kernel parity'; cat '$SCRATCH/parity.log'
-    echo \"gpu-marked tests: \$(tail -1 '$SCRATCH/tests.log'); kernel parity: \$(tail -1 '$SCRATCH/parity.log')\"
-    [ \$ra -eq 0 ] && [ \$rb -eq 0 ]"
-fi
+want tests && [ -z "$SMOKE" ] && tests_step
 if want table || want table-full; then
   args=$TABLE_ARGS
   want table-full && args=""
@@ -177,14 +228,7 @@ if want table || want table-full; then
   [ -f "$SCRATCH/table/sbmm_table.json" ] && cp "$SCRATCH/table/sbmm_table.json" "$OUT/sbmm_table.json"
 fi
 
-if want preview; then  # the preview paths' GPU parity: what lets DELTAZIP_CUDA_PREVIEW paths become the default
-  xdist=$([ -z "$DRY" ] && $PY -c "import xdist" 2>/dev/null && echo yes)
-  require=--require-gpu
-  [ -n "$DRY" ] && require=
-  run "CUDA kernel preview-path parity" ${PREVIEW_LIMIT:-150} \
-    $PY -m pytest -q -p no:cacheprovider ${xdist:+-n 8} -m gpu -k preview $require tests/kernels/test_cuda_sbmm.py \
-    tests/kernels/test_launch_options.py
-fi
+want preview && [ -z "$SMOKE" ] && preview_step
 if want options; then  # the preview launch options beside the validated launch, at 1, 2 and 4 deltas
   run "preview launch options table" ${OPTIONS_LIMIT:-120} \
     $PY bench/sbmm_options.py --quick --out "$SCRATCH/options"
@@ -211,6 +255,11 @@ if want humming; then  # optional: humming-kernels and its needs travel in .whl/
     note "- humming-kernels MoE GEMM candidate: not run (humming does not import; carry .whl/humming/)"
   fi
 fi
+for job in "${BACKGROUND[@]}"; do  # the smoke call's background tests: their log after the benches'
+  wait "${job%%:*}"
+  s=${job#*:}
+  { echo "=== background: $s"; cat "$SCRATCH/background-$s.log"; } >>"$LOG"
+done
 for kind in serve compress_memory step gdeflate_decode; do
   [ -f "$OUT/$kind.json" ] && { note ""; $PY bench/_summary_table.py "$kind" "$OUT/$kind.json" >>"$SUM"; }
 done

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,31 @@ def test_the_second_call_steps_run_the_preview_parity_the_compact_table_and_the_
     lora = json.loads((out / "lora.json").read_text())
     assert lora["bench"] == "lora" and [r["rows"] for r in lora["results"]] == [1, 32]
     assert all(r["chosen"] in grouped_lora.CANDIDATES for r in lora["results"])
+
+
+@pytest.mark.slow
+def test_the_smoke_call_runs_the_tests_beside_the_benches_and_reports_each(tmp_path):
+    """``--smoke``: the GPU tests and every parity test (preview paths included) start at once in the
+    background, each under its own limit; their summary lines and logs come back with the benches'.
+    On CPU every gpu-marked test fails under ``--require-gpu`` (the smoke call is for a GPU), the kernel
+    parity tests included: that failure shows in the summary, not hidden by the background."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PY": sys.executable, "SCRATCH": str(tmp_path / "scratch"),
+           "STEPS": "tests preview", "TESTS_LIMIT": "120", "PREVIEW_LIMIT": "120"}
+    got = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--smoke"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert got.returncode == 0, got.stderr[-3000:]
+    summary = (out / "summary.md").read_text()
+    assert summary.startswith("# GPU check (smoke: one layer, toy traffic): CPU only"), summary
+    lines = {ln.split(":")[0]: ln for ln in summary.splitlines() if ln.startswith("- ") and " in " in ln}
+    assert set(lines) == {"- gpu-marked tests and CUDA kernel parity", "- CUDA kernel preview-path parity"}, summary
+    for line in lines.values():  # no GPU here: every selected test fails under --require-gpu, none skips
+        assert ": exit 1 " in line and " errors in " in line and "skipped" not in line.split("(")[1], line
+    log = (out / "gpu_check.log").read_text()
+    stamps = re.findall(r"=== \[(\d+)s\] (gpu-marked tests|CUDA kernel preview-path parity)", log)
+    assert len(stamps) == 2 and abs(int(stamps[0][0]) - int(stamps[1][0])) <= 5, stamps  # started together
+    assert log.index("=== background: tests") < log.index("--- CUDA kernel parity") < log.index(
+        "=== background: preview"), log[-3000:]
+    cmds = (out / "commands.sh").read_text()
+    assert cmds.count("timeout 120 ") == 2 and "pytest -q -x" not in cmds, cmds  # every parity failure, not the first
+    assert not (tmp_path / "scratch").exists()

@@ -207,8 +207,6 @@ def test_group_params_cover_the_mma_layouts_group_sizes():
 
 # ----------------------------------------------------------------------------------------- on a GPU
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 def _check(y, ref, dtype):
     rel = ((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
@@ -216,7 +214,6 @@ def _check(y, ref, dtype):
 
 
 @pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("asym,group", [(False, 128), (True, 64), (False, -1), (True, 256)])
@@ -245,7 +242,6 @@ def test_cuda_sbmm_matches_the_reference(bits, dtype, asym, group):
 
 
 @pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("asym,group", [(False, 128), (True, 256), (False, -1)])
 def test_uneven_k_splits_match_the_reference(dtype, asym, group):
@@ -276,7 +272,6 @@ def test_uneven_k_splits_match_the_reference(dtype, asym, group):
 
 
 @pytest.mark.gpu
-@cuda
 def test_split_k_resets_its_counters_is_deterministic_and_replays_in_a_graph():
     _, stack, x, plan, ref = graph_case()
     cfg = cuda_sbmm.CudaConfig(2, 4, 4)
@@ -300,7 +295,6 @@ def test_split_k_resets_its_counters_is_deterministic_and_replays_in_a_graph():
 
 
 @pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dequant_mm_matches_the_reference(dtype):
     gen = torch.Generator().manual_seed(5)
@@ -442,7 +436,6 @@ def _parity_past_the_row(bits, dtype, asym, group, in_f, compact, seed):
 
 
 @pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("asym,group,in_f", [(False, 64, 576), (True, 32, 576), (False, -1, 576), (True, 64, 320),
@@ -543,7 +536,6 @@ def test_a_compact_stack_stages_fewer_bytes_and_keys_its_own_tuning():
 
 
 @pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("asym,group,in_f", [(False, 128, 512), (True, 64, 512), (False, 32, 576), (True, -1, 1024),

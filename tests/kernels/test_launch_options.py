@@ -363,7 +363,6 @@ def test_the_launch_structs_match_cuda_h(tmp_path):
 
 # ----------------------------------------------------------------------------------------- on a GPU
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 OPTION_SETS = [{"stream_k": True}, {"pdl": True}, {"evict": True}, {"stream_k": True, "pdl": True, "evict": True}]
 
 
@@ -373,7 +372,6 @@ def _check(y, ref, dtype):
 
 
 @pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: "+".join(o))
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -409,7 +407,6 @@ def test_launch_option_previews_match_the_reference(options, bits, dtype, asym, 
 
 
 @pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("wave", [1, 3, 17, 10_000])
 def test_launch_option_preview_stream_k_cuts_units_into_many_parts_and_still_matches(wave):
     """A wave forced small (one CTA doing everything; 3 or 17 CTAs cutting units at odd stages) or larger
@@ -431,7 +428,6 @@ def test_launch_option_preview_stream_k_cuts_units_into_many_parts_and_still_mat
 
 
 @pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: "+".join(o))
 def test_launch_option_previews_are_deterministic_reset_their_counters_and_replay_in_a_graph(options):
     """Captured in a CUDA graph between other kernels (programmatic dependent launches become graph edges):

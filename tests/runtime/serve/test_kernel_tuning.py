@@ -18,8 +18,6 @@ from deltazip.kernels.dispatch_table import Choice
 from deltazip.kernels.stacked import StackedDeltas
 from deltazip.runtime.serve import kernel_tuning
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 def test_candidates_cover_the_launch_configs_and_the_prefill_path():
     s = mma_stack()
@@ -300,7 +298,6 @@ def test_without_a_gpu_the_dram_bandwidth_is_an_h100s():
 
 
 @pytest.mark.gpu
-@cuda
 def test_the_drivers_dram_bandwidth_bounds_a_measured_device_copy():
     """The peak the deeper-pipeline model divides (memory clock x bus width x 2, from the driver) is above
     what a device-to-device copy reaches, and not far above it (an H100 copies at about 90% of it)."""
