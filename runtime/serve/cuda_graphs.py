@@ -15,8 +15,11 @@ A graph bakes in what the host decided while it was captured, so it is keyed by 
 decisions read: the bucket, the padded rows' delta slots (the decoupled modules route rows by slot
 on the host), the KV pool's generation (its tensors are replaced when it grows or empties) and the
 resident variants (loading a slot may replace the tensors the graph reads). A step whose key has
-no graph captures one (at most ``max_graphs``, least recently used dropped); a capture that fails
-(a module that syncs with the host, say) marks its key eager for good, and the step runs eagerly.
+no graph runs eagerly the first time the key is met and captures one the second time (at most
+``max_graphs``, least recently used dropped): with many variants, continuous batching meets many
+compositions of slots that last one step, and a capture costs about two eager steps. A capture that
+fails (a module that syncs with the host, say) marks its key eager for good, and the step runs eagerly.
+Captures go through ``graph_capture.capture``: the loader and tuner threads use the device meanwhile.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections import OrderedDict
 
 import torch
 
+from deltazip.runtime.serve.graph_capture import capture
 from deltazip.runtime.serve.kv_cache import BlockPool, PagedStep, SeqBlocks
 from deltazip.runtime.serve.model_runner import run_model
 
@@ -85,7 +89,10 @@ class DecodeGraphs:
         self.backend, self.pool, self.max_graphs = backend, pool, max_graphs
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.failed: set[tuple] = set()
-        self.launches = 0
+        self.launches = 0  # replays
+        self.captures = 0
+        self._seen: OrderedDict[tuple, None] = OrderedDict()  # keys met once, not captured (the last 256)
+        self._side: torch.cuda.Stream | None = None  # the warm-up stream of every capture
         self._generation = pool.generation
 
     def run(self, caches: list[SeqBlocks], row_slots: list[int], tokens: list[int], weights_key) -> torch.Tensor | None:
@@ -109,6 +116,8 @@ class DecodeGraphs:
         if key in self.failed:
             return None
         g = self.graphs.get(key)
+        if g is None and not self._met_before(key):
+            return None
         step = g.step if g is not None else StaticDecodeStep(self.pool, bucket, self.backend.device)
         step.fill(caches, tokens, past, self.pool._free[0])
         if g is None:
@@ -122,13 +131,23 @@ class DecodeGraphs:
             c.length += 1
         return g.logits[:b].clone()
 
+    def _met_before(self, key: tuple) -> bool:
+        """Whether ``key`` was met before (and is now forgotten as such); else it is remembered."""
+        if key in self._seen:
+            del self._seen[key]
+            return True
+        self._seen[key] = None
+        while len(self._seen) > 256:
+            self._seen.popitem(last=False)
+        return False
+
     def _capture(self, key: tuple, step: StaticDecodeStep, slots: list[int]) -> _Graph | None:
         model, ctx = self.backend.model, self.backend.ctx
         g = _Graph(step)
         try:
             with torch.inference_mode():
                 ctx.bind(slots, self.backend.device)
-                side = torch.cuda.Stream()
+                side = self._side = self._side or torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # warm-up (lazy initialisations) off the capture stream
                     run_model(model, step.ids, step.q_pos, step.mask, step)
@@ -142,9 +161,9 @@ class DecodeGraphs:
                 g.keep = ctx.device_tensors()
                 step._masks.clear()
                 graph = torch.cuda.CUDAGraph()
-                # thread_local: the cache's loader thread may use the device while this thread captures.
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                with capture(graph):  # the loader and the tuner threads use the device meanwhile
                     g.logits = run_model(model, step.ids, step.q_pos, step.mask, step)
+            self.captures += 1
             g.graph = graph
         except Exception as e:  # e.g. a module that reads a device value on the host: stay eager
             log.warning("decode step not capturable as a CUDA graph (%s: %s); running it eagerly",

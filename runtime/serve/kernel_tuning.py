@@ -22,7 +22,6 @@ import ctypes
 import functools
 import logging
 import math
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import astuple, replace
@@ -34,6 +33,7 @@ from deltazip.kernels.cuda_sbmm import weight_stage_bytes
 from deltazip.kernels.dispatch_table import Choice
 from deltazip.kernels.row_plan import plan_rows, rows_bucket
 from deltazip.kernels.stacked import StackedDeltas
+from deltazip.runtime.serve import graph_capture
 
 log = logging.getLogger("deltazip.kernels")
 
@@ -268,7 +268,7 @@ def graph_timer(fn: Callable[[], object], launches: int = 8, replays: int = 5) -
 
     def capture(with_fn: bool) -> torch.cuda.CUDAGraph:
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with graph_capture.capture(g):  # beside the engine and the loader threads: one capture at a time, errors its own
             for _ in range(launches):
                 scratch.zero_()
                 if with_fn:
@@ -406,27 +406,3 @@ def precompile(stack: StackedDeltas, dtype: torch.dtype, pairs: list[tuple[int, 
     sets = [cuda_sbmm.macros(stack, dtype, c, dev) for c in sorted(configs, key=lambda c: astuple(c))
             if cuda_sbmm.kt_ok(stack, c.kt) and cuda_sbmm.mt_ok(stack, c.mt)]
     return compile_all(cuda_sbmm.source(), sets, arch)
-
-
-def tune_stack(stack: StackedDeltas, dtype: torch.dtype, pairs: list[tuple[int, int]] | None = None) -> int:
-    """Tune every (rows, deltas) pair of a stack; returns how many keys were timed now (not cached).
-
-    Logs one line per stack that needed tuning (``deltazip.kernels``, INFO): its shape, the keys timed
-    and the seconds they took, so a slow start-up says where its time went."""
-    table = dispatch_table.table_for(stack.device)
-    pairs = buckets(stack.num_deltas) if pairs is None else pairs
-    timed, t0 = 0, time.perf_counter()
-    todo: dict[str, tuple[int, int]] = {}  # untuned key -> its first pair
-    for r, d in pairs:
-        if (k := dispatch_table.key(stack, dtype, r, d)) not in table.entries:
-            todo.setdefault(k, (r, d))
-    compiled = precompile(stack, dtype, list(todo.values())) if todo and stack.device.type == "cuda" else 0
-    for rows, deltas in todo.values():
-        tune(stack, dtype, rows, deltas, table=table, save=False)
-        timed += 1
-    if timed:
-        table.save()
-        log.info("tuned the delta matmul of %dx%d %d-bit %s (%s): %d keys in %.1f s (%d kernel builds compiled)",
-                 stack.out_features, stack.in_features, stack.bits, "2:4" if stack.sparse else "dense",
-                 str(dtype).removeprefix("torch."), timed, time.perf_counter() - t0, compiled)
-    return timed

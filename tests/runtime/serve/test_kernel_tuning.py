@@ -269,7 +269,7 @@ def test_a_32_slot_7b_server_times_3071_candidates():
 
 
 def test_precompile_builds_every_candidate_in_parallel_threads_identical_to_serial_compiles(tmp_path, monkeypatch):
-    """A server's tuning (``kernel_tuning.tune_stack``) and the kernel table first compile every build
+    """A server's tuning (``kernel_tuner.precompile``) and the kernel table first compile every build
     the candidates launch, in threads (NVRTC outside the GIL): one cubin per distinct build, each the
     same bytes a serial compile gives, cached so that the second call compiles nothing."""
     rtc = nvrtc_or_skip()

@@ -271,3 +271,29 @@ def test_the_cuda_graph_step_layout_run_eagerly_equals_the_paged_step():
             torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
             assert bool(torch.isfinite(got).all())  # padding rows attend to nothing, yet no NaN
             toks = want.argmax(-1).tolist()
+
+
+def test_a_decode_composition_met_once_runs_eagerly_and_is_captured_the_second_time():
+    """``DecodeGraphs.run``'s policy: a key (bucket, rows' slots, ...) met for the first time gets None
+    (the engine runs it eagerly) without any capture; met again, it is captured. On this CPU the
+    capture cannot succeed, so the second meeting marks the key eager for good and later ones try no
+    more; a different composition starts over at its own first meeting."""
+    from deltazip.runtime.serve.cuda_graphs import DecodeGraphs
+    from deltazip.runtime.serve.delta_linear import DeltaContext
+
+    with single_thread():
+        model = tiny_model("llama")
+        use_paged_attention(model)
+        be = Backend(model)
+        be.ctx = DeltaContext(num_slots=2)
+        pool = BlockPool(block_size=4)
+        caches = [SeqBlocks() for _ in range(3)]
+        forward_step(be, pool, caches, [-1] * 3, [[5, 6, 7], [8, 9], [10]], [0] * 3)
+        graphs = DecodeGraphs(be, pool)
+        for slots in ([-1, -1, -1], [-1, -1]):  # a batch composition, then another: each met once
+            assert graphs.run(caches[:len(slots)], slots, [1] * len(slots), ("w",)) is None
+        assert not graphs.failed and graphs.captures == 0 and not graphs.graphs
+        assert graphs.run(caches, [-1, -1, -1], [1, 1, 1], ("w",)) is None  # met again: a capture, failed here
+        key = (4, (-1, -1, -1, -1), ("w",))
+        assert graphs.failed == {key} and graphs.captures == 0
+        assert graphs.run(caches, [-1, -1, -1], [1, 1, 1], ("w",)) is None and graphs.failed == {key}

@@ -142,7 +142,7 @@ def test_no_warmup_or_tuning_runs_for_a_request_to_a_resident_variant(served, mo
         monkeypatch.setattr(module, name, wrapper)
 
     for module, name in ((model_mod, "tune_new_keys"), (kernel_warmup, "warm_up_kernels"), (Tuner, "tune_now"),
-                         (Tuner, "tune_later"), (kernel_tuning, "tune"), (kernel_tuning, "tune_stack")):
+                         (Tuner, "tune_later"), (kernel_tuning, "tune"), (kernel_tuning, "precompile")):
         counted(module, name)
     with single_thread():
         metrics = Metrics()
