@@ -250,20 +250,17 @@ MAX_WORKSPACE = 1 << 25  # fp32 partials of one split-K launch (128 MiB)
 
 
 class _Workspace:
-    """fp32 partials (one slice per split) and per-tile counters of split-K launches, one pair per device
-    and stream: launches on one stream run in order, while two streams' launches (the engine's warm-up
-    on its side stream, the tuner's on its own) may overlap and would mix partials and counters. Counters
-    are zero between launches (each launch resets them); grown by replacement, never freed (a captured
-    graph may hold the old ones)."""
+    """fp32 partials (one slice per split) and per-tile counters of split-K launches; counters are zero
+    between launches (each launch resets them); grown by replacement, never freed (a captured graph may
+    hold the old ones)."""
 
     def __init__(self):
-        self.ws: dict[tuple[int, int], torch.Tensor] = {}
-        self.counters: dict[tuple[int, int], torch.Tensor] = {}
+        self.ws: dict[int, torch.Tensor] = {}
+        self.counters: dict[int, torch.Tensor] = {}
         self.kept: list[torch.Tensor] = []
 
-    def get(self, device: torch.device, stream: int, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(partials, counters)`` of launches on ``device`` and the stream whose handle is ``stream``."""
-        i = (device.index, stream)
+    def get(self, device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = device.index
         ws, cn = self.ws.get(i), self.counters.get(i)
         if ws is None or ws.numel() < floats:
             if ws is not None:
@@ -350,14 +347,13 @@ class Build:
             if split > 1 and split * n * out_f > MAX_WORKSPACE:  # a prefill-sized call has CTAs enough without
                 per_split, split = self.k_tiles, 1
             grid = (self.grid_x, plan.num_tiles, split)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        ws, counters = _WORKSPACE.get(self.device, stream, split * n * out_f if split > 1 else 0,
-                                      plan.num_tiles * self.grid_x)
+        ws, counters = _WORKSPACE.get(self.device, split * n * out_f if split > 1 else 0, plan.num_tiles * self.grid_x)
         present = self.all_present if present is None else present
         c_int, ptr = ctypes.c_int, ctypes.c_void_p
         args = [ptr(x.data_ptr()), c_int(x.stride(0)), ptr(y.data_ptr()), c_int(y.stride(0)), ptr(plan.packed.data_ptr()),
                 c_int(n), c_int(plan.num_tiles), ptr(present.data_ptr()), *self.weights, c_int(per_split), c_int(int(add)), ptr(ws.data_ptr()), ptr(counters.data_ptr())]
-        self.kernel(grid, self.cfg.threads, self.smem, stream, args, pdl=self.cfg.pdl)
+        self.kernel(grid, self.cfg.threads, self.smem, torch.cuda.current_stream(self.device).cuda_stream, args,
+                    pdl=self.cfg.pdl)
         return y
 
 

@@ -92,7 +92,6 @@ class DecodeGraphs:
         self.launches = 0  # replays
         self.captures = 0
         self._seen: OrderedDict[tuple, None] = OrderedDict()  # keys met once, not captured (the last 256)
-        self._side: torch.cuda.Stream | None = None  # the warm-up stream of every capture
         self._generation = pool.generation
 
     def run(self, caches: list[SeqBlocks], row_slots: list[int], tokens: list[int], weights_key) -> torch.Tensor | None:
@@ -147,11 +146,10 @@ class DecodeGraphs:
         try:
             with torch.inference_mode():
                 ctx.bind(slots, self.backend.device)
-                side = self._side = self._side or torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm-up (lazy initialisations) off the capture stream
-                    run_model(model, step.ids, step.q_pos, step.mask, step)
-                torch.cuda.current_stream().wait_stream(side)
+                # Warm-up (lazy initialisations, the split-K workspace) outside the capture, on this
+                # thread's stream: the kernels' split-K workspace is one per device, and launches on
+                # one stream never overlap (a side stream's could overlap the tuner thread's).
+                run_model(model, step.ids, step.q_pos, step.mask, step)
                 # Everything the captured kernels read must outlive the capture: the slot routing is
                 # bound afresh (its host-to-device copy outside the captured region) and kept, and the
                 # per-forward caches (routing, masks) are rebuilt inside it, in the graph's own memory
