@@ -34,6 +34,7 @@ REQUEST_PATH = [
     "serve/grammar.py",  # constrained requests' grammars and every step's token masks
     "serve/tool_calls.py",  # tools in chat requests, calls read from answers
     "serve/cuda_graphs.py",  # decode steps on CUDA
+    "serve/graph_capture.py",  # every decode graph captured while serving
     "serve/projections.py",  # merged q/k/v and gate/up in the forward
     "serve/delta_embedding.py",  # decoupled embeddings in the forward
     "serve/delta_experts.py",  # decoupled MoE experts and routers in the forward
