@@ -2,12 +2,16 @@
 # The prepared GPU check: every headline figure from one call of at most 8 minutes on one cold H100 or
 # H200 with no network (set-up included). docs/dev/gpu-runs/README.md says how a window runs it.
 #
-#   bash bench/gpu_check.sh              # the window's call
+#   bash bench/gpu_check.sh --window     # the window's call (WINDOW_LIMIT 570 s): the smoke call, then, unless
+#                                        # one of its benches erred, the measuring steps (MEASURE_STEPS, default
+#                                        # "serve compress step gdeflate table") in the same command, with what
+#                                        # is left; no second call has to catch the machine in its 30 s warm
+#   bash bench/gpu_check.sh              # the measuring call alone (the tests in it, no smoke)
 #   bash bench/gpu_check.sh --smoke      # every step on the GPU at one layer and toy traffic (about 3 minutes),
 #                                        # the GPU tests and every parity test (preview paths included) beside
-#                                        # them: a first call that finds what breaks on a GPU before the
-#                                        # measuring call spends its minutes
-#   bash bench/gpu_check.sh --dry-run    # the same steps on CPU at toy size (tests/test_gpu_check.py runs it)
+#                                        # them: what breaks on a GPU, before measuring spends the minutes
+#   bash bench/gpu_check.sh --dry-run    # the same steps on CPU at toy size (tests/test_gpu_check.py runs it;
+#                                        # --window --dry-run runs both phases so)
 #   STEPS="serve-all table-full" bash bench/gpu_check.sh   # the optional second call: uniform and azure-like
 #                                        # serving, the full kernel table (STEPS="humming": humming's MoE GEMM;
 #                                        # STEPS="preview compact lora": the preview paths' parity, the compact
@@ -36,38 +40,84 @@
 #   lora       40  (not in the first call: STEPS=lora) bench/lora.py: grouped LoRA's four paths in bf16
 # (450 s of limits after a set-up of about 25 s.)
 # --smoke runs serve, compress, step and gdeflate at one layer and toy traffic (limits 70, 30, 40, 15 s; the
-# whole call within 180 s), with the tests and preview parity (140 s each) started beside them at once; a
-# window that begins with it and passes runs the measuring call next while the machine is warm, with
-# STEPS="serve compress step gdeflate table" (the tests already ran). docs/dev/gpu-runs/README.md.
+# whole call within 180 s), with the tests and preview parity (140 s each) started beside them at once.
+# --window runs it and then STEPS="serve compress step gdeflate table" (the tests already ran) within the
+# rest of WINDOW_LIMIT: serve 150, compress 95, step 65, gdeflate 20, table 40 fit the ~390 s left, and the
+# second phase reuses the first's installs and compiled kernels. docs/dev/gpu-runs/README.md.
 # Every bench writes its finished rows at once, so a step stopped at its limit keeps what it measured.
 #
 # Writes under $OUT (default /tmp/gpu_check) the 8 files a window keeps in docs/dev/gpu-runs/<gpu>-<date>/:
 # gpu_check.log (everything printed), summary.md (versions, one line per step, the tables), commands.sh
 # (every command with its limit), serve.json, compress_memory.json, step.json, gdeflate_decode.json,
-# sbmm_table.json. Python packages the image lacks travel as wheels in .whl/ (bench/gpu_wheels.sh makes it)
+# sbmm_table.json (a --window call: the log, summary and commands of both phases, the measuring phase's JSON). Python packages the image lacks travel as wheels in .whl/ (bench/gpu_wheels.sh makes it)
 # and are installed with --no-deps where missing.
 set -u
 cd "$(dirname "$0")/.."
 DRY=
 SMOKE=
-case "${1:-}" in
-  --dry-run) DRY=1 ;;
-  --smoke) SMOKE=1 ;;
-  "") ;;
-  *) echo "gpu_check.sh: unknown argument ${1}; use --dry-run, --smoke or nothing" >&2; exit 2 ;;
-esac
-MODE=${DRY:+ --dry-run}${SMOKE:+ --smoke}
+WINDOW=
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY=1 ;;
+    --smoke) SMOKE=1 ;;
+    --window) WINDOW=1 ;;
+    *) echo "gpu_check.sh: unknown argument ${arg}; use --window, --smoke, --dry-run (alone or after one of those)" \
+         "or nothing" >&2; exit 2 ;;
+  esac
+done
+if [ -n "$WINDOW" ] && [ -n "$SMOKE" ]; then
+  echo "gpu_check.sh: --window runs the smoke call itself; give --window or --smoke, not both" >&2; exit 2
+fi
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
+
+if [ -n "$WINDOW" ]; then  # the smoke call, then the measuring steps unless a smoke bench broke: one command
+  # Both phases write gpu_check.log, summary.md and commands.sh under $OUT as they go (a command stopped from
+  # outside still brings back what it did); the smoke phase's JSON (one layer, toy traffic) stays in the
+  # scratch, so every JSON under $OUT is a measurement. Both phases share the cubin and bench caches.
+  WINDOW_LIMIT=${WINDOW_LIMIT:-570}
+  base=${SCRATCH:-$(mktemp -d /tmp/gpu_check_window.XXXXXX)}
+  mkdir -p "$base/smoke-json"
+  export DELTAZIP_BENCH_CACHE=${DELTAZIP_BENCH_CACHE:-$base/cache}
+  w0=$(date +%s)
+  STEPS="${SMOKE_STEPS:-tests preview serve compress step gdeflate}" OUT="$OUT" JSON_OUT="$base/smoke-json" \
+    SCRATCH="$base/smoke" KEEP_SCRATCH=1 TOTAL_LIMIT="${SMOKE_LIMIT:-180}" bash "$0" --smoke ${DRY:+--dry-run}
+  # a smoke bench that errs would err in the measuring call too; a test failure, or a bench stopped at its
+  # (short) limit, does not stop the window: the measuring steps run, and the summary says what failed
+  broke=$(awk '$1 != 124 && $1 != 137 {sub(/^[0-9]+ /, ""); print}' "$base/smoke/failed" 2>/dev/null \
+    | grep -v -x -e "gpu-marked tests and CUDA kernel parity" -e "CUDA kernel preview-path parity" | paste -sd ';' -)
+  if [ -n "$broke" ]; then
+    echo "- window: stopped before the measuring steps: ${broke//;/; } failed in the smoke phase (gpu_check.log has" \
+      "the error; fix it on CPU before the next call)" | tee -a "$OUT/summary.md"
+    [ -z "${KEEP_SCRATCH:-}" ] && rm -rf "$base"
+    exit 1
+  fi
+  left=$(( WINDOW_LIMIT - ($(date +%s) - w0) ))
+  echo "=== window: ${left}s of WINDOW_LIMIT ${WINDOW_LIMIT}s left for the measuring steps" | tee -a "$OUT/gpu_check.log"
+  APPEND=1 SETUP_DONE=1 STEPS="${MEASURE_STEPS:-serve compress step gdeflate table}" OUT="$OUT" \
+    SCRATCH="$base/measure" TOTAL_LIMIT=$left bash "$0" ${DRY:+--dry-run}
+  rc=$?
+  [ -z "${KEEP_SCRATCH:-}" ] && rm -rf "$base"
+  exit $rc
+fi
+
+MODE=${DRY:+ --dry-run}${SMOKE:+ --smoke}
+JSON_OUT=${JSON_OUT:-$OUT}  # the benches' JSON (a window's smoke phase keeps its own out of $OUT)
+mkdir -p "$JSON_OUT"
 LOG="$OUT/gpu_check.log"
 SUM="$OUT/summary.md"
 CMDS="$OUT/commands.sh"
 SCRATCH=${SCRATCH:-$(mktemp -d /tmp/gpu_check_scratch.XXXXXX)}
 mkdir -p "$SCRATCH"
-: >"$LOG"
-: >"$SUM"
-printf '#!/usr/bin/env bash\n# The commands bench/gpu_check.sh%s ran, in order, each with its time limit.\n' \
-  "$MODE" >"$CMDS"
+if [ -z "${APPEND:-}" ]; then
+  : >"$LOG"
+  : >"$SUM"
+  printf '#!/usr/bin/env bash\n# The commands bench/gpu_check.sh%s ran, in order, each with its time limit.\n' \
+    "$MODE" >"$CMDS"
+else  # a window's measuring phase, after its smoke phase
+  echo "" >>"$SUM"
+  printf '# then the measuring phase (bench/gpu_check.sh%s, STEPS="%s"):\n' "$MODE" "${STEPS:-}" >>"$CMDS"
+fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export DELTAZIP_CUDA_CACHE=${DELTAZIP_CUDA_CACHE:-/tmp/deltazip-cuda}
 export DELTAZIP_BENCH_CACHE=${DELTAZIP_BENCH_CACHE:-$SCRATCH/cache}
@@ -78,8 +128,8 @@ elapsed() { echo $(( $(date +%s) - t0 )); }
 stamp() { echo "=== [$(elapsed)s] $*" | tee -a "$LOG"; }
 note() { echo "$*" | tee -a "$SUM"; }
 
-stamp "setup${DRY:+ (dry run: nothing installed)}"
-if [ -z "$DRY" ]; then
+stamp "setup${DRY:+ (dry run: nothing installed)}${SETUP_DONE:+ (done by the smoke phase)}"
+if [ -z "$DRY" ] && [ -z "${SETUP_DONE:-}" ]; then
   for w in .whl/*.whl; do  # packages the image lacks; none of the image's own is replaced
     [ -f "$w" ] || continue
     dist=$(basename "$w" | cut -d- -f1 | tr _ -)
@@ -126,6 +176,7 @@ run() {  # run NAME LIMIT CMD...: the command under its limit, one summary line,
   local s=$(date +%s) from=$(( $(wc -l <"$LOG") + 1 ))
   timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
   local rc=$?
+  [ $rc -ne 0 ] && echo "$rc $name" >>"$SCRATCH/failed"  # read by --window
   local tail_line  # this step's own last pytest-style line, if it printed one
   tail_line=$(tail -n +"$from" "$LOG" | grep -E "[0-9]+ (passed|failed|skipped)|[0-9]+ errors?( |$)|needs a CUDA GPU" \
     | tail -1)
@@ -204,7 +255,7 @@ if want serve || want serve-all; then  # server logs (start-up, warm-up, capacit
   run "serving bench ($dists, delta vs swap)" ${SERVE_LIMIT:-150} \
     $PY bench/serve.py --pair synthetic-7b --quick --dists $dists $SERVE_ARGS --server-log-level info \
     --out "$SCRATCH/serve"
-  [ -f "$SCRATCH/serve/serve.json" ] && cp "$SCRATCH/serve/serve.json" "$OUT/serve.json"
+  [ -f "$SCRATCH/serve/serve.json" ] && cp "$SCRATCH/serve/serve.json" "$JSON_OUT/serve.json"
   for f in "$SCRATCH"/serve/server-*.pgid; do  # a bench killed at its limit leaves no server holding the GPU
     [ -f "$f" ] && kill -KILL -- "-$(cat "$f")" 2>/dev/null
   done
@@ -215,31 +266,31 @@ if want serve || want serve-all; then  # server logs (start-up, warm-up, capacit
   rm -rf "$DELTAZIP_BENCH_CACHE/synthetic"/*/arts "$DELTAZIP_BENCH_CACHE/synthetic"/*/swap  # disk for the next steps
 fi
 want compress && run "compression" \
-  ${COMPRESS_LIMIT:-95} $PY bench/compress_memory.py $COMPRESS_ARGS --out "$OUT"
+  ${COMPRESS_LIMIT:-95} $PY bench/compress_memory.py $COMPRESS_ARGS --out "$JSON_OUT"
 want step && run "decode step" ${STEP_LIMIT:-65} \
-  $PY bench/step.py --pair synthetic-7b $STEP_ARGS --out "$OUT"
+  $PY bench/step.py --pair synthetic-7b $STEP_ARGS --out "$JSON_OUT"
 want gdeflate && run "GDeflate decode, GPU vs CPU" ${GDEFLATE_LIMIT:-20} \
-  $PY bench/gdeflate_decode.py $GDEFLATE_ARGS --out "$OUT"
+  $PY bench/gdeflate_decode.py $GDEFLATE_ARGS --out "$JSON_OUT"
 want tests && [ -z "$SMOKE" ] && tests_step
 if want table || want table-full; then
   args=$TABLE_ARGS
   want table-full && args=""
   run "delta matmul table ($args)" ${TABLE_LIMIT:-40} $PY bench/sbmm_table.py $args --out "$SCRATCH/table"
-  [ -f "$SCRATCH/table/sbmm_table.json" ] && cp "$SCRATCH/table/sbmm_table.json" "$OUT/sbmm_table.json"
+  [ -f "$SCRATCH/table/sbmm_table.json" ] && cp "$SCRATCH/table/sbmm_table.json" "$JSON_OUT/sbmm_table.json"
 fi
 
 want preview && [ -z "$SMOKE" ] && preview_step
 if want options; then  # the preview launch options beside the validated launch, at 1, 2 and 4 deltas
   run "preview launch options table" ${OPTIONS_LIMIT:-120} \
     $PY bench/sbmm_options.py --quick --out "$SCRATCH/options"
-  [ -f "$SCRATCH/options/sbmm_options.json" ] && cp "$SCRATCH/options/sbmm_options.json" "$OUT/sbmm_options.json"
+  [ -f "$SCRATCH/options/sbmm_options.json" ] && cp "$SCRATCH/options/sbmm_options.json" "$JSON_OUT/sbmm_options.json"
 fi
 if want compact; then  # the compact 2:4 layout on the sparse tensor cores, beside the expanded layout
   run "compact 2:4 delta matmul table" ${COMPACT_LIMIT:-60} env DELTAZIP_CUDA_PREVIEW=sparse-mma \
     $PY bench/sbmm_table.py --quick --bits 4 --compact --out "$SCRATCH/compact"
-  [ -f "$SCRATCH/compact/sbmm_table.json" ] && cp "$SCRATCH/compact/sbmm_table.json" "$OUT/sbmm_compact.json"
+  [ -f "$SCRATCH/compact/sbmm_table.json" ] && cp "$SCRATCH/compact/sbmm_table.json" "$JSON_OUT/sbmm_compact.json"
 fi
-want lora && run "grouped LoRA paths" ${LORA_LIMIT:-40} $PY bench/lora.py $LORA_ARGS --out "$OUT"
+want lora && run "grouped LoRA paths" ${LORA_LIMIT:-40} $PY bench/lora.py $LORA_ARGS --out "$JSON_OUT"
 if want humming; then  # optional: humming-kernels and its needs travel in .whl/humming/
   for w in .whl/humming/*.whl; do
     [ -f "$w" ] && [ -z "$DRY" ] || continue
@@ -249,7 +300,7 @@ if want humming; then  # optional: humming-kernels and its needs travel in .whl/
   done
   if $PY -c "import humming" 2>/dev/null; then
     run "humming-kernels MoE GEMM candidate" ${HUMMING_LIMIT:-90} $PY bench/humming_moe.py --out "$SCRATCH/humming"
-    [ -f "$SCRATCH/humming/humming_moe.json" ] && cp "$SCRATCH/humming/humming_moe.json" "$OUT/"
+    [ -f "$SCRATCH/humming/humming_moe.json" ] && cp "$SCRATCH/humming/humming_moe.json" "$JSON_OUT/"
     [ -f "$SCRATCH/humming/humming_table.md" ] && { note ""; cat "$SCRATCH/humming/humming_table.md" >>"$SUM"; }
   else
     note "- humming-kernels MoE GEMM candidate: not run (humming does not import; carry .whl/humming/)"
@@ -260,20 +311,21 @@ for job in "${BACKGROUND[@]}"; do  # the smoke call's background tests: their lo
   s=${job#*:}
   { echo "=== background: $s"; cat "$SCRATCH/background-$s.log"; } >>"$LOG"
 done
-for kind in serve compress_memory step gdeflate_decode; do
-  [ -f "$OUT/$kind.json" ] && { note ""; $PY bench/_summary_table.py "$kind" "$OUT/$kind.json" >>"$SUM"; }
+[ "$JSON_OUT" != "$OUT" ] && NO_TABLES=1  # a window's smoke phase: its figures (toy traffic) are not kept
+[ -z "${NO_TABLES:-}" ] && for kind in serve compress_memory step gdeflate_decode; do
+  [ -f "$JSON_OUT/$kind.json" ] && { note ""; $PY bench/_summary_table.py "$kind" "$JSON_OUT/$kind.json" >>"$SUM"; }
 done
-if [ -f "$SCRATCH/table/table.md" ]; then
+if [ -z "${NO_TABLES:-}" ] && [ -f "$SCRATCH/table/table.md" ]; then
   note ""
   note "## Delta matmul (graph replay, µs per launch; bench/sbmm_table.py $TABLE_ARGS)"
   cat "$SCRATCH/table/table.md" >>"$SUM"
 fi
-if [ -f "$SCRATCH/options/options.md" ]; then
+if [ -z "${NO_TABLES:-}" ] && [ -f "$SCRATCH/options/options.md" ]; then
   note ""
   note "## Preview launch options at small batches (bench/sbmm_options.py --quick; µs per delta matmul after its base GEMM)"
   cat "$SCRATCH/options/options.md" >>"$SUM"
 fi
-if [ -f "$SCRATCH/compact/table.md" ]; then
+if [ -z "${NO_TABLES:-}" ] && [ -f "$SCRATCH/compact/table.md" ]; then
   note ""
   note "## Compact 2:4 delta matmul (bench/sbmm_table.py --quick --bits 4 --compact, DELTAZIP_CUDA_PREVIEW=sparse-mma)"
   cat "$SCRATCH/compact/table.md" >>"$SUM"

@@ -117,3 +117,69 @@ def test_the_smoke_call_runs_the_tests_beside_the_benches_and_reports_each(tmp_p
     cmds = (out / "commands.sh").read_text()
     assert cmds.count("timeout 120 ") == 2 and "pytest -q -x" not in cmds, cmds  # every parity failure, not the first
     assert not (tmp_path / "scratch").exists()
+
+
+def _window(tmp_path, **env):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PY": sys.executable, "SCRATCH": str(tmp_path / "scratch"),
+           "DELTAZIP_CUDA_CACHE": str(tmp_path / "cuda"), **env}
+    got = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--window", "--dry-run"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    return got, out
+
+
+@pytest.mark.slow
+def test_a_window_measures_after_its_smoke_phase_in_the_same_command(tmp_path):
+    """``--window``: the smoke phase, then the measuring steps within the rest of ``WINDOW_LIMIT``, with no
+    second call to catch the machine while it is warm. Both phases write one log, summary and commands file
+    (smoke first); every JSON under $OUT is the measuring phase's (the smoke's, of toy traffic, stay in the
+    scratch, and so do its tables), and the second phase installs nothing again."""
+    got, out = _window(tmp_path, SMOKE_STEPS="tests gdeflate", MEASURE_STEPS="gdeflate step", KEEP_SCRATCH="1",
+                       WINDOW_LIMIT="75")
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["commands.sh", "gdeflate_decode.json", "gpu_check.log",
+                                                     "step.json", "summary.md"]
+    summary = (out / "summary.md").read_text()
+    heads = [ln for ln in summary.splitlines() if ln.startswith("# GPU check")]
+    assert [h.rsplit(":", 1)[0] for h in heads] == ["# GPU check (dry run) (smoke: one layer, toy traffic)",
+                                                "# GPU check (dry run)"], summary
+    smoke, measure = summary.split(heads[1])
+    assert "- gpu-marked tests and CUDA kernel parity: exit 0" in smoke and "- GDeflate decode" in smoke
+    assert "## " not in smoke, smoke  # the smoke phase's figures are not reported as figures
+    assert "- decode step: exit 0" in measure and "## Decode step" in measure and "## GDeflate decode" in measure
+    cmds = (out / "commands.sh").read_text()
+    first, second = cmds.split("# then the measuring phase")
+    assert "smoke-json" in first and "bench/step.py" not in first
+    assert f"--out {out}" in second and second.count("timeout ") == 2, cmds
+    smoke_gd = tmp_path / "scratch" / "smoke-json" / "gdeflate_decode.json"
+    assert smoke_gd.exists() and smoke_gd.read_text() != (out / "gdeflate_decode.json").read_text()
+    log = (out / "gpu_check.log").read_text()
+    assert "setup (dry run: nothing installed) (done by the smoke phase)" in log
+    assert log.index("GDeflate decode, GPU vs CPU (limit") < log.index("decode step (limit"), log[-3000:]
+    # the second phase's steps get what the window has left (WINDOW_LIMIT less the smoke phase) when that is less
+    left = int(re.search(r"=== window: (\d+)s of WINDOW_LIMIT 75s left", log).group(1))
+    at, limit = map(int, re.search(r"=== \[(\d+)s\] decode step \(limit (\d+)s\)", log).groups())
+    assert 15 <= left < 75 and limit in (min(65, left - at), min(65, left - at + 1)), (left, at, limit)
+
+
+def test_a_smoke_bench_that_errs_stops_the_window_before_it_measures(tmp_path):
+    """A bench that errs in the smoke phase would err at full size too: the window stops with exit 1 and a
+    summary line naming it, keeps no JSON and removes its scratch. (On CPU the kernel table's bench exits 1:
+    it needs a GPU.)"""
+    got, out = _window(tmp_path, SMOKE_STEPS="table")
+    assert got.returncode == 1, got.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["commands.sh", "gpu_check.log", "summary.md"]
+    last = (out / "summary.md").read_text().splitlines()[-1]
+    assert last.startswith("- window: stopped before the measuring steps: delta matmul table (--quick) failed"), last
+    assert "measuring phase" not in (out / "commands.sh").read_text()
+    assert not (tmp_path / "scratch").exists()
+
+
+def test_a_window_goes_on_past_failed_tests_and_a_bench_stopped_at_its_short_limit(tmp_path):
+    """Failed tests (reported in the summary) and a smoke bench stopped at its limit (toy traffic on a cold
+    machine) do not cost the window its figures: the measuring steps run."""
+    got, out = _window(tmp_path, SMOKE_STEPS="tests gdeflate", MEASURE_STEPS="gdeflate", GDEFLATE_LIMIT="1")
+    summary = (out / "summary.md").read_text()
+    assert got.returncode == 0 and "window: stopped" not in summary, summary
+    assert summary.count("- GDeflate decode, GPU vs CPU: exit 124 ") == 2, summary  # the measuring one too
+    assert (out / "commands.sh").read_text().count("# then the measuring phase") == 1
