@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import math
 import pkgutil
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ from deltazip.kernels.scheme import DeltaScheme, SchemeError
 
 _REGISTRY: dict[str, Codec] = {}
 _DISCOVERED = False
+_DISCOVERING = False
+# The first use may come from several threads at once (an artifact writer's or a server's loader pool):
+# the others wait until every codec has registered instead of reading a half-filled registry.
+_DISCOVER_LOCK = threading.RLock()
 
 
 def register(codec: Codec) -> Codec:
@@ -42,15 +47,24 @@ def register(codec: Codec) -> Codec:
 
 
 def _discover() -> None:
-    """Import every module of this package: each registers its codec."""
-    global _DISCOVERED
+    """Import every module of this package: each registers its codec. Returns once all have, whichever
+    thread imports them; a codec module that reaches the registry while being imported (the importing
+    thread, re-entering) sees what has registered so far."""
+    global _DISCOVERED, _DISCOVERING
     if _DISCOVERED:
         return
-    _DISCOVERED = True
-    pkg = __name__.rpartition(".")[0]
-    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        if info.name not in ("base", "__init__"):
-            importlib.import_module(f"{pkg}.{info.name}")
+    with _DISCOVER_LOCK:
+        if _DISCOVERED or _DISCOVERING:
+            return
+        _DISCOVERING = True
+        try:
+            pkg = __name__.rpartition(".")[0]
+            for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+                if info.name not in ("base", "__init__"):
+                    importlib.import_module(f"{pkg}.{info.name}")
+            _DISCOVERED = True
+        finally:
+            _DISCOVERING = False
 
 
 def get(kind: str) -> Codec:

@@ -1,6 +1,8 @@
 """The codec registry: one codec per manifest kind, typed entries, and the scheme in every packed entry."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,31 @@ def test_every_kind_has_one_codec_in_its_own_module():
     assert codecs.get("packed").layouts == ("canonical", "mma")  # what it offers the SBMM kernels
     with pytest.raises(Exception, match="unknown kind 'codebook'"):
         codecs.get("codebook")
+
+
+def test_a_first_use_from_many_threads_at_once_finds_every_codec():
+    """The registry fills on first use; threads that reach it together (an artifact writer's pool, a server's
+    loaders) wait for every codec instead of reading a half-filled registry ("unknown kind 'packed'").
+    A fresh interpreter, so that the first use is the threads'."""
+    code = """
+import threading
+from deltazip.formats import codecs
+kinds = ["packed", "rows", "xor", "dense_delta", "full", "same", "alias", "lora"]
+errors, barrier = [], threading.Barrier(8)
+def first_use(kind):
+    barrier.wait()
+    try:
+        assert codecs.get(kind).kind == kind
+    except Exception as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=first_use, args=(k,)) for k in kinds]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(len(errors), errors[:2])
+"""
+    for _ in range(3):
+        got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert got.returncode == 0 and got.stdout.strip() == "0 []", (got.stdout, got.stderr[-2000:])
 
 
 @pytest.mark.parametrize("art", ["v1/art-deltazip", "v2/art-llama", "v2/art-gpt2"])
