@@ -21,6 +21,7 @@ import glob
 import hashlib
 import os
 import sys
+import threading
 from pathlib import Path
 
 _CACHE_ENV = "DELTAZIP_CUDA_CACHE"
@@ -145,7 +146,7 @@ def cubin_for(source: str, macros: dict[str, int], arch: int) -> bytes:
     cubin = _CUBINS[key] = compile_cubin(source, macros, arch)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # precompile's threads
         tmp.write_bytes(cubin)
         os.replace(tmp, path)  # atomic: a concurrent process reads a whole cubin or none
     except OSError:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from dataclasses import dataclass, replace
 from importlib import resources
 
@@ -417,16 +418,25 @@ class Launch:
     def __init__(self, stack: StackedDeltas, dtype: torch.dtype, choose, fallback):
         self.stack, self.dtype, self.choose, self.fallback = stack, dtype, choose, fallback
         self._by_key: dict[tuple[int, int], tuple[str, Build | None]] = {}
+        self._epoch = 0  # counts forget() calls
 
     def forget(self) -> None:
         """Drop the resolved choices (the dispatch table changed): the next call of a bucket resolves again."""
+        self._epoch += 1
         self._by_key.clear()
 
     def _resolve(self, plan: RowPlan) -> tuple[str, Build | None]:
+        epoch = self._epoch
         path, cfg = self.choose(plan.num_rows, plan.slots_used)
         if path == "cuda" and cfg is None:
             cfg = default_config(self.stack, plan, self.stack.device)
-        r = self._by_key[plan.key] = (path, build_for(self.stack, self.dtype, cfg) if path == "cuda" else None)
+        r = (path, build_for(self.stack, self.dtype, cfg) if path == "cuda" else None)
+        # kept unless the table changed meanwhile (forget() on the tuner's thread, which counts before it
+        # clears): then this call uses it and the next one resolves again
+        if self._epoch == epoch:
+            self._by_key[plan.key] = r
+            if self._epoch != epoch:
+                self._by_key.pop(plan.key, None)
         return r
 
     def __call__(self, y: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, plan_of=None,
@@ -487,12 +497,16 @@ def dequant_mm(x: torch.Tensor, stack: StackedDeltas, plan: RowPlan, *, out: tor
     return y
 
 
-_SCRATCH: dict[tuple, torch.Tensor] = {}
+# One dequantize buffer per thread: the engine's prefill and the tuner's timing (agrees, a dequant_mm
+# candidate) may both run dequant_mm, each "dequantize into the buffer, then multiply from it" on the
+# same stream; a shared buffer would let one thread's dequantize land between the other's two launches.
+_SCRATCH = threading.local()
 
 
 def _scratch(device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    key = (device, dtype)
-    t = _SCRATCH.get(key)
+    """This thread's buffer of at least ``numel`` elements on ``device`` in ``dtype`` (grown by replacement)."""
+    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
+    t = bufs.get((device, dtype))
     if t is None or t.numel() < numel:
-        t = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+        t = bufs[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
     return t[:numel]

@@ -14,6 +14,7 @@ start-up line a server prints where a GPU serves them on the reference.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -81,7 +82,18 @@ class _Counted:
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the prepared CUDA launches, told when the table changes
-dispatch_table.LISTENERS.append(lambda: [launch.forget() for launch in list(_LIVE)])
+# prepare runs on the engine thread (a new stack) while the tuner's thread tells every launch of a change
+_LIVE_LOCK = threading.Lock()
+
+
+def _forget_all() -> None:
+    with _LIVE_LOCK:
+        launches = list(_LIVE)
+    for launch in launches:
+        launch.forget()
+
+
+dispatch_table.LISTENERS.append(_forget_all)
 
 
 def _why_not_cuda(stack: StackedDeltas, dtype: torch.dtype) -> str | None:
@@ -118,7 +130,8 @@ def prepare(stack: StackedDeltas, dtype: torch.dtype) -> Callable[..., torch.Ten
             return c.path, c.config
 
         launch = _Counted(cuda_sbmm.Launch(stack, dtype, choose, ref))
-        _LIVE.add(launch)
+        with _LIVE_LOCK:
+            _LIVE.add(launch)
     launches[dtype] = launch
     return launch
 

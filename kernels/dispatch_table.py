@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -136,22 +137,30 @@ class Table:
         return self
 
     def save(self) -> None:
+        """Write the table atomically (a temporary file per process and thread, then a rename)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        doc = {"version": FORMAT_VERSION, "entries": {k: c.to_json() for k, c in sorted(self.entries.items())},
-               "skipped": dict(sorted(self.skipped.items()))}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        entries, skipped = dict(self.entries), dict(self.skipped)  # copies made in one step each (the GIL)
+        doc = {"version": FORMAT_VERSION, "entries": {k: c.to_json() for k, c in sorted(entries.items())},
+               "skipped": dict(sorted(skipped.items()))}
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, self.path)
 
 
 _TABLES: dict[tuple[str, str], Table] = {}
+_TABLES_LOCK = threading.Lock()
 
 
 def table_for(device: torch.device) -> Table:
+    """The table of ``device``, loaded once per process and cache directory: every thread gets the same
+    object (a choice recorded into a second copy would be neither looked up nor saved)."""
     memo = (str(device), str(cache_dir()))
     t = _TABLES.get(memo)
     if t is None:
-        t = _TABLES[memo] = Table(cache_dir() / f"{device_tag(device)}.json").load()
+        with _TABLES_LOCK:
+            t = _TABLES.get(memo)
+            if t is None:
+                t = _TABLES[memo] = Table(cache_dir() / f"{device_tag(device)}.json").load()
     return t
 
 

@@ -25,6 +25,7 @@ nothing is measured: a measured graph-safe choice runs, else ``stacked``.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -44,6 +45,7 @@ def loop(x: torch.Tensor, index: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
 
 
 _B_ROWS: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+_B_ROWS_LOCK = threading.Lock()  # the engine's forwards and the tuner's measurements both sweep it
 
 
 def _b_by_rank_rows(B: torch.Tensor) -> torch.Tensor:
@@ -53,9 +55,10 @@ def _b_by_rank_rows(B: torch.Tensor) -> torch.Tensor:
     if hit is not None and hit[0]() is B and hit[1] == B._version:
         return hit[2]
     rows = B.transpose(1, 2).reshape(-1, B.shape[1])
-    for k in [k for k, v in _B_ROWS.items() if v[0]() is None]:
-        del _B_ROWS[k]
-    _B_ROWS[id(B)] = (weakref.ref(B), B._version, rows)
+    with _B_ROWS_LOCK:
+        for k in [k for k, v in _B_ROWS.items() if v[0]() is None]:
+            del _B_ROWS[k]
+        _B_ROWS[id(B)] = (weakref.ref(B), B._version, rows)
     return rows
 
 

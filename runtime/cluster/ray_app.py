@@ -346,8 +346,10 @@ class Ingress:
         from starlette.responses import Response
 
         if self.version is None:  # first request (or a restarted ingress): where the log stands
-            self.version = await self.log.version.remote()
-            self.base = (await self.engine.info.remote())["base"]
+            version = await self.log.version.remote()
+            base = (await self.engine.info.remote())["base"]
+            # both at once: a request arriving during the awaits must not see a version without its base
+            self.base, self.version = base, version
         try:
             body = await read_body(request, self.max_body)
         except ApiError as e:

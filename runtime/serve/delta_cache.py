@@ -81,10 +81,13 @@ class TieredCache:
 
     # -- host tier (any thread) -----------------------------------------------------------------
     def _stat(self, name: str) -> VariantLoadStats:
+        # the loader and the engine threads both count (setdefault: one entry per name, in one step)
         st = self.stats.get(name)
-        if st is None:
-            st = self.stats[name] = VariantLoadStats()
-        return st
+        return st if st is not None else self.stats.setdefault(name, VariantLoadStats())
+
+    def load_stats(self) -> dict[str, dict]:
+        """Each variant's load counters as plain dicts, read while the loader may add entries (``/metrics``)."""
+        return {k: vars(v).copy() for k, v in list(self.stats.items())}
 
     def _load(self, name: str) -> Any:
         t0 = time.perf_counter()

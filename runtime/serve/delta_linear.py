@@ -23,6 +23,7 @@ repeated ``t`` times (``t`` is the step's token count, or 1 for ``lm_head`` on t
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -258,7 +259,10 @@ class PackedStore:
     def __init__(self, ctx: DeltaContext, in_features: int, out_features: int, device, dtype: torch.dtype):
         self.ctx, self.in_features, self.out_features = ctx, in_features, out_features
         self.device, self.dtype = device, dtype
+        # Replaced, never changed in place, when a configuration is added: the engine's add_into iterates
+        # it without a lock while the start-up tuning's thread may allocate a stack (stack_for).
         self.groups: dict[tuple, _PackedGroup] = {}
+        self._lock = threading.RLock()  # stack_for (start-up thread) against write and clear (engine thread)
         self.dq: torch.Tensor | None = None  # [N, out, in] dequantized deltas (ctx.dequantize)
         self.dq_owners: dict[int, set[int]] = {}  # slot -> first rows of the dequantized deltas written
         # Stack layout: a merged group whose member boundaries are not on 64-row tiles cannot use the
@@ -274,9 +278,12 @@ class PackedStore:
         allocates the stacks the served variants will use before the first request)."""
         scheme = DeltaScheme(bits=bits, group_size=group_size, sparsity="2:4" if sparse else "none", sym=not asymmetric)
         d = PackedDelta(torch.empty(0), torch.empty(0), None, None, scheme, self.in_features, 0)
-        return self._group_for(d, asymmetric, sparse).stack
+        with self._lock:
+            return self._group_for(d, asymmetric, sparse).stack
 
     def _group_for(self, delta: PackedDelta, asymmetric: bool, sparse: bool | None = None) -> _PackedGroup:
+        """The group of ``delta``'s configuration, allocated (or rebuilt with zero points) now if needed;
+        called with ``self._lock`` held."""
         sparse = delta.sparse if sparse is None else sparse
         key = (delta.bits, delta.effective_group, sparse, delta.in_features)  # members of any height share it
         g = self.groups.get(key)
@@ -298,7 +305,7 @@ class PackedStore:
                                            out_features=self.out_features, device=self.device, layout=layout)
             g = _PackedGroup(stack, torch.zeros(self.ctx.num_slots + 1, dtype=torch.bool, device=self.device),
                              dispatch.prepare(stack, self.dtype))
-            self.groups[key] = g
+            self.groups = {**self.groups, key: g}
         return g
 
     def write(self, slot: int, row0: int, packed: PackedDelta) -> None:
@@ -307,14 +314,15 @@ class PackedStore:
             self.write_dequantized(slot, row0, delta_weight(packed.to(self.device)))
             return
         rows = packed.out_features
-        self.clear(slot, row0, rows)
-        g = self._group_for(packed, packed.zeros is not None)
-        if slot not in g.owners and rows != self.out_features:
-            g.stack.clear_rows(slot, 0, self.out_features)  # likewise
-        g.stack.write(slot, packed, row0)
-        g.owners.setdefault(slot, set()).add(row0)
-        g.present[slot + 1] = True
-        g.slots.add(slot)
+        with self._lock:
+            self.clear(slot, row0, rows)
+            g = self._group_for(packed, packed.zeros is not None)
+            if slot not in g.owners and rows != self.out_features:
+                g.stack.clear_rows(slot, 0, self.out_features)  # likewise
+            g.stack.write(slot, packed, row0)
+            g.owners.setdefault(slot, set()).add(row0)
+            g.present[slot + 1] = True
+            g.slots.add(slot)
 
     def write_dequantized(self, slot: int, row0: int, delta: torch.Tensor) -> None:
         """Put a member's dense delta ``[rows, in]`` (rows ``row0 ..``, already dequantized: the delta
@@ -331,6 +339,10 @@ class PackedStore:
 
     def clear(self, slot: int, row0: int, rows: int) -> None:
         """Forget the member delta at ``row0`` of ``slot``; rows still shared with others become zero."""
+        with self._lock:
+            self._clear(slot, row0, rows)
+
+    def _clear(self, slot: int, row0: int, rows: int) -> None:
         for g in self.groups.values():
             own = g.owners.get(slot)
             if not own or row0 not in own:

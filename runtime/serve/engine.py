@@ -677,7 +677,7 @@ class Engine:
             "loading_deltas": self.loader.in_flight(),
             "host_deltas": self.cache.on_host(),
             "tokens_per_second": window / max(span, 1.0) if window else 0.0,
-            "load_stats": {k: vars(v).copy() for k, v in self.cache.stats.items()},
+            "load_stats": self.cache.load_stats(),
             **self._memory,
             **self.counters,
             "preempted": self.scheduler.preempted_total,

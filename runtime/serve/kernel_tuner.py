@@ -118,6 +118,9 @@ class Tuner:
         self._thread: threading.Thread | None = None
         self._busy = 0
         self._lock = threading.Lock()
+        # one measurement at a time: the start-up thread's tune_now and the background thread would
+        # otherwise time kernels on one GPU at once, and save one table from two threads
+        self._measuring = threading.Lock()
 
     def _untuned(self, jobs: list[Job | LoraJob]) -> list[Job | LoraJob]:
         """The jobs of keys neither in the table nor claimed yet, claimed now (each key is measured once)."""
@@ -131,7 +134,8 @@ class Tuner:
         return out
 
     def _run(self, job: Job | LoraJob) -> None:
-        job.run(self.measure)
+        with self._measuring:
+            job.run(self.measure)
         self.done_keys.add(job.key)
         with self._lock:
             self.progress["keys_done"] += 1
@@ -160,9 +164,10 @@ class Tuner:
             self._busy += len(todo)
         for j in todo:
             self._queue.put(j)
-        if todo and self._thread is None:
-            self._thread = threading.Thread(target=self._loop, daemon=True, name="deltazip-tuner")
-            self._thread.start()
+        with self._lock:  # the start-up thread and the engine's may both queue the first keys
+            if todo and self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True, name="deltazip-tuner")
+                self._thread.start()
         return len(todo)
 
     @property
@@ -194,8 +199,9 @@ class Tuner:
                     self._busy -= 1
 
     def _save(self, jobs: list[Job | LoraJob]) -> None:
-        for dev in {j.table_device for j in jobs} - {None}:
-            dispatch_table.table_for(dev).save()
+        with self._measuring:
+            for dev in {j.table_device for j in jobs} - {None}:
+                dispatch_table.table_for(dev).save()
 
     def close(self) -> None:
         """Stop the background thread after the key it is measuring."""

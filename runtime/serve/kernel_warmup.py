@@ -36,9 +36,13 @@ def served_stacks(model) -> list[StackedDeltas]:
         model: a ``deltazip.runtime.serve.model.DeltaModel``.
     """
     stacks: dict[int, StackedDeltas] = {}
-    for name, targets in model._targets.items():
-        v = model.variants[name]
-        for tname, where in targets.items():
+    # the start-up thread reads the variants while the engine's may add or remove one: a copy of the plans,
+    # made in one step, and a variant removed meanwhile is skipped
+    for name, targets in list(model._targets.items()):
+        v = model.variants.get(name)
+        if v is None:
+            continue
+        for tname, where in list(targets.items()):
             e = v.entries[tname]
             if not e.kernel_ready:
                 continue

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from _sbmm import make_delta, offline_tools
+from _sbmm import make_delta, mma_stack, offline_tools
 
 from deltazip.compress.config import AUTO_GROUPS
 from deltazip.kernels import cuda_sbmm, dispatch, dispatch_table, mma_layout, reference
@@ -272,3 +272,36 @@ def test_a_decode_step_on_the_gpu_passes_three_kernel_modules_and_matches_the_re
                                        "deltazip.kernels.cuda_rtc"}, seen
     want = reference.sbmm(x.float().cpu(), torch.tensor(slots), deltas)
     torch.testing.assert_close(y.float().cpu(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_table_change_while_a_bucket_resolves_is_not_lost():
+    """The tuner's thread may record a choice (and tell every prepared launch to forget theirs) while the
+    engine resolves a bucket: what the engine resolved from the old table serves that call only, and the
+    next call resolves again."""
+    stack, asked = mma_stack(), []
+
+    def choose(rows, deltas):
+        asked.append((rows, deltas))
+        if len(asked) == 1:
+            launch.forget()  # what dispatch_table.changed() does from the tuner's thread, mid-resolve
+        return "reference", None
+
+    launch = cuda_sbmm.Launch(stack, torch.float16, choose, lambda y, *a: y)
+    y, x, idx = torch.zeros(2, stack.out_features), torch.zeros(2, stack.in_features), torch.tensor([0, 1])
+    for _ in range(3):
+        launch(y, x, idx)
+    assert len(asked) == 2  # resolved again after the change, then kept
+
+
+def test_each_thread_dequantizes_into_its_own_buffer():
+    """``dequant_mm`` dequantizes into a buffer and multiplies from it; the engine (prefill) and the tuner
+    (its check and timings) both run it on one stream, so each thread has its buffer, reused by that thread."""
+    import threading
+
+    mine = cuda_sbmm._scratch(torch.device("cpu"), 64, torch.float16)
+    assert cuda_sbmm._scratch(torch.device("cpu"), 32, torch.float16).data_ptr() == mine.data_ptr()
+    other = []
+    t = threading.Thread(target=lambda: other.append(cuda_sbmm._scratch(torch.device("cpu"), 64, torch.float16)))
+    t.start()
+    t.join()
+    assert other[0].data_ptr() != mine.data_ptr()

@@ -48,3 +48,48 @@ def test_the_table_file_is_named_for_the_kernel_source_it_timed(table_dir, monke
     edited = cuda_sbmm.source() + "\n// edited\n"
     monkeypatch.setattr(cuda_sbmm, "source", lambda: edited)
     assert dispatch_table.device_tag(torch.device("cpu")) != tag
+
+
+def _at_once(n: int, fn) -> list:
+    """``fn(i)`` on ``n`` threads released together; their results in thread order."""
+    import threading
+
+    barrier, out = threading.Barrier(n), [None] * n
+
+    def run(i):
+        barrier.wait()
+        out[i] = fn(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_every_thread_gets_the_one_table_of_its_device(table_dir):
+    """The engine's first lookup and the tuner's first record may load the table at once: a second copy
+    would take choices that are neither looked up nor saved."""
+    (table_dir / f"{dispatch_table.device_tag(torch.device('cpu'))}.json").write_text(json.dumps(
+        {"version": 1, "entries": {f"k{i}": {"path": "dequant_mm"} for i in range(2000)}}))  # a slow load
+    for _ in range(5):
+        dispatch_table.forget_loaded()
+        tables = _at_once(8, lambda i: dispatch_table.table_for(torch.device("cpu")))
+        assert len({id(t) for t in tables}) == 1 and len(tables[0].entries) == 2000
+
+
+def test_threads_saving_one_table_at_once_each_write_it_whole(table_dir):
+    """The start-up thread and the background tuner both save after measuring: each write goes through
+    its own temporary file, and the table read back is whole."""
+    table = dispatch_table.Table(table_dir / "t.json")
+    table.entries = {f"k{i}": dispatch_table.Choice("dequant_mm") for i in range(200)}
+
+    def save_often(i):
+        for _ in range(50):
+            table.save()
+        return True
+
+    assert _at_once(4, save_often) == [True] * 4
+    assert set(dispatch_table.Table(table_dir / "t.json").load().entries) == set(table.entries)
+    assert [p.name for p in table_dir.iterdir()] == ["t.json"]  # no temporary file left

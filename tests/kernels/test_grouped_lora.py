@@ -142,3 +142,36 @@ def test_a_deferred_key_runs_the_default_path_and_is_handed_over_once(monkeypatc
     assert path2 == kept and len(handed) == 1
     want = _rowwise(x, index, a, b, scale)
     assert ((y2.double() - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_the_expand_factors_cache_is_swept_by_one_thread_at_a_time():
+    """The engine's forwards and the tuner's measurements both run ``stacked``, whose cache of reshaped
+    expand factors drops dead entries as it adds one: two threads dropping the same entry, or one adding
+    while another sweeps, raised in a forward. Thread switches are made frequent and factors short-lived,
+    so that an unguarded sweep fails here in most runs."""
+    import sys
+    import threading
+
+    errors, old = [], sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(3):
+            barrier = threading.Barrier(4)
+
+            def churn(barrier=barrier):
+                barrier.wait()
+                try:
+                    for _ in range(3000):
+                        B = torch.zeros(2, 4, 2)
+                        assert grouped_lora._b_by_rank_rows(B).shape == (4, 4)
+                except Exception as e:  # noqa: BLE001 - counted below
+                    errors.append(repr(e))
+
+            threads = [threading.Thread(target=churn) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert errors == []

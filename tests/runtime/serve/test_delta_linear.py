@@ -297,3 +297,49 @@ def test_conv1d_rows_follow_their_slot(dequantize):
     torch.testing.assert_close(y[1], base(x[1:2])[0])
     torch.testing.assert_close(y[2], x[2] @ (W + delta_weight(d0).t()) + b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(y_flat, y)
+
+
+def test_a_stack_allocated_from_another_thread_during_a_forward_leaves_the_forward_whole():
+    """The start-up tuning's thread allocates the stacks of the served configurations (``stack_for``)
+    while the engine's forwards iterate them: a configuration added in the middle of ``add_into`` must
+    not break that forward's iteration (it is added by replacing the map, not changing it in place), and
+    two threads asking for one configuration get one stack."""
+    import threading
+
+    torch.manual_seed(0)
+    base = nn.Linear(16, 8)
+    ctx = DeltaContext(2)
+    lin = DeltaLinear(base, ctx)
+    packed = _packed(8, 16, 4, False, False, 0)
+    lin.load_slot(0, packed=packed)
+    store = lin._store
+    (group,) = store.groups.values()
+    inner = group.launch
+
+    def launch_while_a_stack_is_added(*a, **k):
+        store.stack_for(8, -1, False, False)  # what served_stacks does from the start-up thread
+        return inner(*a, **k)
+
+    group.launch = launch_while_a_stack_is_added
+    x = torch.randn(2, 16)
+    ctx.bind([0, -1], "cpu")
+    with torch.no_grad():
+        y = lin(x)
+    ctx.unbind()
+    want = base(x)
+    want[0] += x[0] @ delta_weight(packed).T
+    assert torch.allclose(y, want, atol=1e-5) and len(store.groups) == 2
+
+    barrier = threading.Barrier(8)
+    got = []
+
+    def ask():
+        barrier.wait()
+        got.append(store.stack_for(2, -1, False, True))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(s) for s in got}) == 1 and len(store.groups) == 3

@@ -280,3 +280,35 @@ def test_a_staged_variant_fills_a_slot_exactly_like_a_direct_write(served, devic
         finally:
             loader.shutdown()
             cache.shutdown()
+
+
+def test_load_stats_are_read_whole_while_the_loader_counts_a_new_variant():
+    """``/metrics`` reads every variant's load counters while the loader thread may count a variant seen
+    for the first time: the read iterates a copy of the map (here the first entry's read adds a variant,
+    as the loader would in the middle of it), and each name has one entry however many threads count it."""
+    device: dict[int, object] = {}
+    cache = TieredCache(lambda n: n, lambda s, n, obj: device.__setitem__(s, obj), lambda s: device.pop(s, None),
+                        num_slots=1, max_cpu=1)
+
+    class CountedMeanwhile:  # its counters are read as another thread counts a new variant
+        @property
+        def __dict__(self):
+            cache._stat("late").disk_loads += 1
+            return {"disk_loads": 1}
+
+    cache.stats["early"] = CountedMeanwhile()
+    assert cache.load_stats() == {"early": {"disk_loads": 1}}
+    assert cache.stats["late"].disk_loads == 1
+
+    barrier, got = threading.Barrier(8), []
+
+    def count():
+        barrier.wait()
+        got.append(cache._stat("new"))
+
+    threads = [threading.Thread(target=count) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(s) for s in got}) == 1

@@ -76,3 +76,65 @@ def test_a_served_runtime_gates_its_tuner_on_its_engine(tmp_path):
             assert r.status_code == 200, r.text
             assert False in seen  # busy while the request ran
             assert rt.engine.idle()
+
+
+def test_the_start_up_and_background_threads_never_measure_at_once():
+    """Start-up tuning (``tune_now``) and the background thread share one GPU: timing two kernels at once
+    would time neither. One key is measured at a time, whichever thread measures it."""
+    inside, most, lock = [0], [0], threading.Lock()
+
+    def measure(stack, dtype, rows, deltas):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.05)
+        with lock:
+            inside[0] -= 1
+        return Choice("cuda")
+
+    tuner = Tuner(measure=measure)
+    assert tuner.tune_later([Job(_stack(4), torch.float16, r, d) for r, d in ((1, 1), (2, 2), (4, 4))]) == 3
+    assert tuner.tune_now([Job(_stack(2), torch.float16, r, d) for r, d in ((1, 1), (2, 2), (4, 4))]) == 3
+    assert tuner.wait(timeout=10)
+    assert most[0] == 1 and tuner.progress["keys_done"] == 6
+    tuner.close()
+
+
+def test_keys_queued_from_several_threads_at_once_start_one_background_thread(monkeypatch):
+    """The start-up thread and the engine's may queue the first keys together: one background thread
+    measures them (two would time kernels at once, and ``close`` stops one). The tuner's thread is slow
+    to make here, so that every queuing thread reaches the check while the first is making it."""
+    real = threading.Thread
+
+    class SlowToMake(real):
+        def __init__(self, *a, **k):
+            if k.get("name") == "deltazip-tuner":
+                time.sleep(0.05)
+            super().__init__(*a, **k)
+
+    def measure(stack, dtype, rows, deltas):
+        time.sleep(0.01)
+        return Choice("cuda")
+
+    before = set(threading.enumerate())
+    tuner = Tuner(measure=measure)
+    jobs = [Job(_stack(b), dt, 1, 1) for b, dt in [(2, torch.float16), (4, torch.float16), (2, torch.bfloat16),
+                                                    (4, torch.bfloat16)]]
+    barrier = threading.Barrier(len(jobs))
+
+    def queue(j):
+        barrier.wait()
+        tuner.tune_later([j])
+
+    threads = [real(target=queue, args=(j,)) for j in jobs]
+    monkeypatch.setattr(threading, "Thread", SlowToMake)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.undo()
+    started = [t for t in threading.enumerate() if t.name == "deltazip-tuner" and t not in before]
+    assert tuner.wait(timeout=10) and tuner.progress["keys_done"] == 4
+    for _ in started:
+        tuner._queue.put(None)
+    assert len(started) == 1, started

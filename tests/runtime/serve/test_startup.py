@@ -164,3 +164,34 @@ def _complete(url: str, model: str) -> str:
                    json={"model": model, "prompt": "zip model tune", "max_tokens": 6, "temperature": 0})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
+
+
+def test_the_start_up_thread_reads_the_served_stacks_while_variants_come_and_go():
+    """``served_stacks`` runs on the start-up tuning's thread while the engine's may add a variant (POST
+    /v1/variants) or remove one: it reads a copy of each map, skips a variant removed meanwhile, and does
+    not fail. Here the first stack it asks for adds one variant and removes another, as the engine would."""
+    from types import SimpleNamespace
+
+    from deltazip.kernels.scheme import DeltaScheme
+    from deltazip.runtime.serve.kernel_warmup import served_stacks
+
+    scheme = DeltaScheme()
+    entry = SimpleNamespace(kernel_ready=True, scheme=scheme)
+    variant = SimpleNamespace(entries={"w": entry})
+    asked = []
+
+    def stack_for(bits, group_size, sparse, asymmetric):
+        if not asked:  # the engine meanwhile: one variant committed, another removed
+            model._targets["c"] = {"w": [("m", "weight")]}
+            model.variants["c"] = variant
+            model._targets.pop("b")
+            model.variants.pop("b")
+        asked.append(bits)
+        return stack
+
+    stack = object()
+    model = SimpleNamespace(
+        _targets={"a": {"w": [("m", "weight")]}, "b": {"w": [("m", "weight")]}},
+        variants={"a": variant, "b": variant},
+        modules={"m": SimpleNamespace(_store=SimpleNamespace(stack_for=stack_for))})
+    assert served_stacks(model) == [stack] and asked == [scheme.bits]  # "b" was gone when its turn came
