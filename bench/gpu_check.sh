@@ -52,6 +52,7 @@
 # sbmm_table.json (a --window call: the log, summary and commands of both phases, the measuring phase's JSON). Python packages the image lacks travel as wheels in .whl/ (bench/gpu_wheels.sh makes it)
 # and are installed with --no-deps where missing.
 set -u
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # --window runs it again, from the checkout's root
 cd "$(dirname "$0")/.."
 DRY=
 SMOKE=
@@ -81,7 +82,7 @@ if [ -n "$WINDOW" ]; then  # the smoke call, then the measuring steps unless a s
   export DELTAZIP_BENCH_CACHE=${DELTAZIP_BENCH_CACHE:-$base/cache}
   w0=$(date +%s)
   STEPS="${SMOKE_STEPS:-tests preview serve compress step gdeflate}" OUT="$OUT" JSON_OUT="$base/smoke-json" \
-    SCRATCH="$base/smoke" KEEP_SCRATCH=1 TOTAL_LIMIT="${SMOKE_LIMIT:-180}" bash "$0" --smoke ${DRY:+--dry-run}
+    SCRATCH="$base/smoke" KEEP_SCRATCH=1 TOTAL_LIMIT="${SMOKE_LIMIT:-180}" bash "$SELF" --smoke ${DRY:+--dry-run}
   # a smoke bench that errs would err in the measuring call too; a test failure, or a bench stopped at its
   # (short) limit, does not stop the window: the measuring steps run, and the summary says what failed
   broke=$(awk '$1 != 124 && $1 != 137 {sub(/^[0-9]+ /, ""); print}' "$base/smoke/failed" 2>/dev/null \
@@ -95,7 +96,7 @@ if [ -n "$WINDOW" ]; then  # the smoke call, then the measuring steps unless a s
   left=$(( WINDOW_LIMIT - ($(date +%s) - w0) ))
   echo "=== window: ${left}s of WINDOW_LIMIT ${WINDOW_LIMIT}s left for the measuring steps" | tee -a "$OUT/gpu_check.log"
   APPEND=1 SETUP_DONE=1 STEPS="${MEASURE_STEPS:-serve compress step gdeflate table}" OUT="$OUT" \
-    SCRATCH="$base/measure" TOTAL_LIMIT=$left bash "$0" ${DRY:+--dry-run}
+    SCRATCH="$base/measure" TOTAL_LIMIT=$left bash "$SELF" ${DRY:+--dry-run}
   rc=$?
   [ -z "${KEEP_SCRATCH:-}" ] && rm -rf "$base"
   exit $rc
