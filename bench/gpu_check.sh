@@ -42,15 +42,16 @@
 # --smoke runs serve, compress, step and gdeflate at one layer and toy traffic (limits 70, 30, 40, 15 s; the
 # whole call within 180 s), with the tests and preview parity (140 s each) started beside them at once.
 # --window runs it and then STEPS="serve compress step gdeflate table" (the tests already ran) within the
-# rest of WINDOW_LIMIT: serve 150, compress 95, step 65, gdeflate 20, table 40 fit the ~390 s left, and the
+# rest of WINDOW_LIMIT: serve 150, compress 95, step 65, gdeflate 20, table 40 fit the ~385 s left, and the
 # second phase reuses the first's installs and compiled kernels. docs/dev/gpu-runs/README.md.
 # Every bench writes its finished rows at once, so a step stopped at its limit keeps what it measured.
 #
 # Writes under $OUT (default /tmp/gpu_check) the 8 files a window keeps in docs/dev/gpu-runs/<gpu>-<date>/:
 # gpu_check.log (everything printed), summary.md (versions, one line per step, the tables), commands.sh
 # (every command with its limit), serve.json, compress_memory.json, step.json, gdeflate_decode.json,
-# sbmm_table.json (a --window call: the log, summary and commands of both phases, the measuring phase's JSON). Python packages the image lacks travel as wheels in .whl/ (bench/gpu_wheels.sh makes it)
-# and are installed with --no-deps where missing.
+# sbmm_table.json (a --window call: the log, summary and commands of both phases, the measuring phase's
+# JSON). Python packages the image lacks travel as wheels in .whl/ (bench/gpu_wheels.sh makes it) and are
+# installed with --no-deps where missing.
 set -u
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # --window runs it again, from the checkout's root
 cd "$(dirname "$0")/.."
@@ -77,8 +78,7 @@ if [ -n "$WINDOW" ]; then  # the smoke call, then the measuring steps unless a s
   # outside still brings back what it did); the smoke phase's JSON (one layer, toy traffic) stays in the
   # scratch, so every JSON under $OUT is a measurement. Both phases share the cubin and bench caches.
   WINDOW_LIMIT=${WINDOW_LIMIT:-570}
-  base=${SCRATCH:-$(mktemp -d /tmp/gpu_check_window.XXXXXX)}
-  mkdir -p "$base/smoke-json"
+  base=${SCRATCH:-$(mktemp -d /tmp/gpu_check_window.XXXXXX)}  # the phases make their folders in it
   export DELTAZIP_BENCH_CACHE=${DELTAZIP_BENCH_CACHE:-$base/cache}
   w0=$(date +%s)
   STEPS="${SMOKE_STEPS:-tests preview serve compress step gdeflate}" OUT="$OUT" JSON_OUT="$base/smoke-json" \

@@ -114,6 +114,15 @@ def user_cache(env: str, name: str) -> Path:
     return Path(base) / "deltazip" / name
 
 
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary sibling of this process and thread, then one rename
+    (precompile's threads, or the tuner's and the start-up's, may write the same file at once)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def cache_dir() -> Path:
     return user_cache(_CACHE_ENV, "cuda")
 
@@ -145,10 +154,7 @@ def cubin_for(source: str, macros: dict[str, int], arch: int) -> bytes:
         pass
     cubin = _CUBINS[key] = compile_cubin(source, macros, arch)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # precompile's threads
-        tmp.write_bytes(cubin)
-        os.replace(tmp, path)  # atomic: a concurrent process reads a whole cubin or none
+        write_atomic(path, cubin)  # a concurrent process reads a whole cubin or none
     except OSError:
         pass  # a read-only cache only costs the next process a compile
     return cubin

@@ -137,14 +137,13 @@ class Table:
         return self
 
     def save(self) -> None:
-        """Write the table atomically (a temporary file per process and thread, then a rename)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        """Write the table atomically (``cuda_rtc.write_atomic``)."""
+        from deltazip.kernels.cuda_rtc import write_atomic
+
         entries, skipped = dict(self.entries), dict(self.skipped)  # copies made in one step each (the GIL)
         doc = {"version": FORMAT_VERSION, "entries": {k: c.to_json() for k, c in sorted(entries.items())},
                "skipped": dict(sorted(skipped.items()))}
-        tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(doc, indent=1).encode())
 
 
 _TABLES: dict[tuple[str, str], Table] = {}

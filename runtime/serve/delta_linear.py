@@ -262,7 +262,7 @@ class PackedStore:
         # Replaced, never changed in place, when a configuration is added: the engine's add_into iterates
         # it without a lock while the start-up tuning's thread may allocate a stack (stack_for).
         self.groups: dict[tuple, _PackedGroup] = {}
-        self._lock = threading.RLock()  # stack_for (start-up thread) against write and clear (engine thread)
+        self._lock = threading.Lock()  # stack_for (start-up thread) against write and clear (engine thread)
         self.dq: torch.Tensor | None = None  # [N, out, in] dequantized deltas (ctx.dequantize)
         self.dq_owners: dict[int, set[int]] = {}  # slot -> first rows of the dequantized deltas written
         # Stack layout: a merged group whose member boundaries are not on 64-row tiles cannot use the
@@ -315,7 +315,7 @@ class PackedStore:
             return
         rows = packed.out_features
         with self._lock:
-            self.clear(slot, row0, rows)
+            self._clear(slot, row0, rows)
             g = self._group_for(packed, packed.zeros is not None)
             if slot not in g.owners and rows != self.out_features:
                 g.stack.clear_rows(slot, 0, self.out_features)  # likewise
