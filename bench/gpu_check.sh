@@ -173,7 +173,10 @@ run() {  # run NAME LIMIT CMD...: the command under its limit, one summary line,
   fi
   [ "$limit" -gt "$left" ] && limit=$left
   stamp "$name (limit ${limit}s): $*"
-  { printf 'timeout %s' "$limit"; printf ' %q' "$@"; echo; } >>"$CMDS"  # quoted: the file re-runs as it is
+  # quoted, so the file re-runs as it is; one printf is one write, so the smoke phase's steps that run at
+  # once (the tests beside the benches) cannot interleave their lines
+  local line; line="timeout $limit$(printf ' %q' "$@")"
+  printf '%s\n' "$line" >>"$CMDS"
   local s=$(date +%s) from=$(( $(wc -l <"$LOG") + 1 ))
   timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
   local rc=$?
