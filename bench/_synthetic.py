@@ -81,14 +81,28 @@ def packed_bytes(out_f: int, in_f: int) -> int:
     return out_f * (kept // 8 * 4 + kept // 16 * 4 + in_f // 128 * 2)
 
 
+def slot_bytes(out_f: int, in_f: int) -> int:
+    """Device bytes of one GPU stack slot holding a 4-bit 2:4 group-128 delta: the ``mma`` layout a CUDA
+    server allocates (2:4 expanded to 4 bits per weight, or compact under the ``sparse-mma`` preview),
+    about a third more than :func:`packed_bytes`. Allocated on the meta device: no memory."""
+    from deltazip.kernels.scheme import DeltaScheme
+    from deltazip.kernels.stacked import StackedDeltas
+
+    scheme = DeltaScheme(bits=4, group_size=128, sparsity="2:4")
+    return StackedDeltas.allocate(1, scheme, in_features=in_f, out_features=out_f, device="meta",
+                                  layout="mma").nbytes()
+
+
 def sizes(shape: str) -> dict[str, int]:
-    """Bytes per decoder layer and outside the layers: the bf16 model and one packed variant."""
+    """Bytes per decoder layer and outside the layers: the bf16 model, one packed variant (on disk and in
+    host memory) and one variant's stack slots (in device memory)."""
     one = llama_config(shape, 1)
     lin = linear_shapes(one)
     layer_params = sum(o * i for o, i in lin.values()) + 2 * one.hidden_size
     return {"model_layer": 2 * layer_params,
             "model_fixed": 2 * (2 * one.vocab_size * one.hidden_size + one.hidden_size),
-            "variant_layer": sum(packed_bytes(o, i) for o, i in lin.values())}
+            "variant_layer": sum(packed_bytes(o, i) for o, i in lin.values()),
+            "slot_layer": sum(slot_bytes(o, i) for o, i in lin.values())}
 
 
 def fit_layers(budget: float, per_layer: float, fixed: float = 0, most: int = FULL_LAYERS) -> int:
@@ -349,8 +363,8 @@ def serving_layers(shape: str, count: int, root: Path, device: str | torch.devic
                                  2 * sz["model_fixed"], FULL_LAYERS),
               "host": fit_layers(0.6 * _memory_available(), model + count * variant, sz["model_fixed"], FULL_LAYERS)}
     if torch.device(device).type == "cuda":
-        limits["device"] = fit_layers(0.8 * torch.cuda.get_device_properties(0).total_memory, model + count * variant,
-                                      sz["model_fixed"], FULL_LAYERS)
+        limits["device"] = fit_layers(0.8 * torch.cuda.get_device_properties(0).total_memory,
+                                      model + count * sz["slot_layer"], sz["model_fixed"], FULL_LAYERS)
     return {"layers": min(limits.values()), "limits": limits}
 
 

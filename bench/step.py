@@ -164,7 +164,7 @@ def synthetic_layers(shape: str, slots: int, device: torch.device, most: int) ->
         return {"layers": most, "limits": {"requested": most}}
     sz = sizes(shape)
     fit = fit_layers(0.8 * torch.cuda.get_device_properties(device).total_memory,
-                     sz["model_layer"] + slots * sz["variant_layer"], sz["model_fixed"])
+                     sz["model_layer"] + slots * sz["slot_layer"], sz["model_fixed"])
     return {"layers": min(most, fit), "limits": {"requested": most, "device": fit}}
 
 

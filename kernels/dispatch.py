@@ -14,10 +14,11 @@ start-up line a server prints where a GPU serves them on the reference.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -84,13 +85,27 @@ class _Counted:
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the prepared CUDA launches, told when the table changes
 # prepare runs on the engine thread (a new stack) while the tuner's thread tells every launch of a change
 _LIVE_LOCK = threading.Lock()
+_CHOICES_LOCK = threading.RLock()  # choices_held
+
+
+@contextlib.contextmanager
+def choices_held() -> Iterator[None]:
+    """Within the block, no change of the table reaches the prepared launches (the tuner's thread waits).
+
+    A decode graph's capture holds it from its warm-up forward to the capture's end: the captured forward
+    then takes the launches its warm-up resolved, so nothing is compiled or allocated inside the capture
+    (an allocation there is filled only at replay, so a new split-K counter would start uninitialised for
+    the launches that run eagerly)."""
+    with _CHOICES_LOCK:
+        yield
 
 
 def _forget_all() -> None:
-    with _LIVE_LOCK:
-        launches = list(_LIVE)
-    for launch in launches:
-        launch.forget()
+    with _CHOICES_LOCK:
+        with _LIVE_LOCK:
+            launches = list(_LIVE)
+        for launch in launches:
+            launch.forget()
 
 
 dispatch_table.LISTENERS.append(_forget_all)

@@ -111,8 +111,10 @@ def key(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> tuple:
 
 
 def _sync(device: torch.device) -> None:
+    # the measuring thread's stream only: a device-wide synchronisation is invalid while the engine
+    # captures a decode graph on another stream
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _time(fn, device: torch.device, reps: int) -> float:

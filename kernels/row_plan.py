@@ -37,6 +37,9 @@ class RowPlan:
         block_m: rows per tile; num_rows, num_slots: ``N`` and ``D``.
         packed: int32 ``[N + 3T]``, the four device parts in one tensor (the others are views of it).
         slot_rows: host plans only: ``{slot: numpy row ids}`` of the slots used.
+        num_tiles: ``T``; slots_used: slots with rows (host plans), else the bound ``min(N, D)``.
+        key: ``(rows, slots used)``, each rounded up to a power of two: the bucket of the dispatcher's
+            choice (a step's linears share the plan).
     """
 
     perm: torch.Tensor
@@ -51,23 +54,11 @@ class RowPlan:
     packed: torch.Tensor | None = None
     slot_rows: dict | None = None
 
-    @property
-    def num_tiles(self) -> int:
-        return self.tile_slot.shape[0]
-
-    @property
-    def slots_used(self) -> int:
-        """Slots with rows (host plans), else the bound ``min(N, D)``."""
-        return len(self.slot_rows) if self.slot_rows is not None else min(self.num_rows, self.num_slots)
-
-    @property
-    def key(self) -> tuple[int, int]:
-        """``(rows, slots used)``, each rounded up to a power of two: the bucket of the dispatcher's choice
-        (computed once per plan; a step's linears share the plan)."""
-        k = self.__dict__.get("_key")
-        if k is None:
-            k = self.__dict__["_key"] = (rows_bucket(self.num_rows), rows_bucket(min(self.slots_used, self.num_rows)))
-        return k
+    def __post_init__(self):
+        # Plain attributes, set once: a launch reads them on the hot path (no call into this module).
+        self.num_tiles = self.tile_slot.shape[0]
+        self.slots_used = len(self.slot_rows) if self.slot_rows is not None else min(self.num_rows, self.num_slots)
+        self.key = (rows_bucket(self.num_rows), rows_bucket(min(self.slots_used, self.num_rows)))
 
 
 def rows_bucket(rows: int) -> int:

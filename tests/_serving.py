@@ -7,7 +7,8 @@
 - ``gamma``: SparseGPT 4-bit 2:4 on the full weights (non-additive: the base term is replaced).
 
 ``expected(name, prompt, n)`` is the merged model's greedy ``generate`` text for a variant, the
-correctness anchor of every serving test.
+correctness anchor of every serving test. ``served_set(root, "kernel")`` builds a second set whose every
+delta the validated CUDA kernel serves (:data:`KERNEL_VARIANTS`), for the GPU tests of what runs on it.
 """
 
 from __future__ import annotations
@@ -86,18 +87,32 @@ class ServedSet:
 _BUILT: dict[str, ServedSet] = {}
 
 
-def served_set(tmp_root: Path) -> ServedSet:
-    """Build (once per process) the base and its variants under ``tmp_root``."""
-    if "set" in _BUILT:
-        return _BUILT["set"]
+# Variants whose every delta the validated CUDA kernel serves in fp16 (4-bit, groups of 32 and of the row;
+# linears only: norms, embeddings and the head untouched) over a base whose linears are 128 and 256 wide (no
+# padded K tile): a GPU test of what runs on the kernel, CUDA graphs first.
+KERNEL_VARIANTS = {
+    "alpha": dict(method="deltazip", bits=4, sparsity="2:4", sym=True, seed=11, scale=0.3, group_size=32,
+                  skip=("norm", "embed", "lm_head")),
+    "beta": dict(method="rtn", bits=4, sparsity="none", sym=False, seed=12, scale=0.3, group_size=-1,
+                 skip=("norm", "embed", "lm_head")),
+}
+KERNEL_SIZES = dict(hidden_size=128, intermediate_size=256)
+
+
+def served_set(tmp_root: Path, kind: str = "set") -> ServedSet:
+    """Build (once per process and ``kind``) the base and its variants under ``tmp_root``: ``"set"`` the
+    hidden-64 base and :data:`VARIANTS`, ``"kernel"`` the hidden-128 base and :data:`KERNEL_VARIANTS`."""
+    if kind in _BUILT:
+        return _BUILT[kind]
     from deltazip.compress.config import CompressConfig
     from deltazip.compress.pipeline import compress_delta
     from deltazip.demo.pair import build_char_tokenizer
     from deltazip.kernels.scheme import DeltaScheme
 
+    variants, sizes = (VARIANTS, {}) if kind == "set" else (KERNEL_VARIANTS, KERNEL_SIZES)
     tmp_root.mkdir(parents=True, exist_ok=True)
     # The demo's character tokenizer: <s>=0, </s>=1, <pad>=2; the model config must agree.
-    ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2, **sizes)
     base = tiny_model("llama", **ids)
     base_dir = tmp_root / "tiny-base"
     base.save_pretrained(base_dir, safe_serialization=True)
@@ -106,16 +121,17 @@ def served_set(tmp_root: Path) -> ServedSet:
     tok.save_pretrained(base_dir)
     calib = calib_file(tmp_root / "calib")
     arts = tmp_root / "artifacts"
-    for name, spec in VARIANTS.items():
+    for name, spec in variants.items():
         ft = perturb(tiny_model("llama", **ids), scale=spec["scale"], seed=spec["seed"], skip=spec["skip"])
         ft_dir = tmp_root / f"ft-{name}"
         ft.save_pretrained(ft_dir, safe_serialization=True)
         tok.save_pretrained(ft_dir)
-        cfg = CompressConfig(scheme=DeltaScheme(bits=spec["bits"], sparsity=spec["sparsity"], sym=spec["sym"], group_size=32),
-                             method=spec["method"], nsamples=8, seqlen=32, device="cpu")
+        scheme = DeltaScheme(bits=spec["bits"], sparsity=spec["sparsity"], sym=spec["sym"],
+                             group_size=spec.get("group_size", 32))
+        cfg = CompressConfig(scheme=scheme, method=spec["method"], nsamples=8, seqlen=32, device="cpu")
         compress_delta(base_dir, ft_dir, str(calib), arts / name, cfg)
-    _BUILT["set"] = ServedSet(tmp_root, base_dir, arts)
-    return _BUILT["set"]
+    _BUILT[kind] = ServedSet(tmp_root, base_dir, arts)
+    return _BUILT[kind]
 
 
 @contextlib.contextmanager

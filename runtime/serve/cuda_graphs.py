@@ -29,6 +29,7 @@ from collections import OrderedDict
 
 import torch
 
+from deltazip.kernels import dispatch
 from deltazip.runtime.serve.graph_capture import capture
 from deltazip.runtime.serve.kv_cache import BlockPool, PagedStep, SeqBlocks
 from deltazip.runtime.serve.model_runner import run_model
@@ -144,7 +145,9 @@ class DecodeGraphs:
         model, ctx = self.backend.model, self.backend.ctx
         g = _Graph(step)
         try:
-            with torch.inference_mode():
+            # choices_held: a change of the kernel table meanwhile (the tuner's thread) waits until the
+            # capture ends, so the captured forward launches what the warm-up resolved
+            with torch.inference_mode(), dispatch.choices_held():
                 ctx.bind(slots, self.backend.device)
                 # Warm-up (lazy initialisations, the split-K workspace) outside the capture, on this
                 # thread's stream: the kernels' split-K workspace is one per device, and launches on

@@ -264,7 +264,9 @@ def graph_timer(fn: Callable[[], object], launches: int = 8, replays: int = 5) -
     dev = torch.cuda.current_device()
     l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or (64 << 20))
     scratch = torch.empty(2 * l2 // 4, dtype=torch.float32, device="cuda")
-    torch.cuda.synchronize()
+    # this thread's stream, not the device: the engine may be capturing a decode graph on another stream,
+    # and a device-wide synchronisation during a capture is invalid (it would break the engine's capture)
+    torch.cuda.current_stream(dev).synchronize()
 
     def capture(with_fn: bool) -> torch.cuda.CUDAGraph:
         g = torch.cuda.CUDAGraph()

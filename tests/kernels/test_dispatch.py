@@ -234,6 +234,27 @@ def test_a_table_change_makes_prepared_launches_resolve_again():
     assert launch.launch._by_key == {}
 
 
+def test_a_table_change_waits_while_a_capture_holds_the_choices():
+    """A decode graph's capture holds ``choices_held`` from its warm-up to its end: the tuner's change of
+    the table reaches the launches after it, so the captured forward resolves nothing new (a build or a
+    split-K workspace allocated inside a capture is filled only at replay)."""
+    import threading
+
+    stack = StackedDeltas.allocate(1, DeltaScheme(), in_features=256, out_features=64, layout="mma")
+    launch = dispatch._Counted(cuda_sbmm.Launch(stack, torch.float16, lambda r, d: ("cuda", None), None))
+    dispatch._LIVE.add(launch)
+    launch.launch._by_key[(1, 1)] = ("cuda", None)
+    tuner = threading.Thread(target=dispatch_table.changed)
+    with dispatch.choices_held():
+        tuner.start()
+        tuner.join(0.5)
+        assert tuner.is_alive() and launch.launch._by_key == {(1, 1): ("cuda", None)}  # waiting
+        with dispatch.choices_held():  # the engine's own thread may hold it again (a nested capture path)
+            pass
+    tuner.join(5)
+    assert not tuner.is_alive() and launch.launch._by_key == {}
+
+
 @pytest.mark.gpu
 def test_a_decode_step_on_the_gpu_passes_three_kernel_modules_and_matches_the_reference():
     """Traced: from ``PackedStore.add_into`` to the launch, the Python frames entered belong to at most

@@ -67,3 +67,25 @@ def test_a_7b_decode_plan_has_one_tile_per_delta():
     assert plan.num_tiles == max_tiles(64, 16, 16) == 20
     assert int((plan.tile_slot >= 0).sum()) == 16
     assert plan_rows(index.tolist(), 16, "cpu").num_tiles == 16
+
+
+def test_a_plans_bucket_and_counts_are_attributes_read_without_a_call():
+    """A launch reads ``key``, ``num_tiles`` and ``slots_used`` on the hot path: plain attributes set when
+    the plan is built, so a decode step's launch enters no function of this module."""
+    import sys
+
+    host, dev = plan_rows([0, 0, 1, -1, 1, 2, 0], 4, "cpu"), group_rows(torch.tensor([0, 3, 3]), 8, 16)
+    assert (host.key, host.num_tiles, host.slots_used) == ((8, 4), 3, 3)
+    assert (dev.key, dev.num_tiles, dev.slots_used) == ((4, 4), max_tiles(3, 8, 16), 3)  # the bound min(N, D)
+    calls = []
+
+    def prof(frame, event, arg):
+        if event == "call" and frame.f_globals.get("__name__") == "deltazip.kernels.row_plan":
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(prof)
+    try:
+        read = [(p.key, p.num_tiles, p.slots_used) for p in (host, dev)]
+    finally:
+        sys.setprofile(None)
+    assert calls == [] and len(read) == 2, calls
