@@ -163,7 +163,8 @@ def test_a_window_measures_after_its_smoke_phase_in_the_same_command(tmp_path):
     assert all(rows[m]["completed"] == rows[m]["requests"] > 0 for m in ("delta", "swap")), rows
     for name in ("serve.json", "step.json", "compress_memory.json", "gdeflate_decode.json"):
         kept = tmp_path / "scratch" / "smoke-json" / name
-        assert kept.exists() and kept.read_text() != (out / name).read_text(), name
+        # each phase wrote its own (the contents may match: toy timings round alike)
+        assert kept.exists() and (out / name).stat().st_mtime_ns > kept.stat().st_mtime_ns, name
     log = (out / "gpu_check.log").read_text()
     assert "setup (dry run: nothing installed) (done by the smoke phase)" in log
     assert re.search(r"=== window: \d+s of WINDOW_LIMIT 570s left for the measuring steps", log)
