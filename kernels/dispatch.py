@@ -83,9 +83,9 @@ class _Counted:
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the prepared CUDA launches, told when the table changes
-# prepare runs on the engine thread (a new stack) while the tuner's thread tells every launch of a change
-_LIVE_LOCK = threading.Lock()
-_CHOICES_LOCK = threading.RLock()  # choices_held
+# One lock for the set and for the changes told through it: prepare adds to it on the engine's or the start-up
+# thread while the tuner's thread tells every launch of a change, and choices_held keeps changes out.
+_CHOICES_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -102,9 +102,7 @@ def choices_held() -> Iterator[None]:
 
 def _forget_all() -> None:
     with _CHOICES_LOCK:
-        with _LIVE_LOCK:
-            launches = list(_LIVE)
-        for launch in launches:
+        for launch in list(_LIVE):
             launch.forget()
 
 
@@ -145,7 +143,7 @@ def prepare(stack: StackedDeltas, dtype: torch.dtype) -> Callable[..., torch.Ten
             return c.path, c.config
 
         launch = _Counted(cuda_sbmm.Launch(stack, dtype, choose, ref))
-        with _LIVE_LOCK:
+        with _CHOICES_LOCK:
             _LIVE.add(launch)
     launches[dtype] = launch
     return launch
