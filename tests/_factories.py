@@ -57,6 +57,20 @@ ARCH_CONFIGS = {
     "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
                       max_position_embeddings=128, num_experts=4, num_experts_per_tok=2),
+    # the router is an nn.Linear subclass with a forward of its own (sparsemixer top-k, a tuple out)
+    "phimoe": dict(model_type="phimoe", hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                   num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, num_local_experts=4,
+                   num_experts_per_tok=2),
+    # multi-head latent attention (the cache holds latents that kv_b_proj expands), a dense first layer,
+    # then routed experts beside a shared one
+    "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                        num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2, max_position_embeddings=128,
+                        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                        q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        n_shared_experts=1),
+    # LayerNorm without a bias (the mean subtracted, a weight only)
+    "cohere": dict(model_type="cohere", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128),
 }
 
 

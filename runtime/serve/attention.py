@@ -3,7 +3,10 @@
 A model loaded for serving gets ``attn_implementation = "deltazip_paged"`` (:func:`use_paged_attention`)
 when its class takes attention functions from the interface (``_supports_attention_backend``);
 other classes (ALiBi models such as BLOOM, MPT, Falcon) keep SDPA and the engine's contiguous
-``StepKV`` path.
+``StepKV`` path, and so do models with multi-head latent attention (DeepSeek-V2/V3 and their kin):
+their cache holds latents that a projection (``kv_b_proj`` in ``expand_kv``) expands after the
+cache read, and the paged cache's read is the whole pool, so the expansion would run over every
+sequence's blocks in every layer, and a variant's delta on that projection could not tell them apart.
 
 While a :class:`~deltazip.runtime.serve.kv_cache.PagedStep` is bound (the engine's forwards), the
 keys and values transformers hands over are the layer's whole pool ``[num_blocks, H_kv,
@@ -138,11 +141,16 @@ def register() -> None:
 def use_paged_attention(model: torch.nn.Module) -> bool:
     """Switch ``model`` to the paged attention when its class supports attention functions; returns
     whether it did (the engine then uses the paged KV cache, else the contiguous one)."""
-    if not getattr(model, "_supports_attention_backend", False):
+    if not getattr(model, "_supports_attention_backend", False) or expands_cached_latents(model):
         return False
     register()
     model.set_attn_implementation(PAGED_ATTENTION)
     return True
+
+
+def expands_cached_latents(model: torch.nn.Module) -> bool:
+    """Multi-head latent attention: an attention module expands what the cache returns (``expand_kv``)."""
+    return any(callable(getattr(m, "expand_kv", None)) for m in model.modules())
 
 
 def is_paged(model: torch.nn.Module) -> bool:

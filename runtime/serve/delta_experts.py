@@ -2,8 +2,9 @@
 
 transformers 5 keeps a MoE layer's experts fused (``MixtralExperts``, ``Qwen2MoeExperts``,
 ``Qwen3MoeExperts``: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) beside a router module
-(``*TopKRouter``, weight ``[E, H]``, not an ``nn.Linear``). Shared experts and their gate
-(Qwen2-MoE) are plain ``nn.Linear`` and are decoupled like any other linear.
+(``*TopKRouter``, weight ``[E, H]``, not an ``nn.Linear``; Phi-3.5-MoE's and Llama 4's are
+``nn.Linear`` subclasses with a forward of their own: :func:`is_own_forward_router`). Shared experts
+and their gate (Qwen2-MoE) are plain ``nn.Linear`` and are decoupled like any other linear.
 
 - :class:`DeltaRouter`: the router with a per-row weight. Rows of a slot whose variant changed the
   router go through transformers' own router forward with that slot's weight
@@ -50,6 +51,16 @@ def is_fused_experts(mod: nn.Module) -> bool:
     return (all(p in ps and ps[p].dim() == 3 and ps[p].shape[0] == n for p in EXPERT_PARAMS)
             and not getattr(mod, "is_transposed", False) and not getattr(mod, "has_bias", False)
             and getattr(mod, "has_gate", True) and hasattr(mod, "_apply_gate"))
+
+
+def is_own_forward_router(model: nn.Module, name: str, mod: nn.Module) -> bool:
+    """An ``nn.Linear`` router whose class has its own forward (top-k inside, a tuple out: Phi-3.5-MoE's,
+    Llama 4's): decoupled as a :class:`DeltaRouter`, which runs that forward with each slot's weight,
+    not as a linear (which would return the logits alone)."""
+    from deltazip.models.model_walk import is_router
+
+    return (isinstance(mod, nn.Linear) and type(mod).forward is not nn.Linear.forward
+            and is_router(model, name, mod))
 
 
 def token_slots(ctx, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -117,15 +128,17 @@ class DeltaRouter(nn.Module):
             return inner(hidden_states)
         h = hidden_states.reshape(-1, hidden_states.shape[-1])
         idx = token_slots(self.ctx, h)
-        outs = [t.clone() for t in inner(h)]
+        base = inner(h)
+        single = isinstance(base, torch.Tensor)  # an nn.Linear router of plain logits
+        outs = [t.clone() for t in ((base,) if single else base)]
         for s in sorted(changed):
             rows = (idx == s).nonzero(as_tuple=True)[0]
             if not rows.numel():
                 continue
             mine = torch.func.functional_call(inner, {"weight": self._tables[s]}, (h[rows],))
-            for o, m in zip(outs, mine):
+            for o, m in zip(outs, (mine,) if single else mine):
                 o[rows] = m.to(o.dtype)
-        return tuple(outs)
+        return outs[0] if single else tuple(outs)
 
 
 # --------------------------------------------------------------------------------------------------

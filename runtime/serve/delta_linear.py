@@ -699,7 +699,16 @@ def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (h * (1.0 + weight.float())).type_as(x)
 
 
-_NORM_STYLES = {"llama": rms_norm_reference, "gemma": rms_norm_gemma}
+def layer_norm_cohere(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Cohere's LayerNorm (``CohereLayerNorm``: the mean subtracted, a weight and no bias), all in fp32,
+    then cast back. ``weight`` is ``[H]`` or broadcastable."""
+    h = x.float()
+    h = h - h.mean(-1, keepdim=True)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * h).to(x.dtype)
+
+
+_NORM_STYLES = {"llama": rms_norm_reference, "gemma": rms_norm_gemma, "cohere": layer_norm_cohere}
 
 
 def norm_eps(module: nn.Module) -> float | None:
@@ -712,8 +721,8 @@ def norm_eps(module: nn.Module) -> float | None:
 
 
 def rms_norm_style(module: nn.Module) -> str | None:
-    """``"llama"`` or ``"gemma"`` when ``module`` computes exactly that RMSNorm with its own weight
-    (:func:`rms_norm_reference`, :func:`rms_norm_gemma`), else None.
+    """``"llama"``, ``"gemma"`` or ``"cohere"`` when ``module`` computes exactly that norm with its own
+    weight (:func:`rms_norm_reference`, :func:`rms_norm_gemma`, :func:`layer_norm_cohere`), else None.
 
     Checked by running it on a probe, not by class name: norms that look alike but differ
     (LayerNorm's mean subtraction, a norm with a bias) fail the probe and are not decoupled.
@@ -740,8 +749,8 @@ def is_llama_rmsnorm(module: nn.Module) -> bool:
 
 
 class DeltaRMSNorm(nn.Module):
-    """RMSNorm (Llama or Gemma style, see :func:`rms_norm_style`) with a per-row weight: row ``r`` is
-    scaled by its slot's weight.
+    """A weight-only norm (Llama's or Gemma's RMSNorm, Cohere's LayerNorm: :func:`rms_norm_style`) with
+    a per-row weight: row ``r`` is scaled by its slot's weight.
 
     The weight table is ``[N + 1, H]`` with row 0 the base weight; a slot whose variant keeps the
     norm "same" points at row 0.

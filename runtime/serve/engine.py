@@ -1154,4 +1154,7 @@ def _kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", 0)
     head_dim = getattr(text, "head_dim", None) or hidden // max(heads, 1)
-    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    per_layer = 2 * kv_heads * head_dim
+    if getattr(text, "kv_lora_rank", None):  # multi-head latent attention caches one latent and its rope key
+        per_layer = text.kv_lora_rank + (getattr(text, "qk_rope_head_dim", None) or 0)
+    return layers * per_layer * torch.empty((), dtype=dtype).element_size()

@@ -199,10 +199,11 @@ class SeqBlocks:
 
     def nbytes(self) -> int:
         if self.host is not None:
-            return sum(k.numel() * k.element_size() * 2 for k, _ in self.host)
+            return sum((k.numel() + v.numel()) * k.element_size() for k, v in self.host)
         if not self.blocks or self.pool is None:
             return 0
-        return sum(k[0].numel() * k.element_size() * 2 * len(self.blocks) for k in self.pool.k if k is not None)
+        return sum((k[0].numel() + v[0].numel()) * k.element_size() * len(self.blocks)
+                   for k, v in zip(self.pool.k, self.pool.v) if k is not None)
 
 
 class PagedStep:

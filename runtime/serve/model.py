@@ -16,8 +16,8 @@ Tensor names: artifacts name tensors as the checkpoint does; they are mapped to 
 names by transformers' own loading rules (``deltazip.runtime.serve.param_names``: GPT-NeoX's
 ``embed_out`` is ``lm_head``). Per row the decoupled model applies changed ``nn.Linear`` and
 ``Conv1D`` weights and biases, embedding tables (plain, Gemma's scaled ones, learned positions:
-``deltazip.runtime.serve.delta_embedding``), Llama- and Gemma-style RMSNorm weights and
-``nn.LayerNorm`` weights and biases, and mixture-of-experts routers and fused experts
+``deltazip.runtime.serve.delta_embedding``), Llama- and Gemma-style RMSNorm and Cohere LayerNorm
+weights and ``nn.LayerNorm`` weights and biases, and mixture-of-experts routers and fused experts
 (``deltazip.runtime.serve.delta_experts``, which also maps per-expert checkpoint names onto the fused
 parameters). A variant that changes a tensor the runtime cannot apply per row
 (or one transformers loads through a converter rather than a rename) is refused with a message
@@ -45,7 +45,7 @@ from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import resolve_dtype
 from deltazip.models.loader import load_causal_lm
 from deltazip.runtime.serve.delta_embedding import can_decouple, decouple_embedding
-from deltazip.runtime.serve.delta_experts import DeltaExperts, DeltaRouter, MoeLayout
+from deltazip.runtime.serve.delta_experts import DeltaExperts, DeltaRouter, MoeLayout, is_own_forward_router
 from deltazip.runtime.serve.delta_linear import (
     DeltaContext,
     DeltaLayerNorm,
@@ -496,7 +496,9 @@ class DeltaModel:
             plan[name] = []
             for t in targets:
                 mname, attr = t.rsplit(".", 1)
-                kind = self._decoupled_kind(self.model.get_submodule(mname), attr)
+                mod = self.model.get_submodule(mname)
+                kind = ("router" if attr == "weight" and is_own_forward_router(self.model, mname, mod)
+                        else self._decoupled_kind(mod, attr))
                 if kind is None:
                     raise UnsupportedVariant(
                         f"variant {v.name}: it changes {t} ({type(self.model.get_submodule(mname)).__name__}.{attr}), "
@@ -511,6 +513,8 @@ class DeltaModel:
     @staticmethod
     def _decoupled_kind(mod: nn.Module, attr: str) -> str | None:
         """Which decoupled module applies a change of ``mod.attr`` per row (None: none can)."""
+        if isinstance(mod, DeltaRouter):
+            return "router" if attr == "weight" else None  # decoupled by an earlier variant
         if is_linear(mod) and attr in ("weight", "bias"):
             return "linear"  # nn.Linear and Conv1D, weights and biases
         if attr == "weight" and can_decouple(mod):

@@ -82,15 +82,17 @@ class KVPool:
         self.v = [grown(t) for t in self.v]
         self.rows, self.capacity = rows, capacity
 
-    def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``idx``'s ``(k, v)``, created shaped after ``like`` ``[B, H_kv, T, D]`` if new."""
+    def layer(self, idx: int, like: torch.Tensor, like_v: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``idx``'s ``(k, v)``, created shaped after ``like`` ``[B, H_kv, T, D]`` (the values after
+        ``like_v``, default ``like``: multi-head latent attention caches latents of two widths) if new."""
         while len(self.k) <= idx:
             self.k.append(None)
             self.v.append(None)
         if self.k[idx] is None:
-            shape = (self.rows, like.shape[1], self.capacity, like.shape[3])
-            self.k[idx] = like.new_zeros(shape)
-            self.v[idx] = like.new_zeros(shape)
+            like_v = like if like_v is None else like_v
+            self.k[idx] = like.new_zeros(self.rows, like.shape[1], self.capacity, like.shape[3])
+            self.v[idx] = like_v.new_zeros(self.rows, like_v.shape[1], self.capacity, like_v.shape[3])
         return self.k[idx], self.v[idx]
 
 
@@ -111,7 +113,7 @@ class SeqKV:
         if self.host is not None:
             pool.ensure_length(self.length)
             for i, (k, v) in enumerate(self.host):
-                pk, pv = pool.layer(i, k.unsqueeze(0))
+                pk, pv = pool.layer(i, k.unsqueeze(0), v.unsqueeze(0))
                 pk[self.row, :, : self.length] = k.to(pk.device)
                 pv[self.row, :, : self.length] = v.to(pv.device)
             self.host = None
@@ -148,10 +150,11 @@ class SeqKV:
 
     def nbytes(self) -> int:
         if self.host is not None:
-            return sum(k.numel() * k.element_size() * 2 for k, _ in self.host)
+            return sum((k.numel() + v.numel()) * k.element_size() for k, v in self.host)
         if self.row is None:
             return 0
-        return sum(k[0].numel() * k.element_size() * 2 for k in self.pool.k if k is not None)
+        return sum((k[0].numel() + v[0].numel()) * k.element_size() for k, v in zip(self.pool.k, self.pool.v)
+                   if k is not None)
 
 
 class StepKV:
@@ -221,7 +224,7 @@ class StepKV:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """``[B, H_kv, Tm, D]`` new keys/values -> ``[B, H_kv, L, D]`` keys/values to attend."""
-        pk, pv = self.pool.layer(layer_idx, key_states)
+        pk, pv = self.pool.layer(layer_idx, key_states, value_states)
         rows, b, t, row, pos, src = self._indices(key_states.device)
         pk[row, :, pos] = key_states[b, :, t]
         pv[row, :, pos] = value_states[b, :, t]

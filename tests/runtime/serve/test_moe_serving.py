@@ -1,4 +1,6 @@
-"""Mixture-of-experts fine-tunes (Mixtral, Qwen2-MoE with shared experts, Qwen3-MoE) in delta mode.
+"""Mixture-of-experts fine-tunes (Mixtral, Qwen2-MoE with shared experts, Qwen3-MoE, Phi-3.5-MoE whose
+router is an ``nn.Linear`` with a forward of its own, DeepSeek-V3 with multi-head latent attention) in
+delta mode.
 
 Per architecture: a tiny base saved by ``save_pretrained`` (one tensor per expert under the historical
 names) and two fake full fine-tunes in which every weight moved (every expert, the router, attention,
@@ -29,7 +31,7 @@ from deltazip.runtime.serve.delta_linear import DeltaContext, DeltaLinear
 from deltazip.runtime.serve.engine import Engine, FinishEvent, SamplingParams
 from deltazip.runtime.serve.model import DeltaModel
 
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "deepseek_v3"]
 VARIANTS = {
     "a4": dict(method="deltazip", bits=4, sym=True, seed=11),
     "b2": dict(method="rtn", bits=2, sym=False, seed=12),
@@ -138,6 +140,38 @@ def test_greedy_output_equals_the_merged_models_alone_and_batched(moe, delta_com
             assert fin.reason in ("stop", "length"), fin
             assert fin.text == moe.expected[m, p], (m, p, delta_compute)
     assert steps < len(alone) * MAX_TOKENS + MAX_TOKENS * 3  # the mixed requests shared forwards
+
+
+@pytest.mark.slow
+def test_a_variant_added_later_lands_on_the_router_an_earlier_one_decoupled(moe):
+    """A model serving ``a4`` (its router already a :class:`DeltaRouter`, whatever kind of router the
+    family has) takes ``b2`` while running: the router change goes to that module, and ``b2``'s greedy
+    output, batched with ``a4``'s and a base row, is the merged model's."""
+    from deltazip.runtime.serve.engine import EngineConfig, ServedVariant
+    from deltazip.runtime.serve.variant_sources import discover_variants
+
+    with single_thread():
+        found = {v.name: v for v in discover_variants(moe.arts)}
+        dm = DeltaModel(Checkpoint(moe.base_dir), [found["a4"]], num_slots=2, device=torch.device("cpu"),
+                        dtype=torch.float32)
+        routers = {n: m for n, m in dm.modules.items() if isinstance(m, DeltaRouter)}
+        assert routers
+        wanted: dict[str, str] = {}
+        plan = dm.prepare_variant(found["b2"], wanted)
+        assert {n: k for n, k in wanted.items() if n in routers} == dict.fromkeys(routers, "router")
+        dm.commit_variant(found["b2"], plan, wanted)
+        assert all(dm.modules[n] is m for n, m in routers.items())
+        table = {"base": ServedVariant("base", moe.tok, [1], None)}
+        table.update({v: ServedVariant(v, moe.tok, [1], "base") for v in ("a4", "b2")})
+        eng = Engine(dm, table, "base", EngineConfig(max_deltas=2, max_cpu_deltas=2))
+        eng.start()
+        try:
+            jobs = [(m, p) for p in PROMPTS for m in ("b2", "a4", "base")]
+            done = _run(eng, jobs, moe.tok)
+        finally:
+            eng.shutdown()
+    for (m, p), fin in done.items():
+        assert fin.text == moe.expected[m, p], (m, p)
 
 
 def test_every_expert_is_a_packed_nonzero_delta(moe):

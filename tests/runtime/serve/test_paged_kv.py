@@ -127,6 +127,47 @@ def test_paged_decoding_equals_full_forward_under_churn(arch):
         assert pool.num_blocks == 0 and pool.nbytes() == 0
 
 
+def test_latent_attention_takes_the_contiguous_pool_and_decodes_as_a_full_forward():
+    """Multi-head latent attention (DeepSeek-V3) caches a latent (kv_lora_rank wide) and a rope key
+    (qk_rope_head_dim wide) that ``kv_b_proj`` expands after the cache read: it keeps the contiguous
+    pool, whose read is the batch's rows (the paged read is the whole pool). Keys and values of two
+    widths go through prefill, decode, offload to the host and back; every step's logits equal a full
+    forward, the cache's bytes are those two widths, and the engine's admission counts them per token."""
+    import copy
+
+    from deltazip.runtime.serve.attention import expands_cached_latents
+    from deltazip.runtime.serve.engine import _kv_bytes_per_token
+
+    with single_thread():
+        model = tiny_model("deepseek_v3")
+        ref = copy.deepcopy(model)
+        assert expands_cached_latents(model) and not expands_cached_latents(tiny_model("llama"))
+        assert not use_paged_attention(model) and model.config._attn_implementation != PAGED_ATTENTION
+        cfg = model.config
+        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim  # 32 + 8
+        assert _kv_bytes_per_token(cfg, torch.float32) == cfg.num_hidden_layers * width * 4
+        be, pool = Backend(model), KVPool()
+        seqs = [(SeqKV(), [5, 9, 14, 3, 22, 7]), (SeqKV(), [11, 4, 30])]
+        for step in range(6):
+            if step == 3:
+                seqs[0][0].offload()
+                assert seqs[0][0].nbytes() == cfg.num_hidden_layers * width * 4 * seqs[0][0].length
+            toks = []
+            for cache, ids in seqs:
+                if cache.length == len(ids):
+                    ids.append(3 + (7 * step + len(ids)) % 37)
+                toks.append(ids[cache.length:])
+            caches = [c for c, _ in seqs]
+            logits = forward_step(be, pool, caches, [-1, -1], toks, [c.length for c in caches])
+            for i, (_, ids) in enumerate(seqs):
+                with torch.no_grad():
+                    want = ref(torch.tensor([ids])).logits[0, -1]
+                torch.testing.assert_close(logits[i], want, rtol=1e-4, atol=1e-4)
+        assert seqs[1][0].nbytes() == cfg.num_hidden_layers * width * 4 * pool.capacity
+        for c, _ in seqs:
+            c.free()
+
+
 @pytest.mark.parametrize("arch,paged", [("llama", True), ("gemma2", True), ("llama", False)])
 def test_forked_sequences_share_the_prefix_and_decode_as_fresh_ones(arch, paged):
     """The samples of one prompt (n > 1): three forks of a prefilled 13-token prompt share its three
