@@ -5,7 +5,7 @@ tokens the router sent to it:
 
 - ``nn.Linear`` and ``Conv1D``: a forward pre-hook on the module (``H`` of its input).
 - fused expert parameters ``[E, out, in]``: transformers 5's eager experts forward runs
-  ``F.linear(x_e, param[e])`` for every expert that got tokens, with ``x_e`` the routed tokens'
+  ``F.linear(x_e, param[e])`` (``x_e @ param[e]`` for GPT-OSS's ``[E, in, out]``) for every expert that got tokens, with ``x_e`` the routed tokens'
   hidden states (gate/up) or the expert's own intermediate activations (down). ``ExpertTap`` (a
   ``TorchFunctionMode``) sees those calls and tells the expert by where the weight view starts in the
   parameter's storage. An expert nobody routes to is never called and gets no Hessian.
@@ -128,8 +128,8 @@ def collect_hessians(layer: nn.Module, sites: dict[str, Site], keys: list[str], 
     for k in fused:
         if entered[k] and not any(kk == k for kk, _ in hs.counts):
             raise CompressionError(f"experts {k}: {entered[k]} tokens entered the experts module but no expert "
-                                   "matrix was applied with F.linear; ΔCompress calibrates transformers' eager "
-                                   "experts implementation only")
+                                   "matrix was applied with F.linear (or x @ W); ΔCompress calibrates "
+                                   "transformers' eager experts implementation only")
     return hs
 
 

@@ -260,8 +260,7 @@ class Probe:
             return w.entry_size(t.name, codecs.get("drop").fields(t.shape, dtype), {})
         deltas = [pack_delta(codes, scales, zeros, mask, s.bits, group) for codes, scales, zeros, mask in solved]
         parts = {k: torch.cat([d.parts()[k] for d in deltas]) for k in deltas[0].parts()}
-        shape = list(t.shape[::-1] if t.transposed else t.shape)
-        fields = codecs.get("packed").fields(deltas[0].scheme, shape, dtype, True, t.transposed, t.experts)
+        fields = codecs.get("packed").fields(deltas[0].scheme, t.matrix_shape, dtype, True, t.transposed, t.experts)
         return w.entry_size(t.name, fields, parts, SAMPLE_BYTES, rows_scale)
 
     # -- embeddings ----------------------------------------------------------------------------

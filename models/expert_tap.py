@@ -2,8 +2,9 @@
 
 transformers 5's eager experts forward runs ``F.linear(x_e, param[e])`` for every expert that got
 tokens, with ``x_e`` the routed tokens' hidden states (gate/up) or the expert's own intermediate
-activations (down). ``ExpertTap`` (a ``TorchFunctionMode``) sees those calls and tells the expert by
-where the weight view starts in the parameter's storage. The model walk uses it to find the
+activations (down); experts stored ``[E, in, out]`` (GPT-OSS) run ``x_e @ param[e]`` instead.
+``ExpertTap`` (a ``TorchFunctionMode``) sees those calls and tells the expert by where the weight view
+starts in the parameter's storage. The model walk uses it to find the
 true-sequential groups of a layer; ΔCompress to gather each expert's Hessian.
 """
 
@@ -16,10 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)  # `x @ w` arrives as Tensor.matmul
+
 
 class ExpertTap(TorchFunctionMode):
-    """Calls ``fn(key, expert, x)`` for each ``F.linear(x, w)`` whose ``w`` is expert ``e``'s matrix
-    (or rows of it) of a tracked fused parameter ``[E, out, in]``.
+    """Calls ``fn(key, expert, x)`` for each ``F.linear(x, w)`` (or ``x @ w``) whose ``w`` is expert
+    ``e``'s matrix (or rows of it) of a tracked fused parameter ``[E, out, in]`` (``[E, in, out]``).
 
     Args:
         params: site key -> fused parameter (real tensors).
@@ -50,6 +53,10 @@ class ExpertTap(TorchFunctionMode):
             hit = self.which(args[1] if len(args) > 1 else kwargs.get("weight"))
             if hit is not None:
                 self.fn(hit[0], hit[1], x)
+        elif func in _MATMULS and len(args) == 2:
+            hit = self.which(args[1])
+            if hit is not None:
+                self.fn(hit[0], hit[1], args[0])
         return func(*args, **kwargs)
 
 

@@ -64,9 +64,10 @@ class Target:
         param_shape: the site parameter's shape.
 
     Orientation: a linear's tensor (or a row slice of it) is ``[out, in]``; a Conv1D's is stored
-    ``[in, out]`` and solved transposed; a fused expert tensor is ``[E, out, in]`` (``experts`` = E)
-    and solved one expert at a time; one expert's slice of a fused parameter (per-expert checkpoint
-    names) is ``[out_e, in]`` and uses that expert's Hessian (``expert``).
+    ``[in, out]`` and solved transposed; a fused expert tensor is ``[E, out, in]`` (``experts`` = E;
+    GPT-OSS stores ``[E, in, out]``, each expert solved transposed) and solved one expert at a time;
+    one expert's slice of a fused parameter (per-expert checkpoint names) is ``[out_e, in]`` and uses
+    that expert's Hessian (``expert``).
     """
 
     name: str
@@ -77,11 +78,17 @@ class Target:
 
     @property
     def transposed(self) -> bool:
-        return self.site.kind == "conv1d"
+        """Stored ``[in, out]`` (a Conv1D's weight, or each expert of ``[E, in, out]``)."""
+        return self.site.kind == "conv1d" or self.site.transposed
 
     @property
     def in_features(self) -> int:
-        return self.shape[0] if self.transposed else self.shape[-1]
+        return self.shape[-2] if self.transposed else self.shape[-1]
+
+    @property
+    def matrix_shape(self) -> list[int]:
+        """The shape an artifact entry states: ``[out, in]`` or ``[E, out, in]`` (stored orientation undone)."""
+        return [*self.shape[:-2], self.shape[-1], self.shape[-2]] if self.transposed else list(self.shape)
 
     @property
     def experts(self) -> int:
@@ -97,16 +104,17 @@ class Target:
 
     def matrices(self, t: torch.Tensor) -> list[torch.Tensor]:
         """The ``[out, in]`` matrices the solver works on, from a tensor of the checkpoint's shape."""
+        if self.experts:
+            return [m.t() if self.transposed else m
+                    for m in t.reshape(self.experts, *self.shape[-2:]).unbind(0)]
         if self.transposed:
             return [t.t()]
-        if self.experts:
-            return list(t.reshape(self.experts, -1, self.in_features).unbind(0))
         return [t.reshape(-1, self.in_features)]
 
     def stored(self, rows: torch.Tensor) -> torch.Tensor:
         """Inverse of ``matrices`` on the stacked ``[sum(out), in]`` rows: the checkpoint's layout."""
         if self.transposed:
-            return rows.t().contiguous()
+            return rows.reshape(self.matrix_shape).transpose(-1, -2).contiguous()
         return rows.reshape(self.shape)
 
     def hessian_keys(self) -> list[tuple[str, int | None]]:
@@ -120,7 +128,7 @@ def _target(name: str, site: Site, piece: Piece, shape: tuple[int, ...], pshape:
     rows, last = as_rows(pshape)
     n = piece.row1 - piece.row0
     full = piece.row0 == 0 and piece.row1 == rows
-    if site.kind == "conv1d":
+    if site.kind == "conv1d" or site.transposed:  # stored [in, out]: whole matrices only
         ok = full and shape == pshape
     elif site.kind == "linear":
         ok = shape == (n, last)

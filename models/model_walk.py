@@ -4,7 +4,8 @@ The decoder layers are the ``nn.ModuleList`` with ``config.num_hidden_layers`` c
 class. The compressible weights of a layer are its *sites* (``layer_sites``): ``nn.Linear`` modules,
 transformers' ``Conv1D`` (GPT-2; weight stored ``[in, out]``), and the fused 3-D parameters
 ``[E, out, in]`` of a mixture-of-experts module (Mixtral, Qwen2-MoE in transformers 5), whose expert
-``e`` is ``F.linear(x_e, param[e])`` on the tokens routed to it. Their true-sequential groups are
+``e`` is ``F.linear(x_e, param[e])`` on the tokens routed to it (GPT-OSS stores them ``[E, in, out]``
+and runs ``x_e @ param[e]``). Their true-sequential groups are
 found by running the layer once and grouping linears that read the same input tensor (q/k/v, then
 o, then gate/up, then down for Llama; the same rule yields GPT-NeoX's and GPT-2's order); a fused
 expert parameter is a group of its own at its first use (router, then experts' gate/up, then down).
@@ -67,7 +68,8 @@ class Site:
 
     kind ``"linear"``: ``nn.Linear``, weight ``[out, in]``; ``"conv1d"``: transformers' ``Conv1D``,
     weight stored ``[in, out]``; ``"experts"``: fused parameter ``[E, out, in]`` of an experts module,
-    expert ``e`` applied as ``F.linear(x_e, param[e])`` to the tokens routed to it.
+    expert ``e`` applied as ``F.linear(x_e, param[e])`` to the tokens routed to it, or with
+    ``transposed`` (GPT-OSS, ``is_transposed``) ``[E, in, out]`` applied as ``x_e @ param[e]``.
 
     Attributes:
         key: the module's name (linear, conv1d) or the parameter's name (experts); Hessians and
@@ -75,12 +77,14 @@ class Site:
         kind: see above.
         param: the weight parameter's name.
         experts: E for ``"experts"``, else 0.
+        transposed: the fused parameter is stored ``[E, in, out]``.
     """
 
     key: str
     kind: str
     param: str
     experts: int = 0
+    transposed: bool = False
 
     @property
     def module(self) -> str:
@@ -121,13 +125,11 @@ def layer_sites(layer: nn.Module) -> dict[str, Site]:
         elif Conv1D is not None and isinstance(m, Conv1D):
             sites[name] = Site(name, "conv1d", f"{name}.weight")
         elif is_experts_module(m):
-            if getattr(m, "is_transposed", False):
-                raise InputError(f"{type(m).__name__} ({name}) stores its experts as [E, in, out] (is_transposed); "
-                                 "ΔCompress handles fused experts stored [E, out, in] only")
+            transposed = bool(getattr(m, "is_transposed", False))
             for pn, p in m.named_parameters(recurse=False):
                 if p.dim() == 3 and p.shape[0] == m.num_experts:
                     key = f"{name}.{pn}"
-                    sites[key] = Site(key, "experts", key, m.num_experts)
+                    sites[key] = Site(key, "experts", key, m.num_experts, transposed)
     return sites
 
 

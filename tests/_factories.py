@@ -68,6 +68,13 @@ ARCH_CONFIGS = {
                         n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
                         q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                         n_shared_experts=1),
+    # attention sinks, sliding and full layers; experts stored [E, in, out] with biases, a router with a bias
+    "gpt_oss": dict(model_type="gpt_oss", hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                    layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=32)),
     # LayerNorm without a bias (the mean subtracted, a weight only)
     "cohere": dict(model_type="cohere", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128),

@@ -21,7 +21,8 @@ per other holder. Work is proportional to the blocks
 read, not to ``B ×`` the span. GQA: the ``G = H_q / H_kv`` query heads sharing a key/value head are
 stacked on the query axis, so K and V are never repeated. The kwargs transformers passes
 are honoured: ``scaling``, ``softcap`` (Gemma 2/3: ``tanh(s / c) · c``), ``sliding_window`` (a key
-is seen while ``q - window < k <= q``); ``dropout`` must be 0 (inference).
+is seen while ``q - window < k <= q``), ``s_aux`` (GPT-OSS's attention sinks: one more logit per head in
+every softmax, with no value); ``dropout`` must be 0 (inference).
 
 Why this kernel: it is plain torch (CPU and CUDA alike, about 25 ops per layer whatever the batch),
 reads every needed key once per layer and copies none. Its costs: the queries are gathered per
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from deltazip.runtime.serve.delta_sinks import per_row_sinks
 from deltazip.runtime.serve.kv_cache import CURRENT_STEP, PagedStep
 
 PAGED_ATTENTION = "deltazip_paged"
@@ -45,27 +47,33 @@ _NEG = torch.finfo(torch.float32).min  # masked scores: exp() gives 0, and no in
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                            sliding_window: int | None = None, softcap: float | None = None, **kwargs
-                            ) -> tuple[torch.Tensor, None]:
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            s_aux: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: ``query [B, H_q, Tm, D]`` -> ``([B, Tm, H_q, Dv], None)``.
 
     With a bound step, ``key``/``value`` are the layer's pool ``[num_blocks, block_size, H_kv, D]``.
+    ``s_aux``: attention sinks (GPT-OSS), one logit per head ``[H_q]`` (or per row, ``[B, H_q]``) that
+    joins every softmax's denominator and adds no value.
     """
     if dropout:
         raise ValueError("deltazip_paged attention is for inference: dropout must be 0")
     step = CURRENT_STEP.get()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if s_aux is not None:  # a variant's own sinks per row (deltazip.runtime.serve.delta_sinks)
+        s_aux = per_row_sinks(module, s_aux)
     if step is None:
-        return _unbound(module, query, key, value, attention_mask, scale, sliding_window, softcap, **kwargs)
-    return _paged(step, query, key, value, scale, sliding_window, softcap), None
+        return _unbound(module, query, key, value, attention_mask, scale, sliding_window, softcap, s_aux, **kwargs)
+    return _paged(step, query, key, value, scale, sliding_window, softcap, s_aux), None
 
 
 def _paged(step: PagedStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-           window: int | None, softcap: float | None) -> torch.Tensor:
+           window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over each span's blocks, block by block (shapes in the module docstring)."""
     b_all, hq, tm, d = query.shape
     hkv, dv = key.shape[1], value.shape[3]
     g = hq // hkv
+    if sinks is not None:  # [1 or B, H_kv, G, 1] in fp32, beside the scores' [., H_kv, G, Tm]
+        sinks = sinks.float().reshape(-1, hkv, g, 1)
     out = None if len(step.spans) == 1 else query.new_empty(b_all, tm, hq, dv)
     for i, (rows, lo, hi, meta, extra) in enumerate(step.spans):
         q = query if out is None else query[rows]
@@ -86,8 +94,14 @@ def _paged(step: PagedStep, query: torch.Tensor, key: torch.Tensor, value: torch
         top = scores.amax(-1)  # [nb, H_kv, G, Tm]
         row_max = top.new_full((n + 1, hkv, g, tm), _NEG).scatter_reduce_(
             0, owner.view(-1, 1, 1, 1).expand_as(top), top, "amax")
+        sink = None
+        if sinks is not None:  # one more logit per row and head, in the max and the sum
+            sink = sinks if sinks.shape[0] == 1 else torch.cat([sinks[rows], sinks.new_full(sinks[:1].shape, _NEG)])
+            row_max = torch.maximum(row_max, sink)
         e = torch.exp(scores - row_max.index_select(0, owner).unsqueeze(-1))
         den = top.new_zeros(n + 1, hkv, g, tm).index_add_(0, owner, e.sum(-1))
+        if sink is not None:
+            den += torch.exp(sink - row_max)
         e = _as(e.view(nb, hkv, g * tm, -1), value.dtype)
         part = torch.matmul(e[:nr], value[lo:hi])  # [nb, H_kv, G·Tm, Dv]
         if extra is not None:
@@ -107,10 +121,10 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _unbound(module, query, key, value, attention_mask, scale, window, softcap, **kwargs):
+def _unbound(module, query, key, value, attention_mask, scale, window, softcap, sinks=None, **kwargs):
     """Dense ``key``/``value`` ``[B, H_kv, S, D]`` with a transformers mask: SDPA, or the same math
-    as the paged path when soft-capping (which SDPA lacks)."""
-    if softcap is None:
+    as the paged path when soft-capping or with attention sinks (which SDPA lacks)."""
+    if softcap is None and sinks is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scale,
@@ -120,12 +134,17 @@ def _unbound(module, query, key, value, attention_mask, scale, window, softcap, 
     g = hq // hkv
     # reshape, not view: the model hands over a transposed (non-contiguous) query outside a paged step
     scores = torch.matmul(query.reshape(b, hkv, g * t, d), key.transpose(-1, -2)).mul_(scale)
-    scores = torch.tanh(scores.div_(softcap)).mul_(softcap).view(b, hkv, g, t, s)
+    if softcap:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    scores = scores.view(b, hkv, g, t, s)
     if attention_mask is None:  # transformers left the mask to SDPA's is_causal: bottom-right causal
         attention_mask = torch.ones(1, 1, t, s, dtype=torch.bool, device=query.device).tril(s - t)
     mask = attention_mask.reshape(attention_mask.shape[0], 1, 1, t, s)
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype).view(b, hkv, g * t, s)
+    if sinks is not None:  # a last column per head, dropped after the softmax
+        sink = sinks.to(scores.dtype).reshape(-1, hkv, g, 1, 1).expand(b, hkv, g, t, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :s].to(query.dtype).reshape(b, hkv, g * t, s)
     return torch.matmul(probs, value).view(b, hq, t, -1).transpose(1, 2).contiguous(), None
 
 

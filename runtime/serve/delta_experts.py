@@ -1,12 +1,14 @@
 """Mixture-of-experts layers in delta mode: per-row routers and per-(slot, expert) expert deltas.
 
 transformers 5 keeps a MoE layer's experts fused (``MixtralExperts``, ``Qwen2MoeExperts``,
-``Qwen3MoeExperts``: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) beside a router module
-(``*TopKRouter``, weight ``[E, H]``, not an ``nn.Linear``; Phi-3.5-MoE's and Llama 4's are
-``nn.Linear`` subclasses with a forward of their own: :func:`is_own_forward_router`). Shared experts
-and their gate (Qwen2-MoE) are plain ``nn.Linear`` and are decoupled like any other linear.
+``Qwen3MoeExperts``: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``; GPT-OSS's the other way
+round, ``[E, H, 2I]`` and ``[E, I, H]`` applied as ``x @ W[e]``, with biases ``[E, out]``) beside a
+router module (``*TopKRouter``, weight ``[E, H]`` and GPT-OSS's bias ``[E]``, not an ``nn.Linear``;
+Phi-3.5-MoE's and Llama 4's are ``nn.Linear`` subclasses with a forward of their own:
+:func:`is_own_forward_router`). Shared experts and their gate (Qwen2-MoE) are plain ``nn.Linear`` and
+are decoupled like any other linear.
 
-- :class:`DeltaRouter`: the router with a per-row weight. Rows of a slot whose variant changed the
+- :class:`DeltaRouter`: the router with a per-row weight (and bias). Rows of a slot whose variant changed the
   router go through transformers' own router forward with that slot's weight
   (``torch.func.functional_call``), so softmax, top-k and renormalisation are the model's code.
 - :class:`DeltaExperts`: the experts module. A batch with no expert delta runs the original module
@@ -40,17 +42,22 @@ from deltazip.kernels.reference import delta_weight
 from deltazip.kernels.stacked import StackedDeltas, config_key
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+BIAS_OF = {f"{p}_bias": p for p in EXPERT_PARAMS}  # GPT-OSS's per-expert biases [E, out]
 
 
 def is_fused_experts(mod: nn.Module) -> bool:
-    """A transformers 5 fused-experts module this runtime can decouple (``[E, out, in]``, gated, no bias)."""
+    """A transformers 5 fused-experts module this runtime can decouple: gated, ``[E, out, in]`` or
+    (``is_transposed``, GPT-OSS) ``[E, in, out]``, with ``[E, out]`` biases where ``has_bias``."""
     n = getattr(mod, "num_experts", None)
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         return False
     ps = dict(mod.named_parameters(recurse=False))
-    return (all(p in ps and ps[p].dim() == 3 and ps[p].shape[0] == n for p in EXPERT_PARAMS)
-            and not getattr(mod, "is_transposed", False) and not getattr(mod, "has_bias", False)
-            and getattr(mod, "has_gate", True) and hasattr(mod, "_apply_gate"))
+    if not all(p in ps and ps[p].dim() == 3 and ps[p].shape[0] == n for p in EXPERT_PARAMS):
+        return False
+    out = {p: ps[p].shape[2 if getattr(mod, "is_transposed", False) else 1] for p in EXPERT_PARAMS}
+    biases_ok = not getattr(mod, "has_bias", False) or all(
+        b in ps and tuple(ps[b].shape) == (n, out[p]) for b, p in BIAS_OF.items())
+    return biases_ok and getattr(mod, "has_gate", True) and hasattr(mod, "_apply_gate")
 
 
 def is_own_forward_router(model: nn.Module, name: str, mod: nn.Module) -> bool:
@@ -97,29 +104,39 @@ def grouped_matmul(x: torch.Tensor, groups: torch.Tensor, weights: torch.Tensor)
 
 
 class DeltaRouter(nn.Module):
-    """A MoE router whose rows of a changed variant use that variant's router weight ``[E, H]``.
+    """A MoE router whose rows of a changed variant use that variant's router weight ``[E, H]`` (and
+    bias ``[E]`` where the router has one).
 
-    The slot references the weight it is given (no copy). Outputs are the router's own
+    The slot references the tensors it is given (no copy). Outputs are the router's own
     ``(logits, scores, indices)``, each row computed by transformers' forward with its slot's weight.
     """
 
     def __init__(self, base: nn.Module, ctx):
         super().__init__()
         self.weight = base.weight
+        self.bias = getattr(base, "bias", None)
         self._inner = [base]  # not a submodule: its parameter is ours already
         self.ctx = ctx
-        self._tables: dict[int, torch.Tensor] = {}
+        self._tables: dict[int, dict[str, torch.Tensor]] = {}  # slot -> {"weight"/"bias": its tensor}
 
     def clear_slot(self, slot: int) -> None:
         self._tables.pop(slot, None)
 
-    def load_slot(self, slot: int, weight: torch.Tensor) -> None:
-        if tuple(weight.shape) != tuple(self.weight.shape):
-            raise ValueError(f"router weight {tuple(weight.shape)} != base {tuple(self.weight.shape)}")
-        self._tables[slot] = weight.to(device=self.weight.device, dtype=self.weight.dtype)
+    def load_slot(self, slot: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+        """The variant's router ``weight`` ``[E, H]`` and/or ``bias`` ``[E]`` (whole tensors, not deltas)."""
+        table = {}
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is None:
+                continue
+            base = getattr(self, name)
+            if base is None or tuple(t.shape) != tuple(base.shape):
+                raise ValueError(f"router {name} {tuple(t.shape)} != base "
+                                 f"{None if base is None else tuple(base.shape)}")
+            table[name] = t.to(device=base.device, dtype=base.dtype)
+        self._tables[slot] = table
 
     def resident_bytes(self, slot: int) -> int:
-        return 0 if slot not in self._tables else self.weight.numel() * self.weight.element_size()
+        return sum(t.numel() * t.element_size() for t in self._tables.get(slot, {}).values())
 
     def forward(self, hidden_states: torch.Tensor):
         inner = self._inner[0]
@@ -135,7 +152,7 @@ class DeltaRouter(nn.Module):
             rows = (idx == s).nonzero(as_tuple=True)[0]
             if not rows.numel():
                 continue
-            mine = torch.func.functional_call(inner, {"weight": self._tables[s]}, (h[rows],))
+            mine = torch.func.functional_call(inner, self._tables[s], (h[rows],))
             for o, m in zip(outs, (mine,) if single else mine):
                 o[rows] = m.to(o.dtype)
         return outs[0] if single else tuple(outs)
@@ -194,6 +211,8 @@ class _ParamDeltas:
     packed_at: dict[int, tuple] = field(default_factory=dict)  # entry -> its stack's configuration
     dense: torch.Tensor | None = None
     dense_at: set[int] = field(default_factory=set)
+    bias: torch.Tensor | None = None  # [N * E, out] bias deltas (GPT-OSS)
+    bias_at: set[int] = field(default_factory=set)
 
 
 class DeltaExperts(nn.Module):
@@ -207,11 +226,16 @@ class DeltaExperts(nn.Module):
     def __init__(self, base: nn.Module, ctx):
         super().__init__()
         self.gate_up_proj, self.down_proj = base.gate_up_proj, base.down_proj
+        self.transposed = bool(getattr(base, "is_transposed", False))  # [E, in, out], applied x @ W[e]
+        self.has_bias = bool(getattr(base, "has_bias", False))
+        if self.has_bias:
+            self.gate_up_proj_bias, self.down_proj_bias = base.gate_up_proj_bias, base.down_proj_bias
         self.num_experts = base.num_experts
         self._inner = [base]
         self.ctx = ctx
         self._deltas = {p: _ParamDeltas() for p in EXPERT_PARAMS}
-        self._slot_entries: dict[int, set[tuple[str, int]]] = {}  # slot -> {(param, entry)}
+        # slot -> {(param, entry)}; a bias entry is named by its bias parameter (``down_proj_bias``)
+        self._slot_entries: dict[int, set[tuple[str, int]]] = {}
 
     @property
     def _slots(self) -> set[int]:
@@ -220,22 +244,37 @@ class DeltaExperts(nn.Module):
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, slots={self.ctx.num_slots}"
 
+    def weight_of(self, param: str) -> torch.Tensor:
+        """The base's fused parameter as ``[E, out, in]`` (a transposed view of GPT-OSS's ``[E, in, out]``)."""
+        w = getattr(self, param)
+        return w.transpose(1, 2) if self.transposed else w
+
     # -- host side ------------------------------------------------------------------------------
     def host_dense(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """A piece given as the variant's full tensor (checkpoint shape): its delta to the base,
-        ``[row1 - row0, in]`` in the model dtype (computed in fp32)."""
+        ``[row1 - row0, in]`` (a bias: ``[E, out]``) in the model dtype (computed in fp32)."""
         param, r0, r1 = parse_piece_key(key)
-        base = getattr(self, param)
-        rows = base.detach().reshape(-1, base.shape[-1])[r0:r1].to(device=tensor.device, dtype=torch.float32)
-        return (tensor.reshape(r1 - r0, -1).float() - rows).to(base.dtype)
+        if param in BIAS_OF:
+            base = getattr(self, param)
+            return (tensor.float() - base.detach().to(device=tensor.device, dtype=torch.float32)).to(base.dtype)
+        rows = tensor.transpose(-1, -2) if self.transposed else tensor  # transposed pieces are whole tensors
+        return self._rows_delta(param, r0, r1, rows.reshape(r1 - r0, -1))
 
     def host_weight(self, key: str, delta: PackedDelta) -> torch.Tensor:
-        """A packed non-additive piece (a full compressed weight): its delta to the base, dense."""
-        return self.host_dense(key, delta_weight(delta))
+        """A packed non-additive piece (a full compressed weight, ``[rows, in]``): its delta to the base, dense."""
+        return self._rows_delta(*parse_piece_key(key), delta_weight(delta))
+
+    def _rows_delta(self, param: str, r0: int, r1: int, rows: torch.Tensor) -> torch.Tensor:
+        base = self.weight_of(param)
+        ref = base.detach().reshape(-1, base.shape[-1])[r0:r1].to(device=rows.device, dtype=torch.float32)
+        return (rows.float() - ref).to(base.dtype)
 
     # -- slot management (engine thread, between forwards) ---------------------------------------
     def clear_slot(self, slot: int) -> None:
         for param, entry in self._slot_entries.pop(slot, set()):
+            if param in BIAS_OF:
+                self._deltas[BIAS_OF[param]].bias_at.discard(entry)
+                continue
             d = self._deltas[param]
             cfg = d.packed_at.pop(entry, None)
             if cfg is not None:
@@ -247,22 +286,35 @@ class DeltaExperts(nn.Module):
         ``PackedDelta`` or a dense delta ``[rows, in]``) into ``slot``; experts without a piece stay base."""
         self.clear_slot(slot)
         by_expert: dict[tuple[str, int], list[tuple[int, object]]] = {}
+        entries = set()
         for key, value in pieces.items():
             param, r0, r1 = parse_piece_key(key)
-            out = getattr(self, param).shape[1]
+            if param in BIAS_OF:  # a dense [E, out] bias delta
+                self._write_bias(BIAS_OF[param], slot, value)
+                entries.update((param, slot * self.num_experts + e) for e in range(self.num_experts))
+                continue
+            out = self.weight_of(param).shape[1]
             for e in range(r0 // out, (r1 - 1) // out + 1):  # a fused piece covers every expert
                 lo, hi = max(r0, e * out), min(r1, (e + 1) * out)
                 part = value[lo - r0:hi - r0] if isinstance(value, torch.Tensor) else _rows(value, lo - r0, hi - r0)
                 by_expert.setdefault((param, e), []).append((lo - e * out, part))
-        entries = set()
         for (param, e), parts in by_expert.items():
             self._write(param, slot * self.num_experts + e, sorted(parts, key=lambda p: p[0]))
             entries.add((param, slot * self.num_experts + e))
         if entries:
             self._slot_entries[slot] = entries
 
+    def _write_bias(self, param: str, slot: int, value: torch.Tensor) -> None:
+        d, base = self._deltas[param], getattr(self, f"{param}_bias")
+        if d.bias is None:
+            d.bias = torch.zeros(self.ctx.num_slots * self.num_experts, base.shape[1], dtype=base.dtype,
+                                 device=base.device)
+        e0 = slot * self.num_experts
+        d.bias[e0:e0 + self.num_experts].copy_(value.to(device=base.device, dtype=base.dtype))
+        d.bias_at.update(range(e0, e0 + self.num_experts))
+
     def _write(self, param: str, entry: int, parts: list[tuple[int, object]]) -> None:
-        base = getattr(self, param)
+        base = self.weight_of(param)
         out, in_f = base.shape[1], base.shape[2]
         d = self._deltas[param]
         packed = [p for _, p in parts if isinstance(p, PackedDelta)]
@@ -315,6 +367,10 @@ class DeltaExperts(nn.Module):
         """Device bytes of slot ``slot``'s expert deltas (its entries of the stacks and dense tables)."""
         total = 0
         for param, entry in self._slot_entries.get(slot, ()):
+            if param in BIAS_OF:
+                b = self._deltas[BIAS_OF[param]].bias
+                total += b.shape[1] * b.element_size()
+                continue
             d = self._deltas[param]
             if entry in d.packed_at:
                 stack = d.stacks[d.packed_at[entry]]
@@ -340,9 +396,11 @@ class DeltaExperts(nn.Module):
         return y.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)
 
     def _project(self, param: str, x: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """``x[p] @ (W[e] + Δ(s, e)).T`` for every pair ``p = (s, e)``: ``[P, in]`` -> ``[P, out]``."""
-        weight = getattr(self, param)
-        y = grouped_matmul(x, expert, weight)
+        """``x[p] @ (W[e] + Δ(s, e)).T`` (``+ b[e] + Δb(s, e)`` with biases) for every pair ``p = (s, e)``:
+        ``[P, in]`` -> ``[P, out]``."""
+        y = grouped_matmul(x, expert, self.weight_of(param))
+        if self.has_bias:
+            y = y + getattr(self, f"{param}_bias")[expert]
         d = self._deltas[param]
         entry = torch.where(slot >= 0, slot * self.num_experts + expert, torch.full_like(slot, -1))
         for cfg, stack in d.stacks.items():
@@ -353,6 +411,10 @@ class DeltaExperts(nn.Module):
             dense = torch.zeros(d.dense.shape[0] + 1, dtype=torch.bool, device=x.device)
             dense[[e + 1 for e in d.dense_at]] = True
             y = y + grouped_matmul(x, torch.where(dense[entry + 1], entry, torch.full_like(entry, -1)), d.dense)
+        if d.bias_at:
+            has = torch.zeros(d.bias.shape[0] + 1, dtype=torch.bool, device=x.device)
+            has[[e + 1 for e in d.bias_at]] = True
+            y = y + torch.where(has[entry + 1].unsqueeze(1), d.bias[entry.clamp(min=0)], 0).to(y.dtype)
         return y
 
 
@@ -396,8 +458,9 @@ class MoeLayout:
 
     def targets(self, shapes: dict[str, list[int]]) -> dict[str, tuple[str, str, str]]:
         """Where a variant's tensors on experts modules and routers land: checkpoint name ->
-        ``(module, kind, attr)``, kind ``"experts"`` (attr a piece key) or ``"router"`` (attr
-        ``"weight"``). Other tensors are not in the answer.
+        ``(module, kind, attr)``, kind ``"experts"`` (attr a piece key: rows of a weight seen as
+        ``[E * out, in]``, or a whole ``[E, out]`` bias) or ``"router"`` (attr ``"weight"`` or
+        ``"bias"``). Other tensors are not in the answer.
 
         Args:
             shapes: every tensor name of the variant -> its shape (checkpoint layout).
@@ -415,9 +478,17 @@ class MoeLayout:
                 pieces = self._maps[key] = m.pieces
             for name, pc in pieces.items():
                 mname, _, attr = (prefix + pc.param).rpartition(".")
-                if mname in self.experts and attr in EXPERT_PARAMS:
-                    out[name] = (mname, "experts", piece_key(attr, pc.row0, pc.row1))
-                elif (mname in self.routers and attr == "weight"
+                experts = self.experts.get(mname)
+                if experts is not None and attr in EXPERT_PARAMS:
+                    p = getattr(experts, attr)
+                    if not getattr(experts, "is_transposed", False):
+                        out[name] = (mname, "experts", piece_key(attr, pc.row0, pc.row1))
+                    elif (pc.row0, pc.row1) == (0, p.shape[0] * p.shape[1]):  # [E, in, out]: whole tensors only
+                        out[name] = (mname, "experts", piece_key(attr, 0, p.shape[0] * p.shape[2]))
+                elif experts is not None and attr in BIAS_OF and getattr(experts, "has_bias", False) \
+                        and (pc.row0, pc.row1) == (0, experts.num_experts):
+                    out[name] = (mname, "experts", piece_key(attr, 0, experts.num_experts))
+                elif (mname in self.routers and attr in ("weight", "bias")
                       and (pc.row0, pc.row1) == (0, self.routers[mname].weight.shape[0])):
-                    out[name] = (mname, "router", "weight")
+                    out[name] = (mname, "router", attr)
         return out

@@ -17,12 +17,12 @@ names by transformers' own loading rules (``deltazip.runtime.serve.param_names``
 ``embed_out`` is ``lm_head``). Per row the decoupled model applies changed ``nn.Linear`` and
 ``Conv1D`` weights and biases, embedding tables (plain, Gemma's scaled ones, learned positions:
 ``deltazip.runtime.serve.delta_embedding``), Llama- and Gemma-style RMSNorm and Cohere LayerNorm
-weights and ``nn.LayerNorm`` weights and biases, and mixture-of-experts routers and fused experts
+weights and ``nn.LayerNorm`` weights and biases, mixture-of-experts routers and fused experts
 (``deltazip.runtime.serve.delta_experts``, which also maps per-expert checkpoint names onto the fused
-parameters). A variant that changes a tensor the runtime cannot apply per row
-(or one transformers loads through a converter rather than a rename) is refused with a message
-naming the tensor and pointing at ``--mode swap``, which goes through transformers' own loader and
-so serves any causal LM it can load.
+parameters), and attention sinks (``deltazip.runtime.serve.delta_sinks``, on the paged attention).
+A variant that changes a tensor the runtime cannot apply per row (or one transformers loads through
+a converter rather than a rename) is refused with a message naming the tensor and pointing at
+``--mode swap``, which goes through transformers' own loader and so serves any causal LM it can load.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from deltazip.kernels.reference import delta_weight
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import resolve_dtype
 from deltazip.models.loader import load_causal_lm
+from deltazip.runtime.serve.attention import is_paged
 from deltazip.runtime.serve.delta_embedding import can_decouple, decouple_embedding
 from deltazip.runtime.serve.delta_experts import DeltaExperts, DeltaRouter, MoeLayout, is_own_forward_router
 from deltazip.runtime.serve.delta_linear import (
@@ -54,6 +55,7 @@ from deltazip.runtime.serve.delta_linear import (
     is_linear,
     rms_norm_style,
 )
+from deltazip.runtime.serve.delta_sinks import DeltaSinks
 from deltazip.runtime.serve.kernel_tuner import LoraJob, Tuner
 from deltazip.runtime.serve.kernel_warmup import tune_new_keys
 from deltazip.runtime.serve.model_runner import left_pad, new_kv_pool, new_seq_kv, run_model, step_args
@@ -465,7 +467,7 @@ class DeltaModel:
         """``checkpoint tensor -> [(module, attribute)]`` of every tensor ``v`` changes (names mapped to
         parameters by transformers' own rules, ``param_names``); ``wanted`` gets each module's kind."""
         plan: dict[str, list[tuple[str, str]]] = {}
-        on_moe = self._moe.targets({n: list(x.shape) for n, x in v.entries.items()})
+        on_moe = self._moe.targets({n: list(x.stored_shape) for n, x in v.entries.items()})  # checkpoint layout
         changed = []
         for name, e in v.entries.items():
             if e.equals_base:  # same, or a dropped delta: nothing to add
@@ -499,6 +501,8 @@ class DeltaModel:
                 mod = self.model.get_submodule(mname)
                 kind = ("router" if attr == "weight" and is_own_forward_router(self.model, mname, mod)
                         else self._decoupled_kind(mod, attr))
+                if kind == "sinks" and not is_paged(self.model):  # only the paged attention reads them per row
+                    kind = None
                 if kind is None:
                     raise UnsupportedVariant(
                         f"variant {v.name}: it changes {t} ({type(self.model.get_submodule(mname)).__name__}.{attr}), "
@@ -515,6 +519,8 @@ class DeltaModel:
         """Which decoupled module applies a change of ``mod.attr`` per row (None: none can)."""
         if isinstance(mod, DeltaRouter):
             return "router" if attr == "weight" else None  # decoupled by an earlier variant
+        if attr == "sinks" and isinstance(getattr(mod, "sinks", None), nn.Parameter) and mod.sinks.dim() == 1:
+            return "sinks"  # GPT-OSS's attention sinks
         if is_linear(mod) and attr in ("weight", "bias"):
             return "linear"  # nn.Linear and Conv1D, weights and biases
         if attr == "weight" and can_decouple(mod):
@@ -532,6 +538,8 @@ class DeltaModel:
         old = getattr(parent, child)
         if kind == "embedding":
             return decouple_embedding(old, self.ctx)  # in place: the subclass's forward keeps running
+        if kind == "sinks":
+            return DeltaSinks(old, self.ctx)  # attached to the attention module, which stays
         new = {"linear": DeltaLinear, "norm": DeltaRMSNorm, "layernorm": DeltaLayerNorm, "experts": DeltaExperts,
                "router": DeltaRouter}[kind](old, self.ctx)
         setattr(parent, child, new)
@@ -604,7 +612,7 @@ class DeltaModel:
                 kw["dense" if attr == "weight" else "bias"] = tensor
             elif isinstance(mod, DeltaExperts):  # the variant's rows: held as their delta to the base
                 kw[attr] = mod.host_dense(attr, tensor)
-            elif isinstance(mod, DeltaLayerNorm):
+            elif isinstance(mod, (DeltaLayerNorm, DeltaRouter, DeltaSinks)):
                 kw[attr] = tensor
             else:
                 kw["weight"] = tensor

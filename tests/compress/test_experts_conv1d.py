@@ -1,4 +1,5 @@
-"""ΔCompress of GPT-2's Conv1D linears and of mixture-of-experts weights (Mixtral, Qwen2-MoE).
+"""ΔCompress of GPT-2's Conv1D linears and of mixture-of-experts weights (Mixtral, Qwen2-MoE, and GPT-OSS,
+whose fused experts are stored ``[E, in, out]`` and applied as ``x @ W``).
 
 Two checkpoint layouts of the same transformers 5 MoE models are covered: what ``save_pretrained``
 writes (one ``[out, in]`` tensor per expert and projection under the historical names, which the
@@ -30,11 +31,11 @@ from deltazip.models.checkpoint import Checkpoint
 CFG = dict(scheme=DeltaScheme(group_size=32), nsamples=16, seqlen=48, batch_size=4)
 # Only linears and experts change: the logit margin then measures the packed deltas alone.
 SKIP = ("norm", "ln_", "embed", "wte", "wpe", "lm_head", "bias")
-ROUTER = re.compile(r"\.gate\.weight$")  # the MoE router (not shared_expert_gate)
+ROUTER = re.compile(r"\.(gate|router)\.weight$")  # the MoE router (not shared_expert_gate)
 
 # arch, fused (module-name checkpoint), packed entries per layer
 CASES = [("gpt2", False, 4), ("mixtral", False, 4 + 4 * 3), ("mixtral", True, 4 + 2),
-         ("qwen2_moe", False, 4 + 4 + 4 * 3), ("qwen2_moe", True, 4 + 4 + 2)]
+         ("qwen2_moe", False, 4 + 4 + 4 * 3), ("qwen2_moe", True, 4 + 4 + 2), ("gpt_oss", False, 4 + 2)]
 
 
 def _heldout_ids(ft_dir, tmp):
@@ -59,7 +60,8 @@ def test_linears_and_experts_are_packed_and_beat_the_base(tmp_path, arch, fused,
     packed = {n: e for n, e in art.tensors.items() if e["kind"] == "packed"}
     assert len(packed) == 2 * per_layer
     for n, e in art.tensors.items():
-        weight = bck.shape(n) and len(bck.shape(n)) >= 2 and (".h." in n or ".layers." in n)
+        weight = (bck.shape(n) and len(bck.shape(n)) >= 2 and (".h." in n or ".layers." in n)
+                  and not n.endswith("bias"))  # GPT-OSS's expert biases are [E, out]
         if weight and not ROUTER.search(n):
             assert e["kind"] == "packed", f"{n} is {e['kind']}"
         elif ROUTER.search(n):
@@ -72,6 +74,11 @@ def test_linears_and_experts_are_packed_and_beat_the_base(tmp_path, arch, fused,
         if arch == "gpt2":  # Conv1D: stored [in, out], packed [out, in]
             assert e["transposed"] is True and e["shape"] == [b.shape[1], b.shape[0]]
             torch.testing.assert_close(rec - b, d.t(), rtol=0, atol=1e-6)
+        elif e.get("experts") and e.get("transposed"):  # GPT-OSS: stored [E, in, out], packed [E, out, in]
+            assert b.dim() == 3 and e["experts"] == b.shape[0] and e["shape"] == [b.shape[0], b.shape[2], b.shape[1]]
+            torch.testing.assert_close(rec - b, d.reshape(e["shape"]).transpose(1, 2), rtol=0, atol=1e-6)
+            stats = next(L["tensors"][n] for L in art.manifest["layers"] if n in L["tensors"])
+            assert len(stats["expert_tokens"]) == e["experts"] and sum(stats["expert_tokens"]) > 0
         elif e.get("experts"):  # fused experts: [E, out, in], rows of the E experts stacked
             assert b.dim() == 3 and e["experts"] == b.shape[0] and e["shape"] == list(b.shape)
             torch.testing.assert_close(rec - b, d.reshape(b.shape), rtol=0, atol=1e-6)

@@ -1,6 +1,6 @@
 """Mixture-of-experts fine-tunes (Mixtral, Qwen2-MoE with shared experts, Qwen3-MoE, Phi-3.5-MoE whose
-router is an ``nn.Linear`` with a forward of its own, DeepSeek-V3 with multi-head latent attention) in
-delta mode.
+router is an ``nn.Linear`` with a forward of its own, DeepSeek-V3 with multi-head latent attention, and
+GPT-OSS: experts stored ``[E, in, out]`` with biases, a router with a bias, attention sinks) in delta mode.
 
 Per architecture: a tiny base saved by ``save_pretrained`` (one tensor per expert under the historical
 names) and two fake full fine-tunes in which every weight moved (every expert, the router, attention,
@@ -31,7 +31,7 @@ from deltazip.runtime.serve.delta_linear import DeltaContext, DeltaLinear
 from deltazip.runtime.serve.engine import Engine, FinishEvent, SamplingParams
 from deltazip.runtime.serve.model import DeltaModel
 
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "deepseek_v3"]
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "deepseek_v3", "gpt_oss"]
 VARIANTS = {
     "a4": dict(method="deltazip", bits=4, sym=True, seed=11),
     "b2": dict(method="rtn", bits=2, sym=False, seed=12),
@@ -48,6 +48,7 @@ class MoeSet:
     def __init__(self, root, arch):
         from deltazip.demo.pair import build_char_tokenizer
 
+        self.arch = arch
         # the demo's character tokenizer decodes by concatenation (engine text == generate's decode)
         tok = build_char_tokenizer()
         ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
@@ -56,7 +57,16 @@ class MoeSet:
         self.arts = root / "artifacts"
         calib = calib_file(root / "calib")
         for name, spec in VARIANTS.items():
-            ft = perturb(tiny_model(arch, **ids), scale=0.3, seed=spec["seed"], skip=("norm",))
+            if arch != "gpt_oss":
+                ft = perturb(tiny_model(arch, **ids), scale=0.3, seed=spec["seed"], skip=("norm",))
+            else:  # its biases start at 0 and its sinks near 0: perturb's std-relative noise would leave
+                # them unchanged or (std 1 for zeros) drown the model; they move by a fixed amount instead
+                ft = perturb(tiny_model(arch, **ids), scale=0.1, seed=spec["seed"], skip=("norm", "bias", "sinks"))
+                g = torch.Generator().manual_seed(spec["seed"])
+                with torch.no_grad():
+                    for pname, p in ft.named_parameters():
+                        if pname.endswith(("bias", "sinks")):
+                            p.add_(torch.randn(p.shape, generator=g) * (1.5 if pname.endswith("sinks") else 0.05))
             ft_dir = save_model(ft, root / f"ft-{name}", tokenizer=False)
             tok.save_pretrained(ft_dir)
             budget = {}
@@ -125,6 +135,7 @@ def test_greedy_output_equals_the_merged_models_alone_and_batched(moe, delta_com
         be = eng.backend
         kinds = {type(m).__name__ for m in be.modules.values()}
         assert {"DeltaExperts", "DeltaRouter", "DeltaLinear"} <= kinds
+        assert ("DeltaSinks" in kinds) == (moe.arch == "gpt_oss")  # every weight moved, the sinks too
         eng.start()
         try:
             alone = {}
@@ -177,7 +188,7 @@ def test_a_variant_added_later_lands_on_the_router_an_earlier_one_decoupled(moe)
 def test_every_expert_is_a_packed_nonzero_delta(moe):
     for name in VARIANTS:
         art = Artifact(moe.arts / name)
-        experts = {n: e for n, e in art.tensors.items() if ".experts." in n}
+        experts = {n: e for n, e in art.tensors.items() if ".experts." in n and not n.endswith("bias")}
         if "max_bytes_of" in VARIANTS[name]:  # allocated: several settings, some deltas maybe dropped
             settings = {(e.scheme.bits, e.scheme.sparsity) if e.kind == "packed" else "drop"
                         for n, e in art.entries().items() if n in experts}

@@ -83,7 +83,32 @@ def _gemma2():
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gemma", "gemma2"])
+def _gpt_oss():
+    """GPT-OSS: attention sinks (drawn large enough to matter), a window of 6 on every other layer."""
+    model = tiny_model("gpt_oss", vocab_size=40)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0, generator=torch.Generator().manual_seed(3))
+    return model
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])
+def test_without_a_bound_step_the_paged_attention_is_the_models_own(arch):
+    """A model switched to the paged attention and called outside the engine (``generate``, say): the
+    soft-capping and attention-sink paths give the eager attention's logits, windows included."""
+    import copy
+
+    with single_thread():
+        model = {"gemma2": _gemma2, "gpt_oss": _gpt_oss}[arch]()
+        ref = copy.deepcopy(model)
+        ref.set_attn_implementation("eager")
+        assert use_paged_attention(model)
+        ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11, 4, 30, 8, 12]])
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gemma", "gemma2", "gpt_oss"])
 def test_paged_decoding_equals_full_forward_under_churn(arch):
     """Sequences of random lengths start, grow in chunks and one token at a time, get preempted and
     restored and finish, their blocks interleaved in the pool; every step's logits equal a full
@@ -91,7 +116,7 @@ def test_paged_decoding_equals_full_forward_under_churn(arch):
     import copy
 
     with single_thread():
-        model = _gemma2() if arch == "gemma2" else tiny_model(arch)
+        model = {"gemma2": _gemma2, "gpt_oss": _gpt_oss}.get(arch, lambda: tiny_model(arch))()
         ref = copy.deepcopy(model)
         ref.set_attn_implementation("eager")
         assert use_paged_attention(model) and model.config._attn_implementation == PAGED_ATTENTION
