@@ -267,6 +267,79 @@ def _check_delta_experts(dequantize, device="cpu", dtype=torch.float32, **sizes)
     assert mod.resident_bytes(0) == 0
 
 
+def _check_transposed_experts(dequantize, device="cpu", dtype=torch.float32, **sizes):
+    """GPT-OSS's experts (``[E, in, out]``, ``x @ W[e] + b[e]``, its clamped gate): slot 0 a fused
+    gate_up delta over every expert (``[E * out, in]`` rows, as the artifact stores it) and a gate_up
+    bias delta; slot 2 a down bias delta only; each token's output must be the merged experts'."""
+    from _sbmm import make_delta
+
+    gen = torch.Generator().manual_seed(5)
+    model = tiny_model("gpt_oss", **sizes).to(device=device, dtype=dtype)
+    base = model.model.layers[0].mlp.experts
+    n_exp, hid, two_i = base.gate_up_proj.shape
+    ctx = DeltaContext(num_slots=3, dequantize=dequantize)
+    mod = DeltaExperts(base, ctx)
+    fused = make_delta(n_exp * two_i, hid, 4, 32, False, True, gen)
+    bias_gu = torch.randn(n_exp, two_i, generator=gen) * 0.3
+    bias_d = torch.randn(n_exp, hid, generator=gen) * 0.3
+    mod.load_slot(0, **{piece_key("gate_up_proj", 0, n_exp * two_i): fused,
+                        piece_key("gate_up_proj_bias", 0, n_exp): bias_gu})
+    mod.load_slot(2, **{piece_key("down_proj_bias", 0, n_exp): bias_d})
+    d_gu = delta_weight(fused).reshape(n_exp, two_i, hid)  # [E, out, in]
+
+    rows = [0, -1, 2, 1]  # four sequences of 5 tokens
+    slot_of = [r for r in rows for _ in range(5)]
+    ctx.bind(rows, device)
+    try:
+        x = torch.randn(len(rows) * 5, hid, generator=gen)
+        top_i = torch.stack([torch.randperm(n_exp, generator=gen)[:2] for _ in range(x.shape[0])])
+        top_w = torch.softmax(torch.randn(x.shape[0], 2, generator=gen), -1)
+        with torch.no_grad():
+            got = mod(x.to(device, dtype), top_i.to(device), top_w.to(device)).float().cpu()
+    finally:
+        ctx.unbind()
+    ref = tiny_model("gpt_oss", **sizes).to(dtype).float().model.layers[0].mlp.experts  # the same weights
+    xs = x.to(dtype).float()
+    want = torch.zeros_like(xs)
+    with torch.no_grad():
+        for t in range(xs.shape[0]):
+            s = slot_of[t]
+            for j in range(2):
+                e = int(top_i[t, j])
+                w_gu = ref.gate_up_proj[e] + (d_gu[e].t() if s == 0 else 0)  # [in, out]
+                b_gu = ref.gate_up_proj_bias[e] + (bias_gu[e] if s == 0 else 0)
+                h = ref._apply_gate(xs[t] @ w_gu + b_gu)
+                b_d = ref.down_proj_bias[e] + (bias_d[e] if s == 2 else 0)
+                want[t] += top_w[t, j] * (h @ ref.down_proj[e] + b_d)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2 * float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=1e-4 if dtype == torch.float32 else 1e-2, atol=tol)
+    assert mod.resident_bytes(2) == n_exp * hid * bias_d.new_empty((), dtype=dtype).element_size()
+    mod.clear_slot(2)
+    assert mod.resident_bytes(2) == 0 and mod.resident_bytes(0) > 0
+
+
+@pytest.mark.parametrize("dequantize", [False, True], ids=["packed", "dequantized"])
+def test_transposed_experts_with_biases_equal_a_per_token_loop(dequantize):
+    _check_transposed_experts(dequantize)
+
+
+def test_transposed_experts_on_the_mma_layout_read_by_the_reference(monkeypatch):
+    monkeypatch.setenv("DELTAZIP_SBMM_LAYOUT", "mma")
+    _check_transposed_experts(False, "cpu", torch.float32, hidden_size=128, intermediate_size=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_transposed_experts_on_cuda_take_the_cuda_kernel_and_equal_the_loop(dtype):
+    """GPT-OSS-shaped experts on a GPU: the stacks of the ``[E * out, in]`` deltas run on the CUDA
+    kernel like any experts' (hidden and intermediate sizes of 128)."""
+    from deltazip.kernels import dispatch
+
+    dispatch.CALLS.clear()
+    _check_transposed_experts(False, "cuda", dtype, hidden_size=128, intermediate_size=128)
+    assert dispatch.CALLS["cuda"] > 0 and dispatch.CALLS["reference"] == 0, dict(dispatch.CALLS)
+
+
 @pytest.mark.parametrize("dequantize", [False, True], ids=["packed", "dequantized"])
 def test_delta_experts_equals_a_per_token_loop(dequantize):
     _check_delta_experts(dequantize)
