@@ -7,7 +7,10 @@ bytes either way, outside the process).
 
 A checkpoint is a local directory (``config.json`` + ``model.safetensors`` or sharded safetensors
 with ``model.safetensors.index.json``) or a hub id, downloaded only when the hub is reachable.
-Pickle checkpoints (``*.bin``, ``*.pt``) are refused: loading them can run arbitrary code.
+Pickle checkpoints (``*.bin``, ``*.pt``) are refused: loading them can run arbitrary code. So are
+quantized checkpoints (a ``quantization_config`` in ``config.json``: FP8, MXFP4, GPTQ, AWQ,
+bitsandbytes, ...) wherever their weights would be used as numbers: their tensors are codes and scales
+under names the model's parameters do not have, and a delta of two such checkpoints is meaningless.
 """
 
 from __future__ import annotations
@@ -59,20 +62,36 @@ def resolve_model_dir(spec: str | Path, role: str) -> Path:
     return Path(local)
 
 
+def quantization_method(config: dict) -> str | None:
+    """The ``quant_method`` of a ``config.json``'s ``quantization_config`` (its text config's too), or None."""
+    for c in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else None):
+        q = c.get("quantization_config") if isinstance(c, dict) else None
+        if q:
+            return str(q.get("quant_method", "quantization_config")) if isinstance(q, dict) else "quantization_config"
+    return None
+
+
 class Checkpoint:
     """Tensor table of a checkpoint plus lazy, validated tensor reads.
 
     Args:
         spec: model directory or hub id.
         role: word used in error messages ("base", "fine-tuned").
+        quantized_ok: accept a quantized checkpoint (only its bytes are read: a fingerprint).
     """
 
-    def __init__(self, spec: str | Path, role: str = "model"):
+    def __init__(self, spec: str | Path, role: str = "model", quantized_ok: bool = False):
         self.spec = str(spec)
         self.role = role
         self.path = resolve_model_dir(spec, role)
         if not (self.path / "config.json").is_file():
             raise InputError(f"{role} {self.path} is not a model directory (no config.json)")
+        if not quantized_ok:
+            method = quantization_method(self.config_dict())
+            if method is not None:
+                raise InputError(f"{role} {self.path} is a quantized checkpoint ({method}); deltazip reads "
+                                 f"full-precision weights: pass the model's bf16/fp16/fp32 release, or a dequantized "
+                                 f"copy of it saved with save_pretrained")
         self.files = self._weight_files()
         self.table: dict[str, TensorEntry] = {}
         self.file_of: dict[str, Path] = {}

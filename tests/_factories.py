@@ -75,6 +75,9 @@ ARCH_CONFIGS = {
                     layer_types=["sliding_attention", "full_attention"],
                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
                                          beta_slow=1.0, truncate=False, original_max_position_embeddings=32)),
+    # LayerNorm1P: a LayerNorm that scales by 1 + weight, with a bias
+    "nemotron": dict(model_type="nemotron", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128),
     # LayerNorm without a bias (the mean subtracted, a weight only)
     "cohere": dict(model_type="cohere", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128),

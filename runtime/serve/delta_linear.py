@@ -791,8 +791,29 @@ class DeltaRMSNorm(nn.Module):
         return self._norm(x, w, self.eps)
 
 
+def layer_norm_offset(module: nn.Module) -> float | None:
+    """What a LayerNorm adds to its weight before scaling: 0 for ``nn.LayerNorm`` (and subclasses that
+    compute it), 1 for Nemotron's ``LayerNorm1P`` (``1 + w``), None for anything else (checked by running
+    a subclass on a probe, as :func:`rms_norm_style` does)."""
+    if (not isinstance(module, nn.LayerNorm) or module.weight is None or len(module.normalized_shape) != 1
+            or isinstance(module, DeltaLayerNorm)):
+        return None
+    if type(module) is nn.LayerNorm:
+        return 0.0
+    w, b = module.weight, module.bias
+    x = torch.randn(2, 3, w.shape[0], generator=torch.Generator().manual_seed(0)).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        try:
+            got = module(x)
+        except Exception:  # an unexpected signature is as good as "not this kind of norm"
+            return None
+        return next((off for off in (0.0, 1.0) if isinstance(got, torch.Tensor) and torch.equal(
+            got, F.layer_norm(x, module.normalized_shape, w + off if off else w, b, module.eps))), None)
+
+
 class DeltaLayerNorm(nn.Module):
-    """``nn.LayerNorm`` (GPT-NeoX, OPT, Phi, Falcon, ...) with a per-row weight and bias.
+    """``nn.LayerNorm`` (GPT-NeoX, OPT, Phi, Falcon, ...; Nemotron's ``1 + w`` form) with a per-row weight
+    and bias.
 
     Tables ``[N + 1, H]`` with row 0 the base's; a slot whose variant keeps the norm "same" points at
     row 0. A batch with no changed norm runs the original ``F.layer_norm``; otherwise every row is
@@ -802,8 +823,10 @@ class DeltaLayerNorm(nn.Module):
 
     def __init__(self, base: nn.LayerNorm, ctx: DeltaContext):
         super().__init__()
-        if len(base.normalized_shape) != 1 or base.weight is None:
+        offset = layer_norm_offset(base)
+        if offset is None:
             raise ValueError("only LayerNorm over the last dimension with a weight can be decoupled")
+        self.offset = offset  # the weight the norm scales by is weight + offset
         self.weight, self.bias = base.weight, base.bias
         self.normalized_shape, self.eps = tuple(base.normalized_shape), base.eps
         self.ctx = ctx
@@ -838,10 +861,12 @@ class DeltaLayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self._slots & self.ctx.active):
-            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+            w = self.weight + self.offset if self.offset else self.weight
+            return F.layer_norm(x, self.normalized_shape, w, self.bias, self.eps)
         rows = self._row[self.ctx.token_index(x) + 1]
         y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
-        y = y * self._w_table[rows].reshape(x.shape)
+        w = self._w_table[rows].reshape(x.shape)
+        y = y * (w + self.offset if self.offset else w)
         if self._b_table is not None:
             y = y + self._b_table[rows].reshape(x.shape)
         return y

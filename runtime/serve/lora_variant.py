@@ -204,7 +204,7 @@ def check_lora_base(adapter: Path, named: str | None, base_path: Path, base_fing
             return
         from deltazip.models.checkpoint import Checkpoint
 
-        if Checkpoint(local, "adapter base").fingerprint() == base_fingerprint():
+        if Checkpoint(local, "adapter base", quantized_ok=True).fingerprint() == base_fingerprint():
             return
         raise InputError(f"adapter {adapter} was trained on {named}, whose weights differ from the served base "
                          f"{base_path}; serve it with its own base")

@@ -53,6 +53,7 @@ from deltazip.runtime.serve.delta_linear import (
     DeltaLinear,
     DeltaRMSNorm,
     is_linear,
+    layer_norm_offset,
     rms_norm_style,
 )
 from deltazip.runtime.serve.delta_sinks import DeltaSinks
@@ -527,9 +528,8 @@ class DeltaModel:
             return "embedding"  # token tables, scaled embeddings, learned positions
         if attr == "weight" and (isinstance(mod, DeltaRMSNorm) or rms_norm_style(mod) is not None):
             return "norm"
-        if attr in ("weight", "bias") and (type(mod) is DeltaLayerNorm or (
-                type(mod) is nn.LayerNorm and mod.weight is not None and len(mod.normalized_shape) == 1)):
-            return "layernorm"
+        if attr in ("weight", "bias") and (type(mod) is DeltaLayerNorm or layer_norm_offset(mod) is not None):
+            return "layernorm"  # nn.LayerNorm, or a subclass computing it or Nemotron's 1 + w form
         return None
 
     def _replace(self, mname: str, kind: str) -> nn.Module:

@@ -79,6 +79,34 @@ def test_pickle_only_checkpoint_refused(capsys, monkeypatch, pair):
                                         tmp / "out", *FAST], "pickle", tmp)
 
 
+def test_quantized_checkpoints_refused_wherever_their_weights_are_used(capsys, monkeypatch, pair, tmp_path):
+    """An FP8 base (as DeepSeek-V3 and others release theirs: float8 weights beside their scales) is named
+    as quantized, by compress and merge alike, instead of failing on tensor names or dtypes."""
+    tmp, base, ft, calib = pair
+    q8 = tmp_path / "fp8-base"
+    q8.mkdir()
+    for f in base.iterdir():
+        if f.suffix != ".safetensors":
+            (q8 / f.name).write_bytes(f.read_bytes())
+    sd = load_file(base / "model.safetensors")
+    for n in [n for n in sd if n.endswith("proj.weight")]:
+        sd[n] = sd[n].to(torch.float8_e4m3fn)
+        sd[n.replace(".weight", ".weight_scale_inv")] = torch.ones(1, 1)
+    save_file(sd, q8 / "model.safetensors")
+    cfg = json.loads((q8 / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (q8 / "config.json").write_text(json.dumps(cfg))
+    _expect_error(capsys, monkeypatch, ["compress", "--base", q8, "--finetuned", ft, "--calib", calib, "--out",
+                                        tmp_path / "out", *FAST], "quantized checkpoint (fp8)", tmp_path)
+    art = tmp / "art-json"  # written by the compress test above, or now
+    if not art.exists():
+        code, _, err = run_cli(capsys, monkeypatch, "compress", "--base", base, "--finetuned", ft, "--calib", calib,
+                               "--out", art, *FAST)
+        assert code == 0, err
+    _expect_error(capsys, monkeypatch, ["merge", art, "--base", q8, "--out", tmp_path / "merged"],
+                  "quantized checkpoint (fp8)", tmp_path, "merged")
+
+
 def test_mismatched_pairs(capsys, monkeypatch, pair, tmp_path):
     tmp, base, ft, calib = pair
     common = ["--calib", calib, "--out", tmp_path / "out", *FAST]

@@ -1,7 +1,7 @@
 """Families whose fine-tunes change more than linears, served in delta mode: Gemma 1 and Gemma 3
 (scaled embeddings, ``1 + w`` norms), GPT-NeoX (checkpoint ``embed_out`` -> module ``lm_head``), OPT
 (learned positions with an offset), GPT-2 (Conv1D weights stored ``[in, out]`` and their biases),
-Cohere (a LayerNorm with a weight and no bias).
+Cohere (a LayerNorm with a weight and no bias), Nemotron (a LayerNorm scaling by ``1 + w``).
 
 Each base is fine-tuned for real (30 Adam steps: every tensor moves), compressed twice (ΔCompress
 4-bit calibrated, RTN 4-bit), and served by the engine: every greedy output, alone and in one batch
@@ -33,7 +33,7 @@ from deltazip.runtime.serve.engine import (
 from deltazip.runtime.serve.model import DeltaModel
 from deltazip.runtime.serve.variant_sources import discover_variants
 
-FAMILIES = ["gemma", "gemma3", "gpt_neox", "opt", "gpt2", "cohere"]
+FAMILIES = ["gemma", "gemma3", "gpt_neox", "opt", "gpt2", "cohere", "nemotron"]
 IDS = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)  # the demo's character tokenizer
 EOS = 1
 PROMPTS = ["alpha beta", "zip model tune", "12 + 345 ="]
