@@ -103,32 +103,36 @@ def grouped_matmul(x: torch.Tensor, groups: torch.Tensor, weights: torch.Tensor)
 # --------------------------------------------------------------------------------------------------
 
 
+def router_tensors(router: nn.Module) -> dict[str, torch.Tensor]:
+    """A router's own tensors a variant may change: its parameters (``weight``, GPT-OSS's ``bias``) and
+    buffers (DeepSeek-V3's ``e_score_correction_bias``), by attribute name."""
+    return {**dict(router.named_buffers(recurse=False)), **dict(router.named_parameters(recurse=False))}
+
+
 class DeltaRouter(nn.Module):
     """A MoE router whose rows of a changed variant use that variant's router weight ``[E, H]`` (and
-    bias ``[E]`` where the router has one).
+    its other tensors where it changes them: :func:`router_tensors`).
 
     The slot references the tensors it is given (no copy). Outputs are the router's own
-    ``(logits, scores, indices)``, each row computed by transformers' forward with its slot's weight.
+    ``(logits, scores, indices)``, each row computed by transformers' forward with its slot's tensors.
     """
 
     def __init__(self, base: nn.Module, ctx):
         super().__init__()
         self.weight = base.weight
-        self.bias = getattr(base, "bias", None)
         self._inner = [base]  # not a submodule: its parameter is ours already
         self.ctx = ctx
-        self._tables: dict[int, dict[str, torch.Tensor]] = {}  # slot -> {"weight"/"bias": its tensor}
+        self._tables: dict[int, dict[str, torch.Tensor]] = {}  # slot -> {attribute: the variant's tensor}
 
     def clear_slot(self, slot: int) -> None:
         self._tables.pop(slot, None)
 
-    def load_slot(self, slot: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
-        """The variant's router ``weight`` ``[E, H]`` and/or ``bias`` ``[E]`` (whole tensors, not deltas)."""
+    def load_slot(self, slot: int, **tensors: torch.Tensor) -> None:
+        """The variant's router tensors by attribute (``weight`` ``[E, H]``, ...; whole tensors, not deltas)."""
+        own = router_tensors(self._inner[0])
         table = {}
-        for name, t in (("weight", weight), ("bias", bias)):
-            if t is None:
-                continue
-            base = getattr(self, name)
+        for name, t in tensors.items():
+            base = own.get(name)
             if base is None or tuple(t.shape) != tuple(base.shape):
                 raise ValueError(f"router {name} {tuple(t.shape)} != base "
                                  f"{None if base is None else tuple(base.shape)}")
@@ -211,7 +215,7 @@ class _ParamDeltas:
     packed_at: dict[int, tuple] = field(default_factory=dict)  # entry -> its stack's configuration
     dense: torch.Tensor | None = None
     dense_at: set[int] = field(default_factory=set)
-    bias: torch.Tensor | None = None  # [N * E, out] bias deltas (GPT-OSS)
+    bias: torch.Tensor | None = None  # [N * E, out] the variants' own biases (GPT-OSS), used in place of the base's
     bias_at: set[int] = field(default_factory=set)
 
 
@@ -252,11 +256,11 @@ class DeltaExperts(nn.Module):
     # -- host side ------------------------------------------------------------------------------
     def host_dense(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """A piece given as the variant's full tensor (checkpoint shape): its delta to the base,
-        ``[row1 - row0, in]`` (a bias: ``[E, out]``) in the model dtype (computed in fp32)."""
+        ``[row1 - row0, in]`` in the model dtype (computed in fp32); a bias ``[E, out]`` is kept whole
+        (it replaces the base's: no rounding of a difference)."""
         param, r0, r1 = parse_piece_key(key)
         if param in BIAS_OF:
-            base = getattr(self, param)
-            return (tensor.float() - base.detach().to(device=tensor.device, dtype=torch.float32)).to(base.dtype)
+            return tensor.to(getattr(self, param).dtype)
         rows = tensor.transpose(-1, -2) if self.transposed else tensor  # transposed pieces are whole tensors
         return self._rows_delta(param, r0, r1, rows.reshape(r1 - r0, -1))
 
@@ -289,7 +293,7 @@ class DeltaExperts(nn.Module):
         entries = set()
         for key, value in pieces.items():
             param, r0, r1 = parse_piece_key(key)
-            if param in BIAS_OF:  # a dense [E, out] bias delta
+            if param in BIAS_OF:  # the variant's [E, out] bias
                 self._write_bias(BIAS_OF[param], slot, value)
                 entries.update((param, slot * self.num_experts + e) for e in range(self.num_experts))
                 continue
@@ -396,13 +400,18 @@ class DeltaExperts(nn.Module):
         return y.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)
 
     def _project(self, param: str, x: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """``x[p] @ (W[e] + Δ(s, e)).T`` (``+ b[e] + Δb(s, e)`` with biases) for every pair ``p = (s, e)``:
-        ``[P, in]`` -> ``[P, out]``."""
+        """``x[p] @ (W[e] + Δ(s, e)).T`` (``+ b(s, e)``, the variant's bias or the base's) for every pair
+        ``p = (s, e)``: ``[P, in]`` -> ``[P, out]``."""
         y = grouped_matmul(x, expert, self.weight_of(param))
-        if self.has_bias:
-            y = y + getattr(self, f"{param}_bias")[expert]
         d = self._deltas[param]
         entry = torch.where(slot >= 0, slot * self.num_experts + expert, torch.full_like(slot, -1))
+        if self.has_bias:  # each pair's bias: its variant's where it has one, else the base's
+            bias = getattr(self, f"{param}_bias")[expert]
+            if d.bias_at:
+                has = torch.zeros(d.bias.shape[0] + 1, dtype=torch.bool, device=x.device)
+                has[[e + 1 for e in d.bias_at]] = True
+                bias = torch.where(has[entry + 1].unsqueeze(1), d.bias[entry.clamp(min=0)], bias)
+            y = y + bias
         for cfg, stack in d.stacks.items():
             has = d.present[cfg][entry + 1]
             local = torch.where(has, slot, torch.full_like(slot, -1))
@@ -411,10 +420,6 @@ class DeltaExperts(nn.Module):
             dense = torch.zeros(d.dense.shape[0] + 1, dtype=torch.bool, device=x.device)
             dense[[e + 1 for e in d.dense_at]] = True
             y = y + grouped_matmul(x, torch.where(dense[entry + 1], entry, torch.full_like(entry, -1)), d.dense)
-        if d.bias_at:
-            has = torch.zeros(d.bias.shape[0] + 1, dtype=torch.bool, device=x.device)
-            has[[e + 1 for e in d.bias_at]] = True
-            y = y + torch.where(has[entry + 1].unsqueeze(1), d.bias[entry.clamp(min=0)], 0).to(y.dtype)
         return y
 
 
@@ -459,8 +464,8 @@ class MoeLayout:
     def targets(self, shapes: dict[str, list[int]]) -> dict[str, tuple[str, str, str]]:
         """Where a variant's tensors on experts modules and routers land: checkpoint name ->
         ``(module, kind, attr)``, kind ``"experts"`` (attr a piece key: rows of a weight seen as
-        ``[E * out, in]``, or a whole ``[E, out]`` bias) or ``"router"`` (attr ``"weight"`` or
-        ``"bias"``). Other tensors are not in the answer.
+        ``[E * out, in]``, or a whole ``[E, out]`` bias) or ``"router"`` (attr one of
+        :func:`router_tensors`). Other tensors are not in the answer.
 
         Args:
             shapes: every tensor name of the variant -> its shape (checkpoint layout).
@@ -490,5 +495,10 @@ class MoeLayout:
                     out[name] = (mname, "experts", piece_key(attr, 0, experts.num_experts))
                 elif (mname in self.routers and attr in ("weight", "bias")
                       and (pc.row0, pc.row1) == (0, self.routers[mname].weight.shape[0])):
+                    out[name] = (mname, "router", attr)
+        for mname, router in self.routers.items():  # buffers (no piece: the layer map reads parameters)
+            for attr, b in router.named_buffers(recurse=False):
+                name = f"{mname}.{attr}"
+                if name not in out and list(shapes.get(name, ())) == list(b.shape):
                     out[name] = (mname, "router", attr)
         return out

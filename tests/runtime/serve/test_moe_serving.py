@@ -1,6 +1,7 @@
 """Mixture-of-experts fine-tunes (Mixtral, Qwen2-MoE with shared experts, Qwen3-MoE, Phi-3.5-MoE whose
 router is an ``nn.Linear`` with a forward of its own, DeepSeek-V3 with multi-head latent attention, and
 GPT-OSS: experts stored ``[E, in, out]`` with biases, a router with a bias, attention sinks) in delta mode.
+DeepSeek-V3's fine-tunes also move its router's ``e_score_correction_bias`` (a buffer).
 
 Per architecture: a tiny base saved by ``save_pretrained`` (one tensor per expert under the historical
 names) and two fake full fine-tunes in which every weight moved (every expert, the router, attention,
@@ -59,6 +60,11 @@ class MoeSet:
         for name, spec in VARIANTS.items():
             if arch != "gpt_oss":
                 ft = perturb(tiny_model(arch, **ids), scale=0.3, seed=spec["seed"], skip=("norm",))
+                if arch == "deepseek_v3":  # the router's correction bias is a buffer: move it too
+                    with torch.no_grad():
+                        for layer in ft.model.layers[1:]:
+                            b = layer.mlp.gate.e_score_correction_bias
+                            b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(spec["seed"])))
             else:  # its biases start at 0 and its sinks near 0: perturb's std-relative noise would leave
                 # them unchanged or (std 1 for zeros) drown the model; they move by a fixed amount instead
                 ft = perturb(tiny_model(arch, **ids), scale=0.1, seed=spec["seed"], skip=("norm", "bias", "sinks"))
@@ -269,8 +275,8 @@ def _check_delta_experts(dequantize, device="cpu", dtype=torch.float32, **sizes)
 
 def _check_transposed_experts(dequantize, device="cpu", dtype=torch.float32, **sizes):
     """GPT-OSS's experts (``[E, in, out]``, ``x @ W[e] + b[e]``, its clamped gate): slot 0 a fused
-    gate_up delta over every expert (``[E * out, in]`` rows, as the artifact stores it) and a gate_up
-    bias delta; slot 2 a down bias delta only; each token's output must be the merged experts'."""
+    gate_up delta over every expert (``[E * out, in]`` rows, as the artifact stores it) and its own
+    gate_up bias; slot 2 its own down bias only; each token's output must be the merged experts'."""
     from _sbmm import make_delta
 
     gen = torch.Generator().manual_seed(5)
@@ -280,8 +286,8 @@ def _check_transposed_experts(dequantize, device="cpu", dtype=torch.float32, **s
     ctx = DeltaContext(num_slots=3, dequantize=dequantize)
     mod = DeltaExperts(base, ctx)
     fused = make_delta(n_exp * two_i, hid, 4, 32, False, True, gen)
-    bias_gu = torch.randn(n_exp, two_i, generator=gen) * 0.3
-    bias_d = torch.randn(n_exp, hid, generator=gen) * 0.3
+    bias_gu = base.gate_up_proj_bias.detach().cpu().float() + torch.randn(n_exp, two_i, generator=gen) * 0.3
+    bias_d = base.down_proj_bias.detach().cpu().float() + torch.randn(n_exp, hid, generator=gen) * 0.3
     mod.load_slot(0, **{piece_key("gate_up_proj", 0, n_exp * two_i): fused,
                         piece_key("gate_up_proj_bias", 0, n_exp): bias_gu})
     mod.load_slot(2, **{piece_key("down_proj_bias", 0, n_exp): bias_d})
@@ -307,9 +313,9 @@ def _check_transposed_experts(dequantize, device="cpu", dtype=torch.float32, **s
             for j in range(2):
                 e = int(top_i[t, j])
                 w_gu = ref.gate_up_proj[e] + (d_gu[e].t() if s == 0 else 0)  # [in, out]
-                b_gu = ref.gate_up_proj_bias[e] + (bias_gu[e] if s == 0 else 0)
+                b_gu = bias_gu[e].to(dtype).float() if s == 0 else ref.gate_up_proj_bias[e]
                 h = ref._apply_gate(xs[t] @ w_gu + b_gu)
-                b_d = ref.down_proj_bias[e] + (bias_d[e] if s == 2 else 0)
+                b_d = bias_d[e].to(dtype).float() if s == 2 else ref.down_proj_bias[e]
                 want[t] += top_w[t, j] * (h @ ref.down_proj[e] + b_d)
     tol = 1e-5 if dtype == torch.float32 else 1e-2 * float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=1e-4 if dtype == torch.float32 else 1e-2, atol=tol)
@@ -370,7 +376,7 @@ def test_router_rows_use_their_slots_weight():
     ctx = DeltaContext(num_slots=2)
     router = DeltaRouter(block.gate, ctx)
     w1 = block.gate.weight.detach() + torch.randn_like(block.gate.weight) * 0.5
-    router.load_slot(1, w1)
+    router.load_slot(1, weight=w1)
     x = torch.randn(2, 6, block.gate.weight.shape[1])
     ctx.bind([1, -1], "cpu")
     try:
