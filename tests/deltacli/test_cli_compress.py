@@ -48,6 +48,14 @@ def test_compress_json_then_inspect_and_merge(capsys, monkeypatch, pair):
     assert code == 0 and "model.safetensors" in json.loads(stdout)["files"]
 
 
+def _side_files(src, dst):
+    """A new model directory ``dst`` with ``src``'s files but its weights (which the test writes)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+
+
 def _expect_error(capsys, monkeypatch, args, match, parent=None, name="out"):
     code, out, err = run_cli(capsys, monkeypatch, *args)
     assert code == 1, (code, err)
@@ -84,10 +92,7 @@ def test_quantized_checkpoints_refused_wherever_their_weights_are_used(capsys, m
     as quantized, by compress and merge alike, instead of failing on tensor names or dtypes."""
     tmp, base, ft, calib = pair
     q8 = tmp_path / "fp8-base"
-    q8.mkdir()
-    for f in base.iterdir():
-        if f.suffix != ".safetensors":
-            (q8 / f.name).write_bytes(f.read_bytes())
+    _side_files(base, q8)
     sd = load_file(base / "model.safetensors")
     for n in [n for n in sd if n.endswith("proj.weight")]:
         sd[n] = sd[n].to(torch.float8_e4m3fn)
@@ -117,10 +122,7 @@ def test_mismatched_pairs(capsys, monkeypatch, pair, tmp_path):
     _expect_error(capsys, monkeypatch, ["compress", "--base", base, "--finetuned", wider, *common], "shape",
                   tmp_path)
     renamed = tmp_path / "renamed"
-    renamed.mkdir()
-    for f in ft.iterdir():
-        if f.suffix != ".safetensors":
-            (renamed / f.name).write_bytes(f.read_bytes())
+    _side_files(ft, renamed)
     sd = load_file(ft / "model.safetensors")
     sd["model.extra.weight"] = torch.zeros(4)
     save_file(sd, renamed / "model.safetensors")
@@ -131,10 +133,7 @@ def test_mismatched_pairs(capsys, monkeypatch, pair, tmp_path):
 def test_nan_weights(capsys, monkeypatch, pair, tmp_path):
     tmp, base, ft, calib = pair
     bad = tmp_path / "nan"
-    bad.mkdir()
-    for f in ft.iterdir():
-        if f.suffix != ".safetensors":
-            (bad / f.name).write_bytes(f.read_bytes())
+    _side_files(ft, bad)
     sd = load_file(ft / "model.safetensors")
     sd["model.layers.1.mlp.up_proj.weight"][3, 3] = float("nan")
     save_file(sd, bad / "model.safetensors")

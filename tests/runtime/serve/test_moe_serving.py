@@ -224,6 +224,13 @@ def _merged_experts_loop(experts, x, top_i, top_w, slot_of_token, deltas_gu, del
     return y
 
 
+def _routed_tokens(n: int, hid: int, n_exp: int, gen: torch.Generator):
+    """``n`` tokens routed to 2 of ``n_exp`` experts: hidden states ``[n, hid]``, expert ids and weights ``[n, 2]``."""
+    x = torch.randn(n, hid, generator=gen)
+    top_i = torch.stack([torch.randperm(n_exp, generator=gen)[:2] for _ in range(n)])
+    return x, top_i, torch.softmax(torch.randn(n, 2, generator=gen), -1)
+
+
 def _check_delta_experts(dequantize, device="cpu", dtype=torch.float32, **sizes):
     from _sbmm import make_delta
 
@@ -250,11 +257,9 @@ def _check_delta_experts(dequantize, device="cpu", dtype=torch.float32, **sizes)
     deltas_d = {(2, 3): delta_weight(down3)}
 
     rows = [0, -1, 2, 1]  # four sequences of 5 tokens
+    x, top_i, top_w = _routed_tokens(len(rows) * 5, hid, n_exp, gen)
     ctx.bind(rows, device)
     try:
-        x = torch.randn(len(rows) * 5, hid, generator=gen)
-        top_i = torch.stack([torch.randperm(n_exp, generator=gen)[:2] for _ in range(x.shape[0])])
-        top_w = torch.softmax(torch.randn(x.shape[0], 2, generator=gen), -1)
         with torch.no_grad():
             got = mod(x.to(device, dtype), top_i.to(device), top_w.to(device)).float().cpu()
             base_out = base(x.to(device, dtype), top_i.to(device), top_w.to(device)).float().cpu()
@@ -295,11 +300,9 @@ def _check_transposed_experts(dequantize, device="cpu", dtype=torch.float32, **s
 
     rows = [0, -1, 2, 1]  # four sequences of 5 tokens
     slot_of = [r for r in rows for _ in range(5)]
+    x, top_i, top_w = _routed_tokens(len(rows) * 5, hid, n_exp, gen)
     ctx.bind(rows, device)
     try:
-        x = torch.randn(len(rows) * 5, hid, generator=gen)
-        top_i = torch.stack([torch.randperm(n_exp, generator=gen)[:2] for _ in range(x.shape[0])])
-        top_w = torch.softmax(torch.randn(x.shape[0], 2, generator=gen), -1)
         with torch.no_grad():
             got = mod(x.to(device, dtype), top_i.to(device), top_w.to(device)).float().cpu()
     finally:
