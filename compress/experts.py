@@ -5,8 +5,9 @@ tokens the router sent to it:
 
 - ``nn.Linear`` and ``Conv1D``: a forward pre-hook on the module (``H`` of its input).
 - fused expert parameters ``[E, out, in]``: transformers 5's eager experts forward runs
-  ``F.linear(x_e, param[e])`` (``x_e @ param[e]`` for GPT-OSS's ``[E, in, out]``) for every expert that got tokens, with ``x_e`` the routed tokens'
-  hidden states (gate/up) or the expert's own intermediate activations (down). ``ExpertTap`` (a
+  ``F.linear(x_e, param[e])`` (``x_e @ param[e]`` for GPT-OSS's ``[E, in, out]``) for every expert
+  that got tokens, with ``x_e`` the routed tokens' hidden states (gate/up) or the expert's own
+  intermediate activations (down). ``ExpertTap`` (a
   ``TorchFunctionMode``) sees those calls and tells the expert by where the weight view starts in the
   parameter's storage. An expert nobody routes to is never called and gets no Hessian.
 - per-expert ``nn.Linear`` modules (an experts ``ModuleList``): their own pre-hooks; an expert with no

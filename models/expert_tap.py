@@ -4,8 +4,8 @@ transformers 5's eager experts forward runs ``F.linear(x_e, param[e])`` for ever
 tokens, with ``x_e`` the routed tokens' hidden states (gate/up) or the expert's own intermediate
 activations (down); experts stored ``[E, in, out]`` (GPT-OSS) run ``x_e @ param[e]`` instead.
 ``ExpertTap`` (a ``TorchFunctionMode``) sees those calls and tells the expert by where the weight view
-starts in the parameter's storage. The model walk uses it to find the
-true-sequential groups of a layer; ΔCompress to gather each expert's Hessian.
+starts in the parameter's storage. The model walk uses it to find the true-sequential groups of a
+layer; ΔCompress to gather each expert's Hessian.
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ class. The compressible weights of a layer are its *sites* (``layer_sites``): ``
 transformers' ``Conv1D`` (GPT-2; weight stored ``[in, out]``), and the fused 3-D parameters
 ``[E, out, in]`` of a mixture-of-experts module (Mixtral, Qwen2-MoE in transformers 5), whose expert
 ``e`` is ``F.linear(x_e, param[e])`` on the tokens routed to it (GPT-OSS stores them ``[E, in, out]``
-and runs ``x_e @ param[e]``). Their true-sequential groups are
-found by running the layer once and grouping linears that read the same input tensor (q/k/v, then
-o, then gate/up, then down for Llama; the same rule yields GPT-NeoX's and GPT-2's order); a fused
-expert parameter is a group of its own at its first use (router, then experts' gate/up, then down).
+and runs ``x_e @ param[e]``). Their true-sequential groups are found by running the layer once and
+grouping linears that read the same input tensor (q/k/v, then o, then gate/up, then down for Llama;
+the same rule yields GPT-NeoX's and GPT-2's order); a fused expert parameter is a group of its own at
+its first use (router, then experts' gate/up, then down).
 """
 
 from __future__ import annotations

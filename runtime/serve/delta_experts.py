@@ -215,8 +215,8 @@ class _ParamDeltas:
     packed_at: dict[int, tuple] = field(default_factory=dict)  # entry -> its stack's configuration
     dense: torch.Tensor | None = None
     dense_at: set[int] = field(default_factory=set)
-    bias: torch.Tensor | None = None  # [N * E, out] the variants' own biases (GPT-OSS), used in place of the base's
-    bias_at: set[int] = field(default_factory=set)
+    # [N * E, out] each entry's bias (GPT-OSS): its variant's, else the base's (written on clear)
+    bias: torch.Tensor | None = None
 
 
 class DeltaExperts(nn.Module):
@@ -276,8 +276,8 @@ class DeltaExperts(nn.Module):
     # -- slot management (engine thread, between forwards) ---------------------------------------
     def clear_slot(self, slot: int) -> None:
         for param, entry in self._slot_entries.pop(slot, set()):
-            if param in BIAS_OF:
-                self._deltas[BIAS_OF[param]].bias_at.discard(entry)
+            if param in BIAS_OF:  # back to the base's bias
+                self._deltas[BIAS_OF[param]].bias[entry].copy_(getattr(self, param)[entry % self.num_experts])
                 continue
             d = self._deltas[param]
             cfg = d.packed_at.pop(entry, None)
@@ -311,11 +311,9 @@ class DeltaExperts(nn.Module):
     def _write_bias(self, param: str, slot: int, value: torch.Tensor) -> None:
         d, base = self._deltas[param], getattr(self, f"{param}_bias")
         if d.bias is None:
-            d.bias = torch.zeros(self.ctx.num_slots * self.num_experts, base.shape[1], dtype=base.dtype,
-                                 device=base.device)
+            d.bias = base.detach().repeat(self.ctx.num_slots, 1)
         e0 = slot * self.num_experts
         d.bias[e0:e0 + self.num_experts].copy_(value.to(device=base.device, dtype=base.dtype))
-        d.bias_at.update(range(e0, e0 + self.num_experts))
 
     def _write(self, param: str, entry: int, parts: list[tuple[int, object]]) -> None:
         base = self.weight_of(param)
@@ -405,12 +403,10 @@ class DeltaExperts(nn.Module):
         y = grouped_matmul(x, expert, self.weight_of(param))
         d = self._deltas[param]
         entry = torch.where(slot >= 0, slot * self.num_experts + expert, torch.full_like(slot, -1))
-        if self.has_bias:  # each pair's bias: its variant's where it has one, else the base's
+        if self.has_bias:  # each pair's bias: its entry's (a variant's or the base's), the base's for base rows
             bias = getattr(self, f"{param}_bias")[expert]
-            if d.bias_at:
-                has = torch.zeros(d.bias.shape[0] + 1, dtype=torch.bool, device=x.device)
-                has[[e + 1 for e in d.bias_at]] = True
-                bias = torch.where(has[entry + 1].unsqueeze(1), d.bias[entry.clamp(min=0)], bias)
+            if d.bias is not None:
+                bias = torch.where((entry >= 0).unsqueeze(1), d.bias[entry.clamp(min=0)], bias)
             y = y + bias
         for cfg, stack in d.stacks.items():
             has = d.present[cfg][entry + 1]

@@ -31,7 +31,6 @@ class DeltaSinks(nn.Module):
         self._table = sinks.detach().unsqueeze(0).repeat(ctx.num_slots + 1, 1)  # [N + 1, H]
         self._row = torch.zeros(ctx.num_slots + 1, dtype=torch.int64, device=sinks.device)  # slot + 1 -> row
         self._slots: set[int] = set()
-        self._numel, self._itemsize = sinks.numel(), sinks.element_size()
         attn.__dict__[ATTR] = self  # a plain attribute: no second registration of the model's parameters
 
     def clear_slot(self, slot: int) -> None:
@@ -40,14 +39,14 @@ class DeltaSinks(nn.Module):
 
     def load_slot(self, slot: int, sinks: torch.Tensor) -> None:
         """The variant's whole sinks ``[H]``."""
-        if tuple(sinks.shape) != (self._numel,):
-            raise ValueError(f"attention sinks {tuple(sinks.shape)} != base ({self._numel},)")
+        if tuple(sinks.shape) != tuple(self._table.shape[1:]):
+            raise ValueError(f"attention sinks {tuple(sinks.shape)} != base {tuple(self._table.shape[1:])}")
         self._table[slot + 1].copy_(sinks)
         self._row[slot + 1] = slot + 1
         self._slots.add(slot)
 
     def resident_bytes(self, slot: int) -> int:
-        return self._numel * self._itemsize if slot in self._slots else 0
+        return self._table[0].numel() * self._table.element_size() if slot in self._slots else 0
 
     def rows(self, base: torch.Tensor) -> torch.Tensor:
         """The sinks the attention uses: ``base`` ``[H]`` when no row's variant changed them, else
