@@ -13,6 +13,7 @@ its first use (router, then experts' gate/up, then down).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +70,7 @@ class Site:
     kind ``"linear"``: ``nn.Linear``, weight ``[out, in]``; ``"conv1d"``: transformers' ``Conv1D``,
     weight stored ``[in, out]``; ``"experts"``: fused parameter ``[E, out, in]`` of an experts module,
     expert ``e`` applied as ``F.linear(x_e, param[e])`` to the tokens routed to it, or with
-    ``transposed`` (GPT-OSS, ``is_transposed``) ``[E, in, out]`` applied as ``x_e @ param[e]``.
+    ``transposed`` (GPT-OSS, Llama 4: ``experts_transposed``) ``[E, in, out]`` applied as ``x_e @ param[e]``.
 
     Attributes:
         key: the module's name (linear, conv1d) or the parameter's name (experts); Hessians and
@@ -99,6 +100,28 @@ def is_experts_module(mod: nn.Module) -> bool:
             and any(p.dim() == 3 and p.shape[0] == n for p in mod.parameters(recurse=False)))
 
 
+def dense_routed(mod: nn.Module) -> bool:
+    """Experts whose forward takes the routed hidden states alone, ``[E * T, H]``: block ``e`` is every
+    token scaled by its routing weight for expert ``e`` (zero where it was not routed), and the weights
+    ``[E, in, out]`` are applied by ``torch.bmm`` (Llama 4's). transformers' fused experts take
+    ``(hidden_states, top_k_index, top_k_weights)`` and carry an ``is_transposed`` flag."""
+    if hasattr(mod, "is_transposed"):
+        return False
+    try:
+        sig = inspect.signature(mod.forward)
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional for p in sig.parameters.values()) == 1
+
+
+def experts_transposed(mod: nn.Module) -> bool:
+    """A fused experts module stores ``[E, in, out]`` (applied ``x_e @ W[e]``): transformers' flag
+    (GPT-OSS), or a :func:`dense_routed` module (Llama 4)."""
+    flag = getattr(mod, "is_transposed", None)
+    return bool(flag) if flag is not None else dense_routed(mod)
+
+
 def _num_experts(mod: nn.Module | None) -> int:
     """E of a mixture-of-experts block's ``experts`` child (a ModuleList or a fused experts module)."""
     experts = getattr(mod, "experts", None)
@@ -125,7 +148,7 @@ def layer_sites(layer: nn.Module) -> dict[str, Site]:
         elif Conv1D is not None and isinstance(m, Conv1D):
             sites[name] = Site(name, "conv1d", f"{name}.weight")
         elif is_experts_module(m):
-            transposed = bool(getattr(m, "is_transposed", False))
+            transposed = experts_transposed(m)
             for pn, p in m.named_parameters(recurse=False):
                 if p.dim() == 3 and p.shape[0] == m.num_experts:
                     key = f"{name}.{pn}"

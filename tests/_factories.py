@@ -75,6 +75,13 @@ ARCH_CONFIGS = {
                     layer_types=["sliding_attention", "full_attention"],
                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
                                          beta_slow=1.0, truncate=False, original_max_position_embeddings=32)),
+    # experts stored [E, in, out] and run by torch.bmm over every token (each scaled by its routing
+    # weight, zero where not routed); an nn.Linear router with its own forward; a shared expert; chunked
+    # attention on rope layers, temperature-tuned queries on the others
+    "llama4": dict(model_type="llama4_text", hidden_size=64, intermediate_size=64, intermediate_size_mlp=128,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+                   max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2, no_rope_layers=[1, 0],
+                   attention_chunk_size=16, floor_scale=8, attn_scale=0.5),
     # LayerNorm1P: a LayerNorm that scales by 1 + weight, with a bias
     "nemotron": dict(model_type="nemotron", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128),

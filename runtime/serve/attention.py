@@ -21,7 +21,8 @@ per other holder. Work is proportional to the blocks
 read, not to ``B ×`` the span. GQA: the ``G = H_q / H_kv`` query heads sharing a key/value head are
 stacked on the query axis, so K and V are never repeated. The kwargs transformers passes
 are honoured: ``scaling``, ``softcap`` (Gemma 2/3: ``tanh(s / c) · c``), ``sliding_window`` (a key
-is seen while ``q - window < k <= q``), ``s_aux`` (GPT-OSS's attention sinks: one more logit per head in
+is seen while ``q - window < k <= q``; Llama 4's ``chunked_attention`` layers, which say so only in
+the mask, see their chunk: :func:`~deltazip.runtime.serve.masks.attention_chunk`), ``s_aux`` (GPT-OSS's attention sinks: one more logit per head in
 every softmax, with no value); ``dropout`` must be 0 (inference).
 
 Why this kernel: it is plain torch (CPU and CUDA alike, about 25 ops per layer whatever the batch),
@@ -40,6 +41,7 @@ import torch
 
 from deltazip.runtime.serve.delta_sinks import per_row_sinks
 from deltazip.runtime.serve.kv_cache import CURRENT_STEP, PagedStep
+from deltazip.runtime.serve.masks import attention_chunk
 
 PAGED_ATTENTION = "deltazip_paged"
 _NEG = torch.finfo(torch.float32).min  # masked scores: exp() gives 0, and no inf - inf NaN
@@ -63,11 +65,29 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         s_aux = per_row_sinks(module, s_aux)
     if step is None:
         return _unbound(module, query, key, value, attention_mask, scale, sliding_window, softcap, s_aux, **kwargs)
-    return _paged(step, query, key, value, scale, sliding_window, softcap, s_aux), None
+    query = _per_row_temperature(module, query, step)
+    return _paged(step, query, key, value, scale, sliding_window, softcap, s_aux, attention_chunk(module)), None
+
+
+def _per_row_temperature(module: torch.nn.Module, query: torch.Tensor, step: PagedStep) -> torch.Tensor:
+    """Llama 4's layers without rope scale a query at position ``p`` by
+    ``1 + attn_scale · log1p(floor((p + 1) / floor_scale))``, taking ``p`` from ``arange(Tm)`` plus
+    the cache's one ``get_seq_length()``, which is right for one sequence only. Rescale each row's
+    queries ``[B, H, Tm, D]`` to its own positions (``step.q_pos``); other modules pass unchanged."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return query
+
+    def scale(pos: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(torch.floor((pos.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    tm = query.shape[2]
+    used = scale(torch.arange(tm, device=query.device) + step.get_seq_length(module.layer_idx))  # [Tm]
+    return (query * (scale(step.q_pos) / used)[:, None, :, None]).to(query.dtype)
 
 
 def _paged(step: PagedStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-           window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+           window: int | None, softcap: float | None, sinks: torch.Tensor | None = None,
+           chunk: int | None = None) -> torch.Tensor:
     """Attention over each span's blocks, block by block (shapes in the module docstring)."""
     b_all, hq, tm, d = query.shape
     hkv, dv = key.shape[1], value.shape[3]
@@ -89,7 +109,7 @@ def _paged(step: PagedStep, query: torch.Tensor, key: torch.Tensor, value: torch
         if softcap:
             scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
         scores = _as(scores, torch.float32).view(nb, hkv, g, tm, -1)
-        scores.masked_fill_(step.blocked(i, window), _NEG)
+        scores.masked_fill_(step.blocked(i, window, chunk), _NEG)
         # Softmax across the blocks of a row: the row's max, then its sum (one scatter each).
         top = scores.amax(-1)  # [nb, H_kv, G, Tm]
         row_max = top.new_full((n + 1, hkv, g, tm), _NEG).scatter_reduce_(

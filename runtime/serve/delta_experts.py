@@ -2,7 +2,8 @@
 
 transformers 5 keeps a MoE layer's experts fused (``MixtralExperts``, ``Qwen2MoeExperts``,
 ``Qwen3MoeExperts``: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``; GPT-OSS's the other way
-round, ``[E, H, 2I]`` and ``[E, I, H]`` applied as ``x @ W[e]``, with biases ``[E, out]``) beside a
+round, ``[E, H, 2I]`` and ``[E, I, H]`` applied as ``x @ W[e]``, with biases ``[E, out]``; Llama 4's
+``[E, in, out]`` too, run by ``torch.bmm`` over every token, each scaled by its routing weight) beside a
 router module (``*TopKRouter``, weight ``[E, H]`` and GPT-OSS's bias ``[E]``, not an ``nn.Linear``;
 Phi-3.5-MoE's and Llama 4's are ``nn.Linear`` subclasses with a forward of their own:
 :func:`is_own_forward_router`). Shared experts and their gate (Qwen2-MoE) are plain ``nn.Linear`` and
@@ -40,6 +41,7 @@ from deltazip.kernels import dispatch
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
 from deltazip.kernels.stacked import StackedDeltas, config_key
+from deltazip.models.model_walk import dense_routed, experts_transposed
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 BIAS_OF = {f"{p}_bias": p for p in EXPERT_PARAMS}  # GPT-OSS's per-expert biases [E, out]
@@ -54,10 +56,21 @@ def is_fused_experts(mod: nn.Module) -> bool:
     ps = dict(mod.named_parameters(recurse=False))
     if not all(p in ps and ps[p].dim() == 3 and ps[p].shape[0] == n for p in EXPERT_PARAMS):
         return False
-    out = {p: ps[p].shape[2 if getattr(mod, "is_transposed", False) else 1] for p in EXPERT_PARAMS}
+    if dense_routed(mod):  # Llama 4: [E, in, out], gated by act_fn, no biases
+        return callable(getattr(mod, "act_fn", None))
+    out = {p: ps[p].shape[2 if experts_transposed(mod) else 1] for p in EXPERT_PARAMS}
     biases_ok = not getattr(mod, "has_bias", False) or all(
         b in ps and tuple(ps[b].shape) == (n, out[p]) for b, p in BIAS_OF.items())
     return biases_ok and getattr(mod, "has_gate", True) and hasattr(mod, "_apply_gate")
+
+
+def apply_gate(mod: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """The experts' gating of ``gate_up [P, 2I]`` -> ``[P, I]``: the module's own ``_apply_gate``, or for
+    a :func:`~deltazip.models.model_walk.dense_routed` module (Llama 4) ``up · act_fn(gate)`` on the halves."""
+    if hasattr(mod, "_apply_gate"):
+        return mod._apply_gate(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return up * mod.act_fn(gate)
 
 
 def is_own_forward_router(model: nn.Module, name: str, mod: nn.Module) -> bool:
@@ -230,7 +243,8 @@ class DeltaExperts(nn.Module):
     def __init__(self, base: nn.Module, ctx):
         super().__init__()
         self.gate_up_proj, self.down_proj = base.gate_up_proj, base.down_proj
-        self.transposed = bool(getattr(base, "is_transposed", False))  # [E, in, out], applied x @ W[e]
+        self.transposed = experts_transposed(base)  # [E, in, out], applied x @ W[e]
+        self.dense_routed = dense_routed(base)  # forward(hidden_states [E * T, H]) (Llama 4)
         self.has_bias = bool(getattr(base, "has_bias", False))
         if self.has_bias:
             self.gate_up_proj_bias, self.down_proj_bias = base.gate_up_proj_bias, base.down_proj_bias
@@ -382,20 +396,37 @@ class DeltaExperts(nn.Module):
         return total
 
     # -- forward --------------------------------------------------------------------------------
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        """``hidden_states [T, H]``, ``top_k_index``/``top_k_weights [T, k]`` -> ``[T, H]``."""
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden_states [T, H]``, ``top_k_index``/``top_k_weights [T, k]`` -> ``[T, H]``; a
+        dense-routed module's (Llama 4) ``hidden_states [E * T, H]`` alone -> ``[E * T, H]``."""
         inner = self._inner[0]
         if not (self._slots & self.ctx.active):
-            return inner(hidden_states, top_k_index, top_k_weights)
+            return inner(hidden_states) if self.dense_routed else inner(hidden_states, top_k_index, top_k_weights)
+        if self.dense_routed:
+            return self._dense_routed(hidden_states)
         t, k = top_k_index.shape
         expert = top_k_index.reshape(-1).to(torch.int64)  # [P], P = T * k, token-major
         slot = token_slots(self.ctx, hidden_states).repeat_interleave(k)  # [P]
         x = hidden_states.repeat_interleave(k, dim=0)  # [P, H]
-        h = inner._apply_gate(self._project("gate_up_proj", x, slot, expert))
+        h = apply_gate(inner, self._project("gate_up_proj", x, slot, expert))
         y = self._project("down_proj", h, slot, expert)
         y = y * top_k_weights.reshape(-1, 1)
         return y.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _dense_routed(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Block ``e`` of ``hidden_states [E * T, H]`` is every token scaled by its routing weight for
+        expert ``e``. Only the nonzero rows (the routed pairs) are computed: a zero row gives a zero
+        row (no biases; ``act(0) · 0 = 0``), which is what the module's ``bmm`` over all of them gives."""
+        e_all = self.num_experts
+        x = hidden_states.view(e_all, -1, hidden_states.shape[-1])  # [E, T, H]
+        expert, token = (x.abs().amax(dim=-1) > 0).nonzero(as_tuple=True)  # the pairs, [P] each
+        slot = token_slots(self.ctx, x[0])[token]
+        h = apply_gate(self._inner[0], self._project("gate_up_proj", x[expert, token], slot, expert))
+        out = torch.zeros(x.shape[0], x.shape[1], self.weight_of("down_proj").shape[1],
+                          dtype=hidden_states.dtype, device=hidden_states.device)
+        out[expert, token] = self._project("down_proj", h, slot, expert).to(out.dtype)
+        return out.view(-1, out.shape[-1])
 
     def _project(self, param: str, x: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """``x[p] @ (W[e] + Δ(s, e)).T`` (``+ b(s, e)``, the variant's bias or the base's) for every pair
@@ -482,7 +513,7 @@ class MoeLayout:
                 experts = self.experts.get(mname)
                 if experts is not None and attr in EXPERT_PARAMS:
                     p = getattr(experts, attr)
-                    if not getattr(experts, "is_transposed", False):
+                    if not experts_transposed(experts):
                         out[name] = (mname, "experts", piece_key(attr, pc.row0, pc.row1))
                     elif (pc.row0, pc.row1) == (0, p.shape[0] * p.shape[1]):  # [E, in, out]: whole tensors only
                         out[name] = (mname, "experts", piece_key(attr, 0, p.shape[0] * p.shape[2]))

@@ -29,6 +29,8 @@ from contextvars import ContextVar
 
 import torch
 
+from deltazip.runtime.serve.masks import allowed_keys
+
 DEFAULT_BLOCK_SIZE = 16
 # The step whose forward is running (read by the attention function, which transformers calls
 # without the cache object).
@@ -278,18 +280,17 @@ class PagedStep:
             out.append((slice(rows[0], rows[-1] + 1), lo, hi, meta, more))
         return out
 
-    def blocked(self, span: int, window: int | None) -> torch.Tensor:
+    def blocked(self, span: int, window: int | None, chunk: int | None = None) -> torch.Tensor:
         """Bool ``[nb, 1, 1, Tm, block_size]``, True where a query of a block's owner may NOT attend,
         for span ``span``: a query sees its own row's positions up to its own (and, with a sliding
-        ``window``, after ``q - window``). Built once per step and window, shared by the layers."""
-        key = (span, window)
+        ``window``, after ``q - window``; with a ``chunk``, in its own chunk). Built once per step,
+        window and chunk, shared by the layers."""
+        key = (span, window, chunk)
         if key not in self._masks:
             rows, _, _, meta, _ = self.spans[span]
             q = self.q_pos[rows].index_select(0, meta[1]).unsqueeze(-1)  # [nb, Tm, 1]
             k = (meta[2] * self.block_size).view(-1, 1, 1) + torch.arange(self.block_size, device=q.device)
-            ok = k <= q  # [nb, Tm, bs]
-            if window:
-                ok &= k > q - window
+            ok = allowed_keys(k, q, window, chunk)  # [nb, Tm, bs]
             self._masks[key] = (~ok).view(ok.shape[0], 1, 1, *ok.shape[1:])
         return self._masks[key]
 

@@ -10,6 +10,8 @@ these two tensors this module builds what the model's ``attention_mask`` argumen
 - ``full_attention`` layers: a query sees every key of its row at a position ``<=`` its own;
 - ``sliding_attention`` layers (Gemma 2/3, Mistral-style windows): additionally only keys with
   ``query - key < sliding_window`` (transformers' ``sliding_window_overlay``);
+- ``chunked_attention`` layers (Llama 4's local layers): additionally only keys of the query's own
+  chunk, ``key // attention_chunk_size == query // attention_chunk_size`` (transformers' ``chunked_overlay``);
 - models with several layer types get a dict keyed by layer type, which Gemma 2/3 (and other
   hybrid models of transformers 5) take in place of building their own masks;
 - ALiBi models whose bias is computed inside the model from a 2-D padding mask (Falcon with
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 
 
 def layer_types(config) -> list[str]:
@@ -45,7 +47,31 @@ def layer_types(config) -> list[str]:
 
 def unsupported_layer_types(config) -> list[str]:
     """Layer types of the model this module builds no mask for (chunked, linear attention, ...)."""
-    return sorted(set(layer_types(config)) - {FULL, SLIDING})
+    return sorted(set(layer_types(config)) - {FULL, SLIDING, CHUNKED})
+
+
+def attention_chunk(module) -> int | None:
+    """``attention_chunk_size`` when ``module`` (an attention module with ``config`` and ``layer_idx``)
+    is a ``chunked_attention`` layer, else None. transformers says so only through the mask it builds,
+    which the paged attention does not read."""
+    config, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk and types and isinstance(idx, int) and 0 <= idx < len(types) and types[idx] == CHUNKED:
+        return int(chunk)
+    return None
+
+
+def allowed_keys(k: torch.Tensor, q: torch.Tensor, window: int | None = None,
+                 chunk: int | None = None) -> torch.Tensor:
+    """Bool, True where a query at position ``q`` sees the key at position ``k`` (broadcast; ``k < 0``:
+    no key): causal, within a sliding ``window``, within the query's ``chunk``."""
+    ok = (k >= 0) & (k <= q)
+    if window:
+        ok &= k > q - window
+    if chunk:
+        ok &= torch.div(k, chunk, rounding_mode="floor") == torch.div(q, chunk, rounding_mode="floor")
+    return ok
 
 
 def uses_padding_mask_bias(config) -> bool:
@@ -80,11 +106,11 @@ def attention_masks_for(config, key_pos: torch.Tensor, query_pos: torch.Tensor, 
         return (key_pos >= 0).long()
     k = key_pos.unsqueeze(1)  # [B, 1, L]
     q = query_pos.unsqueeze(2)  # [B, Tm, 1]
-    causal = (k >= 0) & (k <= q)
     window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
     masks = {}
     for kind in dict.fromkeys(layer_types(config)):
-        allowed = causal & (k > q - window) if kind == SLIDING and window else causal
+        allowed = allowed_keys(k, q, window if kind == SLIDING else None, chunk if kind == CHUNKED else None)
         masks[kind] = _as_mask(allowed.unsqueeze(1), config, dtype)
     if len(masks) == 1:
         return next(iter(masks.values()))

@@ -197,8 +197,8 @@ def _self_check(model: nn.Module, path: Path, device: torch.device, dtype: torch
     from deltazip.runtime.serve.masks import uses_padding_mask_bias
 
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
-    # Longer than a small sliding window, so the window's masking is checked too where it is cheap.
-    window = getattr(model.config, "sliding_window", None) or 0
+    # Longer than a small sliding window (or attention chunk), so its masking is checked too where it is cheap.
+    window = getattr(model.config, "sliding_window", None) or getattr(model.config, "attention_chunk_size", None) or 0
     n = max(5, window + 2) if window <= 62 else 5
     rows = [[(7 * i + 3) % vocab for i in range(n)], [(5 * i + 1) % vocab for i in range(3)]]
     steps = [rows, [[11 % vocab, 2 % vocab], [13 % vocab, 4 % vocab]], [[17 % vocab], [19 % vocab]]]

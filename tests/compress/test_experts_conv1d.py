@@ -1,5 +1,6 @@
-"""ΔCompress of GPT-2's Conv1D linears and of mixture-of-experts weights (Mixtral, Qwen2-MoE, and GPT-OSS,
-whose fused experts are stored ``[E, in, out]`` and applied as ``x @ W``).
+"""ΔCompress of GPT-2's Conv1D linears and of mixture-of-experts weights (Mixtral, Qwen2-MoE, GPT-OSS,
+whose fused experts are stored ``[E, in, out]`` and applied as ``x @ W``, and Llama 4, stored so too and
+run by ``torch.bmm`` over every token scaled by its routing weight).
 
 Two checkpoint layouts of the same transformers 5 MoE models are covered: what ``save_pretrained``
 writes (one ``[out, in]`` tensor per expert and projection under the historical names, which the
@@ -35,7 +36,8 @@ ROUTER = re.compile(r"\.(gate|router)\.weight$")  # the MoE router (not shared_e
 
 # arch, fused (module-name checkpoint), packed entries per layer
 CASES = [("gpt2", False, 4), ("mixtral", False, 4 + 4 * 3), ("mixtral", True, 4 + 2),
-         ("qwen2_moe", False, 4 + 4 + 4 * 3), ("qwen2_moe", True, 4 + 4 + 2), ("gpt_oss", False, 4 + 2)]
+         ("qwen2_moe", False, 4 + 4 + 4 * 3), ("qwen2_moe", True, 4 + 4 + 2), ("gpt_oss", False, 4 + 2),
+         ("llama4", False, 4 + 3 + 2)]
 
 
 def _heldout_ids(ft_dir, tmp):
@@ -74,7 +76,7 @@ def test_linears_and_experts_are_packed_and_beat_the_base(tmp_path, arch, fused,
         if arch == "gpt2":  # Conv1D: stored [in, out], packed [out, in]
             assert e["transposed"] is True and e["shape"] == [b.shape[1], b.shape[0]]
             torch.testing.assert_close(rec - b, d.t(), rtol=0, atol=1e-6)
-        elif e.get("experts") and e.get("transposed"):  # GPT-OSS: stored [E, in, out], packed [E, out, in]
+        elif e.get("experts") and e.get("transposed"):  # GPT-OSS, Llama 4: stored [E, in, out], packed [E, out, in]
             assert b.dim() == 3 and e["experts"] == b.shape[0] and e["shape"] == [b.shape[0], b.shape[2], b.shape[1]]
             torch.testing.assert_close(rec - b, d.reshape(e["shape"]).transpose(1, 2), rtol=0, atol=1e-6)
             stats = next(L["tensors"][n] for L in art.manifest["layers"] if n in L["tensors"])

@@ -100,3 +100,45 @@ def test_expert_tap_and_per_expert_hessians():
         assert n == xe.shape[0]
         torch.testing.assert_close(H, 2 * xe.t() @ xe / n)  # only the tokens routed to e
     assert hs.get("experts.gate_up_proj", 3) == (None, 0)
+
+
+class _DenseRouted(nn.Module):
+    """Llama 4 style experts: ``[E, in, out]`` weights, ``torch.bmm`` over every token of ``x [E * T, in]``,
+    whose block ``e`` is each token scaled by its routing weight for ``e`` (0 where not routed)."""
+
+    def __init__(self, E=4):
+        super().__init__()
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 8, 6))
+        self.down_proj = nn.Parameter(torch.randn(E, 3, 8))
+
+    def forward(self, hidden_states):
+        x = hidden_states.view(self.num_experts, -1, 8)
+        g, u = torch.bmm(x, self.gate_up_proj).chunk(2, dim=-1)
+        return torch.bmm(F.silu(g) * u, self.down_proj).view(-1, 8)
+
+
+def test_dense_routed_experts_are_transposed_and_tapped_per_routed_token():
+    from deltazip.models.model_walk import dense_routed, experts_transposed
+
+    layer = _DenseRouted()
+    assert dense_routed(layer) and experts_transposed(layer)
+    assert not dense_routed(_Fused()) and not experts_transposed(_Fused())
+    sites = layer_sites(nn.ModuleDict({"experts": layer}))
+    assert {k: (s.experts, s.transposed) for k, s in sites.items()} == {
+        "experts.gate_up_proj": (4, True), "experts.down_proj": (4, True)}
+    x = torch.randn(10, 8)
+    route = torch.tensor([0, 0, 1, 2, 0, 1, 1, 2, 0, 0])  # expert 3 gets nothing
+    weight = torch.rand(10) + 0.5
+    routed = torch.zeros(4, 10, 1)
+    routed[route, torch.arange(10), 0] = weight
+    got = {}
+    params = {"gate_up_proj": layer.gate_up_proj, "down_proj": layer.down_proj}
+    with ExpertTap(params, lambda k, e, t: got.setdefault((k, e), []).append(t.clone())):
+        layer((x * routed).reshape(-1, 8))
+    assert sorted(got) == sorted((k, e) for k in params for e in range(3))  # no call for expert 3
+    for e in range(3):
+        rows = got["gate_up_proj", e]
+        assert len(rows) == 1
+        torch.testing.assert_close(rows[0], x[route == e] * weight[route == e, None])  # its tokens only, scaled
+        assert got["down_proj", e][0].shape == (int((route == e).sum()), 3)
