@@ -82,6 +82,9 @@ ARCH_CONFIGS = {
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
                    max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2, no_rope_layers=[1, 0],
                    attention_chunk_size=16, floor_scale=8, attn_scale=0.5),
+    # xIELU activation: two learned scalars per layer (alpha_p, alpha_n), an MLP without a gate
+    "apertus": dict(model_type="apertus", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128),
     # LayerNorm1P: a LayerNorm that scales by 1 + weight, with a bias
     "nemotron": dict(model_type="nemotron", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128),

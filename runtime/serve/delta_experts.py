@@ -132,8 +132,9 @@ class DeltaRouter(nn.Module):
 
     def __init__(self, base: nn.Module, ctx):
         super().__init__()
-        self.weight = base.weight
-        self._inner = [base]  # not a submodule: its parameter is ours already
+        for name, p in base.named_parameters(recurse=False):  # the base's parameters keep their names
+            self.register_parameter(name, p)
+        self._inner = [base]  # not a submodule: its parameters are ours already
         self.ctx = ctx
         self._tables: dict[int, dict[str, torch.Tensor]] = {}  # slot -> {attribute: the variant's tensor}
 

@@ -45,8 +45,15 @@ from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import resolve_dtype
 from deltazip.models.loader import load_causal_lm
 from deltazip.runtime.serve.attention import is_paged
+from deltazip.runtime.serve.delta_activation import DeltaActivation, is_learned_activation
 from deltazip.runtime.serve.delta_embedding import can_decouple, decouple_embedding
-from deltazip.runtime.serve.delta_experts import DeltaExperts, DeltaRouter, MoeLayout, is_own_forward_router
+from deltazip.runtime.serve.delta_experts import (
+    DeltaExperts,
+    DeltaRouter,
+    MoeLayout,
+    is_own_forward_router,
+    router_tensors,
+)
 from deltazip.runtime.serve.delta_linear import (
     DeltaContext,
     DeltaLayerNorm,
@@ -518,6 +525,8 @@ class DeltaModel:
     @staticmethod
     def _decoupled_kind(mod: nn.Module, attr: str) -> str | None:
         """Which decoupled module applies a change of ``mod.attr`` per row (None: none can)."""
+        if isinstance(mod, DeltaActivation) or is_learned_activation(mod, attr):
+            return "activation" if attr in router_tensors(mod) else None  # xIELU's alphas (Apertus)
         if isinstance(mod, DeltaRouter):
             return "router" if attr == "weight" else None  # decoupled by an earlier variant
         if attr == "sinks" and isinstance(getattr(mod, "sinks", None), nn.Parameter) and mod.sinks.dim() == 1:
@@ -541,7 +550,7 @@ class DeltaModel:
         if kind == "sinks":
             return DeltaSinks(old, self.ctx)  # attached to the attention module, which stays
         new = {"linear": DeltaLinear, "norm": DeltaRMSNorm, "layernorm": DeltaLayerNorm, "experts": DeltaExperts,
-               "router": DeltaRouter}[kind](old, self.ctx)
+               "router": DeltaRouter, "activation": DeltaActivation}[kind](old, self.ctx)
         setattr(parent, child, new)
         return new
 

@@ -1,7 +1,8 @@
 """Families whose fine-tunes change more than linears, served in delta mode: Gemma 1 and Gemma 3
 (scaled embeddings, ``1 + w`` norms), GPT-NeoX (checkpoint ``embed_out`` -> module ``lm_head``), OPT
 (learned positions with an offset), GPT-2 (Conv1D weights stored ``[in, out]`` and their biases),
-Cohere (a LayerNorm with a weight and no bias), Nemotron (a LayerNorm scaling by ``1 + w``).
+Cohere (a LayerNorm with a weight and no bias), Nemotron (a LayerNorm scaling by ``1 + w``), Apertus
+(xIELU activations with two learned scalars per layer).
 
 Each base is fine-tuned for real (30 Adam steps: every tensor moves), compressed twice (ΔCompress
 4-bit calibrated, RTN 4-bit), and served by the engine: every greedy output, alone and in one batch
@@ -33,7 +34,7 @@ from deltazip.runtime.serve.engine import (
 from deltazip.runtime.serve.model import DeltaModel
 from deltazip.runtime.serve.variant_sources import discover_variants
 
-FAMILIES = ["gemma", "gemma3", "gpt_neox", "opt", "gpt2", "cohere", "nemotron"]
+FAMILIES = ["gemma", "gemma3", "gpt_neox", "opt", "gpt2", "cohere", "nemotron", "apertus"]
 IDS = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)  # the demo's character tokenizer
 EOS = 1
 PROMPTS = ["alpha beta", "zip model tune", "12 + 345 ="]
@@ -124,3 +125,40 @@ def test_delta_mode_serves_the_merged_greedy_output(tmp_path, arch):
         jobs = [(m, i) for i in range(len(PROMPTS)) for m in ("dz", "base", "rtn")]  # mixed rows
         got = run_engine(dm, tok, [(m, PROMPTS[i]) for m, i in jobs], n)
         assert got == [want[j] for j in jobs]
+
+
+def test_learned_activation_parameters_are_per_row(tmp_path):
+    """Apertus's xIELU alphas move in a fine-tune; in one batch each row's logits equal its own merged
+    model's, which the base's alphas would miss by far more than the tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    from deltazip.runtime.serve.delta_activation import DeltaActivation
+    from deltazip.runtime.serve.model_runner import prefill_logits
+
+    with single_thread():
+        base_dir, arts, tok = build_family(tmp_path, "apertus")
+        variants = discover_variants(arts)
+        ck = Checkpoint(base_dir)
+        dm = DeltaModel(ck, variants, num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
+        acts = {n: m for n, m in dm.modules.items() if isinstance(m, DeltaActivation)}
+        assert sorted(acts) == [f"model.layers.{i}.mlp.act_fn" for i in range(2)]
+        slots = {}
+        for slot, v in enumerate(variants):
+            dm.write_slot(slot, v.name, dm.load_host(v.name))
+            slots[v.name] = slot
+        ids = tok(PROMPTS[1])["input_ids"]
+        rows = ["dz", "base", "rtn"]
+        got = prefill_logits(dm, [slots.get(r, -1) for r in rows], [ids] * 3, pad_id=2)
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for i, r in enumerate(rows):
+                ref = base if r == "base" else load_merged_model(Artifact(arts / r), ck)
+                want = ref(torch.tensor([ids])).logits[0, -1]
+                torch.testing.assert_close(got[i], want, atol=1e-4, rtol=1e-4)
+                if r != "base":
+                    alpha = ref.get_submodule("model.layers.0.mlp.act_fn").alpha_p
+                    assert not torch.equal(alpha, base.get_submodule("model.layers.0.mlp.act_fn").alpha_p)
+                    plain = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+                    plain.load_state_dict({k: t for k, t in ref.state_dict().items() if "act_fn" not in k}, strict=False)
+                    other = plain(torch.tensor([ids])).logits[0, -1]  # the variant with the base's alphas
+                    assert (other - want).abs().max() > 100 * 1e-4
