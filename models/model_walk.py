@@ -131,11 +131,21 @@ def _num_experts(mod: nn.Module | None) -> int:
 
 
 def is_router(layer: nn.Module, name: str, m: nn.Module) -> bool:
-    """An ``nn.Linear`` router: its ``out_features`` is the E of a sibling ``experts``. Routers are stored
+    """An ``nn.Linear`` router: its ``out_features`` is the E of a sibling ``experts``, or it is the one
+    linear of a router module beside the experts (Gemma 4's ``router.proj``). Routers are stored
     exactly, not compressed (their top-k is discrete and they are E x H values), as transformers 5's
     own router modules, which are not ``nn.Linear``, are."""
-    parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
-    return isinstance(m, nn.Linear) and parent is not m and m.out_features == _num_experts(parent) > 0
+    if not isinstance(m, nn.Linear):
+        return False
+    pname = name.rpartition(".")[0]
+    parent = layer.get_submodule(pname) if pname else layer
+    if parent is not m and m.out_features == _num_experts(parent) > 0:
+        return True
+    if not pname:
+        return False
+    grand = layer.get_submodule(pname.rpartition(".")[0]) if "." in pname else layer
+    only = [x for x in parent.modules() if isinstance(x, nn.Linear)] == [m]
+    return only and m.out_features == _num_experts(grand) > 0
 
 
 def layer_sites(layer: nn.Module) -> dict[str, Site]:

@@ -82,6 +82,13 @@ ARCH_CONFIGS = {
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
                    max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2, no_rope_layers=[1, 0],
                    attention_chunk_size=16, floor_scale=8, attn_scale=0.5),
+    # Gemma 4's MoE form: a dense MLP beside routed experts in every layer; a router module holding a
+    # scale, per-expert scales and its projection (a linear); keys doubling as values on global layers
+    "gemma4": dict(model_type="gemma4_text", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, global_head_dim=32, num_hidden_layers=2,
+                   max_position_embeddings=128, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                   hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                   moe_intermediate_size=32, attention_k_eq_v=True, num_global_key_value_heads=1),
     # xIELU activation: two learned scalars per layer (alpha_p, alpha_n), an MLP without a gate
     "apertus": dict(model_type="apertus", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128),

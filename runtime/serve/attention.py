@@ -82,7 +82,7 @@ def _per_row_temperature(module: torch.nn.Module, query: torch.Tensor, step: Pag
 
     tm = query.shape[2]
     used = scale(torch.arange(tm, device=query.device) + step.get_seq_length(module.layer_idx))  # [Tm]
-    return (query * (scale(step.q_pos) / used)[:, None, :, None]).to(query.dtype)
+    return (query * (scale(step.q_pos[:, -tm:]) / used)[:, None, :, None]).to(query.dtype)
 
 
 def _paged(step: PagedStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
@@ -109,7 +109,10 @@ def _paged(step: PagedStep, query: torch.Tensor, key: torch.Tensor, value: torch
         if softcap:
             scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
         scores = _as(scores, torch.float32).view(nb, hkv, g, tm, -1)
-        scores.masked_fill_(step.blocked(i, window, chunk), _NEG)
+        # A model may pass only the last queries (Gemma 4's KV-shared layers keep the logits' positions):
+        # they are each row's last (left padding), so they take the last rows of the step's mask.
+        blocked = step.blocked(i, window, chunk)
+        scores.masked_fill_(blocked if blocked.shape[-2] == tm else blocked[..., -tm:, :], _NEG)
         # Softmax across the blocks of a row: the row's max, then its sum (one scatter each).
         top = scores.amax(-1)  # [nb, H_kv, G, Tm]
         row_max = top.new_full((n + 1, hkv, g, tm), _NEG).scatter_reduce_(

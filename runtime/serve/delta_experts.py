@@ -73,6 +73,15 @@ def apply_gate(mod: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     return up * mod.act_fn(gate)
 
 
+def _is_router_module(child: nn.Module, num_experts: int) -> bool:
+    """A MoE block's router module (not an ``nn.Linear``): its one matrix is ``[E, H]``, its own
+    ``weight`` (``*TopKRouter``) or a child linear's (Gemma 4's ``proj``, beside its scales)."""
+    if isinstance(child, nn.Linear):
+        return False
+    mats = [p for p in child.parameters() if p.dim() >= 2]
+    return len(mats) == 1 and mats[0].dim() == 2 and mats[0].shape[0] == num_experts
+
+
 def is_own_forward_router(model: nn.Module, name: str, mod: nn.Module) -> bool:
     """An ``nn.Linear`` router whose class has its own forward (top-k inside, a tuple out: Phi-3.5-MoE's,
     Llama 4's): decoupled as a :class:`DeltaRouter`, which runs that forward with each slot's weight,
@@ -117,9 +126,10 @@ def grouped_matmul(x: torch.Tensor, groups: torch.Tensor, weights: torch.Tensor)
 
 
 def router_tensors(router: nn.Module) -> dict[str, torch.Tensor]:
-    """A router's own tensors a variant may change: its parameters (``weight``, GPT-OSS's ``bias``) and
-    buffers (DeepSeek-V3's ``e_score_correction_bias``), by attribute name."""
-    return {**dict(router.named_buffers(recurse=False)), **dict(router.named_parameters(recurse=False))}
+    """A router's tensors a variant may change: its parameters (``weight``, GPT-OSS's ``bias``, Gemma 4's
+    ``proj.weight``, ``scale`` and ``per_expert_scale``) and buffers (DeepSeek-V3's
+    ``e_score_correction_bias``), by name relative to the router."""
+    return {**dict(router.named_buffers()), **dict(router.named_parameters())}
 
 
 class DeltaRouter(nn.Module):
@@ -134,7 +144,9 @@ class DeltaRouter(nn.Module):
         super().__init__()
         for name, p in base.named_parameters(recurse=False):  # the base's parameters keep their names
             self.register_parameter(name, p)
-        self._inner = [base]  # not a submodule: its parameters are ours already
+        for name, child in base.named_children():  # and its children (Gemma 4's router.proj)
+            self.add_module(name, child)
+        self._inner = [base]  # not a submodule: its parameters and children are ours already
         self.ctx = ctx
         self._tables: dict[int, dict[str, torch.Tensor]] = {}  # slot -> {attribute: the variant's tensor}
 
@@ -156,21 +168,23 @@ class DeltaRouter(nn.Module):
     def resident_bytes(self, slot: int) -> int:
         return sum(t.numel() * t.element_size() for t in self._tables.get(slot, {}).values())
 
-    def forward(self, hidden_states: torch.Tensor):
+    def forward(self, hidden_states: torch.Tensor, *args):
+        """``args``: the router's other inputs, the same for every row (MiniMax-M2's block passes its
+        ``e_score_correction_bias``)."""
         inner = self._inner[0]
         changed = self._tables.keys() & self.ctx.active
         if not changed:
-            return inner(hidden_states)
+            return inner(hidden_states, *args)
         h = hidden_states.reshape(-1, hidden_states.shape[-1])
         idx = token_slots(self.ctx, h)
-        base = inner(h)
+        base = inner(h, *args)
         single = isinstance(base, torch.Tensor)  # an nn.Linear router of plain logits
         outs = [t.clone() for t in ((base,) if single else base)]
         for s in sorted(changed):
             rows = (idx == s).nonzero(as_tuple=True)[0]
             if not rows.numel():
                 continue
-            mine = torch.func.functional_call(inner, self._tables[s], (h[rows],))
+            mine = torch.func.functional_call(inner, self._tables[s], (h[rows], *args))
             for o, m in zip(outs, (mine,) if single else mine):
                 o[rows] = m.to(o.dtype)
         return outs[0] if single else tuple(outs)
@@ -484,10 +498,15 @@ class MoeLayout:
                 self.layers[f"{lname}.{i}."] = layer
                 parent = qual.rpartition(".")[0]
                 for cname, child in modules[parent].named_children():
-                    w = getattr(child, "weight", None)
-                    if (child is not m and not isinstance(child, nn.Linear) and isinstance(w, torch.Tensor)
-                            and w.dim() == 2 and w.shape[0] == m.num_experts):
+                    if child is not m and _is_router_module(child, m.num_experts):
                         self.routers[f"{parent}.{cname}"] = child
+
+    def _router_of(self, param: str) -> tuple[str, str] | None:
+        """``(router module, name in it)`` of a qualified parameter name under a router, else None."""
+        for rname in self.routers:
+            if param.startswith(rname + "."):
+                return rname, param[len(rname) + 1:]
+        return None
 
     def targets(self, shapes: dict[str, list[int]]) -> dict[str, tuple[str, str, str]]:
         """Where a variant's tensors on experts modules and routers land: checkpoint name ->
@@ -521,11 +540,13 @@ class MoeLayout:
                 elif experts is not None and attr in BIAS_OF and getattr(experts, "has_bias", False) \
                         and (pc.row0, pc.row1) == (0, experts.num_experts):
                     out[name] = (mname, "experts", piece_key(attr, 0, experts.num_experts))
-                elif (mname in self.routers and attr in ("weight", "bias")
-                      and (pc.row0, pc.row1) == (0, self.routers[mname].weight.shape[0])):
-                    out[name] = (mname, "router", attr)
+                elif (router := self._router_of(prefix + pc.param)) is not None:
+                    rname, rattr = router
+                    t = router_tensors(self.routers[rname]).get(rattr)
+                    if t is not None and (pc.row0, pc.row1) == (0, t.shape[0] if t.dim() else 1):
+                        out[name] = (rname, "router", rattr)
         for mname, router in self.routers.items():  # buffers (no piece: the layer map reads parameters)
-            for attr, b in router.named_buffers(recurse=False):
+            for attr, b in router.named_buffers():
                 name = f"{mname}.{attr}"
                 if name not in out and list(shapes.get(name, ())) == list(b.shape):
                     out[name] = (mname, "router", attr)

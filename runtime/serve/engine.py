@@ -1147,14 +1147,21 @@ def _max_len(config) -> int:
 
 
 def _kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes of keys and values one token position holds, over every layer (from the model config)."""
+    """Bytes of keys and values one token position holds, over every layer (from the model config:
+    per layer where it differs by layer, Gemma 4's global layers; the last ``num_kv_shared_layers``
+    layers of Gemma 3n/4 reuse earlier layers' keys and values and hold none)."""
     text = getattr(config, "text_config", None) or config
     layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 1)
-    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", 1)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", 0)
-    head_dim = getattr(text, "head_dim", None) or hidden // max(heads, 1)
-    per_layer = 2 * kv_heads * head_dim
-    if getattr(text, "kv_lora_rank", None):  # multi-head latent attention caches one latent and its rope key
-        per_layer = text.kv_lora_rank + (getattr(text, "qk_rope_head_dim", None) or 0)
-    return layers * per_layer * torch.empty((), dtype=dtype).element_size()
+    per_layer = text.per_layer_config if getattr(text, "is_heterogeneous", False) else [text] * layers
+    total = sum(_kv_width(c) for c in per_layer[:layers - int(getattr(text, "num_kv_shared_layers", 0) or 0)])
+    return total * torch.empty((), dtype=dtype).element_size()
+
+
+def _kv_width(c) -> int:
+    """Values of keys and values one token holds in a layer of config ``c``."""
+    if getattr(c, "kv_lora_rank", None):  # multi-head latent attention caches one latent and its rope key
+        return c.kv_lora_rank + (getattr(c, "qk_rope_head_dim", None) or 0)
+    heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", 1)
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd", 0)
+    return 2 * kv_heads * (getattr(c, "head_dim", None) or hidden // max(heads, 1))

@@ -142,3 +142,30 @@ def test_dense_routed_experts_are_transposed_and_tapped_per_routed_token():
         assert len(rows) == 1
         torch.testing.assert_close(rows[0], x[route == e] * weight[route == e, None])  # its tokens only, scaled
         assert got["down_proj", e][0].shape == (int((route == e).sum()), 3)
+
+
+class _RouterModule(nn.Module):
+    """Gemma 4 style: a router module holding scales around its one linear."""
+
+    def __init__(self, E=4):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+        self.proj = nn.Linear(8, E, bias=False)
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(8, 4, bias=False), nn.Linear(8, 4, bias=False)  # out == E
+        self.down_proj = nn.Linear(4, 8, bias=False)
+
+
+def test_the_one_linear_of_a_router_module_beside_the_experts_is_the_router():
+    layer = nn.Module()
+    layer.router, layer.experts, layer.mlp = _RouterModule(), _Fused(), _Mlp()
+    sites = layer_sites(layer)
+    assert "router.proj" not in sites  # stored exactly
+    assert {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"} <= set(sites)  # E outputs by chance: still linears
+    lone = nn.Module()
+    lone.router, lone.mlp = _RouterModule(), _Mlp()  # no experts beside it: an ordinary linear
+    assert "router.proj" in layer_sites(lone)

@@ -1,6 +1,6 @@
 """Attention variants in the serving engine: ALiBi (Falcon ``alibi=True``, BLOOM, MPT), sliding windows
 and soft-capping (Gemma 2), mixed sliding/full layers (Gemma 3's default layer pattern), one window on
-every layer (Mistral), chunked layers and position-scaled queries on layers without rope (Llama 4, whose
+every layer (Mistral), layers reusing earlier layers' keys and values (Gemma 4), chunked layers and position-scaled queries on layers without rope (Llama 4, whose
 experts, run over every token scaled by its routing weight, are served in delta mode too).
 
 Per family: a tiny base built from a transformers config (a small ``sliding_window`` or attention chunk
@@ -51,6 +51,11 @@ FAMILIES = {
     "gemma2": ("gemma2", dict(GEMMA, num_hidden_layers=2, attn_logit_softcapping=0.005, final_logit_softcapping=0.2)),
     # the default layer pattern: five sliding-window layers, then a full one
     "gemma3": ("gemma3_text", dict(GEMMA, num_hidden_layers=6)),
+    # Gemma 4's edge form: per-layer inputs, wider global layers, and the last two layers reuse the keys
+    # and values of the last earlier layer of their type (they compute the kept logits' queries only)
+    "gemma4": ("gemma4_text", dict(GEMMA, num_hidden_layers=4, global_head_dim=32, num_kv_shared_layers=2,
+                                   layer_types=["sliding_attention", "full_attention"] * 2,
+                                   hidden_size_per_layer_input=32, vocab_size_per_layer_input=128)),
     # Llama 4: a chunked-attention layer (rope), then a full one without rope whose queries are
     # temperature-tuned by position (floor_scale small enough to bite); dense-routed MoE experts
     "llama4": ("llama4_text", dict(hidden_size=64, intermediate_size=32, intermediate_size_mlp=128, num_attention_heads=4,

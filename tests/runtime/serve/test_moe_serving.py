@@ -1,7 +1,9 @@
 """Mixture-of-experts fine-tunes (Mixtral, Qwen2-MoE with shared experts, Qwen3-MoE, Phi-3.5-MoE whose
 router is an ``nn.Linear`` with a forward of its own, DeepSeek-V3 with multi-head latent attention, and
-GPT-OSS: experts stored ``[E, in, out]`` with biases, a router with a bias, attention sinks) in delta mode.
-DeepSeek-V3's fine-tunes also move its router's ``e_score_correction_bias`` (a buffer).
+GPT-OSS: experts stored ``[E, in, out]`` with biases, a router with a bias, attention sinks; Llama 4:
+experts ``[E, in, out]`` run over every token scaled by its routing weight; Gemma 4: a router module
+with scales around its projection) in delta mode. DeepSeek-V3's fine-tunes also move its router's
+``e_score_correction_bias`` (a buffer).
 
 Per architecture: a tiny base saved by ``save_pretrained`` (one tensor per expert under the historical
 names) and two fake full fine-tunes in which every weight moved (every expert, the router, attention,
@@ -32,7 +34,7 @@ from deltazip.runtime.serve.delta_linear import DeltaContext, DeltaLinear
 from deltazip.runtime.serve.engine import Engine, FinishEvent, SamplingParams
 from deltazip.runtime.serve.model import DeltaModel
 
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "deepseek_v3", "gpt_oss"]
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "deepseek_v3", "gpt_oss", "llama4", "gemma4"]
 VARIANTS = {
     "a4": dict(method="deltazip", bits=4, sym=True, seed=11),
     "b2": dict(method="rtn", bits=2, sym=False, seed=12),

@@ -363,3 +363,28 @@ def test_a_decode_composition_met_once_runs_eagerly_and_is_captured_the_second_t
         key = (4, (-1, -1, -1, -1), ("w",))
         assert graphs.failed == {key} and graphs.captures == 0
         assert graphs.run(caches, [-1, -1, -1], [1, 1, 1], ("w",)) is None and graphs.failed == {key}
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}), ("gpt_oss", {}), ("llama4", {}),
+    ("gemma4", {}),  # global layers: twice the head size, one key/value head (keys doubling as values)
+    # wider global layers, and two last layers that reuse earlier layers' keys and values (no cache of their own)
+    ("gemma4", dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                    num_kv_shared_layers=2, enable_moe_block=False, attention_k_eq_v=False,
+                    hidden_size_per_layer_input=16, vocab_size_per_layer_input=64)),
+], ids=["llama", "gpt_oss", "llama4", "gemma4-moe", "gemma4-kv-shared"])
+def test_kv_admission_counts_what_the_paged_pool_holds_per_token(arch, overrides):
+    """The engine admits requests by ``_kv_bytes_per_token`` (from the config); after a prefill through
+    the paged pool, the pool's layers hold exactly that many bytes per token position."""
+    from deltazip.runtime.serve.engine import _kv_bytes_per_token
+
+    with single_thread():
+        model = tiny_model(arch, **overrides)
+        assert use_paged_attention(model)
+        pool = BlockPool(block_size=4)
+        caches = [SeqBlocks(), SeqBlocks()]
+        forward_step(Backend(model), pool, caches, [-1, -1], [[5, 9, 14, 3, 22], [11, 4]], [0, 0])
+        held = pool.nbytes() // (pool.num_blocks * pool.block_size)
+        assert held == _kv_bytes_per_token(model.config, torch.float32) > 0
+        for c in caches:
+            c.free()
