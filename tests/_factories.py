@@ -89,6 +89,16 @@ ARCH_CONFIGS = {
                    max_position_embeddings=128, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
                    hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
                    moe_intermediate_size=32, attention_k_eq_v=True, num_global_key_value_heads=1),
+    # hybrid: gated-delta-rule linear attention layers (a convolution window and a recurrent state per
+    # sequence) beside full attention layers
+    "qwen3_5": dict(model_type="qwen3_5_text", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_hidden_layers=3, max_position_embeddings=128,
+                    layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_value_heads=4,
+                    linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    # hybrid: short-convolution layers (a convolution window per sequence) beside attention layers
+    "lfm2": dict(model_type="lfm2", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=128,
+                 layer_types=["conv", "full_attention", "conv"]),
     # xIELU activation: two learned scalars per layer (alpha_p, alpha_n), an MLP without a gate
     "apertus": dict(model_type="apertus", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128),

@@ -82,6 +82,7 @@ from deltazip.runtime.serve.delta_loader import DeltaLoader
 from deltazip.runtime.serve.grammar import GrammarCompilers, MaskFiller, StepMasks
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, SeqBlocks
 from deltazip.runtime.serve.model_runner import SeqKV, forward_step, new_kv_pool, new_seq_kv
+from deltazip.runtime.serve.recurrent_state import recurrent_layer_types
 from deltazip.runtime.serve.sampling import (
     MAX_TOP_LOGPROBS,
     process_logits,
@@ -437,9 +438,10 @@ class Engine:
         self.kv_pool = new_kv_pool(backend, config.kv_block_size)
         self.paged = isinstance(self.kv_pool, BlockPool)
         self.graphs = None
-        # Not under tensor parallel: each forward is mirrored on the worker ranks, eagerly.
+        # Not under tensor parallel: each forward is mirrored on the worker ranks, eagerly. Not for
+        # recurrent layers either: their states are gathered and written back around each forward.
         if (self.paged and self.device.type == "cuda" and config.cuda_graphs and backend.mode == "delta"
-                and getattr(backend, "tensor_parallel", 1) == 1):
+                and getattr(backend, "tensor_parallel", 1) == 1 and not recurrent_layer_types(backend.config)):
             from deltazip.runtime.serve.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(backend, self.kv_pool)
@@ -537,7 +539,8 @@ class Engine:
                               f"{self.config.max_num_seqs} sequences per step (--max-num-seqs)", param)
         if k == 1:
             return
-        need = self.kv_bytes_per_token * (prompt_len + k * (params.max_tokens + self.config.kv_block_size))
+        need = (self.kv_bytes_per_token * (prompt_len + k * (params.max_tokens + self.config.kv_block_size))
+                + k * self.kv_pool.states.row_bytes())  # recurrent layers: a fixed state per sequence
         free = self._kv_room()
         if free is not None and need > free:
             raise EngineError(f"{param}={k} samples of {params.max_tokens} tokens need about {need / 2**20:.0f} MiB "

@@ -30,6 +30,7 @@ from contextvars import ContextVar
 import torch
 
 from deltazip.runtime.serve.masks import allowed_keys
+from deltazip.runtime.serve.recurrent_state import RecurrentStep, SeqState, StatePool
 
 DEFAULT_BLOCK_SIZE = 16
 # The step whose forward is running (read by the attention function, which transformers calls
@@ -56,6 +57,7 @@ class BlockPool:
         self._refs: dict[int, int] = {}  # holders of each block held by more than one sequence
         self.copied_bytes = 0
         self.generation = 0  # bumped whenever the layer tensors are replaced (CUDA graphs re-capture)
+        self.states = StatePool()  # recurrent layers' per-sequence states (hybrid models)
 
     def used(self) -> int:
         return self.num_blocks - len(self._free)
@@ -128,9 +130,10 @@ class BlockPool:
         return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
 
 
-class SeqBlocks:
+class SeqBlocks(SeqState):
     """One sequence's KV cache: its block table in a :class:`BlockPool` (or, while preempted, host
-    copies of its blocks). Same interface as the contiguous pool's ``SeqKV``."""
+    copies of its blocks), and its recurrent layers' states where the model has some. Same interface
+    as the contiguous pool's ``SeqKV``."""
 
     def __init__(self):
         self.pool: BlockPool | None = None
@@ -154,6 +157,8 @@ class SeqBlocks:
         self.reserve(pool, self.length)
         idx = torch.tensor(self.blocks, dtype=torch.long)
         for i, (k, v) in enumerate(self.host):
+            if k is None:  # a layer without a cache (recurrent, or reusing another layer's keys)
+                continue
             pk, pv = pool.layer(i, k.shape[1], k.shape[3], k, v.shape[3])
             pk.index_copy_(0, idx.to(pk.device), k.to(pk.device))
             pv.index_copy_(0, idx.to(pv.device), v.to(pv.device))
@@ -167,6 +172,7 @@ class SeqBlocks:
         child.pool, child.length = self.pool, self.length
         if self.pool is None or not self.blocks:
             return child
+        self.fork_state(child, self.pool.states)
         full = self.length // self.pool.block_size
         shared = self.blocks[:full]
         self.pool.share(shared)
@@ -178,14 +184,16 @@ class SeqBlocks:
         return child
 
     def offload(self) -> None:
-        """Copy the sequence's blocks to host memory and give them back (a preempted sequence)."""
+        """Copy the sequence's blocks (and states) to host memory and give them back (a preempted sequence)."""
         if not self.blocks:
             return
         pool = self.pool
+        self.offload_state(pool.states)
         idx = torch.tensor(self.blocks, dtype=torch.long)
         host = []
         for k, v in zip(pool.k, pool.v):
-            if k is None:
+            if k is None:  # kept in place: a layer's host copy goes back to the same layer
+                host.append((None, None))
                 continue
             i = idx.to(k.device)
             # index_select copies; .to("cpu") of a CPU tensor would not, and the blocks are given away.
@@ -198,17 +206,18 @@ class SeqBlocks:
         if self.blocks and self.pool is not None:
             self.pool.free(self.blocks)
         self.blocks = []
+        self.free_state(self.pool.states if self.pool is not None else None)
 
     def nbytes(self) -> int:
         if self.host is not None:
-            return sum((k.numel() + v.numel()) * k.element_size() for k, v in self.host)
+            return sum((k.numel() + v.numel()) * k.element_size() for k, v in self.host if k is not None)
         if not self.blocks or self.pool is None:
             return 0
         return sum((k[0].numel() + v[0].numel()) * k.element_size() * len(self.blocks)
                    for k, v in zip(self.pool.k, self.pool.v) if k is not None)
 
 
-class PagedStep:
+class PagedStep(RecurrentStep):
     """The ``past_key_values`` object of one forward over a :class:`BlockPool`.
 
     Batch row ``b`` has ``P_b`` cached positions and ``T_b`` new tokens, right-aligned in the

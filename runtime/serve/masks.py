@@ -46,8 +46,10 @@ def layer_types(config) -> list[str]:
 
 
 def unsupported_layer_types(config) -> list[str]:
-    """Layer types of the model this module builds no mask for (chunked, linear attention, ...)."""
-    return sorted(set(layer_types(config)) - {FULL, SLIDING, CHUNKED})
+    """Layer types the engine serves no way (state-space and other hybrid layers, ...): attention ones
+    get masks here, recurrent ones (linear attention, short convolutions) a per-sequence state
+    (``deltazip.runtime.serve.recurrent_state``) and a 2-D padding mask."""
+    return sorted(set(layer_types(config)) - {FULL, SLIDING, CHUNKED, "linear_attention", "conv"})
 
 
 def attention_chunk(module) -> int | None:

@@ -156,7 +156,7 @@ def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) 
     implementation and the engine's contiguous cache with ``masks``.
 
     Raises:
-        InputError: the model cannot be loaded, has attention layers the engine builds no masks for,
+        InputError: the model cannot be loaded, has layers the engine does not run,
             or fails a few test forwards through the engine's cache and masks (one line, at start-up,
             instead of a server that answers every request with an error).
     """
@@ -176,8 +176,9 @@ def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) 
         model = load_causal_lm(base.path, dtype, attn_implementation=impl, what="base")
     bad = unsupported_layer_types(model.config)
     if bad:
-        raise InputError(f"base {base.path} uses {', '.join(bad)} layers, which the serving engine builds no attention "
-                         f"masks for; serve a model with full or sliding-window attention")
+        raise InputError(f"base {base.path} uses {', '.join(bad)} layers, which the serving engine does not run; serve "
+                         f"a model whose layers are full, sliding-window or chunked attention, linear attention or "
+                         f"short convolutions")
     model = model.to(device).eval()
     _self_check(model, base.path, device, dtype)
     return model

@@ -23,6 +23,7 @@ from torch import nn
 
 from deltazip.runtime.serve.attention import is_paged
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, PagedStep, SeqBlocks
+from deltazip.runtime.serve.recurrent_state import RecurrentStep, SeqState, StatePool, recurrent_layer_types
 
 # --------------------------------------------------------------------------------------------------
 # KV cache
@@ -47,6 +48,7 @@ class KVPool:
         self.rows = 0
         self.capacity = 0
         self._free: list[int] = []
+        self.states = StatePool()  # recurrent layers' per-sequence states (hybrid models)
 
     def alloc(self) -> int:
         """A free row (the pool grows by doubling when none is left)."""
@@ -96,8 +98,9 @@ class KVPool:
         return self.k[idx], self.v[idx]
 
 
-class SeqKV:
-    """One sequence's KV cache: a row of a :class:`KVPool` (or, while preempted, host copies)."""
+class SeqKV(SeqState):
+    """One sequence's KV cache: a row of a :class:`KVPool` (or, while preempted, host copies), and its
+    recurrent layers' states where the model has some."""
 
     def __init__(self):
         self.pool: KVPool | None = None
@@ -113,6 +116,8 @@ class SeqKV:
         if self.host is not None:
             pool.ensure_length(self.length)
             for i, (k, v) in enumerate(self.host):
+                if k is None:  # a layer without a cache (recurrent, or reusing another layer's keys)
+                    continue
                 pk, pv = pool.layer(i, k.unsqueeze(0), v.unsqueeze(0))
                 pk[self.row, :, : self.length] = k.to(pk.device)
                 pv[self.row, :, : self.length] = v.to(pv.device)
@@ -127,6 +132,7 @@ class SeqKV:
         if self.row is None:
             return child
         child.attach(self.pool)
+        self.fork_state(child, self.pool.states)
         for k, v in zip(self.pool.k, self.pool.v):
             if k is not None:
                 k[child.row, :, : self.length] = k[self.row, :, : self.length]
@@ -137,27 +143,30 @@ class SeqKV:
         """Copy the cache to host memory and give the row back (a preempted sequence)."""
         if self.row is None:
             return
+        self.offload_state(self.pool.states)
         n = self.length
         # copy=True: on a CPU server .to("cpu") would return a view of the row it is about to give away.
-        self.host = [(k[self.row, :, :n].to("cpu", copy=True), v[self.row, :, :n].to("cpu", copy=True))
-                     for k, v in zip(self.pool.k, self.pool.v) if k is not None]
+        self.host = [(None, None) if k is None else  # kept in place: each copy goes back to its layer
+                     (k[self.row, :, :n].to("cpu", copy=True), v[self.row, :, :n].to("cpu", copy=True))
+                     for k, v in zip(self.pool.k, self.pool.v)]
         self.free()
 
     def free(self) -> None:
         if self.row is not None:
+            self.free_state(self.pool.states)
             self.pool.release(self.row)
         self.pool, self.row = None, None
 
     def nbytes(self) -> int:
         if self.host is not None:
-            return sum((k.numel() + v.numel()) * k.element_size() for k, v in self.host)
+            return sum((k.numel() + v.numel()) * k.element_size() for k, v in self.host if k is not None)
         if self.row is None:
             return 0
         return sum((k[0].numel() + v[0].numel()) * k.element_size() for k, v in zip(self.pool.k, self.pool.v)
                    if k is not None)
 
 
-class StepKV:
+class StepKV(RecurrentStep):
     """The ``past_key_values`` object of one forward: a padded view over the rows' pooled caches.
 
     Row ``b`` has ``P_b`` cached tokens and ``T_b`` new ones (queries left-padded to ``Tm = max T``).
@@ -275,8 +284,17 @@ def step_args(pool: KVPool | BlockPool, caches: list, past: list[int], new: list
     the contiguous pool the masks come from :func:`step_inputs`."""
     kv = step_cache(pool, caches, past, new, device)
     if isinstance(kv, PagedStep):
-        return kv, kv.q_pos, torch.ones(len(new), 1, max(new), 1, dtype=torch.bool, device=device)
-    mask, pos = step_inputs(kv, config, dtype, device)
+        pos, mask = kv.q_pos, torch.ones(len(new), 1, max(new), 1, dtype=torch.bool, device=device)
+    else:
+        mask, pos = step_inputs(kv, config, dtype, device)
+    recurrent = recurrent_layer_types(config)
+    if recurrent:  # hybrid models: a mask per layer type, the recurrent ones a 2-D padding mask [B, Tm]
+        tm = max(new)
+        real = (torch.arange(tm).view(1, -1) >= tm - torch.tensor(new).view(-1, 1)).to(device=device, dtype=dtype)
+        text = getattr(config, "text_config", None) or config
+        attn = {t: (mask[t] if isinstance(mask, dict) else mask) for t in set(text.layer_types) - set(recurrent)}
+        mask = {"full_attention": next(iter(attn.values()), mask), **attn,
+                **dict.fromkeys(("linear_attention", "conv"), real)}
     return kv, pos, mask
 
 
@@ -296,6 +314,21 @@ def forward_step(backend, pool: KVPool | BlockPool, caches: list, row_slots: lis
     ``every_position`` the logits of every position ``[B, Tm, V]`` (rows left-padded)."""
     dev = backend.device
     new = [len(t) for t in tokens]
+    groups = _unpadded_groups(backend.config, past, new)
+    if len(groups) > 1:  # recurrent layers: rows continuing a state are never left-padded
+        outs = [(g, forward_step(backend, pool, [caches[i] for i in g], [row_slots[i] for i in g],
+                                 [tokens[i] for i in g], [past[i] for i in g], pad_id, every_position))
+                for g in groups]
+        first = outs[0][1]
+        shape = (len(tokens), max(new), first.shape[-1]) if every_position else (len(tokens), first.shape[-1])
+        logits = first.new_zeros(shape)
+        for g, out in outs:
+            for j, i in enumerate(g):
+                if every_position:
+                    logits[i, max(new) - out.shape[1]:] = out[j]
+                else:
+                    logits[i] = out[j]
+        return logits
     with torch.inference_mode():
         ids = left_pad(tokens, pad_id).to(dev)
         kv, pos, mask = step_args(pool, caches, past, new, backend.config, backend.dtype, dev)
@@ -304,6 +337,21 @@ def forward_step(backend, pool: KVPool | BlockPool, caches: list, row_slots: lis
     for c, n in zip(caches, new):
         c.length += n
     return logits
+
+
+def _unpadded_groups(config, past: list[int], new: list[int]) -> list[list[int]]:
+    """The rows of one forward, split so that no row continuing a recurrent state is left-padded (a
+    padding token would decay its state): one group, unless the model has recurrent layers and some
+    row with a past has fewer new tokens than the longest; then the rows of each such length apart."""
+    tm = max(new)
+    if all(p == 0 or n == tm for p, n in zip(past, new)) or not recurrent_layer_types(config):
+        return [list(range(len(new)))]
+    main = [i for i, (p, n) in enumerate(zip(past, new)) if p == 0 or n == tm]
+    rest: dict[int, list[int]] = {}
+    for i, (p, n) in enumerate(zip(past, new)):
+        if p > 0 and n < tm:
+            rest.setdefault(n, []).append(i)
+    return [main] * bool(main) + list(rest.values())
 
 
 def prefill_logits(backend, row_slots: list[int], tokens: list[list[int]], caches: list | None = None,
@@ -352,4 +400,6 @@ def run_model(model: nn.Module, input_ids, position_ids, attention_mask, kv) -> 
     with kv.bound() if hasattr(kv, "bound") else contextlib.nullcontext():
         out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                     use_cache=True, logits_to_keep=keep, **{cache_kwarg(model): kv})
+    if isinstance(kv, RecurrentStep):
+        kv.commit_states()  # recurrent layers' states back into the pool
     return out.logits.float() if keep == 0 else out.logits[:, -1, :].float()

@@ -28,6 +28,7 @@ REQUEST_PATH = [
     "serve/delta_linear.py",  # the forward
     "serve/model.py",  # forward, load_host, write_slot
     "serve/kv_cache.py",  # the paged KV cache every step writes
+    "serve/recurrent_state.py",  # recurrent layers' states, read and written by every step of a hybrid model
     "serve/attention.py",  # the paged attention of every forward
     "serve/masks.py",  # the contiguous cache's masks (ALiBi models), every step
     "serve/sampling.py",  # every step's tokens

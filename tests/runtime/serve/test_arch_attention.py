@@ -1,6 +1,7 @@
 """Attention variants in the serving engine: ALiBi (Falcon ``alibi=True``, BLOOM, MPT), sliding windows
 and soft-capping (Gemma 2), mixed sliding/full layers (Gemma 3's default layer pattern), one window on
-every layer (Mistral), layers reusing earlier layers' keys and values (Gemma 4), chunked layers and position-scaled queries on layers without rope (Llama 4, whose
+every layer (Mistral), layers reusing earlier layers' keys and values (Gemma 4), linear attention
+layers with a state per sequence (Qwen3.5), chunked layers and position-scaled queries on layers without rope (Llama 4, whose
 experts, run over every token scaled by its routing weight, are served in delta mode too).
 
 Per family: a tiny base built from a transformers config (a small ``sliding_window`` or attention chunk
@@ -62,6 +63,13 @@ FAMILIES = {
                                    num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128,
                                    num_local_experts=4, num_experts_per_tok=1, no_rope_layers=[1, 0],
                                    attention_chunk_size=WINDOW, floor_scale=4, attn_scale=0.5)),
+    # Qwen3.5: gated-delta-rule linear attention layers (a state per sequence) beside a full attention layer;
+    # its fine-tunes here move the linears only (LoRA-like), which delta mode serves per row
+    "qwen3_5": ("qwen3_5_text", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=16, num_hidden_layers=3, max_position_embeddings=128,
+                                     layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                     linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                                     linear_value_head_dim=16)),
     # one window on every layer, no layer_types
     "mistral": ("mistral", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                                 num_hidden_layers=2, max_position_embeddings=128, sliding_window=WINDOW)),
@@ -95,6 +103,8 @@ class Family:
         self.name, self.root = name, root
         # Gemma's embeddings are scaled in forward (the decoupled runtime serves them only when unchanged).
         skip = ("norm", "embed_tokens") if model_type.startswith("gemma") else ("norm",)
+        if model_type == "qwen3_5_text":  # the recurrent layers' own parameters stay (see FAMILIES)
+            skip += ("A_log", "dt_bias", "conv1d")
         self.base_dir = save(tiny(model_type, cfg), root / "base")
         self.served = root / "served"
         save(perturb(tiny(model_type, cfg), scale=0.5, seed=3, skip=skip), self.served / "ft")
@@ -191,7 +201,6 @@ def test_engine_logits_equal_a_plain_forward(family):
     through the engine's cache (paged, or contiguous for the ALiBi models) and masks: every row's
     logits equal a plain forward of its sequence."""
     from deltazip.runtime.serve.kv_cache import BlockPool
-    from deltazip.runtime.serve.masks import uses_padding_mask_bias
     from deltazip.runtime.serve.model import DeltaModel
     from deltazip.runtime.serve.model_runner import forward_step, new_kv_pool, new_seq_kv, prefill_logits
 
@@ -199,7 +208,7 @@ def test_engine_logits_equal_a_plain_forward(family):
         dm = DeltaModel(Checkpoint(family.base_dir), [], 1, torch.device("cpu"), torch.float32)
         seqs = [family.tok(p)["input_ids"] for p in PROMPTS]
         pool = new_kv_pool(dm)
-        assert isinstance(pool, BlockPool) == (not uses_padding_mask_bias(dm.config))
+        assert isinstance(pool, BlockPool) == (family.name not in CONTIGUOUS)
         caches = [new_seq_kv(pool) for _ in seqs]
         got = [prefill_logits(dm, [-1] * 3, seqs, caches, pool, pad_id=2)]
         for step in range(WINDOW):
@@ -215,6 +224,8 @@ def test_engine_logits_equal_a_plain_forward(family):
                     torch.testing.assert_close(logits[i], want, atol=1e-5, rtol=1e-4)
 
 
+# Served on the contiguous cache: ALiBi models, and Qwen3.5, whose class takes no attention function
+CONTIGUOUS = ("falcon-alibi", "bloom", "mpt", "qwen3_5")
 WINDOWED = [n for n, (_, cfg) in FAMILIES.items() if cfg.get("sliding_window") or cfg.get("attention_chunk_size")]
 
 
@@ -265,15 +276,16 @@ def test_a_mask_without_the_window_is_refused_at_start_up(family, monkeypatch):
 @pytest.mark.parametrize("family", list(FAMILIES), indirect=True)
 def test_each_family_is_served_on_its_cache_path(family):
     """Classes with transformers' attention interface run the paged cache and attention (sliding
-    windows and soft-capping included); the ALiBi models keep the contiguous cache and masks."""
+    windows and soft-capping included); the others (ALiBi models, Qwen3.5) keep the contiguous cache
+    and masks."""
     from deltazip.runtime.serve.attention import is_paged
     from deltazip.runtime.serve.masks import uses_padding_mask_bias
     from deltazip.runtime.serve.model import load_base_model
 
     with single_thread():
         model = load_base_model(Checkpoint(family.base_dir), torch.float32, torch.device("cpu"))
-    assert is_paged(model) == (not uses_padding_mask_bias(model.config))
-    assert is_paged(model) == (family.name not in ("falcon-alibi", "bloom", "mpt"))
+    assert is_paged(model) == (family.name not in CONTIGUOUS)
+    assert not is_paged(model) or not uses_padding_mask_bias(model.config)
 
 
 def _direct_ppl(model, ids: torch.Tensor, window: int) -> float:
@@ -284,7 +296,7 @@ def _direct_ppl(model, ids: torch.Tensor, window: int) -> float:
     return math.exp(sum(nll) / n)
 
 
-@pytest.mark.parametrize("family", ["bloom", "gemma2", "gemma3", "llama4"], indirect=True)  # ALiBi, soft-capped,
+@pytest.mark.parametrize("family", ["bloom", "gemma2", "gemma3", "llama4", "qwen3_5"], indirect=True)  # ALiBi, soft-capped,
 # mixed-window, chunked with MoE
 def test_eval_perplexity_equals_the_merged_models(family, tmp_path, capsys, monkeypatch):
     from transformers import AutoTokenizer
@@ -340,8 +352,8 @@ def test_unsupported_layer_types_are_refused_in_one_line(tmp_path):
 
     from deltazip.runtime.serve.model import load_base_model
 
-    tiny_model("llama", layer_types=["full_attention", "linear_attention"]).save_pretrained(tmp_path / "m")
-    with pytest.raises(InputError, match="uses linear_attention layers, which the serving engine builds no"):
+    tiny_model("llama", layer_types=["full_attention", "indexed_attention"]).save_pretrained(tmp_path / "m")
+    with pytest.raises(InputError, match="uses indexed_attention layers, which the serving engine does not run"):
         load_base_model(Checkpoint(tmp_path / "m"), torch.float32, torch.device("cpu"))
 
 

@@ -1,0 +1,102 @@
+"""Hybrid models in the serving engine: recurrent layers (Qwen3.5's gated-delta-rule linear attention,
+LFM2's short convolutions) keep a fixed-size state per sequence in the pool's ``StatePool``.
+
+Every row's logits through the engine's step runner equal a plain forward of its whole sequence,
+through prefills of different lengths (left-padded new sequences), prompt chunks of different lengths
+after a past (rows with a state are never padded), decode steps, a forked sequence and a sequence
+moved to host memory and back, on the paged and the contiguous cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _factories import tiny_model
+from _serving import single_thread
+
+from deltazip.runtime.serve.attention import use_paged_attention
+from deltazip.runtime.serve.kv_cache import BlockPool, SeqBlocks
+from deltazip.runtime.serve.model_runner import KVPool, SeqKV, _unpadded_groups, forward_step, run_model
+from deltazip.runtime.serve.recurrent_state import StatePool, recurrent_layer_types
+
+
+class Backend:
+    def __init__(self, model):
+        self.model, self.config, self.device, self.dtype = model, model.config, torch.device("cpu"), model.dtype
+
+    def forward(self, row_slots, input_ids, position_ids, attention_mask, kv):
+        return run_model(self.model, input_ids, position_ids, attention_mask, kv)
+
+
+def test_state_pool_rows_are_zeroed_grown_forked_and_dropped_when_idle():
+    pool = StatePool()
+    a, b = pool.alloc(), pool.alloc()
+    rows = torch.tensor([a, b])
+    pool.scatter((0, "conv", 0), rows, torch.ones(2, 3, 4))
+    assert pool.rows == 8 and pool.row_bytes() == 3 * 4 * 4
+    pool.copy_row(a, c := pool.alloc())
+    assert torch.equal(pool.gather((0, "conv", 0), torch.tensor([c])), torch.ones(1, 3, 4))
+    saved = pool.read_row(b)
+    pool.release(b)
+    assert torch.equal(pool.gather((0, "conv", 0), torch.tensor([pool.alloc()])), torch.zeros(1, 3, 4))  # zeroed
+    extra = [pool.alloc() for _ in range(6)]  # past the first 8 rows: the tensors grow, rows kept
+    assert pool.rows == 16 and torch.equal(pool.t[(0, "conv", 0)][a], torch.ones(3, 4))
+    pool.write_row(extra[-1], saved)
+    assert torch.equal(pool.t[(0, "conv", 0)][extra[-1]], torch.ones(3, 4))
+    for r in [a, c, b, *extra]:
+        pool.release(r)
+    assert pool.t == {} and pool.rows == 0
+
+
+def test_rows_with_a_state_are_never_left_padded():
+    cfg = tiny_model("qwen3_5").config
+    assert recurrent_layer_types(cfg) == ["linear_attention"]
+    assert _unpadded_groups(cfg, [0, 0, 4], [5, 2, 5]) == [[0, 1, 2]]  # new rows may be padded
+    assert _unpadded_groups(cfg, [0, 3, 4, 6], [5, 2, 5, 2]) == [[0, 2], [1, 3]]
+    assert _unpadded_groups(tiny_model("llama").config, [0, 3], [5, 2]) == [[0, 1]]  # no recurrent layers
+
+
+# Qwen3.5's class takes no attention function (the contiguous cache); LFM2's does (both caches)
+@pytest.mark.parametrize("arch,paged", [("qwen3_5", False), ("lfm2", True), ("lfm2", False)],
+                         ids=["qwen3_5-contiguous", "lfm2-paged", "lfm2-contiguous"])
+def test_engine_steps_equal_a_full_forward(arch, paged):
+    with single_thread():
+        model = tiny_model(arch)
+        if paged:
+            assert use_paged_attention(model)
+        be = Backend(model)
+        pool = BlockPool(block_size=4) if paged else KVPool()
+        new_cache = SeqBlocks if paged else SeqKV
+        seqs = [[5, 9, 14, 3, 22, 7, 8], [11, 4, 30], [6, 2, 19, 17, 25]]
+        caches = [new_cache() for _ in seqs]
+
+        def check(logits, rows):
+            for i, r in enumerate(rows):
+                with torch.no_grad():
+                    want = model(torch.tensor([seqs[r]])).logits[0, -1]
+                torch.testing.assert_close(logits[i], want, rtol=1e-4, atol=1e-4)
+
+        # a prefill of three new sequences of different lengths (left-padded)
+        check(forward_step(be, pool, caches, [-1] * 3, [list(s) for s in seqs], [0] * 3), range(3))
+        # prompt chunks of different lengths after a past: 4, 1 and 2 more tokens
+        more = [[12, 13, 3, 9], [21], [4, 4]]
+        for s, m in zip(seqs, more):
+            s.extend(m)
+        check(forward_step(be, pool, caches, [-1] * 3, more, [len(s) - len(m) for s, m in zip(seqs, more)]), range(3))
+        # a fork of row 0 decodes beside it with another token; row 1 is moved to host memory
+        caches.append(caches[0].fork())
+        seqs.append(list(seqs[0]))
+        caches[1].offload()
+        for step in range(3):
+            live = [0, 2, 3]
+            toks = [[3 + (5 * step + 7 * r) % 37] for r in live]
+            for r, t in zip(live, toks):
+                seqs[r].append(t[0])
+            check(forward_step(be, pool, [caches[r] for r in live], [-1] * 3, toks,
+                               [caches[r].length for r in live]), live)
+        seqs[1].append(33)  # back from host memory
+        check(forward_step(be, pool, [caches[1]], [-1], [[33]], [caches[1].length]), [1])
+        assert pool.states.row_bytes() > 0
+        for c in caches:
+            c.free()
+        assert pool.states.t == {}
