@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -93,6 +94,27 @@ class DeltaContext:
         self._token_index.clear()
         self._plans.clear()
         self._segments.clear()
+
+    def row_slot_host(self) -> torch.Tensor:
+        """The batch's slots, host copy (int64 ``[B]``)."""
+        return self._row_slot_host
+
+    @contextmanager
+    def narrowed(self, rows: list[int]):
+        """Within: the batch is rows ``rows`` of the bound one (a module run per group of rows,
+        ``deltazip.runtime.serve.delta_mixer``); the bound batch is back afterwards."""
+        saved = (self.row_slot, self._row_slot_host, self.active, self._token_index, self._plans, self._segments)
+        host = self._row_slot_host[rows]
+        self.row_slot = self.row_slot[torch.tensor(rows, device=self.row_slot.device)]
+        self._row_slot_host, self.active = host, frozenset(s for s in host.tolist() if s >= 0)
+        self._token_index, self._plans, self._segments = {}, {}, {}
+        self.generation += 1  # merged projections' cached outputs belong to one batch
+        try:
+            yield
+        finally:
+            (self.row_slot, self._row_slot_host, self.active, self._token_index, self._plans,
+             self._segments) = saved
+            self.generation += 1
 
     def token_index(self, x: torch.Tensor) -> torch.Tensor:
         """Slot of every row of ``x.reshape(-1, x.shape[-1])``: int64 ``[B * t]`` for ``x`` of ``[B, t, ...]``, or

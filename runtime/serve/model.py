@@ -63,6 +63,7 @@ from deltazip.runtime.serve.delta_linear import (
     layer_norm_offset,
     rms_norm_style,
 )
+from deltazip.runtime.serve.delta_mixer import DeltaMixer, mixer_of
 from deltazip.runtime.serve.delta_sinks import DeltaSinks
 from deltazip.runtime.serve.kernel_tuner import LoraJob, Tuner
 from deltazip.runtime.serve.kernel_warmup import tune_new_keys
@@ -506,9 +507,11 @@ class DeltaModel:
             targets = [pname] + [a for a in self._aliases.get(pname, []) if a not in v.tensors]
             plan[name] = []
             for t in targets:
-                mname, attr = t.rsplit(".", 1)
+                mixer = mixer_of(self.model, t)  # a recurrent layer's own parameter (conv, decay, gated norm)
+                mname, attr = mixer if mixer is not None else t.rsplit(".", 1)
                 mod = self.model.get_submodule(mname)
-                kind = ("router" if attr == "weight" and is_own_forward_router(self.model, mname, mod)
+                kind = ("mixer" if mixer is not None
+                        else "router" if attr == "weight" and is_own_forward_router(self.model, mname, mod)
                         else self._decoupled_kind(mod, attr))
                 if kind == "sinks" and not is_paged(self.model):  # only the paged attention reads them per row
                     kind = None
@@ -551,7 +554,7 @@ class DeltaModel:
         if kind == "sinks":
             return DeltaSinks(old, self.ctx)  # attached to the attention module, which stays
         new = {"linear": DeltaLinear, "norm": DeltaRMSNorm, "layernorm": DeltaLayerNorm, "experts": DeltaExperts,
-               "router": DeltaRouter, "activation": DeltaActivation}[kind](old, self.ctx)
+               "router": DeltaRouter, "activation": DeltaActivation, "mixer": DeltaMixer}[kind](old, self.ctx)
         setattr(parent, child, new)
         return new
 

@@ -192,6 +192,10 @@ class RecurrentStep:
         rows reads zero states for the new ones, which is the same)."""
         return bool(self.pool.states.t) and any(p > 0 for p in self.past)
 
+    def rows_view(self, rows: list[int]) -> RowsView:
+        """The states of rows ``rows`` of this step, for a layer run on those rows alone."""
+        return RowsView(self, rows)
+
     def commit_states(self) -> None:
         """Write the step's states back to the pool (after the forward)."""
         if not self._live:
@@ -199,4 +203,43 @@ class RecurrentStep:
         rows = self._rows_t
         for key, value in self._live.items():
             self.pool.states.scatter(key, rows, value)
+        self._live = {}
+
+
+class RowsView(RecurrentStep):
+    """Some rows of a step's recurrent states (``deltazip.runtime.serve.delta_mixer`` runs a layer per
+    group of rows): reads are the step's current states of those rows, updates go back into the
+    step's (which writes them to the pool after the forward). Anything else is the step's."""
+
+    def __init__(self, step: RecurrentStep, rows: list[int]):
+        self._step, self._rows = step, rows
+        self._idx = torch.tensor(rows, dtype=torch.long)
+        self._live = {}
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_step"], name)
+
+    def _get(self, kind: str, layer_idx: int, state_idx: int) -> torch.Tensor | None:
+        key = (layer_idx, kind, state_idx)
+        if key not in self._live:
+            full = self._step._get(kind, layer_idx, state_idx)
+            if full is None:
+                return None
+            self._live[key] = full.index_select(0, self._idx.to(full.device))
+        return self._live[key]
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        self._live[(layer_idx, "recurrent", state_idx)] = recurrent_states
+        return recurrent_states
+
+    def commit_states(self) -> None:
+        """Into the step's states of these rows (a state not there yet starts as zeros for all rows)."""
+        step = self._step
+        step._state_rows()
+        for key, value in self._live.items():
+            full = step._live.get(key)
+            if full is None or full.shape[1:] != value.shape[1:]:
+                full = step._live[key] = value.new_zeros(len(step.caches), *value.shape[1:])
+            full[self._idx.to(full.device)] = value.to(full.dtype)
         self._live = {}

@@ -64,7 +64,7 @@ FAMILIES = {
                                    num_local_experts=4, num_experts_per_tok=1, no_rope_layers=[1, 0],
                                    attention_chunk_size=WINDOW, floor_scale=4, attn_scale=0.5)),
     # Qwen3.5: gated-delta-rule linear attention layers (a state per sequence) beside a full attention layer;
-    # its fine-tunes here move the linears only (LoRA-like), which delta mode serves per row
+    # its fine-tunes move the recurrent layers' convolution, decay and step size too
     "qwen3_5": ("qwen3_5_text", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                                      head_dim=16, num_hidden_layers=3, max_position_embeddings=128,
                                      layer_types=["linear_attention", "full_attention", "linear_attention"],
@@ -103,8 +103,6 @@ class Family:
         self.name, self.root = name, root
         # Gemma's embeddings are scaled in forward (the decoupled runtime serves them only when unchanged).
         skip = ("norm", "embed_tokens") if model_type.startswith("gemma") else ("norm",)
-        if model_type == "qwen3_5_text":  # the recurrent layers' own parameters stay (see FAMILIES)
-            skip += ("A_log", "dt_bias", "conv1d")
         self.base_dir = save(tiny(model_type, cfg), root / "base")
         self.served = root / "served"
         save(perturb(tiny(model_type, cfg), scale=0.5, seed=3, skip=skip), self.served / "ft")

@@ -100,3 +100,53 @@ def test_engine_steps_equal_a_full_forward(arch, paged):
         for c in caches:
             c.free()
         assert pool.states.t == {}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2"])
+def test_delta_mode_runs_each_variants_recurrent_parameters_on_its_rows(tmp_path, arch):
+    """Two real fine-tunes (every tensor moved: the convolution, the decay and step size, the gated
+    norm) served as full checkpoints in delta mode: their recurrent layers are ``DeltaMixer``s, and in
+    one batch with a base row, through a prefill, a prompt chunk after a past and decode steps, each
+    row's logits equal its own model's plain forward."""
+    from _factories import finetune, save_model
+
+    from deltazip.models.checkpoint import Checkpoint
+    from deltazip.runtime.serve.delta_mixer import DeltaMixer
+    from deltazip.runtime.serve.model import DeltaModel
+    from deltazip.runtime.serve.model_runner import new_kv_pool, new_seq_kv
+    from deltazip.runtime.serve.variant_sources import (
+        BaseTensorIndex,
+        compare_full_checkpoint,
+        inspect_variant,
+    )
+
+    with single_thread():
+        base_model = tiny_model(arch)
+        base = Checkpoint(save_model(base_model, tmp_path / "base"))
+        fts = {n: finetune(tiny_model(arch), steps=8, seed=s) for n, s in (("a", 3), ("b", 4))}
+        dm = DeltaModel(base, [], 2, torch.device("cpu"), torch.float32)
+        for slot, (name, ft) in enumerate(fts.items()):
+            v = inspect_variant(save_model(ft, tmp_path / name), name)
+            compare_full_checkpoint(v, BaseTensorIndex(base, dm.registry.fingerprint_bytes), 4)
+            dm.commit_variant(v, dm.prepare_variant(v))
+            dm.write_slot(slot, name, dm.load_host(name))
+        mixers = [n for n, m in dm.modules.items() if isinstance(m, DeltaMixer)]
+        assert len(mixers) == 2 and all(".layers.1." not in n for n in mixers)  # the two recurrent layers
+        refs = [fts["a"], base_model, fts["b"]]
+        slots = [0, -1, 1]
+        pool = new_kv_pool(dm)
+        caches = [new_seq_kv(pool) for _ in slots]
+        seqs = [[5, 9, 14, 3, 22], [11, 4, 30], [6, 2, 19, 17, 25, 8]]
+        steps = [[list(s) for s in seqs], [[12, 13, 3], [21], [4, 4]], [[7], [9], [3]], [[15], [2], [28]]]
+        for new in steps:
+            past = [c.length for c in caches]
+            if past[0]:
+                for s, t in zip(seqs, new):
+                    s.extend(t)
+            got = forward_step(dm, pool, caches, slots, new, past)
+            for i, ref in enumerate(refs):
+                with torch.no_grad():
+                    want = ref(torch.tensor([seqs[i]])).logits[0, -1]
+                torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
+        for c in caches:
+            c.free()

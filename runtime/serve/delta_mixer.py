@@ -1,0 +1,119 @@
+"""Recurrent token mixers whose own parameters a variant changes, per row: :class:`DeltaMixer`.
+
+A hybrid model's recurrent layer (Qwen3.5's gated delta net, a Mamba-2 mixer, LFM2's short
+convolution) holds, besides its linears, parameters it uses in ways no per-row add can express: a
+depthwise convolution, per-head decay (``A_log``) and step size (``dt_bias``), a gated norm. A full
+fine-tune moves them. When a batch holds a variant that changed them, the mixer runs once per group
+of rows: the rows of each such variant with that variant's tensors (``torch.func.functional_call``),
+the other rows with the base's. Each group runs with the decoupled context and the step's recurrent
+states narrowed to its rows, so the linears inside the mixer (``DeltaLinear``) still apply every
+row's own delta, and each row's state is read and written in place.
+
+The mixer of a tensor is the decoder layer's child holding it, in a layer of a recurrent type
+(:func:`mixer_of`). Linears inside it are decoupled as any linear.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltazip.runtime.serve.delta_experts import DeltaRouter
+from deltazip.runtime.serve.delta_linear import DeltaLinear, is_linear
+from deltazip.runtime.serve.recurrent_state import RECURRENT_LAYER_TYPES, RecurrentStep
+
+
+def mixer_of(model: nn.Module, pname: str) -> tuple[str, str] | None:
+    """``(mixer module, name in it)`` of parameter ``pname`` when it lies in the token mixer of a
+    recurrent layer (a child of the decoder layer holding linears and parameters of its own) and is
+    not a linear's, else None."""
+    from deltazip.models.model_walk import decoder_layers
+
+    text = getattr(model.config, "text_config", None) or model.config
+    types = getattr(text, "layer_types", None) or []
+    lname, layers = decoder_layers(model)
+    head = lname + "."
+    idx, _, rest = pname[len(head):].partition(".") if pname.startswith(head) else ("", "", "")
+    if not idx.isdigit() or int(idx) >= len(types) or types[int(idx)] not in RECURRENT_LAYER_TYPES or "." not in rest:
+        return None
+    child, _, attr = rest.partition(".")
+    owner = model.get_submodule(pname.rpartition(".")[0])
+    if is_linear(owner) or isinstance(owner, DeltaLinear):  # linears stay linears
+        return None
+    return (f"{head}{idx}.{child}", attr) if _is_mixer(layers[int(idx)].get_submodule(child)) else None
+
+
+def _is_mixer(m: nn.Module) -> bool:
+    """Linears inside, and parameters of its own outside them (a norm has no linear, an MLP nothing else)."""
+    subs = list(m.modules())
+    linear = [is_linear(x) or isinstance(x, DeltaLinear) for x in subs]
+    own = any(not lin and any(True for _ in x.parameters(recurse=False)) for x, lin in zip(subs, linear))
+    return own and any(linear[1:])
+
+
+class DeltaMixer(DeltaRouter):
+    """A recurrent mixer whose rows of a changed variant run with that variant's tensors (module
+    docstring). ``load_slot(slot, **tensors)``: whole tensors by name in the mixer (``A_log``,
+    ``conv1d.weight``...), not deltas."""
+
+    def __setattr__(self, name, value):
+        # A linear inside the mixer decoupled later (another variant) must land where the mixer's
+        # forward reads it: on the wrapped module too.
+        inner = self.__dict__.get("_inner")
+        if inner and isinstance(value, nn.Module) and name in inner[0]._modules:
+            setattr(inner[0], name, value)
+        super().__setattr__(name, value)
+
+    def forward(self, *args, **kwargs):
+        inner = self._inner[0]
+        changed = sorted(self._tables.keys() & self.ctx.active)
+        if not changed:
+            return inner(*args, **kwargs)
+        slots = self.ctx.row_slot_host().tolist()
+        groups = [([i for i, s in enumerate(slots) if s == c], self._tables[c]) for c in changed]
+        rest = [i for i, s in enumerate(slots) if s not in changed]
+        if rest:
+            groups.append((rest, {}))
+        b, out = len(slots), None
+        for rows, table in groups:
+            got = self._run(inner, rows, table, b, args, kwargs)
+            if out is None:
+                out = _like(got, b)
+            _place(out, got, rows)
+        return out
+
+    def _run(self, inner, rows: list[int], table: dict, b: int, args, kwargs):
+        """The mixer on rows ``rows`` of the batch (of ``b``) with ``table``'s tensors: tensors of the
+        batch and the step's recurrent states narrowed to those rows."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        views = []
+
+        def narrow(v):
+            if isinstance(v, RecurrentStep):
+                views.append(v.rows_view(rows))
+                return views[-1]
+            if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == b:
+                return v.index_select(0, idx.to(v.device))
+            return v
+
+        with self.ctx.narrowed(rows):
+            out = torch.func.functional_call(inner, table, tuple(narrow(a) for a in args),
+                                             {k: narrow(v) for k, v in kwargs.items()})
+        for view in views:
+            view.commit_states()
+        return out
+
+
+def _like(got, b: int):
+    if isinstance(got, torch.Tensor):
+        return got.new_empty(b, *got.shape[1:])
+    return tuple(_like(g, b) if isinstance(g, torch.Tensor) else g for g in got)
+
+
+def _place(out, got, rows: list[int]) -> None:
+    if isinstance(got, torch.Tensor):
+        out[torch.tensor(rows, device=out.device)] = got
+        return
+    for o, g in zip(out, got):
+        if isinstance(g, torch.Tensor):
+            o[torch.tensor(rows, device=o.device)] = g
