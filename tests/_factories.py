@@ -99,6 +99,16 @@ ARCH_CONFIGS = {
     "lfm2": dict(model_type="lfm2", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=128,
                  layer_types=["conv", "full_attention", "conv"]),
+    # a router whose own [E, H] weight sits beside statistics of its own (a [1, E] correction bias)
+    "ernie4_5_moe": dict(model_type="ernie4_5_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128,
+                         moe_num_experts=4, moe_k=2, moe_layer_start_index=1, moe_num_shared_experts=1,
+                         initializer_range=0.2),  # at 0.02 its greedy output is one token repeated, whatever the weights
+    # a router module holding its gate linear, given [B, T, H] and the block's expert bias
+    "afmoe": dict(model_type="afmoe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+                  max_position_embeddings=128, num_experts=4, num_experts_per_tok=2, sliding_window=6,
+                  layer_types=["sliding_attention", "full_attention"]),
     # xIELU activation: two learned scalars per layer (alpha_p, alpha_n), an MLP without a gate
     "apertus": dict(model_type="apertus", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128),

@@ -133,7 +133,8 @@ def _paged(step: PagedStep, query: torch.Tensor, key: torch.Tensor, value: torch
         # A real row's sum is >= 1 (its max term is exp(0)); the clamp only keeps rows that see no
         # key at all (CUDA-graph padding) at 0 instead of NaN.
         o = _as(num[:n] / den[:n].clamp_min(1e-30).view(n, hkv, g * tm, 1), query.dtype)
-        o = o.view(n, hkv, g, tm, dv).permute(0, 3, 1, 2, 4).reshape(n, tm, hq, dv)
+        # contiguous: models view the output as [B, Tm, H·Dv] (AFMoE), which a permuted view cannot give
+        o = o.view(n, hkv, g, tm, dv).permute(0, 3, 1, 2, 4).reshape(n, tm, hq, dv).contiguous()
         if out is None:
             return o
         out[rows] = o

@@ -73,11 +73,21 @@ def apply_gate(mod: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     return up * mod.act_fn(gate)
 
 
+def block_tensors(block: nn.Module, num_experts: int) -> dict[str, torch.Tensor]:
+    """A MoE block's own ``[E]`` tensors (parameters and buffers), by ``"block.<name>"``: the per-expert
+    biases some blocks pass to their router's forward."""
+    own = {**dict(block.named_buffers(recurse=False)), **dict(block.named_parameters(recurse=False))}
+    return {f"block.{n}": t for n, t in own.items() if tuple(t.shape) == (num_experts,)}
+
+
 def _is_router_module(child: nn.Module, num_experts: int) -> bool:
     """A MoE block's router module (not an ``nn.Linear``): its one matrix is ``[E, H]``, its own
     ``weight`` (``*TopKRouter``) or a child linear's (Gemma 4's ``proj``, beside its scales)."""
     if isinstance(child, nn.Linear):
         return False
+    w = getattr(child, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == num_experts:
+        return True  # its own [E, H] weight, whatever else it holds (Ernie 4.5's statistics)
     mats = [p for p in child.parameters() if p.dim() >= 2]
     return len(mats) == 1 and mats[0].dim() == 2 and mats[0].shape[0] == num_experts
 
@@ -149,13 +159,16 @@ class DeltaRouter(nn.Module):
         self._inner = [base]  # not a submodule: its parameters and children are ours already
         self.ctx = ctx
         self._tables: dict[int, dict[str, torch.Tensor]] = {}  # slot -> {attribute: the variant's tensor}
+        # Tensors of the MoE block that the block passes to the router's forward (AFMoE's expert_bias,
+        # MiniMax-M2's e_score_correction_bias), by "block.<name>": a variant's replace them per row.
+        self.block_tensors: dict[str, torch.Tensor] = {}
 
     def clear_slot(self, slot: int) -> None:
         self._tables.pop(slot, None)
 
     def load_slot(self, slot: int, **tensors: torch.Tensor) -> None:
         """The variant's router tensors by attribute (``weight`` ``[E, H]``, ...; whole tensors, not deltas)."""
-        own = router_tensors(self._inner[0])
+        own = {**router_tensors(self._inner[0]), **self.block_tensors}
         table = {}
         for name, t in tensors.items():
             base = own.get(name)
@@ -177,16 +190,22 @@ class DeltaRouter(nn.Module):
             return inner(hidden_states, *args)
         h = hidden_states.reshape(-1, hidden_states.shape[-1])
         idx = token_slots(self.ctx, h)
-        base = inner(h, *args)
+        base = inner(hidden_states, *args)
         single = isinstance(base, torch.Tensor)  # an nn.Linear router of plain logits
-        outs = [t.clone() for t in ((base,) if single else base)]
+        outs = [t.clone(memory_format=torch.contiguous_format) for t in ((base,) if single else base)]
         for s in sorted(changed):
             rows = (idx == s).nonzero(as_tuple=True)[0]
             if not rows.numel():
                 continue
-            mine = torch.func.functional_call(inner, self._tables[s], (h[rows], *args))
+            # the rows in the rank the module was given ([B, T, H] routers unpack three sizes: AFMoE's)
+            x = h[rows] if hidden_states.dim() == 2 else h[rows].unsqueeze(0)
+            table = self._tables[s]
+            given = [next((table[k] for k, t in self.block_tensors.items() if a is t and k in table), a)
+                     for a in args]  # the block's tensors the variant changed
+            mine = torch.func.functional_call(inner, {k: v for k, v in table.items() if not k.startswith("block.")},
+                                              (x, *given))
             for o, m in zip(outs, (mine,) if single else mine):
-                o[rows] = m.to(o.dtype)
+                o.view(-1, o.shape[-1])[rows] = m.reshape(-1, m.shape[-1]).to(o.dtype)
         return outs[0] if single else tuple(outs)
 
 
@@ -483,6 +502,7 @@ class MoeLayout:
         self.model = model
         self.experts: dict[str, nn.Module] = {}  # qualified module name -> fused experts module
         self.routers: dict[str, nn.Module] = {}
+        self.blocks: dict[str, dict[str, torch.Tensor]] = {}  # router -> its block's tensors (block_tensors)
         self.layers: dict[str, nn.Module] = {}  # layer prefix ("model.layers.3.") -> layer
         self._maps: dict[tuple[str, frozenset], dict[str, object]] = {}
         modules = dict(model.named_modules())
@@ -500,6 +520,7 @@ class MoeLayout:
                 for cname, child in modules[parent].named_children():
                     if child is not m and _is_router_module(child, m.num_experts):
                         self.routers[f"{parent}.{cname}"] = child
+                        self.blocks[f"{parent}.{cname}"] = block_tensors(modules[parent], m.num_experts)
 
     def _router_of(self, param: str) -> tuple[str, str] | None:
         """``(router module, name in it)`` of a qualified parameter name under a router, else None."""
@@ -550,4 +571,9 @@ class MoeLayout:
                 name = f"{mname}.{attr}"
                 if name not in out and list(shapes.get(name, ())) == list(b.shape):
                     out[name] = (mname, "router", attr)
+            block = mname.rpartition(".")[0]
+            for key, t in self.blocks[mname].items():  # the block's tensors its router is given
+                name = f"{block}.{key.removeprefix('block.')}"
+                if list(shapes.get(name, ())) == list(t.shape):
+                    out[name] = (mname, "router", key)
         return out

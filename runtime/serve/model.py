@@ -555,6 +555,8 @@ class DeltaModel:
             return DeltaSinks(old, self.ctx)  # attached to the attention module, which stays
         new = {"linear": DeltaLinear, "norm": DeltaRMSNorm, "layernorm": DeltaLayerNorm, "experts": DeltaExperts,
                "router": DeltaRouter, "activation": DeltaActivation, "mixer": DeltaMixer}[kind](old, self.ctx)
+        if kind == "router":
+            new.block_tensors = self._moe.blocks.get(mname, {})
         setattr(parent, child, new)
         return new
 
