@@ -108,6 +108,17 @@ def test_delta_mode_runs_each_variants_recurrent_parameters_on_its_rows(tmp_path
     norm) served as full checkpoints in delta mode: their recurrent layers are ``DeltaMixer``s, and in
     one batch with a base row, through a prefill, a prompt chunk after a past and decode steps, each
     row's logits equal its own model's plain forward."""
+    _check_delta_mode(tmp_path, arch, torch.device("cpu"), 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2"])
+def test_delta_mode_hybrid_models_on_cuda(tmp_path, arch):
+    """The same on a GPU (the state pool and the per-group runs on CUDA tensors)."""
+    _check_delta_mode(tmp_path, arch, torch.device("cuda"), 2e-3)
+
+
+def _check_delta_mode(tmp_path, arch: str, device: torch.device, tol: float) -> None:
     from _factories import finetune, save_model
 
     from deltazip.models.checkpoint import Checkpoint
@@ -124,7 +135,7 @@ def test_delta_mode_runs_each_variants_recurrent_parameters_on_its_rows(tmp_path
         base_model = tiny_model(arch)
         base = Checkpoint(save_model(base_model, tmp_path / "base"))
         fts = {n: finetune(tiny_model(arch), steps=8, seed=s) for n, s in (("a", 3), ("b", 4))}
-        dm = DeltaModel(base, [], 2, torch.device("cpu"), torch.float32)
+        dm = DeltaModel(base, [], 2, device, torch.float32)
         for slot, (name, ft) in enumerate(fts.items()):
             v = inspect_variant(save_model(ft, tmp_path / name), name)
             compare_full_checkpoint(v, BaseTensorIndex(base, dm.registry.fingerprint_bytes), 4)
@@ -132,7 +143,7 @@ def test_delta_mode_runs_each_variants_recurrent_parameters_on_its_rows(tmp_path
             dm.write_slot(slot, name, dm.load_host(name))
         mixers = [n for n, m in dm.modules.items() if isinstance(m, DeltaMixer)]
         assert len(mixers) == 2 and all(".layers.1." not in n for n in mixers)  # the two recurrent layers
-        refs = [fts["a"], base_model, fts["b"]]
+        refs = [m.to(device) for m in (fts["a"], base_model, fts["b"])]
         slots = [0, -1, 1]
         pool = new_kv_pool(dm)
         caches = [new_seq_kv(pool) for _ in slots]
@@ -146,7 +157,7 @@ def test_delta_mode_runs_each_variants_recurrent_parameters_on_its_rows(tmp_path
             got = forward_step(dm, pool, caches, slots, new, past)
             for i, ref in enumerate(refs):
                 with torch.no_grad():
-                    want = ref(torch.tensor([seqs[i]])).logits[0, -1]
-                torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
+                    want = ref(torch.tensor([seqs[i]], device=device)).logits[0, -1]
+                torch.testing.assert_close(got[i], want.float(), rtol=tol, atol=tol)
         for c in caches:
             c.free()
