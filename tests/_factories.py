@@ -109,6 +109,10 @@ ARCH_CONFIGS = {
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
                   max_position_embeddings=128, num_experts=4, num_experts_per_tok=2, sliding_window=6,
                   layer_types=["sliding_attention", "full_attention"]),
+    # hybrid layers: attention and a Mamba-2 mixer side by side in every layer (a KV cache and a state)
+    "falcon_h1": dict(model_type="falcon_h1", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128,
+                      mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1),
     # xIELU activation: two learned scalars per layer (alpha_p, alpha_n), an MLP without a gate
     "apertus": dict(model_type="apertus", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128),

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from deltazip.runtime.serve.recurrent_state import RECURRENT_LAYER_TYPES
+
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 
 
@@ -48,8 +50,8 @@ def layer_types(config) -> list[str]:
 def unsupported_layer_types(config) -> list[str]:
     """Layer types the engine serves no way (state-space and other hybrid layers, ...): attention ones
     get masks here, recurrent ones (linear attention, short convolutions) a per-sequence state
-    (``deltazip.runtime.serve.recurrent_state``) and a 2-D padding mask."""
-    return sorted(set(layer_types(config)) - {FULL, SLIDING, CHUNKED, "linear_attention", "conv"})
+    (``deltazip.runtime.serve.recurrent_state``) and a 2-D padding mask, and hybrid ones both."""
+    return sorted(set(layer_types(config)) - {FULL, SLIDING, CHUNKED, *RECURRENT_LAYER_TYPES})
 
 
 def attention_chunk(module) -> int | None:

@@ -178,8 +178,8 @@ def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) 
     bad = unsupported_layer_types(model.config)
     if bad:
         raise InputError(f"base {base.path} uses {', '.join(bad)} layers, which the serving engine does not run; serve "
-                         f"a model whose layers are full, sliding-window or chunked attention, linear attention or "
-                         f"short convolutions")
+                         f"a model whose layers are full, sliding-window or chunked attention, linear attention, "
+                         f"short convolutions or attention beside a state-space mixer")
     model = model.to(device).eval()
     _self_check(model, base.path, device, dtype)
     return model

@@ -1,9 +1,9 @@
 """Per-sequence states of recurrent layers (linear attention, short convolutions) in the serving engine.
 
-Hybrid models (Qwen3.5, Qwen3-Next, Kimi Linear, LFM2, OLMo hybrid) mix attention layers with
-recurrent ones whose past is a fixed-size state per sequence, not a key per token: a convolution
-window ``[C, K]`` and, for linear attention, a recurrent state (``[H, d_k, d_v]`` for a gated delta
-rule). transformers reads and writes them through the cache object (``get_conv_state``,
+Hybrid models (Qwen3.5, Qwen3-Next, Granite 4, LFM2; Falcon-H1, whose ``hybrid`` layers hold an
+attention and a Mamba-2 mixer side by side) mix attention with recurrent layers whose past is a
+fixed-size state per sequence, not a key per token: a convolution window ``[C, K]`` and, for linear
+attention and state-space mixers, a recurrent state (``[H, d_k, d_v]`` for a gated delta rule). transformers reads and writes them through the cache object (``get_conv_state``,
 ``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``).
 
 - :class:`StatePool`: per (layer, kind, index) one tensor ``[R, *state]``, a row per live sequence
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv", "hybrid")  # "hybrid": attention and a state in one layer
 
 
 def recurrent_layer_types(config) -> list[str]:

@@ -1,5 +1,6 @@
 """Hybrid models in the serving engine: recurrent layers (Qwen3.5's gated-delta-rule linear attention,
-LFM2's short convolutions) keep a fixed-size state per sequence in the pool's ``StatePool``.
+LFM2's short convolutions, Falcon-H1's Mamba-2 mixers beside attention in every layer) keep a
+fixed-size state per sequence in the pool's ``StatePool``.
 
 Every row's logits through the engine's step runner equal a plain forward of its whole sequence,
 through prefills of different lengths (left-padded new sequences), prompt chunks of different lengths
@@ -57,8 +58,8 @@ def test_rows_with_a_state_are_never_left_padded():
 
 
 # Qwen3.5's class takes no attention function (the contiguous cache); LFM2's does (both caches)
-@pytest.mark.parametrize("arch,paged", [("qwen3_5", False), ("lfm2", True), ("lfm2", False)],
-                         ids=["qwen3_5-contiguous", "lfm2-paged", "lfm2-contiguous"])
+@pytest.mark.parametrize("arch,paged", [("qwen3_5", False), ("lfm2", True), ("lfm2", False), ("falcon_h1", False)],
+                         ids=["qwen3_5-contiguous", "lfm2-paged", "lfm2-contiguous", "falcon_h1-contiguous"])
 def test_engine_steps_equal_a_full_forward(arch, paged):
     with single_thread():
         model = tiny_model(arch)
@@ -102,7 +103,7 @@ def test_engine_steps_equal_a_full_forward(arch, paged):
         assert pool.states.t == {}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "falcon_h1"])
 def test_delta_mode_runs_each_variants_recurrent_parameters_on_its_rows(tmp_path, arch):
     """Two real fine-tunes (every tensor moved: the convolution, the decay and step size, the gated
     norm) served as full checkpoints in delta mode: their recurrent layers are ``DeltaMixer``s, and in
@@ -141,8 +142,9 @@ def _check_delta_mode(tmp_path, arch: str, device: torch.device, tol: float) -> 
             compare_full_checkpoint(v, BaseTensorIndex(base, dm.registry.fingerprint_bytes), 4)
             dm.commit_variant(v, dm.prepare_variant(v))
             dm.write_slot(slot, name, dm.load_host(name))
-        mixers = [n for n, m in dm.modules.items() if isinstance(m, DeltaMixer)]
-        assert len(mixers) == 2 and all(".layers.1." not in n for n in mixers)  # the two recurrent layers
+        mixers = {n.split(".")[2] for n, m in dm.modules.items() if isinstance(m, DeltaMixer)}
+        types = base_model.config.layer_types
+        assert mixers == {str(i) for i, t in enumerate(types) if t != "full_attention"}  # one per recurrent layer
         refs = [m.to(device) for m in (fts["a"], base_model, fts["b"])]
         slots = [0, -1, 1]
         pool = new_kv_pool(dm)
