@@ -113,6 +113,12 @@ ARCH_CONFIGS = {
     "falcon_h1": dict(model_type="falcon_h1", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128,
                       mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1),
+    # linear attention whose checkpoint splits the fused convolution into q/k/v pieces, beside MLA layers
+    "kimi_linear": dict(model_type="kimi_linear", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=4, num_hidden_layers=2, max_position_embeddings=128,
+                        layer_types=["linear_attention", "full_attention"], linear_num_heads=4, linear_head_dim=16,
+                        num_experts=4, num_experts_per_token=2, moe_intermediate_size=32, kv_lora_rank=32,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
     # xIELU activation: two learned scalars per layer (alpha_p, alpha_n), an MLP without a gate
     "apertus": dict(model_type="apertus", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128),

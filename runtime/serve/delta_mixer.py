@@ -43,6 +43,30 @@ def mixer_of(model: nn.Module, pname: str) -> tuple[str, str] | None:
     return (f"{head}{idx}.{child}", attr) if _is_mixer(layers[int(idx)].get_submodule(child)) else None
 
 
+def mixer_pieces(model: nn.Module, shapes: dict[str, list[int]], names: list[str]) -> dict[str, tuple[str, str]]:
+    """``checkpoint name -> (mixer, "attr:row0:row1")`` for names that transformers' conversion
+    concatenates into a mixer's parameter (Kimi Linear's ``q_conv1d``/``k_conv1d``/``v_conv1d`` into one
+    ``conv1d``), rows of the parameter seen as ``[rows, ...]``; ``names`` are the ones not renamed plainly."""
+    from deltazip.models.layer_map import map_layer
+    from deltazip.models.model_walk import decoder_layers
+
+    lname, layers = decoder_layers(model)
+    out: dict[str, tuple[str, str]] = {}
+    for i, layer in enumerate(layers):
+        prefix = f"{lname}.{i}."
+        mine = [n for n in names if n.startswith(prefix)]
+        if not mine:
+            continue
+        pieces = map_layer(model, prefix, layer, [n for n in shapes if n.startswith(prefix)],
+                           lambda n: tuple(shapes[n])).pieces
+        for n in mine:
+            pc = pieces.get(n)
+            mixer = None if pc is None else mixer_of(model, prefix + pc.param)
+            if mixer is not None:
+                out[n] = (mixer[0], f"{mixer[1]}:{pc.row0}:{pc.row1}")
+    return out
+
+
 def _is_mixer(m: nn.Module) -> bool:
     """Linears inside, and parameters of its own outside them (a norm has no linear, an MLP nothing else)."""
     subs = list(m.modules())
@@ -63,6 +87,20 @@ class DeltaMixer(DeltaRouter):
         if inner and isinstance(value, nn.Module) and name in inner[0]._modules:
             setattr(inner[0], name, value)
         super().__setattr__(name, value)
+
+    def load_slot(self, slot: int, **tensors: torch.Tensor) -> None:
+        """Whole tensors by name, or rows of one (``"conv1d.weight:0:64"``: the rest of it is the base's)."""
+        own, whole = dict(self._inner[0].named_parameters()), {}
+        for key, t in tensors.items():
+            name, sep, rows = key.partition(":")
+            if not sep:
+                whole[key] = t
+                continue
+            r0, r1 = (int(r) for r in rows.split(":"))
+            base = own[name]
+            buf = whole.setdefault(name, base.detach().clone())
+            buf.view(base.shape[0], -1)[r0:r1] = t.reshape(r1 - r0, -1).to(buf.dtype)
+        super().load_slot(slot, **whole)
 
     def forward(self, *args, **kwargs):
         inner = self._inner[0]

@@ -32,6 +32,7 @@ import torch
 from deltazip.runtime.serve.recurrent_state import RECURRENT_LAYER_TYPES
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+MLP_LAYER_TYPES = ("moe", "mlp")  # Nemotron-H's layers that are an MLP alone: no attention, no state
 
 
 def layer_types(config) -> list[str]:
@@ -51,7 +52,7 @@ def unsupported_layer_types(config) -> list[str]:
     """Layer types the engine serves no way (state-space and other hybrid layers, ...): attention ones
     get masks here, recurrent ones (linear attention, short convolutions) a per-sequence state
     (``deltazip.runtime.serve.recurrent_state``) and a 2-D padding mask, and hybrid ones both."""
-    return sorted(set(layer_types(config)) - {FULL, SLIDING, CHUNKED, *RECURRENT_LAYER_TYPES})
+    return sorted(set(layer_types(config)) - {FULL, SLIDING, CHUNKED, *RECURRENT_LAYER_TYPES, *MLP_LAYER_TYPES})
 
 
 def attention_chunk(module) -> int | None:

@@ -63,13 +63,14 @@ from deltazip.runtime.serve.delta_linear import (
     layer_norm_offset,
     rms_norm_style,
 )
-from deltazip.runtime.serve.delta_mixer import DeltaMixer, mixer_of
+from deltazip.runtime.serve.delta_mixer import DeltaMixer, mixer_of, mixer_pieces
 from deltazip.runtime.serve.delta_sinks import DeltaSinks
 from deltazip.runtime.serve.kernel_tuner import LoraJob, Tuner
 from deltazip.runtime.serve.kernel_warmup import tune_new_keys
 from deltazip.runtime.serve.model_runner import left_pad, new_kv_pool, new_seq_kv, run_model, step_args
 from deltazip.runtime.serve.param_names import module_names
 from deltazip.runtime.serve.projections import merge_projections
+from deltazip.runtime.serve.recurrent_state import recurrent_layer_types
 from deltazip.runtime.serve.variant_sources import VariantInfo
 from deltazip.runtime.share.dedup_registry import TensorDedupRegistry
 from deltazip.runtime.share.dedup_serving import (
@@ -489,8 +490,14 @@ class DeltaModel:
             else:
                 changed.append(name)
         to_param = module_names(self.model, changed)
+        pieces = mixer_pieces(self.model, {n: list(x.stored_shape) for n, x in v.entries.items()},
+                              [n for n in changed if n not in to_param]) if recurrent_layer_types(self.config) else {}
         for name in changed:
             e = v.entries[name]
+            if name in pieces:  # rows of a recurrent layer's own parameter (a conversion concatenates them)
+                wanted[pieces[name][0]] = "mixer"
+                plan[name] = [pieces[name]]
+                continue
             if e.is_matrix and e.experts:
                 raise UnsupportedVariant(f"variant {v.name}: tensor {name} is a fused mixture-of-experts tensor, which "
                                          f"the decoupled runtime does not apply per request; serve it with --mode swap")

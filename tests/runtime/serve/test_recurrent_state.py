@@ -103,12 +103,13 @@ def test_engine_steps_equal_a_full_forward(arch, paged):
         assert pool.states.t == {}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "falcon_h1", "kimi_linear"])
 def test_delta_mode_runs_each_variants_recurrent_parameters_on_its_rows(tmp_path, arch):
     """Two real fine-tunes (every tensor moved: the convolution, the decay and step size, the gated
     norm) served as full checkpoints in delta mode: their recurrent layers are ``DeltaMixer``s, and in
     one batch with a base row, through a prefill, a prompt chunk after a past and decode steps, each
-    row's logits equal its own model's plain forward."""
+    row's logits equal its own model's plain forward. Kimi Linear's checkpoint holds its fused
+    convolution as three pieces, which land as rows of the mixer's parameter."""
     _check_delta_mode(tmp_path, arch, torch.device("cpu"), 1e-4)
 
 
