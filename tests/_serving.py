@@ -149,6 +149,19 @@ def running_server(served: ServedSet, **cfg):
             yield srv
 
 
+class PlainBackend:
+    """The engine's backend contract over a plain transformers model (base rows only): what the step
+    runner (``forward_step``) needs of ``DeltaModel``/``SwapModels``."""
+
+    def __init__(self, model):
+        self.model, self.config, self.device, self.dtype = model, model.config, torch.device("cpu"), model.dtype
+
+    def forward(self, row_slots, input_ids, position_ids, attention_mask, kv):
+        from deltazip.runtime.serve.model_runner import run_model
+
+        return run_model(self.model, input_ids, position_ids, attention_mask, kv)
+
+
 class single_thread:
     """Context manager: torch on one intra-op thread (tiny models on a shared 2-core machine run
     several times faster without OpenMP threads spinning against other processes)."""

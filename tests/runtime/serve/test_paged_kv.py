@@ -7,22 +7,12 @@ import random
 import pytest
 import torch
 from _factories import tiny_model
-from _serving import single_thread
+from _serving import PlainBackend, single_thread
 
 from deltazip.runtime.serve.attention import PAGED_ATTENTION, paged_attention_forward, use_paged_attention
 from deltazip.runtime.serve.kv_cache import CURRENT_STEP, BlockPool, PagedStep, SeqBlocks
 from deltazip.runtime.serve.kv_meter import KVCopyMeter
-from deltazip.runtime.serve.model_runner import KVPool, SeqKV, forward_step, run_model
-
-
-class Backend:
-    """The engine's backend contract over a plain transformers model (base rows only)."""
-
-    def __init__(self, model):
-        self.model, self.config, self.device, self.dtype = model, model.config, torch.device("cpu"), model.dtype
-
-    def forward(self, row_slots, input_ids, position_ids, attention_mask, kv):
-        return run_model(self.model, input_ids, position_ids, attention_mask, kv)
+from deltazip.runtime.serve.model_runner import KVPool, SeqKV, forward_step
 
 
 def test_block_pool_allocates_lowest_first_grows_and_holds_nothing_when_idle():
@@ -120,7 +110,7 @@ def test_paged_decoding_equals_full_forward_under_churn(arch):
         ref = copy.deepcopy(model)
         ref.set_attn_implementation("eager")
         assert use_paged_attention(model) and model.config._attn_implementation == PAGED_ATTENTION
-        be, pool, rng = Backend(model), BlockPool(block_size=4), random.Random(0)
+        be, pool, rng = PlainBackend(model), BlockPool(block_size=4), random.Random(0)
         live: dict[int, tuple[SeqBlocks, list[int]]] = {}
         for step in range(14):
             if len(live) < 4:
@@ -171,7 +161,7 @@ def test_latent_attention_takes_the_contiguous_pool_and_decodes_as_a_full_forwar
         cfg = model.config
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim  # 32 + 8
         assert _kv_bytes_per_token(cfg, torch.float32) == cfg.num_hidden_layers * width * 4
-        be, pool = Backend(model), KVPool()
+        be, pool = PlainBackend(model), KVPool()
         seqs = [(SeqKV(), [5, 9, 14, 3, 22, 7]), (SeqKV(), [11, 4, 30])]
         for step in range(6):
             if step == 3:
@@ -207,7 +197,7 @@ def test_forked_sequences_share_the_prefix_and_decode_as_fresh_ones(arch, paged)
         ref.set_attn_implementation("eager")
         if paged:
             use_paged_attention(model)
-        be = Backend(model)
+        be = PlainBackend(model)
         pool = BlockPool(block_size=4) if paged else KVPool()
         new = SeqBlocks if paged else SeqKV
         prompt, other = list(range(5, 18)), [9, 8, 7, 6, 5]
@@ -289,7 +279,7 @@ def test_a_decode_step_copies_no_kv_bytes_beyond_the_new_tokens():
     with single_thread():
         model = tiny_model("llama")
         use_paged_attention(model)
-        be, cfg = Backend(model), model.config
+        be, cfg = PlainBackend(model), model.config
         rows, context = 4, 21
         per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
         measured = {}
@@ -314,7 +304,7 @@ def test_the_cuda_graph_step_layout_run_eagerly_equals_the_paged_step():
     with single_thread():
         model = tiny_model("llama")
         use_paged_attention(model)
-        be = Backend(model)
+        be = PlainBackend(model)
         pools = [BlockPool(block_size=4), BlockPool(block_size=4)]
         prompts = [[5, 6, 7, 8, 9], [10, 11], [12] * 9]
         caches = [[SeqBlocks() for _ in prompts] for _ in pools]
@@ -350,7 +340,7 @@ def test_a_decode_composition_met_once_runs_eagerly_and_is_captured_the_second_t
     with single_thread():
         model = tiny_model("llama")
         use_paged_attention(model)
-        be = Backend(model)
+        be = PlainBackend(model)
         be.ctx = DeltaContext(num_slots=2)
         pool = BlockPool(block_size=4)
         caches = [SeqBlocks() for _ in range(3)]
@@ -383,7 +373,7 @@ def test_kv_admission_counts_what_the_paged_pool_holds_per_token(arch, overrides
         assert use_paged_attention(model)
         pool = BlockPool(block_size=4)
         caches = [SeqBlocks(), SeqBlocks()]
-        forward_step(Backend(model), pool, caches, [-1, -1], [[5, 9, 14, 3, 22], [11, 4]], [0, 0])
+        forward_step(PlainBackend(model), pool, caches, [-1, -1], [[5, 9, 14, 3, 22], [11, 4]], [0, 0])
         held = pool.nbytes() // (pool.num_blocks * pool.block_size)
         assert held == _kv_bytes_per_token(model.config, torch.float32) > 0
         for c in caches:

@@ -13,20 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 from _factories import tiny_model
-from _serving import single_thread
+from _serving import PlainBackend, single_thread
 
 from deltazip.runtime.serve.attention import use_paged_attention
 from deltazip.runtime.serve.kv_cache import BlockPool, SeqBlocks
-from deltazip.runtime.serve.model_runner import KVPool, SeqKV, _unpadded_groups, forward_step, run_model
+from deltazip.runtime.serve.model_runner import KVPool, SeqKV, _unpadded_groups, forward_step
 from deltazip.runtime.serve.recurrent_state import StatePool, recurrent_layer_types
-
-
-class Backend:
-    def __init__(self, model):
-        self.model, self.config, self.device, self.dtype = model, model.config, torch.device("cpu"), model.dtype
-
-    def forward(self, row_slots, input_ids, position_ids, attention_mask, kv):
-        return run_model(self.model, input_ids, position_ids, attention_mask, kv)
 
 
 def test_state_pool_rows_are_zeroed_grown_forked_and_dropped_when_idle():
@@ -65,7 +57,7 @@ def test_engine_steps_equal_a_full_forward(arch, paged):
         model = tiny_model(arch)
         if paged:
             assert use_paged_attention(model)
-        be = Backend(model)
+        be = PlainBackend(model)
         pool = BlockPool(block_size=4) if paged else KVPool()
         new_cache = SeqBlocks if paged else SeqKV
         seqs = [[5, 9, 14, 3, 22, 7, 8], [11, 4, 30], [6, 2, 19, 17, 25]]
