@@ -41,6 +41,37 @@ def test_state_pool_rows_are_zeroed_grown_forked_and_dropped_when_idle():
     assert pool.t == {} and pool.rows == 0
 
 
+def test_a_recurrent_layers_own_parameters_belong_to_its_mixer_not_to_its_attention():
+    """In a ``hybrid`` layer (attention beside a state-space mixer) the mixer's decay and convolution go
+    to the mixer; the attention module's norm is left to the norm decoupling; linears stay linears."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from deltazip.runtime.serve.delta_mixer import mixer_of
+
+    def block(causal: bool) -> nn.Module:
+        m = nn.Module()
+        m.proj, m.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+        if causal:
+            m.is_causal = True
+        else:
+            m.A_log = nn.Parameter(torch.zeros(4))
+        return m
+
+    layer = nn.Module()
+    layer.self_attn, layer.mamba = block(True), block(False)
+    model = nn.Module()
+    model.layers = nn.ModuleList([layer])
+    model.config = SimpleNamespace(num_hidden_layers=1, layer_types=["hybrid"])
+    assert mixer_of(model, "layers.0.mamba.A_log") == ("layers.0.mamba", "A_log")
+    assert mixer_of(model, "layers.0.mamba.norm.weight") == ("layers.0.mamba", "norm.weight")
+    assert mixer_of(model, "layers.0.self_attn.norm.weight") is None
+    assert mixer_of(model, "layers.0.mamba.proj.weight") is None
+    model.config.layer_types = ["full_attention"]
+    assert mixer_of(model, "layers.0.mamba.A_log") is None  # not a recurrent layer
+
+
 def test_rows_with_a_state_are_never_left_padded():
     cfg = tiny_model("qwen3_5").config
     assert recurrent_layer_types(cfg) == ["linear_attention"]
