@@ -42,6 +42,7 @@ class StatePool:
         self.t: dict[tuple, torch.Tensor] = {}  # (layer, "conv"/"recurrent", index) -> [R, *state]
         self.rows = 0
         self._free: list[int] = []
+        self.device: torch.device | None = None  # where the model keeps its states (kept when idle)
 
     @torch.inference_mode()  # the tensors are made in forwards: inference tensors
     def alloc(self) -> int:
@@ -77,6 +78,7 @@ class StatePool:
         t = self.t.get(key)
         if t is None:
             t = self.t[key] = values.new_zeros(self.rows, *values.shape[1:])
+            self.device = values.device
         t.index_copy_(0, rows.to(t.device), values.to(t.dtype))
 
     @torch.inference_mode()  # the tensors are made in forwards: inference tensors
@@ -89,10 +91,10 @@ class StatePool:
 
     @torch.inference_mode()  # the tensors are made in forwards: inference tensors
     def write_row(self, row: int, saved: dict[tuple, torch.Tensor]) -> None:
-        for k, s in saved.items():
+        for k, s in saved.items():  # host copies: back on the model's device
             t = self.t.get(k)
             if t is None:
-                t = self.t[k] = s.new_zeros(self.rows, *s.shape).to(s.device)
+                t = self.t[k] = torch.zeros(self.rows, *s.shape, dtype=s.dtype, device=self.device or s.device)
             t[row].copy_(s.to(t.device))
 
 

@@ -36,9 +36,11 @@ def test_state_pool_rows_are_zeroed_grown_forked_and_dropped_when_idle():
     assert pool.rows == 16 and torch.equal(pool.t[(0, "conv", 0)][a], torch.ones(3, 4))
     pool.write_row(extra[-1], saved)
     assert torch.equal(pool.t[(0, "conv", 0)][extra[-1]], torch.ones(3, 4))
-    for r in [a, c, b, *extra]:
+    for r in [a, c, b, *extra]:  # b: the row the zeroed check took back
         pool.release(r)
     assert pool.t == {} and pool.rows == 0
+    pool.write_row(pool.alloc(), saved)  # a preempted sequence back in an idle pool: on the model's device
+    assert pool.t[(0, "conv", 0)].device == pool.device == torch.device("cpu")
 
 
 def test_a_recurrent_layers_own_parameters_belong_to_its_mixer_not_to_its_attention():
