@@ -162,9 +162,11 @@ class DeltaRouter(nn.Module):
         # Tensors of the MoE block that the block passes to the router's forward (AFMoE's expert_bias,
         # MiniMax-M2's e_score_correction_bias), by "block.<name>": a variant's replace them per row.
         self.block_tensors: dict[str, torch.Tensor] = {}
+        self._args: dict[int, dict[int, torch.Tensor]] = {}  # slot -> {id(block tensor): the variant's}
 
     def clear_slot(self, slot: int) -> None:
         self._tables.pop(slot, None)
+        self._args.pop(slot, None)
 
     def load_slot(self, slot: int, **tensors: torch.Tensor) -> None:
         """The variant's router tensors by attribute (``weight`` ``[E, H]``, ...; whole tensors, not deltas)."""
@@ -176,10 +178,13 @@ class DeltaRouter(nn.Module):
                 raise ValueError(f"router {name} {tuple(t.shape)} != base "
                                  f"{None if base is None else tuple(base.shape)}")
             table[name] = t.to(device=base.device, dtype=base.dtype)
-        self._tables[slot] = table
+        # the block's tensors are swapped in the forward's arguments, the router's own by functional_call
+        self._args[slot] = {id(self.block_tensors[k]): v for k, v in table.items() if k in self.block_tensors}
+        self._tables[slot] = {k: v for k, v in table.items() if k not in self.block_tensors}
 
     def resident_bytes(self, slot: int) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tables.get(slot, {}).values())
+        held = [*self._tables.get(slot, {}).values(), *self._args.get(slot, {}).values()]
+        return sum(t.numel() * t.element_size() for t in held)
 
     def forward(self, hidden_states: torch.Tensor, *args):
         """``args``: the router's other inputs, the same for every row (MiniMax-M2's block passes its
@@ -199,11 +204,9 @@ class DeltaRouter(nn.Module):
                 continue
             # the rows in the rank the module was given ([B, T, H] routers unpack three sizes: AFMoE's)
             x = h[rows] if hidden_states.dim() == 2 else h[rows].unsqueeze(0)
-            table = self._tables[s]
-            given = [next((table[k] for k, t in self.block_tensors.items() if a is t and k in table), a)
-                     for a in args]  # the block's tensors the variant changed
-            mine = torch.func.functional_call(inner, {k: v for k, v in table.items() if not k.startswith("block.")},
-                                              (x, *given))
+            swap = self._args.get(s, {})
+            given = [swap.get(id(a), a) for a in args]  # the block's tensors the variant changed
+            mine = torch.func.functional_call(inner, self._tables[s], (x, *given))
             for o, m in zip(outs, (mine,) if single else mine):
                 o.view(-1, o.shape[-1])[rows] = m.reshape(-1, m.shape[-1]).to(o.dtype)
         return outs[0] if single else tuple(outs)

@@ -490,8 +490,9 @@ class DeltaModel:
             else:
                 changed.append(name)
         to_param = module_names(self.model, changed)
+        recurrent = bool(recurrent_layer_types(self.config))  # recurrent layers' own parameters: DeltaMixer
         pieces = mixer_pieces(self.model, {n: list(x.stored_shape) for n, x in v.entries.items()},
-                              [n for n in changed if n not in to_param]) if recurrent_layer_types(self.config) else {}
+                              [n for n in changed if n not in to_param]) if recurrent else {}
         for name in changed:
             e = v.entries[name]
             if name in pieces:  # rows of a recurrent layer's own parameter (a conversion concatenates them)
@@ -514,7 +515,7 @@ class DeltaModel:
             targets = [pname] + [a for a in self._aliases.get(pname, []) if a not in v.tensors]
             plan[name] = []
             for t in targets:
-                mixer = mixer_of(self.model, t)  # a recurrent layer's own parameter (conv, decay, gated norm)
+                mixer = mixer_of(self.model, t) if recurrent else None  # a recurrent layer's own parameter
                 mname, attr = mixer if mixer is not None else t.rsplit(".", 1)
                 mod = self.model.get_submodule(mname)
                 kind = ("mixer" if mixer is not None

@@ -320,14 +320,13 @@ def forward_step(backend, pool: KVPool | BlockPool, caches: list, row_slots: lis
                                  [tokens[i] for i in g], [past[i] for i in g], pad_id, every_position))
                 for g in groups]
         first = outs[0][1]
-        shape = (len(tokens), max(new), first.shape[-1]) if every_position else (len(tokens), first.shape[-1])
-        logits = first.new_zeros(shape)
-        for g, out in outs:
-            for j, i in enumerate(g):
-                if every_position:
-                    logits[i, max(new) - out.shape[1]:] = out[j]
-                else:
-                    logits[i] = out[j]
+        logits = first.new_zeros(len(tokens), *([max(new)] if every_position else []), first.shape[-1])
+        for g, out in outs:  # rows are left-padded: a group's positions are the last ones
+            rows = torch.tensor(g, device=logits.device)
+            if every_position:
+                logits[rows, max(new) - out.shape[1]:] = out
+            else:
+                logits[rows] = out
         return logits
     with torch.inference_mode():
         ids = left_pad(tokens, pad_id).to(dev)
@@ -346,12 +345,10 @@ def _unpadded_groups(config, past: list[int], new: list[int]) -> list[list[int]]
     tm = max(new)
     if all(p == 0 or n == tm for p, n in zip(past, new)) or not recurrent_layer_types(config):
         return [list(range(len(new)))]
-    main = [i for i, (p, n) in enumerate(zip(past, new)) if p == 0 or n == tm]
-    rest: dict[int, list[int]] = {}
+    groups: dict[int, list[int]] = {}  # by length; new rows (and the longest) in the longest's group
     for i, (p, n) in enumerate(zip(past, new)):
-        if p > 0 and n < tm:
-            rest.setdefault(n, []).append(i)
-    return [main] * bool(main) + list(rest.values())
+        groups.setdefault(tm if p == 0 else n, []).append(i)
+    return [groups.pop(tm), *groups.values()]
 
 
 def prefill_logits(backend, row_slots: list[int], tokens: list[list[int]], caches: list | None = None,
