@@ -16,6 +16,7 @@ mixture-of-experts weights, whose every expert is solved with the Hessian of the
 from __future__ import annotations
 
 import json
+import re
 import resource
 import time
 import warnings
@@ -52,6 +53,7 @@ from deltazip.models.model_walk import (
     sequential_groups,
     set_param,
 )
+from deltazip.models.param_names import module_names
 
 Progress = Callable[[str, int, int], None]
 
@@ -119,15 +121,15 @@ class _Replay(LayerStandIn):
     ``batch`` (the last layer; ``change(output)`` rewrites it when given) or its input unchanged (every
     other layer)."""
 
-    def __init__(self, inner: torch.nn.Module, batches, as_tuple: bool, change=None):
-        super().__init__(inner)
-        self.batches, self.as_tuple, self.batch, self.change = batches, as_tuple, 0, change
+    def __init__(self, inner: torch.nn.Module, batches, arity: int, change=None):
+        super().__init__(inner, arity)
+        self.batches, self.batch, self.change = batches, 0, change
 
     def forward(self, hidden_states, *args, **kwargs):
         out = hidden_states if self.batches is None else self.batches[self.batch][0]
         if self.batches is not None and self.change is not None:
             out = self.change(out)
-        return (out,) if self.as_tuple else out
+        return self.wrap(out)
 
 
 class _Run:
@@ -142,23 +144,45 @@ class _Run:
         self.model = empty_model(ft.path, self.cdtype)
         self.lname, self.layers = decoder_layers(self.model)
         self.maps = _layer_maps(self.model, self.lname, self.layers, ft)
+        self.layer_names = {n for m in self.maps for n in m.names}
+        # checkpoint name -> module parameter name, and back, where transformers renames at load
+        # (Nemotron-H's ``backbone.``, EXAONE 3's ``transformer.h``, GPT-NeoX's ``embed_out``)
+        self.module_name = module_names(self.model, ft.names)
+        self.ckpt_name = {m: n for n, m in self.module_name.items()}
         self.head, self.head_alias_of = self._find_head()
         self.group_of, self.config_group = self._groups()
         _check_shapes(self.maps, cfg, self.group_of)
         if self.head:
             _check_in_features(self.head, ft.shape(self.head)[1], cfg, self.group_of)
-        self.embeddings = embedding_weight_names(self.model)
+        self.embeddings = {self.ckpt_name.get(n, n) for n in embedding_weight_names(self.model)}
         self.head_alias_name, self.tied_names = self._tied()
         self.plan: dict[str, Setting] = {}  # per-tensor settings of --target-ratio (empty: the options')
         self.other_stats = new_stats()
         self.layer_stats: list[dict] = []
         self.head_stats: dict | None = None
-        self.layer_returns_tuple = False
+        self.layer_arity = 0  # how the model takes a layer's output (LayerStandIn.arity)
+        self._skeleton_names: set[str] | None = None
         self.base_view = cfg.calib_activations == "base"
         self.layer_kw: list[list[dict]] = []  # per layer, per calibration batch (first_inputs)
 
     def layer_prefix(self, i: int) -> str:
-        return f"{self.lname}.{i}."
+        """Layer ``i``'s checkpoint name prefix (``model.layers.3.``)."""
+        return self.maps[i].prefix
+
+    def outside(self):
+        """``(checkpoint name, module parameter or buffer name or None)`` of every tensor outside the
+        decoder layers but the untied head, in checkpoint order."""
+        for n in self.ft.names:
+            if n in self.layer_names or n == self.head:
+                continue
+            yield n, self.module_name.get(n) if self.module_name.get(n) in self.skeleton_names else None
+
+    @property
+    def skeleton_names(self) -> set[str]:
+        if self._skeleton_names is None:
+            self._skeleton_names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+            self._skeleton_names |= {n for n, _ in self.model.named_buffers()}
+        return self._skeleton_names
 
     # -- settings -------------------------------------------------------------------------------
     def _groups(self) -> tuple[Callable[[int], int], int]:
@@ -208,10 +232,10 @@ class _Run:
     def _tied(self) -> tuple[str | None, set[str]]:
         """``(the lm_head name stored as an alias, the embeddings that are also the output head)``."""
         out, emb = self.model.get_output_embeddings(), self.model.get_input_embeddings()
-        head_name = next((f"{n}.weight" for n, m in self.model.named_modules() if m is out), None) if out else None
+        head_name = self._weight_of(out) if out else None
         if self.head_alias_of:
             return head_name, {self.head_alias_of}
-        ename = next((f"{n}.weight" for n, m in self.model.named_modules() if m is emb), None)
+        ename = self._weight_of(emb)
         tied = out is not None and emb is not None and getattr(out, "weight", None) is emb.weight
         return None, ({ename} if tied and ename in self.embeddings and head_name not in self.ft.table else set())
 
@@ -224,25 +248,25 @@ class _Run:
         out = self.model.get_output_embeddings()
         if not isinstance(out, torch.nn.Linear):
             return None, None
-        name = next((f"{n}.weight" for n, m in self.model.named_modules() if m is out), None)
+        name = self._weight_of(out)
         if name is None or name not in self.ft.table:
             return None, None
-        emb = self.model.get_input_embeddings()
-        ename = next((f"{n}.weight" for n, m in self.model.named_modules() if m is emb), None)
+        ename = self._weight_of(self.model.get_input_embeddings())
         if ename in self.ft.table and ename != name and self.ft.shape(ename) == self.ft.shape(name):
             same_ft = bitwise_equal(self.ft.get(ename), self.ft.get(name))
             if same_ft and bitwise_equal(self.base.get(ename), self.base.get(name)):
                 return None, ename
         return name, None
 
+    def _weight_of(self, module) -> str | None:
+        """The checkpoint name of ``module``'s weight (None: not a module of the model)."""
+        name = next((f"{n}.weight" for n, m in self.model.named_modules() if m is module), None)
+        return None if name is None else self.ckpt_name.get(name, name)
+
     def outside_layers(self) -> None:
         """Record embeddings, final norm...; load them into the skeleton for the forward. The untied
         lm_head waits for the final hidden states (``compress_head``)."""
-        params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
-        params |= {n for n, _ in self.model.named_buffers()}
-        for n in self.ft.names:
-            if n.startswith(self.lname + ".") or n == self.head:
-                continue
+        for n, mod in self.outside():
             if self.head_alias_of and n == self.head_alias_name:
                 self.writer.add_alias(n, self.head_alias_of, self.ft.shape(n), self.ft.dtype(n))
                 self.other_stats["alias"] += 1
@@ -257,8 +281,8 @@ class _Run:
                 rec = record_embedding(self.writer, n, b, f, bits, self.row_group_of(f.shape[1]), self.other_stats)
             else:
                 rec = record_exact(self.writer, n, b, f, self.other_stats)
-            if n in params and self.cfg.method != "rtn":
-                set_param(self.model, n, (b if self.base_view else rec).to(self.cdtype), self.device)
+            if mod is not None and self.cfg.method != "rtn":
+                set_param(self.model, mod, (b if self.base_view else rec).to(self.cdtype), self.device)
 
     def compress_head(self, input_ids: torch.Tensor | None, batches) -> None:
         """Compress the untied lm_head like a linear, its Hessian from what it reads: the last layer's
@@ -290,7 +314,7 @@ class _Run:
 
         last = len(self.layers) - 1
         originals = list(self.layers)
-        replay = [_Replay(m, batches if i == last else None, self.layer_returns_tuple, change)
+        replay = [_Replay(m, batches if i == last else None, self.layer_arity, change)
                   for i, m in enumerate(originals)]
         handle = head.register_forward_pre_hook(hook)
         try:
@@ -313,9 +337,23 @@ class _Run:
     # -- calibration ----------------------------------------------------------------------------
     def first_inputs(self, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
         """Run the model through stand-ins for its layers: layer 0's inputs, one entry per batch, and
-        every layer's own keyword arguments (``self.layer_kw[i][batch]``; see ``Catcher``)."""
+        every layer's own keyword arguments (``self.layer_kw[i][batch]``; see ``Catcher``).
+
+        The stand-ins hand back bare hidden states, or, where the model unpacks its layers' outputs
+        (Bamba: ``hidden_states, attn_weights = layer(...)``), a tuple of the length Python names in
+        the unpacking error; the layers' own outputs are not known before their weights are."""
+        try:
+            return self._catch(input_ids, 0)
+        except ValueError as e:
+            m = re.search(r"values to unpack \(expected (\d+)", str(e))
+            if m is None:
+                raise
+            self.layer_arity = int(m.group(1))
+            return self._catch(input_ids, self.layer_arity)
+
+    def _catch(self, input_ids: torch.Tensor, arity: int) -> list[tuple[torch.Tensor, dict]]:
         last = len(self.layers) - 1
-        catchers = [Catcher(m, last=i == last, keep_hidden=i == 0) for i, m in enumerate(self.layers)]
+        catchers = [Catcher(m, last=i == last, keep_hidden=i == 0, arity=arity) for i, m in enumerate(self.layers)]
         try:
             for i, c in enumerate(catchers):
                 self.layers[i] = c
@@ -341,8 +379,10 @@ class _Run:
         kw = dict(kw)
         args = kw.pop("__args__", ())
         out = layer(h, *args, **kw)
-        self.layer_returns_tuple = isinstance(out, tuple)
-        return out[0] if self.layer_returns_tuple else out
+        if isinstance(out, tuple):
+            self.layer_arity = len(out)
+            return out[0]
+        return out
 
     def hessians(self, layer, sites, group: list[str], batches) -> Hessians:
         """``H = 2 XᵀX / n`` (fp32) of each site's input over all calibration tokens (per expert:
@@ -358,12 +398,11 @@ class _Run:
     # -- one layer ------------------------------------------------------------------------------
     def layer(self, i: int, batches) -> list[tuple[torch.Tensor, dict]]:
         """Compress layer ``i``; returns the next layer's inputs (unchanged list when uncalibrated)."""
-        cfg, prefix, layer = self.cfg, self.layer_prefix(i), self.layers[i]
+        cfg, layer = self.cfg, self.layers[i]
         lmap = self.maps[i]
         lin = lmap.targets
         calibrated = cfg.method != "rtn"
-        names = [n for n in self.ft.names if n.startswith(prefix)]
-        for n in names:
+        for n in lmap.names:
             if n in lin:
                 continue
             b, f = self.base.get(n), self.ft.get(n)
@@ -537,7 +576,8 @@ def compress_delta(
                    "finetuned_fingerprint": ft_fp,
                    "architectures": ft.config_dict().get("architectures"),
                    "model_type": ft.config_dict().get("model_type"), "finetuned_bytes": ft.nbytes(),
-                   "layers_path": run.lname, "num_layers": n_layers}
+                   "layers_path": run.layer_prefix(0).removesuffix(".0.") if n_layers else run.lname,
+                   "num_layers": n_layers}
         path = writer.finalize(lineage=lineage, config=cfg.to_dict() | {"group_size": run.config_group},
                                calibration=cal.summary if cal is not None else None, layers=run.layer_stats,
                                head=run.head_stats, stats=stats, **extra)

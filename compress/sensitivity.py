@@ -314,8 +314,9 @@ class Probe:
     def count_lookups(self):
         """Forward pre-hooks that count each embedding's row lookups (``self.freq``); returns the handles."""
         handles = []
-        for name in self.run.embeddings:
-            mod = self.run.model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self.run.model
+        for name in self.run.embeddings:  # checkpoint names; the module by transformers' renaming
+            mname = self.run.module_name.get(name, name)
+            mod = self.run.model.get_submodule(mname.rsplit(".", 1)[0]) if "." in mname else self.run.model
             if not isinstance(mod, torch.nn.Embedding):
                 continue
 
@@ -372,19 +373,15 @@ def _outside(probe: Probe) -> None:
     """Load every tensor outside the decoder layers into the skeleton (fine-tuned values) and count the
     bytes of those stored exactly. Embeddings get curves later (they need the head's Hessian)."""
     run = probe.run
-    params = {n for n, _ in run.model.named_parameters(remove_duplicate=False)}
-    params |= {n for n, _ in run.model.named_buffers()}
-    for n in run.ft.names:
-        if n.startswith(run.lname + ".") or n == run.head:
-            continue
+    for n, mod in run.outside():
         f = run.ft.get(n)
         if run.head_alias_of and n == run.head_alias_name:
             probe.fixed += run.writer.entry_size(n, codecs.get("alias").fields(run.head_alias_of, f.shape, f.dtype), {})
             continue
         if n not in run.embeddings or f.dim() != 2 or not f.is_floating_point():
             probe.fixed += exact_stored_size(run.writer, n, run.base.get(n), f)
-        if n in params:
-            set_param(run.model, n, f.to(run.cdtype), run.device)
+        if mod is not None:
+            set_param(run.model, mod, f.to(run.cdtype), run.device)
 
 
 def _leading(batch, y0: torch.Tensor, n: int):

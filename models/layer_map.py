@@ -147,7 +147,8 @@ class LayerMap:
     """Checkpoint tensors of one decoder layer: their pieces, and the targets among them.
 
     Args:
-        prefix: the layer's checkpoint prefix (``model.layers.3.``).
+        prefix: the layer's checkpoint prefix (``model.layers.3.``; Nemotron-H: ``backbone.layers.3.``).
+        module_prefix: the layer's module prefix (``model.layers.3.``).
         layer: the layer module (meta parameters are fine).
         pieces: checkpoint name -> Piece.
         problems: checkpoint name -> why it could not be mapped.
@@ -156,8 +157,9 @@ class LayerMap:
     """
 
     def __init__(self, prefix: str, layer: nn.Module, pieces: dict[str, Piece], problems: dict[str, str],
-                 names: list[str], shape_of: Callable[[str], tuple[int, ...]]):
+                 names: list[str], shape_of: Callable[[str], tuple[int, ...]], module_prefix: str | None = None):
         self.prefix = prefix
+        self.module_prefix = prefix if module_prefix is None else module_prefix
         self.sites = layer_sites(layer)
         self.params = {n: tuple(p.shape) for n, p in layer.named_parameters()}
         self.buffers = {n for n, _ in layer.named_buffers()}
@@ -188,8 +190,8 @@ class LayerMap:
             pos = r1
         if pos != rows:
             hints = [f"{k}: {v}" for k, v in self.problems.items()]
-            hint = next((h for h in hints if f"{self.prefix}{param} " in h), hints[0] if hints else None)
-            raise InputError(f"parameter {self.prefix}{param} {list(self.params[param])} of the model class is not "
+            hint = next((h for h in hints if f"{self.module_prefix}{param} " in h), hints[0] if hints else None)
+            raise InputError(f"parameter {self.module_prefix}{param} {list(self.params[param])} of the model class is not "
                              f"(exactly) in the checkpoint; the checkpoint's tensor names do not follow transformers' "
                              f"layout" + (f" ({hint})" if hint else ""))
 
@@ -286,25 +288,44 @@ def _reverted_pieces(model: nn.Module, prefix: str, params: dict[str, tuple[int,
     return pieces, problems
 
 
+def checkpoint_prefix(model: nn.Module, prefix: str) -> str:
+    """The checkpoint's name prefix for module prefix ``prefix``, by transformers' save-side renaming
+    (Nemotron-H: ``model.layers.3.`` -> ``backbone.layers.3.``; EXAONE 3: ``transformer.h.3.``). A name
+    under the prefix that no rule of the layer's own matches is reverted alone, so that only the
+    prefix's renaming applies."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # pragma: no cover - transformers 4.x: checkpoints use module names
+        return prefix
+    probe = "__deltazip_probe__"
+    try:
+        name = next(iter(revert_weight_conversion(model, {prefix + probe: torch.zeros(1)})), "")
+    except Exception:  # a conversion that refuses a lone tensor: the names are the module's
+        return prefix
+    return name[:-len(probe)] if name.endswith(probe) else prefix
+
+
 def map_layer(model: nn.Module, prefix: str, layer: nn.Module, names: Iterable[str],
               shape_of: Callable[[str], tuple[int, ...]]) -> LayerMap:
-    """Map the checkpoint tensors under ``prefix`` to ``layer``'s parameters.
+    """Map the checkpoint tensors of the layer at module prefix ``prefix`` to ``layer``'s parameters.
 
     Args:
         model: the whole model (transformers looks its conversion mapping up from it).
-        prefix: the layer's name prefix with the trailing dot (``model.layers.0.``).
+        prefix: the layer's module prefix with the trailing dot (``model.layers.0.``); its checkpoint
+            tensors are those under ``checkpoint_prefix(model, prefix)``.
         layer: the layer module.
-        names: every checkpoint tensor name.
+        names: checkpoint tensor names (those of other layers are ignored).
         shape_of: checkpoint name -> shape.
     """
-    layer_names = [n for n in names if n.startswith(prefix)]
+    ck = checkpoint_prefix(model, prefix)
+    layer_names = [n for n in names if n.startswith(ck)]
     have = set(layer_names)
     params = {n: tuple(p.shape) for n, p in layer.named_parameters()}
     pieces: dict[str, Piece] = {}
     unmatched = {}
     for pn, shape in params.items():
-        if prefix + pn in have and tuple(shape_of(prefix + pn)) == shape:
-            pieces[prefix + pn] = Piece(pn, 0, as_rows(shape)[0])
+        if ck + pn in have and tuple(shape_of(ck + pn)) == shape:
+            pieces[ck + pn] = Piece(pn, 0, as_rows(shape)[0])
         else:
             unmatched[pn] = shape
     problems: dict[str, str] = {}
@@ -312,4 +333,4 @@ def map_layer(model: nn.Module, prefix: str, layer: nn.Module, names: Iterable[s
     if unmatched and rest:
         more, problems = _reverted_pieces(model, prefix, unmatched, rest, shape_of)
         pieces.update(more)
-    return LayerMap(prefix, layer, pieces, problems, layer_names, shape_of)
+    return LayerMap(ck, layer, pieces, problems, layer_names, shape_of, module_prefix=prefix)

@@ -49,15 +49,18 @@ def empty_model(model_dir, dtype: torch.dtype) -> nn.Module:
 
 
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """Qualified name and module of the decoder layer list."""
+    """Qualified name and module of the decoder layer list.
+
+    Among the module lists not nested in another one's modules (a layer's own lists, such as
+    LongCat-Flash's two attentions, are not the model's layers): the longest of
+    ``num_hidden_layers`` modules where the config says, of one class or several (Jamba's attention
+    and Mamba layers, OLMo hybrid's); else the longest of one class."""
     n = getattr(model.config, "num_hidden_layers", None)
-    best = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and len({type(m) for m in mod}) == 1:
-            if n is not None and len(mod) != n:
-                continue
-            if best is None or len(mod) > len(best[1]):
-                best = (name, mod)
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    outer = [(name, m) for name, m in lists if not any(name.startswith(f"{o}.") for o, _ in lists)]
+    exact = [c for c in outer if n is not None and len(c[1]) == n]
+    uniform = [c for c in outer if len({type(x) for x in c[1]}) == 1]
+    best = max(exact or uniform, key=lambda c: len(c[1]), default=None)  # max keeps the first of equals
     if best is None:
         raise InputError(f"cannot find the decoder layers of {type(model).__name__}: not a decoder-only model?")
     return best
@@ -231,11 +234,19 @@ class StopForward(Exception):
 
 
 class LayerStandIn(nn.Module):
-    """Base of modules put in a decoder layer's place: attributes it lacks come from the layer."""
+    """Base of modules put in a decoder layer's place: attributes it lacks come from the layer.
 
-    def __init__(self, inner: nn.Module):
+    ``arity``: how the model takes a layer's output: 0, the hidden states themselves; n, a tuple of n
+    whose first item is the hidden states (Bamba unpacks ``hidden_states, attn_weights``; Falcon-H1
+    indexes ``[0]``). ``wrap`` returns hidden states in that form.
+    """
+
+    def __init__(self, inner: nn.Module, arity: int = 0):
         super().__init__()
-        self.inner = inner
+        self.inner, self.arity = inner, arity
+
+    def wrap(self, hidden_states):
+        return (hidden_states, *(None,) * (self.arity - 1)) if self.arity else hidden_states
 
     def __getattr__(self, name):  # models read attributes such as attention_type off their layers
         try:
@@ -255,8 +266,8 @@ class Catcher(LayerStandIn):
     layers). ``keep_hidden``: keep the hidden states too (layer 0's are the calibration inputs).
     """
 
-    def __init__(self, inner: nn.Module, last: bool = True, keep_hidden: bool = True):
-        super().__init__(inner)
+    def __init__(self, inner: nn.Module, last: bool = True, keep_hidden: bool = True, arity: int = 0):
+        super().__init__(inner, arity)
         self.last, self.keep_hidden = last, keep_hidden
         self.captured: list[tuple[torch.Tensor | None, dict]] = []
 
@@ -267,4 +278,4 @@ class Catcher(LayerStandIn):
         self.captured.append((hidden_states if self.keep_hidden else None, kwargs))
         if self.last:
             raise StopForward
-        return hidden_states
+        return self.wrap(hidden_states)

@@ -128,6 +128,30 @@ ARCH_CONFIGS = {
     # LayerNorm without a bias (the mean subtracted, a weight only)
     "cohere": dict(model_type="cohere", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128),
+    # checkpoint names transformers renames on load, layer prefix included (transformer.h.3.attn.attention.q_proj)
+    "exaone": dict(model_type="exaone", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, num_layers=2, max_position_embeddings=128),
+    # Mamba and attention layers of two classes in one list; the Mamba mixer reads its dt_proj's weight
+    # itself (not by calling it); routed experts every other layer
+    "jamba": dict(model_type="jamba", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, num_experts=4,
+                  num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, mamba_d_state=16, mamba_dt_rank=8, mamba_expand=2),
+    # recurrent layers only (Mamba-2): no attention, the padding mask passed to the layers as it is
+    "mamba2": dict(model_type="mamba2", hidden_size=64, num_hidden_layers=2, state_size=16, num_heads=8, head_dim=16,
+                   n_groups=1, expand=2),
+    # checkpoint under backbone. (the module is model.); Mamba-2, attention, ungated routed experts (up_proj
+    # and down_proj, a squared ReLU between) and a dense MLP as layers of their own
+    "nemotron_h": dict(model_type="nemotron_h", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, num_hidden_layers=4, head_dim=16, max_position_embeddings=128,
+                       mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1, n_routed_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+                       n_group=1, topk_group=1,
+                       layers_block_type=["linear_attention", "moe", "full_attention", "mlp"]),
+    # the model unpacks each layer's output (hidden_states, attn_weights = layer(...))
+    "bamba": dict(model_type="bamba", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, attn_layer_indices=[1],
+                  mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1),
 }
 
 

@@ -1,7 +1,8 @@
 """Mixture-of-experts layers in delta mode: per-row routers and per-(slot, expert) expert deltas.
 
 transformers 5 keeps a MoE layer's experts fused (``MixtralExperts``, ``Qwen2MoeExperts``,
-``Qwen3MoeExperts``: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``; GPT-OSS's the other way
+``Qwen3MoeExperts``: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``; Nemotron-H's ungated
+``up_proj [E, I, H]`` (``has_gate`` false: the activation alone between the two); GPT-OSS's the other way
 round, ``[E, H, 2I]`` and ``[E, I, H]`` applied as ``x @ W[e]``, with biases ``[E, out]``; Llama 4's
 ``[E, in, out]`` too, run by ``torch.bmm`` over every token, each scaled by its routing weight) beside a
 router module (``*TopKRouter``, weight ``[E, H]`` and GPT-OSS's bias ``[E]``, not an ``nn.Linear``;
@@ -43,30 +44,42 @@ from deltazip.kernels.reference import delta_weight
 from deltazip.kernels.stacked import StackedDeltas, config_key
 from deltazip.models.model_walk import dense_routed, experts_transposed
 
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj")  # up_proj: ungated experts (has_gate false)
 BIAS_OF = {f"{p}_bias": p for p in EXPERT_PARAMS}  # GPT-OSS's per-expert biases [E, out]
 
 
+def expert_params(mod: nn.Module) -> tuple[str, str]:
+    """``(first projection, down projection)`` of a fused-experts module: ``gate_up_proj`` when it is
+    gated (transformers' ``has_gate``, the default), else ``up_proj``."""
+    return ("gate_up_proj" if getattr(mod, "has_gate", True) else "up_proj"), "down_proj"
+
+
 def is_fused_experts(mod: nn.Module) -> bool:
-    """A transformers 5 fused-experts module this runtime can decouple: gated, ``[E, out, in]`` or
-    (``is_transposed``, GPT-OSS) ``[E, in, out]``, with ``[E, out]`` biases where ``has_bias``."""
+    """A transformers 5 fused-experts module this runtime can decouple: gated (or, ``has_gate`` false,
+    an activation alone between ``up_proj`` and ``down_proj``), ``[E, out, in]`` or (``is_transposed``,
+    GPT-OSS) ``[E, in, out]``, with ``[E, out]`` biases where ``has_bias``."""
     n = getattr(mod, "num_experts", None)
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         return False
     ps = dict(mod.named_parameters(recurse=False))
-    if not all(p in ps and ps[p].dim() == 3 and ps[p].shape[0] == n for p in EXPERT_PARAMS):
+    params = expert_params(mod)
+    if not all(p in ps and ps[p].dim() == 3 and ps[p].shape[0] == n for p in params):
         return False
     if dense_routed(mod):  # Llama 4: [E, in, out], gated by act_fn, no biases
         return callable(getattr(mod, "act_fn", None))
-    out = {p: ps[p].shape[2 if experts_transposed(mod) else 1] for p in EXPERT_PARAMS}
+    out = {p: ps[p].shape[2 if experts_transposed(mod) else 1] for p in params}
     biases_ok = not getattr(mod, "has_bias", False) or all(
-        b in ps and tuple(ps[b].shape) == (n, out[p]) for b, p in BIAS_OF.items())
-    return biases_ok and getattr(mod, "has_gate", True) and hasattr(mod, "_apply_gate")
+        f"{p}_bias" in ps and tuple(ps[f"{p}_bias"].shape) == (n, out[p]) for p in params)
+    gated = getattr(mod, "has_gate", True)
+    return biases_ok and (hasattr(mod, "_apply_gate") if gated else callable(getattr(mod, "act_fn", None)))
 
 
 def apply_gate(mod: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """The experts' gating of ``gate_up [P, 2I]`` -> ``[P, I]``: the module's own ``_apply_gate``, or for
-    a :func:`~deltazip.models.model_walk.dense_routed` module (Llama 4) ``up · act_fn(gate)`` on the halves."""
+    a :func:`~deltazip.models.model_walk.dense_routed` module (Llama 4) ``up · act_fn(gate)`` on the halves;
+    ungated experts' ``up [P, I]`` -> ``act_fn(up)``."""
+    if not getattr(mod, "has_gate", True):
+        return mod.act_fn(gate_up)
     if hasattr(mod, "_apply_gate"):
         return mod._apply_gate(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -273,18 +286,21 @@ class DeltaExperts(nn.Module):
     """Fused experts with per-(slot, expert) deltas (module docstring).
 
     Args:
-        base: the model's fused experts module (``gate_up_proj``, ``down_proj``, ``_apply_gate``).
+        base: the model's fused experts module (``gate_up_proj`` or ``up_proj``, ``down_proj``, ``_apply_gate``).
         ctx: the model's ``DeltaContext`` (``ctx.dequantize``: packed pieces are held dense).
     """
 
     def __init__(self, base: nn.Module, ctx):
         super().__init__()
-        self.gate_up_proj, self.down_proj = base.gate_up_proj, base.down_proj
+        self.first, _ = expert_params(base)  # gate_up_proj, or up_proj (ungated)
+        setattr(self, self.first, getattr(base, self.first))
+        self.down_proj = base.down_proj
         self.transposed = experts_transposed(base)  # [E, in, out], applied x @ W[e]
         self.dense_routed = dense_routed(base)  # forward(hidden_states [E * T, H]) (Llama 4)
         self.has_bias = bool(getattr(base, "has_bias", False))
         if self.has_bias:
-            self.gate_up_proj_bias, self.down_proj_bias = base.gate_up_proj_bias, base.down_proj_bias
+            setattr(self, f"{self.first}_bias", getattr(base, f"{self.first}_bias"))
+            self.down_proj_bias = base.down_proj_bias
         self.num_experts = base.num_experts
         self._inner = [base]
         self.ctx = ctx
@@ -446,7 +462,7 @@ class DeltaExperts(nn.Module):
         expert = top_k_index.reshape(-1).to(torch.int64)  # [P], P = T * k, token-major
         slot = token_slots(self.ctx, hidden_states).repeat_interleave(k)  # [P]
         x = hidden_states.repeat_interleave(k, dim=0)  # [P, H]
-        h = apply_gate(inner, self._project("gate_up_proj", x, slot, expert))
+        h = apply_gate(inner, self._project(self.first, x, slot, expert))
         y = self._project("down_proj", h, slot, expert)
         y = y * top_k_weights.reshape(-1, 1)
         return y.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)
@@ -459,7 +475,7 @@ class DeltaExperts(nn.Module):
         x = hidden_states.view(e_all, -1, hidden_states.shape[-1])  # [E, T, H]
         expert, token = (x.abs().amax(dim=-1) > 0).nonzero(as_tuple=True)  # the pairs, [P] each
         slot = token_slots(self.ctx, x[0])[token]
-        h = apply_gate(self._inner[0], self._project("gate_up_proj", x[expert, token], slot, expert))
+        h = apply_gate(self._inner[0], self._project(self.first, x[expert, token], slot, expert))
         out = torch.zeros(x.shape[0], x.shape[1], self.weight_of("down_proj").shape[1],
                           dtype=hidden_states.dtype, device=hidden_states.device)
         out[expert, token] = self._project("down_proj", h, slot, expert).to(out.dtype)
@@ -508,6 +524,7 @@ class MoeLayout:
         self.blocks: dict[str, dict[str, torch.Tensor]] = {}  # router -> its block's tensors (block_tensors)
         self.layers: dict[str, nn.Module] = {}  # layer prefix ("model.layers.3.") -> layer
         self._maps: dict[tuple[str, frozenset], dict[str, object]] = {}
+        self._ckpt_prefix: dict[str, str] = {}  # layer prefix -> its checkpoint names' prefix
         modules = dict(model.named_modules())
         if not any(is_fused_experts(m) for m in modules.values()):
             return
@@ -543,11 +560,14 @@ class MoeLayout:
         """
         if not self.layers:
             return {}
-        from deltazip.models.layer_map import map_layer
+        from deltazip.models.layer_map import checkpoint_prefix, map_layer
 
         out: dict[str, tuple[str, str, str]] = {}
         for prefix, layer in self.layers.items():
-            key = (prefix, frozenset(n for n in shapes if n.startswith(prefix)))
+            if prefix not in self._ckpt_prefix:
+                self._ckpt_prefix[prefix] = checkpoint_prefix(self.model, prefix)
+            ck = self._ckpt_prefix[prefix]
+            key = (prefix, frozenset(n for n in shapes if n.startswith(ck)))
             pieces = self._maps.get(key)
             if pieces is None:
                 m = map_layer(self.model, prefix, layer, key[1], lambda n: tuple(shapes[n]))

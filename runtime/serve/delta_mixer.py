@@ -10,10 +10,18 @@ states narrowed to its rows, so the linears inside the mixer (``DeltaLinear``) s
 row's own delta, and each row's state is read and written in place.
 
 The mixer of a tensor is the decoder layer's child holding it, in a layer of a recurrent type
-(:func:`mixer_of`). Linears inside it are decoupled as any linear.
+(:func:`mixer_of`). Linears inside it are decoupled as any linear, except a linear whose weight the
+mixer reads itself rather than calling it (Jamba's and Mamba's ``self.dt_proj.weight @ ...``): a
+``DeltaLinear`` only changes what a call returns, so such a linear's tensors are the mixer's own,
+held whole per variant like its other parameters.
 """
 
 from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
 
 import torch
 from torch import nn
@@ -26,7 +34,7 @@ from deltazip.runtime.serve.recurrent_state import RECURRENT_LAYER_TYPES, Recurr
 def mixer_of(model: nn.Module, pname: str) -> tuple[str, str] | None:
     """``(mixer module, name in it)`` of parameter ``pname`` when it lies in the token mixer of a
     recurrent layer (a child of the decoder layer holding linears and parameters of its own) and is
-    not a linear's, else None."""
+    not a linear's, or is one of a linear the mixer reads directly (:func:`reads_directly`), else None."""
     from deltazip.models.model_walk import decoder_layers
 
     text = getattr(model.config, "text_config", None) or model.config
@@ -38,26 +46,77 @@ def mixer_of(model: nn.Module, pname: str) -> tuple[str, str] | None:
         return None
     child, _, attr = rest.partition(".")
     owner = model.get_submodule(pname.rpartition(".")[0])
-    if is_linear(owner) or isinstance(owner, DeltaLinear):  # linears stay linears
-        return None
-    return (f"{head}{idx}.{child}", attr) if _is_mixer(layers[int(idx)].get_submodule(child)) else None
+    mixer = layers[int(idx)].get_submodule(child)
+    if (is_linear(owner) or isinstance(owner, DeltaLinear)) and not reads_directly(mixer, attr.rpartition(".")[0]):
+        return None  # linears stay linears
+    return (f"{head}{idx}.{child}", attr) if _is_mixer(mixer) else None
+
+
+def reads_directly(mixer: nn.Module, linear: str) -> bool:
+    """Whether ``mixer``'s class reads its child linear ``linear``'s tensors itself
+    (``self.dt_proj.weight``) instead of only calling it."""
+    if "." in linear or not linear:
+        return False
+    if isinstance(mixer, DeltaMixer):  # decoupled for an earlier variant: the class that runs is the wrapped one
+        mixer = mixer._inner[0]
+    return linear in _direct_reads(type(mixer))
+
+
+@functools.cache
+def _direct_reads(cls: type) -> frozenset[str]:
+    """Children whose ``.weight``/``.bias`` values the class's source reads (``self.NAME.weight``),
+    outside branches taken only in training (``if self.training ...``: Bamba's fused training kernel)
+    and other than for metadata (``.dtype``, ``.device``, ``.shape``)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):  # no source (built in C, made at runtime): assume calls only
+        return frozenset()
+    found: set[str] = set()
+
+    def visit(node: ast.AST, parent: ast.AST | None) -> None:
+        if isinstance(node, ast.If) and _training_only(node.test):
+            for child in node.orelse:
+                visit(child, node)
+            return
+        if (isinstance(node, ast.Attribute) and node.attr in ("weight", "bias")
+                and isinstance(node.value, ast.Attribute) and isinstance(node.value.value, ast.Name)
+                and node.value.value.id == "self"
+                and not (isinstance(parent, ast.Attribute) and parent.attr in _METADATA)):
+            found.add(node.value.attr)
+        for child in ast.iter_child_nodes(node):
+            visit(child, node)
+
+    visit(tree, None)
+    return frozenset(found)
+
+
+_METADATA = ("dtype", "device", "shape", "ndim", "is_cuda")
+
+
+def _training_only(test: ast.AST) -> bool:
+    """``self.training`` or ``self.training and ...``."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(_training_only(v) for v in test.values)
+    return isinstance(test, ast.Attribute) and test.attr == "training" and isinstance(test.value, ast.Name) \
+        and test.value.id == "self"
 
 
 def mixer_pieces(model: nn.Module, shapes: dict[str, list[int]], names: list[str]) -> dict[str, tuple[str, str]]:
     """``checkpoint name -> (mixer, "attr:row0:row1")`` for names that transformers' conversion
     concatenates into a mixer's parameter (Kimi Linear's ``q_conv1d``/``k_conv1d``/``v_conv1d`` into one
     ``conv1d``), rows of the parameter seen as ``[rows, ...]``; ``names`` are the ones not renamed plainly."""
-    from deltazip.models.layer_map import map_layer
+    from deltazip.models.layer_map import checkpoint_prefix, map_layer
     from deltazip.models.model_walk import decoder_layers
 
     lname, layers = decoder_layers(model)
     out: dict[str, tuple[str, str]] = {}
     for i, layer in enumerate(layers):
         prefix = f"{lname}.{i}."
-        mine = [n for n in names if n.startswith(prefix)]
+        ck = checkpoint_prefix(model, prefix)
+        mine = [n for n in names if n.startswith(ck)]
         if not mine:
             continue
-        pieces = map_layer(model, prefix, layer, [n for n in shapes if n.startswith(prefix)],
+        pieces = map_layer(model, prefix, layer, [n for n in shapes if n.startswith(ck)],
                            lambda n: tuple(shapes[n])).pieces
         for n in mine:
             pc = pieces.get(n)

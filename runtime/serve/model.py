@@ -13,7 +13,7 @@ Both expose the same small interface to the engine (``load_host``, ``write_slot`
 ``forward``) and are driven through a :class:`deltazip.runtime.serve.delta_cache.TieredCache`.
 
 Tensor names: artifacts name tensors as the checkpoint does; they are mapped to module parameter
-names by transformers' own loading rules (``deltazip.runtime.serve.param_names``: GPT-NeoX's
+names by transformers' own loading rules (``deltazip.models.param_names``: GPT-NeoX's
 ``embed_out`` is ``lm_head``). Per row the decoupled model applies changed ``nn.Linear`` and
 ``Conv1D`` weights and biases, embedding tables (plain, Gemma's scaled ones, learned positions:
 ``deltazip.runtime.serve.delta_embedding``), Llama- and Gemma-style RMSNorm and Cohere LayerNorm
@@ -44,6 +44,7 @@ from deltazip.kernels.reference import delta_weight
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import resolve_dtype
 from deltazip.models.loader import load_causal_lm
+from deltazip.models.param_names import module_names
 from deltazip.runtime.serve.attention import is_paged
 from deltazip.runtime.serve.delta_activation import DeltaActivation, is_learned_activation
 from deltazip.runtime.serve.delta_embedding import can_decouple, decouple_embedding
@@ -67,10 +68,14 @@ from deltazip.runtime.serve.delta_mixer import DeltaMixer, mixer_of, mixer_piece
 from deltazip.runtime.serve.delta_sinks import DeltaSinks
 from deltazip.runtime.serve.kernel_tuner import LoraJob, Tuner
 from deltazip.runtime.serve.kernel_warmup import tune_new_keys
-from deltazip.runtime.serve.model_runner import left_pad, new_kv_pool, new_seq_kv, run_model, step_args
-from deltazip.runtime.serve.param_names import module_names
+from deltazip.runtime.serve.model_runner import (
+    forward_step,
+    new_kv_pool,
+    new_seq_kv,
+    run_model,
+)
 from deltazip.runtime.serve.projections import merge_projections
-from deltazip.runtime.serve.recurrent_state import recurrent_layer_types
+from deltazip.runtime.serve.recurrent_state import mark_tokenwise, recurrent_layer_types
 from deltazip.runtime.serve.variant_sources import VariantInfo
 from deltazip.runtime.share.dedup_registry import TensorDedupRegistry
 from deltazip.runtime.share.dedup_serving import (
@@ -200,9 +205,10 @@ def _self_check(model: nn.Module, path: Path, device: torch.device, dtype: torch
     prefix with the attention the model was loaded with; then the model is switched to the paged
     attention where it takes it (``deltazip.runtime.serve.attention.use_paged_attention``) and two
     rows of different lengths run through the engine's cache (paged or contiguous) and masks: a
-    prefill, a two-token chunk after a past (chunked prefill) and a one-token decode. Refuses the
-    model (one line) when the engine's way of calling it fails or disagrees, which would fail every
-    request."""
+    prefill, a two-token chunk after a past (chunked prefill) and a one-token decode. A model whose
+    recurrent layers ignore their state in a step of several tokens (:func:`_scans_from_zero`) is
+    marked to continue states one token at a time first. Refuses the model (one line) when the
+    engine's way of calling it fails or disagrees, which would fail every request."""
     from deltazip.runtime.serve.attention import use_paged_attention
     from deltazip.runtime.serve.masks import uses_padding_mask_bias
 
@@ -220,6 +226,8 @@ def _self_check(model: nn.Module, path: Path, device: torch.device, dtype: torch
                 want += [model(input_ids=torch.tensor([s], device=device)).logits[:, -1].float() for s in seqs]
             if not uses_padding_mask_bias(model.config):
                 use_paged_attention(model)  # the paged KV cache's attention where the model class takes one
+            if recurrent_layer_types(model.config) and _scans_from_zero(model, device, dtype):
+                mark_tokenwise(model.config)
             got = _engine_logits(model, steps, device, dtype)
     except Exception as e:  # the model's forward does not take the engine's cache/masks
         raise InputError(f"base {path}: {type(model).__name__} cannot run in the serving engine (a test forward "
@@ -234,21 +242,53 @@ def _self_check(model: nn.Module, path: Path, device: torch.device, dtype: torch
 def _engine_logits(model: nn.Module, steps: list[list[list[int]]], device: torch.device,
                    dtype: torch.dtype) -> torch.Tensor:
     """Last-position logits ``[len(steps) * B, V]`` of ``steps`` (per step, the new tokens of each of
-    the ``B`` rows) run one after the other through the engine's KV pool for ``model``."""
+    the ``B`` rows) run one after the other through the engine's KV pool and step runner for ``model``."""
     pool = new_kv_pool(model)
     caches = [new_seq_kv(pool) for _ in steps[0]]
-    out = []
+    be = _BaseRows(model, device, dtype)
     try:
-        for new in steps:
-            kv, pos, mask = step_args(pool, caches, [c.length for c in caches], [len(t) for t in new],
-                                      model.config, dtype, device)
-            out.append(run_model(model, left_pad(new, 0).to(device), pos, mask, kv))
-            for c, t in zip(caches, new):
-                c.length += len(t)
+        return torch.cat([forward_step(be, pool, caches, [BASE_SLOT] * len(new), new, [c.length for c in caches])
+                          for new in steps])
     finally:
         for c in caches:
             c.free()
-    return torch.cat(out)
+
+
+class _BaseRows:
+    """The step runner's backend contract over the bare base model (start-up checks)."""
+
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype):
+        self.model, self.config, self.device, self.dtype = model, model.config, device, dtype
+
+    def forward(self, row_slots, input_ids, position_ids, attention_mask, kv) -> torch.Tensor:
+        return run_model(self.model, input_ids, position_ids, attention_mask, kv)
+
+
+def _scans_from_zero(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the model's recurrent layers ignore a sequence's recurrent state in a step of several
+    tokens after a past (Mamba-1 style mixers: Jamba, Mamba). A prefilled sequence is forked, the
+    fork's recurrent states (not its convolution windows, which such steps do read) are doubled, and
+    both take the same two-token step in one forward: equal logits mean the states went unread."""
+    pool = new_kv_pool(model)
+    be = _BaseRows(model, device, dtype)
+    first = new_seq_kv(pool)
+    caches = [first]
+    try:
+        with torch.inference_mode():
+            forward_step(be, pool, caches, [BASE_SLOT], [[3, 5, 7]], [0])
+            caches.append(first.fork())
+            states = pool.states
+            row = torch.tensor([caches[1].state_row_in(states)])
+            keys = [k for k in states.t if k[1] == "recurrent"]
+            if not keys:  # convolution windows only (LFM2): nothing a chunk could drop
+                return False
+            for k in keys:
+                states.scatter(k, row, states.gather(k, row) * 2 + 1)
+            out = forward_step(be, pool, caches, [BASE_SLOT] * 2, [[11, 13]] * 2, [c.length for c in caches])
+        return bool(torch.equal(out[0], out[1]))
+    finally:
+        for c in caches:
+            c.free()
 
 
 def max_context(config) -> int:
@@ -527,7 +567,7 @@ class DeltaModel:
                     raise UnsupportedVariant(
                         f"variant {v.name}: it changes {t} ({type(self.model.get_submodule(mname)).__name__}.{attr}), "
                         f"which the decoupled runtime cannot apply per request; serve it with --mode swap")
-                if e.is_matrix and (kind != "linear" or attr != "weight"):
+                if e.is_matrix and kind != "mixer" and (kind != "linear" or attr != "weight"):
                     raise UnsupportedVariant(f"variant {v.name}: tensor {name} is stored {e.kind} but is not a linear "
                                              "weight")
                 wanted[mname] = kind
@@ -599,7 +639,7 @@ class DeltaModel:
         decode_on = self.device if self.device.type == "cuda" and art.lossless != "none" else None
         for tname, targets in self._targets[v.name].items():
             e = art.entry(tname)
-            if e.kernel_ready:
+            if e.kernel_ready and not any(isinstance(self.modules[m], DeltaMixer) for m, _ in targets):
                 d = _pin_packed(art.packed(tname, device=decode_on).to("cpu"))
                 self._put_packed(host, targets, d.map_parts(tally.share), e.additive)
                 continue

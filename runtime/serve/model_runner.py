@@ -23,7 +23,13 @@ from torch import nn
 
 from deltazip.runtime.serve.attention import is_paged
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, PagedStep, SeqBlocks
-from deltazip.runtime.serve.recurrent_state import RecurrentStep, SeqState, StatePool, recurrent_layer_types
+from deltazip.runtime.serve.recurrent_state import (
+    RecurrentStep,
+    SeqState,
+    StatePool,
+    recurrent_layer_types,
+    tokenwise,
+)
 
 # --------------------------------------------------------------------------------------------------
 # KV cache
@@ -293,6 +299,8 @@ def step_args(pool: KVPool | BlockPool, caches: list, past: list[int], new: list
         real = (torch.arange(tm).view(1, -1) >= tm - torch.tensor(new).view(-1, 1)).to(device=device, dtype=dtype)
         text = getattr(config, "text_config", None) or config
         attn = {t: (mask[t] if isinstance(mask, dict) else mask) for t in set(text.layer_types) - set(recurrent)}
+        if not attn and "hybrid" not in recurrent:  # recurrent layers only (Mamba-2): the model passes
+            return kv, pos, real  # the mask to its layers as it is (Falcon-H1's hybrid layers attend too)
         mask = {"full_attention": next(iter(attn.values()), mask), **attn,
                 **dict.fromkeys(("linear_attention", "conv"), real)}
     return kv, pos, mask
@@ -314,6 +322,8 @@ def forward_step(backend, pool: KVPool | BlockPool, caches: list, row_slots: lis
     ``every_position`` the logits of every position ``[B, Tm, V]`` (rows left-padded)."""
     dev = backend.device
     new = [len(t) for t in tokens]
+    if tokenwise(backend.config) and any(p > 0 and n > 1 for p, n in zip(past, new)):
+        return _tokenwise_step(backend, pool, caches, row_slots, tokens, past, pad_id, every_position)
     groups = _unpadded_groups(backend.config, past, new)
     if len(groups) > 1:  # recurrent layers: rows continuing a state are never left-padded
         outs = [(g, forward_step(backend, pool, [caches[i] for i in g], [row_slots[i] for i in g],
@@ -335,6 +345,34 @@ def forward_step(backend, pool: KVPool | BlockPool, caches: list, row_slots: lis
         logits = backend.forward(row_slots, ids, pos, mask, kv)
     for c, n in zip(caches, new):
         c.length += n
+    return logits
+
+
+def _tokenwise_step(backend, pool: KVPool | BlockPool, caches: list, row_slots: list[int], tokens: list[list[int]],
+                    past: list[int], pad_id: int, every_position: bool) -> torch.Tensor:
+    """:func:`forward_step` for a model whose recurrent layers continue a state one token at a time
+    (``recurrent_state.tokenwise``): rows that have a past and several new tokens take one token per
+    forward, together; the other rows run as one forward. Same result layout as ``forward_step``."""
+    new = [len(t) for t in tokens]
+    split = [i for i, (p, n) in enumerate(zip(past, new)) if p > 0 and n > 1]
+    whole = [i for i in range(len(new)) if i not in split]
+    runs = []  # (rows, index of the token each row's output is for: None for a whole row)
+    if whole:
+        runs.append((whole, None))
+    runs += [([i for i in split if new[i] > j], j) for j in range(max(new[i] for i in split))]
+    tm, logits = max(new), None
+    for rows, j in runs:
+        out = forward_step(backend, pool, [caches[i] for i in rows], [row_slots[i] for i in rows],
+                           [tokens[i] if j is None else [tokens[i][j]] for i in rows],
+                           [past[i] + (j or 0) for i in rows], pad_id, every_position)
+        if logits is None:
+            logits = out.new_zeros(len(new), *([tm] if every_position else []), out.shape[-1])
+        for k, i in enumerate(rows):
+            if every_position:  # left-padded: row i's tokens are its last new[i] positions
+                at = tm - out.shape[1] if j is None else tm - new[i] + j
+                logits[i, at:at + out.shape[1]] = out[k]
+            elif j is None or j == new[i] - 1:
+                logits[i] = out[k]
     return logits
 
 

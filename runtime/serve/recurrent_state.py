@@ -20,13 +20,35 @@ Left padding: a padding token of a new sequence leaves the zero state unchanged 
 zeroed by the 2-D mask the step passes for recurrent layers, and a convolution over zeros then a
 delta rule on zero keys give zeros). A padding token before the new tokens of a sequence that has a
 state would decay it, so the step runner never pads those rows (``forward_step`` splits the batch).
+
+Chunks after a past: Mamba-1 style mixers (Jamba, Mamba, Falcon-Mamba) read their recurrent state
+only in a one-token step; a step of several tokens scans from a zero state, as transformers'
+``generate`` never continues a state with more than one token. The model loader finds such models by
+running the step both ways (``deltazip.runtime.serve.model``) and marks their config
+(:func:`mark_tokenwise`): the step runner then feeds a sequence that has a state its new tokens one
+per forward.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 RECURRENT_LAYER_TYPES = ("linear_attention", "conv", "hybrid")  # "hybrid": attention and a state in one layer
+_TOKENWISE: set[int] = set()  # id() of the configs of models whose recurrent state continues one token at a time
+
+
+def mark_tokenwise(config) -> None:
+    """Record that the model with ``config`` continues a recurrent state one token per forward only."""
+    if id(config) not in _TOKENWISE:
+        _TOKENWISE.add(id(config))
+        weakref.finalize(config, _TOKENWISE.discard, id(config))
+
+
+def tokenwise(config) -> bool:
+    """Whether :func:`mark_tokenwise` marked ``config``."""
+    return id(config) in _TOKENWISE
 
 
 def recurrent_layer_types(config) -> list[str]:

@@ -155,3 +155,46 @@ def test_reconstructed_calibration_beats_base_activations(tmp_path):
         lc = _logits(load_merged_model(Artifact(out), Checkpoint(base)), ids)
         err[act] = float((lc - lf).norm() / lf.norm())
     assert err["reconstructed"] < 0.9 * err["base"], err
+
+
+@pytest.mark.parametrize("arch,layers,head", [("exaone", "transformer.h", "lm_head.weight"),
+                                              ("nemotron_h", "backbone.layers", "lm_head.weight"),
+                                              ("gpt_neox", "gpt_neox.layers", "embed_out.weight")])
+def test_checkpoint_names_transformers_renames_on_load(tmp_path, arch, layers, head):
+    """EXAONE 3 (``transformer.h.0.attn.attention.q_proj``), Nemotron-H (``backbone.``) and GPT-NeoX's
+    output head (``embed_out``) load under other module names: every layer's linears and the untied
+    head are compressed under their checkpoint names, the embeddings and norms reach the calibration
+    forward, and the merged model is closer to the fine-tune than the base."""
+    base, ft = make_pair(tmp_path, arch)
+    art_dir = tmp_path / "art"
+    s = compress_delta(base, ft, str(calib_file(tmp_path)), art_dir, CompressConfig(**CFG))
+    art = Artifact(art_dir)
+    assert set(art.tensors) == set(Checkpoint(ft).names)
+    assert art.lineage["layers_path"] == layers
+    assert art.tensors[head]["kind"] == "packed"
+    depth = len(layers.split("."))
+    packed_layers = {n.split(".")[depth] for n, e in art.tensors.items()
+                     if e["kind"] == "packed" and n.startswith(layers + ".")}
+    assert packed_layers == {str(i) for i in range(len(s["layers"]))}
+    assert all(L["rel_out_err"] < 0.05 for L in s["layers"])
+    ids = torch.randint(4, 51, (2, 32), generator=torch.Generator().manual_seed(1))
+    lb = _logits(AutoModelForCausalLM.from_pretrained(base).eval(), ids)
+    lf = _logits(AutoModelForCausalLM.from_pretrained(ft).eval(), ids)
+    lc = _logits(load_merged_model(Artifact(art_dir), Checkpoint(base)), ids)
+    assert (lc - lf).norm() < 0.5 * (lb - lf).norm()
+
+
+@pytest.mark.parametrize("arch", ["bamba", "jamba"])
+def test_models_that_unpack_layer_outputs_or_mix_layer_classes(tmp_path, arch):
+    """Bamba's model unpacks ``hidden_states, attn_weights = layer(...)`` (the stand-ins for its layers
+    during calibration hand back a pair); Jamba's layer list holds Mamba and attention layers of two
+    classes. Both compress every layer with calibration, and the merged model is closer to the fine-tune."""
+    base, ft = make_pair(tmp_path, arch, **({"mamba_dt_rank": 32} if arch == "jamba" else {}))  # dt_proj in 32
+    art_dir = tmp_path / "art"
+    s = compress_delta(base, ft, str(calib_file(tmp_path)), art_dir, CompressConfig(**CFG))
+    assert len(s["layers"]) == 2 and all(0 < L["rel_out_err"] < 0.05 for L in s["layers"])
+    ids = torch.randint(4, 51, (2, 32), generator=torch.Generator().manual_seed(1))
+    lb = _logits(AutoModelForCausalLM.from_pretrained(base).eval(), ids)
+    lf = _logits(AutoModelForCausalLM.from_pretrained(ft).eval(), ids)
+    lc = _logits(load_merged_model(Artifact(art_dir), Checkpoint(base)), ids)
+    assert (lc - lf).norm() < 0.5 * (lb - lf).norm()

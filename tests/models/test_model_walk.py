@@ -169,3 +169,34 @@ def test_the_one_linear_of_a_router_module_beside_the_experts_is_the_router():
     lone = nn.Module()
     lone.router, lone.mlp = _RouterModule(), _Mlp()  # no experts beside it: an ordinary linear
     assert "router.proj" in layer_sites(lone)
+
+
+def test_the_decoder_list_is_the_outer_one_of_the_layer_count_whatever_its_classes():
+    """Jamba's list mixes Mamba and attention layers (exactly ``num_hidden_layers`` of them); a list
+    inside a layer (LongCat-Flash's two attentions per layer, its config counting two "layers" per
+    layer) is never taken for the model's."""
+    from types import SimpleNamespace
+
+    from deltazip.models.model_walk import decoder_layers
+
+    class Attn(nn.Module):
+        pass
+
+    class Mamba(nn.Module):
+        pass
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = nn.ModuleList([Attn(), Attn()])
+
+    hybrid = nn.Module()
+    hybrid.layers = nn.ModuleList([Mamba(), Attn(), Mamba()])
+    hybrid.extra = nn.ModuleList([Attn(), Attn(), Attn(), Attn()])  # of one class, but not the layer count
+    hybrid.config = SimpleNamespace(num_hidden_layers=3)
+    assert decoder_layers(hybrid) == ("layers", hybrid.layers)
+    nested = nn.Module()
+    nested.model = nn.Module()
+    nested.model.layers = nn.ModuleList([Layer()])
+    nested.config = SimpleNamespace(num_hidden_layers=2)
+    assert decoder_layers(nested)[0] == "model.layers"

@@ -42,7 +42,6 @@ REQUEST_PATH = [
     "serve/delta_sinks.py",  # per-row attention sinks, read by the attention in the forward
     "serve/delta_activation.py",  # per-row learned activation parameters in the forward
     "serve/delta_mixer.py",  # recurrent layers run per group of rows in the forward
-    "serve/param_names.py",  # planning a variant added while serving
     "serve/kernel_warmup.py",  # kernels warmed when a variant is added while serving
     "serve/kernel_tuner.py",  # a variant added while serving queues its keys; the thread measures between steps
     "serve/kernel_tuning.py",  # what the tuner's thread runs for a key of a variant added while serving

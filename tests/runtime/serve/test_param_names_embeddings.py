@@ -9,9 +9,9 @@ from _factories import save_model, tiny_model
 from torch import nn
 
 from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.param_names import module_names
 from deltazip.runtime.serve.delta_embedding import DeltaEmbedding, can_decouple, decouple_embedding
 from deltazip.runtime.serve.delta_linear import DeltaContext
-from deltazip.runtime.serve.param_names import module_names
 
 
 def test_checkpoint_names_map_by_transformers_rules(tmp_path):

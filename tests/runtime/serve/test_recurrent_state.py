@@ -1,6 +1,6 @@
 """Hybrid models in the serving engine: recurrent layers (Qwen3.5's gated-delta-rule linear attention,
-LFM2's short convolutions, Falcon-H1's Mamba-2 mixers beside attention in every layer) keep a
-fixed-size state per sequence in the pool's ``StatePool``.
+LFM2's short convolutions, Falcon-H1's Mamba-2 mixers beside attention in every layer, Jamba's Mamba
+layers, Mamba-2 alone) keep a fixed-size state per sequence in the pool's ``StatePool``.
 
 Every row's logits through the engine's step runner equal a plain forward of its whole sequence,
 through prefills of different lengths (left-padded new sequences), prompt chunks of different lengths
@@ -17,8 +17,14 @@ from _serving import PlainBackend, single_thread
 
 from deltazip.runtime.serve.attention import use_paged_attention
 from deltazip.runtime.serve.kv_cache import BlockPool, SeqBlocks
+from deltazip.runtime.serve.model import _scans_from_zero
 from deltazip.runtime.serve.model_runner import KVPool, SeqKV, _unpadded_groups, forward_step
-from deltazip.runtime.serve.recurrent_state import StatePool, recurrent_layer_types
+from deltazip.runtime.serve.recurrent_state import (
+    RECURRENT_LAYER_TYPES,
+    StatePool,
+    mark_tokenwise,
+    recurrent_layer_types,
+)
 
 
 def test_state_pool_rows_are_zeroed_grown_forked_and_dropped_when_idle():
@@ -74,6 +80,32 @@ def test_a_recurrent_layers_own_parameters_belong_to_its_mixer_not_to_its_attent
     assert mixer_of(model, "layers.0.mamba.A_log") is None  # not a recurrent layer
 
 
+def test_linears_a_mixer_reads_itself_are_found_in_its_source():
+    """Jamba's and Mamba's mixers compute ``self.dt_proj.weight @ x``: a ``DeltaLinear`` would not see
+    it. Bamba reads ``out_proj.weight`` only under ``if self.training``, which serving never takes;
+    reads of metadata (``.dtype``) do not count."""
+    from transformers.models.bamba.modeling_bamba import BambaMixer
+    from transformers.models.jamba.modeling_jamba import JambaMambaMixer
+    from transformers.models.mamba.modeling_mamba import MambaMixer
+
+    from deltazip.runtime.serve.delta_mixer import _direct_reads
+
+    assert {"dt_proj", "conv1d"} <= _direct_reads(JambaMambaMixer)
+    assert "dt_proj" in _direct_reads(MambaMixer) and "out_proj" not in _direct_reads(MambaMixer)
+    assert "out_proj" not in _direct_reads(BambaMixer) and "conv1d" in _direct_reads(BambaMixer)
+    assert _direct_reads(_Reader) == {"b", "d"}
+
+
+class _Reader(torch.nn.Module):
+    def forward(self, x):
+        x = x.to(self.a.weight.dtype)  # metadata only
+        if self.training and x.shape[0]:
+            x = x @ self.c.weight.T  # training only
+        else:
+            x = x + self.d.bias
+        return self.b.weight @ x
+
+
 def test_rows_with_a_state_are_never_left_padded():
     cfg = tiny_model("qwen3_5").config
     assert recurrent_layer_types(cfg) == ["linear_attention"]
@@ -83,13 +115,21 @@ def test_rows_with_a_state_are_never_left_padded():
 
 
 # Qwen3.5's class takes no attention function (the contiguous cache); LFM2's does (both caches)
-@pytest.mark.parametrize("arch,paged", [("qwen3_5", False), ("lfm2", True), ("lfm2", False), ("falcon_h1", False)],
-                         ids=["qwen3_5-contiguous", "lfm2-paged", "lfm2-contiguous", "falcon_h1-contiguous"])
+@pytest.mark.parametrize("arch,paged", [("qwen3_5", False), ("lfm2", True), ("lfm2", False), ("falcon_h1", False),
+                                       ("jamba", False), ("mamba2", False)],
+                         ids=["qwen3_5-contiguous", "lfm2-paged", "lfm2-contiguous", "falcon_h1-contiguous",
+                              "jamba-contiguous", "mamba2-contiguous"])
 def test_engine_steps_equal_a_full_forward(arch, paged):
     with single_thread():
         model = tiny_model(arch)
         if paged:
             assert use_paged_attention(model)
+        # Jamba's Mamba mixer scans a step of several tokens from a zero state: the loader's probe finds
+        # it, and the step runner then continues its states one token at a time
+        scans = _scans_from_zero(model, torch.device("cpu"), torch.float32)
+        assert scans == (arch == "jamba")
+        if scans:
+            mark_tokenwise(model.config)
         be = PlainBackend(model)
         pool = BlockPool(block_size=4) if paged else KVPool()
         new_cache = SeqBlocks if paged else SeqKV
@@ -128,13 +168,15 @@ def test_engine_steps_equal_a_full_forward(arch, paged):
         assert pool.states.t == {}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "falcon_h1", "kimi_linear"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "falcon_h1", "kimi_linear", "jamba", "mamba2", "nemotron_h"])
 def test_delta_mode_runs_each_variants_recurrent_parameters_on_its_rows(tmp_path, arch):
     """Two real fine-tunes (every tensor moved: the convolution, the decay and step size, the gated
     norm) served as full checkpoints in delta mode: their recurrent layers are ``DeltaMixer``s, and in
     one batch with a base row, through a prefill, a prompt chunk after a past and decode steps, each
     row's logits equal its own model's plain forward. Kimi Linear's checkpoint holds its fused
-    convolution as three pieces, which land as rows of the mixer's parameter."""
+    convolution as three pieces, which land as rows of the mixer's parameter. Jamba's mixer reads its
+    ``dt_proj`` weight itself: that linear's tensors are the mixer's, not a ``DeltaLinear``'s.
+    Nemotron-H's checkpoint names its tensors under ``backbone.``."""
     _check_delta_mode(tmp_path, arch, torch.device("cpu"), 1e-4)
 
 
@@ -170,7 +212,9 @@ def _check_delta_mode(tmp_path, arch: str, device: torch.device, tol: float) -> 
             dm.write_slot(slot, name, dm.load_host(name))
         mixers = {n.split(".")[2] for n, m in dm.modules.items() if isinstance(m, DeltaMixer)}
         types = base_model.config.layer_types
-        assert mixers == {str(i) for i, t in enumerate(types) if t != "full_attention"}  # one per recurrent layer
+        assert mixers == {str(i) for i, t in enumerate(types) if t in RECURRENT_LAYER_TYPES}  # one per recurrent layer
+        if arch == "jamba":  # read by the mixer itself: held whole by it, never a DeltaLinear
+            assert not any(n.endswith("dt_proj") for n in dm.modules), [n for n in dm.modules if n.endswith("dt_proj")]
         refs = [m.to(device) for m in (fts["a"], base_model, fts["b"])]
         slots = [0, -1, 1]
         pool = new_kv_pool(dm)
