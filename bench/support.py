@@ -233,8 +233,10 @@ FAMILIES: dict[str, tuple[str, dict, torch.dtype]] = {
                               expand=2), torch.float32),
     "falcon_mamba": ("falcon_mamba", dict(hidden_size=64, num_hidden_layers=2, state_size=16, intermediate_size=128,
                                           time_step_rank=8), torch.float32),
-    "zamba2": ("zamba2", dict(GQA, mamba_d_state=16, mamba_headdim=16, n_mamba_heads=8, hybrid_layer_ids=[1],
-                              num_mem_blocks=1, layers_block_type=["mamba", "hybrid"]), torch.float32),
+    # as published: one shared transformer block used by every hybrid layer
+    "zamba2": ("zamba2", dict(GQA, num_hidden_layers=4, mamba_d_state=16, mamba_headdim=16, n_mamba_heads=8,
+                              hybrid_layer_ids=[1, 3], num_mem_blocks=1,
+                              layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]), torch.float32),
     "minimax": ("minimax", dict(GQA, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                                 layer_types=["linear_attention", "full_attention"], block_size=16), torch.float32),
     "recurrent_gemma": ("recurrent_gemma", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,

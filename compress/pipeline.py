@@ -16,6 +16,7 @@ mixture-of-experts weights, whose every expert is solved with the Hessian of the
 from __future__ import annotations
 
 import json
+import math
 import re
 import resource
 import time
@@ -79,12 +80,31 @@ def check_pair(base: Checkpoint, ft: Checkpoint) -> None:
 
 def _layer_maps(model, lname: str, layers, ft: Checkpoint) -> list[LayerMap]:
     """Per layer: its checkpoint tensors mapped to its parameters, and the linears among them."""
+    _refuse_tied_across_layers(model, lname)
     maps = []
     for i, layer in enumerate(layers):
         m = map_layer(model, f"{lname}.{i}.", layer, ft.names, ft.shape)
         m.check_sites_covered()
         maps.append(m)
     return maps
+
+
+def _refuse_tied_across_layers(model, lname: str) -> None:
+    """InputError when transformers ties a parameter of one decoder layer to another layer's (Zamba2's
+    shared transformer block, one set of weights used by several layers)."""
+    try:
+        tied = model.get_expanded_tied_weights_keys(all_submodels=True)
+    except (AttributeError, TypeError):  # transformers 4.x: no layer ties of this kind
+        return
+    head = lname + "."
+    for target, source in tied.items():
+        if not (target.startswith(head) and source.startswith(head)):
+            continue
+        i, j = target[len(head):].split(".", 1)[0], source[len(head):].split(".", 1)[0]
+        if i != j:
+            raise InputError(f"layers {j} and {i} of {type(model).__name__} share {source} (weights tied across "
+                             "layers): compress calibrates each layer's matrices on that layer's inputs and does "
+                             "not compress a matrix several layers use")
 
 
 def _check_shapes(maps: list[LayerMap], cfg: CompressConfig, group_of: Callable[[int], int]) -> None:
@@ -164,6 +184,21 @@ class _Run:
         self._skeleton_names: set[str] | None = None
         self.base_view = cfg.calib_activations == "base"
         self.layer_kw: list[list[dict]] = []  # per layer, per calibration batch (first_inputs)
+
+    def warn_unrecognised_matrices(self) -> None:
+        """A warning when the layers' matrices that are not compressed (stored exactly: neither a linear
+        nor fused experts to deltazip, such as DBRX's flat ``[E·F, H]`` experts) hold more than a tenth
+        of the fine-tune's matrix bytes: the artifact will be far larger than the method allows."""
+        ft = self.ft
+        size = {n: math.prod(ft.shape(n)) * ft.dtype(n).itemsize for n in ft.names if len(ft.shape(n)) >= 2}
+        targets = {n for m in self.maps for n in m.targets}
+        exact = sorted((n for n in self.layer_names if n in size and n not in targets), key=lambda n: -size[n])
+        share = sum(size[n] for n in exact) / max(1, sum(size.values()))
+        if share > 0.1:
+            warnings.warn(f"{share:.0%} of the fine-tune's matrix bytes are in tensors deltazip does not compress "
+                          f"(e.g. {exact[0]} {list(ft.shape(exact[0]))}, not a linear or fused experts it "
+                          "recognises): they are stored exactly and the artifact will be large", DeltazipWarning,
+                          stacklevel=2)
 
     def layer_prefix(self, i: int) -> str:
         """Layer ``i``'s checkpoint name prefix (``model.layers.3.``)."""
@@ -558,6 +593,7 @@ def compress_delta(
         raise InputError(f"--calib is required for --method {cfg.method}; pass a .jsonl/.json/.txt/.parquet file")
     with ArtifactWriter(out_dir, overwrite=overwrite, lossless=lossless, lossless_level=lossless_level) as writer:
         run = _Run(base, ft, cfg, writer, progress)
+        run.warn_unrecognised_matrices()
         cal = _calibration(cfg, ft, calib)
         extra = _measure_and_plan(run, cal, progress) if cfg.measures else {}
         run.outside_layers()

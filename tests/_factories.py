@@ -148,6 +148,15 @@ ARCH_CONFIGS = {
                        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
                        n_group=1, topk_group=1,
                        layers_block_type=["linear_attention", "moe", "full_attention", "mlp"]),
+    # experts as flat [E * F, H] matrices (DbrxExpertGLU), which deltazip does not compress
+    "dbrx": dict(model_type="dbrx", d_model=64, n_heads=4, n_layers=2, max_seq_len=128,
+                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
+    # Mamba-2 layers and hybrid layers holding one shared transformer block (tied across layers)
+    "zamba2": dict(model_type="zamba2", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, num_hidden_layers=4, max_position_embeddings=128, mamba_d_state=16,
+                   mamba_headdim=16, n_mamba_heads=8, hybrid_layer_ids=[1, 3], num_mem_blocks=1,
+                   layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
     # the model unpacks each layer's output (hidden_states, attn_weights = layer(...))
     "bamba": dict(model_type="bamba", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, attn_layer_indices=[1],

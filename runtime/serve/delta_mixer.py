@@ -128,9 +128,10 @@ def mixer_pieces(model: nn.Module, shapes: dict[str, list[int]], names: list[str
 
 def _is_mixer(m: nn.Module) -> bool:
     """Linears inside, and parameters of its own outside them (a norm has no linear, an MLP nothing else);
-    not an attention module (``is_causal``: beside a mixer in a ``hybrid`` layer it reads the KV cache,
-    which a group of rows cannot narrow; its norms are decoupled as norms)."""
-    if getattr(m, "is_causal", False):
+    not an attention module nor a block holding one (``is_causal``: beside a mixer in a ``hybrid`` layer,
+    or in Zamba2's shared transformer block, it reads the KV cache, which a group of rows cannot narrow;
+    its norms are decoupled as norms)."""
+    if any(getattr(x, "is_causal", False) for x in m.modules()):  # an attention, or a block holding one
         return False
     subs = list(m.modules())
     linear = [is_linear(x) or isinstance(x, DeltaLinear) for x in subs]

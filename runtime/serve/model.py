@@ -285,7 +285,9 @@ def _scans_from_zero(model: nn.Module, device: torch.device, dtype: torch.dtype)
             for k in keys:
                 states.scatter(k, row, states.gather(k, row) * 2 + 1)
             out = forward_step(be, pool, caches, [BASE_SLOT] * 2, [[11, 13]] * 2, [c.length for c in caches])
-        return bool(torch.equal(out[0], out[1]))
+        # A state that is read moves the logits far (every entry doubled, plus one); one that is not
+        # leaves the two rows equal up to how the device orders a batched GEMM's rows.
+        return bool(torch.allclose(out[0], out[1], rtol=0, atol=1e-4 * max(1.0, float(out[0].abs().max()))))
     finally:
         for c in caches:
             c.free()

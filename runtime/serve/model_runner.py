@@ -301,8 +301,10 @@ def step_args(pool: KVPool | BlockPool, caches: list, past: list[int], new: list
         attn = {t: (mask[t] if isinstance(mask, dict) else mask) for t in set(text.layer_types) - set(recurrent)}
         if not attn and "hybrid" not in recurrent:  # recurrent layers only (Mamba-2): the model passes
             return kv, pos, real  # the mask to its layers as it is (Falcon-H1's hybrid layers attend too)
-        mask = {"full_attention": next(iter(attn.values()), mask), **attn,
-                **dict.fromkeys(("linear_attention", "conv"), real)}
+        full = next(iter(attn.values()), None)
+        if full is None:  # attention only inside hybrid layers (Falcon-H1, Zamba2): their mask
+            full = mask.get("hybrid", next(iter(mask.values()))) if isinstance(mask, dict) else mask
+        mask = {"full_attention": full, **attn, **dict.fromkeys(("linear_attention", "conv"), real)}
     return kv, pos, mask
 
 

@@ -198,3 +198,34 @@ def test_models_that_unpack_layer_outputs_or_mix_layer_classes(tmp_path, arch):
     lf = _logits(AutoModelForCausalLM.from_pretrained(ft).eval(), ids)
     lc = _logits(load_merged_model(Artifact(art_dir), Checkpoint(base)), ids)
     assert (lc - lf).norm() < 0.5 * (lb - lf).norm()
+
+
+def test_weights_tied_across_layers_are_refused_in_one_line(tmp_path):
+    """Zamba2's hybrid layers share one transformer block: a matrix used by several layers has no one
+    layer's inputs to be calibrated on. Refused before anything is written."""
+    from deltazip.formats.errors import InputError
+
+    base, ft = make_pair(tmp_path, "zamba2")
+    out = tmp_path / "art"
+    with pytest.raises(InputError, match=r"layers 1 and 3 of Zamba2ForCausalLM share model\.layers\.1\.shared_transformer"):
+        compress_delta(base, ft, str(calib_file(tmp_path)), out, CompressConfig(**CFG))
+    assert not out.exists() and not list(tmp_path.glob(".art*"))
+
+
+def test_a_checkpoint_mostly_stored_exactly_is_warned_about(tmp_path):
+    """DBRX keeps its experts as flat ``[E·F, H]`` matrices that deltazip does not recognise: they are
+    stored exactly, most of the model, and compress says so up front. A Llama pair gets no such line."""
+    import warnings
+
+    from deltazip.formats.errors import DeltazipWarning
+
+    cfg = CompressConfig(**{**CFG, "method": "rtn"})
+    base, ft = make_pair(tmp_path, "dbrx")
+    with pytest.warns(DeltazipWarning, match=r"^[0-9]+% of the fine-tune's matrix bytes are in tensors deltazip does "
+                                             r"not compress \(e\.g\. transformer\.blocks\.[01]\.ffn\.experts\.mlp\."):
+        compress_delta(base, ft, None, tmp_path / "dbrx-art", cfg)
+    base, ft = make_pair(tmp_path, "llama")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compress_delta(base, ft, None, tmp_path / "llama-art", cfg)
+    assert not [w for w in seen if "matrix bytes" in str(w.message)]

@@ -76,6 +76,10 @@ def test_a_recurrent_layers_own_parameters_belong_to_its_mixer_not_to_its_attent
     assert mixer_of(model, "layers.0.mamba.norm.weight") == ("layers.0.mamba", "norm.weight")
     assert mixer_of(model, "layers.0.self_attn.norm.weight") is None
     assert mixer_of(model, "layers.0.mamba.proj.weight") is None
+    # a block holding an attention (Zamba2's shared transformer beside the Mamba layer) is not a mixer
+    layer.shared = nn.Module()
+    layer.shared.self_attn, layer.shared.norm = block(True), nn.LayerNorm(8)
+    assert mixer_of(model, "layers.0.shared.norm.weight") is None
     model.config.layer_types = ["full_attention"]
     assert mixer_of(model, "layers.0.mamba.A_log") is None  # not a recurrent layer
 
@@ -148,7 +152,14 @@ def test_engine_steps_equal_a_full_forward(arch, paged):
         more = [[12, 13, 3, 9], [21], [4, 4]]
         for s, m in zip(seqs, more):
             s.extend(m)
-        check(forward_step(be, pool, caches, [-1] * 3, more, [len(s) - len(m) for s, m in zip(seqs, more)]), range(3))
+        got = forward_step(be, pool, caches, [-1] * 3, more, [len(s) - len(m) for s, m in zip(seqs, more)],
+                           every_position=True)  # [3, Tm, V], rows left-padded
+        check(got[:, -1], range(3))
+        for r, m in enumerate(more):  # every new position of every row, not just the last
+            for j in range(len(m)):
+                with torch.no_grad():
+                    want = model(torch.tensor([seqs[r][:len(seqs[r]) - len(m) + j + 1]])).logits[0, -1]
+                torch.testing.assert_close(got[r, got.shape[1] - len(m) + j], want, rtol=1e-4, atol=1e-4)
         # a fork of row 0 decodes beside it with another token; row 1 is moved to host memory
         caches.append(caches[0].fork())
         seqs.append(list(seqs[0]))
@@ -181,7 +192,7 @@ def test_delta_mode_runs_each_variants_recurrent_parameters_on_its_rows(tmp_path
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "jamba", "nemotron_h"])
 def test_delta_mode_hybrid_models_on_cuda(tmp_path, arch):
     """The same on a GPU (the state pool and the per-group runs on CUDA tensors)."""
     _check_delta_mode(tmp_path, arch, torch.device("cuda"), 2e-3)
