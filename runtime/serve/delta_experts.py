@@ -591,12 +591,20 @@ class MoeLayout:
                         out[name] = (rname, "router", rattr)
         for mname, router in self.routers.items():  # buffers (no piece: the layer map reads parameters)
             for attr, b in router.named_buffers():
-                name = f"{mname}.{attr}"
+                name = self._checkpoint_name(f"{mname}.{attr}")
                 if name not in out and list(shapes.get(name, ())) == list(b.shape):
                     out[name] = (mname, "router", attr)
             block = mname.rpartition(".")[0]
             for key, t in self.blocks[mname].items():  # the block's tensors its router is given
-                name = f"{block}.{key.removeprefix('block.')}"
+                name = self._checkpoint_name(f"{block}.{key.removeprefix('block.')}")
                 if list(shapes.get(name, ())) == list(t.shape):
                     out[name] = (mname, "router", key)
         return out
+
+    def _checkpoint_name(self, qualified: str) -> str:
+        """A module tensor's name as the checkpoint writes it: its layer's prefix renamed (Nemotron-H's
+        ``backbone.``); the rest of the name is the module's, as for the buffers and block tensors here."""
+        for prefix, ck in self._ckpt_prefix.items():
+            if qualified.startswith(prefix):
+                return ck + qualified[len(prefix):]
+        return qualified

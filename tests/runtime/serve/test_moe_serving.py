@@ -63,10 +63,11 @@ class MoeSet:
         for name, spec in VARIANTS.items():
             if arch != "gpt_oss":
                 ft = perturb(tiny_model(arch, **ids), scale=0.3, seed=spec["seed"], skip=("norm",))
-                if arch == "deepseek_v3":  # the router's correction bias is a buffer: move it too
-                    with torch.no_grad():
-                        for layer in ft.model.layers[1:]:
-                            b = layer.mlp.gate.e_score_correction_bias
+                # the router's correction bias is a buffer: move it too (Nemotron-H's checkpoint names it
+                # under backbone.)
+                with torch.no_grad():
+                    for bname, b in ft.named_buffers():
+                        if bname.endswith("e_score_correction_bias"):
                             b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(spec["seed"])))
             else:  # its biases start at 0 and its sinks near 0: perturb's std-relative noise would leave
                 # them unchanged or (std 1 for zeros) drown the model; they move by a fixed amount instead
