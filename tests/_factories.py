@@ -157,6 +157,11 @@ ARCH_CONFIGS = {
                    num_key_value_heads=2, num_hidden_layers=4, max_position_embeddings=128, mamba_d_state=16,
                    mamba_headdim=16, n_mamba_heads=8, hybrid_layer_ids=[1, 3], num_mem_blocks=1,
                    layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
+    # the same with one hybrid layer (nothing tied): attention only inside the hybrid layer
+    "zamba2-untied": dict(model_type="zamba2", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                          num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, mamba_d_state=16,
+                          mamba_headdim=16, n_mamba_heads=8, hybrid_layer_ids=[1], num_mem_blocks=1,
+                          layers_block_type=["mamba", "hybrid"]),
     # the model unpacks each layer's output (hidden_states, attn_weights = layer(...))
     "bamba": dict(model_type="bamba", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, attn_layer_indices=[1],

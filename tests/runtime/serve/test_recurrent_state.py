@@ -120,9 +120,9 @@ def test_rows_with_a_state_are_never_left_padded():
 
 # Qwen3.5's class takes no attention function (the contiguous cache); LFM2's does (both caches)
 @pytest.mark.parametrize("arch,paged", [("qwen3_5", False), ("lfm2", True), ("lfm2", False), ("falcon_h1", False),
-                                       ("jamba", False), ("mamba2", False)],
+                                       ("jamba", False), ("mamba2", False), ("zamba2-untied", False)],
                          ids=["qwen3_5-contiguous", "lfm2-paged", "lfm2-contiguous", "falcon_h1-contiguous",
-                              "jamba-contiguous", "mamba2-contiguous"])
+                              "jamba-contiguous", "mamba2-contiguous", "zamba2-contiguous"])
 def test_engine_steps_equal_a_full_forward(arch, paged):
     with single_thread():
         model = tiny_model(arch)
@@ -179,7 +179,8 @@ def test_engine_steps_equal_a_full_forward(arch, paged):
         assert pool.states.t == {}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "falcon_h1", "kimi_linear", "jamba", "mamba2", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "falcon_h1", "kimi_linear", "jamba", "mamba2", "nemotron_h",
+                                  "zamba2-untied"])
 def test_delta_mode_runs_each_variants_recurrent_parameters_on_its_rows(tmp_path, arch):
     """Two real fine-tunes (every tensor moved: the convolution, the decay and step size, the gated
     norm) served as full checkpoints in delta mode: their recurrent layers are ``DeltaMixer``s, and in
