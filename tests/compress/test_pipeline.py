@@ -23,6 +23,15 @@ def _logits(model, ids):
         return model(input_ids=ids).logits.float()
 
 
+def _assert_closer_than_base(base, ft, art_dir) -> None:
+    """The merged artifact's logits are closer to the fine-tune's than the base's are (half the distance)."""
+    ids = torch.randint(4, 51, (2, 32), generator=torch.Generator().manual_seed(1))
+    lb = _logits(AutoModelForCausalLM.from_pretrained(base).eval(), ids)
+    lf = _logits(AutoModelForCausalLM.from_pretrained(ft).eval(), ids)
+    lc = _logits(load_merged_model(Artifact(art_dir), Checkpoint(base)), ids)
+    assert (lc - lf).norm() < 0.5 * (lb - lf).norm()
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("llama")
@@ -113,11 +122,7 @@ def test_other_architectures(tmp_path, arch):
     s = compress_delta(base, ft, str(calib), art, CompressConfig(**CFG))
     assert s["linear_ratio"] > 5
     assert len(s["layers"]) == 2 and all(L["rel_out_err"] < 0.05 for L in s["layers"])
-    ids = torch.randint(4, 51, (2, 32), generator=torch.Generator().manual_seed(1))
-    lb = _logits(AutoModelForCausalLM.from_pretrained(base).eval(), ids)
-    lf = _logits(AutoModelForCausalLM.from_pretrained(ft).eval(), ids)
-    lc = _logits(load_merged_model(Artifact(art), Checkpoint(base)), ids)
-    assert (lc - lf).norm() < 0.5 * (lb - lf).norm()
+    _assert_closer_than_base(base, ft, art)
 
 
 def test_bf16_stays_bf16(tmp_path):
@@ -177,11 +182,7 @@ def test_checkpoint_names_transformers_renames_on_load(tmp_path, arch, layers, h
                      if e["kind"] == "packed" and n.startswith(layers + ".")}
     assert packed_layers == {str(i) for i in range(len(s["layers"]))}
     assert all(L["rel_out_err"] < 0.05 for L in s["layers"])
-    ids = torch.randint(4, 51, (2, 32), generator=torch.Generator().manual_seed(1))
-    lb = _logits(AutoModelForCausalLM.from_pretrained(base).eval(), ids)
-    lf = _logits(AutoModelForCausalLM.from_pretrained(ft).eval(), ids)
-    lc = _logits(load_merged_model(Artifact(art_dir), Checkpoint(base)), ids)
-    assert (lc - lf).norm() < 0.5 * (lb - lf).norm()
+    _assert_closer_than_base(base, ft, art_dir)
 
 
 @pytest.mark.parametrize("arch", ["bamba", "jamba"])
@@ -193,11 +194,7 @@ def test_models_that_unpack_layer_outputs_or_mix_layer_classes(tmp_path, arch):
     art_dir = tmp_path / "art"
     s = compress_delta(base, ft, str(calib_file(tmp_path)), art_dir, CompressConfig(**CFG))
     assert len(s["layers"]) == 2 and all(0 < L["rel_out_err"] < 0.05 for L in s["layers"])
-    ids = torch.randint(4, 51, (2, 32), generator=torch.Generator().manual_seed(1))
-    lb = _logits(AutoModelForCausalLM.from_pretrained(base).eval(), ids)
-    lf = _logits(AutoModelForCausalLM.from_pretrained(ft).eval(), ids)
-    lc = _logits(load_merged_model(Artifact(art_dir), Checkpoint(base)), ids)
-    assert (lc - lf).norm() < 0.5 * (lb - lf).norm()
+    _assert_closer_than_base(base, ft, art_dir)
 
 
 def test_weights_tied_across_layers_are_refused_in_one_line(tmp_path):
