@@ -6,7 +6,8 @@ For every family a tiny model (2 layers, hidden 64, the demo's 128-character voc
 code from its transformers config, fine-tuned for real (Adam on a repeating-pattern task: every
 tensor moves, norms, biases, embeddings and positions included), then:
 
-- compress: ``deltazip compress`` (ΔCompress 4-bit dense, automatic group, calibrated) of the fine-tune;
+- compress: ``deltazip compress`` (ΔCompress 4-bit dense, automatic group, calibrated) of the fine-tune,
+  without its warning that a tenth or more of the matrix bytes are in tensors it does not compress;
 - merge: ``deltazip merge`` of the artifact loads with transformers and is closer to the fine-tune
   than the base is (mean squared logit error on held-out sequences);
 - serve delta / serve swap: the engine in that mode, the variant's rows in one batch with base rows;
@@ -32,6 +33,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -289,11 +291,6 @@ def finetune(model, tok, steps: int, seed: int = 1):
     return model.to(dtype).eval()
 
 
-def _router_name(name: str) -> bool:
-    """A router's weight (stored exactly by design: a rounding error there reroutes tokens)."""
-    return any(f".{k}." in f".{name}" for k in ("gate", "router", "block_sparse_moe.gate")) and ".experts." not in name
-
-
 def one_line(e: BaseException) -> str:
     from deltazip.formats.errors import DeltazipError
 
@@ -328,22 +325,13 @@ class Family:
         calib.write_text("".join(json.dumps({"text": TEXT[i:i + 80]}) + "\n" for i in range(0, 640, 40)))
         cfg = CompressConfig(scheme=DeltaScheme(bits=4, sparsity="none"), group_auto=True, method="deltazip",
                              nsamples=8, seqlen=32, device="cpu")
-        compress_delta(self.base_dir, self.ft_dir, str(calib), self.art, cfg)
-        self.check_matrices_compressed()
-
-    def check_matrices_compressed(self) -> None:
-        """The artifact compresses the weight matrices: those it stores exactly (other than routers,
-        which are stored exactly on purpose) hold at most a tenth of the fine-tune's matrix bytes."""
-        from deltazip.formats.artifact import Artifact
-        from deltazip.models.checkpoint import Checkpoint
-
-        art, ft = Artifact(self.art), Checkpoint(self.ft_dir)
-        sizes = {n: ft.get(n).numel() * ft.get(n).element_size() for n in ft.names if len(ft.shape(n)) >= 2}
-        exact = sorted((n for n in sizes if art.tensors[n]["kind"] in ("full", "xor") and not _router_name(n)),
-                       key=lambda n: -sizes[n])
-        share = sum(sizes[n] for n in exact) / max(1, sum(sizes.values()))
-        if share > 0.1:
-            raise AssertionError(f"{share:.0%} of the fine-tune's matrix bytes stored exactly, e.g. {exact[0]}")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            compress_delta(self.base_dir, self.ft_dir, str(calib), self.art, cfg)
+        # a tenth or more of the matrix bytes left uncompressed (compress's own warning) fails the check
+        big = [str(w.message) for w in seen if "matrix bytes" in str(w.message)]
+        if big:
+            raise AssertionError(big[0])
 
     def merge(self) -> None:
         from transformers import AutoModelForCausalLM

@@ -181,7 +181,6 @@ class _Run:
         self.layer_stats: list[dict] = []
         self.head_stats: dict | None = None
         self.layer_arity = 0  # how the model takes a layer's output (LayerStandIn.arity)
-        self._skeleton_names: set[str] | None = None
         self.base_view = cfg.calib_activations == "base"
         self.layer_kw: list[list[dict]] = []  # per layer, per calibration batch (first_inputs)
 
@@ -207,17 +206,12 @@ class _Run:
     def outside(self):
         """``(checkpoint name, module parameter or buffer name or None)`` of every tensor outside the
         decoder layers but the untied head, in checkpoint order."""
+        held = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        held |= {n for n, _ in self.model.named_buffers()}
         for n in self.ft.names:
-            if n in self.layer_names or n == self.head:
-                continue
-            yield n, self.module_name.get(n) if self.module_name.get(n) in self.skeleton_names else None
-
-    @property
-    def skeleton_names(self) -> set[str]:
-        if self._skeleton_names is None:
-            self._skeleton_names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
-            self._skeleton_names |= {n for n, _ in self.model.named_buffers()}
-        return self._skeleton_names
+            if n not in self.layer_names and n != self.head:
+                mod = self.module_name.get(n)
+                yield n, mod if mod in held else None
 
     # -- settings -------------------------------------------------------------------------------
     def _groups(self) -> tuple[Callable[[int], int], int]:
