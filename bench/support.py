@@ -41,6 +41,11 @@ import torch
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
              max_position_embeddings=128)
 GQA = dict(SHAPE, num_key_value_heads=2)
+MROPE3 = dict(rope_type="default", mrope_section=[2, 3, 3], mrope_interleaved=True)
+QWEN3_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                    deepstack_visual_indexes=[0])
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+              patch_size=14)
 FAMILIES: dict[str, tuple[str, dict, torch.dtype]] = {
     "llama": ("llama", dict(GQA, tie_word_embeddings=True), torch.float32),
     "llama-untied": ("llama", dict(GQA, tie_word_embeddings=False), torch.float32),
@@ -247,6 +252,57 @@ FAMILIES: dict[str, tuple[str, dict, torch.dtype]] = {
                                                 block_types=["recurrent", "recurrent", "attention"]), torch.float32),
     "diffllama": ("diffllama", GQA, torch.float32),
     "doge": ("doge", GQA, torch.float32),
+    # image-text checkpoints fine-tuned on text (the vision tower kept, unchanged): served for text
+    "gemma3-vision": ("gemma3", dict(text_config=dict(GQA, head_dim=16, sliding_window=16,
+                                                      layer_types=["sliding_attention", "full_attention"]),
+                                     vision_config=dict(VISION, model_type="siglip_vision_model"),
+                                     mm_tokens_per_image=4, image_token_index=120, boi_token_index=121,
+                                     eoi_token_index=122), torch.float32),
+    "mistral3": ("mistral3", dict(text_config=dict(GQA, model_type="mistral", sliding_window=None),
+                                  vision_config=dict(VISION, model_type="pixtral", head_dim=16),
+                                  image_token_index=120, spatial_merge_size=1), torch.float32),
+    "llava": ("llava", dict(text_config=dict(GQA, model_type="llama"),
+                            vision_config=dict(VISION, model_type="clip_vision_model", projection_dim=32),
+                            image_token_index=120), torch.float32),
+    "qwen2_5_vl": ("qwen2_5_vl", dict(text_config=dict(GQA, model_type="qwen2_5_vl_text",
+                                                       rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3])),
+                                      vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                         out_hidden_size=64, fullatt_block_indexes=[0]),
+                                      image_token_id=120, video_token_id=121, vision_start_token_id=122),
+                   torch.float32),
+    "qwen2_vl": ("qwen2_vl", dict(text_config=dict(GQA, head_dim=16, model_type="qwen2_vl_text",
+                                                   rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3])),
+                                  vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
+                                  image_token_id=120, video_token_id=121, vision_start_token_id=122), torch.float32),
+    "qwen3_vl": ("qwen3_vl", dict(text_config=dict(GQA, head_dim=16, model_type="qwen3_vl_text", rope_scaling=MROPE3),
+                                  vision_config=QWEN3_VISION, image_token_id=120, video_token_id=121,
+                                  vision_start_token_id=122), torch.float32),
+    "qwen3_vl_moe": ("qwen3_vl_moe", dict(text_config=dict(GQA, head_dim=16, model_type="qwen3_vl_moe_text",
+                                                           moe_intermediate_size=32, num_experts=4,
+                                                           num_experts_per_tok=2, rope_scaling=MROPE3),
+                                          vision_config=QWEN3_VISION, image_token_id=120, video_token_id=121,
+                                          vision_start_token_id=122), torch.float32),
+    "mllama": ("mllama", dict(text_config=dict(GQA, model_type="mllama_text_model", cross_attention_layers=[1]),
+                              vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_global_layers=1, attention_heads=2, image_size=28, patch_size=14,
+                                                 vision_output_dim=64, intermediate_layers_indices=[0]),
+                              image_token_index=120), torch.float32),
+    "paligemma": ("paligemma", dict(text_config=dict(GQA, head_dim=16, model_type="gemma"),
+                                    vision_config=dict(VISION, model_type="siglip_vision_model", projection_dim=64),
+                                    image_token_index=120), torch.float32),
+    "idefics3": ("idefics3", dict(text_config=dict(GQA, model_type="llama"),
+                                  vision_config=dict(VISION, model_type="idefics3_vision"), image_token_id=120,
+                                  scale_factor=1), torch.float32),
+    "smolvlm": ("smolvlm", dict(text_config=dict(GQA, model_type="llama"),
+                                vision_config=dict(VISION, model_type="smolvlm_vision"), image_token_id=120,
+                                scale_factor=1), torch.float32),
+    "internvl": ("internvl", dict(text_config=dict(GQA, model_type="qwen2"),
+                                  vision_config=dict(VISION, image_size=[28, 28], patch_size=[14, 14]),
+                                  image_token_id=120, downsample_ratio=0.5), torch.float32),
+    "gemma4-vision": ("gemma4", dict(text_config=dict(GQA, head_dim=16, model_type="gemma4_text", global_head_dim=32,
+                                                      layer_types=["sliding_attention", "full_attention"],
+                                                      sliding_window=16, hidden_size_per_layer_input=16,
+                                                      vocab_size_per_layer_input=128)), torch.float32),
 }
 CHECKS = ("compress", "merge", "serve_delta", "serve_swap", "eval")
 EVAL_TASKS = ("deltazip_ticket", "deltazip_copy")  # lm-eval: multiple choice (loglikelihood), generation
@@ -266,12 +322,18 @@ def machine() -> dict:
 
 
 def tiny(family: str, seed: int = 0):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from deltazip.models.loader import causal_lm_class
 
     model_type, cfg, dtype = FAMILIES[family]
-    config = AutoConfig.for_model(model_type, vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2, **cfg)
+    tokens = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    if "text_config" in cfg:  # an image-text model: the vocabulary is its language model's
+        cfg = dict(cfg, text_config=dict(cfg["text_config"], **tokens))
+        tokens = {k: v for k, v in tokens.items() if k != "vocab_size"}
+    config = AutoConfig.for_model(model_type, **tokens, **cfg)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return causal_lm_class(config)._from_config(config, dtype=dtype).eval()
 
 
 def finetune(model, tok, steps: int, seed: int = 1):
@@ -334,17 +396,16 @@ class Family:
             raise AssertionError(big[0])
 
     def merge(self) -> None:
-        from transformers import AutoModelForCausalLM
-
         from deltazip.compress.merge import merge_to_dir
         from deltazip.formats.artifact import Artifact
         from deltazip.models.checkpoint import Checkpoint
+        from deltazip.models.loader import load_causal_lm
 
         merge_to_dir(Artifact(self.art), Checkpoint(self.base_dir), self.merged_dir)
         ids = torch.tensor([self.tok(TEXT[i:i + 40])["input_ids"] for i in (3, 50, 120)])
         logits = {}
         for k, d in (("base", self.base_dir), ("ft", self.ft_dir), ("merged", self.merged_dir)):
-            m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+            m = load_causal_lm(d, torch.float32)
             with torch.no_grad():
                 logits[k] = m(input_ids=ids).logits
         err_m = float((logits["merged"] - logits["ft"]).pow(2).mean())
@@ -353,9 +414,9 @@ class Family:
             raise AssertionError(f"merged model is not closer to the fine-tune than the base ({err_m:.3g} vs {err_b:.3g})")
 
     def reference(self, model_dir: Path, prompt: list[int]) -> str:
-        from transformers import AutoModelForCausalLM
+        from deltazip.models.loader import load_causal_lm
 
-        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        m = load_causal_lm(model_dir, torch.float32)
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.tokens, do_sample=False,

@@ -398,6 +398,11 @@ class _Run:
         self.layer_kw = [[kw for _, kw in c.captured] for c in catchers]
         return catchers[0].captured
 
+    def runs_layer(self, i: int) -> bool:
+        """Whether the calibration forward reached layer ``i`` (after :meth:`first_inputs`): a text-only
+        forward skips Mllama's cross-attention layers, which run with an image only."""
+        return bool(self.layer_kw[i])
+
     def layer_kwargs(self, i: int, batch: int) -> dict:
         """Keyword arguments the model passes layer ``i`` for calibration batch ``batch``."""
         return self.layer_kw[i][batch]
@@ -430,7 +435,9 @@ class _Run:
         cfg, layer = self.cfg, self.layers[i]
         lmap = self.maps[i]
         lin = lmap.targets
-        calibrated = cfg.method != "rtn"
+        # A layer the calibration forward never reaches has no inputs to calibrate on, and leaves the next
+        # layer's inputs as they are: its linears are rounded to nearest (what a text forward never runs).
+        calibrated = cfg.method != "rtn" and self.runs_layer(i)
         for n in lmap.names:
             if n in lin:
                 continue
@@ -439,6 +446,8 @@ class _Run:
             if calibrated:
                 lmap.put(layer, n, b if self.base_view else rec, self.cdtype, self.device)
         stats = {"index": i, "tensors": {}}
+        if cfg.method != "rtn" and not calibrated:
+            stats["calibration"] = "rtn: the calibration forward does not run this layer"
         if not calibrated:
             for t in lin.values():
                 self._compress_linear(t, None, stats)

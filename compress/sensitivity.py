@@ -172,6 +172,9 @@ class Probe:
         self.run, self.cfg = run, run.cfg
         self.curves: list[Curve] = []
         self.fixed = 0
+        # Stand-in Hessian scale h (for h·I) of a layer the calibration forward never reaches: the mean
+        # diagonal of the last calibrated layer's Hessians (its inputs are hidden states of that size).
+        self.h_unreached = 0.0
         self.freq: dict[str, torch.Tensor] = {}
         self.gains: list[dict[str, float]] = []
         # the candidate solves' column loops, one per intra-op thread the user allowed (measure() opens it)
@@ -237,7 +240,9 @@ class Probe:
     def _hessian(self, hs: Hessians | None, key: str, expert: int | None) -> torch.Tensor | float:
         """The matrix's Hessian; without one (no token reached it) the mean diagonal of its site's other
         Hessians, standing for ``h·I`` (0.0 when there are none)."""
-        H, _ = hs.get(key, expert) if hs is not None else (None, 0)
+        if hs is None:  # a layer the calibration forward never reaches
+            return self.h_unreached
+        H, _ = hs.get(key, expert)
         if H is not None:
             return H
         diags = [float(torch.diag(hs.get(k, e)[0]).mean()) for (k, e) in (hs.counts if hs else {}) if k == key]
@@ -444,6 +449,14 @@ def _probe_layer(probe: Probe, i: int, batches):
             probe.fixed += exact_stored_size(run.writer, n, run.base.get(n), f)
         lmap.put(layer, n, f, run.cdtype, run.device)
     lmap.finish()
+    if not run.runs_layer(i):  # never reached by the calibration forward: errors under h·I (stored RTN)
+        probe.gains.append({})
+        probe.settle()
+        for t in lmap.targets.values():
+            probe.linear_curve(t, None, i, 1.0)
+        for n, _ in layer.named_parameters():
+            set_param(layer, n, None)
+        return batches
     batches = [(h, run.layer_kwargs(i, k)) for k, (h, _) in enumerate(batches)]
     outs = []
     hw = WeightedHessians(layer, lmap.sites)
@@ -465,6 +478,8 @@ def _probe_layer(probe: Probe, i: int, batches):
     probe.settle()  # the previous layer's byte counts ran beside this layer's forward: at most one layer waits
     for t in lmap.targets.values():
         probe.linear_curve(t, hs, i, gains.get(t.site.key, 1.0), hw.hs, wbar)
+    diags = [float(torch.diag(H).mean()) for H in (hs.get(*k)[0] for k in hs.counts) if H is not None]
+    probe.h_unreached = sum(diags) / len(diags) if diags else probe.h_unreached
     del hs
     for n, _ in layer.named_parameters():
         set_param(layer, n, None)

@@ -16,19 +16,46 @@ from pathlib import Path
 from deltazip.formats.errors import InputError
 
 
+def causal_lm_class(config):
+    """The transformers class a checkpoint of ``config`` is loaded with: for an image-text model (a
+    config with a ``vision_config``: Gemma 3, Mistral 3, Qwen2.5-VL, Llama 4...) its image-text-to-text
+    class, else its causal LM. The image-text class holds the whole checkpoint under its own names
+    (the causal-LM class transformers maps some of them to holds the language model only), and its
+    forward on token ids alone is the language model's. None when transformers maps the config to neither."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    order = (AutoModelForCausalLM, AutoModelForImageTextToText)
+    for auto in order[::-1] if getattr(config, "vision_config", None) is not None else order:
+        try:
+            return auto._model_mapping[type(config)]
+        except KeyError:
+            continue
+    return None
+
+
+def text_config(config):
+    """The language model's config: an image-text model's text config, else ``config`` itself."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
 def load_causal_lm(path: str | Path, dtype, attn_implementation: str | None = None, what: str = "model"):
-    """``AutoModelForCausalLM.from_pretrained(path)`` in ``dtype`` (CPU, eval mode).
+    """The checkpoint at ``path`` as :func:`causal_lm_class` of its config, in ``dtype`` (CPU, eval mode).
 
     Args:
         what: how messages name the directory (``"base"``, ``"checkpoint x"``).
     Raises:
         InputError: unknown architecture, missing or broken weights.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kw)
+        config = AutoConfig.from_pretrained(str(path))
+        cls = causal_lm_class(config)
+        if cls is None:
+            raise ValueError(f"transformers has no causal LM or image-text-to-text class for {type(config).__name__}")
+        model = cls.from_pretrained(str(path), config=config, dtype=dtype, **kw)
     except Exception as e:  # unknown architecture, broken weights
         raise InputError(f"{what} {path} cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
     return model.eval()

@@ -20,10 +20,11 @@ import torch
 from accelerate import init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from deltazip.formats.errors import InputError
 from deltazip.models.expert_tap import tap_experts
+from deltazip.models.loader import causal_lm_class, text_config
 
 try:  # GPT-2-style linears: weight stored [in, out], forward x @ W + b
     from transformers.pytorch_utils import Conv1D
@@ -41,7 +42,10 @@ def empty_model(model_dir, dtype: torch.dtype) -> nn.Module:
         try:
             # Eager experts: each expert runs as F.linear on its own tokens, which is what
             # deltazip.compress.experts taps to build per-expert Hessians (grouped_mm would hide it).
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="eager")
+            cls = causal_lm_class(config)
+            if cls is None:
+                raise ValueError(f"transformers maps {type(config).__name__} to no causal LM")
+            model = cls._from_config(config, dtype=dtype, experts_implementation="eager")
         except ValueError as e:
             raise InputError(f"{model_dir}: not a causal language model transformers knows ({e})") from e
     model.eval()
@@ -52,11 +56,16 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """Qualified name and module of the decoder layer list.
 
     Among the module lists not nested in another one's modules (a layer's own lists, such as
-    LongCat-Flash's two attentions, are not the model's layers): the longest of
+    LongCat-Flash's two attentions, are not the model's layers), in an image-text model those of its
+    language model (Qwen2.5-VL's vision tower has more blocks than its decoder has layers): the longest of
     ``num_hidden_layers`` modules where the config says, of one class or several (Jamba's attention
     and Mamba layers, OLMo hybrid's); else the longest of one class."""
-    n = getattr(model.config, "num_hidden_layers", None)
+    text = text_config(model.config)
+    n = getattr(text, "num_hidden_layers", None)
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if text is not model.config:  # an image-text model: its language model's lists, never the vision tower's
+        root = next((name for name, m in model.named_modules() if getattr(m, "config", None) is text), None)
+        lists = [(name, m) for name, m in lists if root is None or name.startswith(f"{root}.")]
     outer = [(name, m) for name, m in lists if not any(name.startswith(f"{o}.") for o, _ in lists)]
     exact = [c for c in outer if n is not None and len(c[1]) == n]
     uniform = [c for c in outer if len({type(x) for x in c[1]}) == 1]

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, PreTrainedTokenizerFast
+
+from deltazip.models.loader import causal_lm_class
 
 ALPHABET = list("abcdefghijklmnopqrstuvwxyz0123456789 .,:;=+-?!\n")
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -26,6 +28,10 @@ def tiny_tokenizer(save_dir: Path | None = None) -> PreTrainedTokenizerFast:
     return tok
 
 
+_LM = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+           max_position_embeddings=128)
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+               patch_size=14)
 ARCH_CONFIGS = {
     "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128),
@@ -166,17 +172,35 @@ ARCH_CONFIGS = {
     "bamba": dict(model_type="bamba", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, attn_layer_indices=[1],
                   mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1),
+    # image-text checkpoints (a vision tower beside the language model), fine-tuned on text
+    "llava": dict(model_type="llava", text_config=dict(_LM, model_type="llama"),
+                  vision_config=dict(_VISION, model_type="clip_vision_model", projection_dim=32), image_token_index=120),
+    # cross-attention layers, skipped by a text-only forward
+    "mllama": dict(model_type="mllama", text_config=dict(_LM, model_type="mllama_text_model", cross_attention_layers=[1]),
+                   vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_global_layers=1,
+                                      attention_heads=2, image_size=28, patch_size=14, vision_output_dim=64,
+                                      intermediate_layers_indices=[0]), image_token_index=120),
+    # positions in three sections (multimodal RoPE), equal for text; more vision blocks than decoder layers (as at 7B)
+    "qwen2_5_vl": dict(model_type="qwen2_5_vl", text_config=dict(_LM, model_type="qwen2_5_vl_text", head_dim=16,
+                                                                  rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3])),
+                       vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                          fullatt_block_indexes=[0]),
+                       image_token_id=120, video_token_id=121, vision_start_token_id=122),
 }
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32, **overrides):
     cfg = dict(ARCH_CONFIGS[arch])
     model_type = cfg.pop("model_type")
-    cfg.update(vocab_size=len(SPECIALS) + len(ALPHABET), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    ids = dict(vocab_size=len(SPECIALS) + len(ALPHABET), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if "text_config" in cfg:  # an image-text model: the vocabulary (and any override) is its language model's
+        text = cfg["text_config"] = {**cfg["text_config"], **ids, **overrides}
+        ids, overrides = {k: text[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")}, {}
+    cfg.update(ids)
     cfg.update(overrides)
     config = AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return causal_lm_class(config)._from_config(config, dtype=dtype).eval()
 
 
 def perturb(model, scale: float = 0.05, seed: int = 1, skip=("norm",)):
@@ -187,7 +211,7 @@ def perturb(model, scale: float = 0.05, seed: int = 1, skip=("norm",)):
         for name, p in model.named_parameters():
             if any(s in name for s in skip):
                 continue
-            std = float(p.float().std()) or 1.0
+            std = (float(p.float().std()) if p.numel() > 1 else 0.0) or 1.0  # one-element gates: unit noise
             noise = torch.randn(p.shape, generator=g)
             if p.dim() in (2, 3):  # matrices, and each expert's of a fused [E, out, in] tensor
                 r = max(1, min(p.shape[-2:]) // 8)
@@ -203,7 +227,7 @@ def finetune(model, steps: int = 30, lr: float = 3e-3, seed: int = 1, seqlen: in
     fixed pattern, so every parameter (norms, biases, embeddings, positions) moves as training moves
     it. In place; returns the model in eval mode."""
     g = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
     pattern = torch.randint(4, vocab, (8,), generator=g)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()

@@ -892,9 +892,9 @@ def _warm_up(base_dir: str | None) -> None:
         with contextlib.suppress(Exception):  # only a warm-up: build_runtime reports any real problem
             from transformers import AutoConfig
 
-            from deltazip.runtime.serve.model import _causal_lm_class
+            from deltazip.models.loader import causal_lm_class
 
-            _causal_lm_class(AutoConfig.from_pretrained(base_dir))
+            causal_lm_class(AutoConfig.from_pretrained(base_dir))
 
 
 def _serve_worker(a, rep: dict[str, Any], t_start: float) -> None:

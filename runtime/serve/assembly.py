@@ -31,6 +31,7 @@ import torch
 from deltazip.formats.errors import InputError
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import check_device, check_dtype, resolve_device
+from deltazip.models.loader import text_config
 from deltazip.runtime.serve.engine import Engine, EngineConfig, ServedVariant
 from deltazip.runtime.serve.kernel_warmup import Startup
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE
@@ -209,7 +210,7 @@ def check_against_base(v: VariantInfo, base, index: BaseTensorIndex, itemsize: i
 
 def _served_entry(tokenizers, v: VariantInfo, base_path: Path, model_config, base_name: str) -> ServedVariant:
     dec, enc = tokenizers.get(v.tokenizer_dir(base_path))
-    vocab = model_config.vocab_size
+    vocab = text_config(model_config).vocab_size
     if len(dec) > vocab:
         raise InputError(f"variant {v.name}: its tokenizer has {len(dec)} tokens but the base model only "
                          f"{vocab} embeddings")

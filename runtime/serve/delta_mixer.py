@@ -26,6 +26,7 @@ import textwrap
 import torch
 from torch import nn
 
+from deltazip.models.loader import text_config
 from deltazip.runtime.serve.delta_experts import DeltaRouter
 from deltazip.runtime.serve.delta_linear import DeltaLinear, is_linear
 from deltazip.runtime.serve.recurrent_state import RECURRENT_LAYER_TYPES, RecurrentStep
@@ -37,7 +38,7 @@ def mixer_of(model: nn.Module, pname: str) -> tuple[str, str] | None:
     not a linear's, or is one of a linear the mixer reads directly (:func:`reads_directly`), else None."""
     from deltazip.models.model_walk import decoder_layers
 
-    text = getattr(model.config, "text_config", None) or model.config
+    text = text_config(model.config)
     types = getattr(text, "layer_types", None) or []
     lname, layers = decoder_layers(model)
     head = lname + "."

@@ -77,6 +77,7 @@ from typing import Any
 
 import torch
 
+from deltazip.models.loader import text_config
 from deltazip.runtime.serve.delta_cache import TieredCache
 from deltazip.runtime.serve.delta_loader import DeltaLoader
 from deltazip.runtime.serve.grammar import GrammarCompilers, MaskFiller, StepMasks
@@ -1153,7 +1154,7 @@ def _kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     """Bytes of keys and values one token position holds, over every layer (from the model config:
     per layer where it differs by layer, Gemma 4's global layers; the last ``num_kv_shared_layers``
     layers of Gemma 3n/4 reuse earlier layers' keys and values and hold none)."""
-    text = getattr(config, "text_config", None) or config
+    text = text_config(config)
     layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 1)
     per_layer = text.per_layer_config if getattr(text, "is_heterogeneous", False) else [text] * layers
     total = sum(_kv_width(c) for c in per_layer[:layers - int(getattr(text, "num_kv_shared_layers", 0) or 0)])

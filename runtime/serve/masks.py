@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from deltazip.models.loader import text_config
 from deltazip.runtime.serve.recurrent_state import RECURRENT_LAYER_TYPES
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
@@ -38,6 +39,7 @@ MLP_LAYER_TYPES = ("moe", "mlp")  # Nemotron-H's layers that are an MLP alone: n
 def layer_types(config) -> list[str]:
     """The attention type of every layer: the config's ``layer_types`` when it has them, else all
     ``sliding_attention`` for a model with one global window (Mistral-style), else all full."""
+    config = text_config(config)
     n = int(getattr(config, "num_hidden_layers", 0) or 0)
     types = getattr(config, "layer_types", None)
     if types:
@@ -81,6 +83,7 @@ def allowed_keys(k: torch.Tensor, q: torch.Tensor, window: int | None = None,
 
 def uses_padding_mask_bias(config) -> bool:
     """True for models that derive an ALiBi bias from the 2-D padding mask inside their forward."""
+    config = text_config(config)
     kind = getattr(config, "model_type", "")
     return kind in ("bloom", "mpt") or (kind == "falcon" and bool(getattr(config, "alibi", False)))
 
@@ -89,7 +92,7 @@ def attention_implementation(model_class, config) -> str:
     """The attention implementation to load a model with: SDPA where the class supports it and the
     model does not soft-cap attention scores (SDPA cannot), else eager (transformers' reference
     code, which applies soft-capping)."""
-    if getattr(config, "attn_logit_softcapping", None) is not None:
+    if getattr(text_config(config), "attn_logit_softcapping", None) is not None:
         return "eager"
     return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
@@ -109,6 +112,7 @@ def attention_masks_for(config, key_pos: torch.Tensor, query_pos: torch.Tensor, 
     """
     if uses_padding_mask_bias(config):
         return (key_pos >= 0).long()
+    config = text_config(config)
     k = key_pos.unsqueeze(1)  # [B, 1, L]
     q = query_pos.unsqueeze(2)  # [B, Tm, 1]
     window = getattr(config, "sliding_window", None)

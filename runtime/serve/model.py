@@ -43,7 +43,7 @@ from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import resolve_dtype
-from deltazip.models.loader import load_causal_lm
+from deltazip.models.loader import causal_lm_class, load_causal_lm, text_config
 from deltazip.models.param_names import module_names
 from deltazip.runtime.serve.attention import is_paged
 from deltazip.runtime.serve.delta_activation import DeltaActivation, is_learned_activation
@@ -140,9 +140,23 @@ def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # missing or broken tokenizer files: the server cannot encode prompts
         raise InputError(f"{path}: no usable tokenizer ({type(e).__name__}: {e})") from e
+    if not getattr(tok, "chat_template", None):  # an image-text checkpoint's template may be its processor's only
+        tok.chat_template = processor_chat_template(path)
+    return tok
+
+
+def processor_chat_template(path: Path) -> str | None:
+    """The chat template of a processor's ``chat_template.json`` in ``path`` (``{"chat_template": ...}``,
+    which image-text checkpoints ship and the tokenizer does not read), or None."""
+    f = Path(path) / "chat_template.json"
+    try:
+        template = json.loads(f.read_text(encoding="utf-8")).get("chat_template") if f.is_file() else None
+    except (OSError, ValueError, AttributeError) as e:
+        raise InputError(f"{f}: not a chat template file ({type(e).__name__}: {e}); fix or remove it") from e
+    return template if isinstance(template, str) and template else None
 
 
 def served_dtype(name: str, device: torch.device, base: Checkpoint) -> torch.dtype:
@@ -174,7 +188,7 @@ def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) 
 
     try:
         config = AutoConfig.from_pretrained(str(base.path))
-        impl = attention_implementation(_causal_lm_class(config), config)
+        impl = attention_implementation(causal_lm_class(config), config)
     except Exception as e:  # no or broken config.json, unknown model type
         raise InputError(f"base {base.path} cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
     # A worker of `deltazip serve --workers K` builds the model over the weight owner's mapped tensors.
@@ -191,15 +205,6 @@ def load_base_model(base: Checkpoint, dtype: torch.dtype, device: torch.device) 
     return model
 
 
-def _causal_lm_class(config):
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM._model_mapping[type(config)]
-    except KeyError:
-        return None  # from_pretrained raises the clear error
-
-
 def _self_check(model: nn.Module, path: Path, device: torch.device, dtype: torch.dtype) -> None:
     """Choose the model's serving attention and check it: the reference is a plain forward of every
     prefix with the attention the model was loaded with; then the model is switched to the paged
@@ -212,9 +217,10 @@ def _self_check(model: nn.Module, path: Path, device: torch.device, dtype: torch
     from deltazip.runtime.serve.attention import use_paged_attention
     from deltazip.runtime.serve.masks import uses_padding_mask_bias
 
-    vocab = int(getattr(model.config, "vocab_size", 2) or 2)
+    text = text_config(model.config)
+    vocab = int(getattr(text, "vocab_size", 2) or 2)
     # Longer than a small sliding window (or attention chunk), so its masking is checked too where it is cheap.
-    window = getattr(model.config, "sliding_window", None) or getattr(model.config, "attention_chunk_size", None) or 0
+    window = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None) or 0
     n = max(5, window + 2) if window <= 62 else 5
     rows = [[(7 * i + 3) % vocab for i in range(n)], [(5 * i + 1) % vocab for i in range(3)]]
     steps = [rows, [[11 % vocab, 2 % vocab], [13 % vocab, 4 % vocab]], [[17 % vocab], [19 % vocab]]]
@@ -314,6 +320,8 @@ def eos_token_ids(model_dir: Path, tokenizer, config) -> list[int]:
             ids = None
     if ids is None:
         ids = getattr(config, "eos_token_id", None)
+    if ids is None:
+        ids = getattr(text_config(config), "eos_token_id", None)
     if ids is None:
         ids = tokenizer.eos_token_id
     if ids is None:

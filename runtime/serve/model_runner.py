@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from deltazip.models.loader import text_config
 from deltazip.runtime.serve.attention import is_paged
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, PagedStep, SeqBlocks
 from deltazip.runtime.serve.recurrent_state import (
@@ -297,7 +298,7 @@ def step_args(pool: KVPool | BlockPool, caches: list, past: list[int], new: list
     if recurrent:  # hybrid models: a mask per layer type, the recurrent ones a 2-D padding mask [B, Tm]
         tm = max(new)
         real = (torch.arange(tm).view(1, -1) >= tm - torch.tensor(new).view(-1, 1)).to(device=device, dtype=dtype)
-        text = getattr(config, "text_config", None) or config
+        text = text_config(config)
         attn = {t: (mask[t] if isinstance(mask, dict) else mask) for t in set(text.layer_types) - set(recurrent)}
         if not attn and "hybrid" not in recurrent:  # recurrent layers only (Mamba-2): the model passes
             return kv, pos, real  # the mask to its layers as it is (Falcon-H1's hybrid layers attend too)

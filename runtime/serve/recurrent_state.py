@@ -35,6 +35,8 @@ import weakref
 
 import torch
 
+from deltazip.models.loader import text_config
+
 RECURRENT_LAYER_TYPES = ("linear_attention", "conv", "hybrid")  # "hybrid": attention and a state in one layer
 _TOKENWISE: set[int] = set()  # id() of the configs of models whose recurrent state continues one token at a time
 
@@ -53,7 +55,7 @@ def tokenwise(config) -> bool:
 
 def recurrent_layer_types(config) -> list[str]:
     """The recurrent layer types among the config's ``layer_types``."""
-    text = getattr(config, "text_config", None) or config
+    text = text_config(config)
     return sorted(set(getattr(text, "layer_types", None) or ()) & set(RECURRENT_LAYER_TYPES))
 
 
@@ -159,6 +161,14 @@ class RecurrentStep:
 
     _rows_t: torch.Tensor | None = None
     _live: dict | None = None
+    # What image-text models ask a cache on a text-only forward: its per-layer objects (Mllama skips
+    # a cross-attention layer when its layer holds no image states; the engine keeps keys in its pool,
+    # never in per-layer objects) and whether it holds a past (PaliGemma's prefix mask).
+    layers = ()
+
+    @property
+    def is_initialized(self) -> bool:
+        return any(p > 0 for p in self.past)
 
     def _state_rows(self) -> torch.Tensor:
         if self._rows_t is None:

@@ -24,6 +24,7 @@ from typing import Any
 from starlette.requests import Request  # at module level: FastAPI resolves endpoint annotations here
 
 from deltazip.formats.errors import DeltazipError
+from deltazip.runtime.serve.chat_content import as_template_reads
 from deltazip.runtime.serve.engine import EngineError, FinishEvent, SamplingParams, ServedVariant, TokenEvent
 from deltazip.runtime.serve.grammar import Grammar, GrammarError, response_format_grammar
 from deltazip.runtime.serve.openai_schema import (
@@ -141,9 +142,10 @@ def chat_template(state: AppState, name: str) -> str:
 def encode_chat(state: AppState, name: str, messages, template: str, tools: list[dict] | None = None,
                 add_generation_prompt: bool = True) -> list[int]:
     tok = state.served_entry(name).encoder
+    msgs, kw = template_messages(messages), {"add_generation_prompt": add_generation_prompt, "tools": tools}
     try:
-        ids = tok.apply_chat_template(template_messages(messages), chat_template=template,
-                                      add_generation_prompt=add_generation_prompt, tokenize=True, tools=tools)
+        ids = tok.apply_chat_template(as_template_reads(tok, template, msgs, **kw), chat_template=template,
+                                      tokenize=True, **kw)
     except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
         raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from e
     if hasattr(ids, "keys"):

@@ -73,7 +73,7 @@ def load_model(path: str | Path, *, registry: TensorDedupRegistry | None = None,
             parameters are ordinary writable tensors over the copy-on-write map).
         device: target device; deduplication happens on the host before any copy to it.
         model_class: a transformers model class; default from ``config.architectures[0]``,
-            falling back to ``AutoModelForCausalLM``.
+            falling back to ``deltazip.models.loader.causal_lm_class``.
         threads: tensors hashed/copied in parallel (the hashers release the GIL); default
             ``min(8, 2 x cpu count)``, as in ``dedup-scan``.
         pin_memory: stage new tensors through pinned host memory (CUDA targets).
@@ -184,7 +184,9 @@ def _model_class(transformers, config):
         cls = getattr(transformers, arch, None)
         if cls is not None:
             return cls
-    return transformers.AutoModelForCausalLM
+    from deltazip.models.loader import causal_lm_class
+
+    return causal_lm_class(config) or transformers.AutoModelForCausalLM  # the latter raises the clear error
 
 
 def state_slots(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, torch.Tensor]]:

@@ -465,7 +465,9 @@ class SharedWeights:
         """
         import torch
         from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
+
+        from deltazip.models.loader import causal_lm_class
 
         device = torch.device(device)
         if self.meta.dtype != st_dtype(dtype) or torch.device(self.meta.device).type != device.type:
@@ -475,7 +477,7 @@ class SharedWeights:
         from deltazip.runtime.share.dedup_loader import _no_init_weights
 
         with init_empty_weights(include_buffers=False), _no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+            model = causal_lm_class(config)._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
         from deltazip.runtime.share.dedup_loader import state_slots  # torch-side; the owner never imports it
 
         slots = state_slots(model)

@@ -226,3 +226,28 @@ def test_a_checkpoint_mostly_stored_exactly_is_warned_about(tmp_path):
         warnings.simplefilter("always")
         compress_delta(base, ft, None, tmp_path / "llama-art", cfg)
     assert not [w for w in seen if "matrix bytes" in str(w.message)]
+
+
+@pytest.mark.parametrize("target_ratio", [0.0, 6.0])
+def test_a_layer_the_text_forward_skips_is_rounded_to_nearest(tmp_path, target_ratio):
+    """Mllama's cross-attention layer runs only with an image: a text calibration forward never reaches
+    it. Its changed linears are stored rounded to nearest (and scored without an output error by the
+    probe of --target-ratio), the layers around it calibrated; the language model's layers are found
+    under it, not the vision tower's."""
+    from deltazip.models.loader import load_causal_lm
+
+    base, ft = make_pair(tmp_path, "mllama", skip=("norm", "vision", "multi_modal"))
+    art = tmp_path / "art"
+    compress_delta(base, ft, str(calib_file(tmp_path)), art, CompressConfig(**CFG, target_ratio=target_ratio))
+    layers = Artifact(art).manifest["layers"]
+    assert [L["index"] for L in layers] == [0, 1]
+    assert "calibration" not in layers[0] and layers[1]["calibration"].startswith("rtn")
+    cross = [n for n in layers[1]["tensors"] if "cross_attn." in n and n.endswith("_proj.weight")]
+    assert len(cross) == 4
+    merged = reconstruct_state_dict(Artifact(art), Checkpoint(base))
+    fb, ff = Checkpoint(base), Checkpoint(ft)
+    for n in cross:  # the delta kept at 4-bit 2:4 (half its values pruned), not dropped (error 1)
+        d = ff.get(n).float() - fb.get(n).float()
+        err = (merged[n].float() - ff.get(n).float()).norm() / d.norm()
+        assert float(err) < 0.6, (n, float(err))
+    assert load_causal_lm(base, torch.float32) is not None

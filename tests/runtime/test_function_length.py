@@ -34,6 +34,7 @@ REQUEST_PATH = [
     "serve/sampling.py",  # every step's tokens
     "serve/grammar.py",  # constrained requests' grammars and every step's token masks
     "serve/tool_calls.py",  # tools in chat requests, calls read from answers
+    "serve/chat_content.py",  # chat messages in the form the template reads
     "serve/cuda_graphs.py",  # decode steps on CUDA
     "serve/graph_capture.py",  # every decode graph captured while serving
     "serve/projections.py",  # merged q/k/v and gate/up in the forward

@@ -1,0 +1,178 @@
+"""Image-text checkpoints fine-tuned on text: LLaVA (a CLIP tower beside a Llama), Mllama (cross-attention
+layers a text-only forward skips) and Qwen2.5-VL (multimodal RoPE).
+
+They load as their image-text class, which holds the whole checkpoint (transformers maps Mllama's
+config to a causal LM that holds the language model only, and LLaVA's and Qwen2.5-VL's to none). A
+text fine-tune leaves the vision tower as it was: compress stores it as unchanged, and the engine
+serves the variant's text, alone and in one batch with base rows, exactly as the merged model's
+``generate`` does. A processor's chat template that reads message content only as typed parts gets
+the message's text as a part (given a string it would render nothing for it).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from _factories import calib_file, finetune, save_model, tiny_model
+from _serving import ServedSet, running_server, single_thread
+
+from deltazip.compress.config import CompressConfig
+from deltazip.compress.merge import load_merged_model
+from deltazip.compress.pipeline import compress_delta
+from deltazip.demo.pair import build_char_tokenizer
+from deltazip.formats.artifact import Artifact
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.loader import causal_lm_class, load_causal_lm
+from deltazip.runtime.serve.chat_content import as_template_reads
+from deltazip.runtime.serve.engine import Engine, EngineConfig, FinishEvent, SamplingParams, ServedVariant
+from deltazip.runtime.serve.model import DeltaModel
+from deltazip.runtime.serve.variant_sources import discover_variants
+
+IDS = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)  # the demo's character tokenizer
+PROMPTS = ["alpha beta", "zip model tune"]
+VISION = ("vision_tower.", "vision_model.", "visual.", "multi_modal_projector.")
+# A processor template in LLaVA's style: content is read as typed parts only.
+PARTS_TEMPLATE = ("{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+                  "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}<image>"
+                  "{% endfor %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+                  "{{ content['text'] + ' ' }}{% endfor %}{% endfor %}"
+                  "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+@pytest.mark.parametrize("arch,cls", [("llava", "LlavaForConditionalGeneration"),
+                                      ("mllama", "MllamaForConditionalGeneration"),
+                                      ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+                                      ("llama", "LlamaForCausalLM")])
+def test_the_loaded_class_holds_the_whole_checkpoint(arch, cls):
+    from deltazip.models.model_walk import decoder_layers
+
+    model = tiny_model(arch, **IDS)
+    assert type(model).__name__ == cls == causal_lm_class(model.config).__name__
+    if arch != "llama":
+        assert any(n.startswith(("model.vision", "model.visual")) for n, _ in model.named_parameters())
+        # the language model's layers, also where the vision tower has more blocks (Qwen2.5-VL: 3 > 2)
+        assert decoder_layers(model)[0] == "model.language_model.layers"
+
+
+def test_a_config_transformers_maps_to_no_generating_model_is_none():
+    from transformers import CLIPVisionConfig
+
+    assert causal_lm_class(CLIPVisionConfig()) is None
+
+
+def _build(root, arch):
+    tok = build_char_tokenizer()
+    base_dir = save_model(tiny_model(arch, **IDS), root / "base", tokenizer=False)
+    tok.save_pretrained(base_dir)
+    ft = finetune(tiny_model(arch, **IDS), steps=30, seed=3)
+    ft_dir = save_model(ft, root / "ft", tokenizer=False)
+    tok.save_pretrained(ft_dir)
+    cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"), method="deltazip", nsamples=8,
+                         seqlen=32, device="cpu")
+    compress_delta(base_dir, ft_dir, str(calib_file(root / "calib", n=16)), root / "arts" / "ft", cfg)
+    return base_dir, root / "arts", tok
+
+
+def _greedy(model, tok, prompt: str, n: int) -> str:
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             pad_token_id=2, eos_token_id=1)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def _engine_texts(dm, tok, jobs, n):
+    table = {"base": ServedVariant("base", tok, [1], None), "ft": ServedVariant("ft", tok, [1], "base")}
+    eng = Engine(dm, table, "base", EngineConfig(max_deltas=2, max_cpu_deltas=2))
+    done: dict[int, FinishEvent] = {}
+    finished = threading.Semaphore(0)
+
+    def sink(i):
+        def fn(ev):
+            if isinstance(ev, FinishEvent):
+                done[i] = ev
+                finished.release()
+        return fn
+
+    for i, (m, p) in enumerate(jobs):  # queued before the engine starts: one mixed batch
+        eng.submit(m, tok(p)["input_ids"], SamplingParams(max_tokens=n, temperature=0.0), sink(i))
+    eng.start()
+    try:
+        assert all(finished.acquire(timeout=120) for _ in jobs), "requests did not finish"
+    finally:
+        eng.shutdown()
+    assert all(ev.reason in ("stop", "length") for ev in done.values()), done
+    return [done[i].text for i in range(len(jobs))]
+
+
+@pytest.mark.parametrize("arch", ["llava", "mllama", "qwen2_5_vl"])
+def test_a_text_finetune_keeps_the_vision_tower_and_serves_the_merged_output(tmp_path, arch):
+    n = 8
+    with single_thread():
+        base_dir, arts, tok = _build(tmp_path, arch)
+        art = Artifact(arts / "ft")
+        vision = [e for name, e in art.entries().items() if any(v in name for v in VISION)]
+        assert vision and all(e.kind == "same" for e in vision)  # the tower is stored as unchanged: no bytes
+        assert any(e.kind == "packed" for e in art.entries().values())  # the language model's linears compressed
+        ck = Checkpoint(base_dir)
+        refs = {"ft": load_merged_model(art, ck), "base": load_causal_lm(base_dir, torch.float32)}
+        want = {(m, p): _greedy(refs[m], tok, p, n) for m in refs for p in PROMPTS}
+        assert any(want["ft", p] != want["base", p] for p in PROMPTS)  # the fine-tune matters
+        dm = DeltaModel(ck, discover_variants(arts), num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
+        jobs = [(m, p) for p in PROMPTS for m in ("ft", "base")]
+        assert _engine_texts(dm, tok, jobs, n) == [want[j] for j in jobs]
+
+
+def test_a_template_reading_parts_gets_the_text_as_a_part():
+    tok = build_char_tokenizer()
+    msgs = [{"role": "user", "content": "zip the model"}]
+    parts = as_template_reads(tok, PARTS_TEMPLATE, msgs, add_generation_prompt=True)
+    assert parts == [{"role": "user", "content": [{"type": "text", "text": "zip the model"}]}]
+    assert "zip the model" in tok.apply_chat_template(parts, chat_template=PARTS_TEMPLATE, tokenize=False,
+                                                      add_generation_prompt=True)
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert as_template_reads(tok, plain, msgs, add_generation_prompt=True) is msgs  # strings kept as strings
+
+
+def test_a_processor_chat_template_serves_the_message_text(tmp_path):
+    """An image-text checkpoint whose only chat template is its processor's ``chat_template.json``, in
+    LLaVA's parts-only style: the server reads it, renders the user's text, and answers what the merged
+    model's ``generate`` gives for that prompt."""
+    from openai import OpenAI
+
+    with single_thread():
+        base_dir, arts, tok = _build(tmp_path, "llava")
+    assert not tok.chat_template
+    (base_dir / "chat_template.json").write_text(json.dumps({"chat_template": PARTS_TEMPLATE}))
+    served = ServedSet(tmp_path, base_dir, arts)
+    messages = [{"role": "user", "content": "zip the model"}]
+    ids = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "zip the model"}]}],
+                                  chat_template=PARTS_TEMPLATE, add_generation_prompt=True, tokenize=True)
+    ids = tuple(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert tok.decode(ids) == "USER: zip the model ASSISTANT:"
+    with running_server(served, base=str(base_dir), max_num_seqs=4) as srv:
+        import httpx
+
+        r = httpx.post(f"{srv.url}/tokenize", json={"model": "ft", "messages": messages}, timeout=60)
+        assert r.status_code == 200 and tuple(r.json()["tokens"]) == ids
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="x")
+        got = client.chat.completions.create(model="ft", messages=messages, max_tokens=8, temperature=0)
+    ref = load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir))
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           max_new_tokens=8, do_sample=False, pad_token_id=2, eos_token_id=1)
+    assert got.choices[0].message.content == tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def test_a_broken_processor_chat_template_is_one_line(tmp_path):
+    from deltazip.formats.errors import InputError
+    from deltazip.runtime.serve.model import load_tokenizer
+
+    build_char_tokenizer().save_pretrained(tmp_path)
+    (tmp_path / "chat_template.json").write_text("{not json")
+    with pytest.raises(InputError, match=r"chat_template.json: not a chat template file .*; fix or remove it"):
+        load_tokenizer(tmp_path)
