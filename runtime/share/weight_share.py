@@ -478,14 +478,17 @@ class SharedWeights:
 
         with init_empty_weights(include_buffers=False), _no_init_weights():
             model = causal_lm_class(config)._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        from deltazip.models.param_names import module_names
         from deltazip.runtime.share.dedup_loader import state_slots  # torch-side; the owner never imports it
 
         slots = state_slots(model)
+        # checkpoint names that transformers renames on load (image-text models' legacy layouts, EXAONE 3)
+        renamed = module_names(model, [n for n in self.tensors if n not in slots])
         for name, t in self.tensors.items():
-            slot = slots.get(name)
+            slot = slots.get(renamed.get(name, name))
             if slot is None:
                 raise WeightShareError(f"shared tensor {name!r} is not a parameter of {type(model).__name__} (this "
-                                       f"architecture renames checkpoint keys); serve it with --workers 1")
+                                       f"architecture converts checkpoint keys on load); serve it with --workers 1")
             mod, attr, cur = slot
             if tuple(cur.shape) != tuple(t.shape) or cur.dtype != t.dtype:
                 raise WeightShareError(f"shared tensor {name} is {t.dtype} {list(t.shape)}, the model expects "

@@ -176,3 +176,27 @@ def test_a_broken_processor_chat_template_is_one_line(tmp_path):
     (tmp_path / "chat_template.json").write_text("{not json")
     with pytest.raises(InputError, match=r"chat_template.json: not a chat template file .*; fix or remove it"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="memfd and abstract sockets")
+def test_workers_map_an_image_text_base_saved_under_its_legacy_names(tmp_path):
+    """LLaVA's checkpoint names are not its parameters' (``language_model.model.layers.0...`` for
+    ``model.language_model.layers.0...``): workers building the model over the owner's mapped
+    tensors place them through transformers' renaming, and answer what the merged model generates."""
+    import httpx
+
+    from deltazip.runtime.cluster.workers import WorkerPool
+    from deltazip.runtime.serve.assembly import ServeConfig
+
+    with single_thread():
+        base_dir, arts, tok = _build(tmp_path, "llava")
+    assert any(n.startswith("language_model.") for n in Checkpoint(base_dir).names)
+    cfg = ServeConfig(artifacts=arts, base=str(base_dir), max_deltas=2, max_cpu_deltas=2, cpu_threads=1, port=0)
+    with WorkerPool(cfg, workers=2, env={"OMP_NUM_THREADS": "1"}, restart_backoff=0.2) as pool:
+        h = pool.health()
+        assert h["workers_ready"] == 2 and all(w["weights"] == "mapped" for w in h["workers"])
+        got = [httpx.post(pool.url + "/v1/completions", timeout=120,
+                          json={"model": "ft", "prompt": p, "max_tokens": 8, "temperature": 0}).json()
+               for p in PROMPTS]
+    ref = load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir))
+    assert [r["choices"][0]["text"] for r in got] == [_greedy(ref, tok, p, 8) for p in PROMPTS]
