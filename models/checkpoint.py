@@ -35,7 +35,9 @@ _PICKLE_GLOBS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.bin")
 _READ_CHUNK = 64 << 20
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
-                 "added_tokens.json", "chat_template.jinja", "chat_template.json")
+                 "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                 # an image-text model's processor: the merged model keeps reading images
+                 "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
 def resolve_model_dir(spec: str | Path, role: str) -> Path:

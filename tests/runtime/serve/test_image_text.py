@@ -200,3 +200,24 @@ def test_workers_map_an_image_text_base_saved_under_its_legacy_names(tmp_path):
                for p in PROMPTS]
     ref = load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir))
     assert [r["choices"][0]["text"] for r in got] == [_greedy(ref, tok, p, 8) for p in PROMPTS]
+
+
+def test_the_merged_checkpoint_keeps_the_processor_files(tmp_path):
+    """The processor's files travel with the artifact (by reference when the base has the same), so
+    ``deltazip merge`` writes a checkpoint that still reads images and chats with its template."""
+    from deltazip.compress.merge import merge_to_dir
+
+    with single_thread():
+        base_dir, arts, _ = _build(tmp_path, "llava")
+    pre = json.dumps({"image_processor_type": "CLIPImageProcessor", "crop_size": {"height": 28, "width": 28}})
+    (base_dir / "preprocessor_config.json").write_text(pre)
+    (base_dir / "chat_template.json").write_text(json.dumps({"chat_template": PARTS_TEMPLATE}))
+    ft_dir = tmp_path / "ft"
+    for f in ("preprocessor_config.json", "chat_template.json"):
+        (ft_dir / f).write_bytes((base_dir / f).read_bytes())
+    (ft_dir / "processor_config.json").write_text(json.dumps({"processor_class": "LlavaProcessor"}))
+    cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"), method="rtn", device="cpu")
+    compress_delta(base_dir, ft_dir, None, tmp_path / "art2", cfg)
+    out = merge_to_dir(Artifact(tmp_path / "art2"), Checkpoint(base_dir), tmp_path / "merged")
+    for f in ("preprocessor_config.json", "chat_template.json", "processor_config.json"):
+        assert (out / f).read_bytes() == (ft_dir / f).read_bytes(), f
