@@ -28,6 +28,7 @@ from deltazip.formats.errors import InputError
 from deltazip.formats.packing import pack_int32
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import unpack_int32
+from deltazip.models.param_names import module_names
 from deltazip.runtime.serve.model import DeltaModel, HostDelta, load_base_model
 from deltazip.runtime.serve.variant_sources import VariantInfo
 
@@ -227,7 +228,8 @@ class ShardedDeltaModel(DeltaModel):
         if v.kind == "lora":  # checked against the full linears, not this rank's shards
             from deltazip.runtime.serve.lora_variant import read_lora_spec
 
-            spec = read_lora_spec(v.path, self._full_linears, type(self.model).__name__)
+            spec = read_lora_spec(v.path, self._full_linears, type(self.model).__name__,
+                                  lambda names: module_names(self.model, names))
             wanted.update({m: "linear" for m in spec.modules})
             return spec
         plan = self._plan_variant(v, self._full_params, wanted)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,13 +123,18 @@ def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
-def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str) -> LoraSpec:
+def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
+                   rename: Callable[[list[str]], dict[str, str]] | None = None) -> LoraSpec:
     """Read and check an adapter directory against the served base model (module names and shapes).
 
     Args:
         path: the adapter directory.
         linears: ``module name -> (out, in)`` of the base's linears (:func:`linear_shapes`).
         arch: the base model's class name (for messages).
+        rename: checkpoint parameter names -> the model's (``deltazip.models.param_names.module_names``
+            over the served model): an adapter trained under an older transformers names modules as
+            that version's class did (Qwen2.5-VL's ``model.layers.0...`` is now
+            ``model.language_model.layers.0...``).
 
     Raises:
         InputError: unreadable or unsupported config, pickle-only weights, a key that is not a LoRA
@@ -162,6 +168,13 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str) -
         pairs.setdefault(m["module"], {})[m["which"]] = key
     if not pairs:
         raise InputError(f"adapter {path}: {ADAPTER_WEIGHTS} holds no LoRA factors")
+    named = {m: m for m in pairs}  # module of the served model -> module as the adapter names it
+    unknown = [f"{m}.weight" for m in pairs if m not in linears]
+    if unknown and rename is not None:
+        got = rename(unknown)
+        named = {got.get(f"{m}.weight", f"{m}.weight").removesuffix(".weight") if m not in linears else m: m
+                 for m in pairs}
+        pairs = {m: pairs[orig] for m, orig in named.items()}
     for mname, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise InputError(f"adapter {path}: {mname} has only lora_{next(iter(ab))}; the adapter file is incomplete")
@@ -173,8 +186,8 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str) -
         if len(a) != 2 or len(b) != 2 or a[1] != in_f or b[0] != out_f or a[0] != b[1]:
             raise InputError(f"adapter {path}: {mname} has lora_A {list(a)} and lora_B {list(b)}, the base linear is "
                              f"[{out_f}, {in_f}]; the adapter belongs to another base model")
-        if not _targeted(cfg.get("target_modules"), mname):
-            raise InputError(f"adapter {path}: {ADAPTER_WEIGHTS} adapts {mname}, which target_modules "
+        if not _targeted(cfg.get("target_modules"), named[mname]):
+            raise InputError(f"adapter {path}: {ADAPTER_WEIGHTS} adapts {named[mname]}, which target_modules "
                              f"{cfg.get('target_modules')!r} in {ADAPTER_CONFIG} does not name; the files do not "
                              f"belong together")
         spec.modules[mname] = (ab["A"], ab["B"])

@@ -483,7 +483,8 @@ class DeltaModel:
         if v.kind == "lora":
             from deltazip.runtime.serve.lora_variant import read_lora_spec
 
-            spec = read_lora_spec(v.path, self._linears, type(self.model).__name__)
+            spec = read_lora_spec(v.path, self._linears, type(self.model).__name__,
+                                  lambda names: module_names(self.model, names))
             for mname in spec.modules:
                 wanted[mname] = "linear"
             return spec
@@ -838,7 +839,8 @@ class SwapModels:
         if v.kind == "lora":
             from deltazip.runtime.serve.lora_variant import read_lora_spec
 
-            return read_lora_spec(v.path, self._linears, type(self._template).__name__)
+            return read_lora_spec(v.path, self._linears, type(self._template).__name__,
+                                  lambda names: module_names(self._template, names))
         return None
 
     def commit_variant(self, v: VariantInfo, plan, wanted: dict[str, str] | None = None) -> None:

@@ -85,9 +85,10 @@ def _greedy(model, tok, prompt: str, n: int) -> str:
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def _engine_texts(dm, tok, jobs, n):
-    table = {"base": ServedVariant("base", tok, [1], None), "ft": ServedVariant("ft", tok, [1], "base")}
-    eng = Engine(dm, table, "base", EngineConfig(max_deltas=2, max_cpu_deltas=2))
+def _engine_texts(dm, tok, jobs, n, variants=("ft",)):
+    table = {"base": ServedVariant("base", tok, [1], None)}
+    table.update({v: ServedVariant(v, tok, [1], "base") for v in variants})
+    eng = Engine(dm, table, "base", EngineConfig(max_deltas=len(variants) + 1, max_cpu_deltas=len(variants) + 1))
     done: dict[int, FinishEvent] = {}
     finished = threading.Semaphore(0)
 
@@ -221,3 +222,50 @@ def test_the_merged_checkpoint_keeps_the_processor_files(tmp_path):
     out = merge_to_dir(Artifact(tmp_path / "art2"), Checkpoint(base_dir), tmp_path / "merged")
     for f in ("preprocessor_config.json", "chat_template.json", "processor_config.json"):
         assert (out / f).read_bytes() == (ft_dir / f).read_bytes(), f
+
+
+def _adapter(base_dir, out, seed: int, legacy: bool):
+    """A PEFT LoRA adapter on the language model's q/v projections (random non-zero factors). With
+    ``legacy``, its keys are renamed to the layout an adapter trained under transformers 4.x has
+    (``base_model.model.language_model.model.layers.0...``), as the checkpoint itself is saved."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    model = load_causal_lm(base_dir, torch.float32)
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                          target_modules=r".*language_model.*\.(q_proj|v_proj)"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    pm.save_pretrained(out, safe_serialization=True)
+    if legacy:
+        f = out / "adapter_model.safetensors"
+        tensors = load_file(f)
+        save_file({k.replace("base_model.model.model.language_model.", "base_model.model.language_model.model."): v
+                   for k, v in tensors.items()}, str(f))
+    return pm.merge_and_unload().eval()
+
+
+def test_lora_adapters_in_either_naming_serve_beside_the_artifact(tmp_path):
+    """LoRA adapters of an image-text base, one named as transformers 5 names the modules, one in the
+    older layout (which its regex ``target_modules`` was written against): both serve, in one batch with
+    the artifact and base rows, and each answers what PEFT's merged model generates."""
+    n = 8
+    with single_thread():
+        base_dir, arts, tok = _build(tmp_path, "llava")
+        refs = {"lora-new": _adapter(base_dir, arts / "lora-new", 1, legacy=False),
+                "lora-old": _adapter(base_dir, arts / "lora-old", 2, legacy=True)}
+        assert any(k.startswith("base_model.model.language_model.model.")
+                   for k in __import__("safetensors").safe_open(arts / "lora-old" / "adapter_model.safetensors",
+                                                                 "pt").keys())
+        ck = Checkpoint(base_dir)
+        refs["ft"] = load_merged_model(Artifact(arts / "ft"), ck)
+        refs["base"] = load_causal_lm(base_dir, torch.float32)
+        dm = DeltaModel(ck, discover_variants(arts), num_slots=4, device=torch.device("cpu"), dtype=torch.float32)
+        jobs = [(m, p) for p in PROMPTS for m in ("lora-old", "ft", "lora-new", "base")]
+        want = [_greedy(refs[m], tok, p, n) for m, p in jobs]
+        assert want[0] != want[3] and want[2] != want[3]  # the adapters matter
+        table_names = ("ft", "lora-new", "lora-old")
+        assert _engine_texts(dm, tok, jobs, n, table_names) == want
