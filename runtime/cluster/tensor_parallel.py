@@ -28,6 +28,8 @@ from deltazip.formats.errors import InputError
 from deltazip.formats.packing import pack_int32
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import unpack_int32
+from deltazip.models.loader import text_config
+from deltazip.models.model_walk import decoder_layers
 from deltazip.models.param_names import module_names
 from deltazip.runtime.serve.model import DeltaModel, HostDelta, load_base_model
 from deltazip.runtime.serve.variant_sources import VariantInfo
@@ -37,9 +39,11 @@ COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
-def shard_kind(module_name: str) -> str | None:
-    """``"column"``, ``"row"`` or None (replicated) for a module name such as ``model.layers.3.self_attn.q_proj``."""
-    if ".layers." not in f".{module_name}":
+def shard_kind(module_name: str, layers: str | None = None) -> str | None:
+    """``"column"``, ``"row"`` or None (replicated) for a module name such as ``model.layers.3.self_attn.q_proj``;
+    with ``layers`` (the decoder list's name), only modules under it (an image-text model's vision tower,
+    whose blocks are ``layers`` too, stays whole)."""
+    if ".layers." not in f".{module_name}" or (layers is not None and not module_name.startswith(f"{layers}.")):
         return None
     leaf = module_name.rsplit(".", 1)[-1]
     return "column" if leaf in COLUMN_PARALLEL else "row" if leaf in ROW_PARALLEL else None
@@ -52,6 +56,7 @@ def check_config(config, world: int) -> None:
         InputError: unsupported architecture, or ``world`` not dividing the attention heads, the
             KV heads or the MLP intermediate size.
     """
+    config = text_config(config)  # an image-text model's language model is what is sharded
     mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
         raise InputError(f"--tensor-parallel supports the Llama family ({', '.join(SUPPORTED_MODEL_TYPES)}), not "
@@ -91,6 +96,7 @@ def check_variant(v: VariantInfo, row_in: dict[str, int], world: int) -> None:
 
 def check_variants(variants: list[VariantInfo], config, world: int) -> None:
     """:func:`check_variant` for every artifact, from the manifests and the base config alone."""
+    config = text_config(config)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     widths = {"o_proj": heads * head_dim, "down_proj": config.intermediate_size}
@@ -208,12 +214,16 @@ class ShardedDeltaModel(DeltaModel):
                              for n, p in model.named_parameters(remove_duplicate=False)}
         self._full_linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules()
                               if isinstance(m, nn.Linear)}
+        self._layers = decoder_layers(model)[0]
         for name, mod in model.named_modules():
-            kind = shard_kind(name)
+            kind = self._kind(name)
             if kind is not None and isinstance(mod, nn.Linear):
                 _shard_module(mod, kind, self.group.rank, self.group.world)
                 self._hook(mod, kind)
         return model.to(device)
+
+    def _kind(self, module_name: str) -> str | None:
+        return shard_kind(module_name, self._layers)
 
     def _hook(self, mod: nn.Module, kind: str) -> None:
         # Marked on the module itself: an id() could be reused by a new module once the linear that
@@ -234,14 +244,14 @@ class ShardedDeltaModel(DeltaModel):
             return spec
         plan = self._plan_variant(v, self._full_params, wanted)
         if v.kind == "artifact":
-            check_variant(v, {n: s[1] for n, s in self._full_linears.items() if shard_kind(n) == "row"},
+            check_variant(v, {n: s[1] for n, s in self._full_linears.items() if self._kind(n) == "row"},
                           self.group.world)
         return plan
 
     def _replace(self, mname: str, kind: str) -> nn.Module:
         new = super()._replace(mname, kind)  # built over the (already sharded) base linear
-        if shard_kind(mname) is not None:
-            self._hook(new, shard_kind(mname))
+        if self._kind(mname) is not None:
+            self._hook(new, self._kind(mname))
         return new
 
     def load_host(self, name: str) -> HostDelta:
@@ -249,7 +259,7 @@ class ShardedDeltaModel(DeltaModel):
         full = super().load_host(name)
         host = HostDelta(name)
         for mname, kw in full.modules.items():
-            kind = shard_kind(mname)
+            kind = self._kind(mname)
             host.modules[mname] = kw if kind is None else shard_slot_args(kw, kind, self.group.rank, self.group.world)
         return host
 
@@ -263,9 +273,10 @@ class ShardedDeltaModel(DeltaModel):
         esize = torch.tensor([], dtype=self.dtype).element_size()
         for tname, targets in self._targets[name].items():
             e = v.entries[tname]
-            if shard_kind(tname.rsplit(".", 1)[0]) is None or len(e.shape) != 2:
+            sharded = [m for m, _ in targets if self._kind(m) is not None]  # the modules it lands on
+            if not sharded or len(e.shape) != 2:
                 continue
             packed_here = e.kernel_ready and self.delta_compute == "packed"
             per = e.stored_bytes if packed_here else e.numel * esize
-            part += per * len(targets)
+            part += per * len(sharded)
         return full - part + part // self.group.world

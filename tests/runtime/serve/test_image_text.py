@@ -269,3 +269,32 @@ def test_lora_adapters_in_either_naming_serve_beside_the_artifact(tmp_path):
         assert want[0] != want[3] and want[2] != want[3]  # the adapters matter
         table_names = ("ft", "lora-new", "lora-old")
         assert _engine_texts(dm, tok, jobs, n, table_names) == want
+
+
+def test_tensor_parallel_shards_the_language_model_of_an_image_text_base(tmp_path):
+    """``--tensor-parallel 2`` over LLaVA (a Llama language model): the decoder layers' linears are
+    split over the ranks, the vision tower stays whole, and a batch of artifact and base rows gives
+    the single-process model's logits (fp32, summed in another order)."""
+    from deltazip.runtime.cluster.tp_group import start_tensor_parallel
+    from deltazip.runtime.serve.model_runner import prefill_logits
+
+    with single_thread():
+        base_dir, arts, tok = _build(tmp_path, "llava")
+        variants, ck = discover_variants(arts), Checkpoint(base_dir)
+        ref = DeltaModel(ck, variants, 2, torch.device("cpu"), torch.float32)
+        tp = start_tensor_parallel(ck, variants, 2, torch.device("cpu"), torch.float32, 2)
+        try:
+            for m in (ref, tp):
+                m.write_slot(0, "ft", m.load_host("ft"))
+            tokens = [tok(p)["input_ids"] for p in PROMPTS] * 2
+            slots = [0, -1, -1, 0]
+            want, got = prefill_logits(ref, slots, tokens), prefill_logits(tp, slots, tokens)
+            shapes = {n: tuple(p.shape) for n, p in tp.model.named_parameters()}
+        finally:
+            tp.close()
+    assert (got - want).abs().max().item() < 1e-4 and torch.equal(got.argmax(-1), want.argmax(-1))
+    full = {n: tuple(p.shape) for n, p in ref.model.named_parameters()}
+    q = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert shapes[q] == (full[q][0] // 2, full[q][1])  # the language model's linears are split
+    vision = [n for n in full if n.startswith("model.vision_tower.") and n.endswith("proj.weight")]
+    assert vision and all(shapes[n] == full[n] for n in vision)  # the tower is whole
