@@ -175,6 +175,9 @@ ARCH_CONFIGS = {
     # image-text checkpoints (a vision tower beside the language model), fine-tuned on text
     "llava": dict(model_type="llava", text_config=dict(_LM, model_type="llama"),
                   vision_config=dict(_VISION, model_type="clip_vision_model", projection_dim=32), image_token_index=120),
+    "mistral3": dict(model_type="mistral3", text_config=dict(_LM, model_type="mistral", sliding_window=None),
+                     vision_config=dict(_VISION, model_type="pixtral", head_dim=16), image_token_index=120,
+                     spatial_merge_size=1),
     # cross-attention layers, skipped by a text-only forward
     "mllama": dict(model_type="mllama", text_config=dict(_LM, model_type="mllama_text_model", cross_attention_layers=[1]),
                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_global_layers=1,

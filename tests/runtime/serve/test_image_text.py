@@ -271,15 +271,17 @@ def test_lora_adapters_in_either_naming_serve_beside_the_artifact(tmp_path):
         assert _engine_texts(dm, tok, jobs, n, table_names) == want
 
 
-def test_tensor_parallel_shards_the_language_model_of_an_image_text_base(tmp_path):
-    """``--tensor-parallel 2`` over LLaVA (a Llama language model): the decoder layers' linears are
+@pytest.mark.parametrize("arch", ["llava", "mistral3"])
+def test_tensor_parallel_shards_the_language_model_of_an_image_text_base(tmp_path, arch):
+    """``--tensor-parallel 2`` over LLaVA and Mistral 3 (Llama and Mistral language models; Mistral 3's
+    Pixtral tower has ``o_proj`` and ``down_proj`` of its own): the decoder layers' linears are
     split over the ranks, the vision tower stays whole, and a batch of artifact and base rows gives
     the single-process model's logits (fp32, summed in another order)."""
     from deltazip.runtime.cluster.tp_group import start_tensor_parallel
     from deltazip.runtime.serve.model_runner import prefill_logits
 
     with single_thread():
-        base_dir, arts, tok = _build(tmp_path, "llava")
+        base_dir, arts, tok = _build(tmp_path, arch)
         variants, ck = discover_variants(arts), Checkpoint(base_dir)
         ref = DeltaModel(ck, variants, 2, torch.device("cpu"), torch.float32)
         tp = start_tensor_parallel(ck, variants, 2, torch.device("cpu"), torch.float32, 2)
