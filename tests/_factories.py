@@ -183,6 +183,10 @@ ARCH_CONFIGS = {
                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_global_layers=1,
                                       attention_heads=2, image_size=28, patch_size=14, vision_output_dim=64,
                                       intermediate_layers_indices=[0]), image_token_index=120),
+    "qwen2_vl": dict(model_type="qwen2_vl", text_config=dict(_LM, model_type="qwen2_vl_text", head_dim=16,
+                                                              rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3])),
+                     vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
+                     image_token_id=120, video_token_id=121, vision_start_token_id=122),
     # positions in three sections (multimodal RoPE), equal for text; more vision blocks than decoder layers (as at 7B)
     "qwen2_5_vl": dict(model_type="qwen2_5_vl", text_config=dict(_LM, model_type="qwen2_5_vl_text", head_dim=16,
                                                                   rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3])),

@@ -271,10 +271,11 @@ def test_lora_adapters_in_either_naming_serve_beside_the_artifact(tmp_path):
         assert _engine_texts(dm, tok, jobs, n, table_names) == want
 
 
-@pytest.mark.parametrize("arch", ["llava", "mistral3"])
+@pytest.mark.parametrize("arch", ["llava", "mistral3", "qwen2_vl", "qwen2_5_vl"])
 def test_tensor_parallel_shards_the_language_model_of_an_image_text_base(tmp_path, arch):
-    """``--tensor-parallel 2`` over LLaVA and Mistral 3 (Llama and Mistral language models; Mistral 3's
-    Pixtral tower has ``o_proj`` and ``down_proj`` of its own): the decoder layers' linears are
+    """``--tensor-parallel 2`` over LLaVA, Mistral 3, Qwen2-VL and Qwen2.5-VL (Llama, Mistral and Qwen2 language
+    models; Mistral 3's Pixtral tower has ``o_proj`` and ``down_proj`` of its own, Qwen2.5-VL's more
+    blocks than its decoder has layers): the decoder layers' linears are
     split over the ranks, the vision tower stays whole, and a batch of artifact and base rows gives
     the single-process model's logits (fp32, summed in another order)."""
     from deltazip.runtime.cluster.tp_group import start_tensor_parallel
@@ -298,5 +299,5 @@ def test_tensor_parallel_shards_the_language_model_of_an_image_text_base(tmp_pat
     full = {n: tuple(p.shape) for n, p in ref.model.named_parameters()}
     q = "model.language_model.layers.0.self_attn.q_proj.weight"
     assert shapes[q] == (full[q][0] // 2, full[q][1])  # the language model's linears are split
-    vision = [n for n in full if n.startswith("model.vision_tower.") and n.endswith("proj.weight")]
+    vision = [n for n in full if any(v in n for v in VISION) and len(full[n]) == 2]
     assert vision and all(shapes[n] == full[n] for n in vision)  # the tower is whole
