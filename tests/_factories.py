@@ -48,6 +48,12 @@ ARCH_CONFIGS = {
     "gemma3": dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128,
                    layer_types=["full_attention", "full_attention"], sliding_window=128),
+    # AltUp (its output scale a parameter of its own), Laurel, per-layer inputs
+    "gemma3n": dict(model_type="gemma3n_text", hidden_size=64, intermediate_size=[128, 128], num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128,
+                    layer_types=["sliding_attention", "full_attention"], sliding_window=16, num_kv_shared_layers=0,
+                    laurel_rank=8, altup_num_inputs=2, hidden_size_per_layer_input=16, vocab_size_per_layer_input=128,
+                    activation_sparsity_pattern=[0.0, 0.0]),
     "gpt_bigcode": dict(model_type="gpt_bigcode", n_embd=64, n_head=4, n_layer=2, n_positions=128),
     "opt": dict(model_type="opt", hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=2,
                 max_position_embeddings=128, word_embed_proj_dim=64),

@@ -19,7 +19,8 @@ names by transformers' own loading rules (``deltazip.models.param_names``: GPT-N
 ``deltazip.runtime.serve.delta_embedding``), Llama- and Gemma-style RMSNorm and Cohere LayerNorm
 weights and ``nn.LayerNorm`` weights and biases, mixture-of-experts routers and fused experts
 (``deltazip.runtime.serve.delta_experts``, which also maps per-expert checkpoint names onto the fused
-parameters), and attention sinks (``deltazip.runtime.serve.delta_sinks``, on the paged attention).
+parameters), attention sinks (``deltazip.runtime.serve.delta_sinks``, on the paged attention), and
+output scales (``deltazip.runtime.serve.delta_scale``: Gemma 3n's AltUp).
 A variant that changes a tensor the runtime cannot apply per row (or one transformers loads through
 a converter rather than a rename) is refused with a message naming the tensor and pointing at
 ``--mode swap``, which goes through transformers' own loader and so serves any causal LM it can load.
@@ -65,6 +66,7 @@ from deltazip.runtime.serve.delta_linear import (
     rms_norm_style,
 )
 from deltazip.runtime.serve.delta_mixer import DeltaMixer, mixer_of, mixer_pieces
+from deltazip.runtime.serve.delta_scale import DeltaScale, output_scale_param
 from deltazip.runtime.serve.delta_sinks import DeltaSinks
 from deltazip.runtime.serve.kernel_tuner import LoraJob, Tuner
 from deltazip.runtime.serve.kernel_warmup import tune_new_keys
@@ -602,6 +604,8 @@ class DeltaModel:
             return "norm"
         if attr in ("weight", "bias") and (type(mod) is DeltaLayerNorm or layer_norm_offset(mod) is not None):
             return "layernorm"  # nn.LayerNorm, or a subclass computing it or Nemotron's 1 + w form
+        if attr == output_scale_param(mod):
+            return "scale"  # a forward that is x * p (Gemma 3n's AltUp output scale)
         return None
 
     def _replace(self, mname: str, kind: str) -> nn.Module:
@@ -612,6 +616,8 @@ class DeltaModel:
             return decouple_embedding(old, self.ctx)  # in place: the subclass's forward keeps running
         if kind == "sinks":
             return DeltaSinks(old, self.ctx)  # attached to the attention module, which stays
+        if kind == "scale":
+            return DeltaScale(old, output_scale_param(old), self.ctx)  # attached; the module stays
         new = {"linear": DeltaLinear, "norm": DeltaRMSNorm, "layernorm": DeltaLayerNorm, "experts": DeltaExperts,
                "router": DeltaRouter, "activation": DeltaActivation, "mixer": DeltaMixer}[kind](old, self.ctx)
         if kind == "router":
@@ -686,7 +692,7 @@ class DeltaModel:
                 kw["dense" if attr == "weight" else "bias"] = tensor
             elif isinstance(mod, DeltaExperts):  # the variant's rows: held as their delta to the base
                 kw[attr] = mod.host_dense(attr, tensor)
-            elif isinstance(mod, (DeltaLayerNorm, DeltaRouter, DeltaSinks)):
+            elif isinstance(mod, (DeltaLayerNorm, DeltaRouter, DeltaSinks, DeltaScale)):
                 kw[attr] = tensor
             else:
                 kw["weight"] = tensor

@@ -2,7 +2,8 @@
 (scaled embeddings, ``1 + w`` norms), GPT-NeoX (checkpoint ``embed_out`` -> module ``lm_head``), OPT
 (learned positions with an offset), GPT-2 (Conv1D weights stored ``[in, out]`` and their biases),
 Cohere (a LayerNorm with a weight and no bias), Nemotron (a LayerNorm scaling by ``1 + w``), Apertus
-(xIELU activations with two learned scalars per layer).
+(xIELU activations with two learned scalars per layer), Gemma 3n (AltUp's output scale, a parameter
+its module multiplies by, reached through ``self.forward``).
 
 Each base is fine-tuned for real (30 Adam steps: every tensor moves), compressed twice (ΔCompress
 4-bit calibrated, RTN 4-bit), and served by the engine: every greedy output, alone and in one batch
@@ -34,7 +35,7 @@ from deltazip.runtime.serve.engine import (
 from deltazip.runtime.serve.model import DeltaModel
 from deltazip.runtime.serve.variant_sources import discover_variants
 
-FAMILIES = ["gemma", "gemma3", "gpt_neox", "opt", "gpt2", "cohere", "nemotron", "apertus"]
+FAMILIES = ["gemma", "gemma3", "gemma3n", "gpt_neox", "opt", "gpt2", "cohere", "nemotron", "apertus"]
 IDS = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)  # the demo's character tokenizer
 EOS = 1
 PROMPTS = ["alpha beta", "zip model tune", "12 + 345 ="]
@@ -55,7 +56,8 @@ def build_family(root, arch):
         ft_dir = save_model(ft, root / f"ft-{name}", tokenizer=False)
         tok.save_pretrained(ft_dir)
         cfg = CompressConfig(scheme=DeltaScheme(bits=spec["bits"], group_size=spec["group_size"], sparsity=spec["sparsity"]),
-                             method=spec["method"], nsamples=8, seqlen=32, device="cpu")
+                             method=spec["method"], nsamples=8, seqlen=32, device="cpu",
+                             group_auto=arch == "gemma3n")  # AltUp's 2-wide coefficient linears: no group of 32
         compress_delta(base_dir, ft_dir, str(calib), root / "arts" / name, cfg)
     return base_dir, root / "arts", tok
 
