@@ -191,7 +191,7 @@ class _Run:
         ft = self.ft
         size = {n: math.prod(ft.shape(n)) * ft.dtype(n).itemsize for n in ft.names if len(ft.shape(n)) >= 2}
         targets = {n for m in self.maps for n in m.targets}
-        exact = sorted((n for n in self.layer_names if n in size and n not in targets), key=lambda n: -size[n])
+        exact = sorted((n for n in self.layer_names if n in size and n not in targets), key=lambda n: (-size[n], n))
         share = sum(size[n] for n in exact) / max(1, sum(size.values()))
         if share > 0.1:
             warnings.warn(f"{share:.0%} of the fine-tune's matrix bytes are in tensors deltazip does not compress "
