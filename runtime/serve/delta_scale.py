@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltazip.runtime.serve.slot_vectors import SlotVectors
+
 ATTR = "_deltazip_scale"  # where the module holds its DeltaScale (a plain attribute, not a submodule)
 
 
@@ -38,7 +40,7 @@ def output_scale_param(mod: nn.Module) -> str | None:
     return name if torch.equal(out, (x * p).to(out.dtype)) else None
 
 
-class DeltaScale(nn.Module):
+class DeltaScale(SlotVectors):
     """Per-row values of an output-scale parameter (module docstring).
 
     Args:
@@ -48,36 +50,15 @@ class DeltaScale(nn.Module):
     """
 
     def __init__(self, mod: nn.Module, attr: str, ctx):
-        super().__init__()
-        scale = getattr(mod, attr)
-        self.ctx, self.attr = ctx, attr
-        self._table = scale.detach().unsqueeze(0).repeat(ctx.num_slots + 1, 1)  # [N + 1, H]
-        self._row = torch.zeros(ctx.num_slots + 1, dtype=torch.int64, device=scale.device)  # slot + 1 -> row
-        self._slots: set[int] = set()
+        super().__init__(getattr(mod, attr), attr, ctx)
         self._plain = type(mod).forward.__get__(mod)
         mod.__dict__[ATTR] = self
         mod.__dict__["forward"] = self.scaled  # on the instance: a call and ``self.forward`` both reach it
 
-    def clear_slot(self, slot: int) -> None:
-        self._row[slot + 1] = 0
-        self._slots.discard(slot)
-
-    def load_slot(self, slot: int, **tensors: torch.Tensor) -> None:
-        """The variant's whole scale ``[H]``, by the parameter's name."""
-        scale = tensors[self.attr]
-        if tuple(scale.shape) != tuple(self._table.shape[1:]):
-            raise ValueError(f"{self.attr} {tuple(scale.shape)} != base {tuple(self._table.shape[1:])}")
-        self._table[slot + 1].copy_(scale)
-        self._row[slot + 1] = slot + 1
-        self._slots.add(slot)
-
-    def resident_bytes(self, slot: int) -> int:
-        return self._table[0].numel() * self._table.element_size() if slot in self._slots else 0
-
     def scaled(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[B, ..., H]`` times each row's scale (the base's for base rows)."""
-        if not (self._slots & self.ctx.active):
+        if not self.changed():
             return self._plain(x)
-        scale = self._table[self._row[self.ctx.row_slot + 1]]  # [B, H]
+        scale = self.per_row()  # [B, H]
         scale = scale.view(scale.shape[0], *([1] * (x.dim() - 2)), scale.shape[-1])
         return (x.to(scale.dtype) * scale).to(x.dtype)

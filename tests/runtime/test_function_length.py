@@ -42,6 +42,7 @@ REQUEST_PATH = [
     "serve/delta_experts.py",  # decoupled MoE experts and routers in the forward
     "serve/delta_sinks.py",  # per-row attention sinks, read by the attention in the forward
     "serve/delta_scale.py",  # per-row output scales in the forward
+    "serve/slot_vectors.py",  # the per-slot vectors of sinks and scales, read per row
     "serve/delta_activation.py",  # per-row learned activation parameters in the forward
     "serve/delta_mixer.py",  # recurrent layers run per group of rows in the forward
     "serve/kernel_warmup.py",  # kernels warmed when a variant is added while serving
