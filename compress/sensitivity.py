@@ -245,8 +245,7 @@ class Probe:
         H, _ = hs.get(key, expert)
         if H is not None:
             return H
-        diags = [float(torch.diag(hs.get(k, e)[0]).mean()) for (k, e) in (hs.counts if hs else {}) if k == key]
-        return sum(diags) / len(diags) if diags else 0.0
+        return _mean_diagonal(hs, key)
 
     def _solves(self, m: torch.Tensor, H: torch.Tensor | float, settings, group: int):
         if isinstance(H, torch.Tensor):
@@ -438,6 +437,13 @@ def site_gains(run, layer, sites, batch, y0: torch.Tensor) -> dict[str, float]:
     return gains
 
 
+def _mean_diagonal(hs: Hessians, key: str | None = None) -> float:
+    """Mean diagonal of the Hessians in ``hs`` (of site ``key`` only, when given); 0.0 when there are none."""
+    diags = [float(torch.diag(H).mean()) for H in (hs.get(k, e)[0] for k, e in hs.counts if key is None or k == key)
+             if H is not None]
+    return sum(diags) / len(diags) if diags else 0.0
+
+
 def _probe_layer(probe: Probe, i: int, batches):
     """One decoder layer on the fine-tuned weights: every site's Hessian and the layer's outputs in one
     pass over the calibration batches, the sites' gains on one batch, then a curve per tensor."""
@@ -478,8 +484,7 @@ def _probe_layer(probe: Probe, i: int, batches):
     probe.settle()  # the previous layer's byte counts ran beside this layer's forward: at most one layer waits
     for t in lmap.targets.values():
         probe.linear_curve(t, hs, i, gains.get(t.site.key, 1.0), hw.hs, wbar)
-    diags = [float(torch.diag(H).mean()) for H in (hs.get(*k)[0] for k in hs.counts) if H is not None]
-    probe.h_unreached = sum(diags) / len(diags) if diags else probe.h_unreached
+    probe.h_unreached = _mean_diagonal(hs) or probe.h_unreached
     del hs
     for n, _ in layer.named_parameters():
         set_param(layer, n, None)

@@ -206,3 +206,45 @@ def stream_outcome(out: dict, want: str, victim: str) -> bool:
     assert events[-1]["error"]["code"] == "worker_failed" and out["server"] == victim, out
     assert len(events) >= 2 and want.startswith(text), (out, want)
     return True
+
+
+def char_greedy(model, tok, prompt: str, n: int) -> str:
+    """``generate``'s greedy text for ``prompt`` with the demo's character tokenizer (pad 2, EOS 1)."""
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             pad_token_id=2, eos_token_id=1)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def engine_texts(dm, tok, jobs, n: int) -> list[str]:
+    """Greedy texts of ``jobs`` (model, prompt) submitted together to an engine over ``dm`` (one mixed
+    batch; a slot for every variant of ``dm``; the demo's character tokenizer, EOS 1)."""
+    import threading
+
+    from deltazip.runtime.serve.engine import Engine, EngineConfig, FinishEvent, SamplingParams, ServedVariant
+
+    table = {"base": ServedVariant("base", tok, [1], None)}
+    table.update({v: ServedVariant(v, tok, [1], "base") for v in dm.variants})
+    k = max(2, len(dm.variants))
+    eng = Engine(dm, table, "base", EngineConfig(max_deltas=k, max_cpu_deltas=k))
+    done, cond = {}, threading.Condition()
+
+    def sink(i):
+        def fn(ev):
+            with cond:
+                if isinstance(ev, FinishEvent):
+                    done[i] = ev
+                    cond.notify_all()
+        return fn
+
+    for i, (m, p) in enumerate(jobs):  # queued before the engine starts: the first step batches them all
+        eng.submit(m, tok(p)["input_ids"], SamplingParams(max_tokens=n, temperature=0.0), sink(i))
+    eng.start()
+    try:
+        with cond:
+            assert cond.wait_for(lambda: len(done) == len(jobs), 120), "requests did not finish"
+    finally:
+        eng.shutdown()
+    assert all(ev.reason in ("stop", "length") for ev in done.values()), done
+    return [done[i].text for i in range(len(jobs))]

@@ -12,12 +12,10 @@ mixed with the other variant and base rows, equals the merged model's ``generate
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from _factories import calib_file, finetune, save_model, tiny_model
-from _serving import single_thread
+from _serving import char_greedy, engine_texts, single_thread
 
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
@@ -25,19 +23,11 @@ from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
 from deltazip.kernels.scheme import DeltaScheme
 from deltazip.models.checkpoint import Checkpoint
-from deltazip.runtime.serve.engine import (
-    Engine,
-    EngineConfig,
-    FinishEvent,
-    SamplingParams,
-    ServedVariant,
-)
 from deltazip.runtime.serve.model import DeltaModel
 from deltazip.runtime.serve.variant_sources import discover_variants
 
 FAMILIES = ["gemma", "gemma3", "gemma3n", "gpt_neox", "opt", "gpt2", "cohere", "nemotron", "apertus"]
 IDS = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)  # the demo's character tokenizer
-EOS = 1
 PROMPTS = ["alpha beta", "zip model tune", "12 + 345 ="]
 VARIANTS = {"dz": dict(method="deltazip", bits=4, group_size=32, sparsity="none", seed=5),
             "rtn": dict(method="rtn", bits=4, group_size=32, sparsity="none", seed=6)}
@@ -62,51 +52,6 @@ def build_family(root, arch):
     return base_dir, root / "arts", tok
 
 
-def greedy_reference(model, tok, prompt, n):
-    ids = torch.tensor([tok(prompt)["input_ids"]])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             pad_token_id=2, eos_token_id=EOS)
-    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-
-
-class Finished:
-    """Collects the final events of many requests; ``wait`` blocks until all have finished."""
-
-    def __init__(self):
-        self.done, self.cond = {}, threading.Condition()
-
-    def sink(self, key):
-        def fn(ev):
-            with self.cond:
-                if isinstance(ev, FinishEvent):
-                    self.done[key] = ev
-                    self.cond.notify_all()
-        return fn
-
-    def wait(self, n):
-        with self.cond:
-            assert self.cond.wait_for(lambda: len(self.done) == n, 120), "requests did not finish"
-
-
-def run_engine(dm, tok, jobs, n):
-    """Greedy texts of ``jobs`` (model, prompt) submitted together (one mixed batch)."""
-    table = {"base": ServedVariant("base", tok, [EOS], None)}
-    table.update({v: ServedVariant(v, tok, [EOS], "base") for v in dm.variants})
-    eng = Engine(dm, table, "base", EngineConfig(max_deltas=2, max_cpu_deltas=2))
-    col = Finished()
-    for i, (m, p) in enumerate(jobs):  # queued before the engine starts: the first step batches them all
-        eng.submit(m, tok(p)["input_ids"], SamplingParams(max_tokens=n, temperature=0.0), col.sink(i))
-    eng.start()
-    try:
-        col.wait(len(jobs))
-    finally:
-        eng.shutdown()
-    for ev in col.done.values():
-        assert ev.reason in ("stop", "length"), ev
-    return [col.done[i].text for i in range(len(jobs))]
-
-
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_delta_mode_serves_the_merged_greedy_output(tmp_path, arch):
     from transformers import AutoModelForCausalLM
@@ -118,14 +63,14 @@ def test_delta_mode_serves_the_merged_greedy_output(tmp_path, arch):
         ck = Checkpoint(base_dir)
         refs = {v.name: load_merged_model(Artifact(v.path), ck) for v in variants}
         refs["base"] = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-        want = {(m, i): greedy_reference(refs[m], tok, p, n) for m in refs for i, p in enumerate(PROMPTS)}
+        want = {(m, i): char_greedy(refs[m], tok, p, n) for m in refs for i, p in enumerate(PROMPTS)}
         assert any(want["dz", i] != want["base", i] for i in range(len(PROMPTS)))  # the fine-tune matters
         dm = DeltaModel(ck, variants, num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
         for m in ("dz", "rtn"):  # alone
-            got = run_engine(dm, tok, [(m, p) for p in PROMPTS], n)
+            got = engine_texts(dm, tok, [(m, p) for p in PROMPTS], n)
             assert got == [want[m, i] for i in range(len(PROMPTS))], m
         jobs = [(m, i) for i in range(len(PROMPTS)) for m in ("dz", "base", "rtn")]  # mixed rows
-        got = run_engine(dm, tok, [(m, PROMPTS[i]) for m, i in jobs], n)
+        got = engine_texts(dm, tok, [(m, PROMPTS[i]) for m, i in jobs], n)
         assert got == [want[j] for j in jobs]
 
 

@@ -12,12 +12,11 @@ the message's text as a part (given a string it would render nothing for it).
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
 from _factories import calib_file, finetune, save_model, tiny_model
-from _serving import ServedSet, running_server, single_thread
+from _serving import ServedSet, char_greedy, engine_texts, running_server, single_thread
 
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
@@ -28,7 +27,6 @@ from deltazip.kernels.scheme import DeltaScheme
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.loader import causal_lm_class, load_causal_lm
 from deltazip.runtime.serve.chat_content import as_template_reads
-from deltazip.runtime.serve.engine import Engine, EngineConfig, FinishEvent, SamplingParams, ServedVariant
 from deltazip.runtime.serve.model import DeltaModel
 from deltazip.runtime.serve.variant_sources import discover_variants
 
@@ -77,39 +75,6 @@ def _build(root, arch):
     return base_dir, root / "arts", tok
 
 
-def _greedy(model, tok, prompt: str, n: int) -> str:
-    ids = torch.tensor([tok(prompt)["input_ids"]])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             pad_token_id=2, eos_token_id=1)
-    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-
-
-def _engine_texts(dm, tok, jobs, n, variants=("ft",)):
-    table = {"base": ServedVariant("base", tok, [1], None)}
-    table.update({v: ServedVariant(v, tok, [1], "base") for v in variants})
-    eng = Engine(dm, table, "base", EngineConfig(max_deltas=len(variants) + 1, max_cpu_deltas=len(variants) + 1))
-    done: dict[int, FinishEvent] = {}
-    finished = threading.Semaphore(0)
-
-    def sink(i):
-        def fn(ev):
-            if isinstance(ev, FinishEvent):
-                done[i] = ev
-                finished.release()
-        return fn
-
-    for i, (m, p) in enumerate(jobs):  # queued before the engine starts: one mixed batch
-        eng.submit(m, tok(p)["input_ids"], SamplingParams(max_tokens=n, temperature=0.0), sink(i))
-    eng.start()
-    try:
-        assert all(finished.acquire(timeout=120) for _ in jobs), "requests did not finish"
-    finally:
-        eng.shutdown()
-    assert all(ev.reason in ("stop", "length") for ev in done.values()), done
-    return [done[i].text for i in range(len(jobs))]
-
-
 @pytest.mark.parametrize("arch", ["llava", "mllama", "qwen2_5_vl"])
 def test_a_text_finetune_keeps_the_vision_tower_and_serves_the_merged_output(tmp_path, arch):
     n = 8
@@ -121,11 +86,11 @@ def test_a_text_finetune_keeps_the_vision_tower_and_serves_the_merged_output(tmp
         assert any(e.kind == "packed" for e in art.entries().values())  # the language model's linears compressed
         ck = Checkpoint(base_dir)
         refs = {"ft": load_merged_model(art, ck), "base": load_causal_lm(base_dir, torch.float32)}
-        want = {(m, p): _greedy(refs[m], tok, p, n) for m in refs for p in PROMPTS}
+        want = {(m, p): char_greedy(refs[m], tok, p, n) for m in refs for p in PROMPTS}
         assert any(want["ft", p] != want["base", p] for p in PROMPTS)  # the fine-tune matters
         dm = DeltaModel(ck, discover_variants(arts), num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
         jobs = [(m, p) for p in PROMPTS for m in ("ft", "base")]
-        assert _engine_texts(dm, tok, jobs, n) == [want[j] for j in jobs]
+        assert engine_texts(dm, tok, jobs, n) == [want[j] for j in jobs]
 
 
 def test_a_template_reading_parts_gets_the_text_as_a_part():
@@ -200,7 +165,7 @@ def test_workers_map_an_image_text_base_saved_under_its_legacy_names(tmp_path):
                           json={"model": "ft", "prompt": p, "max_tokens": 8, "temperature": 0}).json()
                for p in PROMPTS]
     ref = load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir))
-    assert [r["choices"][0]["text"] for r in got] == [_greedy(ref, tok, p, 8) for p in PROMPTS]
+    assert [r["choices"][0]["text"] for r in got] == [char_greedy(ref, tok, p, 8) for p in PROMPTS]
 
 
 def test_the_merged_checkpoint_keeps_the_processor_files(tmp_path):
@@ -265,10 +230,9 @@ def test_lora_adapters_in_either_naming_serve_beside_the_artifact(tmp_path):
         refs["base"] = load_causal_lm(base_dir, torch.float32)
         dm = DeltaModel(ck, discover_variants(arts), num_slots=4, device=torch.device("cpu"), dtype=torch.float32)
         jobs = [(m, p) for p in PROMPTS for m in ("lora-old", "ft", "lora-new", "base")]
-        want = [_greedy(refs[m], tok, p, n) for m, p in jobs]
+        want = [char_greedy(refs[m], tok, p, n) for m, p in jobs]
         assert want[0] != want[3] and want[2] != want[3]  # the adapters matter
-        table_names = ("ft", "lora-new", "lora-old")
-        assert _engine_texts(dm, tok, jobs, n, table_names) == want
+        assert engine_texts(dm, tok, jobs, n) == want
 
 
 @pytest.mark.parametrize("arch", ["llava", "mistral3", "qwen2_vl", "qwen2_5_vl"])
