@@ -184,6 +184,11 @@ ARCH_CONFIGS = {
     "mistral3": dict(model_type="mistral3", text_config=dict(_LM, model_type="mistral", sliding_window=None),
                      vision_config=dict(_VISION, model_type="pixtral", head_dim=16), image_token_index=120,
                      spatial_merge_size=1),
+    # an image's tokens see each other both ways; sliding-window layers
+    "gemma3_vl": dict(model_type="gemma3", text_config=dict(_LM, model_type="gemma3_text", head_dim=16, sliding_window=16,
+                                                            layer_types=["sliding_attention", "full_attention"]),
+                      vision_config=dict(_VISION, model_type="siglip_vision_model"), mm_tokens_per_image=4,
+                      image_token_index=120, boi_token_index=121, eoi_token_index=122),
     # cross-attention layers, skipped by a text-only forward
     "mllama": dict(model_type="mllama", text_config=dict(_LM, model_type="mllama_text_model", cross_attention_layers=[1]),
                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_global_layers=1,

@@ -217,9 +217,15 @@ def char_greedy(model, tok, prompt: str, n: int) -> str:
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def engine_texts(dm, tok, jobs, n: int) -> list[str]:
+def engine_texts(dm, tok, jobs, n: int, **config) -> list[str]:
     """Greedy texts of ``jobs`` (model, prompt) submitted together to an engine over ``dm`` (one mixed
-    batch; a slot for every variant of ``dm``; the demo's character tokenizer, EOS 1)."""
+    batch; a slot for every variant of ``dm``; the demo's character tokenizer, EOS 1). A prompt may
+    be ``(token ids, PromptMedia)``, a prompt with images. ``config``: more ``EngineConfig`` fields."""
+    return [ev.text for ev in engine_runs(dm, tok, jobs, n, **config)]
+
+
+def engine_runs(dm, tok, jobs, n: int, **config) -> list:
+    """:func:`engine_texts`' finish events, each with its drawn tokens' log probabilities."""
     import threading
 
     from deltazip.runtime.serve.engine import Engine, EngineConfig, FinishEvent, SamplingParams, ServedVariant
@@ -227,7 +233,7 @@ def engine_texts(dm, tok, jobs, n: int) -> list[str]:
     table = {"base": ServedVariant("base", tok, [1], None)}
     table.update({v: ServedVariant(v, tok, [1], "base") for v in dm.variants})
     k = max(2, len(dm.variants))
-    eng = Engine(dm, table, "base", EngineConfig(max_deltas=k, max_cpu_deltas=k))
+    eng = Engine(dm, table, "base", EngineConfig(max_deltas=k, max_cpu_deltas=k, **config))
     done, cond = {}, threading.Condition()
 
     def sink(i):
@@ -239,7 +245,8 @@ def engine_texts(dm, tok, jobs, n: int) -> list[str]:
         return fn
 
     for i, (m, p) in enumerate(jobs):  # queued before the engine starts: the first step batches them all
-        eng.submit(m, tok(p)["input_ids"], SamplingParams(max_tokens=n, temperature=0.0), sink(i))
+        ids, media = p if isinstance(p, tuple) else (tok(p)["input_ids"], None)
+        eng.submit(m, ids, SamplingParams(max_tokens=n, temperature=0.0, logprobs=0), sink(i), media)
     eng.start()
     try:
         with cond:
@@ -247,4 +254,4 @@ def engine_texts(dm, tok, jobs, n: int) -> list[str]:
     finally:
         eng.shutdown()
     assert all(ev.reason in ("stop", "length") for ev in done.values()), done
-    return [done[i].text for i in range(len(jobs))]
+    return [done[i] for i in range(len(jobs))]

@@ -214,7 +214,8 @@ def _served_entry(tokenizers, v: VariantInfo, base_path: Path, model_config, bas
     if len(dec) > vocab:
         raise InputError(f"variant {v.name}: its tokenizer has {len(dec)} tokens but the base model only "
                          f"{vocab} embeddings")
-    return ServedVariant(v.name, dec, eos_token_ids(v.side_dir(base_path), dec, model_config), base_name, enc)
+    side = v.side_dir(base_path)
+    return ServedVariant(v.name, dec, eos_token_ids(side, dec, model_config), base_name, enc, side)
 
 
 @dataclass
@@ -305,7 +306,8 @@ def _engine(backend, base_name: str, variants: list[VariantInfo], cfg: ServeConf
     """The engine over a built model: every served name with its tokenizer and EOS ids."""
     base = backend.base
     dec, enc = tokenizers.get(base.path)
-    served = {base_name: ServedVariant(base_name, dec, eos_token_ids(base.path, dec, backend.config), None, enc)}
+    served = {base_name: ServedVariant(base_name, dec, eos_token_ids(base.path, dec, backend.config), None, enc,
+                                       base.path)}
     for v in variants:
         served[v.name] = _served_entry(tokenizers, v, base.path, backend.config, base_name)
     return Engine(backend, served, base_name, cfg.engine_config(), observer=observer)

@@ -123,7 +123,9 @@ class DeltaContext:
             raise RuntimeError("a decoupled module ran outside DeltaContext.bind(): the engine must bind "
                                "the batch's slots before every forward")
         b = self.row_slot.shape[0]
-        if x.dim() == 2 and x.shape[0] % b == 0:
+        if b == 1:  # one row (a prompt's images read through the vision tower): every token is its
+            t = x.numel() // x.shape[-1]
+        elif x.dim() == 2 and x.shape[0] % b == 0:
             # [B * t, in]: batch-major rows flattened by the model (OPT's MLP reshapes to 2-D)
             t = x.shape[0] // b
         elif x.dim() > 2 and x.shape[0] == b:

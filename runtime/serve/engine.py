@@ -83,6 +83,7 @@ from deltazip.runtime.serve.delta_loader import DeltaLoader
 from deltazip.runtime.serve.grammar import GrammarCompilers, MaskFiller, StepMasks
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, SeqBlocks
 from deltazip.runtime.serve.model_runner import SeqKV, forward_step, new_kv_pool, new_seq_kv
+from deltazip.runtime.serve.prompt_media import PromptInputs, PromptMedia
 from deltazip.runtime.serve.recurrent_state import recurrent_layer_types
 from deltazip.runtime.serve.sampling import (
     MAX_TOP_LOGPROBS,
@@ -362,6 +363,7 @@ class ServedVariant:
     eos_ids: list[int]
     parent: str | None  # the base's name for variants, None for the base itself
     encoder: Any = None
+    files: Any = None  # the directory of its config, tokenizer and processor files (Path), where known
 
     def __post_init__(self) -> None:
         if self.encoder is None:
@@ -396,6 +398,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     prompt_sent: bool = False  # its prompt's log probabilities went out with a TokenEvent
     stopped_by_token: bool = False  # it ended on an EOS or stop token id (counted, not in the text)
+    media: PromptMedia | None = None  # its prompt's images, until the model has read them into ``inputs``
+    inputs: PromptInputs | None = None  # what its images make of the prompt (prompt_media)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -511,9 +515,24 @@ class Engine:
             raise UnknownModel(f"The model `{model}` does not exist.", "model")
         return model
 
-    def validate(self, model: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def images_refused(self) -> str | None:
+        """Why this server cannot read images in prompts (one line), or None when it can."""
+        cfg = self.backend.config
+        if text_config(cfg) is cfg:
+            return f"the served model ({cfg.model_type}) reads text only; send text content parts"
+        if not hasattr(self.backend, "prompt_inputs"):
+            return "images are not read with --tensor-parallel; serve this model without it to send images"
+        if recurrent_layer_types(cfg):
+            return f"images are not read by {cfg.model_type}'s recurrent layers here; send text content parts"
+        return None
+
+    def validate(self, model: str, prompt_ids: list[int], params: SamplingParams,
+                 media: PromptMedia | None = None) -> None:
         """Raise the :class:`EngineError` that ``submit`` would, without queueing anything."""
         self.key_of(model)
+        refused = self.images_refused() if media is not None else None
+        if refused:
+            raise EngineError(refused, "messages")
         n = len(prompt_ids)
         if n == 0:
             raise EngineError("the prompt is empty (no tokens)", "prompt")
@@ -548,16 +567,19 @@ class Engine:
                               f"of KV cache; {free / 2**20:.0f} MiB are free on {self.device}. Lower {param} or "
                               f"max_tokens", param)
 
-    def submit(self, model: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> str:
+    def submit(self, model: str, prompt_ids: list[int], params: SamplingParams, sink: Sink,
+               media: PromptMedia | None = None) -> str:
         """Queue a request of one sample; returns its id. Raises :class:`EngineError` (400/404/429)."""
-        return self.submit_samples(model, prompt_ids, params, [sink])[0]
+        return self.submit_samples(model, prompt_ids, params, [sink], media)[0]
 
-    def submit_samples(self, model: str, prompt_ids: list[int], params: SamplingParams, sinks: list[Sink]) -> list[str]:
+    def submit_samples(self, model: str, prompt_ids: list[int], params: SamplingParams, sinks: list[Sink],
+                       media: PromptMedia | None = None) -> list[str]:
         """Queue a request drawing ``len(sinks)`` samples (``params.samples``) of one prompt; returns
         one id per sample (each can be cancelled). The prompt is prefilled once: the samples after
         the first are forked from its KV cache when the prefill ends (blocks shared, not copied).
-        Raises :class:`EngineError` (400/404/429) when refused."""
-        self.validate(model, prompt_ids, params)
+        ``media``: the prompt's images (its processor's tensors). Raises :class:`EngineError`
+        (400/404/429) when refused."""
+        self.validate(model, prompt_ids, params, media)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         with self._lock:
             if self._stop:
@@ -575,6 +597,7 @@ class Engine:
                            IncrementalDetokenizer(sv.tokenizer, prompt_ids, params.stop), seed, time.perf_counter(),
                            kv=new_seq_kv(self.kv_pool), tag=REQUEST_TAG.get(), forks=list(zip(rids[1:], sinks[1:])))
             seq.matcher = params.grammar.matcher() if params.grammar is not None else None
+            seq.media = media
             for r in rids[1:]:
                 self._fork_of[r] = rid
             self._inbox.append(seq)
@@ -752,6 +775,7 @@ class Engine:
         slots = self._make_resident(out.selected)
         if slots is None:
             return
+        self._read_images(out.running, slots)
         prefill, decode = self._plan(out.running)
         if self._report_state is not None:  # before the forward: a death during it finds it reported
             for seq, _ in prefill:
@@ -781,12 +805,30 @@ class Engine:
             self._accept(seq, tok, lp, now)
         self._refresh_kv_bytes()  # sequences that just finished gave their blocks back
 
+    def _read_images(self, running: list[SchedRequest], slots: dict[str, int]) -> None:
+        """Prompts with images about to start: the model reads their images (with the request's
+        variant bound) into what their prompt steps put in place. A model that cannot read them
+        fails that request only."""
+        for r in running:
+            seq = self._seqs.get(r.rid)
+            if seq is None or seq.media is None:
+                continue
+            slot = slots[seq.key] if (seq.key != BASE_KEY or self.swap) else -1
+            try:
+                seq.inputs = self.backend.prompt_inputs(slot, seq.prompt_ids, seq.media)
+            except Exception as e:  # e.g. a language model that takes more from images (ImagesUnsupported)
+                log.error("reading the images of %s failed: %s", seq.rid, e)
+                self._finish(seq, "error", error=str(e))
+                continue
+            seq.media = None  # the pixels are read: only what the prompt steps need is kept
+
     def _plan(self, running: list[SchedRequest]) -> tuple[list[tuple[Sequence, list[int]]], list[tuple[Sequence, list[int]]]]:
         """This step's ``(sequence, new tokens)`` rows: every decoding sequence gets its last token,
         then sequences still in their prompt get the next chunk of it, in admission order, while the
         step's token budget (``max_batch_tokens``) lasts. Split by state rather than by this step's
         admissions: a step that failed to load a variant leaves admitted prompts unprocessed."""
         prefill, decode = [], []
+        running = [r for r in running if r.rid in self._seqs]  # not those that failed reading their images
         for r in running:
             seq = self._seqs[r.rid]
             if seq.kv_on_host:  # preempted earlier, resumed now: its KV cache comes back
@@ -800,7 +842,9 @@ class Engine:
             done = seq.kv.length
             if seq.output_ids or budget < 1:
                 continue
-            chunk = seq.prompt_ids[done:done + budget]
+            end = min(len(seq.prompt_ids), done + budget)
+            end = seq.inputs.chunk_end(done, end) if seq.inputs is not None else end
+            chunk = seq.prompt_ids[done:end]
             budget -= len(chunk)
             r.prefill_left = len(seq.prompt_ids) - done - len(chunk)
             prefill.append((seq, chunk))
@@ -914,12 +958,16 @@ class Engine:
         ``every``: keep every position's logits, for prompt log probabilities."""
         seqs = [s for s, _ in group]
         logits = None
-        if self.graphs is not None and not every and all(len(t) == 1 for _, t in group):
+        inputs = [s.inputs for s in seqs] if any(s.inputs is not None for s in seqs) else None
+        # Rows whose images gave them positions of their own keep them after the prompt too (Qwen2-VL):
+        # the captured decode graphs take plain positions.
+        own_pos = inputs is not None and any(x is not None and x.rope is not None for x in inputs)
+        if self.graphs is not None and not every and not own_pos and all(len(t) == 1 for _, t in group):
             logits = self.graphs.run([s.kv for s in seqs], row_slots, [t[0] for _, t in group], self._weights_key())
         if logits is None:
             starts = [s.kv.length for s in seqs]
             logits = forward_step(self.backend, self.kv_pool, [s.kv for s in seqs], row_slots, [t for _, t in group],
-                                  starts, self.pad_id, every_position=every)
+                                  starts, self.pad_id, every_position=every, inputs=inputs)
             if every:
                 self._score_prompts(seqs, [t for _, t in group], starts, logits)
                 logits = logits[:, -1]

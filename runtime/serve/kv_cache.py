@@ -226,6 +226,8 @@ class PagedStep(RecurrentStep):
 
     - ``q_pos`` ``[B, Tm]`` int64: the position of every query (a padding query gets its row's
       first new position, so it sees at least that token and no softmax row is empty);
+    - ``see`` ``[B, Tm]`` int64 or None: the last position each query sees, where an image's tokens
+      see their whole image (``prompt_media``); None: its own position;
     - ``spans``: list of ``(rows, lo, hi, meta, extra)``: batch rows ``rows`` (a slice) attend over
       pool blocks ``[lo, hi)``. A decode step (``Tm == 1``) is one span for the whole batch; a prefill
       step one span per row (its own blocks). ``meta`` is int64 ``[3, hi - lo + E]``: per block the
@@ -244,6 +246,7 @@ class PagedStep(RecurrentStep):
     """
 
     logits_to_keep = 1  # 0: the forward returns every position's logits (prompt log probabilities)
+    see: torch.Tensor | None = None  # [B, Tm]: the last position each query sees, set where not its own
 
     def __init__(self, pool: BlockPool, caches: list[SeqBlocks], past: list[int], new: list[int],
                  device: torch.device | str):
@@ -298,8 +301,9 @@ class PagedStep(RecurrentStep):
         if key not in self._masks:
             rows, _, _, meta, _ = self.spans[span]
             q = self.q_pos[rows].index_select(0, meta[1]).unsqueeze(-1)  # [nb, Tm, 1]
+            see = None if self.see is None else self.see[rows].index_select(0, meta[1]).unsqueeze(-1)
             k = (meta[2] * self.block_size).view(-1, 1, 1) + torch.arange(self.block_size, device=q.device)
-            ok = allowed_keys(k, q, window, chunk)  # [nb, Tm, bs]
+            ok = allowed_keys(k, q, window, chunk, see)  # [nb, Tm, bs]
             self._masks[key] = (~ok).view(ok.shape[0], 1, 1, *ok.shape[1:])
         return self._masks[key]
 

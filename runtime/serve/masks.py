@@ -70,10 +70,11 @@ def attention_chunk(module) -> int | None:
 
 
 def allowed_keys(k: torch.Tensor, q: torch.Tensor, window: int | None = None,
-                 chunk: int | None = None) -> torch.Tensor:
+                 chunk: int | None = None, see: torch.Tensor | None = None) -> torch.Tensor:
     """Bool, True where a query at position ``q`` sees the key at position ``k`` (broadcast; ``k < 0``:
-    no key): causal, within a sliding ``window``, within the query's ``chunk``."""
-    ok = (k >= 0) & (k <= q)
+    no key): causal (up to ``see`` where given: an image's tokens that see their whole image), within a
+    sliding ``window``, within the query's ``chunk``."""
+    ok = (k >= 0) & (k <= (q if see is None else see))
     if window:
         ok &= k > q - window
     if chunk:

@@ -77,6 +77,7 @@ from deltazip.runtime.serve.model_runner import (
     run_model,
 )
 from deltazip.runtime.serve.projections import merge_projections
+from deltazip.runtime.serve.prompt_media import PromptInputs, PromptMedia, read_prompt
 from deltazip.runtime.serve.recurrent_state import mark_tokenwise, recurrent_layer_types
 from deltazip.runtime.serve.variant_sources import VariantInfo
 from deltazip.runtime.share.dedup_registry import TensorDedupRegistry
@@ -797,6 +798,15 @@ class DeltaModel:
         finally:
             self.ctx.unbind()
 
+    def prompt_inputs(self, slot: int, prompt_ids: list[int], media: PromptMedia) -> PromptInputs:
+        """What the model's forward makes of a prompt with images, read with variant ``slot`` bound
+        (``-1``: the base), so that a variant's own vision tower and projector read them."""
+        self.ctx.bind([slot], self.device)
+        try:
+            return read_prompt(self.model, prompt_ids, media, self.device, self.dtype)
+        finally:
+            self.ctx.unbind()
+
 
 # --------------------------------------------------------------------------------------------------
 # Swap mode
@@ -931,6 +941,10 @@ class SwapModels:
         if len(slots) != 1 or min(slots) < 0:
             raise ValueError(f"swap mode runs one resident model per forward, got slots {sorted(slots)}")
         return run_model(self.models[row_slots[0]], input_ids, position_ids, attention_mask, kv)
+
+    def prompt_inputs(self, slot: int, prompt_ids: list[int], media: PromptMedia) -> PromptInputs:
+        """What slot ``slot``'s model makes of a prompt with images (``DeltaModel.prompt_inputs``)."""
+        return read_prompt(self.models[slot], prompt_ids, media, self.device, self.dtype)
 
 
 class _SwapHost(dict):

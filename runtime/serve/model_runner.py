@@ -24,6 +24,7 @@ from torch import nn
 from deltazip.models.loader import text_config
 from deltazip.runtime.serve.attention import is_paged
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, PagedStep, SeqBlocks
+from deltazip.runtime.serve.prompt_media import PromptInputs, image_step, token_embeddings
 from deltazip.runtime.serve.recurrent_state import (
     RecurrentStep,
     SeqState,
@@ -318,19 +319,26 @@ def step_cache(pool: KVPool | BlockPool, caches: list, past: list[int], new: lis
 
 
 def forward_step(backend, pool: KVPool | BlockPool, caches: list, row_slots: list[int], tokens: list[list[int]],
-                 past: list[int], pad_id: int = 0, every_position: bool = False) -> torch.Tensor:
+                 past: list[int], pad_id: int = 0, every_position: bool = False,
+                 inputs: list[PromptInputs | None] | None = None) -> torch.Tensor:
     """One forward of ``backend`` over ``tokens`` (row ``b``: new tokens after ``past[b]`` cached
     ones, in slot ``row_slots[b]``); the caches receive them and their ``length`` grows. Returns the
     last-position logits ``[B, V]`` fp32 (layout and masks: :func:`step_args`), or with
-    ``every_position`` the logits of every position ``[B, Tm, V]`` (rows left-padded)."""
+    ``every_position`` the logits of every position ``[B, Tm, V]`` (rows left-padded). ``inputs``:
+    per row what its prompt's images make of it (``prompt_media``), None for rows without images."""
     dev = backend.device
     new = [len(t) for t in tokens]
+    if inputs is not None and all(x is None for x in inputs):
+        inputs = None
     if tokenwise(backend.config) and any(p > 0 and n > 1 for p, n in zip(past, new)):
+        if inputs is not None:
+            raise ValueError("images are not read by models whose recurrent layers continue a state token by token")
         return _tokenwise_step(backend, pool, caches, row_slots, tokens, past, pad_id, every_position)
     groups = _unpadded_groups(backend.config, past, new)
     if len(groups) > 1:  # recurrent layers: rows continuing a state are never left-padded
         outs = [(g, forward_step(backend, pool, [caches[i] for i in g], [row_slots[i] for i in g],
-                                 [tokens[i] for i in g], [past[i] for i in g], pad_id, every_position))
+                                 [tokens[i] for i in g], [past[i] for i in g], pad_id, every_position,
+                                 None if inputs is None else [inputs[i] for i in g]))
                 for g in groups]
         first = outs[0][1]
         logits = first.new_zeros(len(tokens), *([max(new)] if every_position else []), first.shape[-1])
@@ -345,6 +353,10 @@ def forward_step(backend, pool: KVPool | BlockPool, caches: list, row_slots: lis
         ids = left_pad(tokens, pad_id).to(dev)
         kv, pos, mask = step_args(pool, caches, past, new, backend.config, backend.dtype, dev)
         kv.logits_to_keep = 0 if every_position else 1  # read by run_model
+        if inputs is not None:  # images: their rows' inputs (read by run_model), positions, views
+            kv.prompt_embeds, pos, see = image_step(inputs, past, new, ids, pos, getattr(kv, "q_pos", None))
+            if see is not None:
+                kv.see = see
         logits = backend.forward(row_slots, ids, pos, mask, kv)
     for c, n in zip(caches, new):
         c.length += n
@@ -435,8 +447,15 @@ def run_model(model: nn.Module, input_ids, position_ids, attention_mask, kv) -> 
     fp32, or every position's ``[B, T, V]`` when the step asks (``kv.logits_to_keep == 0``: prompt log
     probabilities). A paged step (``kv_cache.PagedStep``) is bound for the attention function while it runs."""
     keep = getattr(kv, "logits_to_keep", 1)
+    embeds = getattr(kv, "prompt_embeds", None)  # a prompt's images in this step (prompt_media.image_step)
+    if embeds is not None:
+        x = token_embeddings(model, input_ids)
+        x[embeds.rows, embeds.cols] = embeds.values.to(x.dtype)
+        tokens = {"inputs_embeds": x}
+    else:
+        tokens = {"input_ids": input_ids}
     with kv.bound() if hasattr(kv, "bound") else contextlib.nullcontext():
-        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+        out = model(**tokens, position_ids=position_ids, attention_mask=attention_mask,
                     use_cache=True, logits_to_keep=keep, **{cache_kwarg(model): kv})
     if isinstance(kv, RecurrentStep):
         kv.commit_states()  # recurrent layers' states back into the pool

@@ -27,6 +27,7 @@ from deltazip.formats.errors import DeltazipError
 from deltazip.runtime.serve.chat_content import as_template_reads
 from deltazip.runtime.serve.engine import EngineError, FinishEvent, SamplingParams, ServedVariant, TokenEvent
 from deltazip.runtime.serve.grammar import Grammar, GrammarError, response_format_grammar
+from deltazip.runtime.serve.images import image_prompt, image_url, processor, read_image
 from deltazip.runtime.serve.openai_schema import (
     DEFAULT_MAX_REQUEST_BYTES,
     TOKENIZER_PATHS,
@@ -42,6 +43,7 @@ from deltazip.runtime.serve.openai_schema import (
     sampling_params,
 )
 from deltazip.runtime.serve.openai_shapes import ChatShape, CompletionShape, TokenTexts, usage
+from deltazip.runtime.serve.prompt_media import PromptMedia
 from deltazip.runtime.serve.tool_calls import ToolChatShape, ToolPlan, template_messages, tool_plan
 from deltazip.runtime.serve.variant_catalog import VariantRefused
 
@@ -140,17 +142,27 @@ def chat_template(state: AppState, name: str) -> str:
 
 
 def encode_chat(state: AppState, name: str, messages, template: str, tools: list[dict] | None = None,
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True) -> tuple[list[int], PromptMedia | None]:
+    """The prompt's token ids, and its images as the model's processor gives them (None without)."""
     tok = state.served_entry(name).encoder
     msgs, kw = template_messages(messages), {"add_generation_prompt": add_generation_prompt, "tools": tools}
+    urls = [u for m in messages if isinstance(m.content, list) for u in map(image_url, m.content) if u]
+    if urls:
+        refused = state.engine.images_refused()
+        if refused:
+            raise ApiError(400, refused, param="messages")
     try:
         ids = tok.apply_chat_template(as_template_reads(tok, template, msgs, **kw), chat_template=template,
-                                      tokenize=True, **kw)
+                                      tokenize=not urls, **kw)
     except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
         raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from e
+    if urls:
+        images = [read_image(u, state.max_body or DEFAULT_MAX_REQUEST_BYTES) for u in urls]
+        base = state.served_entry(state.rt.base_name)
+        return image_prompt(processor(state.served_entry(name).files, base.files), ids, images)
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
-    return list(ids)
+    return list(ids), None
 
 
 def request_grammar(state: AppState, name: str, req, plan: ToolPlan | None = None) -> Grammar | None:
@@ -169,20 +181,22 @@ def request_grammar(state: AppState, name: str, req, plan: ToolPlan | None = Non
         raise ApiError(400, str(e), param=e.param) from e
 
 
-def submit_all(state: AppState, name: str, prompts: list[list[int]], params: SamplingParams) -> list[EngineStream]:
+def submit_all(state: AppState, name: str, prompts: list[list[int]], params: SamplingParams,
+               media: PromptMedia | None = None) -> list[EngineStream]:
     """Queue one engine request per prompt, each drawing ``params.samples`` samples (all validated
-    first: all or none are queued); the streams come prompt by prompt, samples in order."""
+    first: all or none are queued); the streams come prompt by prompt, samples in order. ``media``:
+    the images of a single prompt."""
     engine, loop = state.engine, asyncio.get_running_loop()
     try:
         for p in prompts:
-            engine.validate(name, p, params)
+            engine.validate(name, p, params, media)
     except EngineError as e:
         raise ApiError(e.status, str(e), param=e.param, code=e.code) from e
     streams: list[EngineStream] = []
     try:
         for p in prompts:
             group = [EngineStream(loop) for _ in range(params.samples)]
-            for s, rid in zip(group, engine.submit_samples(name, p, params, [s.sink for s in group])):
+            for s, rid in zip(group, engine.submit_samples(name, p, params, [s.sink for s in group], media)):
                 s.rid = rid
             streams += group
     except EngineError as e:
@@ -443,15 +457,15 @@ class Routes:
         req = self._request(request, self.s.models[1], parse_json(raw), chat=True)
         template = chat_template(self.s, req.model)
         plan = tool_plan(req, template)
-        ids = encode_chat(self.s, req.model, req.messages, template, plan.template_tools if plan else None)
-        return req, ids, plan, request_grammar(self.s, req.model, req, plan)
+        ids, media = encode_chat(self.s, req.model, req.messages, template, plan.template_tools if plan else None)
+        return req, ids, media, plan, request_grammar(self.s, req.model, req, plan)
 
     async def chat(self, request: Request):
         raw = await read_body(request, self.s.max_body)
-        req, ids, plan, grammar = await asyncio.to_thread(self._chat_prompt, request, raw)
+        req, ids, media, plan, grammar = await asyncio.to_thread(self._chat_prompt, request, raw)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.s.engine.max_len - len(ids))
         params = sampling_params(req, max_tokens, chat=True, grammar=grammar)
-        streams = submit_all(self.s, req.model, [ids], params)
+        streams = submit_all(self.s, req.model, [ids], params, media)
         texts = self.s.token_texts(req.model)
         shape = ToolChatShape(req.model, plan, texts, samples=params.n) if plan is not None and plan.parses \
             else ChatShape(req.model, texts, samples=params.n)
@@ -487,7 +501,7 @@ class Routes:
             gen = body.get("add_generation_prompt", True)
             if not isinstance(gen, bool):
                 raise ApiError(400, "add_generation_prompt must be a boolean", param="add_generation_prompt")
-            ids = encode_chat(self.s, name, req.messages, chat_template(self.s, name), add_generation_prompt=gen)
+            ids, _ = encode_chat(self.s, name, req.messages, chat_template(self.s, name), add_generation_prompt=gen)
         else:
             prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
             if not isinstance(prompt, str):

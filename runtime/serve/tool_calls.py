@@ -145,10 +145,14 @@ def template_messages(messages) -> list[dict]:
     out = []
     for m in messages:
         content = m.content
-        if isinstance(content, list):  # OpenAI content parts: only text is meaningful here
-            if any(p.get("type") != "text" for p in content):
-                raise ApiError(400, "only text content parts are supported", param="messages")
-            content = "".join(str(p.get("text", "")) for p in content)
+        if isinstance(content, list):  # OpenAI content parts: text, and images where the model reads them
+            if any(p.get("type") not in ("text", "image_url") for p in content):
+                raise ApiError(400, "only text and image_url content parts are supported", param="messages")
+            if any(p.get("type") == "image_url" for p in content):  # typed parts, as processors' templates read
+                content = [{"type": "image"} if p["type"] == "image_url" else {"type": "text", "text": str(p.get("text", ""))}
+                           for p in content]
+            else:
+                content = "".join(str(p.get("text", "")) for p in content)
         msg: dict[str, Any] = {"role": m.role, "content": content or ""}
         extra = m.model_extra or {}
         if m.role == "assistant" and extra.get("tool_calls"):

@@ -35,6 +35,8 @@ REQUEST_PATH = [
     "serve/grammar.py",  # constrained requests' grammars and every step's token masks
     "serve/tool_calls.py",  # tools in chat requests, calls read from answers
     "serve/chat_content.py",  # chat messages in the form the template reads
+    "serve/images.py",  # images in chat requests, read and processed
+    "serve/prompt_media.py",  # what a prompt's images make of it, read by its steps
     "serve/cuda_graphs.py",  # decode steps on CUDA
     "serve/graph_capture.py",  # every decode graph captured while serving
     "serve/projections.py",  # merged q/k/v and gate/up in the forward

@@ -1,0 +1,227 @@
+"""Prompts with images, as the engine runs them.
+
+An image-text model's forward turns a prompt with images into the inputs of its language model: the
+token embeddings with each image's placeholder tokens replaced by the image's features, and for some
+models (Qwen2-VL's multimodal RoPE) positions of their own. Which vision tower, projector, feature
+layer, patch merging or position rule a model uses is its own forward's business, so the engine does
+not reimplement any of it: :func:`read_prompt` runs the model's forward once on the whole prompt and
+stops it where its language model starts, keeping what it was handed (:class:`PromptInputs`). Every
+later step of the prompt (chunks of a long prompt, batched with other variants' rows) reads the token
+embeddings as usual and puts the kept rows back in place (:func:`image_step`), so the decoder sees
+exactly what the model's own forward gives it.
+
+The forward runs with the request's variant bound, so a variant that changed the vision tower or the
+projector reads its images with its own weights.
+
+Gemma 3 lets an image's tokens see each other in both directions (its processor marks them; the
+engine keeps each image's span in ``PromptInputs.blocks`` and the paged attention widens those
+queries' view to the span's end). A prompt chunk never ends inside such a span.
+
+A language model that takes more from the images than its input embeddings and positions (Qwen3-VL's
+deepstack features, Mllama's cross-attention states) is refused with :class:`ImagesUnsupported`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from deltazip.models.loader import text_config
+
+# Image tokens see each other both ways within one image (transformers' token_type_ids blocks).
+BIDIRECTIONAL_IMAGES = frozenset({"gemma3"})
+# What a language model may be handed besides its input embeddings and positions, all of which the
+# engine gives it itself (masks, cache, flags).
+_OWN_ARGS = frozenset({"inputs_embeds", "position_ids", "attention_mask", "cache", "past_key_values", "use_cache",
+                       "return_dict", "cache_position", "output_attentions", "output_hidden_states", "input_ids"})
+
+
+class ImagesUnsupported(ValueError):
+    """The served model cannot read images through the engine (one line, for a 400)."""
+
+
+@dataclass
+class PromptMedia:
+    """A prompt's images as its processor gives them: every tensor the model's forward takes beside
+    ``input_ids`` (``pixel_values`` ``[N, 3, H, W]`` or flattened patches, ``image_grid_thw``,
+    ``image_sizes``, ``token_type_ids``...), on the host."""
+
+    tensors: dict[str, torch.Tensor]
+    images: int
+
+
+@dataclass
+class PromptInputs:
+    """What a model's own forward hands its language model for a prompt of ``T`` tokens, beyond each
+    token's embedding.
+
+    Attributes:
+        positions: int64 ``[n]``, ascending: the prompt positions whose input is not their token's
+            embedding (the images' tokens).
+        embeds: ``[n, H]``, the inputs at those positions (model dtype, on the model's device).
+        rope: int64 ``[R, T]``, the prompt's rotary positions where the model computes its own
+            (Qwen2-VL's three sections), else None (positions ``0..T-1``).
+        rope_delta: a token at position ``p >= T`` (a generated one) takes rotary position
+            ``p + rope_delta`` in every section.
+        blocks: ``[(a, b)]``, spans of positions whose queries see the whole span (Gemma 3's images).
+    """
+
+    positions: torch.Tensor
+    embeds: torch.Tensor
+    rope: torch.Tensor | None = None
+    rope_delta: int = 0
+    blocks: list[tuple[int, int]] = field(default_factory=list)
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a prompt chunk ``[start, end)`` may end: before a span it would cut, or after the span
+        when the span starts the chunk (a chunk never splits a span whose tokens see each other)."""
+        for a, b in self.blocks:
+            if a < end < b:
+                return a if a > start else b
+        return end
+
+
+def language_model(model: nn.Module) -> nn.Module:
+    """The module of ``model`` that is its language model (the one holding the text config)."""
+    text = text_config(model.config)
+    found = next((m for _, m in model.named_modules() if m is not model and getattr(m, "config", None) is text), None)
+    if found is None:
+        raise ImagesUnsupported(f"{type(model).__name__} has no language model apart from its vision tower")
+    return found
+
+
+def token_embeddings(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``ids [B, T]`` -> ``[B, T, H]`` through the model's input embeddings; ids past the table
+    (an image placeholder some models keep out of the vocabulary) read row 0 and are replaced."""
+    emb = model.get_input_embeddings()
+    return emb(ids.masked_fill(ids >= emb.num_embeddings, 0))
+
+
+class _Reached(Exception):
+    """Raised by the hook on the language model: the forward has made its inputs."""
+
+
+def read_prompt(model: nn.Module, prompt_ids: list[int], media: PromptMedia, device: torch.device,
+                dtype: torch.dtype) -> PromptInputs:
+    """Run ``model``'s forward on the prompt with its images up to its language model and keep what
+    that is handed (module docstring). The caller binds the request's variant."""
+    lm = language_model(model)
+    seen: dict = {}
+
+    def stop(_mod, args, kwargs):
+        seen.update(kwargs, _args=args)
+        raise _Reached
+
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    extra = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in media.tensors.items()}
+    hook = lm.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=False, **extra)
+    except _Reached:
+        pass
+    except Exception as e:  # the processor's tensors do not fit the model (e.g. tokens and features disagree)
+        raise ImagesUnsupported(f"the model could not read the images: {type(e).__name__}: {e}") from e
+    finally:
+        hook.remove()
+    kind = model.config.model_type
+    if "inputs_embeds" not in seen or seen["inputs_embeds"] is None:
+        raise ImagesUnsupported(f"{kind}: the model's forward did not reach its language model with input embeddings")
+    more = sorted(k for k, v in seen.items() if k not in _OWN_ARGS and k != "_args" and v is not None and v is not False)
+    if more or seen["_args"]:
+        raise ImagesUnsupported(f"images are not served for {kind}: its language model takes {', '.join(more) or 'more'}"
+                                " from the images beside their embeddings (text prompts are served)")
+    with torch.inference_mode():
+        got = seen["inputs_embeds"][0]
+        plain = token_embeddings(model, ids)[0]
+        positions = (got != plain).any(-1).nonzero().flatten()
+        embeds = got.index_select(0, positions).clone()
+    rope, delta = _rope(seen.get("position_ids"), len(prompt_ids))
+    blocks = _spans(positions.tolist()) if kind in BIDIRECTIONAL_IMAGES else []
+    return PromptInputs(positions.cpu(), embeds, rope, delta, blocks)
+
+
+def _rope(pos: torch.Tensor | None, t: int) -> tuple[torch.Tensor | None, int]:
+    """A prompt's own rotary positions ``[R, T]`` and the offset of the tokens after it, from what the
+    model handed its language model (``[R, 1, T]``, ``[1, T]`` or None)."""
+    if pos is None:
+        return None, 0
+    pos = pos.detach().to("cpu", torch.long)
+    pos = pos[:, 0] if pos.dim() == 3 else pos.reshape(1, -1)
+    if pos.shape[-1] != t or torch.equal(pos, torch.arange(t).expand_as(pos)):
+        return None, 0
+    return pos.clone(), int(pos.max()) + 1 - t
+
+
+def _spans(positions: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive positions as ``[(start, end)]``."""
+    out: list[tuple[int, int]] = []
+    for p in positions:
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return out
+
+
+@dataclass
+class StepEmbeds:
+    """A step's rows whose inputs are not their tokens' embeddings: batch row ``rows``, token index
+    ``cols`` (int64 ``[n]`` each) take ``values [n, H]``. Read by ``model_runner.run_model``."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    values: torch.Tensor
+
+
+def image_step(inputs: list[PromptInputs | None], past: list[int], new: list[int], ids: torch.Tensor,
+                pos: torch.Tensor, q_pos: torch.Tensor | None) -> tuple[StepEmbeds | None, torch.Tensor, torch.Tensor | None]:
+    """What a step of rows with images changes: ``(embeds, position ids, query view)``.
+
+    Args:
+        inputs: per batch row its prompt's :class:`PromptInputs`, or None.
+        past, new: per row the cached positions and new tokens (rows right-aligned in ``Tm``).
+        ids: the step's token ids ``[B, Tm]``; image positions are set to 0 in place (their
+            embedding is replaced, and a placeholder id may lie outside the table).
+        pos: the position ids ``[B, Tm]`` the model would get.
+        q_pos: the paged step's query positions ``[B, Tm]`` (None on the contiguous cache).
+    Returns:
+        the :class:`StepEmbeds` (None if no image token is in this step); the position ids, ``[R, B,
+        Tm]`` where a row has rotary positions of its own; and the last key position each query sees
+        ``[B, Tm]`` where a row has spans seen both ways (else None).
+    """
+    tm = ids.shape[1]
+    rows, cols, values = [], [], []
+    rope_rows = max((x.rope.shape[0] for x in inputs if x is not None and x.rope is not None), default=0)
+    out_pos = pos.unsqueeze(0).expand(rope_rows, *pos.shape).clone() if rope_rows else pos
+    see = None
+    for b, (x, p, n) in enumerate(zip(inputs, past, new)):
+        if x is None:
+            continue
+        at = x.positions
+        sel = ((at >= p) & (at < p + n)).nonzero().flatten()
+        if sel.numel():
+            rows.append(torch.full((sel.numel(),), b, dtype=torch.long))
+            cols.append(at[sel] - p + (tm - n))
+            values.append(x.embeds.index_select(0, sel.to(x.embeds.device)))
+        if x.rope is not None:
+            span = torch.arange(p, p + n)
+            t = x.rope.shape[1]
+            own = x.rope[:, span.clamp(max=t - 1)]
+            after = (span + x.rope_delta).expand_as(own)
+            out_pos[:, b, tm - n:] = torch.where(span < t, own, after).to(out_pos.device)
+        if x.blocks and q_pos is not None:
+            if see is None:
+                see = q_pos.clone()
+            for a, e in x.blocks:
+                lo, hi = max(a, p), min(e, p + n)
+                if lo < hi:
+                    see[b, lo - p + tm - n:hi - p + tm - n] = e - 1
+    embeds = None
+    if rows:
+        r, c = torch.cat(rows).to(ids.device), torch.cat(cols).to(ids.device)
+        ids[r, c] = 0
+        embeds = StepEmbeds(r, c, torch.cat(values))
+    return embeds, out_pos, see

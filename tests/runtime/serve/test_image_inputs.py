@@ -1,0 +1,263 @@
+"""Prompts with images, served: the engine gives what the merged model's own forward gives.
+
+The reference is transformers' ``generate`` of the merged checkpoint with the processor's tensors
+(``pixel_values`` and the rest), greedy. The served side reads the same images through the engine:
+the model's forward up to its language model once per prompt, then ordinary batched steps with the
+image rows put in place, mixed with text rows and other variants. Covered: LLaVA (a CLIP tower and a
+projector; a variant that changed the projector reads images with its own), Gemma 3 (an image's tokens
+see each other both ways; prompts chunked around the image) and Qwen2.5-VL (positions of its own in
+three sections, kept after the prompt), and over HTTP with the OpenAI client, data: and http URLs.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+from _factories import calib_file, finetune, save_model, tiny_model
+from _serving import ServedSet, engine_runs, running_server, single_thread
+
+from deltazip.compress.config import CompressConfig
+from deltazip.compress.merge import load_merged_model
+from deltazip.compress.pipeline import compress_delta
+from deltazip.demo.pair import build_char_tokenizer
+from deltazip.formats.artifact import Artifact
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.loader import load_causal_lm
+from deltazip.runtime.serve.model import DeltaModel
+from deltazip.runtime.serve.prompt_media import PromptInputs, PromptMedia
+from deltazip.runtime.serve.variant_sources import discover_variants
+
+IDS = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)  # the demo's character tokenizer
+IMAGE, BOI, EOI = "<reserved_19>", "<reserved_20>", "<reserved_21>"  # ids 120-122, as in the tiny configs
+
+
+def _template(placeholder: str) -> str:
+    return ("{% for message in messages %}{{ message['role'] + ': ' }}"
+            "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+            "{% for part in message['content'] %}{% if part['type'] == 'image' %}" + placeholder +
+            "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+TEMPLATE = _template(IMAGE)
+N = 8
+
+
+def _picture(seed: int, size=(40, 52)):
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(*size, 3) * 255).astype("uint8"))
+
+
+def _png(img) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _tokenizer(template: str = TEMPLATE):
+    tok = build_char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE, BOI, EOI]})  # one token each (in the vocab)
+    tok.chat_template = template
+    return tok
+
+
+def _llava_processor(tok):
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    ip = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    return LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+                          num_additional_image_tokens=1, image_token=IMAGE, chat_template=TEMPLATE)
+
+
+def _gemma3_processor():
+    from transformers import Gemma3ImageProcessor, Gemma3Processor
+
+    tok = _tokenizer(_template(BOI))
+    tok._set_model_specific_special_tokens(special_tokens={"image_token": IMAGE, "boi_token": BOI, "eoi_token": EOI})
+    return Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 28, "width": 28}), tokenizer=tok,
+                           image_seq_length=4)
+
+
+class _QwenProcessor:
+    """What Qwen2.5-VL's processor gives (its class also builds a video processor, which needs
+    torchvision): the image processor's patches and grid, each image's placeholder expanded to one
+    token per merged patch between the vision start and end tokens."""
+
+    def __init__(self):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        self.tokenizer = _tokenizer(_template(BOI + IMAGE + EOI))
+        self.images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=84 * 112, patch_size=14, merge_size=2,
+                                               temporal_patch_size=2)
+
+    def __call__(self, text, images, return_tensors, add_special_tokens):
+        out = dict(self.images(images=images, return_tensors="pt"))
+        for thw in out["image_grid_thw"]:
+            text = [t.replace(BOI + IMAGE + EOI, BOI + "<|p|>" * (int(thw.prod()) // 4) + EOI, 1) for t in text]
+        text = [t.replace("<|p|>", IMAGE) for t in text]
+        enc = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        kinds = (enc["input_ids"] == self.tokenizer.convert_tokens_to_ids(IMAGE)).int()  # 1: an image's token
+        return {**enc, **out, "mm_token_type_ids": kinds}
+
+
+def _build(root, arch, processor, vision_scale: float = 0.0):
+    """Base, a text fine-tune (``vision_scale``: its projector moved too) compressed as ``ft``."""
+    tok = processor.tokenizer
+    base_dir = save_model(tiny_model(arch, **IDS), root / "base", tokenizer=False)
+    ft = finetune(tiny_model(arch, **IDS), steps=30, seed=3)
+    if vision_scale:
+        with torch.no_grad():
+            for name, p in ft.named_parameters():
+                if "multi_modal_projector" in name:
+                    p.add_(vision_scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    ft_dir = save_model(ft, root / "ft", tokenizer=False)
+    for d in (base_dir, ft_dir):
+        if hasattr(processor, "save_pretrained"):
+            processor.save_pretrained(d)
+        tok.save_pretrained(d)
+    cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"), method="deltazip", nsamples=8,
+                         seqlen=32, device="cpu")
+    compress_delta(base_dir, ft_dir, str(calib_file(root / "calib", n=16)), root / "arts" / "ft", cfg)
+    return base_dir, root / "arts"
+
+
+def _prompt(processor, text: str, images: list):
+    msgs = [{"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}]}]
+    rendered = processor.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    out = processor(text=[rendered], images=images, return_tensors="pt", add_special_tokens=False)
+    ids = out.pop("input_ids")[0].tolist()
+    out.pop("attention_mask")
+    return ids, PromptMedia(dict(out), len(images))
+
+
+def _generate(model, ids: list[int], media: PromptMedia | None, n: int = N) -> tuple[str, list[float]]:
+    """Greedy text and each drawn token's log probability."""
+    x = torch.tensor([ids])
+    extra = {} if media is None else dict(media.tensors)
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=2,
+                             eos_token_id=1, output_logits=True, return_dict_in_generate=True, **extra)
+    toks = out.sequences[0, len(ids):].tolist()
+    lps = [float(torch.log_softmax(lg[0].float(), -1)[t]) for lg, t in zip(out.logits, toks)]
+    return build_char_tokenizer().decode(toks, skip_special_tokens=True), lps
+
+
+def _same(got, want, tol=1e-4) -> bool:
+    """A served finish event against a reference ``(text, logprobs)``: equal text, log probabilities
+    within ``tol``."""
+    lps = [e[1] for e in got.logprobs]
+    k = min(len(lps), len(want[1]))
+    return got.text == want[0] and k > 0 and max(abs(a - b) for a, b in zip(lps[:k], want[1][:k])) < tol
+
+
+def _served_matches_merged(tmp_path, arch, processor, images_per_prompt, vision_scale=0.0, **engine):
+    tok = processor.tokenizer
+    with single_thread():
+        base_dir, arts = _build(tmp_path, arch, processor, vision_scale)
+        ck = Checkpoint(base_dir)
+        refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck), "base": load_causal_lm(base_dir, torch.float32)}
+        prompts = [_prompt(processor, "what is it?", [_picture(s) for s in range(images_per_prompt)]),
+                   _prompt(processor, "and this one", [_picture(7 + s, (60, 44)) for s in range(images_per_prompt)])]
+        want = {(m, i): _generate(refs[m], *prompts[i]) for m in refs for i in range(2)}
+        want["ft", "text"] = _generate(refs["ft"], tok("zip model tune")["input_ids"], None)
+        assert any(want["ft", i] != want["base", i] for i in range(2))  # the fine-tune matters
+        dm = DeltaModel(ck, discover_variants(arts), num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
+        jobs = [("ft", 0), ("base", 0), ("ft", "text"), ("ft", 1), ("base", 1)]
+        got = engine_runs(dm, tok, [(m, prompts[i] if i != "text" else "zip model tune") for m, i in jobs], N,
+                          **engine)
+    for j, ev in zip(jobs, got):
+        assert _same(ev, want[j]), (j, ev.text, want[j])
+    return refs, prompts, got
+
+
+def test_llava_images_in_a_mixed_batch_give_the_merged_output(tmp_path):
+    _served_matches_merged(tmp_path, "llava", _llava_processor(_tokenizer()), images_per_prompt=1)
+
+
+def test_a_variant_that_changed_the_projector_reads_images_with_its_own(tmp_path):
+    refs, prompts, got = _served_matches_merged(tmp_path, "llava", _llava_processor(_tokenizer()),
+                                                images_per_prompt=2, vision_scale=0.5)
+    art = Artifact(tmp_path / "arts" / "ft")
+    assert any("multi_modal_projector" in n and e.kind != "same" for n, e in art.entries().items())
+    # Read with the base's projector, the same prompts score otherwise: the served numbers are the variant's.
+    base = load_causal_lm(tmp_path / "base", torch.float32).state_dict()
+    refs["ft"].load_state_dict({k: v for k, v in base.items() if "multi_modal_projector" in k}, strict=False)
+    assert not _same(got[0], _generate(refs["ft"], *prompts[0]), tol=1e-3)
+
+
+@pytest.mark.parametrize("budget", [2048, 10])
+def test_gemma3_images_see_themselves_both_ways(tmp_path, budget):
+    """Gemma 3: an image's four tokens attend to each other both ways (the model's own mask), through
+    sliding-window layers; with a budget of 10 tokens per step the prompts run in chunks that end
+    before an image rather than inside it."""
+    _served_matches_merged(tmp_path, "gemma3_vl", _gemma3_processor(), images_per_prompt=2, max_batch_tokens=budget)
+
+
+def test_qwen2_5_vl_images_keep_their_own_positions(tmp_path):
+    """Qwen2.5-VL: the images' tokens take positions of their own in three sections, and every token
+    after them is offset (``rope_delta``), generated ones included."""
+    _served_matches_merged(tmp_path, "qwen2_5_vl", _QwenProcessor(), images_per_prompt=2)
+
+
+def test_a_chunk_never_ends_inside_an_image_seen_both_ways():
+    x = PromptInputs(torch.tensor([9, 10, 11, 12]), torch.zeros(4, 2), blocks=[(9, 13)])
+    assert x.chunk_end(0, 10) == 9  # before the image
+    assert x.chunk_end(9, 11) == 13  # a chunk that starts it takes the whole image
+    assert (x.chunk_end(0, 9), x.chunk_end(13, 20), x.chunk_end(0, 13)) == (9, 20, 13)
+
+
+def test_images_over_http_with_the_openai_client(tmp_path):
+    """A data: URL and an http URL (a loopback file server) in one chat request give the merged
+    model's answer; broken images are one-line 400s."""
+    import functools
+    import http.server
+    import threading
+
+    import httpx
+    from openai import OpenAI
+
+    processor = _llava_processor(_tokenizer())
+    with single_thread():
+        base_dir, arts = _build(tmp_path, "llava", processor)
+    pics = [_picture(0), _picture(3, (30, 30))]
+    (tmp_path / "www").mkdir()
+    pics[1].save(tmp_path / "www" / "b.png")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "www"))
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{files.server_address[1]}/b.png"
+    content = [{"type": "image_url", "image_url": {"url": _png(pics[0])}}, {"type": "text", "text": "which?"},
+               {"type": "image_url", "image_url": {"url": url}}]
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "which?"}, {"type": "image"}]}]
+    rendered = processor.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    out = processor(text=[rendered], images=pics, return_tensors="pt", add_special_tokens=False)
+    ids = out.pop("input_ids")[0].tolist()
+    out.pop("attention_mask")
+    want = _generate(load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir)), ids, PromptMedia(dict(out), 2))
+    try:
+        with running_server(ServedSet(tmp_path, base_dir, arts), base=str(base_dir), max_num_seqs=4) as srv:
+            client = OpenAI(base_url=f"{srv.url}/v1", api_key="x")
+            got = client.chat.completions.create(model="ft", messages=[{"role": "user", "content": content}],
+                                                 max_tokens=N, temperature=0)
+            bad = [("data:image/png;base64,@@@", "not valid base64"),
+                   ("data:image/png;base64," + base64.b64encode(b"not a picture").decode(), "not an image"),
+                   ("file:///etc/passwd", "only data: and http(s) URLs"),
+                   (url.replace("b.png", "missing.png"), "could not be fetched")]
+            for ref, words in bad:
+                r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={"model": "ft", "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": ref}}]}]})
+                assert r.status_code == 400 and words in r.json()["error"]["message"], (ref, r.text)
+                assert "\n" not in r.json()["error"]["message"]
+            r = httpx.post(f"{srv.url}/tokenize", timeout=60, json={"model": "ft", "messages": [
+                {"role": "user", "content": content}]})
+            assert r.status_code == 200 and r.json()["tokens"] == ids  # each image's tokens counted
+    finally:
+        files.shutdown()
+    assert got.choices[0].message.content == want[0]
+    assert got.usage.prompt_tokens == len(ids)
