@@ -224,8 +224,9 @@ def engine_texts(dm, tok, jobs, n: int, **config) -> list[str]:
     return [ev.text for ev in engine_runs(dm, tok, jobs, n, **config)]
 
 
-def engine_runs(dm, tok, jobs, n: int, **config) -> list:
-    """:func:`engine_texts`' finish events, each with its drawn tokens' log probabilities."""
+def engine_runs(dm, tok, jobs, n: int, samples: int = 1, **config) -> list:
+    """:func:`engine_texts`' finish events, each with its drawn tokens' log probabilities; with
+    ``samples``, that many greedy samples per job (``n`` of the request), job by job."""
     import threading
 
     from deltazip.runtime.serve.engine import Engine, EngineConfig, FinishEvent, SamplingParams, ServedVariant
@@ -246,7 +247,9 @@ def engine_runs(dm, tok, jobs, n: int, **config) -> list:
 
     for i, (m, p) in enumerate(jobs):  # queued before the engine starts: the first step batches them all
         ids, media = p if isinstance(p, tuple) else (tok(p)["input_ids"], None)
-        eng.submit(m, ids, SamplingParams(max_tokens=n, temperature=0.0, logprobs=0), sink(i), media)
+        eng.submit_samples(m, ids, SamplingParams(max_tokens=n, temperature=0.0, logprobs=0, n=samples),
+                           [sink(i * samples + k) for k in range(samples)], media)
+    jobs = [j for j in jobs for _ in range(samples)]
     eng.start()
     try:
         with cond:

@@ -973,6 +973,9 @@ class Engine:
                 logits = logits[:, -1]
         self.counters["prompt_tokens"] += sum(len(t) for s, t in group if not s.output_ids)
         ready = [i for i, s in enumerate(seqs) if s.kv.length >= len(s.prompt_ids)]
+        for i in ready:  # a prompt read: its image rows go (its samples keep the positions they follow)
+            if seqs[i].inputs is not None:
+                seqs[i].inputs = seqs[i].inputs.decoding()
         picked, rows = [], []
         for i in ready:  # a prompt just read forks its other samples, which draw from the same logits
             for s in [seqs[i], *self._fork(seqs[i])]:
@@ -1024,7 +1027,7 @@ class Engine:
             kid = Sequence(rid, seq.model, seq.key, seq.prompt_ids, seq.params, sink,
                            IncrementalDetokenizer(sv.tokenizer, seq.prompt_ids, seq.params.stop),
                            sample_seed(seq.seed, index), seq.arrival,
-                           kv=seq.kv.fork(), prompt_logprobs=seq.prompt_logprobs)
+                           kv=seq.kv.fork(), prompt_logprobs=seq.prompt_logprobs, inputs=seq.inputs)
             if seq.params.grammar is not None:  # its own place in the grammar, at the start as its parent's
                 kid.matcher = seq.params.grammar.matcher()
             mirror = getattr(self.backend, "fork_kv", None)  # tensor parallel: the ranks fork theirs too

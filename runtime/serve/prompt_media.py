@@ -74,6 +74,13 @@ class PromptInputs:
     rope_delta: int = 0
     blocks: list[tuple[int, int]] = field(default_factory=list)
 
+    def decoding(self) -> PromptInputs | None:
+        """What a sequence keeps once its prompt is read: its rotary positions, which every later
+        token's position follows (the image rows and spans are done with); None where it has none."""
+        if self.rope is None:
+            return None
+        return PromptInputs(self.positions[:0], self.embeds[:0], self.rope, self.rope_delta)
+
     def chunk_end(self, start: int, end: int) -> int:
         """Where a prompt chunk ``[start, end)`` may end: before a span it would cut, or after the span
         when the span starts the chunk (a chunk never splits a span whose tokens see each other)."""

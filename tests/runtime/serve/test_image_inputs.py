@@ -261,3 +261,54 @@ def test_images_over_http_with_the_openai_client(tmp_path):
         files.shutdown()
     assert got.choices[0].message.content == want[0]
     assert got.usage.prompt_tokens == len(ids)
+
+
+def test_the_samples_of_an_image_prompt_keep_its_positions(tmp_path):
+    """``n=2`` of a Qwen2.5-VL prompt with images: the second sample is forked from the first after
+    the prompt, and both decode with the prompt's position offset."""
+    processor = _QwenProcessor()
+    with single_thread():
+        base_dir, arts = _build(tmp_path, "qwen2_5_vl", processor)
+        ck = Checkpoint(base_dir)
+        prompt = _prompt(processor, "what is it?", [_picture(0), _picture(1)])
+        want = _generate(load_merged_model(Artifact(arts / "ft"), ck), *prompt)
+        dm = DeltaModel(ck, discover_variants(arts), num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
+        got = engine_runs(dm, processor.tokenizer, [("ft", prompt)], N, samples=2)
+    assert len(got) == 2 and all(_same(ev, want) for ev in got), [ev.text for ev in got]
+
+
+def test_swap_mode_reads_images_with_the_variants_whole_model(tmp_path):
+    from deltazip.runtime.serve.model import SwapModels
+
+    processor = _llava_processor(_tokenizer())
+    with single_thread():
+        base_dir, arts = _build(tmp_path, "llava", processor, vision_scale=0.5)
+        ck = Checkpoint(base_dir)
+        refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck), "base": load_causal_lm(base_dir, torch.float32)}
+        prompt = _prompt(processor, "what is it?", [_picture(0), _picture(1)])
+        want = {m: _generate(refs[m], *prompt) for m in refs}
+        sm = SwapModels(ck, discover_variants(arts), 2, torch.device("cpu"), torch.float32, "base")
+        got = engine_runs(sm, processor.tokenizer, [("ft", prompt), ("base", prompt)], N)
+    assert _same(got[0], want["ft"]) and _same(got[1], want["base"])
+
+
+def test_workers_read_images_behind_the_front(tmp_path):
+    """``--workers 2``: a chat request with an image, proxied by the front to a worker process over the
+    shared base weights, answers what the merged model generates for it."""
+    import httpx
+
+    from deltazip.runtime.cluster.workers import WorkerPool
+    from deltazip.runtime.serve.assembly import ServeConfig
+
+    processor = _llava_processor(_tokenizer())
+    with single_thread():
+        base_dir, arts = _build(tmp_path, "llava", processor, vision_scale=0.5)
+        prompt = _prompt(processor, "what is it?", [_picture(0)])
+        want = _generate(load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir)), *prompt)
+    content = [{"type": "image_url", "image_url": {"url": _png(_picture(0))}}, {"type": "text", "text": "what is it?"}]
+    cfg = ServeConfig(artifacts=arts, base=str(base_dir), max_deltas=2, max_cpu_deltas=2, cpu_threads=1, port=0)
+    with WorkerPool(cfg, workers=2, env={"OMP_NUM_THREADS": "1"}, restart_backoff=0.2) as pool:
+        got = [httpx.post(pool.url + "/v1/chat/completions", timeout=120, json={
+            "model": "ft", "messages": [{"role": "user", "content": content}], "max_tokens": N, "temperature": 0,
+        }).json() for _ in range(2)]
+    assert [g["choices"][0]["message"]["content"] for g in got] == [want[0]] * 2
