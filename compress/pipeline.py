@@ -35,6 +35,7 @@ from deltazip.compress.host_memory import release_freed_memory
 from deltazip.compress.obs import SolveResult, obs_compress, rtn_compress
 from deltazip.compress.rows_and_exact import embedding_weight_names, new_stats, record_embedding, record_exact
 from deltazip.compress.sensitivity import measure
+from deltazip.compress.vision import calibration_images, image_hessians, vision_linears, vision_scheme
 from deltazip.formats import codecs
 from deltazip.formats.artifact import LOSSLESS_DEFAULT, Artifact, ArtifactWriter
 from deltazip.formats.codecs.xor import bitwise_equal
@@ -176,6 +177,10 @@ class _Run:
             _check_in_features(self.head, ft.shape(self.head)[1], cfg, self.group_of)
         self.embeddings = {self.ckpt_name.get(n, n) for n in embedding_weight_names(self.model)}
         self.head_alias_name, self.tied_names = self._tied()
+        # the vision tower's and projector's linears (image-text models; compress/vision.py)
+        self.vision = vision_linears(self.model, self.ckpt_name, set(ft.names) - self.layer_names - {self.head})
+        self.vision_images: list[Path] | None = None  # --calib-images
+        self.vision_stats: dict | None = None
         self.plan: dict[str, Setting] = {}  # per-tensor settings of --target-ratio (empty: the options')
         self.other_stats = new_stats()
         self.layer_stats: list[dict] = []
@@ -198,6 +203,11 @@ class _Run:
                           f"(e.g. {exact[0]} {list(ft.shape(exact[0]))}, not a linear or fused experts it "
                           "recognises): they are stored exactly and the artifact will be large", DeltazipWarning,
                           stacklevel=2)
+
+    @property
+    def compresses_vision(self) -> bool:
+        """The vision side's linears are compressed (with ``--calib-images``, or rounded by ``rtn``)."""
+        return bool(self.vision) and (self.cfg.method == "rtn" or self.vision_images is not None)
 
     def layer_prefix(self, i: int) -> str:
         """Layer ``i``'s checkpoint name prefix (``model.layers.3.``)."""
@@ -301,6 +311,10 @@ class _Run:
                 self.other_stats["alias"] += 1
                 continue
             b, f = self.base.get(n), self.ft.get(n)
+            if n in self.vision and self.compresses_vision:  # compressed once the images are read
+                if mod is not None and self.cfg.method != "rtn":
+                    set_param(self.model, mod, (b if self.base_view else f).to(self.cdtype), self.device)
+                continue
             bits = self.row_bits_of(n)
             if n in self.embeddings and f.dim() == 2 and f.is_floating_point() and bits is None:
                 self.writer.add_drop(n, tuple(f.shape), f.dtype)
@@ -312,6 +326,38 @@ class _Run:
                 rec = record_exact(self.writer, n, b, f, self.other_stats)
             if mod is not None and self.cfg.method != "rtn":
                 set_param(self.model, mod, (b if self.base_view else rec).to(self.cdtype), self.device)
+        self.compress_vision()
+
+    def compress_vision(self) -> None:
+        """The vision side's linears: Hessians from the calibration images, then each solved like a
+        text linear (``compress/vision.py``); without images they were stored exactly (a warning says
+        how much that is when they changed)."""
+        if not self.compresses_vision:
+            changed = [n for n in self.vision if not bitwise_equal(self.base.get(n), self.ft.get(n))]
+            if changed:
+                mib = sum(math.prod(self.ft.shape(n)) * self.ft.dtype(n).itemsize for n in changed) / 2**20
+                warnings.warn(f"{len(changed)} linears of the vision tower or projector changed ({mib:.1f} MiB) and "
+                              "are stored exactly; pass --calib-images DIR (images like the fine-tune's) to "
+                              "compress them", DeltazipWarning, stacklevel=2)
+            return
+        hs = None
+        if self.cfg.method != "rtn":
+            self.progress("reading calibration images", 0, len(self.vision_images))
+            hs = image_hessians(self.model, self.vision, self.ft.path, self.vision_images, self.device, self.cdtype)
+            self.progress("reading calibration images", len(self.vision_images), len(self.vision_images))
+        stats: dict = {"tensors": {}}
+        for n in self.vision:
+            b, f = self.base.get(n), self.ft.get(n)
+            scheme = vision_scheme(self.cfg.scheme, f.shape[1]) if f.dim() == 2 else None
+            if scheme is None:  # 2:4 cannot tile its inputs
+                record_exact(self.writer, n, b, f, self.other_stats)
+                continue
+            t = Target(n, Site(key=n, kind="linear", param=n), Piece(n, 0, f.shape[0]), tuple(f.shape), tuple(f.shape))
+            rec = self._compress_linear(t, hs, stats, scheme)
+            mod = self.module_name.get(n, n)
+            if self.cfg.method != "rtn" and not self.base_view:
+                set_param(self.model, mod, rec.to(self.cdtype), self.device)
+        self.vision_stats = {"images": len(self.vision_images or []), "tensors": stats["tensors"]}
 
     def compress_head(self, input_ids: torch.Tensor | None, batches) -> None:
         """Compress the untied lm_head like a linear, its Hessian from what it reads: the last layer's
@@ -479,8 +525,10 @@ class _Run:
         self.layer_stats.append(stats)
         return outs
 
-    def _compress_linear(self, t: Target, hs: Hessians | None, stats: dict) -> torch.Tensor:
-        """Compress one linear / expert tensor; returns its reconstruction in the checkpoint's shape."""
+    def _compress_linear(self, t: Target, hs: Hessians | None, stats: dict,
+                         scheme: DeltaScheme | None = None) -> torch.Tensor:
+        """Compress one linear / expert tensor; returns its reconstruction in the checkpoint's shape.
+        ``scheme``: its scheme where not the plan's or the options' (the vision side's linears)."""
         cfg, n = self.cfg, t.name
         fb, ff = self.base.get(n), self.ft.get(n)
         if bitwise_equal(fb, ff):
@@ -491,7 +539,7 @@ class _Run:
             return fb.float().to(self.device)
         wf = ff.float().to(self.device)
         wb = fb.float().to(self.device)
-        scheme = self.scheme_for(t)
+        scheme = self.scheme_for(t) if scheme is None else scheme
         if scheme is None:  # --target-ratio dropped this delta: the tensor stays the base's
             self.writer.add_drop(n, tuple(ff.shape), ff.dtype)
             stats["tensors"][n] = {"rel_weight_err": 1.0, "delta_rel_norm": float((wf - wb).norm() / wb.norm())
@@ -533,6 +581,7 @@ def _measure_and_plan(run: _Run, cal, progress: Progress) -> dict:
     per-tensor settings into ``run.plan``; returns the manifest fields they add (``sensitivity``,
     ``allocation``)."""
     probe_run = _Run(run.base, run.ft, run.cfg, run.writer, progress)
+    probe_run.vision_images = run.vision_images
     sens = measure(probe_run, cal.input_ids, progress)
     del probe_run
     extra = {"sensitivity": error_curve(sens)}
@@ -549,6 +598,8 @@ def _run_stats(run: _Run, elapsed: float, extra: dict) -> dict:
         stats["probe_seconds"] = extra["sensitivity"]["probe_seconds"]
     if run.device.type == "cuda":
         stats["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    if run.vision_stats is not None:
+        stats["vision"] = run.vision_stats
     return stats
 
 
@@ -562,6 +613,7 @@ def compress_delta(
     progress: Progress | None = None,
     lossless: str = LOSSLESS_DEFAULT,
     lossless_level: int = DEFAULT_LEVEL,
+    calib_images: str | Path | None = None,
 ) -> dict:
     """Compress a fine-tune against its base into an artifact at ``out_dir``.
 
@@ -575,6 +627,8 @@ def compress_delta(
         lossless: ``"auto"`` (default: GDeflate where its library loads), ``"none"`` or
             ``"gdeflate"``: store parts as chunked GDeflate containers where
             that pays (see formats/artifact.py); ``lossless_level`` is its level 0..12.
+        calib_images: a directory of images whose reading calibrates an image-text fine-tune's vision
+            tower and projector (``compress/vision.py``); without it they are stored exactly.
     Returns:
         A report dict (also stored in the manifest's ``stats``).
     """
@@ -582,7 +636,8 @@ def compress_delta(
     t0 = time.time()
     if calib and cfg.method != "rtn":
         check_calibration_source(calib)  # a typo fails now, before any model is read
-    inputs = [("--base", base_spec), ("--finetuned", ft_spec), ("--calib", calib)]
+    images = calibration_images(calib_images) if calib_images and cfg.method != "rtn" else None
+    inputs = [("--base", base_spec), ("--finetuned", ft_spec), ("--calib", calib), ("--calib-images", calib_images)]
     check_output(out_dir, "--out", inputs, overwrite)  # before a model is read (local paths; hub ids next)
     torch.manual_seed(cfg.seed)
     base, ft = Checkpoint(base_spec, "base"), Checkpoint(ft_spec, "fine-tuned")
@@ -596,6 +651,10 @@ def compress_delta(
         raise InputError(f"--calib is required for --method {cfg.method}; pass a .jsonl/.json/.txt/.parquet file")
     with ArtifactWriter(out_dir, overwrite=overwrite, lossless=lossless, lossless_level=lossless_level) as writer:
         run = _Run(base, ft, cfg, writer, progress)
+        if images is not None and not run.vision:
+            raise InputError(f"--calib-images: {ft_spec} has no vision tower or projector linears to calibrate; "
+                             "drop --calib-images")
+        run.vision_images = images
         run.warn_unrecognised_matrices()
         cal = _calibration(cfg, ft, calib)
         extra = _measure_and_plan(run, cal, progress) if cfg.measures else {}

@@ -65,6 +65,7 @@ from deltazip.compress.experts import HEAD_KEY, Hessians, collect_hessians
 from deltazip.compress.host_memory import release_freed_memory
 from deltazip.compress.obs import SolveResult, obs_solve_split, rtn_compress
 from deltazip.compress.rows_and_exact import exact_stored_size
+from deltazip.compress.vision import packed_bytes, vision_scheme
 from deltazip.formats import codecs
 from deltazip.formats.codecs.rows import (
     MAX_ABS,
@@ -100,6 +101,7 @@ NOISE = {torch.float32: 1e-2}
 # what each side file, each layer's and each compressed tensor's error stats add (measured on tiny Llama
 # and SmolLM2 artifacts).
 _MANIFEST_BASE, _PER_SIDE_FILE, _PER_LAYER, _PER_TENSOR = 1600, 135, 50, 165
+_PER_VISION_TENSOR = 225  # a vision linear's stats (stats.vision.tensors: longer names, the output error)
 
 
 @dataclass
@@ -382,7 +384,11 @@ def _outside(probe: Probe) -> None:
         if run.head_alias_of and n == run.head_alias_name:
             probe.fixed += run.writer.entry_size(n, codecs.get("alias").fields(run.head_alias_of, f.shape, f.dtype), {})
             continue
-        if n not in run.embeddings or f.dim() != 2 or not f.is_floating_point():
+        scheme = vision_scheme(run.cfg.scheme, f.shape[1]) if n in run.vision and run.compresses_vision else None
+        if scheme is not None and not bitwise_equal(run.base.get(n), f):  # the vision side: at its scheme,
+            probe.fixed += packed_bytes(run.writer, n, run.base.get(n), f, scheme, run.cfg.additive) \
+                + _PER_VISION_TENSOR  # and its stats in the manifest
+        elif n not in run.embeddings or f.dim() != 2 or not f.is_floating_point():
             probe.fixed += exact_stored_size(run.writer, n, run.base.get(n), f)
         if mod is not None:
             set_param(run.model, mod, f.to(run.cdtype), run.device)

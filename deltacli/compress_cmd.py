@@ -27,6 +27,10 @@ def compress(
     out: Annotated[Path, typer.Option("--out", help="Artifact directory to create.", show_default=False)],
     calib: Annotated[str, typer.Option("--calib", help="Calibration data: .jsonl/.json/.txt/.parquet or a hub "
                                        "dataset id (not needed for --method rtn).")] = "",
+    calib_images: Annotated[Path | None, typer.Option("--calib-images", help="Image-text fine-tunes that "
+                            "changed the vision tower or projector: a directory of images (.png/.jpg) whose "
+                            "reading calibrates their compression; without it they are stored exactly.",
+                            show_default=False)] = None,
     bits: Annotated[int | None, typer.Option(help="Bits per kept delta value: 2, 3, 4 or 8 \\[default: 4].",
                                              show_default=False)] = None,
     sparsity: Annotated[str | None, typer.Option(help="'2:4' (structured, only kept values stored) or 'none' "
@@ -78,7 +82,7 @@ def compress(
                   report=report)
     with progress_bar(json_out) as bar:
         summary = compress_delta(base, finetuned, calib or None, out, cfg, overwrite=overwrite, progress=bar,
-                                 lossless=lossless, lossless_level=lossless_level)
+                                 lossless=lossless, lossless_level=lossless_level, calib_images=calib_images)
     if json_out:
         print_json(summary)
         return

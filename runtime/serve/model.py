@@ -28,6 +28,7 @@ a converter rather than a rename) is refused with a message naming the tensor an
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -44,6 +45,7 @@ from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import resolve_dtype
+from deltazip.models.image_inputs import language_model
 from deltazip.models.loader import causal_lm_class, load_causal_lm, text_config
 from deltazip.models.param_names import module_names
 from deltazip.runtime.serve.attention import is_paged
@@ -80,6 +82,7 @@ from deltazip.runtime.serve.projections import merge_projections
 from deltazip.runtime.serve.prompt_media import PromptInputs, PromptMedia, read_prompt
 from deltazip.runtime.serve.recurrent_state import mark_tokenwise, recurrent_layer_types
 from deltazip.runtime.serve.variant_sources import VariantInfo
+from deltazip.runtime.serve.vision_params import VisionParams
 from deltazip.runtime.share.dedup_registry import TensorDedupRegistry
 from deltazip.runtime.share.dedup_serving import (
     DedupLedger,
@@ -577,6 +580,8 @@ class DeltaModel:
                         else self._decoupled_kind(mod, attr))
                 if kind == "sinks" and not is_paged(self.model):  # only the paged attention reads them per row
                     kind = None
+                if kind is None and self._vision_side(mname):  # read only with its variant alone (vision_params)
+                    kind = "vision"
                 if kind is None:
                     raise UnsupportedVariant(
                         f"variant {v.name}: it changes {t} ({type(self.model.get_submodule(mname)).__name__}.{attr}), "
@@ -609,10 +614,21 @@ class DeltaModel:
             return "scale"  # a forward that is x * p (Gemma 3n's AltUp output scale)
         return None
 
+    def _vision_side(self, mname: str) -> bool:
+        """Whether module ``mname`` is outside the language model of an image-text model (its vision
+        tower or projector), which runs only when a prompt's images are read."""
+        cfg = self.model.config
+        if text_config(cfg) is cfg:
+            return False
+        lm, _ = language_model(self.model)
+        return not (mname == lm or mname.startswith(f"{lm}."))
+
     def _replace(self, mname: str, kind: str) -> nn.Module:
         parent_name, _, child = mname.rpartition(".")
         parent = self.model.get_submodule(parent_name) if parent_name else self.model
         old = getattr(parent, child)
+        if kind == "vision":
+            return VisionParams(old)  # attached; the module stays
         if kind == "embedding":
             return decouple_embedding(old, self.ctx)  # in place: the subclass's forward keeps running
         if kind == "sinks":
@@ -693,7 +709,7 @@ class DeltaModel:
                 kw["dense" if attr == "weight" else "bias"] = tensor
             elif isinstance(mod, DeltaExperts):  # the variant's rows: held as their delta to the base
                 kw[attr] = mod.host_dense(attr, tensor)
-            elif isinstance(mod, (DeltaLayerNorm, DeltaRouter, DeltaSinks, DeltaScale)):
+            elif isinstance(mod, (DeltaLayerNorm, DeltaRouter, DeltaSinks, DeltaScale, VisionParams)):
                 kw[attr] = tensor
             else:
                 kw["weight"] = tensor
@@ -801,11 +817,15 @@ class DeltaModel:
     def prompt_inputs(self, slot: int, prompt_ids: list[int], media: PromptMedia) -> PromptInputs:
         """What the model's forward makes of a prompt with images, read with variant ``slot`` bound
         (``-1``: the base), so that a variant's own vision tower and projector read them."""
-        self.ctx.bind([slot], self.device)
-        try:
-            return read_prompt(self.model, prompt_ids, media, self.device, self.dtype)
-        finally:
-            self.ctx.unbind()
+        with contextlib.ExitStack() as held:
+            for m in self.modules.values():
+                if isinstance(m, VisionParams):
+                    held.enter_context(m.applied(slot))
+            self.ctx.bind([slot], self.device)
+            try:
+                return read_prompt(self.model, prompt_ids, media, self.device, self.dtype)
+            finally:
+                self.ctx.unbind()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from deltazip.models.loader import text_config
+from deltazip.formats.errors import InputError
+from deltazip.models.image_inputs import on_model, run_to_language_model
 
 # Image tokens see each other both ways within one image (transformers' token_type_ids blocks).
 BIDIRECTIONAL_IMAGES = frozenset({"gemma3"})
@@ -90,15 +91,6 @@ class PromptInputs:
         return end
 
 
-def language_model(model: nn.Module) -> nn.Module:
-    """The module of ``model`` that is its language model (the one holding the text config)."""
-    text = text_config(model.config)
-    found = next((m for _, m in model.named_modules() if m is not model and getattr(m, "config", None) is text), None)
-    if found is None:
-        raise ImagesUnsupported(f"{type(model).__name__} has no language model apart from its vision tower")
-    return found
-
-
 def token_embeddings(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """``ids [B, T]`` -> ``[B, T, H]`` through the model's input embeddings; ids past the table
     (an image placeholder some models keep out of the vocabulary) read row 0 and are replaced."""
@@ -106,33 +98,17 @@ def token_embeddings(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return emb(ids.masked_fill(ids >= emb.num_embeddings, 0))
 
 
-class _Reached(Exception):
-    """Raised by the hook on the language model: the forward has made its inputs."""
-
-
 def read_prompt(model: nn.Module, prompt_ids: list[int], media: PromptMedia, device: torch.device,
                 dtype: torch.dtype) -> PromptInputs:
     """Run ``model``'s forward on the prompt with its images up to its language model and keep what
     that is handed (module docstring). The caller binds the request's variant."""
-    lm = language_model(model)
-    seen: dict = {}
-
-    def stop(_mod, args, kwargs):
-        seen.update(kwargs, _args=args)
-        raise _Reached
-
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    extra = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in media.tensors.items()}
-    hook = lm.register_forward_pre_hook(stop, with_kwargs=True)
     try:
-        with torch.inference_mode():
-            model(input_ids=ids, use_cache=False, **extra)
-    except _Reached:
-        pass
+        seen = run_to_language_model(model, ids, on_model(media.tensors, device, dtype))
+    except InputError as e:
+        raise ImagesUnsupported(str(e)) from e
     except Exception as e:  # the processor's tensors do not fit the model (e.g. tokens and features disagree)
         raise ImagesUnsupported(f"the model could not read the images: {type(e).__name__}: {e}") from e
-    finally:
-        hook.remove()
     kind = model.config.model_type
     if "inputs_embeds" not in seen or seen["inputs_embeds"] is None:
         raise ImagesUnsupported(f"{kind}: the model's forward did not reach its language model with input embeddings")

@@ -30,7 +30,7 @@ OUTPUTS = {
 }
 # Path-typed parameters that are read, never written.
 INPUTS = {
-    "compress": set(),  # --base/--finetuned/--calib are strings (hub ids allowed)
+    "compress": {"calib_images"},  # --base/--finetuned/--calib are strings (hub ids allowed)
     "merge": {"artifact"},
     "dedup-scan": {"checkpoints"},
     "eval": {"include_path", "perplexity"},

@@ -12,18 +12,16 @@ three sections, kept after the prompt), and over HTTP with the OpenAI client, da
 from __future__ import annotations
 
 import base64
-import io
 
-import numpy as np
 import pytest
 import torch
 from _factories import calib_file, finetune, save_model, tiny_model
+from _images import BOI, EOI, IMAGE, N, generate, llava_processor, picture, png, prompt, template, tokenizer
 from _serving import ServedSet, engine_runs, running_server, single_thread
 
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
-from deltazip.demo.pair import build_char_tokenizer
 from deltazip.formats.artifact import Artifact
 from deltazip.kernels.scheme import DeltaScheme
 from deltazip.models.checkpoint import Checkpoint
@@ -33,52 +31,10 @@ from deltazip.runtime.serve.prompt_media import PromptInputs, PromptMedia
 from deltazip.runtime.serve.variant_sources import discover_variants
 
 IDS = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)  # the demo's character tokenizer
-IMAGE, BOI, EOI = "<reserved_19>", "<reserved_20>", "<reserved_21>"  # ids 120-122, as in the tiny configs
-
-
-def _template(placeholder: str) -> str:
-    return ("{% for message in messages %}{{ message['role'] + ': ' }}"
-            "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-            "{% for part in message['content'] %}{% if part['type'] == 'image' %}" + placeholder +
-            "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-TEMPLATE = _template(IMAGE)
-N = 8
-
-
-def _picture(seed: int, size=(40, 52)):
-    from PIL import Image
-
-    return Image.fromarray((np.random.RandomState(seed).rand(*size, 3) * 255).astype("uint8"))
-
-
-def _png(img) -> str:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def _tokenizer(template: str = TEMPLATE):
-    tok = build_char_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": [IMAGE, BOI, EOI]})  # one token each (in the vocab)
-    tok.chat_template = template
-    return tok
-
-
-def _llava_processor(tok):
-    from transformers import CLIPImageProcessor, LlavaProcessor
-
-    ip = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-    return LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
-                          num_additional_image_tokens=1, image_token=IMAGE, chat_template=TEMPLATE)
-
-
 def _gemma3_processor():
     from transformers import Gemma3ImageProcessor, Gemma3Processor
 
-    tok = _tokenizer(_template(BOI))
+    tok = tokenizer(template(BOI))
     tok._set_model_specific_special_tokens(special_tokens={"image_token": IMAGE, "boi_token": BOI, "eoi_token": EOI})
     return Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 28, "width": 28}), tokenizer=tok,
                            image_seq_length=4)
@@ -92,7 +48,7 @@ class _QwenProcessor:
     def __init__(self):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        self.tokenizer = _tokenizer(_template(BOI + IMAGE + EOI))
+        self.tokenizer = tokenizer(template(BOI + IMAGE + EOI))
         self.images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=84 * 112, patch_size=14, merge_size=2,
                                                temporal_patch_size=2)
 
@@ -127,27 +83,6 @@ def _build(root, arch, processor, vision_scale: float = 0.0):
     return base_dir, root / "arts"
 
 
-def _prompt(processor, text: str, images: list):
-    msgs = [{"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}]}]
-    rendered = processor.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    out = processor(text=[rendered], images=images, return_tensors="pt", add_special_tokens=False)
-    ids = out.pop("input_ids")[0].tolist()
-    out.pop("attention_mask")
-    return ids, PromptMedia(dict(out), len(images))
-
-
-def _generate(model, ids: list[int], media: PromptMedia | None, n: int = N) -> tuple[str, list[float]]:
-    """Greedy text and each drawn token's log probability."""
-    x = torch.tensor([ids])
-    extra = {} if media is None else dict(media.tensors)
-    with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=2,
-                             eos_token_id=1, output_logits=True, return_dict_in_generate=True, **extra)
-    toks = out.sequences[0, len(ids):].tolist()
-    lps = [float(torch.log_softmax(lg[0].float(), -1)[t]) for lg, t in zip(out.logits, toks)]
-    return build_char_tokenizer().decode(toks, skip_special_tokens=True), lps
-
-
 def _same(got, want, tol=1e-4) -> bool:
     """A served finish event against a reference ``(text, logprobs)``: equal text, log probabilities
     within ``tol``."""
@@ -162,10 +97,10 @@ def _served_matches_merged(tmp_path, arch, processor, images_per_prompt, vision_
         base_dir, arts = _build(tmp_path, arch, processor, vision_scale)
         ck = Checkpoint(base_dir)
         refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck), "base": load_causal_lm(base_dir, torch.float32)}
-        prompts = [_prompt(processor, "what is it?", [_picture(s) for s in range(images_per_prompt)]),
-                   _prompt(processor, "and this one", [_picture(7 + s, (60, 44)) for s in range(images_per_prompt)])]
-        want = {(m, i): _generate(refs[m], *prompts[i]) for m in refs for i in range(2)}
-        want["ft", "text"] = _generate(refs["ft"], tok("zip model tune")["input_ids"], None)
+        prompts = [prompt(processor, "what is it?", [picture(s) for s in range(images_per_prompt)]),
+                   prompt(processor, "and this one", [picture(7 + s, (60, 44)) for s in range(images_per_prompt)])]
+        want = {(m, i): generate(refs[m], *prompts[i]) for m in refs for i in range(2)}
+        want["ft", "text"] = generate(refs["ft"], tok("zip model tune")["input_ids"], None)
         assert any(want["ft", i] != want["base", i] for i in range(2))  # the fine-tune matters
         dm = DeltaModel(ck, discover_variants(arts), num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
         jobs = [("ft", 0), ("base", 0), ("ft", "text"), ("ft", 1), ("base", 1)]
@@ -177,18 +112,18 @@ def _served_matches_merged(tmp_path, arch, processor, images_per_prompt, vision_
 
 
 def test_llava_images_in_a_mixed_batch_give_the_merged_output(tmp_path):
-    _served_matches_merged(tmp_path, "llava", _llava_processor(_tokenizer()), images_per_prompt=1)
+    _served_matches_merged(tmp_path, "llava", llava_processor(tokenizer()), images_per_prompt=1)
 
 
 def test_a_variant_that_changed_the_projector_reads_images_with_its_own(tmp_path):
-    refs, prompts, got = _served_matches_merged(tmp_path, "llava", _llava_processor(_tokenizer()),
+    refs, prompts, got = _served_matches_merged(tmp_path, "llava", llava_processor(tokenizer()),
                                                 images_per_prompt=2, vision_scale=0.5)
     art = Artifact(tmp_path / "arts" / "ft")
     assert any("multi_modal_projector" in n and e.kind != "same" for n, e in art.entries().items())
     # Read with the base's projector, the same prompts score otherwise: the served numbers are the variant's.
     base = load_causal_lm(tmp_path / "base", torch.float32).state_dict()
     refs["ft"].load_state_dict({k: v for k, v in base.items() if "multi_modal_projector" in k}, strict=False)
-    assert not _same(got[0], _generate(refs["ft"], *prompts[0]), tol=1e-3)
+    assert not _same(got[0], generate(refs["ft"], *prompts[0]), tol=1e-3)
 
 
 @pytest.mark.parametrize("budget", [2048, 10])
@@ -222,24 +157,24 @@ def test_images_over_http_with_the_openai_client(tmp_path):
     import httpx
     from openai import OpenAI
 
-    processor = _llava_processor(_tokenizer())
+    processor = llava_processor(tokenizer())
     with single_thread():
         base_dir, arts = _build(tmp_path, "llava", processor)
-    pics = [_picture(0), _picture(3, (30, 30))]
+    pics = [picture(0), picture(3, (30, 30))]
     (tmp_path / "www").mkdir()
     pics[1].save(tmp_path / "www" / "b.png")
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "www"))
     files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=files.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{files.server_address[1]}/b.png"
-    content = [{"type": "image_url", "image_url": {"url": _png(pics[0])}}, {"type": "text", "text": "which?"},
+    content = [{"type": "image_url", "image_url": {"url": png(pics[0])}}, {"type": "text", "text": "which?"},
                {"type": "image_url", "image_url": {"url": url}}]
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "which?"}, {"type": "image"}]}]
     rendered = processor.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     out = processor(text=[rendered], images=pics, return_tensors="pt", add_special_tokens=False)
     ids = out.pop("input_ids")[0].tolist()
     out.pop("attention_mask")
-    want = _generate(load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir)), ids, PromptMedia(dict(out), 2))
+    want = generate(load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir)), ids, PromptMedia(dict(out), 2))
     try:
         with running_server(ServedSet(tmp_path, base_dir, arts), base=str(base_dir), max_num_seqs=4) as srv:
             client = OpenAI(base_url=f"{srv.url}/v1", api_key="x")
@@ -270,25 +205,25 @@ def test_the_samples_of_an_image_prompt_keep_its_positions(tmp_path):
     with single_thread():
         base_dir, arts = _build(tmp_path, "qwen2_5_vl", processor)
         ck = Checkpoint(base_dir)
-        prompt = _prompt(processor, "what is it?", [_picture(0), _picture(1)])
-        want = _generate(load_merged_model(Artifact(arts / "ft"), ck), *prompt)
+        one = prompt(processor, "what is it?", [picture(0), picture(1)])
+        want = generate(load_merged_model(Artifact(arts / "ft"), ck), *one)
         dm = DeltaModel(ck, discover_variants(arts), num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
-        got = engine_runs(dm, processor.tokenizer, [("ft", prompt)], N, samples=2)
+        got = engine_runs(dm, processor.tokenizer, [("ft", one)], N, samples=2)
     assert len(got) == 2 and all(_same(ev, want) for ev in got), [ev.text for ev in got]
 
 
 def test_swap_mode_reads_images_with_the_variants_whole_model(tmp_path):
     from deltazip.runtime.serve.model import SwapModels
 
-    processor = _llava_processor(_tokenizer())
+    processor = llava_processor(tokenizer())
     with single_thread():
         base_dir, arts = _build(tmp_path, "llava", processor, vision_scale=0.5)
         ck = Checkpoint(base_dir)
         refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck), "base": load_causal_lm(base_dir, torch.float32)}
-        prompt = _prompt(processor, "what is it?", [_picture(0), _picture(1)])
-        want = {m: _generate(refs[m], *prompt) for m in refs}
+        one = prompt(processor, "what is it?", [picture(0), picture(1)])
+        want = {m: generate(refs[m], *one) for m in refs}
         sm = SwapModels(ck, discover_variants(arts), 2, torch.device("cpu"), torch.float32, "base")
-        got = engine_runs(sm, processor.tokenizer, [("ft", prompt), ("base", prompt)], N)
+        got = engine_runs(sm, processor.tokenizer, [("ft", one), ("base", one)], N)
     assert _same(got[0], want["ft"]) and _same(got[1], want["base"])
 
 
@@ -300,12 +235,12 @@ def test_workers_read_images_behind_the_front(tmp_path):
     from deltazip.runtime.cluster.workers import WorkerPool
     from deltazip.runtime.serve.assembly import ServeConfig
 
-    processor = _llava_processor(_tokenizer())
+    processor = llava_processor(tokenizer())
     with single_thread():
         base_dir, arts = _build(tmp_path, "llava", processor, vision_scale=0.5)
-        prompt = _prompt(processor, "what is it?", [_picture(0)])
-        want = _generate(load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir)), *prompt)
-    content = [{"type": "image_url", "image_url": {"url": _png(_picture(0))}}, {"type": "text", "text": "what is it?"}]
+        one = prompt(processor, "what is it?", [picture(0)])
+        want = generate(load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir)), *one)
+    content = [{"type": "image_url", "image_url": {"url": png(picture(0))}}, {"type": "text", "text": "what is it?"}]
     cfg = ServeConfig(artifacts=arts, base=str(base_dir), max_deltas=2, max_cpu_deltas=2, cpu_threads=1, port=0)
     with WorkerPool(cfg, workers=2, env={"OMP_NUM_THREADS": "1"}, restart_backoff=0.2) as pool:
         got = [httpx.post(pool.url + "/v1/chat/completions", timeout=120, json={

@@ -1,0 +1,128 @@
+"""The vision side of an image-text fine-tune: the linears of its vision tower and projector.
+
+A fine-tune that trained them (rather than freezing them, as text fine-tunes do) changes matrices
+the text calibration never reaches. With ``--calib-images DIR`` they are compressed like the language
+model's linears: each one's Hessian ``H = 2XᵀX/n`` comes from its inputs while the model's own
+forward reads the images (the checkpoint's processor turns each image into the model's tensors; the
+forward stops where the language model starts, ``models.image_inputs``), then the same OBS solve and
+scheme as the text linears. The Hessians are taken in one pass over the fine-tuned vision weights
+(not layer by layer on reconstructed ones: the vision tower has no per-layer calibration walk).
+
+Without images they are stored exactly, as before, with a warning when they are a large part of the
+fine-tune; ``--method rtn`` rounds them like every other linear.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from deltazip.compress.config import auto_group
+from deltazip.compress.experts import Hessians
+from deltazip.compress.obs import rtn_compress
+from deltazip.formats import codecs
+from deltazip.formats.artifact import ArtifactWriter
+from deltazip.formats.errors import InputError
+from deltazip.formats.packing import pack_delta
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.image_inputs import language_model, on_model, run_to_language_model
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
+MAX_IMAGES = 256
+
+
+def calibration_images(path: str | Path) -> list[Path]:
+    """The image files of ``--calib-images`` (sorted, at most ``MAX_IMAGES``); InputError if none."""
+    p = Path(path)
+    if not p.is_dir():
+        raise InputError(f"--calib-images {p}: not a directory; pass a directory of .png/.jpg images")
+    files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise InputError(f"--calib-images {p}: no image files (.png, .jpg, .jpeg, .webp, .bmp, .gif) in it")
+    return files[:MAX_IMAGES]
+
+
+def vision_linears(model: nn.Module, ckpt_name: dict[str, str], stored: set[str]) -> dict[str, str]:
+    """``checkpoint name -> module name`` of the weights of ``model``'s linears outside its language
+    model (vision tower, projector) and its output head, for those the checkpoint stores; empty for a
+    model without a vision side."""
+    if model.config.get_text_config() is model.config:
+        return {}
+    lm_name, _ = language_model(model)
+    head = model.get_output_embeddings()
+    out = {}
+    for mname, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear) or mod is head or mname == lm_name or mname.startswith(f"{lm_name}."):
+            continue
+        pname = f"{mname}.weight"
+        name = ckpt_name.get(pname, pname)
+        if name in stored:
+            out[name] = mname
+    return out
+
+
+def image_hessians(model: nn.Module, modules: dict[str, str], model_dir: Path, images: list[Path],
+                   device: torch.device, dtype: torch.dtype) -> Hessians:
+    """Hessians (keyed by checkpoint name) of the linears ``modules`` (checkpoint name -> module
+    name) from ``images`` read by ``model``'s forward through the processor in ``model_dir``."""
+    from PIL import Image, UnidentifiedImageError
+    from transformers import AutoProcessor
+
+    try:
+        proc = AutoProcessor.from_pretrained(str(model_dir))
+    except Exception as e:  # no processor files, or a package its processor needs
+        raise InputError(f"{model_dir}: the image processor could not be loaded for --calib-images "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+    placeholder = getattr(proc, "image_token", None)
+    if not hasattr(proc, "image_processor") or not isinstance(placeholder, str):
+        raise InputError(f"{model_dir}: its processor ({type(proc).__name__}) does not read images; drop --calib-images")
+    hs = Hessians()
+    handles = [model.get_submodule(m).register_forward_pre_hook(lambda _m, args, n=n: hs.add(n, None, args[0]))
+               for n, m in modules.items()]
+    try:
+        for f in images:
+            try:
+                with Image.open(f) as img:
+                    rgb = img.convert("RGB")
+            except (UnidentifiedImageError, OSError) as e:
+                raise InputError(f"--calib-images: {f} is not an image PIL can read ({e}); remove it") from e
+            out = dict(proc(text=[placeholder], images=[rgb], return_tensors="pt"))
+            ids = out.pop("input_ids").to(device)
+            out.pop("attention_mask", None)
+            try:
+                run_to_language_model(model, ids, on_model({k: v for k, v in out.items() if hasattr(v, "dtype")},
+                                                           device, dtype))
+            except InputError:
+                raise
+            except Exception as e:  # a model whose forward does not take its processor's output this way
+                raise InputError(f"--calib-images: {type(model).__name__} could not read {f.name} "
+                                 f"({type(e).__name__}: {e})") from e
+    finally:
+        for h in handles:
+            h.remove()
+    return hs
+
+
+def vision_scheme(scheme: DeltaScheme, in_features: int) -> DeltaScheme | None:
+    """The scheme of a vision linear with ``in_features`` inputs: the options' one, its group the
+    largest of 128/64/32 dividing them where the options' does not (vision widths such as 3420 are
+    not multiples of 128); None (stored exactly) where 2:4 cannot tile them."""
+    if scheme.sparsity == "2:4" and in_features % 4:
+        return None
+    g = scheme.group_size
+    if g != -1 and in_features % g:
+        g = auto_group([in_features])
+    return scheme if g == scheme.group_size else scheme.replace(group_size=g)
+
+
+def packed_bytes(writer: ArtifactWriter, name: str, base: torch.Tensor, ft: torch.Tensor, scheme: DeltaScheme,
+                 additive: bool) -> int:
+    """Bytes of ``name`` stored packed with ``scheme``, sized from its round-to-nearest codes (the
+    byte budget of ``--target-ratio`` counts the vision linears at their scheme, not exact)."""
+    target = ft.float() - base.float() if additive else ft.float()
+    r = rtn_compress(target, scheme)
+    d = pack_delta(r.codes.to(torch.uint8).cpu(), r.scales.cpu(), None if scheme.sym else r.zeros.cpu(),
+                   None if r.mask is None else r.mask.cpu(), scheme.bits, scheme.group_size)
+    return writer.entry_size(name, codecs.get("packed").fields(d.scheme, list(ft.shape), ft.dtype, additive), d.parts())

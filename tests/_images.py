@@ -1,0 +1,76 @@
+"""Images for the tests of image-text models: pictures, a character tokenizer with image tokens, a
+LLaVA processor over it, prompts as processors give them, and the merged model's greedy reference."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import torch
+
+from deltazip.demo.pair import build_char_tokenizer
+from deltazip.runtime.serve.prompt_media import PromptMedia
+
+N = 8
+
+IMAGE, BOI, EOI = "<reserved_19>", "<reserved_20>", "<reserved_21>"  # ids 120-122, as in the tiny configs
+
+
+def template(placeholder: str) -> str:
+    return ("{% for message in messages %}{{ message['role'] + ': ' }}"
+            "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+            "{% for part in message['content'] %}{% if part['type'] == 'image' %}" + placeholder +
+            "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+TEMPLATE = template(IMAGE)
+
+
+def picture(seed: int, size=(40, 52)):
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(*size, 3) * 255).astype("uint8"))
+
+
+def png(img) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def tokenizer(template: str = TEMPLATE):
+    tok = build_char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE, BOI, EOI]})  # one token each (in the vocab)
+    tok.chat_template = template
+    return tok
+
+
+def llava_processor(tok):
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    ip = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    return LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+                          num_additional_image_tokens=1, image_token=IMAGE, chat_template=TEMPLATE)
+
+
+def prompt(processor, text: str, images: list):
+    msgs = [{"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}]}]
+    rendered = processor.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    out = processor(text=[rendered], images=images, return_tensors="pt", add_special_tokens=False)
+    ids = out.pop("input_ids")[0].tolist()
+    out.pop("attention_mask")
+    return ids, PromptMedia(dict(out), len(images))
+
+
+def generate(model, ids: list[int], media: PromptMedia | None, n: int = N) -> tuple[str, list[float]]:
+    """Greedy text and each drawn token's log probability."""
+    x = torch.tensor([ids])
+    extra = {} if media is None else dict(media.tensors)
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=2,
+                             eos_token_id=1, output_logits=True, return_dict_in_generate=True, **extra)
+    toks = out.sequences[0, len(ids):].tolist()
+    lps = [float(torch.log_softmax(lg[0].float(), -1)[t]) for lg, t in zip(out.logits, toks)]
+    return build_char_tokenizer().decode(toks, skip_special_tokens=True), lps
