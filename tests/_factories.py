@@ -189,6 +189,9 @@ ARCH_CONFIGS = {
                                                             layer_types=["sliding_attention", "full_attention"]),
                       vision_config=dict(_VISION, model_type="siglip_vision_model"), mm_tokens_per_image=4,
                       image_token_index=120, boi_token_index=121, eoi_token_index=122),
+    # images split into tiles (the processor adds its image token, id 129, to the tokenizer)
+    "idefics3": dict(model_type="idefics3", text_config=dict(_LM, model_type="llama"),
+                     vision_config=dict(_VISION, model_type="idefics3_vision"), image_token_id=129, scale_factor=1),
     # cross-attention layers, skipped by a text-only forward
     "mllama": dict(model_type="mllama", text_config=dict(_LM, model_type="mllama_text_model", cross_attention_layers=[1]),
                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_global_layers=1,

@@ -64,8 +64,9 @@ def prompt(processor, text: str, images: list):
     return ids, PromptMedia(dict(out), len(images))
 
 
-def generate(model, ids: list[int], media: PromptMedia | None, n: int = N) -> tuple[str, list[float]]:
-    """Greedy text and each drawn token's log probability."""
+def generate(model, ids: list[int], media: PromptMedia | None, n: int = N, tok=None) -> tuple[str, list[float]]:
+    """Greedy text (decoded by ``tok``, default the demo's character tokenizer) and each drawn token's
+    log probability."""
     x = torch.tensor([ids])
     extra = {} if media is None else dict(media.tensors)
     with torch.no_grad():
@@ -73,4 +74,4 @@ def generate(model, ids: list[int], media: PromptMedia | None, n: int = N) -> tu
                              eos_token_id=1, output_logits=True, return_dict_in_generate=True, **extra)
     toks = out.sequences[0, len(ids):].tolist()
     lps = [float(torch.log_softmax(lg[0].float(), -1)[t]) for lg, t in zip(out.logits, toks)]
-    return build_char_tokenizer().decode(toks, skip_special_tokens=True), lps
+    return (tok or build_char_tokenizer()).decode(toks, skip_special_tokens=True), lps

@@ -62,11 +62,12 @@ class _QwenProcessor:
         return {**enc, **out, "mm_token_type_ids": kinds}
 
 
-def _build(root, arch, processor, vision_scale: float = 0.0):
+def _build(root, arch, processor, vision_scale: float = 0.0, vocab: int = 128):
     """Base, a text fine-tune (``vision_scale``: its projector moved too) compressed as ``ft``."""
     tok = processor.tokenizer
-    base_dir = save_model(tiny_model(arch, **IDS), root / "base", tokenizer=False)
-    ft = finetune(tiny_model(arch, **IDS), steps=30, seed=3)
+    ids = dict(IDS, vocab_size=vocab)
+    base_dir = save_model(tiny_model(arch, **ids), root / "base", tokenizer=False)
+    ft = finetune(tiny_model(arch, **ids), steps=30, seed=3)
     if vision_scale:
         with torch.no_grad():
             for name, p in ft.named_parameters():
@@ -94,13 +95,13 @@ def _same(got, want, tol=1e-4) -> bool:
 def _served_matches_merged(tmp_path, arch, processor, images_per_prompt, vision_scale=0.0, **engine):
     tok = processor.tokenizer
     with single_thread():
-        base_dir, arts = _build(tmp_path, arch, processor, vision_scale)
+        base_dir, arts = _build(tmp_path, arch, processor, vision_scale, vocab=max(128, len(tok)))
         ck = Checkpoint(base_dir)
         refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck), "base": load_causal_lm(base_dir, torch.float32)}
         prompts = [prompt(processor, "what is it?", [picture(s) for s in range(images_per_prompt)]),
                    prompt(processor, "and this one", [picture(7 + s, (60, 44)) for s in range(images_per_prompt)])]
-        want = {(m, i): generate(refs[m], *prompts[i]) for m in refs for i in range(2)}
-        want["ft", "text"] = generate(refs["ft"], tok("zip model tune")["input_ids"], None)
+        want = {(m, i): generate(refs[m], *prompts[i], tok=tok) for m in refs for i in range(2)}
+        want["ft", "text"] = generate(refs["ft"], tok("zip model tune")["input_ids"], None, tok=tok)
         assert any(want["ft", i] != want["base", i] for i in range(2))  # the fine-tune matters
         dm = DeltaModel(ck, discover_variants(arts), num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
         jobs = [("ft", 0), ("base", 0), ("ft", "text"), ("ft", 1), ("base", 1)]
@@ -247,3 +248,16 @@ def test_workers_read_images_behind_the_front(tmp_path):
             "model": "ft", "messages": [{"role": "user", "content": content}], "max_tokens": N, "temperature": 0,
         }).json() for _ in range(2)]
     assert [g["choices"][0]["message"]["content"] for g in got] == [want[0]] * 2
+
+
+def _idefics3_processor():
+    from transformers import Idefics3ImageProcessor, Idefics3Processor
+
+    images = Idefics3ImageProcessor(size={"longest_edge": 56}, max_image_size={"longest_edge": 28})
+    return Idefics3Processor(image_processor=images, tokenizer=tokenizer(template("<image>")), image_seq_len=4)
+
+
+def test_idefics3_images_split_into_tiles_give_the_merged_output(tmp_path):
+    """Idefics3: each image split into tiles plus a global view, each tile's tokens between its row
+    and column tags, pixel masks beside the pixels (the tokenizer grows by the processor's tokens)."""
+    _served_matches_merged(tmp_path, "idefics3", _idefics3_processor(), images_per_prompt=1)
