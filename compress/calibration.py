@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from deltazip.formats.errors import DeltazipWarning, InputError
+from deltazip.formats.errors import DeltazipWarning, InputError, first_line
 from deltazip.models.hub import hub_offline, offline_miss, require_hub
 
 _LOADERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
@@ -106,11 +106,7 @@ def _load_records(source: str):
             if hub_offline():
                 raise offline_miss(f"calibration data {source!r}", LOCAL_DATA) from e
             raise InputError(f"calibration data {source} could not be read ({type(e).__name__}: "
-                             f"{_first_line(e)}); pass {LOCAL_DATA}") from e
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0][:200] if str(e) else ""
+                             f"{first_line(e)}); pass {LOCAL_DATA}") from e
 
 
 def _load_file(p: Path):
@@ -128,7 +124,7 @@ def _load_file(p: Path):
             return datasets.load_dataset(kind, data_files=str(p), split="train", **kwargs)
         except Exception as e:  # name the line or byte where we can, else what the reader said
             where = bad_json(p) if kind == "json" else None
-            raise InputError(f"calibration file {p}: {where or f'cannot be read ({_first_line(e.__cause__ or e)})'}"
+            raise InputError(f"calibration file {p}: {where or f'cannot be read ({first_line(e.__cause__ or e)})'}"
                              f"; fix the file or pass another") from e
 
 

@@ -24,7 +24,7 @@ from deltazip.compress.experts import Hessians
 from deltazip.compress.obs import rtn_compress
 from deltazip.formats import codecs
 from deltazip.formats.artifact import ArtifactWriter
-from deltazip.formats.errors import InputError
+from deltazip.formats.errors import InputError, first_line
 from deltazip.formats.packing import pack_delta
 from deltazip.kernels.scheme import DeltaScheme
 from deltazip.models.image_inputs import language_model, on_model, run_to_language_model
@@ -74,7 +74,7 @@ def image_hessians(model: nn.Module, modules: dict[str, str], model_dir: Path, i
         proc = AutoProcessor.from_pretrained(str(model_dir))
     except Exception as e:  # no processor files, or a package its processor needs
         raise InputError(f"{model_dir}: the image processor could not be loaded for --calib-images "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+                         f"({type(e).__name__}: {first_line(e)})") from e
     placeholder = getattr(proc, "image_token", None)
     if not hasattr(proc, "image_processor") or not isinstance(placeholder, str):
         raise InputError(f"{model_dir}: its processor ({type(proc).__name__}) does not read images; drop --calib-images")
@@ -98,7 +98,7 @@ def image_hessians(model: nn.Module, modules: dict[str, str], model_dir: Path, i
                 raise
             except Exception as e:  # a model whose forward does not take its processor's output this way
                 raise InputError(f"--calib-images: {type(model).__name__} could not read {f.name} "
-                                 f"({type(e).__name__}: {e})") from e
+                                 f"({type(e).__name__}: {first_line(e)})") from e
     finally:
         for h in handles:
             h.remove()

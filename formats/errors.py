@@ -24,3 +24,9 @@ class CompressionError(DeltazipError):
 class DeltazipWarning(UserWarning):
     """Something the user should know that does not stop the command (the CLI prints it as one
     ``deltazip: warning: ...`` line on stderr)."""
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The first non-blank line of ``e``'s message (some libraries start theirs with a newline), cut
+    to ``limit`` characters: what a one-line error quotes of an exception it wraps."""
+    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:limit]

@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from deltazip.formats.errors import first_line
 from deltazip.runtime.serve.openai_schema import ApiError
 from deltazip.runtime.serve.prompt_media import PromptMedia
 
@@ -93,8 +94,7 @@ def processor(files: Path, base_files: Path):
                 _PROCESSORS[path] = AutoProcessor.from_pretrained(str(path))
             except Exception as e:  # no processor files, or a package its image/video processor needs
                 raise ApiError(400, f"this model's image processor could not be loaded from {path} "
-                                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
-                               param="messages") from e
+                                    f"({type(e).__name__}: {first_line(e)})", param="messages") from e
         return _PROCESSORS[path]
 
 
@@ -105,7 +105,8 @@ def image_prompt(proc, text: str, images: list) -> tuple[list[int], PromptMedia]
     try:
         out = proc(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
     except Exception as e:  # e.g. the template placed fewer image placeholders than there are images
-        raise ApiError(400, f"the images do not fit the prompt: {type(e).__name__}: {e}", param="messages") from e
+        raise ApiError(400, f"the images do not fit the prompt: {type(e).__name__}: {first_line(e)}",
+                       param="messages") from e
     ids = out.pop("input_ids")[0].tolist()
     out.pop("attention_mask", None)
     return ids, PromptMedia({k: v for k, v in out.items() if hasattr(v, "dtype")}, len(images))

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from deltazip.formats.errors import InputError
+from deltazip.formats.errors import InputError, first_line
 from deltazip.models.image_inputs import on_model, run_to_language_model
 
 # Image tokens see each other both ways within one image (transformers' token_type_ids blocks).
@@ -108,7 +108,7 @@ def read_prompt(model: nn.Module, prompt_ids: list[int], media: PromptMedia, dev
     except InputError as e:
         raise ImagesUnsupported(str(e)) from e
     except Exception as e:  # the processor's tensors do not fit the model (e.g. tokens and features disagree)
-        raise ImagesUnsupported(f"the model could not read the images: {type(e).__name__}: {e}") from e
+        raise ImagesUnsupported(f"the model could not read the images: {type(e).__name__}: {first_line(e)}") from e
     kind = model.config.model_type
     if "inputs_embeds" not in seen or seen["inputs_embeds"] is None:
         raise ImagesUnsupported(f"{kind}: the model's forward did not reach its language model with input embeddings")

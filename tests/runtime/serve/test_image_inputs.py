@@ -261,3 +261,19 @@ def test_idefics3_images_split_into_tiles_give_the_merged_output(tmp_path):
     """Idefics3: each image split into tiles plus a global view, each tile's tokens between its row
     and column tags, pixel masks beside the pixels (the tokenizer grows by the processor's tokens)."""
     _served_matches_merged(tmp_path, "idefics3", _idefics3_processor(), images_per_prompt=1)
+
+
+def test_a_processor_that_cannot_load_is_a_one_line_400(tmp_path):
+    """transformers' "requires the Torchvision library" errors start with a newline: the message
+    quotes their first line that has text, never an empty reason."""
+    from deltazip.formats.errors import first_line
+    from deltazip.runtime.serve.images import processor
+    from deltazip.runtime.serve.openai_schema import ApiError
+
+    assert first_line(ImportError("\nPixtralProcessor requires the Torchvision library but it was not found.\nmore"))\
+        == "PixtralProcessor requires the Torchvision library but it was not found."
+    (tmp_path / "preprocessor_config.json").write_text("{not json")
+    with pytest.raises(ApiError) as e:
+        processor(tmp_path, tmp_path)
+    msg = e.value.message if hasattr(e.value, "message") else str(e.value)
+    assert e.value.status == 400 and "could not be loaded" in msg and "\n" not in msg and not msg.endswith(": )")
