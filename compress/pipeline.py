@@ -305,6 +305,7 @@ class _Run:
     def outside_layers(self) -> None:
         """Record embeddings, final norm...; load them into the skeleton for the forward. The untied
         lm_head waits for the final hidden states (``compress_head``)."""
+        exact_vision: list[str] = []  # changed vision linears stored exactly (no --calib-images)
         for n, mod in self.outside():
             if self.head_alias_of and n == self.head_alias_name:
                 self.writer.add_alias(n, self.head_alias_of, self.ft.shape(n), self.ft.dtype(n))
@@ -315,6 +316,8 @@ class _Run:
                 if mod is not None and self.cfg.method != "rtn":
                     set_param(self.model, mod, (b if self.base_view else f).to(self.cdtype), self.device)
                 continue
+            if n in self.vision and not bitwise_equal(b, f):
+                exact_vision.append(n)
             bits = self.row_bits_of(n)
             if n in self.embeddings and f.dim() == 2 and f.is_floating_point() and bits is None:
                 self.writer.add_drop(n, tuple(f.shape), f.dtype)
@@ -326,18 +329,17 @@ class _Run:
                 rec = record_exact(self.writer, n, b, f, self.other_stats)
             if mod is not None and self.cfg.method != "rtn":
                 set_param(self.model, mod, (b if self.base_view else rec).to(self.cdtype), self.device)
-        self.compress_vision()
+        self.compress_vision(exact_vision)
 
-    def compress_vision(self) -> None:
+    def compress_vision(self, stored_exactly: list[str]) -> None:
         """The vision side's linears: Hessians from the calibration images, then each solved like a
-        text linear (``compress/vision.py``); without images they were stored exactly (a warning says
-        how much that is when they changed)."""
+        text linear (``compress/vision.py``); without images they were stored exactly
+        (``stored_exactly``: those that changed, which a warning counts)."""
         if not self.compresses_vision:
-            changed = [n for n in self.vision if not bitwise_equal(self.base.get(n), self.ft.get(n))]
-            if changed:
-                mib = sum(math.prod(self.ft.shape(n)) * self.ft.dtype(n).itemsize for n in changed) / 2**20
-                warnings.warn(f"{len(changed)} linears of the vision tower or projector changed ({mib:.1f} MiB) and "
-                              "are stored exactly; pass --calib-images DIR (images like the fine-tune's) to "
+            if stored_exactly:
+                mib = sum(math.prod(self.ft.shape(n)) * self.ft.dtype(n).itemsize for n in stored_exactly) / 2**20
+                warnings.warn(f"{len(stored_exactly)} linears of the vision tower or projector changed ({mib:.1f} MiB) "
+                              "and are stored exactly; pass --calib-images DIR (images like the fine-tune's) to "
                               "compress them", DeltazipWarning, stacklevel=2)
             return
         hs = None
@@ -347,12 +349,12 @@ class _Run:
             self.progress("reading calibration images", len(self.vision_images), len(self.vision_images))
         stats: dict = {"tensors": {}}
         for n in self.vision:
-            b, f = self.base.get(n), self.ft.get(n)
-            scheme = vision_scheme(self.cfg.scheme, f.shape[1]) if f.dim() == 2 else None
+            shape = tuple(self.ft.shape(n))
+            scheme = vision_scheme(self.cfg.scheme, shape[1]) if len(shape) == 2 else None
             if scheme is None:  # 2:4 cannot tile its inputs
-                record_exact(self.writer, n, b, f, self.other_stats)
+                record_exact(self.writer, n, self.base.get(n), self.ft.get(n), self.other_stats)
                 continue
-            t = Target(n, Site(key=n, kind="linear", param=n), Piece(n, 0, f.shape[0]), tuple(f.shape), tuple(f.shape))
+            t = Target(n, Site(key=n, kind="linear", param=n), Piece(n, 0, shape[0]), shape, shape)
             rec = self._compress_linear(t, hs, stats, scheme)
             mod = self.module_name.get(n, n)
             if self.cfg.method != "rtn" and not self.base_view:

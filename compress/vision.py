@@ -28,6 +28,7 @@ from deltazip.formats.errors import InputError, first_line
 from deltazip.formats.packing import pack_delta
 from deltazip.kernels.scheme import DeltaScheme
 from deltazip.models.image_inputs import language_model, on_model, run_to_language_model
+from deltazip.models.loader import is_image_text
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 MAX_IMAGES = 256
@@ -48,7 +49,7 @@ def vision_linears(model: nn.Module, ckpt_name: dict[str, str], stored: set[str]
     """``checkpoint name -> module name`` of the weights of ``model``'s linears outside its language
     model (vision tower, projector) and its output head, for those the checkpoint stores; empty for a
     model without a vision side."""
-    if model.config.get_text_config() is model.config:
+    if not is_image_text(model.config):
         return {}
     lm_name, _ = language_model(model)
     head = model.get_output_embeddings()

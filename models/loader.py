@@ -39,6 +39,11 @@ def text_config(config):
     return get() if callable(get) else config
 
 
+def is_image_text(config) -> bool:
+    """Whether ``config`` is an image-text model's (a language model's config inside it)."""
+    return text_config(config) is not config
+
+
 def load_causal_lm(path: str | Path, dtype, attn_implementation: str | None = None, what: str = "model"):
     """The checkpoint at ``path`` as :func:`causal_lm_class` of its config, in ``dtype`` (CPU, eval mode).
 

@@ -77,7 +77,7 @@ from typing import Any
 
 import torch
 
-from deltazip.models.loader import text_config
+from deltazip.models.loader import is_image_text, text_config
 from deltazip.runtime.serve.delta_cache import TieredCache
 from deltazip.runtime.serve.delta_loader import DeltaLoader
 from deltazip.runtime.serve.grammar import GrammarCompilers, MaskFiller, StepMasks
@@ -518,7 +518,7 @@ class Engine:
     def images_refused(self) -> str | None:
         """Why this server cannot read images in prompts (one line), or None when it can."""
         cfg = self.backend.config
-        if text_config(cfg) is cfg:
+        if not is_image_text(cfg):
             return f"the served model ({cfg.model_type}) reads text only; send text content parts"
         if not hasattr(self.backend, "prompt_inputs"):
             return "images are not read with --tensor-parallel; serve this model without it to send images"

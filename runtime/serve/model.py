@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from deltazip.kernels.reference import delta_weight
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import resolve_dtype
 from deltazip.models.image_inputs import language_model
-from deltazip.models.loader import causal_lm_class, load_causal_lm, text_config
+from deltazip.models.loader import causal_lm_class, is_image_text, load_causal_lm, text_config
 from deltazip.models.param_names import module_names
 from deltazip.runtime.serve.attention import is_paged
 from deltazip.runtime.serve.delta_activation import DeltaActivation, is_learned_activation
@@ -617,11 +618,13 @@ class DeltaModel:
     def _vision_side(self, mname: str) -> bool:
         """Whether module ``mname`` is outside the language model of an image-text model (its vision
         tower or projector), which runs only when a prompt's images are read."""
-        cfg = self.model.config
-        if text_config(cfg) is cfg:
-            return False
-        lm, _ = language_model(self.model)
-        return not (mname == lm or mname.startswith(f"{lm}."))
+        lm = self._language_model_name
+        return lm is not None and not (mname == lm or mname.startswith(f"{lm}."))
+
+    @functools.cached_property
+    def _language_model_name(self) -> str | None:
+        """The language model's module name in an image-text model (None for a text model)."""
+        return language_model(self.model)[0] if is_image_text(self.model.config) else None
 
     def _replace(self, mname: str, kind: str) -> nn.Module:
         parent_name, _, child = mname.rpartition(".")
