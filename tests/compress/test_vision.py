@@ -33,15 +33,16 @@ CFG = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"),
                      seqlen=32, device="cpu")
 
 
-def _pair(root):
-    """Base and a fine-tune whose language model, vision tower and projector all moved."""
+def _pair(root, dtype=torch.float32):
+    """Base and a fine-tune whose language model, vision tower and projector all moved, stored in
+    ``dtype`` (trained in fp32)."""
     proc = llava_processor(tokenizer())
-    base_dir = save_model(tiny_model("llava", **IDS), root / "base", tokenizer=False)
+    base_dir = save_model(tiny_model("llava", **IDS).to(dtype), root / "base", tokenizer=False)
     ft = finetune(tiny_model("llava", **IDS), steps=20, seed=3)
     with torch.no_grad():  # a vision fine-tune: low-rank-structured moves of the tower and projector
         side = torch.nn.ModuleDict({"v": ft.model.vision_tower, "p": ft.model.multi_modal_projector})
         perturb(side, scale=0.2, seed=9)
-    ft_dir = save_model(ft, root / "ft", tokenizer=False)
+    ft_dir = save_model(ft.to(dtype), root / "ft", tokenizer=False)
     for d in (base_dir, ft_dir):
         proc.save_pretrained(d)
     images = root / "images"
@@ -59,9 +60,10 @@ def _features(model, proc, imgs) -> torch.Tensor:
     return torch.cat([x.reshape(-1, x.shape[-1]) for x in f]) if isinstance(f, (list, tuple)) else f
 
 
-def test_calibration_images_compress_the_vision_side_better_than_rounding(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_calibration_images_compress_the_vision_side_better_than_rounding(tmp_path, dtype):
     with single_thread():
-        base_dir, ft_dir, images, proc = _pair(tmp_path)
+        base_dir, ft_dir, images, proc = _pair(tmp_path, dtype)
         calib = calib_file(tmp_path / "calib", n=16)
         compress_delta(base_dir, ft_dir, str(calib), tmp_path / "art", CFG, calib_images=images)
         with pytest.warns(DeltazipWarning, match="--calib-images DIR"):
@@ -77,19 +79,19 @@ def test_calibration_images_compress_the_vision_side_better_than_rounding(tmp_pa
     # rounding the same deltas to nearest on the same grid.
     ck = Checkpoint(base_dir)
     ft = load_causal_lm(ft_dir, torch.float32)
-    merged = load_merged_model(art, ck)
-    rounded = load_merged_model(art, ck)
+    merged = load_merged_model(art, ck).float()  # features computed in fp32 from the stored weights
+    rounded = load_merged_model(art, ck).float()
     base, tuned = load_causal_lm(base_dir, torch.float32).state_dict(), ft.state_dict()
     with torch.no_grad():
         for name, p in rounded.named_parameters():
             if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) and p.dim() == 2:
                 delta = tuned[name] - base[name]
-                p.copy_(base[name] + rtn_compress(delta, CFG.scheme.replace(group_size=32)).values)
+                p.copy_((base[name] + rtn_compress(delta, CFG.scheme.replace(group_size=32)).values).to(dtype))
     held = [picture(500 + s, (44, 40)) for s in range(6)]
     want = _features(ft, proc, held)
     err = {k: float((_features(m, proc, held) - want).norm() / want.norm()) for k, m in
            (("calibrated", merged), ("rounded", rounded))}
-    print("relative image-feature error", err)  # docs/dev/2026-12-images.md quotes it (pytest -s)
+    print("relative image-feature error", str(dtype), err)  # docs/dev/2026-12-images.md quotes it (pytest -s)
     assert err["calibrated"] < 0.9 * err["rounded"], err
 
 
