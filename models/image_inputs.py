@@ -9,6 +9,9 @@ stops where the language model starts.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import torch
 from torch import nn
 
@@ -25,6 +28,26 @@ def language_model(model: nn.Module) -> tuple[str, nn.Module]:
     if found is None:
         raise InputError(f"{type(model).__name__} has no language model apart from its vision tower")
     return found
+
+
+_LANGUAGE_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def handing(model: nn.Module, kwargs: dict):
+    """While it lasts, ``model``'s language model is called with ``kwargs`` over what its caller hands
+    it (Qwen3-VL's DeepStack features, which its forward computes only from pixels)."""
+    if not kwargs:
+        yield
+        return
+    lm = _LANGUAGE_MODELS.get(model)
+    if lm is None:
+        lm = _LANGUAGE_MODELS[model] = language_model(model)[1]
+    hook = lm.register_forward_pre_hook(lambda _m, args, kw: (args, {**kw, **kwargs}), with_kwargs=True)
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 class _Reached(Exception):

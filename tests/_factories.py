@@ -207,6 +207,13 @@ ARCH_CONFIGS = {
                        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                           fullatt_block_indexes=[0]),
                        image_token_id=120, video_token_id=121, vision_start_token_id=122),
+    # DeepStack: the vision tower's first layer also feeds the first decoder layer's output
+    "qwen3_vl": dict(model_type="qwen3_vl", text_config=dict(_LM, model_type="qwen3_vl_text", head_dim=16,
+                                                            rope_scaling=dict(rope_type="default", mrope_section=[2, 3, 3],
+                                                                              mrope_interleaved=True)),
+                     vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                        deepstack_visual_indexes=[0, 1]),
+                     image_token_id=120, video_token_id=121, vision_start_token_id=122),
 }
 
 

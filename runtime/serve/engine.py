@@ -524,6 +524,8 @@ class Engine:
             return "images are not read with --tensor-parallel; serve this model without it to send images"
         if recurrent_layer_types(cfg):
             return f"images are not read by {cfg.model_type}'s recurrent layers here; send text content parts"
+        if getattr(text_config(cfg), "cross_attention_layers", None):  # Mllama: images enter by cross-attention
+            return f"images are not read by {cfg.model_type}'s cross-attention layers here; send text content parts"
         return None
 
     def validate(self, model: str, prompt_ids: list[int], params: SamplingParams,

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from deltazip.models.image_inputs import handing
 from deltazip.models.loader import text_config
 from deltazip.runtime.serve.attention import is_paged
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, PagedStep, SeqBlocks
@@ -448,13 +449,15 @@ def run_model(model: nn.Module, input_ids, position_ids, attention_mask, kv) -> 
     probabilities). A paged step (``kv_cache.PagedStep``) is bound for the attention function while it runs."""
     keep = getattr(kv, "logits_to_keep", 1)
     embeds = getattr(kv, "prompt_embeds", None)  # a prompt's images in this step (prompt_media.image_step)
+    images = {}
     if embeds is not None:
         x = token_embeddings(model, input_ids)
         x[embeds.rows, embeds.cols] = embeds.values.to(x.dtype)
         tokens = {"inputs_embeds": x}
+        images = embeds.language_model_args(tuple(input_ids.shape))
     else:
         tokens = {"input_ids": input_ids}
-    with kv.bound() if hasattr(kv, "bound") else contextlib.nullcontext():
+    with kv.bound() if hasattr(kv, "bound") else contextlib.nullcontext(), handing(model, images):
         out = model(**tokens, position_ids=position_ids, attention_mask=attention_mask,
                     use_cache=True, logits_to_keep=keep, **{cache_kwarg(model): kv})
     if isinstance(kv, RecurrentStep):

@@ -17,8 +17,10 @@ Gemma 3 lets an image's tokens see each other in both directions (its processor 
 engine keeps each image's span in ``PromptInputs.blocks`` and the paged attention widens those
 queries' view to the span's end). A prompt chunk never ends inside such a span.
 
-A language model that takes more from the images than its input embeddings and positions (Qwen3-VL's
-deepstack features, Mllama's cross-attention states) is refused with :class:`ImagesUnsupported`.
+Qwen3-VL also adds features of early vision layers to the hidden states of its first decoder layers
+at the images' positions (DeepStack): those are kept per image token too, and each step hands the
+language model the ones of its rows (:class:`StepEmbeds` ``deep``). A language model that takes more
+from the images than these (Mllama's cross-attention states) is refused with :class:`ImagesUnsupported`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ BIDIRECTIONAL_IMAGES = frozenset({"gemma3"})
 # engine gives it itself (masks, cache, flags).
 _OWN_ARGS = frozenset({"inputs_embeds", "position_ids", "attention_mask", "cache", "past_key_values", "use_cache",
                        "return_dict", "cache_position", "output_attentions", "output_hidden_states", "input_ids"})
+# Qwen3-VL's DeepStack: the image positions [1, T] bool and, per early decoder layer, a feature [n, H]
+# for each of them, added to that layer's output there.
+_DEEP_MASK, _DEEP = "visual_pos_masks", "deepstack_visual_embeds"
 
 
 class ImagesUnsupported(ValueError):
@@ -67,6 +72,8 @@ class PromptInputs:
         rope_delta: a token at position ``p >= T`` (a generated one) takes rotary position
             ``p + rope_delta`` in every section.
         blocks: ``[(a, b)]``, spans of positions whose queries see the whole span (Gemma 3's images).
+        deep: per early decoder layer ``[n, H]``, added to that layer's output at ``positions``
+            (Qwen3-VL's DeepStack), else None.
     """
 
     positions: torch.Tensor
@@ -74,6 +81,7 @@ class PromptInputs:
     rope: torch.Tensor | None = None
     rope_delta: int = 0
     blocks: list[tuple[int, int]] = field(default_factory=list)
+    deep: list[torch.Tensor] | None = None
 
     def decoding(self) -> PromptInputs | None:
         """What a sequence keeps once its prompt is read: its rotary positions, which every later
@@ -112,18 +120,23 @@ def read_prompt(model: nn.Module, prompt_ids: list[int], media: PromptMedia, dev
     kind = model.config.model_type
     if "inputs_embeds" not in seen or seen["inputs_embeds"] is None:
         raise ImagesUnsupported(f"{kind}: the model's forward did not reach its language model with input embeddings")
-    more = sorted(k for k, v in seen.items() if k not in _OWN_ARGS and k != "_args" and v is not None and v is not False)
+    more = sorted(k for k, v in seen.items()
+                  if k not in _OWN_ARGS | {_DEEP_MASK, _DEEP, "_args"} and v is not None and v is not False)
     if more or seen["_args"]:
         raise ImagesUnsupported(f"images are not served for {kind}: its language model takes {', '.join(more) or 'more'}"
                                 " from the images beside their embeddings (text prompts are served)")
+    deep = seen.get(_DEEP)
     with torch.inference_mode():
         got = seen["inputs_embeds"][0]
-        plain = token_embeddings(model, ids)[0]
-        positions = (got != plain).any(-1).nonzero().flatten()
+        if deep is not None:  # the model says where its images are: its features follow that order
+            positions = seen[_DEEP_MASK][0].nonzero().flatten()
+            deep = [d.detach().clone() for d in deep]
+        else:
+            positions = (got != token_embeddings(model, ids)[0]).any(-1).nonzero().flatten()
         embeds = got.index_select(0, positions).clone()
     rope, delta = _rope(seen.get("position_ids"), len(prompt_ids))
     blocks = _spans(positions.tolist()) if kind in BIDIRECTIONAL_IMAGES else []
-    return PromptInputs(positions.cpu(), embeds, rope, delta, blocks)
+    return PromptInputs(positions.cpu(), embeds, rope, delta, blocks, deep)
 
 
 def _rope(pos: torch.Tensor | None, t: int) -> tuple[torch.Tensor | None, int]:
@@ -152,11 +165,23 @@ def _spans(positions: list[int]) -> list[tuple[int, int]]:
 @dataclass
 class StepEmbeds:
     """A step's rows whose inputs are not their tokens' embeddings: batch row ``rows``, token index
-    ``cols`` (int64 ``[n]`` each) take ``values [n, H]``. Read by ``model_runner.run_model``."""
+    ``cols`` (int64 ``[n]`` each, in batch-row-major order) take ``values [n, H]``; ``deep``: per
+    early decoder layer ``[n, H]`` added to its output there (Qwen3-VL), else None. Read by
+    ``model_runner.run_model``."""
 
     rows: torch.Tensor
     cols: torch.Tensor
     values: torch.Tensor
+    deep: list[torch.Tensor] | None = None
+
+    def language_model_args(self, shape: tuple[int, int]) -> dict:
+        """What the language model takes besides its input embeddings for a step of ``shape`` ``(B,
+        Tm)``: Qwen3-VL's image positions ``[B, Tm]`` and their DeepStack features; else nothing."""
+        if self.deep is None:
+            return {}
+        mask = torch.zeros(shape, dtype=torch.bool, device=self.rows.device)
+        mask[self.rows, self.cols] = True
+        return {_DEEP_MASK: mask, _DEEP: self.deep}
 
 
 def image_step(inputs: list[PromptInputs | None], past: list[int], new: list[int], ids: torch.Tensor,
@@ -176,7 +201,7 @@ def image_step(inputs: list[PromptInputs | None], past: list[int], new: list[int
         ``[B, Tm]`` where a row has spans seen both ways (else None).
     """
     tm = ids.shape[1]
-    rows, cols, values = [], [], []
+    rows, cols, values, deep = [], [], [], []
     rope_rows = max((x.rope.shape[0] for x in inputs if x is not None and x.rope is not None), default=0)
     out_pos = pos.unsqueeze(0).expand(rope_rows, *pos.shape).clone() if rope_rows else pos
     see = None
@@ -189,6 +214,8 @@ def image_step(inputs: list[PromptInputs | None], past: list[int], new: list[int
             rows.append(torch.full((sel.numel(),), b, dtype=torch.long))
             cols.append(at[sel] - p + (tm - n))
             values.append(x.embeds.index_select(0, sel.to(x.embeds.device)))
+            if x.deep is not None:
+                deep.append([d.index_select(0, sel.to(d.device)) for d in x.deep])
         if x.rope is not None:
             span = torch.arange(p, p + n)
             t = x.rope.shape[1]
@@ -206,5 +233,7 @@ def image_step(inputs: list[PromptInputs | None], past: list[int], new: list[int
     if rows:
         r, c = torch.cat(rows).to(ids.device), torch.cat(cols).to(ids.device)
         ids[r, c] = 0
-        embeds = StepEmbeds(r, c, torch.cat(values))
+        if deep and len(deep) != len(values):  # every row with images has features, or none has
+            raise ValueError("a step mixes prompts with and without DeepStack features")
+        embeds = StepEmbeds(r, c, torch.cat(values), [torch.cat(f) for f in zip(*deep)] if deep else None)
     return embeds, out_pos, see

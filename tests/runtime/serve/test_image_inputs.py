@@ -41,16 +41,18 @@ def _gemma3_processor():
 
 
 class _QwenProcessor:
-    """What Qwen2.5-VL's processor gives (its class also builds a video processor, which needs
-    torchvision): the image processor's patches and grid, each image's placeholder expanded to one
-    token per merged patch between the vision start and end tokens."""
+    """What Qwen2.5-VL's (``patch=14``) and Qwen3-VL's (``patch=16``) processors give (their classes
+    also build a video processor, which needs torchvision): the image processor's patches and grid,
+    each image's placeholder expanded to one token per merged patch between the vision start and end
+    tokens."""
 
-    def __init__(self):
+    def __init__(self, patch: int = 14):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.tokenizer = tokenizer(template(BOI + IMAGE + EOI))
-        self.images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=84 * 112, patch_size=14, merge_size=2,
-                                               temporal_patch_size=2)
+        side = 2 * patch  # a merged patch
+        self.images = Qwen2VLImageProcessorPil(min_pixels=4 * side * side, max_pixels=24 * side * side, patch_size=patch,
+                                               merge_size=2, temporal_patch_size=2)
 
     def __call__(self, text, images, return_tensors, add_special_tokens):
         out = dict(self.images(images=images, return_tensors="pt"))
@@ -71,7 +73,7 @@ def _build(root, arch, processor, vision_scale: float = 0.0, vocab: int = 128):
     if vision_scale:
         with torch.no_grad():
             for name, p in ft.named_parameters():
-                if "multi_modal_projector" in name:
+                if "multi_modal_projector" in name or "merger" in name:  # LLaVA's projector, Qwen's mergers
                     p.add_(vision_scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
     ft_dir = save_model(ft, root / "ft", tokenizer=False)
     for d in (base_dir, ft_dir):
@@ -139,6 +141,16 @@ def test_qwen2_5_vl_images_keep_their_own_positions(tmp_path):
     """Qwen2.5-VL: the images' tokens take positions of their own in three sections, and every token
     after them is offset (``rope_delta``), generated ones included."""
     _served_matches_merged(tmp_path, "qwen2_5_vl", _QwenProcessor(), images_per_prompt=2)
+
+
+@pytest.mark.parametrize("budget", [2048, 12])
+def test_qwen3_vl_images_feed_their_deepstack_features_to_early_layers(tmp_path, budget):
+    """Qwen3-VL: beside its image embeddings and three-section positions, features of two vision
+    layers are added to the outputs of the first two decoder layers at the images' tokens. The
+    variant changed its mergers (DeepStack's included), so it reads images with its own. With a
+    budget of 12 tokens per step the images' tokens are split over chunks, each adding its own."""
+    _served_matches_merged(tmp_path, "qwen3_vl", _QwenProcessor(patch=16), images_per_prompt=2,
+                           vision_scale=0.5, max_batch_tokens=budget)
 
 
 def test_a_chunk_never_ends_inside_an_image_seen_both_ways():
@@ -213,16 +225,17 @@ def test_the_samples_of_an_image_prompt_keep_its_positions(tmp_path):
     assert len(got) == 2 and all(_same(ev, want) for ev in got), [ev.text for ev in got]
 
 
-def test_swap_mode_reads_images_with_the_variants_whole_model(tmp_path):
+@pytest.mark.parametrize("arch", ["llava", "qwen3_vl"])
+def test_swap_mode_reads_images_with_the_variants_whole_model(tmp_path, arch):
     from deltazip.runtime.serve.model import SwapModels
 
-    processor = llava_processor(tokenizer())
+    processor = llava_processor(tokenizer()) if arch == "llava" else _QwenProcessor(patch=16)
     with single_thread():
-        base_dir, arts = _build(tmp_path, "llava", processor, vision_scale=0.5)
+        base_dir, arts = _build(tmp_path, arch, processor, vision_scale=0.5, vocab=max(128, len(processor.tokenizer)))
         ck = Checkpoint(base_dir)
         refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck), "base": load_causal_lm(base_dir, torch.float32)}
         one = prompt(processor, "what is it?", [picture(0), picture(1)])
-        want = {m: generate(refs[m], *one) for m in refs}
+        want = {m: generate(refs[m], *one, tok=processor.tokenizer) for m in refs}
         sm = SwapModels(ck, discover_variants(arts), 2, torch.device("cpu"), torch.float32, "base")
         got = engine_runs(sm, processor.tokenizer, [("ft", one), ("base", one)], N)
     assert _same(got[0], want["ft"]) and _same(got[1], want["base"])

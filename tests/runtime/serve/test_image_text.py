@@ -27,6 +27,7 @@ from deltazip.kernels.scheme import DeltaScheme
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.loader import causal_lm_class, load_causal_lm
 from deltazip.runtime.serve.chat_content import as_template_reads
+from deltazip.runtime.serve.engine import Engine, EngineConfig, ServedVariant
 from deltazip.runtime.serve.model import DeltaModel
 from deltazip.runtime.serve.variant_sources import discover_variants
 
@@ -91,6 +92,13 @@ def test_a_text_finetune_keeps_the_vision_tower_and_serves_the_merged_output(tmp
         dm = DeltaModel(ck, discover_variants(arts), num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
         jobs = [(m, p) for p in PROMPTS for m in ("ft", "base")]
         assert engine_texts(dm, tok, jobs, n) == [want[j] for j in jobs]
+        eng = Engine(dm, {"base": ServedVariant("base", tok, [1], None)}, "base", EngineConfig())
+        try:  # images: read, except by Mllama's cross-attention layers (a 400 that says so, before any work)
+            refused = eng.images_refused()
+        finally:
+            eng.shutdown()
+        assert (refused is None) == (arch != "mllama"), refused
+        assert arch != "mllama" or "cross-attention" in refused
 
 
 def test_a_template_reading_parts_gets_the_text_as_a_part():
