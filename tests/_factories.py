@@ -214,6 +214,14 @@ ARCH_CONFIGS = {
                      vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                         deepstack_visual_indexes=[0, 1]),
                      image_token_id=120, video_token_id=121, vision_start_token_id=122),
+    "qwen3_vl_moe": dict(model_type="qwen3_vl_moe",
+                         text_config=dict(_LM, model_type="qwen3_vl_moe_text", head_dim=16, moe_intermediate_size=32,
+                                          num_experts=4, num_experts_per_tok=2,
+                                          rope_scaling=dict(rope_type="default", mrope_section=[2, 3, 3],
+                                                            mrope_interleaved=True)),
+                         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                            out_hidden_size=64, deepstack_visual_indexes=[0, 1]),
+                         image_token_id=120, video_token_id=121, vision_start_token_id=122),
 }
 
 

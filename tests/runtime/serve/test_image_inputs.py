@@ -143,13 +143,14 @@ def test_qwen2_5_vl_images_keep_their_own_positions(tmp_path):
     _served_matches_merged(tmp_path, "qwen2_5_vl", _QwenProcessor(), images_per_prompt=2)
 
 
-@pytest.mark.parametrize("budget", [2048, 12])
-def test_qwen3_vl_images_feed_their_deepstack_features_to_early_layers(tmp_path, budget):
+@pytest.mark.parametrize(("arch", "budget"), [("qwen3_vl", 2048), ("qwen3_vl", 12), ("qwen3_vl_moe", 12)])
+def test_qwen3_vl_images_feed_their_deepstack_features_to_early_layers(tmp_path, arch, budget):
     """Qwen3-VL: beside its image embeddings and three-section positions, features of two vision
     layers are added to the outputs of the first two decoder layers at the images' tokens. The
     variant changed its mergers (DeepStack's included), so it reads images with its own. With a
-    budget of 12 tokens per step the images' tokens are split over chunks, each adding its own."""
-    _served_matches_merged(tmp_path, "qwen3_vl", _QwenProcessor(patch=16), images_per_prompt=2,
+    budget of 12 tokens per step the images' tokens are split over chunks, each adding its own. The
+    MoE form's experts are decoupled per row as usual."""
+    _served_matches_merged(tmp_path, arch, _QwenProcessor(patch=16), images_per_prompt=2,
                            vision_scale=0.5, max_batch_tokens=budget)
 
 
