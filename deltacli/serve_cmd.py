@@ -31,6 +31,9 @@ def serve(
     max_queue: Annotated[int, typer.Option(help="Waiting requests before new ones get 429.")] = 256,
     max_request_bytes: Annotated[int, typer.Option(help="Largest request body accepted (larger ones get 413); "
                                                         "prompts longer than the model's context get 400.")] = 4 * 2**20,
+    chat_template: Annotated[Path | None, typer.Option(help="A Jinja chat template that renders every model's chat "
+                                                            "requests, in place of their own (for checkpoints that "
+                                                            "ship none).", show_default=False)] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     delta_compute: Annotated[str, typer.Option(help="auto, packed (SBMM on stacked low-bit deltas) or dequantized "
@@ -60,7 +63,8 @@ def serve(
                       max_deltas=max_deltas, max_cpu_deltas=max_cpu_deltas, max_batch_tokens=max_batch_tokens,
                       max_num_seqs=max_num_seqs, max_queue=max_queue, device=device, dtype=dtype,
                       delta_compute=delta_compute, cpu_threads=cpu_threads, preemption=not no_preemption,
-                      workers=workers, tensor_parallel=tensor_parallel, max_request_bytes=max_request_bytes)
+                      workers=workers, tensor_parallel=tensor_parallel, max_request_bytes=max_request_bytes,
+                      chat_template=chat_template)
     if ray or replicas is not None or min_replicas is not None or max_replicas is not None or ray_address:
         if tensor_parallel != 1:
             from deltazip.formats.errors import InputError

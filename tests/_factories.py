@@ -214,6 +214,11 @@ ARCH_CONFIGS = {
                      vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                         deepstack_visual_indexes=[0, 1]),
                      image_token_id=120, video_token_id=121, vision_start_token_id=122),
+    # a prefix language model: its prompt is read with bidirectional attention (the processor's image
+    # token, id 128, and its 1,152 location and segmentation tokens grow the tokenizer)
+    "paligemma": dict(model_type="paligemma", text_config=dict(_LM, model_type="gemma", head_dim=16),
+                      vision_config=dict(_VISION, model_type="siglip_vision_model"), projection_dim=64,
+                      image_token_index=128),
     "qwen3_vl_moe": dict(model_type="qwen3_vl_moe",
                          text_config=dict(_LM, model_type="qwen3_vl_moe_text", head_dim=16, moe_intermediate_size=32,
                                           num_experts=4, num_experts_per_tok=2,

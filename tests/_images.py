@@ -60,7 +60,8 @@ def prompt(processor, text: str, images: list):
     rendered = processor.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     out = processor(text=[rendered], images=images, return_tensors="pt", add_special_tokens=False)
     ids = out.pop("input_ids")[0].tolist()
-    out.pop("attention_mask")
+    for k in ("attention_mask", "labels"):
+        out.pop(k, None)
     return ids, PromptMedia(dict(out), len(images))
 
 

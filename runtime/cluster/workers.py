@@ -100,6 +100,7 @@ class WorkerStartError(DeltazipError, RuntimeError):
 def _config_json(cfg) -> str:
     d = asdict(cfg)
     d["artifacts"] = str(d["artifacts"])
+    d["chat_template"] = None if d["chat_template"] is None else str(d["chat_template"])
     # Workers listen on loopback only (the front is the public side) and are single-process.
     d.update(host="127.0.0.1", port=0, workers=1)
     return json.dumps(d)

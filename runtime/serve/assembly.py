@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from deltazip.formats.errors import InputError
+from deltazip.formats.errors import InputError, first_line
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import check_device, check_dtype, resolve_device
 from deltazip.models.loader import text_config
@@ -74,6 +74,25 @@ MODES = ("delta", "swap")
 # --------------------------------------------------------------------------------------------------
 
 
+def read_chat_template(path: Path) -> str:
+    """The text of a ``--chat-template`` file, checked to compile as a Jinja template (InputError, one line)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--chat-template {path}: cannot read it ({type(e).__name__}: {first_line(e)}); pass a "
+                         "UTF-8 Jinja file") from e
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as e:
+        raise InputError(f"--chat-template {path}: line {e.lineno}: {e.message}; fix the Jinja syntax") from e
+    if not text.strip():
+        raise InputError(f"--chat-template {path} is empty; pass a Jinja chat template")
+    return text
+
+
 @dataclass
 class ServeConfig:
     """Everything ``deltazip serve`` takes (validated on construction).
@@ -102,6 +121,7 @@ class ServeConfig:
     workers: int = 1  # >1: engine processes sharing one weight owner (deltazip.runtime.cluster.workers)
     tensor_parallel: int = 1  # >1: each layer sharded over that many processes (deltazip.runtime.cluster)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get 413
+    chat_template: Path | None = None  # a Jinja file rendering every model's chat requests (over their own)
     tuner: Any = None  # the delta-matmul tuner (deltazip.runtime.serve.kernel_tuner.Tuner); default: one per model
     # Engine knobs without a CLI option (tests and benches turn them): see EngineConfig.
     chunked_prefill: bool = True
@@ -134,6 +154,7 @@ class ServeConfig:
             raise InputError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if self.api_key == "":
             self.api_key = None
+        self.chat_template_text = None if self.chat_template is None else read_chat_template(Path(self.chat_template))
 
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)

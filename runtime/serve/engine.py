@@ -83,7 +83,7 @@ from deltazip.runtime.serve.delta_loader import DeltaLoader
 from deltazip.runtime.serve.grammar import GrammarCompilers, MaskFiller, StepMasks
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, SeqBlocks
 from deltazip.runtime.serve.model_runner import SeqKV, forward_step, new_kv_pool, new_seq_kv
-from deltazip.runtime.serve.prompt_media import PromptInputs, PromptMedia
+from deltazip.runtime.serve.prompt_media import PromptInputs, PromptMedia, is_prefix_lm
 from deltazip.runtime.serve.recurrent_state import recurrent_layer_types
 from deltazip.runtime.serve.sampling import (
     MAX_TOP_LOGPROBS,
@@ -600,6 +600,8 @@ class Engine:
                            kv=new_seq_kv(self.kv_pool), tag=REQUEST_TAG.get(), forks=list(zip(rids[1:], sinks[1:])))
             seq.matcher = params.grammar.matcher() if params.grammar is not None else None
             seq.media = media
+            if media is None and is_prefix_lm(self.backend.config):  # PaliGemma: the prompt sees itself
+                seq.inputs = PromptInputs.prefix(len(seq.prompt_ids))
             for r in rids[1:]:
                 self._fork_of[r] = rid
             self._inbox.append(seq)

@@ -108,5 +108,6 @@ def image_prompt(proc, text: str, images: list) -> tuple[list[int], PromptMedia]
         raise ApiError(400, f"the images do not fit the prompt: {type(e).__name__}: {first_line(e)}",
                        param="messages") from e
     ids = out.pop("input_ids")[0].tolist()
-    out.pop("attention_mask", None)
+    for k in ("attention_mask", "labels"):  # labels: PaliGemma's processor gives training targets too
+        out.pop(k, None)
     return ids, PromptMedia({k: v for k, v in out.items() if hasattr(v, "dtype")}, len(images))

@@ -80,7 +80,7 @@ from deltazip.runtime.serve.model_runner import (
     run_model,
 )
 from deltazip.runtime.serve.projections import merge_projections
-from deltazip.runtime.serve.prompt_media import PromptInputs, PromptMedia, read_prompt
+from deltazip.runtime.serve.prompt_media import PromptInputs, PromptMedia, is_prefix_lm, read_prompt
 from deltazip.runtime.serve.recurrent_state import mark_tokenwise, recurrent_layer_types
 from deltazip.runtime.serve.variant_sources import VariantInfo
 from deltazip.runtime.serve.vision_params import VisionParams
@@ -236,7 +236,8 @@ def _self_check(model: nn.Module, path: Path, device: torch.device, dtype: torch
             seqs, want = [[], []], []
             for new in steps:
                 seqs = [s + t for s, t in zip(seqs, new)]
-                want += [model(input_ids=torch.tensor([s], device=device)).logits[:, -1].float() for s in seqs]
+                want += [model(input_ids=torch.tensor([s], device=device), **_prompt_types(model, s, r)
+                               ).logits[:, -1].float() for s, r in zip(seqs, rows)]
             if not uses_padding_mask_bias(model.config):
                 use_paged_attention(model)  # the paged KV cache's attention where the model class takes one
             if recurrent_layer_types(model.config) and _scans_from_zero(model, device, dtype):
@@ -259,12 +260,22 @@ def _engine_logits(model: nn.Module, steps: list[list[list[int]]], device: torch
     pool = new_kv_pool(model)
     caches = [new_seq_kv(pool) for _ in steps[0]]
     be = _BaseRows(model, device, dtype)
+    prompts = [PromptInputs.prefix(len(t)) for t in steps[0]] if is_prefix_lm(model.config) else None
     try:
-        return torch.cat([forward_step(be, pool, caches, [BASE_SLOT] * len(new), new, [c.length for c in caches])
-                          for new in steps])
+        return torch.cat([forward_step(be, pool, caches, [BASE_SLOT] * len(new), new, [c.length for c in caches],
+                                       inputs=prompts if i == 0 else None) for i, new in enumerate(steps)])
     finally:
         for c in caches:
             c.free()
+
+
+def _prompt_types(model: nn.Module, seq: list[int], prompt: list[int]) -> dict:
+    """A prefix language model's ``token_type_ids`` for ``seq``, whose first ``len(prompt)`` tokens
+    are the prompt (0: seen both ways) and the rest what follows it (1: causal); else nothing."""
+    if not is_prefix_lm(model.config):
+        return {}
+    types = [0] * len(prompt) + [1] * (len(seq) - len(prompt))
+    return {"token_type_ids": torch.tensor([types], device=next(model.parameters()).device)}
 
 
 class _BaseRows:

@@ -15,7 +15,9 @@ projector reads its images with its own weights.
 
 Gemma 3 lets an image's tokens see each other in both directions (its processor marks them; the
 engine keeps each image's span in ``PromptInputs.blocks`` and the paged attention widens those
-queries' view to the span's end). A prompt chunk never ends inside such a span.
+queries' view to the span's end). PaliGemma reads its whole prompt, images and text, that way (a
+prefix language model; its processor's ``token_type_ids`` 0). A prompt chunk never ends inside such
+a span.
 
 Qwen3-VL also adds features of early vision layers to the hidden states of its first decoder layers
 at the images' positions (DeepStack): those are kept per image token too, and each step hands the
@@ -35,6 +37,14 @@ from deltazip.models.image_inputs import on_model, run_to_language_model
 
 # Image tokens see each other both ways within one image (transformers' token_type_ids blocks).
 BIDIRECTIONAL_IMAGES = frozenset({"gemma3"})
+# The prompt (images and text) sees itself both ways, generated tokens are causal: a prefix LM
+# (PaliGemma; transformers' token_type_ids 0 for the prompt, 1 for what follows it).
+PREFIX_LM = frozenset({"paligemma"})
+
+
+def is_prefix_lm(config) -> bool:
+    """Whether ``config``'s model reads its whole prompt with bidirectional attention."""
+    return config.model_type in PREFIX_LM
 # What a language model may be handed besides its input embeddings and positions, all of which the
 # engine gives it itself (masks, cache, flags).
 _OWN_ARGS = frozenset({"inputs_embeds", "position_ids", "attention_mask", "cache", "past_key_values", "use_cache",
@@ -90,6 +100,11 @@ class PromptInputs:
             return None
         return PromptInputs(self.positions[:0], self.embeds[:0], self.rope, self.rope_delta)
 
+    @classmethod
+    def prefix(cls, t: int) -> PromptInputs:
+        """A text prompt of ``t`` tokens that a prefix language model reads seeing itself both ways."""
+        return cls(torch.zeros(0, dtype=torch.long), torch.zeros(0, 0), blocks=[(0, t)])
+
     def chunk_end(self, start: int, end: int) -> int:
         """Where a prompt chunk ``[start, end)`` may end: before a span it would cut, or after the span
         when the span starts the chunk (a chunk never splits a span whose tokens see each other)."""
@@ -136,6 +151,8 @@ def read_prompt(model: nn.Module, prompt_ids: list[int], media: PromptMedia, dev
         embeds = got.index_select(0, positions).clone()
     rope, delta = _rope(seen.get("position_ids"), len(prompt_ids))
     blocks = _spans(positions.tolist()) if kind in BIDIRECTIONAL_IMAGES else []
+    if is_prefix_lm(model.config):  # a served prompt has no suffix: all of it is the prefix
+        blocks = [(0, len(prompt_ids))]
     return PromptInputs(positions.cpu(), embeds, rope, delta, blocks, deep)
 
 
@@ -146,7 +163,9 @@ def _rope(pos: torch.Tensor | None, t: int) -> tuple[torch.Tensor | None, int]:
         return None, 0
     pos = pos.detach().to("cpu", torch.long)
     pos = pos[:, 0] if pos.dim() == 3 else pos.reshape(1, -1)
-    if pos.shape[-1] != t or torch.equal(pos, torch.arange(t).expand_as(pos)):
+    # plain positions, or all shifted alike (PaliGemma counts from 1), which rotary attention ignores
+    if pos.shape[-1] != t or (torch.equal(pos - pos[:, :1], torch.arange(t).expand_as(pos))
+                              and bool((pos[:, 0] == pos[0, 0]).all())):
         return None, 0
     return pos.clone(), int(pos.max()) + 1 - t
 

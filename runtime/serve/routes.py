@@ -129,15 +129,23 @@ def encode_prompts(state: AppState, name: str, prompt) -> list[list[int]]:
     raise ApiError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
 
 
-def chat_template(state: AppState, name: str) -> str:
-    """The variant's own chat template, else the base's (a fine-tune that kept tokenizer files without
-    one still chats as its base does)."""
+def own_chat_template(state: AppState, name: str) -> str | None:
+    """``--chat-template``'s, else the variant's own chat template, else the base's (a fine-tune that
+    kept tokenizer files without one still chats as its base does); None if there is none."""
+    given = getattr(state.rt.config, "chat_template_text", None)
+    if given:
+        return given
     tok = state.served_entry(name).encoder
-    template = getattr(tok, "chat_template", None) or getattr(state.engine.served[state.rt.base_name].encoder,
-                                                              "chat_template", None)
+    return getattr(tok, "chat_template", None) or getattr(state.engine.served[state.rt.base_name].encoder,
+                                                          "chat_template", None)
+
+
+def chat_template(state: AppState, name: str) -> str:
+    """:func:`own_chat_template`, or a 400 that says what to do without one."""
+    template = own_chat_template(state, name)
     if not template:
-        raise ApiError(400, f"model `{name}` has no chat template (nor has the base); use /v1/completions",
-                       param="messages")
+        raise ApiError(400, f"model `{name}` has no chat template (nor has the base); use /v1/completions, or "
+                            "start the server with --chat-template FILE", param="messages")
     return template
 
 
@@ -529,10 +537,9 @@ class Routes:
         special tokens, chat template and the served context length."""
         name = await asyncio.to_thread(self._served_model, request.query_params.get("model"))
         tok = self.s.served_entry(name).encoder
-        base = self.s.engine.served[self.s.rt.base_name].encoder
         special = {k: getattr(tok, k, None) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         return {"tokenizer_class": type(tok).__name__, **{k: v if isinstance(v, str) else None for k, v in special.items()},
-                "chat_template": getattr(tok, "chat_template", None) or getattr(base, "chat_template", None),
+                "chat_template": own_chat_template(self.s, name),
                 "model_max_length": self.s.engine.max_len}
 
     def add_to(self, app) -> None:

@@ -38,7 +38,7 @@ INPUTS = {
     "pack": {"artifact"},
     "unpack": {"artifact"},
     "verify": {"artifact"},
-    "serve": {"artifacts"},
+    "serve": {"artifacts", "chat_template"},
     "tune": {"artifacts"},
     "demo": set(),
 }

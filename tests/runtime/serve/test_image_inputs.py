@@ -154,6 +154,65 @@ def test_qwen3_vl_images_feed_their_deepstack_features_to_early_layers(tmp_path,
                            vision_scale=0.5, max_batch_tokens=budget)
 
 
+# docs/serve.md's: the last user message's images, then its text (PaliGemma's training format).
+PALIGEMMA_TEMPLATE = """{%- set m = messages[-1] -%}
+{%- if m['content'] is string -%}{{ m['content'] }}{%- else -%}
+{%- for p in m['content'] if p['type'] == 'image' -%}<image>{%- endfor -%}
+{%- for p in m['content'] if p['type'] == 'text' -%}{{ p['text'] }}{%- endfor -%}
+{%- endif -%}
+"""
+
+
+def _paligemma_processor():
+    from transformers import PaliGemmaProcessor, SiglipImageProcessorPil
+
+    images = SiglipImageProcessorPil(size={"height": 28, "width": 28})
+    images.image_seq_length = 4
+    return PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer(template("<image>")))
+
+
+@pytest.mark.parametrize("budget", [2048, 10])
+def test_paligemma_reads_its_whole_prompt_both_ways(tmp_path, budget):
+    """PaliGemma: a prefix language model. Its prompt, images and text (and a text-only prompt),
+    sees itself both ways; generated tokens are causal. With a budget of 10 tokens per step a prompt
+    is still read in one step, since no chunk may cut it."""
+    _served_matches_merged(tmp_path, "paligemma", _paligemma_processor(), images_per_prompt=2,
+                           max_batch_tokens=budget)
+
+
+def test_a_chat_template_given_at_start_up_reads_paligemma_images_over_http(tmp_path):
+    """PaliGemma checkpoints ship no chat template: a chat request is a 400 that names
+    ``--chat-template``; with a template file given at start-up, a chat request with an image answers
+    what the merged model generates for that rendering."""
+    import httpx
+    from openai import OpenAI
+
+    processor = _paligemma_processor()
+    text = PALIGEMMA_TEMPLATE
+    processor.tokenizer.chat_template = None
+    with single_thread():
+        base_dir, arts = _build(tmp_path, "paligemma", processor, vocab=len(processor.tokenizer))
+    processor.tokenizer.chat_template = text  # the reference renders with the file's template
+    one = prompt(processor, "what is it?", [picture(0)])
+    want = generate(load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir)), *one, tok=processor.tokenizer)
+    (tmp_path / "paligemma.jinja").write_text(text)
+    content = [{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": png(picture(0))}}]
+    body = {"model": "ft", "messages": [{"role": "user", "content": content}], "max_tokens": N, "temperature": 0}
+    with running_server(ServedSet(tmp_path, base_dir, arts), base=str(base_dir)) as srv:
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "--chat-template FILE" in r.json()["error"]["message"], r.text
+    with running_server(ServedSet(tmp_path, base_dir, arts), base=str(base_dir),
+                        chat_template=tmp_path / "paligemma.jinja") as srv:
+        got = OpenAI(base_url=f"{srv.url}/v1", api_key="x").chat.completions.create(**body)
+        info = httpx.get(f"{srv.url}/tokenizer_info", params={"model": "ft"}, timeout=60).json()
+    assert got.choices[0].message.content == want[0]
+    assert got.usage.prompt_tokens == len(one[0])
+    image = processor.tokenizer.convert_tokens_to_ids("<image>")  # images first, then BOS, the text, a newline
+    assert one[0][:5] == [image] * 4 + [processor.tokenizer.bos_token_id]
+    assert processor.tokenizer.decode(one[0][5:]) == "what is it?\n"
+    assert info["chat_template"] == text
+
+
 def test_a_chunk_never_ends_inside_an_image_seen_both_ways():
     x = PromptInputs(torch.tensor([9, 10, 11, 12]), torch.zeros(4, 2), blocks=[(9, 13)])
     assert x.chunk_end(0, 10) == 9  # before the image

@@ -116,6 +116,21 @@ def test_max_request_bytes_is_validated():
         ServeConfig(artifacts=".", max_request_bytes=10)
 
 
+def test_a_chat_template_file_is_checked_at_start_up(tmp_path):
+    from deltazip.formats.errors import InputError
+
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m.content }}")
+    (tmp_path / "empty.jinja").write_text(" \n")
+    (tmp_path / "binary.jinja").write_bytes(b"\xff\xfe{{")
+    for name, words in (("missing.jinja", "cannot read it"), ("bad.jinja", "line 1: "), ("empty.jinja", "is empty"),
+                        ("binary.jinja", "UTF-8")):
+        with pytest.raises(InputError, match=words) as e:
+            ServeConfig(artifacts=".", chat_template=tmp_path / name)
+        assert "\n" not in str(e.value) and "--chat-template" in str(e.value)
+    (tmp_path / "ok.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert ServeConfig(artifacts=".", chat_template=tmp_path / "ok.jinja").chat_template_text.startswith("{% for")
+
+
 # --------------------------------------------------------------------------------------------------
 # Soak: 32 concurrent clients for 60 s against a real `deltazip serve` process
 # --------------------------------------------------------------------------------------------------
