@@ -109,7 +109,7 @@ def _serve(cfg, sock, json_out: bool) -> None:
     rt = build_runtime(cfg, observer=metrics, parallel=parallel)
     if json_out:
         print_json({"serving": url, "mode": mode, "models": rt.report, "capacity": rt.capacity,
-                    "kernel_warmup": rt.warmup})
+                    "kernel_warmup": rt.warmup, "images": rt.images})
     else:  # the per-model, warm-up and capacity lines were logged by build_runtime
         err_console.print(f"serving {len(rt.catalog)} variant{'' if len(rt.catalog) == 1 else 's'} of {rt.base_name} on {url} (mode {mode})", markup=False)
     serve_forever(cfg, runtime=rt, metrics=metrics, sock=sock)

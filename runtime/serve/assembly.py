@@ -47,6 +47,7 @@ from deltazip.runtime.serve.model import (
 from deltazip.runtime.serve.openai_schema import DEFAULT_MAX_REQUEST_BYTES
 from deltazip.runtime.serve.startup_report import (
     capacity,
+    log_images,
     log_variant,
     log_warmup,
     startup_report,
@@ -188,6 +189,7 @@ class Runtime:
     admin_lock: threading.Lock = field(default_factory=threading.Lock)
     capacity: dict[str, Any] = field(default_factory=dict)
     warmup: dict[str, Any] = field(default_factory=dict)  # the kernel warm-up's seconds and launches
+    images: dict[str, Any] | None = None  # whether chat requests may send images (image-text bases)
     startup: Any = None  # kernel_warmup.Startup: the tuning the server runs once it answers /health
     _base_fp: str | None = None
 
@@ -391,11 +393,12 @@ def build_runtime(cfg: ServeConfig, observer: Any = None, parallel: Callable[...
     startup = Startup(asm.backend, warmup) if hasattr(asm.backend, "tuner") else None
     if startup is not None and asm.backend.tuner.idle is None:  # background keys wait for an idle engine
         asm.backend.tuner.idle = engine.idle
+    images = log_images(engine, asm.base.path)
     cap = capacity(asm, cfg, len(catalog))
     # Warm the host tier with as many variants as it holds, in the background.
     engine.cache.prefetch(([asm.base_name] if cfg.mode == "swap" else []) + [v.name for v in asm.variants])
     rt = Runtime(engine, cfg, asm.base_name, catalog, int(time.time()), report, tokenizers, asm.index, capacity=cap,
-                 warmup=warmup, startup=startup)
+                 warmup=warmup, startup=startup, images=images)
     rt._base_fp = asm.base_fp
     return rt
 

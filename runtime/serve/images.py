@@ -82,10 +82,20 @@ def _short(url: str) -> str:
     return url if len(url) <= 60 else url[:57] + "..."
 
 
+# Where a checkpoint keeps its image processor: transformers 5 writes it inside processor_config.json.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
 def processor(files: Path, base_files: Path):
     """The served checkpoint's processor (its own files where it has an image processor, else the
     base's), loaded once per directory. 400 when it cannot be loaded (e.g. a package it needs)."""
-    path = Path(files) if (Path(files) / "preprocessor_config.json").is_file() else Path(base_files)
+    def has(d: Path) -> bool:
+        return any((Path(d) / f).is_file() for f in PROCESSOR_FILES)
+
+    path = Path(files) if has(files) else Path(base_files)
+    if not has(path):
+        raise ApiError(400, f"this model has no image processor ({' or '.join(PROCESSOR_FILES)} in {path}); send "
+                            "text content parts, or serve a checkpoint saved with its processor", param="messages")
     with _LOCK:
         if path not in _PROCESSORS:
             from transformers import AutoProcessor

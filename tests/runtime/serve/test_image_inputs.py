@@ -64,8 +64,9 @@ class _QwenProcessor:
         return {**enc, **out, "mm_token_type_ids": kinds}
 
 
-def _build(root, arch, processor, vision_scale: float = 0.0, vocab: int = 128):
-    """Base, a text fine-tune (``vision_scale``: its projector moved too) compressed as ``ft``."""
+def _build(root, arch, processor, vision_scale: float = 0.0, vocab: int = 128, processor_files: bool = True):
+    """Base, a text fine-tune (``vision_scale``: its projector moved too) compressed as ``ft``; without
+    ``processor_files`` the checkpoints keep only the tokenizer."""
     tok = processor.tokenizer
     ids = dict(IDS, vocab_size=vocab)
     base_dir = save_model(tiny_model(arch, **ids), root / "base", tokenizer=False)
@@ -77,7 +78,7 @@ def _build(root, arch, processor, vision_scale: float = 0.0, vocab: int = 128):
                     p.add_(vision_scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
     ft_dir = save_model(ft, root / "ft", tokenizer=False)
     for d in (base_dir, ft_dir):
-        if hasattr(processor, "save_pretrained"):
+        if hasattr(processor, "save_pretrained") and processor_files:
             processor.save_pretrained(d)
         tok.save_pretrained(d)
     cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"), method="deltazip", nsamples=8,
@@ -250,6 +251,7 @@ def test_images_over_http_with_the_openai_client(tmp_path):
     want = generate(load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir)), ids, PromptMedia(dict(out), 2))
     try:
         with running_server(ServedSet(tmp_path, base_dir, arts), base=str(base_dir), max_num_seqs=4) as srv:
+            assert srv.rt.images == {"read": True, "processor": "LlavaProcessor"}
             client = OpenAI(base_url=f"{srv.url}/v1", api_key="x")
             got = client.chat.completions.create(model="ft", messages=[{"role": "user", "content": content}],
                                                  max_tokens=N, temperature=0)
@@ -334,6 +336,30 @@ def test_idefics3_images_split_into_tiles_give_the_merged_output(tmp_path):
     """Idefics3: each image split into tiles plus a global view, each tile's tokens between its row
     and column tags, pixel masks beside the pixels (the tokenizer grows by the processor's tokens)."""
     _served_matches_merged(tmp_path, "idefics3", _idefics3_processor(), images_per_prompt=1)
+
+
+def test_the_start_up_says_whether_images_are_read(tmp_path, caplog):
+    """An image-text checkpoint served without its processor's files is served for text; the start-up
+    line (and the ``--json`` document's ``images``) says that images are not read and why. With them,
+    the line says they are read, and by what (the images-over-HTTP test)."""
+    import logging
+
+    import httpx
+
+    with single_thread():
+        base_dir, arts = _build(tmp_path, "llava", llava_processor(tokenizer()), processor_files=False)
+    with caplog.at_level(logging.INFO, logger="deltazip.serve"):
+        with running_server(ServedSet(tmp_path, base_dir, arts), base=str(base_dir)) as srv:
+            r = httpx.post(f"{srv.url}/v1/completions", json={"model": "ft", "prompt": "zip", "max_tokens": 2},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+            assert not srv.rt.images["read"] and "has no image processor" in srv.rt.images["why"], srv.rt.images
+            content = [{"type": "image_url", "image_url": {"url": png(picture(0))}}, {"type": "text", "text": "?"}]
+            r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
+                "model": "ft", "messages": [{"role": "user", "content": content}], "max_tokens": 2})
+            assert r.status_code == 400 and "no image processor" in r.json()["error"]["message"], r.text
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("images:")]
+    assert len(lines) == 1 and lines[0].startswith("images: not read") and "no image processor" in lines[0], lines
 
 
 def test_a_processor_that_cannot_load_is_a_one_line_400(tmp_path):
