@@ -195,7 +195,9 @@ class TPWorker:
             self.model.clear_slot(slot)
         self.group.gather_errors(error)
 
-    def forward(self, row_slots, ids, pos, mask, keys, past, new, freed) -> None:
+    def forward(self, row_slots, ids, pos, mask, keys, past, new, freed, images=None) -> None:
+        """Rank 0's step on this rank's shard; ``images``: the step's image rows and widened query
+        views (:func:`_image_args`), which every rank puts in place as rank 0 does."""
         from deltazip.runtime.serve.model_runner import new_seq_kv, step_cache
 
         for k in freed:
@@ -206,9 +208,23 @@ class TPWorker:
         dev = self.group.device
         with torch.inference_mode():
             kv = step_cache(self.pool, caches, past, new, dev)
+            for name, value in (images or {}).items():
+                setattr(kv, name, value.to(dev))
             self.model.forward(row_slots, ids.to(dev), pos.to(dev), mask.to(dev), kv)
         for c, n in zip(caches, new):
             c.length += n
+
+
+def _image_args(kv) -> dict:
+    """What a step of rows with images sets on its cache object beyond the layout
+    (``model_runner.forward_step``): the image rows (``prompt_embeds``) and the widened query views
+    (``see``), on the CPU for the broadcast; empty for a text step."""
+    out = {}
+    if getattr(kv, "prompt_embeds", None) is not None:
+        out["prompt_embeds"] = kv.prompt_embeds.to("cpu")
+    if getattr(kv, "see", None) is not None:
+        out["see"] = kv.see.to("cpu")
+    return out
 
 
 def _in_pool(c) -> bool:
@@ -297,8 +313,14 @@ class TPLeader:
         keys, freed = self._sequence_keys(kv.caches)
         cpu = torch.device("cpu")
         self._group.broadcast(("forward", list(row_slots), input_ids.to(cpu), position_ids.to(cpu),
-                               attention_mask.to(cpu), keys, list(kv.past), list(kv.new), freed))
+                               attention_mask.to(cpu), keys, list(kv.past), list(kv.new), freed, _image_args(kv)))
         return self._model.forward(row_slots, input_ids, position_ids, attention_mask, kv)
+
+    def prompt_inputs(self, slot: int, prompt_ids: list[int], media):
+        """What the model's forward makes of a prompt with images, on rank 0 alone: that forward
+        stops before the first decoder layer, and the vision tower, projector and embeddings are
+        whole on every rank (``tensor_parallel.shard_kind``), so no rank has a part to add."""
+        return self._model.prompt_inputs(slot, prompt_ids, media)
 
     def close(self) -> None:
         """Stop the workers and leave the group (idempotent)."""

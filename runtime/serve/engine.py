@@ -521,7 +521,7 @@ class Engine:
         if not is_image_text(cfg):
             return f"the served model ({cfg.model_type}) reads text only; send text content parts"
         if not hasattr(self.backend, "prompt_inputs"):
-            return "images are not read with --tensor-parallel; serve this model without it to send images"
+            return "this server's model does not read images; send text content parts"
         if recurrent_layer_types(cfg):
             return f"images are not read by {cfg.model_type}'s recurrent layers here; send text content parts"
         if getattr(text_config(cfg), "cross_attention_layers", None):  # Mllama: images enter by cross-attention

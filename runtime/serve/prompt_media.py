@@ -193,6 +193,11 @@ class StepEmbeds:
     values: torch.Tensor
     deep: list[torch.Tensor] | None = None
 
+    def to(self, device) -> StepEmbeds:
+        """The same rows on ``device`` (another tensor-parallel rank's)."""
+        deep = None if self.deep is None else [d.to(device) for d in self.deep]
+        return StepEmbeds(self.rows.to(device), self.cols.to(device), self.values.to(device), deep)
+
     def language_model_args(self, shape: tuple[int, int]) -> dict:
         """What the language model takes besides its input embeddings for a step of ``shape`` ``(B,
         Tm)``: Qwen3-VL's image positions ``[B, Tm]`` and their DeepStack features; else nothing."""

@@ -325,6 +325,30 @@ def test_workers_read_images_behind_the_front(tmp_path):
     assert [g["choices"][0]["message"]["content"] for g in got] == [want[0]] * 2
 
 
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl"])
+def test_tensor_parallel_reads_images_on_rank_0_and_every_rank_puts_them_in_place(tmp_path, arch):
+    """``--tensor-parallel 2``: the vision tower and projector are whole on every rank, so rank 0 reads
+    a prompt's images alone; each step's image rows (and Qwen's own positions) go to the other rank
+    with the step, and the served text and log probabilities are the merged model's."""
+    from deltazip.runtime.cluster.tp_group import start_tensor_parallel
+
+    processor = llava_processor(tokenizer()) if arch == "llava" else _QwenProcessor()
+    with single_thread():
+        base_dir, arts = _build(tmp_path, arch, processor, vision_scale=0.5)
+        ck = Checkpoint(base_dir)
+        refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck), "base": load_causal_lm(base_dir, torch.float32)}
+        one = prompt(processor, "what is it?", [picture(0), picture(1)])
+        want = {m: generate(refs[m], *one) for m in refs}
+        want["text"] = generate(refs["ft"], processor.tokenizer("zip model tune")["input_ids"], None)
+        tp = start_tensor_parallel(ck, discover_variants(arts), 2, torch.device("cpu"), torch.float32, 2)
+        try:
+            got = engine_runs(tp, processor.tokenizer, [("ft", one), ("base", one), ("ft", "zip model tune")], N,
+                              max_batch_tokens=16)
+        finally:
+            tp.close()
+    assert all(_same(g, want[k], tol=1e-3) for g, k in zip(got, ("ft", "base", "text"))), [g.text for g in got]
+
+
 def _idefics3_processor():
     from transformers import Idefics3ImageProcessor, Idefics3Processor
 
