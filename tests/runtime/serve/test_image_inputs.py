@@ -95,28 +95,41 @@ def _same(got, want, tol=1e-4) -> bool:
     return got.text == want[0] and k > 0 and max(abs(a - b) for a, b in zip(lps[:k], want[1][:k])) < tol
 
 
-def _served_matches_merged(tmp_path, arch, processor, images_per_prompt, vision_scale=0.0, **engine):
+def _served_matches_merged(tmp_path, arch, processor, images_per_prompt, vision_scale=0.0, dtype=torch.float32,
+                           tol=1e-4, **engine):
+    """Served (delta mode, in ``dtype``) against the merged checkpoint's ``generate`` in ``dtype``: equal
+    texts, log probabilities within ``tol``."""
     tok = processor.tokenizer
     with single_thread():
         base_dir, arts = _build(tmp_path, arch, processor, vision_scale, vocab=max(128, len(tok)))
         ck = Checkpoint(base_dir)
-        refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck), "base": load_causal_lm(base_dir, torch.float32)}
+        refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck, dtype), "base": load_causal_lm(base_dir, dtype)}
         prompts = [prompt(processor, "what is it?", [picture(s) for s in range(images_per_prompt)]),
                    prompt(processor, "and this one", [picture(7 + s, (60, 44)) for s in range(images_per_prompt)])]
         want = {(m, i): generate(refs[m], *prompts[i], tok=tok) for m in refs for i in range(2)}
         want["ft", "text"] = generate(refs["ft"], tok("zip model tune")["input_ids"], None, tok=tok)
         assert any(want["ft", i] != want["base", i] for i in range(2))  # the fine-tune matters
-        dm = DeltaModel(ck, discover_variants(arts), num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
+        dm = DeltaModel(ck, discover_variants(arts), num_slots=2, device=torch.device("cpu"), dtype=dtype)
         jobs = [("ft", 0), ("base", 0), ("ft", "text"), ("ft", 1), ("base", 1)]
         got = engine_runs(dm, tok, [(m, prompts[i] if i != "text" else "zip model tune") for m, i in jobs], N,
                           **engine)
     for j, ev in zip(jobs, got):
-        assert _same(ev, want[j]), (j, ev.text, want[j])
+        assert _same(ev, want[j], tol), (j, ev.text, want[j])
     return refs, prompts, got
 
 
 def test_llava_images_in_a_mixed_batch_give_the_merged_output(tmp_path):
     _served_matches_merged(tmp_path, "llava", llava_processor(tokenizer()), images_per_prompt=1)
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl"])
+def test_images_served_in_bf16_give_the_merged_output_in_bf16(tmp_path, arch):
+    """bf16, the dtype GPUs serve in: the vision tower, the image rows and the batched decoder run in
+    bf16 as the merged model's ``generate`` does; texts equal, log probabilities within 0.05 (rows
+    padded and batched with others round differently)."""
+    processor = llava_processor(tokenizer()) if arch == "llava" else _QwenProcessor()
+    _served_matches_merged(tmp_path, arch, processor, images_per_prompt=2, vision_scale=0.5, dtype=torch.bfloat16,
+                           tol=0.05)
 
 
 def test_a_variant_that_changed_the_projector_reads_images_with_its_own(tmp_path):
