@@ -91,7 +91,8 @@ def image_hessians(model: nn.Module, modules: dict[str, str], model_dir: Path, i
                 raise InputError(f"--calib-images: {f} is not an image PIL can read ({e}); remove it") from e
             out = dict(proc(text=[placeholder], images=[rgb], return_tensors="pt"))
             ids = out.pop("input_ids").to(device)
-            out.pop("attention_mask", None)
+            for k in ("attention_mask", "labels"):  # labels: PaliGemma's processor gives training targets
+                out.pop(k, None)
             try:
                 run_to_language_model(model, ids, on_model({k: v for k, v in out.items() if hasattr(v, "dtype")},
                                                            device, dtype))

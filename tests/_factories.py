@@ -219,6 +219,10 @@ ARCH_CONFIGS = {
     "paligemma": dict(model_type="paligemma", text_config=dict(_LM, model_type="gemma", head_dim=16),
                       vision_config=dict(_VISION, model_type="siglip_vision_model"), projection_dim=64,
                       image_token_index=128),
+    # tiles of 28x28, a token per tile after pixel shuffle (downsample 0.5)
+    "internvl": dict(model_type="internvl", text_config=dict(_LM, model_type="qwen2"),
+                     vision_config=dict(_VISION, image_size=[28, 28], patch_size=[14, 14]), image_token_id=120,
+                     downsample_ratio=0.5),
     "qwen3_vl_moe": dict(model_type="qwen3_vl_moe",
                          text_config=dict(_LM, model_type="qwen3_vl_moe_text", head_dim=16, moe_intermediate_size=32,
                                           num_experts=4, num_experts_per_tok=2,

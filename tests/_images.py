@@ -4,9 +4,11 @@ LLaVA processor over it, prompts as processors give them, and the merged model's
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 
 import numpy as np
+import pytest
 import torch
 
 from deltazip.demo.pair import build_char_tokenizer
@@ -45,6 +47,29 @@ def tokenizer(template: str = TEMPLATE):
     tok.add_special_tokens({"additional_special_tokens": [IMAGE, BOI, EOI]})  # one token each (in the vocab)
     tok.chat_template = template
     return tok
+
+
+# Processors whose image or video side needs torchvision, as checkpoints ship them (loaded with
+# AutoProcessor from the saved files). CI's CPU torch has no torchvision build to match it.
+needs_torchvision = pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
+                                       reason="the processor needs torchvision (not installed)")
+
+
+def qwen_vl_processor(arch: str):
+    """Qwen2.5-VL's (``qwen2_5_vl``, patches of 14) or Qwen3-VL's (``qwen3_vl``, 16) processor class
+    over the character tokenizer, its image token id 120 between the vision start and end tokens."""
+    import transformers
+    from transformers import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    tok = tokenizer(template(BOI + IMAGE + EOI))
+    tok._set_model_specific_special_tokens(special_tokens={"image_token": IMAGE, "video_token": "<reserved_22>",
+                                                           "vision_bos_token": BOI, "vision_eos_token": EOI})
+    patch = 16 if arch.startswith("qwen3") else 14
+    images = Qwen2VLImageProcessor(min_pixels=4 * (2 * patch) ** 2, max_pixels=24 * (2 * patch) ** 2, patch_size=patch,
+                                   merge_size=2, temporal_patch_size=2)
+    cls = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}[arch]
+    return getattr(transformers, cls)(image_processor=images, tokenizer=tok, video_processor=Qwen2VLVideoProcessor())
 
 
 def llava_processor(tok):

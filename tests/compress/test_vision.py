@@ -11,7 +11,16 @@ import warnings
 import pytest
 import torch
 from _factories import calib_file, finetune, perturb, save_model, tiny_model
-from _images import N, generate, llava_processor, picture, prompt, tokenizer
+from _images import (
+    N,
+    generate,
+    llava_processor,
+    needs_torchvision,
+    picture,
+    prompt,
+    qwen_vl_processor,
+    tokenizer,
+)
 from _serving import engine_runs, single_thread
 
 from deltazip.compress.config import CompressConfig
@@ -33,14 +42,14 @@ CFG = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"),
                      seqlen=32, device="cpu")
 
 
-def _pair(root, dtype=torch.float32):
+def _pair(root, dtype=torch.float32, arch="llava"):
     """Base and a fine-tune whose language model, vision tower and projector all moved, stored in
     ``dtype`` (trained in fp32)."""
-    proc = llava_processor(tokenizer())
-    base_dir = save_model(tiny_model("llava", **IDS).to(dtype), root / "base", tokenizer=False)
-    ft = finetune(tiny_model("llava", **IDS), steps=20, seed=3)
-    with torch.no_grad():  # a vision fine-tune: low-rank-structured moves of the tower and projector
-        side = torch.nn.ModuleDict({"v": ft.model.vision_tower, "p": ft.model.multi_modal_projector})
+    proc = llava_processor(tokenizer()) if arch == "llava" else qwen_vl_processor(arch)
+    base_dir = save_model(tiny_model(arch, **IDS).to(dtype), root / "base", tokenizer=False)
+    ft = finetune(tiny_model(arch, **IDS), steps=20, seed=3)
+    with torch.no_grad():  # a vision fine-tune: low-rank-structured moves of everything beside the language model
+        side = torch.nn.ModuleDict({n: m for n, m in ft.model.named_children() if n != "language_model"})
         perturb(side, scale=0.2, seed=9)
     ft_dir = save_model(ft.to(dtype), root / "ft", tokenizer=False)
     for d in (base_dir, ft_dir):
@@ -95,9 +104,13 @@ def test_calibration_images_compress_the_vision_side_better_than_rounding(tmp_pa
     assert err["calibrated"] < 0.9 * err["rounded"], err
 
 
-def test_the_server_reads_images_with_the_packed_vision_deltas(tmp_path):
+@pytest.mark.parametrize("arch", ["llava", pytest.param("qwen2_5_vl", marks=needs_torchvision),
+                                  pytest.param("qwen3_vl", marks=needs_torchvision)])
+def test_the_server_reads_images_with_the_packed_vision_deltas(tmp_path, arch):
+    """LLaVA; Qwen2.5-VL and Qwen3-VL (their processors need torchvision: patches merged, and Qwen3-VL's
+    DeepStack mergers calibrated too)."""
     with single_thread():
-        base_dir, ft_dir, images, proc = _pair(tmp_path)
+        base_dir, ft_dir, images, proc = _pair(tmp_path, arch=arch)
         compress_delta(base_dir, ft_dir, str(calib_file(tmp_path / "calib", n=16)), tmp_path / "arts" / "ft", CFG,
                        calib_images=images)
         ck = Checkpoint(base_dir)
@@ -107,6 +120,11 @@ def test_the_server_reads_images_with_the_packed_vision_deltas(tmp_path):
         dm = DeltaModel(ck, discover_variants(tmp_path / "arts"), num_slots=2, device=torch.device("cpu"),
                         dtype=torch.float32)
         got = engine_runs(dm, proc.tokenizer, [("ft", one), ("base", one)], N)
+    art = Artifact(tmp_path / "arts" / "ft")
+    side = [n for n, e in art.entries().items() if e.kind == "packed" and not n.startswith(("model.language_model", "lm_head"))]
+    assert side and art.manifest["stats"]["vision"]["images"] == 12, side
+    if arch == "qwen3_vl":
+        assert any("deepstack_merger" in n for n in side)
     lps = [e[1] for e in got[0].logprobs]
     assert got[0].text == want[0] and max(abs(a - b) for a, b in zip(lps, want[1])) < 1e-4
 

@@ -16,7 +16,21 @@ import base64
 import pytest
 import torch
 from _factories import calib_file, finetune, save_model, tiny_model
-from _images import BOI, EOI, IMAGE, N, generate, llava_processor, picture, png, prompt, template, tokenizer
+from _images import (
+    BOI,
+    EOI,
+    IMAGE,
+    N,
+    generate,
+    llava_processor,
+    needs_torchvision,
+    picture,
+    png,
+    prompt,
+    qwen_vl_processor,
+    template,
+    tokenizer,
+)
 from _serving import ServedSet, engine_runs, running_server, single_thread
 
 from deltazip.compress.config import CompressConfig
@@ -360,6 +374,53 @@ def test_tensor_parallel_reads_images_on_rank_0_and_every_rank_puts_them_in_plac
         finally:
             tp.close()
     assert all(_same(g, want[k], tol=1e-3) for g, k in zip(got, ("ft", "base", "text"))), [g.text for g in got]
+
+
+def _pixtral_processor():
+    from transformers import PixtralImageProcessor, PixtralProcessor
+
+    images = PixtralImageProcessor(size={"longest_edge": 56}, patch_size=14)
+    return PixtralProcessor(image_processor=images, tokenizer=tokenizer(template(IMAGE)), patch_size=14,
+                            spatial_merge_size=1, image_token=IMAGE, image_break_token=BOI, image_end_token=EOI)
+
+
+def _internvl_processor():
+    from transformers import GotOcr2ImageProcessor, InternVLProcessor
+    from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
+
+    tok = tokenizer(template(IMAGE))
+    tok._set_model_specific_special_tokens(special_tokens={"start_image_token": BOI, "end_image_token": EOI,
+                                                           "context_image_token": IMAGE, "video_token": "<reserved_22>"})
+    return InternVLProcessor(image_processor=GotOcr2ImageProcessor(size={"height": 28, "width": 28}), tokenizer=tok,
+                             video_processor=InternVLVideoProcessor(), image_seq_length=1)
+
+
+PROCESSORS = {"qwen2_5_vl": lambda: qwen_vl_processor("qwen2_5_vl"), "qwen3_vl": lambda: qwen_vl_processor("qwen3_vl"),
+              "mistral3": _pixtral_processor, "internvl": _internvl_processor}
+
+
+@needs_torchvision
+@pytest.mark.parametrize("arch", list(PROCESSORS))
+def test_the_checkpoints_own_processor_reads_images_over_http(tmp_path, arch):
+    """The processor class a checkpoint ships (Qwen2.5-VL's and Qwen3-VL's, with their video
+    processors; Mistral 3's Pixtral, rows of patches ended by break tokens; InternVL's, tiles and a
+    thumbnail per image), saved beside the weights and loaded by the server with AutoProcessor: a
+    chat request with two images answers what the merged model generates for the processor's own
+    tensors."""
+    from openai import OpenAI
+
+    processor = PROCESSORS[arch]()
+    with single_thread():
+        base_dir, arts = _build(tmp_path, arch, processor, vision_scale=0.5)
+    pics = [picture(0), picture(3, (60, 44))]
+    one = prompt(processor, "which?", pics)
+    want = generate(load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir)), *one, tok=processor.tokenizer)
+    content = [*({"type": "image_url", "image_url": {"url": png(p)}} for p in pics), {"type": "text", "text": "which?"}]
+    with running_server(ServedSet(tmp_path, base_dir, arts), base=str(base_dir)) as srv:
+        assert srv.rt.images == {"read": True, "processor": type(processor).__name__}
+        got = OpenAI(base_url=f"{srv.url}/v1", api_key="x").chat.completions.create(
+            model="ft", messages=[{"role": "user", "content": content}], max_tokens=N, temperature=0)
+    assert got.choices[0].message.content == want[0] and got.usage.prompt_tokens == len(one[0])
 
 
 def _idefics3_processor():
