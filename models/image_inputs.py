@@ -33,6 +33,14 @@ def language_model(model: nn.Module) -> tuple[str, nn.Module]:
 _LANGUAGE_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def language_model_of(model: nn.Module) -> nn.Module:
+    """:func:`language_model`'s module, found once per model (the engine asks every step)."""
+    lm = _LANGUAGE_MODELS.get(model)
+    if lm is None:
+        lm = _LANGUAGE_MODELS[model] = language_model(model)[1]
+    return lm
+
+
 @contextlib.contextmanager
 def handing(model: nn.Module, kwargs: dict):
     """While it lasts, ``model``'s language model is called with ``kwargs`` over what its caller hands
@@ -40,10 +48,7 @@ def handing(model: nn.Module, kwargs: dict):
     if not kwargs:
         yield
         return
-    lm = _LANGUAGE_MODELS.get(model)
-    if lm is None:
-        lm = _LANGUAGE_MODELS[model] = language_model(model)[1]
-    hook = lm.register_forward_pre_hook(lambda _m, args, kw: (args, {**kw, **kwargs}), with_kwargs=True)
+    hook = language_model_of(model).register_forward_pre_hook(lambda _m, args, kw: (args, {**kw, **kwargs}), with_kwargs=True)
     try:
         yield
     finally:

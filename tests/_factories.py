@@ -214,6 +214,16 @@ ARCH_CONFIGS = {
                      vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                         deepstack_visual_indexes=[0, 1]),
                      image_token_id=120, video_token_id=121, vision_start_token_id=122),
+    # per-layer token embeddings beside the input embeddings; 63 tokens per image (the processor's least)
+    "gemma4_vl": dict(model_type="gemma4",
+                      text_config=dict(_LM, model_type="gemma4_text", head_dim=16, global_head_dim=32,
+                                       layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+                                       hidden_size_per_layer_input=32, vocab_size_per_layer_input=256,
+                                       max_position_embeddings=512),
+                      vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=2, head_dim=16, patch_size=14, pooling_kernel_size=2,
+                                         position_embedding_size=256),
+                      image_token_id=120, boi_token_id=121, eoi_token_id=122, video_token_id=123, audio_token_id=124),
     # a prefix language model: its prompt is read with bidirectional attention (the processor's image
     # token, id 128, and its 1,152 location and segmentation tokens grow the tokenizer)
     "paligemma": dict(model_type="paligemma", text_config=dict(_LM, model_type="gemma", head_dim=16),

@@ -60,6 +60,8 @@ class DeltaEmbedding(nn.Embedding):
         if not present:
             return out
         b = self.ctx.row_slot.shape[0]
+        if ids.dim() == 0 and b > 1:  # one id looked up for no row of the batch (Gemma 4 tests which
+            return out  # input embeddings are its image token's): the base's row
         if ids.dim() >= 2 and ids.shape[0] == 1 and b > 1:
             # ids shared by every row (default position ids [1, T]): each row gathers its own copy
             ids = ids.expand(b, *ids.shape[1:])

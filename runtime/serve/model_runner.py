@@ -453,7 +453,7 @@ def run_model(model: nn.Module, input_ids, position_ids, attention_mask, kv) -> 
     if embeds is not None:
         x = token_embeddings(model, input_ids)
         x[embeds.rows, embeds.cols] = embeds.values.to(x.dtype)
-        tokens = {"inputs_embeds": x}
+        tokens = {"inputs_embeds": x, **embeds.model_args(model, input_ids)}
         images = embeds.language_model_args(tuple(input_ids.shape))
     else:
         tokens = {"input_ids": input_ids}

@@ -33,10 +33,18 @@ import torch
 from torch import nn
 
 from deltazip.formats.errors import InputError, first_line
-from deltazip.models.image_inputs import on_model, run_to_language_model
+from deltazip.models.image_inputs import language_model_of, on_model, run_to_language_model
 
-# Image tokens see each other both ways within one image (transformers' token_type_ids blocks).
+# Image tokens see each other both ways within one image (transformers' token_type_ids blocks):
+# Gemma 3's always, Gemma 4's where its text config says so.
 BIDIRECTIONAL_IMAGES = frozenset({"gemma3"})
+
+
+def images_seen_both_ways(config) -> bool:
+    """Whether an image's tokens attend to each other in both directions in ``config``'s model."""
+    text = getattr(config, "text_config", None)
+    return (config.model_type in BIDIRECTIONAL_IMAGES
+            or (config.model_type == "gemma4" and getattr(text, "use_bidirectional_attention", None) == "vision"))
 # The prompt (images and text) sees itself both ways, generated tokens are causal: a prefix LM
 # (PaliGemma; transformers' token_type_ids 0 for the prompt, 1 for what follows it).
 PREFIX_LM = frozenset({"paligemma"})
@@ -48,7 +56,11 @@ def is_prefix_lm(config) -> bool:
 # What a language model may be handed besides its input embeddings and positions, all of which the
 # engine gives it itself (masks, cache, flags).
 _OWN_ARGS = frozenset({"inputs_embeds", "position_ids", "attention_mask", "cache", "past_key_values", "use_cache",
-                       "return_dict", "cache_position", "output_attentions", "output_hidden_states", "input_ids"})
+                       "return_dict", "cache_position", "output_attentions", "output_hidden_states", "input_ids",
+                       "logits_to_keep"})
+# Gemma 3n's and Gemma 4's per-layer token embeddings [1, T, L, D]: the outer forward computes them
+# from the ids with each image token's replaced by the pad id; kept at the image positions.
+_PER_LAYER = "per_layer_inputs"
 # Qwen3-VL's DeepStack: the image positions [1, T] bool and, per early decoder layer, a feature [n, H]
 # for each of them, added to that layer's output there.
 _DEEP_MASK, _DEEP = "visual_pos_masks", "deepstack_visual_embeds"
@@ -84,6 +96,8 @@ class PromptInputs:
         blocks: ``[(a, b)]``, spans of positions whose queries see the whole span (Gemma 3's images).
         deep: per early decoder layer ``[n, H]``, added to that layer's output at ``positions``
             (Qwen3-VL's DeepStack), else None.
+        per_layer: ``[n, L, D]``, the per-layer token embeddings at ``positions`` (Gemma 3n and 4),
+            else None.
     """
 
     positions: torch.Tensor
@@ -92,6 +106,7 @@ class PromptInputs:
     rope_delta: int = 0
     blocks: list[tuple[int, int]] = field(default_factory=list)
     deep: list[torch.Tensor] | None = None
+    per_layer: torch.Tensor | None = None
 
     def decoding(self) -> PromptInputs | None:
         """What a sequence keeps once its prompt is read: its rotary positions, which every later
@@ -136,7 +151,7 @@ def read_prompt(model: nn.Module, prompt_ids: list[int], media: PromptMedia, dev
     if "inputs_embeds" not in seen or seen["inputs_embeds"] is None:
         raise ImagesUnsupported(f"{kind}: the model's forward did not reach its language model with input embeddings")
     more = sorted(k for k, v in seen.items()
-                  if k not in _OWN_ARGS | {_DEEP_MASK, _DEEP, "_args"} and v is not None and v is not False)
+                  if k not in _OWN_ARGS | {_DEEP_MASK, _DEEP, _PER_LAYER, "_args"} and v is not None and v is not False)
     if more or seen["_args"]:
         raise ImagesUnsupported(f"images are not served for {kind}: its language model takes {', '.join(more) or 'more'}"
                                 " from the images beside their embeddings (text prompts are served)")
@@ -149,11 +164,13 @@ def read_prompt(model: nn.Module, prompt_ids: list[int], media: PromptMedia, dev
         else:
             positions = (got != token_embeddings(model, ids)[0]).any(-1).nonzero().flatten()
         embeds = got.index_select(0, positions).clone()
+        per_layer = seen.get(_PER_LAYER)
+        per_layer = None if per_layer is None else per_layer[0].index_select(0, positions).clone()
     rope, delta = _rope(seen.get("position_ids"), len(prompt_ids))
-    blocks = _spans(positions.tolist()) if kind in BIDIRECTIONAL_IMAGES else []
+    blocks = _spans(positions.tolist()) if images_seen_both_ways(model.config) else []
     if is_prefix_lm(model.config):  # a served prompt has no suffix: all of it is the prefix
         blocks = [(0, len(prompt_ids))]
-    return PromptInputs(positions.cpu(), embeds, rope, delta, blocks, deep)
+    return PromptInputs(positions.cpu(), embeds, rope, delta, blocks, deep, per_layer)
 
 
 def _rope(pos: torch.Tensor | None, t: int) -> tuple[torch.Tensor | None, int]:
@@ -186,17 +203,31 @@ class StepEmbeds:
     """A step's rows whose inputs are not their tokens' embeddings: batch row ``rows``, token index
     ``cols`` (int64 ``[n]`` each, in batch-row-major order) take ``values [n, H]``; ``deep``: per
     early decoder layer ``[n, H]`` added to its output there (Qwen3-VL), else None. Read by
-    ``model_runner.run_model``."""
+    ``model_runner.run_model``. ``per_layer``: the rows' per-layer token embeddings ``[n, L, D]``
+    (Gemma 3n and 4), else None."""
 
     rows: torch.Tensor
     cols: torch.Tensor
     values: torch.Tensor
     deep: list[torch.Tensor] | None = None
+    per_layer: torch.Tensor | None = None
 
     def to(self, device) -> StepEmbeds:
         """The same rows on ``device`` (another tensor-parallel rank's)."""
         deep = None if self.deep is None else [d.to(device) for d in self.deep]
-        return StepEmbeds(self.rows.to(device), self.cols.to(device), self.values.to(device), deep)
+        per_layer = None if self.per_layer is None else self.per_layer.to(device)
+        return StepEmbeds(self.rows.to(device), self.cols.to(device), self.values.to(device), deep, per_layer)
+
+    def model_args(self, model: nn.Module, input_ids: torch.Tensor) -> dict:
+        """What the image-text model's forward takes besides the step's input embeddings: Gemma 3n's
+        and 4's per-layer token embeddings ``[B, Tm, L, D]`` (every token's from its id through the
+        language model's own table, the image rows' as kept), which it cannot recover from
+        embeddings that are not a token's; else nothing."""
+        if self.per_layer is None:
+            return {}
+        table = language_model_of(model).get_per_layer_inputs(input_ids, None)
+        table[self.rows, self.cols] = self.per_layer.to(table.dtype)
+        return {_PER_LAYER: table}
 
     def language_model_args(self, shape: tuple[int, int]) -> dict:
         """What the language model takes besides its input embeddings for a step of ``shape`` ``(B,
@@ -225,7 +256,7 @@ def image_step(inputs: list[PromptInputs | None], past: list[int], new: list[int
         ``[B, Tm]`` where a row has spans seen both ways (else None).
     """
     tm = ids.shape[1]
-    rows, cols, values, deep = [], [], [], []
+    rows, cols, values, deep, per_layer = [], [], [], [], []
     rope_rows = max((x.rope.shape[0] for x in inputs if x is not None and x.rope is not None), default=0)
     out_pos = pos.unsqueeze(0).expand(rope_rows, *pos.shape).clone() if rope_rows else pos
     see = None
@@ -240,6 +271,8 @@ def image_step(inputs: list[PromptInputs | None], past: list[int], new: list[int
             values.append(x.embeds.index_select(0, sel.to(x.embeds.device)))
             if x.deep is not None:
                 deep.append([d.index_select(0, sel.to(d.device)) for d in x.deep])
+            if x.per_layer is not None:
+                per_layer.append(x.per_layer.index_select(0, sel.to(x.per_layer.device)))
         if x.rope is not None:
             span = torch.arange(p, p + n)
             t = x.rope.shape[1]
@@ -257,7 +290,8 @@ def image_step(inputs: list[PromptInputs | None], past: list[int], new: list[int
     if rows:
         r, c = torch.cat(rows).to(ids.device), torch.cat(cols).to(ids.device)
         ids[r, c] = 0
-        if deep and len(deep) != len(values):  # every row with images has features, or none has
-            raise ValueError("a step mixes prompts with and without DeepStack features")
-        embeds = StepEmbeds(r, c, torch.cat(values), [torch.cat(f) for f in zip(*deep)] if deep else None)
+        if any(0 < len(x) != len(values) for x in (deep, per_layer)):  # one model: every image row has them, or none
+            raise ValueError("a step mixes prompts with and without DeepStack features or per-layer embeddings")
+        embeds = StepEmbeds(r, c, torch.cat(values), [torch.cat(f) for f in zip(*deep)] if deep else None,
+                            torch.cat(per_layer) if per_layer else None)
     return embeds, out_pos, see

@@ -78,6 +78,28 @@ class _QwenProcessor:
         return {**enc, **out, "mm_token_type_ids": kinds}
 
 
+class _Gemma4Processor:
+    """What Gemma 4's processor gives (its class also builds a video processor, which needs
+    torchvision): the image processor's patches and their positions, each image's placeholder
+    expanded to its soft tokens between the begin and end of image tokens, marked 1 in
+    ``mm_token_type_ids``."""
+
+    def __init__(self):
+        from transformers import Gemma4ImageProcessorPil
+
+        self.tokenizer = tokenizer(template(IMAGE))
+        self.images = Gemma4ImageProcessorPil(patch_size=14, pooling_kernel_size=2, max_soft_tokens=70)
+
+    def __call__(self, text, images, return_tensors, add_special_tokens):
+        out = dict(self.images(images=images, return_tensors="pt"))
+        for n in out.pop("num_soft_tokens_per_image"):
+            text = [t.replace(IMAGE, BOI + "<|p|>" * int(n) + EOI, 1) for t in text]
+        text = [t.replace("<|p|>", IMAGE) for t in text]
+        enc = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        kinds = (enc["input_ids"] == self.tokenizer.convert_tokens_to_ids(IMAGE)).long()
+        return {**enc, **out, "mm_token_type_ids": kinds}
+
+
 def _build(root, arch, processor, vision_scale: float = 0.0, vocab: int = 128, processor_files: bool = True):
     """Base, a text fine-tune (``vision_scale``: its projector moved too) compressed as ``ft``; without
     ``processor_files`` the checkpoints keep only the tokenizer."""
@@ -241,6 +263,22 @@ def test_a_chat_template_given_at_start_up_reads_paligemma_images_over_http(tmp_
     assert info["chat_template"] == text
 
 
+@pytest.mark.parametrize("both_ways", [False, True])
+def test_gemma4_images_with_per_layer_embeddings(tmp_path, both_ways, monkeypatch):
+    """Gemma 4: its language model also takes per-layer token embeddings, which its forward makes from
+    the ids with each image token's replaced by the pad id; the engine keeps the image rows' and
+    makes the others from each step's ids. With ``use_bidirectional_attention: vision`` (the larger
+    Gemma 4s) an image's tokens see each other both ways, and a 40-token budget never cuts one."""
+    from _factories import ARCH_CONFIGS
+
+    if both_ways:
+        cfg = ARCH_CONFIGS["gemma4_vl"]
+        monkeypatch.setitem(ARCH_CONFIGS, "gemma4_vl",
+                            {**cfg, "text_config": {**cfg["text_config"], "use_bidirectional_attention": "vision"}})
+    _served_matches_merged(tmp_path, "gemma4_vl", _Gemma4Processor(), images_per_prompt=2, vision_scale=0.5,
+                           max_batch_tokens=40 if both_ways else 2048)
+
+
 def test_a_chunk_never_ends_inside_an_image_seen_both_ways():
     x = PromptInputs(torch.tensor([9, 10, 11, 12]), torch.zeros(4, 2), blocks=[(9, 13)])
     assert x.chunk_end(0, 10) == 9  # before the image
@@ -395,8 +433,22 @@ def _internvl_processor():
                              video_processor=InternVLVideoProcessor(), image_seq_length=1)
 
 
+def _gemma4_processor():
+    from transformers import Gemma4ImageProcessorPil, Gemma4Processor
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProcessor
+
+    tok = tokenizer(template(IMAGE))
+    tok._set_model_specific_special_tokens(special_tokens={  # the audio tokens: its processor checks they exist
+        "image_token": IMAGE, "boi_token": BOI, "eoi_token": EOI, "audio_token": "<reserved_23>",
+        "boa_token": "<reserved_24>", "eoa_token": "<reserved_25>"})
+    images = Gemma4ImageProcessorPil(patch_size=14, pooling_kernel_size=2, max_soft_tokens=70)
+    return Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=images, tokenizer=tok,
+                           video_processor=Gemma4VideoProcessor(), image_seq_length=70)
+
+
 PROCESSORS = {"qwen2_5_vl": lambda: qwen_vl_processor("qwen2_5_vl"), "qwen3_vl": lambda: qwen_vl_processor("qwen3_vl"),
-              "mistral3": _pixtral_processor, "internvl": _internvl_processor}
+              "mistral3": _pixtral_processor, "internvl": _internvl_processor, "gemma4_vl": _gemma4_processor}
 
 
 @needs_torchvision
@@ -404,14 +456,14 @@ PROCESSORS = {"qwen2_5_vl": lambda: qwen_vl_processor("qwen2_5_vl"), "qwen3_vl":
 def test_the_checkpoints_own_processor_reads_images_over_http(tmp_path, arch):
     """The processor class a checkpoint ships (Qwen2.5-VL's and Qwen3-VL's, with their video
     processors; Mistral 3's Pixtral, rows of patches ended by break tokens; InternVL's, tiles and a
-    thumbnail per image), saved beside the weights and loaded by the server with AutoProcessor: a
+    thumbnail per image; Gemma 4's, with its audio feature extractor), saved beside the weights and loaded by the server with AutoProcessor: a
     chat request with two images answers what the merged model generates for the processor's own
     tensors."""
     from openai import OpenAI
 
     processor = PROCESSORS[arch]()
     with single_thread():
-        base_dir, arts = _build(tmp_path, arch, processor, vision_scale=0.5)
+        base_dir, arts = _build(tmp_path, arch, processor, vision_scale=0.5, vocab=max(128, len(processor.tokenizer)))
     pics = [picture(0), picture(3, (60, 44))]
     one = prompt(processor, "which?", pics)
     want = generate(load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir)), *one, tok=processor.tokenizer)
