@@ -72,6 +72,21 @@ def qwen_vl_processor(arch: str):
     return getattr(transformers, cls)(image_processor=images, tokenizer=tok, video_processor=Qwen2VLVideoProcessor())
 
 
+def gemma4_processor():
+    """Gemma 4's processor class (its video processor needs torchvision), 70 soft tokens per image."""
+    from transformers import Gemma4ImageProcessorPil, Gemma4Processor
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProcessor
+
+    tok = tokenizer(template(IMAGE))
+    tok._set_model_specific_special_tokens(special_tokens={  # the audio tokens: its processor checks they exist
+        "image_token": IMAGE, "boi_token": BOI, "eoi_token": EOI, "audio_token": "<reserved_23>",
+        "boa_token": "<reserved_24>", "eoa_token": "<reserved_25>"})
+    images = Gemma4ImageProcessorPil(patch_size=14, pooling_kernel_size=2, max_soft_tokens=70)
+    return Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=images, tokenizer=tok,
+                           video_processor=Gemma4VideoProcessor(), image_seq_length=70)
+
+
 def llava_processor(tok):
     from transformers import CLIPImageProcessor, LlavaProcessor
 

@@ -13,6 +13,7 @@ import torch
 from _factories import calib_file, finetune, perturb, save_model, tiny_model
 from _images import (
     N,
+    gemma4_processor,
     generate,
     llava_processor,
     needs_torchvision,
@@ -45,9 +46,11 @@ CFG = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"),
 def _pair(root, dtype=torch.float32, arch="llava"):
     """Base and a fine-tune whose language model, vision tower and projector all moved, stored in
     ``dtype`` (trained in fp32)."""
-    proc = llava_processor(tokenizer()) if arch == "llava" else qwen_vl_processor(arch)
-    base_dir = save_model(tiny_model(arch, **IDS).to(dtype), root / "base", tokenizer=False)
-    ft = finetune(tiny_model(arch, **IDS), steps=20, seed=3)
+    proc = (llava_processor(tokenizer()) if arch == "llava" else gemma4_processor() if arch == "gemma4_vl"
+            else qwen_vl_processor(arch))
+    ids = dict(IDS, vocab_size=max(128, len(proc.tokenizer)))
+    base_dir = save_model(tiny_model(arch, **ids).to(dtype), root / "base", tokenizer=False)
+    ft = finetune(tiny_model(arch, **ids), steps=20, seed=3)
     with torch.no_grad():  # a vision fine-tune: low-rank-structured moves of everything beside the language model
         side = torch.nn.ModuleDict({n: m for n, m in ft.model.named_children() if n != "language_model"})
         perturb(side, scale=0.2, seed=9)
@@ -105,10 +108,11 @@ def test_calibration_images_compress_the_vision_side_better_than_rounding(tmp_pa
 
 
 @pytest.mark.parametrize("arch", ["llava", pytest.param("qwen2_5_vl", marks=needs_torchvision),
-                                  pytest.param("qwen3_vl", marks=needs_torchvision)])
+                                  pytest.param("qwen3_vl", marks=needs_torchvision),
+                                  pytest.param("gemma4_vl", marks=needs_torchvision)])
 def test_the_server_reads_images_with_the_packed_vision_deltas(tmp_path, arch):
-    """LLaVA; Qwen2.5-VL and Qwen3-VL (their processors need torchvision: patches merged, and Qwen3-VL's
-    DeepStack mergers calibrated too)."""
+    """LLaVA; Qwen2.5-VL, Qwen3-VL and Gemma 4 (their processors need torchvision: patches merged,
+    Qwen3-VL's DeepStack mergers calibrated too, Gemma 4's clippable linears)."""
     with single_thread():
         base_dir, ft_dir, images, proc = _pair(tmp_path, arch=arch)
         compress_delta(base_dir, ft_dir, str(calib_file(tmp_path / "calib", n=16)), tmp_path / "arts" / "ft", CFG,

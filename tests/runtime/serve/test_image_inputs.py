@@ -21,6 +21,7 @@ from _images import (
     EOI,
     IMAGE,
     N,
+    gemma4_processor,
     generate,
     llava_processor,
     needs_torchvision,
@@ -433,22 +434,8 @@ def _internvl_processor():
                              video_processor=InternVLVideoProcessor(), image_seq_length=1)
 
 
-def _gemma4_processor():
-    from transformers import Gemma4ImageProcessorPil, Gemma4Processor
-    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
-    from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProcessor
-
-    tok = tokenizer(template(IMAGE))
-    tok._set_model_specific_special_tokens(special_tokens={  # the audio tokens: its processor checks they exist
-        "image_token": IMAGE, "boi_token": BOI, "eoi_token": EOI, "audio_token": "<reserved_23>",
-        "boa_token": "<reserved_24>", "eoa_token": "<reserved_25>"})
-    images = Gemma4ImageProcessorPil(patch_size=14, pooling_kernel_size=2, max_soft_tokens=70)
-    return Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=images, tokenizer=tok,
-                           video_processor=Gemma4VideoProcessor(), image_seq_length=70)
-
-
 PROCESSORS = {"qwen2_5_vl": lambda: qwen_vl_processor("qwen2_5_vl"), "qwen3_vl": lambda: qwen_vl_processor("qwen3_vl"),
-              "mistral3": _pixtral_processor, "internvl": _internvl_processor, "gemma4_vl": _gemma4_processor}
+              "mistral3": _pixtral_processor, "internvl": _internvl_processor, "gemma4_vl": gemma4_processor}
 
 
 @needs_torchvision
