@@ -353,6 +353,61 @@ def test_the_samples_of_an_image_prompt_keep_its_positions(tmp_path):
     assert len(got) == 2 and all(_same(ev, want) for ev in got), [ev.text for ev in got]
 
 
+def test_preempted_image_prompts_resume_with_their_positions(tmp_path):
+    """One device slot, two variants (a copy of ``ft`` named ``ft2``): ``ft``'s long Qwen2.5-VL
+    requests with images skip the line past ``ft2``'s, are preempted when their parent ends (their KV
+    cache to host memory) and resume after ``ft2``, still at the rotary offset their images gave
+    them: the same text and log probabilities as the merged model's ``generate``."""
+    import shutil
+
+    processor = _QwenProcessor()
+    with single_thread():
+        base_dir, arts = _build(tmp_path, "qwen2_5_vl", processor)
+        shutil.copytree(arts / "ft", arts / "ft2")
+        ck = Checkpoint(base_dir)
+        merged = load_merged_model(Artifact(arts / "ft"), ck)
+        pics = [prompt(processor, "what is it?", [picture(s), picture(s + 1)]) for s in (0, 4)]
+        want = [generate(merged, *p, n=n) for p, n in ((pics[0], 2), (pics[0], 3), (pics[0], 24), (pics[1], 24))]
+        dm = DeltaModel(ck, discover_variants(arts), num_slots=1, device=torch.device("cpu"), dtype=torch.float32)
+        jobs = [("ft", pics[0], 2), ("ft2", pics[0], 3), ("ft", pics[0], 24), ("ft", pics[1], 24)]
+        got, stats = _runs_with_stats(dm, processor.tokenizer, jobs)
+    assert stats["preempted"] >= 1, stats
+    for j, (ev, w) in enumerate(zip(got, want)):
+        assert _same(ev, w), (j, ev.text, w)
+
+
+def _runs_with_stats(dm, tok, jobs):
+    """``(model, (ids, media), max_tokens)`` jobs queued together on one slot (``max_deltas=1``): their
+    finish events and the engine's stats."""
+    import threading
+
+    from deltazip.runtime.serve.engine import Engine, EngineConfig, FinishEvent, SamplingParams, ServedVariant
+
+    table = {"base": ServedVariant("base", tok, [1], None)}
+    table.update({v: ServedVariant(v, tok, [1], "base") for v in dm.variants})
+    eng = Engine(dm, table, "base", EngineConfig(max_deltas=1, max_cpu_deltas=4))
+    done, cond = {}, threading.Condition()
+
+    def sink(i):
+        def fn(ev):
+            if isinstance(ev, FinishEvent):
+                with cond:
+                    done[i] = ev
+                    cond.notify_all()
+        return fn
+
+    for i, (m, (ids, media), n) in enumerate(jobs):
+        eng.submit_samples(m, ids, SamplingParams(max_tokens=n, temperature=0.0, logprobs=0), [sink(i)], media)
+    eng.start()
+    try:
+        with cond:
+            assert cond.wait_for(lambda: len(done) == len(jobs), 120), "requests did not finish"
+        stats = eng.stats()
+    finally:
+        eng.shutdown()
+    return [done[i] for i in range(len(jobs))], stats
+
+
 @pytest.mark.parametrize("arch", ["llava", "qwen3_vl"])
 def test_swap_mode_reads_images_with_the_variants_whole_model(tmp_path, arch):
     from deltazip.runtime.serve.model import SwapModels
