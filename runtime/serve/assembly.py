@@ -88,7 +88,7 @@ def read_chat_template(path: Path) -> str:
     try:
         ImmutableSandboxedEnvironment().parse(text)
     except TemplateSyntaxError as e:
-        raise InputError(f"--chat-template {path}: line {e.lineno}: {e.message}; fix the Jinja syntax") from e
+        raise InputError(f"--chat-template {path}: line {e.lineno}: {(e.message or '').rstrip('.')}; fix the Jinja syntax") from e
     if not text.strip():
         raise InputError(f"--chat-template {path} is empty; pass a Jinja chat template")
     return text
