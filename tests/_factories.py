@@ -192,6 +192,9 @@ ARCH_CONFIGS = {
     # images split into tiles (the processor adds its image token, id 129, to the tokenizer)
     "idefics3": dict(model_type="idefics3", text_config=dict(_LM, model_type="llama"),
                      vision_config=dict(_VISION, model_type="idefics3_vision"), image_token_id=129, scale_factor=1),
+    # Idefics3's successor (its image token, id 128, is the first of the tokens its processor expects)
+    "smolvlm": dict(model_type="smolvlm", text_config=dict(_LM, model_type="llama"),
+                    vision_config=dict(_VISION, model_type="smolvlm_vision"), image_token_id=128, scale_factor=1),
     # cross-attention layers, skipped by a text-only forward
     "mllama": dict(model_type="mllama", text_config=dict(_LM, model_type="mllama_text_model", cross_attention_layers=[1]),
                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_global_layers=1,

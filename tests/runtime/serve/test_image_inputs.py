@@ -12,6 +12,7 @@ three sections, kept after the prompt), and over HTTP with the OpenAI client, da
 from __future__ import annotations
 
 import base64
+import importlib.util
 
 import pytest
 import torch
@@ -489,16 +490,33 @@ def _internvl_processor():
                              video_processor=InternVLVideoProcessor(), image_seq_length=1)
 
 
+def _smolvlm_processor():
+    from transformers import SmolVLMImageProcessor, SmolVLMProcessor
+    from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
+
+    tok = tokenizer(template("<image>"))
+    tok.add_special_tokens({"additional_special_tokens": [  # the tokens its processor expects to find
+        "<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>", "<video>",
+        *(f"<row_{r}_col_{c}>" for r in range(1, 4) for c in range(1, 4))]})
+    images = SmolVLMImageProcessor(size={"longest_edge": 56}, max_image_size={"longest_edge": 28})
+    return SmolVLMProcessor(image_processor=images, tokenizer=tok, video_processor=SmolVLMVideoProcessor(),
+                            image_seq_len=4)
+
+
 PROCESSORS = {"qwen2_5_vl": lambda: qwen_vl_processor("qwen2_5_vl"), "qwen3_vl": lambda: qwen_vl_processor("qwen3_vl"),
-              "mistral3": _pixtral_processor, "internvl": _internvl_processor, "gemma4_vl": gemma4_processor}
+              "mistral3": _pixtral_processor, "internvl": _internvl_processor, "gemma4_vl": gemma4_processor,
+              "smolvlm": _smolvlm_processor}
 
 
 @needs_torchvision
-@pytest.mark.parametrize("arch", list(PROCESSORS))
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.skipif(
+    a == "smolvlm" and importlib.util.find_spec("num2words") is None, reason="SmolVLM's processor needs num2words"))
+    for a in PROCESSORS])
 def test_the_checkpoints_own_processor_reads_images_over_http(tmp_path, arch):
     """The processor class a checkpoint ships (Qwen2.5-VL's and Qwen3-VL's, with their video
     processors; Mistral 3's Pixtral, rows of patches ended by break tokens; InternVL's, tiles and a
-    thumbnail per image; Gemma 4's, with its audio feature extractor), saved beside the weights and loaded by the server with AutoProcessor: a
+    thumbnail per image; Gemma 4's, with its audio feature extractor; SmolVLM's, tiles between row
+    and column tags, which also needs num2words), saved beside the weights and loaded by the server with AutoProcessor: a
     chat request with two images answers what the merged model generates for the processor's own
     tensors."""
     from openai import OpenAI
