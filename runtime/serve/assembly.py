@@ -33,6 +33,7 @@ from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import check_device, check_dtype, resolve_device
 from deltazip.models.loader import text_config
 from deltazip.runtime.serve.engine import Engine, EngineConfig, ServedVariant
+from deltazip.runtime.serve.images import log_images
 from deltazip.runtime.serve.kernel_warmup import Startup
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE
 from deltazip.runtime.serve.model import (
@@ -47,7 +48,6 @@ from deltazip.runtime.serve.model import (
 from deltazip.runtime.serve.openai_schema import DEFAULT_MAX_REQUEST_BYTES
 from deltazip.runtime.serve.startup_report import (
     capacity,
-    log_images,
     log_variant,
     log_warmup,
     startup_report,

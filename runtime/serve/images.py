@@ -7,6 +7,7 @@ limit). The chat template renders each image part as its placeholder (``{"type":
 transformers' processors' templates read it); the processor of the served checkpoint
 (``AutoProcessor``, from the variant's files, else the base's) expands each placeholder into the
 image's tokens and gives the pixel tensors, which the engine's model reads (``prompt_media``).
+:func:`log_images` says at start-up whether the served base reads images.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import logging
 import threading
 import urllib.error
 import urllib.request
@@ -21,8 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from deltazip.formats.errors import first_line
+from deltazip.models.loader import is_image_text
 from deltazip.runtime.serve.openai_schema import ApiError
 from deltazip.runtime.serve.prompt_media import PromptMedia
+
+log = logging.getLogger("deltazip.serve")
 
 FETCH_TIMEOUT_S = 10.0
 _PROCESSORS: dict[Path, Any] = {}
@@ -121,3 +126,25 @@ def image_prompt(proc, text: str, images: list) -> tuple[list[int], PromptMedia]
     for k in ("attention_mask", "labels"):  # labels: PaliGemma's processor gives training targets too
         out.pop(k, None)
     return ids, PromptMedia({k: v for k, v in out.items() if hasattr(v, "dtype")}, len(images))
+
+
+def log_images(engine, base_path: Path) -> dict[str, Any] | None:
+    """The ``images`` line of an image-text base: ``{"read": True, "processor": class name}`` (the
+    base's processor, loaded now and kept for the first request), or ``{"read": False, "why": line}``;
+    None for a text model."""
+    if not is_image_text(engine.backend.config):
+        return None
+    why = engine.images_refused()
+    if why is None:
+        try:
+            proc = processor(base_path, base_path)
+        except ApiError as e:  # no processor files, or a package it needs (torchvision) missing here
+            why = e.message
+        else:
+            if not hasattr(proc, "image_processor"):
+                why = f"the processor in {base_path} has no image processor"
+    if why is not None:
+        log.info("images: not read in chat requests (%s); text prompts are served", why)
+        return {"read": False, "why": why}
+    log.info("images: read in chat requests (image_url parts), by %s from %s", type(proc).__name__, base_path)
+    return {"read": True, "processor": type(proc).__name__}

@@ -6,8 +6,8 @@
 - the dedup summary;
 - ``kernel warm-up: ...``: what the start-up tuning of the delta matmul will do (it runs once the server
   answers, ``deltazip.runtime.serve.kernel_warmup``; nothing to compile on CPU or in swap mode);
-- ``images: ...`` (image-text bases only): whether chat requests may send images, and why not when
-  they may not (the engine refuses them for this model, or its processor cannot be loaded here);
+- ``images: ...`` (image-text bases only, ``images.log_images``): whether chat requests may send
+  images, and why not when they may not;
 - ``capacity: ...``: how many variants fit on the device (``--max-deltas`` slots, and how many the
   free device memory would hold at the largest variant's size) and in host memory
   (``--max-cpu-deltas``, and how many the available memory would hold), the figures multi-LoRA
@@ -24,9 +24,6 @@ from typing import Any
 import torch
 
 from deltazip.formats.units import human_bytes
-from deltazip.models.loader import is_image_text
-from deltazip.runtime.serve.images import processor
-from deltazip.runtime.serve.openai_schema import ApiError
 from deltazip.runtime.serve.variant_sources import VariantInfo
 
 log = logging.getLogger("deltazip.serve")
@@ -110,28 +107,6 @@ def log_warmup(backend) -> dict[str, Any]:
                f"kernels are compiled only for packed deltas on CUDA")
     log.info("kernel warm-up: %.3f s before ready (%s)", 0.0, why)
     return w
-
-
-def log_images(engine, base_path: Path) -> dict[str, Any] | None:
-    """The ``images`` line of an image-text base: ``{"read": True, "processor": class name}`` (the
-    base's processor, loaded now and kept for the first request), or ``{"read": False, "why": line}``;
-    None for a text model."""
-    if not is_image_text(engine.backend.config):
-        return None
-    why = engine.images_refused()
-    if why is None:
-        try:
-            proc = processor(base_path, base_path)
-        except ApiError as e:  # no processor files, or a package it needs (torchvision) missing here
-            why = e.message
-        else:
-            if not hasattr(proc, "image_processor"):
-                why = f"the processor in {base_path} has no image processor"
-    if why is not None:
-        log.info("images: not read in chat requests (%s); text prompts are served", why)
-        return {"read": False, "why": why}
-    log.info("images: read in chat requests (image_url parts), by %s from %s", type(proc).__name__, base_path)
-    return {"read": True, "processor": type(proc).__name__}
 
 
 def capacity(asm, cfg, registered: int) -> dict[str, Any]:
