@@ -153,6 +153,8 @@ def _served_matches_merged(tmp_path, arch, processor, images_per_prompt, vision_
                           **engine)
     for j, ev in zip(jobs, got):
         assert _same(ev, want[j], tol), (j, ev.text, want[j])
+    worst = max(abs(e[1] - w) for j, ev in zip(jobs, got) for e, w in zip(ev.logprobs, want[j][1]))
+    print(f"{arch} {str(dtype).removeprefix('torch.')}: served vs merged max |d logprob| {worst:.3g}")  # pytest -s
     return refs, prompts, got
 
 
