@@ -1,5 +1,6 @@
-"""Images for the tests of image-text models: pictures, a character tokenizer with image tokens, a
-LLaVA processor over it, prompts as processors give them, and the merged model's greedy reference."""
+"""Images for the tests of image-text models: pictures, a character tokenizer with image tokens,
+processors over it, prompts as processors give them, a compressed tiny image-text variant, and the
+merged model's greedy reference."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import io
 import numpy as np
 import pytest
 import torch
+from _factories import calib_file, finetune, save_model, tiny_model
 
+from deltazip.compress.config import CompressConfig
+from deltazip.compress.pipeline import compress_delta
 from deltazip.demo.pair import build_char_tokenizer
+from deltazip.kernels.scheme import DeltaScheme
 from deltazip.runtime.serve.prompt_media import PromptMedia
 
 N = 8
@@ -116,3 +121,27 @@ def generate(model, ids: list[int], media: PromptMedia | None, n: int = N, tok=N
     toks = out.sequences[0, len(ids):].tolist()
     lps = [float(torch.log_softmax(lg[0].float(), -1)[t]) for lg, t in zip(out.logits, toks)]
     return (tok or build_char_tokenizer()).decode(toks, skip_special_tokens=True), lps
+
+
+def build_variant(root, arch, processor, vision_scale: float = 0.0, vocab: int = 128, processor_files: bool = True):
+    """``(base dir, artifacts dir)``: a tiny image-text base of ``arch`` and its fine-tune (text, and with
+    ``vision_scale`` its projector or mergers moved too), compressed 4-bit as ``ft``; without
+    ``processor_files`` the checkpoints keep only the tokenizer."""
+    tok = processor.tokenizer
+    ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2, vocab_size=vocab)  # the demo's tokenizer
+    base_dir = save_model(tiny_model(arch, **ids), root / "base", tokenizer=False)
+    ft = finetune(tiny_model(arch, **ids), steps=30, seed=3)
+    if vision_scale:
+        with torch.no_grad():
+            for name, p in ft.named_parameters():
+                if "multi_modal_projector" in name or "merger" in name:  # LLaVA's projector, Qwen's mergers
+                    p.add_(vision_scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    ft_dir = save_model(ft, root / "ft", tokenizer=False)
+    for d in (base_dir, ft_dir):
+        if hasattr(processor, "save_pretrained") and processor_files:
+            processor.save_pretrained(d)
+        tok.save_pretrained(d)
+    cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"), method="deltazip", nsamples=8,
+                         seqlen=32, device="cpu")
+    compress_delta(base_dir, ft_dir, str(calib_file(root / "calib", n=16)), root / "arts" / "ft", cfg)
+    return base_dir, root / "arts"

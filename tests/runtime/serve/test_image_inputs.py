@@ -16,12 +16,12 @@ import importlib.util
 
 import pytest
 import torch
-from _factories import calib_file, finetune, save_model, tiny_model
 from _images import (
     BOI,
     EOI,
     IMAGE,
     N,
+    build_variant,
     gemma4_processor,
     generate,
     llava_processor,
@@ -35,18 +35,15 @@ from _images import (
 )
 from _serving import ServedSet, engine_runs, running_server, single_thread
 
-from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
-from deltazip.compress.pipeline import compress_delta
 from deltazip.formats.artifact import Artifact
-from deltazip.kernels.scheme import DeltaScheme
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.loader import load_causal_lm
 from deltazip.runtime.serve.model import DeltaModel
 from deltazip.runtime.serve.prompt_media import PromptInputs, PromptMedia
 from deltazip.runtime.serve.variant_sources import discover_variants
 
-IDS = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)  # the demo's character tokenizer
+
 def _gemma3_processor():
     from transformers import Gemma3ImageProcessor, Gemma3Processor
 
@@ -102,29 +99,6 @@ class _Gemma4Processor:
         return {**enc, **out, "mm_token_type_ids": kinds}
 
 
-def _build(root, arch, processor, vision_scale: float = 0.0, vocab: int = 128, processor_files: bool = True):
-    """Base, a text fine-tune (``vision_scale``: its projector moved too) compressed as ``ft``; without
-    ``processor_files`` the checkpoints keep only the tokenizer."""
-    tok = processor.tokenizer
-    ids = dict(IDS, vocab_size=vocab)
-    base_dir = save_model(tiny_model(arch, **ids), root / "base", tokenizer=False)
-    ft = finetune(tiny_model(arch, **ids), steps=30, seed=3)
-    if vision_scale:
-        with torch.no_grad():
-            for name, p in ft.named_parameters():
-                if "multi_modal_projector" in name or "merger" in name:  # LLaVA's projector, Qwen's mergers
-                    p.add_(vision_scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
-    ft_dir = save_model(ft, root / "ft", tokenizer=False)
-    for d in (base_dir, ft_dir):
-        if hasattr(processor, "save_pretrained") and processor_files:
-            processor.save_pretrained(d)
-        tok.save_pretrained(d)
-    cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"), method="deltazip", nsamples=8,
-                         seqlen=32, device="cpu")
-    compress_delta(base_dir, ft_dir, str(calib_file(root / "calib", n=16)), root / "arts" / "ft", cfg)
-    return base_dir, root / "arts"
-
-
 def _same(got, want, tol=1e-4) -> bool:
     """A served finish event against a reference ``(text, logprobs)``: equal text, log probabilities
     within ``tol``."""
@@ -139,7 +113,7 @@ def _served_matches_merged(tmp_path, arch, processor, images_per_prompt, vision_
     texts, log probabilities within ``tol``."""
     tok = processor.tokenizer
     with single_thread():
-        base_dir, arts = _build(tmp_path, arch, processor, vision_scale, vocab=max(128, len(tok)))
+        base_dir, arts = build_variant(tmp_path, arch, processor, vision_scale, vocab=max(128, len(tok)))
         ck = Checkpoint(base_dir)
         refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck, dtype), "base": load_causal_lm(base_dir, dtype)}
         prompts = [prompt(processor, "what is it?", [picture(s) for s in range(images_per_prompt)]),
@@ -245,7 +219,7 @@ def test_a_chat_template_given_at_start_up_reads_paligemma_images_over_http(tmp_
     text = PALIGEMMA_TEMPLATE
     processor.tokenizer.chat_template = None
     with single_thread():
-        base_dir, arts = _build(tmp_path, "paligemma", processor, vocab=len(processor.tokenizer))
+        base_dir, arts = build_variant(tmp_path, "paligemma", processor, vocab=len(processor.tokenizer))
     processor.tokenizer.chat_template = text  # the reference renders with the file's template
     one = prompt(processor, "what is it?", [picture(0)])
     want = generate(load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir)), *one, tok=processor.tokenizer)
@@ -302,7 +276,7 @@ def test_images_over_http_with_the_openai_client(tmp_path):
 
     processor = llava_processor(tokenizer())
     with single_thread():
-        base_dir, arts = _build(tmp_path, "llava", processor)
+        base_dir, arts = build_variant(tmp_path, "llava", processor)
     pics = [picture(0), picture(3, (30, 30))]
     (tmp_path / "www").mkdir()
     pics[1].save(tmp_path / "www" / "b.png")
@@ -347,7 +321,7 @@ def test_the_samples_of_an_image_prompt_keep_its_positions(tmp_path):
     the prompt, and both decode with the prompt's position offset."""
     processor = _QwenProcessor()
     with single_thread():
-        base_dir, arts = _build(tmp_path, "qwen2_5_vl", processor)
+        base_dir, arts = build_variant(tmp_path, "qwen2_5_vl", processor)
         ck = Checkpoint(base_dir)
         one = prompt(processor, "what is it?", [picture(0), picture(1)])
         want = generate(load_merged_model(Artifact(arts / "ft"), ck), *one)
@@ -365,7 +339,7 @@ def test_preempted_image_prompts_resume_with_their_positions(tmp_path):
 
     processor = _QwenProcessor()
     with single_thread():
-        base_dir, arts = _build(tmp_path, "qwen2_5_vl", processor)
+        base_dir, arts = build_variant(tmp_path, "qwen2_5_vl", processor)
         shutil.copytree(arts / "ft", arts / "ft2")
         ck = Checkpoint(base_dir)
         merged = load_merged_model(Artifact(arts / "ft"), ck)
@@ -417,7 +391,7 @@ def test_swap_mode_reads_images_with_the_variants_whole_model(tmp_path, arch):
 
     processor = llava_processor(tokenizer()) if arch == "llava" else _QwenProcessor(patch=16)
     with single_thread():
-        base_dir, arts = _build(tmp_path, arch, processor, vision_scale=0.5, vocab=max(128, len(processor.tokenizer)))
+        base_dir, arts = build_variant(tmp_path, arch, processor, vision_scale=0.5, vocab=max(128, len(processor.tokenizer)))
         ck = Checkpoint(base_dir)
         refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck), "base": load_causal_lm(base_dir, torch.float32)}
         one = prompt(processor, "what is it?", [picture(0), picture(1)])
@@ -437,7 +411,7 @@ def test_workers_read_images_behind_the_front(tmp_path):
 
     processor = llava_processor(tokenizer())
     with single_thread():
-        base_dir, arts = _build(tmp_path, "llava", processor, vision_scale=0.5)
+        base_dir, arts = build_variant(tmp_path, "llava", processor, vision_scale=0.5)
         one = prompt(processor, "what is it?", [picture(0)])
         want = generate(load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir)), *one)
     content = [{"type": "image_url", "image_url": {"url": png(picture(0))}}, {"type": "text", "text": "what is it?"}]
@@ -458,7 +432,7 @@ def test_tensor_parallel_reads_images_on_rank_0_and_every_rank_puts_them_in_plac
 
     processor = llava_processor(tokenizer()) if arch == "llava" else _QwenProcessor()
     with single_thread():
-        base_dir, arts = _build(tmp_path, arch, processor, vision_scale=0.5)
+        base_dir, arts = build_variant(tmp_path, arch, processor, vision_scale=0.5)
         ck = Checkpoint(base_dir)
         refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck), "base": load_causal_lm(base_dir, torch.float32)}
         one = prompt(processor, "what is it?", [picture(0), picture(1)])
@@ -525,7 +499,7 @@ def test_the_checkpoints_own_processor_reads_images_over_http(tmp_path, arch):
 
     processor = PROCESSORS[arch]()
     with single_thread():
-        base_dir, arts = _build(tmp_path, arch, processor, vision_scale=0.5, vocab=max(128, len(processor.tokenizer)))
+        base_dir, arts = build_variant(tmp_path, arch, processor, vision_scale=0.5, vocab=max(128, len(processor.tokenizer)))
     pics = [picture(0), picture(3, (60, 44))]
     one = prompt(processor, "which?", pics)
     want = generate(load_merged_model(Artifact(arts / "ft"), Checkpoint(base_dir)), *one, tok=processor.tokenizer)
@@ -559,7 +533,7 @@ def test_the_start_up_says_whether_images_are_read(tmp_path, caplog):
     import httpx
 
     with single_thread():
-        base_dir, arts = _build(tmp_path, "llava", llava_processor(tokenizer()), processor_files=False)
+        base_dir, arts = build_variant(tmp_path, "llava", llava_processor(tokenizer()), processor_files=False)
     with caplog.at_level(logging.INFO, logger="deltazip.serve"):
         with running_server(ServedSet(tmp_path, base_dir, arts), base=str(base_dir)) as srv:
             r = httpx.post(f"{srv.url}/v1/completions", json={"model": "ft", "prompt": "zip", "max_tokens": 2},
