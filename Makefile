@@ -65,7 +65,6 @@ TV_VENV := .venv-tv
 test-torchvision:
 	@test -x $(TV_VENV)/bin/python || python3 -m venv $(TV_VENV)
 	$(TV_VENV)/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1" num2words
-	grep -v -i -E '^(triton|nvidia-cuda-nvrtc|sympy|networkx)==' constraints.txt > $(TV_VENV)/constraints.txt
-	$(TV_VENV)/bin/python -m pip install -q -e ".[dev,serve]" -c $(TV_VENV)/constraints.txt
+	$(TV_VENV)/bin/python -m pip install -q -e ".[dev,serve]" $(PIN)
 	$(TV_VENV)/bin/python -m pip install -q --no-deps "torch==2.14.1"
 	$(TV_VENV)/bin/python -m pytest -q tests/runtime/serve/test_image_inputs.py tests/compress/test_vision.py

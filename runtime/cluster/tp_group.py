@@ -26,6 +26,7 @@ import datetime
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -140,6 +141,12 @@ def worker_main(index: int, world: int, port: int, spec: WorkerSpec) -> None:
         TPWorker(model, group, spec.max_cpu).run()
     finally:
         group.close()
+    # Stopped cleanly: leave without the interpreter's teardown, in which a gloo thread still joinable
+    # when its C++ object is destroyed aborts the process (SIGABRT, "terminate called without an
+    # active exception"), and rank 0 would take that for a crash.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class TPWorker:
@@ -332,7 +339,10 @@ class TPLeader:
         except Exception as e:  # a worker already gone: terminate the rest below
             log.warning("stopping tensor-parallel workers: %s", e)
         finally:
-            self._processes.join(timeout=60)
+            try:
+                self._processes.join(timeout=60)
+            except Exception as e:  # a worker that died on its way out: still leave the group below
+                log.warning("a tensor-parallel worker did not stop cleanly: %s", e)
             for p in self._processes.processes:
                 if p.is_alive():
                     p.terminate()
