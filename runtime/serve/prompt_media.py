@@ -21,8 +21,11 @@ a span.
 
 Qwen3-VL also adds features of early vision layers to the hidden states of its first decoder layers
 at the images' positions (DeepStack): those are kept per image token too, and each step hands the
-language model the ones of its rows (:class:`StepEmbeds` ``deep``). A language model that takes more
-from the images than these (Mllama's cross-attention states) is refused with :class:`ImagesUnsupported`.
+language model the ones of its rows (:class:`StepEmbeds` ``deep``). Gemma 4's language model also
+takes per-layer token embeddings, made by its forward from the ids with the pad id at image tokens:
+the image rows are kept, and each step makes the others from its ids (``StepEmbeds.model_args``). A
+language model that takes more from the images than these (Mllama's cross-attention states) is
+refused with :class:`ImagesUnsupported`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def images_seen_both_ways(config) -> bool:
     text = getattr(config, "text_config", None)
     return (config.model_type in BIDIRECTIONAL_IMAGES
             or (config.model_type == "gemma4" and getattr(text, "use_bidirectional_attention", None) == "vision"))
+
+
 # The prompt (images and text) sees itself both ways, generated tokens are causal: a prefix LM
 # (PaliGemma; transformers' token_type_ids 0 for the prompt, 1 for what follows it).
 PREFIX_LM = frozenset({"paligemma"})
@@ -53,6 +58,8 @@ PREFIX_LM = frozenset({"paligemma"})
 def is_prefix_lm(config) -> bool:
     """Whether ``config``'s model reads its whole prompt with bidirectional attention."""
     return config.model_type in PREFIX_LM
+
+
 # What a language model may be handed besides its input embeddings and positions, all of which the
 # engine gives it itself (masks, cache, flags).
 _OWN_ARGS = frozenset({"inputs_embeds", "position_ids", "attention_mask", "cache", "past_key_values", "use_cache",
