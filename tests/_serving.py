@@ -224,9 +224,11 @@ def engine_texts(dm, tok, jobs, n: int, **config) -> list[str]:
     return [ev.text for ev in engine_runs(dm, tok, jobs, n, **config)]
 
 
-def engine_runs(dm, tok, jobs, n: int, samples: int = 1, **config) -> list:
+def engine_runs(dm, tok, jobs, n: int, samples: int = 1, stats: dict | None = None, **config) -> list:
     """:func:`engine_texts`' finish events, each with its drawn tokens' log probabilities; with
-    ``samples``, that many greedy samples per job (``n`` of the request), job by job."""
+    ``samples``, that many greedy samples per job (``n`` of the request), job by job. A job may be
+    ``(model, prompt, max_tokens)`` to ask for other than ``n`` tokens; ``stats`` gets the engine's
+    stats once every job has finished; ``config`` may set ``max_deltas`` below one slot per variant."""
     import threading
 
     from deltazip.runtime.serve.engine import Engine, EngineConfig, FinishEvent, SamplingParams, ServedVariant
@@ -234,7 +236,7 @@ def engine_runs(dm, tok, jobs, n: int, samples: int = 1, **config) -> list:
     table = {"base": ServedVariant("base", tok, [1], None)}
     table.update({v: ServedVariant(v, tok, [1], "base") for v in dm.variants})
     k = max(2, len(dm.variants))
-    eng = Engine(dm, table, "base", EngineConfig(max_deltas=k, max_cpu_deltas=k, **config))
+    eng = Engine(dm, table, "base", EngineConfig(**{"max_deltas": k, "max_cpu_deltas": k, **config}))
     done, cond = {}, threading.Condition()
 
     def sink(i):
@@ -245,15 +247,17 @@ def engine_runs(dm, tok, jobs, n: int, samples: int = 1, **config) -> list:
                     cond.notify_all()
         return fn
 
-    for i, (m, p) in enumerate(jobs):  # queued before the engine starts: the first step batches them all
+    for i, (m, p, *size) in enumerate(jobs):  # queued before the engine starts: the first step batches them all
         ids, media = p if isinstance(p, tuple) else (tok(p)["input_ids"], None)
-        eng.submit_samples(m, ids, SamplingParams(max_tokens=n, temperature=0.0, logprobs=0, n=samples),
-                           [sink(i * samples + k) for k in range(samples)], media)
+        params = SamplingParams(max_tokens=size[0] if size else n, temperature=0.0, logprobs=0, n=samples)
+        eng.submit_samples(m, ids, params, [sink(i * samples + k) for k in range(samples)], media)
     jobs = [j for j in jobs for _ in range(samples)]
     eng.start()
     try:
         with cond:
             assert cond.wait_for(lambda: len(done) == len(jobs), 120), "requests did not finish"
+        if stats is not None:
+            stats.update(eng.stats())
     finally:
         eng.shutdown()
     assert all(ev.reason in ("stop", "length") for ev in done.values()), done

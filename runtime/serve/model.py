@@ -236,7 +236,7 @@ def _self_check(model: nn.Module, path: Path, device: torch.device, dtype: torch
             seqs, want = [[], []], []
             for new in steps:
                 seqs = [s + t for s, t in zip(seqs, new)]
-                want += [model(input_ids=torch.tensor([s], device=device), **_prompt_types(model, s, r)
+                want += [model(input_ids=torch.tensor([s], device=device), **_prompt_types(model, s, r, device)
                                ).logits[:, -1].float() for s, r in zip(seqs, rows)]
             if not uses_padding_mask_bias(model.config):
                 use_paged_attention(model)  # the paged KV cache's attention where the model class takes one
@@ -269,13 +269,13 @@ def _engine_logits(model: nn.Module, steps: list[list[list[int]]], device: torch
             c.free()
 
 
-def _prompt_types(model: nn.Module, seq: list[int], prompt: list[int]) -> dict:
+def _prompt_types(model: nn.Module, seq: list[int], prompt: list[int], device: torch.device) -> dict:
     """A prefix language model's ``token_type_ids`` for ``seq``, whose first ``len(prompt)`` tokens
     are the prompt (0: seen both ways) and the rest what follows it (1: causal); else nothing."""
     if not is_prefix_lm(model.config):
         return {}
     types = [0] * len(prompt) + [1] * (len(seq) - len(prompt))
-    return {"token_type_ids": torch.tensor([types], device=next(model.parameters()).device)}
+    return {"token_type_ids": torch.tensor([types], device=device)}
 
 
 class _BaseRows:

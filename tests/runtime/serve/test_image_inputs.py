@@ -347,42 +347,11 @@ def test_preempted_image_prompts_resume_with_their_positions(tmp_path):
         want = [generate(merged, *p, n=n) for p, n in ((pics[0], 2), (pics[0], 3), (pics[0], 24), (pics[1], 24))]
         dm = DeltaModel(ck, discover_variants(arts), num_slots=1, device=torch.device("cpu"), dtype=torch.float32)
         jobs = [("ft", pics[0], 2), ("ft2", pics[0], 3), ("ft", pics[0], 24), ("ft", pics[1], 24)]
-        got, stats = _runs_with_stats(dm, processor.tokenizer, jobs)
+        stats: dict = {}
+        got = engine_runs(dm, processor.tokenizer, jobs, N, stats=stats, max_deltas=1, max_cpu_deltas=4)
     assert stats["preempted"] >= 1, stats
     for j, (ev, w) in enumerate(zip(got, want)):
         assert _same(ev, w), (j, ev.text, w)
-
-
-def _runs_with_stats(dm, tok, jobs):
-    """``(model, (ids, media), max_tokens)`` jobs queued together on one slot (``max_deltas=1``): their
-    finish events and the engine's stats."""
-    import threading
-
-    from deltazip.runtime.serve.engine import Engine, EngineConfig, FinishEvent, SamplingParams, ServedVariant
-
-    table = {"base": ServedVariant("base", tok, [1], None)}
-    table.update({v: ServedVariant(v, tok, [1], "base") for v in dm.variants})
-    eng = Engine(dm, table, "base", EngineConfig(max_deltas=1, max_cpu_deltas=4))
-    done, cond = {}, threading.Condition()
-
-    def sink(i):
-        def fn(ev):
-            if isinstance(ev, FinishEvent):
-                with cond:
-                    done[i] = ev
-                    cond.notify_all()
-        return fn
-
-    for i, (m, (ids, media), n) in enumerate(jobs):
-        eng.submit_samples(m, ids, SamplingParams(max_tokens=n, temperature=0.0, logprobs=0), [sink(i)], media)
-    eng.start()
-    try:
-        with cond:
-            assert cond.wait_for(lambda: len(done) == len(jobs), 120), "requests did not finish"
-        stats = eng.stats()
-    finally:
-        eng.shutdown()
-    return [done[i] for i in range(len(jobs))], stats
 
 
 @pytest.mark.parametrize("arch", ["llava", "qwen3_vl"])
