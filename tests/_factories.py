@@ -195,8 +195,9 @@ ARCH_CONFIGS = {
     # Idefics3's successor (its image token, id 128, is the first of the tokens its processor expects)
     "smolvlm": dict(model_type="smolvlm", text_config=dict(_LM, model_type="llama"),
                     vision_config=dict(_VISION, model_type="smolvlm_vision"), image_token_id=128, scale_factor=1),
-    # cross-attention layers, skipped by a text-only forward
-    "mllama": dict(model_type="mllama", text_config=dict(_LM, model_type="mllama_text_model", cross_attention_layers=[1]),
+    # cross-attention layers, skipped by a text-only forward (a decoder layer after it: what it does to any token shows)
+    "mllama": dict(model_type="mllama", text_config=dict(_LM, model_type="mllama_text_model", num_hidden_layers=3,
+                                                         cross_attention_layers=[1]),
                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_global_layers=1,
                                       attention_heads=2, image_size=28, patch_size=14, vision_output_dim=64,
                                       intermediate_layers_indices=[0]), image_token_index=120),
@@ -258,7 +259,13 @@ def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32, **overri
     cfg.update(overrides)
     config = AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(seed)
-    return causal_lm_class(config)._from_config(config, dtype=dtype).eval()
+    model = causal_lm_class(config)._from_config(config, dtype=dtype).eval()
+    if model_type == "mllama":  # its cross-attention gates start at 0 (tanh 0: images change nothing): open them
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("_gate"):
+                    p.fill_(0.8)
+    return model
 
 
 def perturb(model, scale: float = 0.05, seed: int = 1, skip=("norm",)):

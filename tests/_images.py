@@ -1,6 +1,6 @@
 """Images for the tests of image-text models: pictures, a character tokenizer with image tokens,
 processors over it, prompts as processors give them, a compressed tiny image-text variant, and the
-merged model's greedy reference."""
+merged model's greedy reference, and the check of served against merged output."""
 
 from __future__ import annotations
 
@@ -12,12 +12,19 @@ import numpy as np
 import pytest
 import torch
 from _factories import calib_file, finetune, save_model, tiny_model
+from _serving import engine_runs, single_thread
 
 from deltazip.compress.config import CompressConfig
+from deltazip.compress.merge import load_merged_model
 from deltazip.compress.pipeline import compress_delta
 from deltazip.demo.pair import build_char_tokenizer
+from deltazip.formats.artifact import Artifact
 from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.loader import load_causal_lm
+from deltazip.runtime.serve.model import DeltaModel
 from deltazip.runtime.serve.prompt_media import PromptMedia
+from deltazip.runtime.serve.variant_sources import discover_variants
 
 N = 8
 
@@ -125,7 +132,7 @@ def generate(model, ids: list[int], media: PromptMedia | None, n: int = N, tok=N
 
 def build_variant(root, arch, processor, vision_scale: float = 0.0, vocab: int = 128, processor_files: bool = True):
     """``(base dir, artifacts dir)``: a tiny image-text base of ``arch`` and its fine-tune (text, and with
-    ``vision_scale`` its projector or mergers moved too), compressed 4-bit as ``ft``; without
+    ``vision_scale`` its projector, mergers or cross-attention moved too), compressed 4-bit as ``ft``; without
     ``processor_files`` the checkpoints keep only the tokenizer."""
     tok = processor.tokenizer
     ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2, vocab_size=vocab)  # the demo's tokenizer
@@ -134,7 +141,8 @@ def build_variant(root, arch, processor, vision_scale: float = 0.0, vocab: int =
     if vision_scale:
         with torch.no_grad():
             for name, p in ft.named_parameters():
-                if "multi_modal_projector" in name or "merger" in name:  # LLaVA's projector, Qwen's mergers
+                if any(k in name for k in ("multi_modal_projector", "merger", "cross_attn.")):
+                    # LLaVA's projector, Qwen's mergers, Mllama's cross-attention
                     p.add_(vision_scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
     ft_dir = save_model(ft, root / "ft", tokenizer=False)
     for d in (base_dir, ft_dir):
@@ -145,3 +153,36 @@ def build_variant(root, arch, processor, vision_scale: float = 0.0, vocab: int =
                          seqlen=32, device="cpu")
     compress_delta(base_dir, ft_dir, str(calib_file(root / "calib", n=16)), root / "arts" / "ft", cfg)
     return base_dir, root / "arts"
+
+
+def same(got, want, tol=1e-4) -> bool:
+    """A served finish event against a reference ``(text, logprobs)``: equal text, log probabilities
+    within ``tol``."""
+    lps = [e[1] for e in got.logprobs]
+    k = min(len(lps), len(want[1]))
+    return got.text == want[0] and k > 0 and max(abs(a - b) for a, b in zip(lps[:k], want[1][:k])) < tol
+
+
+def served_matches_merged(tmp_path, arch, processor, images_per_prompt, vision_scale=0.0, dtype=torch.float32,
+                           tol=1e-4, **engine):
+    """Served (delta mode, in ``dtype``) against the merged checkpoint's ``generate`` in ``dtype``: equal
+    texts, log probabilities within ``tol``."""
+    tok = processor.tokenizer
+    with single_thread():
+        base_dir, arts = build_variant(tmp_path, arch, processor, vision_scale, vocab=max(128, len(tok)))
+        ck = Checkpoint(base_dir)
+        refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck, dtype), "base": load_causal_lm(base_dir, dtype)}
+        prompts = [prompt(processor, "what is it?", [picture(s) for s in range(images_per_prompt)]),
+                   prompt(processor, "and this one", [picture(7 + s, (60, 44)) for s in range(images_per_prompt)])]
+        want = {(m, i): generate(refs[m], *prompts[i], tok=tok) for m in refs for i in range(2)}
+        want["ft", "text"] = generate(refs["ft"], tok("zip model tune")["input_ids"], None, tok=tok)
+        assert any(want["ft", i] != want["base", i] for i in range(2))  # the fine-tune matters
+        dm = DeltaModel(ck, discover_variants(arts), num_slots=2, device=torch.device("cpu"), dtype=dtype)
+        jobs = [("ft", 0), ("base", 0), ("ft", "text"), ("ft", 1), ("base", 1)]
+        got = engine_runs(dm, tok, [(m, prompts[i] if i != "text" else "zip model tune") for m, i in jobs], N,
+                          **engine)
+    for j, ev in zip(jobs, got):
+        assert same(ev, want[j], tol), (j, ev.text, want[j])
+    worst = max(abs(e[1] - w) for j, ev in zip(jobs, got) for e, w in zip(ev.logprobs, want[j][1]))
+    print(f"{arch} {str(dtype).removeprefix('torch.')}: served vs merged max |d logprob| {worst:.3g}")  # pytest -s
+    return refs, prompts, got

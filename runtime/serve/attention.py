@@ -63,7 +63,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if s_aux is not None:  # a variant's own sinks per row (deltazip.runtime.serve.delta_sinks)
         s_aux = per_row_sinks(module, s_aux)
-    if step is None:
+    if step is None or (step.cross is not None and getattr(module, "layer_idx", None) in step.cross.layer_ids):
+        # unbound, or a cross-attention layer: dense keys and values [B, H_kv, N, D] with the model's mask
         return _unbound(module, query, key, value, attention_mask, scale, sliding_window, softcap, s_aux, **kwargs)
     query = _per_row_temperature(module, query, step)
     return _paged(step, query, key, value, scale, sliding_window, softcap, s_aux, attention_chunk(module)), None

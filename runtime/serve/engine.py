@@ -524,8 +524,6 @@ class Engine:
             return "this server's model does not read images; send text content parts"
         if recurrent_layer_types(cfg):
             return f"images are not read by {cfg.model_type}'s recurrent layers here; send text content parts"
-        if getattr(text_config(cfg), "cross_attention_layers", None):  # Mllama: images enter by cross-attention
-            return f"images are not read by {cfg.model_type}'s cross-attention layers here; send text content parts"
         return None
 
     def validate(self, model: str, prompt_ids: list[int], params: SamplingParams,
@@ -838,6 +836,8 @@ class Engine:
             if seq.kv_on_host:  # preempted earlier, resumed now: its KV cache comes back
                 seq.kv.attach(self.kv_pool)
                 seq.kv_on_host = False
+                if seq.inputs is not None:
+                    seq.inputs = seq.inputs.to(self.device)
             if seq.output_ids:
                 decode.append((seq, [seq.output_ids[-1]]))
         budget = self.config.max_batch_tokens - len(decode)
@@ -855,8 +855,12 @@ class Engine:
         return prefill, decode
 
     def _refresh_kv_bytes(self) -> None:
-        """Publish the KV pool's size (the pool drops its tensors once no sequence holds a row)."""
-        self._memory = {**self._memory, "kv_cache_bytes": self.kv_pool.nbytes()}
+        """Publish the KV cache's size: the pool (which drops its tensors once no sequence holds a row)
+        and the keys and values of images read by cross-attention layers (Mllama), each counted once
+        however many samples share them."""
+        cross = {id(s.inputs.cross.keys): s.inputs.cross.nbytes() for s in self._seqs.values()
+                 if s.inputs is not None and s.inputs.cross is not None and not s.kv_on_host}
+        self._memory = {**self._memory, "kv_cache_bytes": self.kv_pool.nbytes() + sum(cross.values())}
 
     def _cache_name(self, key: str) -> str:
         return self.base_name if key == BASE_KEY else key
@@ -963,10 +967,10 @@ class Engine:
         seqs = [s for s, _ in group]
         logits = None
         inputs = [s.inputs for s in seqs] if any(s.inputs is not None for s in seqs) else None
-        # Rows whose images gave them positions of their own keep them after the prompt too (Qwen2-VL):
-        # the captured decode graphs take plain positions.
-        own_pos = inputs is not None and any(x is not None and x.rope is not None for x in inputs)
-        if self.graphs is not None and not every and not own_pos and all(len(t) == 1 for _, t in group):
+        # Rows whose images gave them positions of their own (Qwen2-VL) or cross-attention keys (Mllama)
+        # keep them after the prompt too: the captured decode graphs take plain positions and no images.
+        own = inputs is not None and any(x is not None and x.own_step() for x in inputs)
+        if self.graphs is not None and not every and not own and all(len(t) == 1 for _, t in group):
             logits = self.graphs.run([s.kv for s in seqs], row_slots, [t[0] for _, t in group], self._weights_key())
         if logits is None:
             starts = [s.kv.length for s in seqs]
@@ -1123,6 +1127,8 @@ class Engine:
             child = self._seqs[r.rid]
             child.kv.offload()
             child.kv_on_host = True
+            if child.inputs is not None:  # its images' rows and cross-attention keys go to host memory too
+                child.inputs = child.inputs.to("cpu")
         seq.kv.free()  # its pool row goes to the next sequence now
         self._seqs.pop(seq.rid, None)
         key = {"cancelled": "cancelled", "error": "errors"}.get(reason, "finished")

@@ -247,6 +247,7 @@ class PagedStep(RecurrentStep):
 
     logits_to_keep = 1  # 0: the forward returns every position's logits (prompt log probabilities)
     see: torch.Tensor | None = None  # [B, Tm]: the last position each query sees, set where not its own
+    cross = None  # the step's cross-attention inputs (cross_attention.CrossStep), set where a row has images
 
     def __init__(self, pool: BlockPool, caches: list[SeqBlocks], past: list[int], new: list[int],
                  device: torch.device | str):

@@ -24,6 +24,7 @@ from torch import nn
 from deltazip.models.image_inputs import handing
 from deltazip.models.loader import text_config
 from deltazip.runtime.serve.attention import is_paged
+from deltazip.runtime.serve.cross_attention import cross_step
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, PagedStep, SeqBlocks
 from deltazip.runtime.serve.prompt_media import PromptInputs, image_step, token_embeddings
 from deltazip.runtime.serve.recurrent_state import (
@@ -358,6 +359,9 @@ def forward_step(backend, pool: KVPool | BlockPool, caches: list, row_slots: lis
             kv.prompt_embeds, pos, see = image_step(inputs, past, new, ids, pos, getattr(kv, "q_pos", None))
             if see is not None:
                 kv.see = see
+            kv.cross = cross_step(inputs, past, new, ids.shape[1])
+            if kv.cross is not None:  # where transformers reads cached cross-attention keys (Mllama)
+                kv.layers = kv.cross.layers
         logits = backend.forward(row_slots, ids, pos, mask, kv)
     for c, n in zip(caches, new):
         c.length += n
@@ -457,6 +461,9 @@ def run_model(model: nn.Module, input_ids, position_ids, attention_mask, kv) -> 
         images = embeds.language_model_args(tuple(input_ids.shape))
     else:
         tokens = {"input_ids": input_ids}
+    cross = getattr(kv, "cross", None)  # images read by cross-attention layers (cross_attention.cross_step)
+    if cross is not None:
+        images = {**images, **cross.language_model_args()}
     with kv.bound() if hasattr(kv, "bound") else contextlib.nullcontext(), handing(model, images):
         out = model(**tokens, position_ids=position_ids, attention_mask=attention_mask,
                     use_cache=True, logits_to_keep=keep, **{cache_kwarg(model): kv})

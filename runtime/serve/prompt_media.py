@@ -23,9 +23,10 @@ Qwen3-VL also adds features of early vision layers to the hidden states of its f
 at the images' positions (DeepStack): those are kept per image token too, and each step hands the
 language model the ones of its rows (:class:`StepEmbeds` ``deep``). Gemma 4's language model also
 takes per-layer token embeddings, made by its forward from the ids with the pad id at image tokens:
-the image rows are kept, and each step makes the others from its ids (``StepEmbeds.model_args``). A
-language model that takes more from the images than these (Mllama's cross-attention states) is
-refused with :class:`ImagesUnsupported`.
+the image rows are kept, and each step makes the others from its ids (``StepEmbeds.model_args``).
+Mllama's language model reads its images in cross-attention layers: their keys and values are kept
+per sequence for the whole of it (``cross_attention``). A language model that takes more from the
+images than these is refused with :class:`ImagesUnsupported`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch import nn
 
 from deltazip.formats.errors import InputError, first_line
 from deltazip.models.image_inputs import language_model_of, on_model, run_to_language_model
+from deltazip.runtime.serve.cross_attention import CROSS_ARGS, CrossInputs, cross_attention_layers, read_cross
 
 # Image tokens see each other both ways within one image (transformers' token_type_ids blocks):
 # Gemma 3's always, Gemma 4's where its text config says so.
@@ -105,6 +107,7 @@ class PromptInputs:
             (Qwen3-VL's DeepStack), else None.
         per_layer: ``[n, L, D]``, the per-layer token embeddings at ``positions`` (Gemma 3n and 4),
             else None.
+        cross: the images' keys and values in the cross-attention layers (Mllama), else None.
     """
 
     positions: torch.Tensor
@@ -114,13 +117,29 @@ class PromptInputs:
     blocks: list[tuple[int, int]] = field(default_factory=list)
     deep: list[torch.Tensor] | None = None
     per_layer: torch.Tensor | None = None
+    cross: CrossInputs | None = None
 
     def decoding(self) -> PromptInputs | None:
         """What a sequence keeps once its prompt is read: its rotary positions, which every later
-        token's position follows (the image rows and spans are done with); None where it has none."""
-        if self.rope is None:
+        token's position follows, and its images' cross-attention keys and values (the image rows and
+        spans are done with); None where it has neither."""
+        if self.rope is None and self.cross is None:
             return None
-        return PromptInputs(self.positions[:0], self.embeds[:0], self.rope, self.rope_delta)
+        cross = None if self.cross is None else self.cross.decoding()
+        return PromptInputs(self.positions[:0], self.embeds[:0], self.rope, self.rope_delta, cross=cross)
+
+    def to(self, device) -> PromptInputs:
+        """The same inputs with their device tensors on ``device`` (host memory while preempted)."""
+        def move(t):
+            return None if t is None else t.to(device)
+
+        return PromptInputs(self.positions, self.embeds.to(device), self.rope, self.rope_delta, self.blocks,
+                            None if self.deep is None else [d.to(device) for d in self.deep], move(self.per_layer),
+                            None if self.cross is None else self.cross.to(device))
+
+    def own_step(self) -> bool:
+        """Whether a step of this row needs more than its tokens (so no captured decode graph runs it)."""
+        return self.rope is not None or self.cross is not None
 
     @classmethod
     def prefix(cls, t: int) -> PromptInputs:
@@ -155,10 +174,13 @@ def read_prompt(model: nn.Module, prompt_ids: list[int], media: PromptMedia, dev
     except Exception as e:  # the processor's tensors do not fit the model (e.g. tokens and features disagree)
         raise ImagesUnsupported(f"the model could not read the images: {type(e).__name__}: {first_line(e)}") from e
     kind = model.config.model_type
-    if "inputs_embeds" not in seen or seen["inputs_embeds"] is None:
+    if seen.get("inputs_embeds") is None and seen.get("cross_attention_states") is not None:
+        with torch.inference_mode():  # the images enter by cross-attention alone: the tokens are text (Mllama)
+            seen["inputs_embeds"] = token_embeddings(model, ids)
+    if seen.get("inputs_embeds") is None:
         raise ImagesUnsupported(f"{kind}: the model's forward did not reach its language model with input embeddings")
-    more = sorted(k for k, v in seen.items()
-                  if k not in _OWN_ARGS | {_DEEP_MASK, _DEEP, _PER_LAYER, "_args"} and v is not None and v is not False)
+    read = _OWN_ARGS | {_DEEP_MASK, _DEEP, _PER_LAYER, "_args"} | (CROSS_ARGS if cross_attention_layers(model.config) else set())
+    more = sorted(k for k, v in seen.items() if k not in read and v is not None and v is not False)
     if more or seen["_args"]:
         raise ImagesUnsupported(f"images are not served for {kind}: its language model takes {', '.join(more) or 'more'}"
                                 " from the images beside their embeddings (text prompts are served)")
@@ -177,7 +199,14 @@ def read_prompt(model: nn.Module, prompt_ids: list[int], media: PromptMedia, dev
     blocks = _spans(positions.tolist()) if images_seen_both_ways(model.config) else []
     if is_prefix_lm(model.config):  # a served prompt has no suffix: all of it is the prefix
         blocks = [(0, len(prompt_ids))]
-    return PromptInputs(positions.cpu(), embeds, rope, delta, blocks, deep, per_layer)
+    cross = None
+    if seen.get("cross_attention_states") is not None:
+        try:
+            cross = read_cross(model, seen)
+        except Exception as e:
+            raise ImagesUnsupported(f"{kind}: its cross-attention layers could not read the images: "
+                                    f"{type(e).__name__}: {first_line(e)}") from e
+    return PromptInputs(positions.cpu(), embeds, rope, delta, blocks, deep, per_layer, cross)
 
 
 def _rope(pos: torch.Tensor | None, t: int) -> tuple[torch.Tensor | None, int]:

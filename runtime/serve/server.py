@@ -104,7 +104,7 @@ class _EngineCollector:
             ("deltazip_tokens_per_second", "Generated tokens per second over the last 10 s", st["tokens_per_second"]),
             ("deltazip_device_weight_bytes", "Bytes of model weights on the device: the base plus every filled slot "
              "(swap mode: the whole models in its slots)", st["device_weight_bytes"]),
-            ("deltazip_kv_cache_bytes", "Bytes of the KV cache pool (one row per sequence, as long as the longest)",
+            ("deltazip_kv_cache_bytes", "Bytes of the KV cache (its block pool, and images' cross-attention keys)",
              st["kv_cache_bytes"]),
         ):
             yield GaugeMetricFamily(name, doc, value=value)

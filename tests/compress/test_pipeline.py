@@ -240,8 +240,9 @@ def test_a_layer_the_text_forward_skips_is_rounded_to_nearest(tmp_path, target_r
     art = tmp_path / "art"
     compress_delta(base, ft, str(calib_file(tmp_path)), art, CompressConfig(**CFG, target_ratio=target_ratio))
     layers = Artifact(art).manifest["layers"]
-    assert [L["index"] for L in layers] == [0, 1]
-    assert "calibration" not in layers[0] and layers[1]["calibration"].startswith("rtn")
+    assert [L["index"] for L in layers] == [0, 1, 2]
+    assert "calibration" not in layers[0] and "calibration" not in layers[2]
+    assert layers[1]["calibration"].startswith("rtn")
     cross = [n for n in layers[1]["tensors"] if "cross_attn." in n and n.endswith("_proj.weight")]
     assert len(cross) == 4
     merged = reconstruct_state_dict(Artifact(art), Checkpoint(base))

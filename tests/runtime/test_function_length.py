@@ -37,6 +37,7 @@ REQUEST_PATH = [
     "serve/chat_content.py",  # chat messages in the form the template reads
     "serve/images.py",  # images in chat requests, read and processed
     "serve/prompt_media.py",  # what a prompt's images make of it, read by its steps
+    "serve/cross_attention.py",  # images read by cross-attention layers: their keys per sequence, a step's view
     "serve/vision_params.py",  # a variant's vision tensors put in place while its images are read
     "serve/cuda_graphs.py",  # decode steps on CUDA
     "serve/graph_capture.py",  # every decode graph captured while serving

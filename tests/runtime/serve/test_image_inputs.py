@@ -30,6 +30,8 @@ from _images import (
     png,
     prompt,
     qwen_vl_processor,
+    same,
+    served_matches_merged,
     template,
     tokenizer,
 )
@@ -99,41 +101,8 @@ class _Gemma4Processor:
         return {**enc, **out, "mm_token_type_ids": kinds}
 
 
-def _same(got, want, tol=1e-4) -> bool:
-    """A served finish event against a reference ``(text, logprobs)``: equal text, log probabilities
-    within ``tol``."""
-    lps = [e[1] for e in got.logprobs]
-    k = min(len(lps), len(want[1]))
-    return got.text == want[0] and k > 0 and max(abs(a - b) for a, b in zip(lps[:k], want[1][:k])) < tol
-
-
-def _served_matches_merged(tmp_path, arch, processor, images_per_prompt, vision_scale=0.0, dtype=torch.float32,
-                           tol=1e-4, **engine):
-    """Served (delta mode, in ``dtype``) against the merged checkpoint's ``generate`` in ``dtype``: equal
-    texts, log probabilities within ``tol``."""
-    tok = processor.tokenizer
-    with single_thread():
-        base_dir, arts = build_variant(tmp_path, arch, processor, vision_scale, vocab=max(128, len(tok)))
-        ck = Checkpoint(base_dir)
-        refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck, dtype), "base": load_causal_lm(base_dir, dtype)}
-        prompts = [prompt(processor, "what is it?", [picture(s) for s in range(images_per_prompt)]),
-                   prompt(processor, "and this one", [picture(7 + s, (60, 44)) for s in range(images_per_prompt)])]
-        want = {(m, i): generate(refs[m], *prompts[i], tok=tok) for m in refs for i in range(2)}
-        want["ft", "text"] = generate(refs["ft"], tok("zip model tune")["input_ids"], None, tok=tok)
-        assert any(want["ft", i] != want["base", i] for i in range(2))  # the fine-tune matters
-        dm = DeltaModel(ck, discover_variants(arts), num_slots=2, device=torch.device("cpu"), dtype=dtype)
-        jobs = [("ft", 0), ("base", 0), ("ft", "text"), ("ft", 1), ("base", 1)]
-        got = engine_runs(dm, tok, [(m, prompts[i] if i != "text" else "zip model tune") for m, i in jobs], N,
-                          **engine)
-    for j, ev in zip(jobs, got):
-        assert _same(ev, want[j], tol), (j, ev.text, want[j])
-    worst = max(abs(e[1] - w) for j, ev in zip(jobs, got) for e, w in zip(ev.logprobs, want[j][1]))
-    print(f"{arch} {str(dtype).removeprefix('torch.')}: served vs merged max |d logprob| {worst:.3g}")  # pytest -s
-    return refs, prompts, got
-
-
 def test_llava_images_in_a_mixed_batch_give_the_merged_output(tmp_path):
-    _served_matches_merged(tmp_path, "llava", llava_processor(tokenizer()), images_per_prompt=1)
+    served_matches_merged(tmp_path, "llava", llava_processor(tokenizer()), images_per_prompt=1)
 
 
 @pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl"])
@@ -142,19 +111,19 @@ def test_images_served_in_bf16_give_the_merged_output_in_bf16(tmp_path, arch):
     bf16 as the merged model's ``generate`` does; texts equal, log probabilities within 0.05 (rows
     padded and batched with others round differently)."""
     processor = llava_processor(tokenizer()) if arch == "llava" else _QwenProcessor()
-    _served_matches_merged(tmp_path, arch, processor, images_per_prompt=2, vision_scale=0.5, dtype=torch.bfloat16,
+    served_matches_merged(tmp_path, arch, processor, images_per_prompt=2, vision_scale=0.5, dtype=torch.bfloat16,
                            tol=0.05)
 
 
 def test_a_variant_that_changed_the_projector_reads_images_with_its_own(tmp_path):
-    refs, prompts, got = _served_matches_merged(tmp_path, "llava", llava_processor(tokenizer()),
+    refs, prompts, got = served_matches_merged(tmp_path, "llava", llava_processor(tokenizer()),
                                                 images_per_prompt=2, vision_scale=0.5)
     art = Artifact(tmp_path / "arts" / "ft")
     assert any("multi_modal_projector" in n and e.kind != "same" for n, e in art.entries().items())
     # Read with the base's projector, the same prompts score otherwise: the served numbers are the variant's.
     base = load_causal_lm(tmp_path / "base", torch.float32).state_dict()
     refs["ft"].load_state_dict({k: v for k, v in base.items() if "multi_modal_projector" in k}, strict=False)
-    assert not _same(got[0], generate(refs["ft"], *prompts[0]), tol=1e-3)
+    assert not same(got[0], generate(refs["ft"], *prompts[0]), tol=1e-3)
 
 
 @pytest.mark.parametrize("budget", [2048, 10])
@@ -162,13 +131,13 @@ def test_gemma3_images_see_themselves_both_ways(tmp_path, budget):
     """Gemma 3: an image's four tokens attend to each other both ways (the model's own mask), through
     sliding-window layers; with a budget of 10 tokens per step the prompts run in chunks that end
     before an image rather than inside it."""
-    _served_matches_merged(tmp_path, "gemma3_vl", _gemma3_processor(), images_per_prompt=2, max_batch_tokens=budget)
+    served_matches_merged(tmp_path, "gemma3_vl", _gemma3_processor(), images_per_prompt=2, max_batch_tokens=budget)
 
 
 def test_qwen2_5_vl_images_keep_their_own_positions(tmp_path):
     """Qwen2.5-VL: the images' tokens take positions of their own in three sections, and every token
     after them is offset (``rope_delta``), generated ones included."""
-    _served_matches_merged(tmp_path, "qwen2_5_vl", _QwenProcessor(), images_per_prompt=2)
+    served_matches_merged(tmp_path, "qwen2_5_vl", _QwenProcessor(), images_per_prompt=2)
 
 
 @pytest.mark.parametrize(("arch", "budget"), [("qwen3_vl", 2048), ("qwen3_vl", 12), ("qwen3_vl_moe", 12)])
@@ -178,7 +147,7 @@ def test_qwen3_vl_images_feed_their_deepstack_features_to_early_layers(tmp_path,
     variant changed its mergers (DeepStack's included), so it reads images with its own. With a
     budget of 12 tokens per step the images' tokens are split over chunks, each adding its own. The
     MoE form's experts are decoupled per row as usual."""
-    _served_matches_merged(tmp_path, arch, _QwenProcessor(patch=16), images_per_prompt=2,
+    served_matches_merged(tmp_path, arch, _QwenProcessor(patch=16), images_per_prompt=2,
                            vision_scale=0.5, max_batch_tokens=budget)
 
 
@@ -204,7 +173,7 @@ def test_paligemma_reads_its_whole_prompt_both_ways(tmp_path, budget):
     """PaliGemma: a prefix language model. Its prompt, images and text (and a text-only prompt),
     sees itself both ways; generated tokens are causal. With a budget of 10 tokens per step a prompt
     is still read in one step, since no chunk may cut it."""
-    _served_matches_merged(tmp_path, "paligemma", _paligemma_processor(), images_per_prompt=2,
+    served_matches_merged(tmp_path, "paligemma", _paligemma_processor(), images_per_prompt=2,
                            max_batch_tokens=budget)
 
 
@@ -253,7 +222,7 @@ def test_gemma4_images_with_per_layer_embeddings(tmp_path, both_ways, monkeypatc
         cfg = ARCH_CONFIGS["gemma4_vl"]
         monkeypatch.setitem(ARCH_CONFIGS, "gemma4_vl",
                             {**cfg, "text_config": {**cfg["text_config"], "use_bidirectional_attention": "vision"}})
-    _served_matches_merged(tmp_path, "gemma4_vl", _Gemma4Processor(), images_per_prompt=2, vision_scale=0.5,
+    served_matches_merged(tmp_path, "gemma4_vl", _Gemma4Processor(), images_per_prompt=2, vision_scale=0.5,
                            max_batch_tokens=40 if both_ways else 2048)
 
 
@@ -327,7 +296,7 @@ def test_the_samples_of_an_image_prompt_keep_its_positions(tmp_path):
         want = generate(load_merged_model(Artifact(arts / "ft"), ck), *one)
         dm = DeltaModel(ck, discover_variants(arts), num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
         got = engine_runs(dm, processor.tokenizer, [("ft", one)], N, samples=2)
-    assert len(got) == 2 and all(_same(ev, want) for ev in got), [ev.text for ev in got]
+    assert len(got) == 2 and all(same(ev, want) for ev in got), [ev.text for ev in got]
 
 
 def test_preempted_image_prompts_resume_with_their_positions(tmp_path):
@@ -351,7 +320,7 @@ def test_preempted_image_prompts_resume_with_their_positions(tmp_path):
         got = engine_runs(dm, processor.tokenizer, jobs, N, stats=stats, max_deltas=1, max_cpu_deltas=4)
     assert stats["preempted"] >= 1, stats
     for j, (ev, w) in enumerate(zip(got, want)):
-        assert _same(ev, w), (j, ev.text, w)
+        assert same(ev, w), (j, ev.text, w)
 
 
 @pytest.mark.parametrize("arch", ["llava", "qwen3_vl"])
@@ -367,7 +336,7 @@ def test_swap_mode_reads_images_with_the_variants_whole_model(tmp_path, arch):
         want = {m: generate(refs[m], *one, tok=processor.tokenizer) for m in refs}
         sm = SwapModels(ck, discover_variants(arts), 2, torch.device("cpu"), torch.float32, "base")
         got = engine_runs(sm, processor.tokenizer, [("ft", one), ("base", one)], N)
-    assert _same(got[0], want["ft"]) and _same(got[1], want["base"])
+    assert same(got[0], want["ft"]) and same(got[1], want["base"])
 
 
 def test_workers_read_images_behind_the_front(tmp_path):
@@ -413,7 +382,7 @@ def test_tensor_parallel_reads_images_on_rank_0_and_every_rank_puts_them_in_plac
                               max_batch_tokens=16)
         finally:
             tp.close()
-    assert all(_same(g, want[k], tol=1e-3) for g, k in zip(got, ("ft", "base", "text"))), [g.text for g in got]
+    assert all(same(g, want[k], tol=1e-3) for g, k in zip(got, ("ft", "base", "text"))), [g.text for g in got]
 
 
 def _pixtral_processor():
@@ -490,7 +459,7 @@ def _idefics3_processor():
 def test_idefics3_images_split_into_tiles_give_the_merged_output(tmp_path):
     """Idefics3: each image split into tiles plus a global view, each tile's tokens between its row
     and column tags, pixel masks beside the pixels (the tokenizer grows by the processor's tokens)."""
-    _served_matches_merged(tmp_path, "idefics3", _idefics3_processor(), images_per_prompt=1)
+    served_matches_merged(tmp_path, "idefics3", _idefics3_processor(), images_per_prompt=1)
 
 
 def test_the_start_up_says_whether_images_are_read(tmp_path, caplog):
