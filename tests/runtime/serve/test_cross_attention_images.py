@@ -16,7 +16,18 @@ import shutil
 
 import pytest
 import torch
-from _images import IMAGE, N, build_variant, generate, picture, png, same, template, tokenizer
+from _images import (
+    IMAGE,
+    N,
+    build_variant,
+    generate,
+    picture,
+    png,
+    same,
+    served_matches_merged,
+    template,
+    tokenizer,
+)
 from _serving import ServedSet, engine_runs, running_server, single_thread
 
 from deltazip.compress.merge import load_merged_model
@@ -173,3 +184,10 @@ def test_the_kv_cache_bytes_count_the_images_cross_attention_keys(mllama):
     head = text.hidden_size // text.num_attention_heads
     cross = len(text.cross_attention_layers) * 2 * text.num_key_value_heads * 40 * head * 4  # fp32
     assert seen[-1][0] - seen[-1][1] == cross, (seen, cross)
+
+
+def test_mllama_images_served_in_bf16_give_the_merged_output_in_bf16(tmp_path):
+    """bf16, as GPUs serve: the cross-attention keys, the padded step tensors and the masks in bf16,
+    against the merged model's bf16 ``generate``; texts equal, log probabilities within 0.05."""
+    served_matches_merged(tmp_path, "mllama", mllama_processor(), images_per_prompt=2, vision_scale=0.05,
+                          dtype=torch.bfloat16, tol=0.05)
