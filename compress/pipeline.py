@@ -35,7 +35,13 @@ from deltazip.compress.host_memory import release_freed_memory
 from deltazip.compress.obs import SolveResult, obs_compress, rtn_compress
 from deltazip.compress.rows_and_exact import embedding_weight_names, new_stats, record_embedding, record_exact
 from deltazip.compress.sensitivity import measure
-from deltazip.compress.vision import calibration_images, image_hessians, vision_linears, vision_scheme
+from deltazip.compress.vision import (
+    CrossAttentionImages,
+    calibration_images,
+    image_hessians,
+    vision_linears,
+    vision_scheme,
+)
 from deltazip.formats import codecs
 from deltazip.formats.artifact import LOSSLESS_DEFAULT, Artifact, ArtifactWriter
 from deltazip.formats.codecs.xor import bitwise_equal
@@ -44,6 +50,7 @@ from deltazip.formats.gdeflate import DEFAULT_LEVEL
 from deltazip.formats.outputs import check_output
 from deltazip.kernels.scheme import DeltaScheme
 from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.image_inputs import cross_attention_layers
 from deltazip.models.layer_map import LayerMap, Piece, Target, map_layer
 from deltazip.models.model_walk import (
     Catcher,
@@ -180,6 +187,7 @@ class _Run:
         # the vision tower's and projector's linears (image-text models; compress/vision.py)
         self.vision = vision_linears(self.model, self.ckpt_name, set(ft.names) - self.layer_names - {self.head})
         self.vision_images: list[Path] | None = None  # --calib-images
+        self.cross_images: CrossAttentionImages | None = None  # the windows' images, for cross-attention layers
         self.vision_stats: dict | None = None
         self.plan: dict[str, Setting] = {}  # per-tensor settings of --target-ratio (empty: the options')
         self.other_stats = new_stats()
@@ -419,6 +427,9 @@ class _Run:
         The stand-ins hand back bare hidden states, or, where the model unpacks its layers' outputs
         (Bamba: ``hidden_states, attn_weights = layer(...)``), a tuple of the length Python names in
         the unpacking error; the layers' own outputs are not known before their weights are."""
+        if self.vision_images is not None and cross_attention_layers(self.model.config) and self.cross_images is None:
+            # Mllama: its cross-attention layers run only with an image: each window gets one
+            self.cross_images = CrossAttentionImages(self.ft.path, self.vision_images, input_ids)
         try:
             return self._catch(input_ids, 0)
         except ValueError as e:
@@ -431,13 +442,18 @@ class _Run:
     def _catch(self, input_ids: torch.Tensor, arity: int) -> list[tuple[torch.Tensor, dict]]:
         last = len(self.layers) - 1
         catchers = [Catcher(m, last=i == last, keep_hidden=i == 0, arity=arity) for i, m in enumerate(self.layers)]
+        images = self.cross_images
+        if images is not None:
+            input_ids = images.input_ids
         try:
             for i, c in enumerate(catchers):
                 self.layers[i] = c
             with torch.no_grad():
                 for s in range(0, input_ids.shape[0], self.cfg.batch_size):
+                    e = s + self.cfg.batch_size
+                    media = {} if images is None else images.batch(s, e, self.device, self.cdtype)
                     try:
-                        self.model(input_ids=input_ids[s:s + self.cfg.batch_size].to(self.device), use_cache=False)
+                        self.model(input_ids=input_ids[s:e].to(self.device), use_cache=False, **media)
                     except StopForward:
                         pass
         finally:
@@ -448,7 +464,8 @@ class _Run:
 
     def runs_layer(self, i: int) -> bool:
         """Whether the calibration forward reached layer ``i`` (after :meth:`first_inputs`): a text-only
-        forward skips Mllama's cross-attention layers, which run with an image only."""
+        forward skips Mllama's cross-attention layers, which run with an image only (with
+        ``--calib-images`` every window has one)."""
         return bool(self.layer_kw[i])
 
     def layer_kwargs(self, i: int, batch: int) -> dict:

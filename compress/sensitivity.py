@@ -394,6 +394,11 @@ def _outside(probe: Probe) -> None:
             set_param(run.model, mod, f.to(run.cdtype), run.device)
 
 
+# Keyword arguments whose rows are ``k`` per sequence, batch-major: Mllama's vision states
+# ``[B · images · tiles, P, H]``, which its cross-attention views as ``[B, images · tiles · P, H]``.
+_PER_SEQUENCE_ROWS = frozenset({"cross_attention_states"})
+
+
 def _leading(batch, y0: torch.Tensor, n: int):
     """The first ``n`` sequences of a calibration ``batch`` (``(hidden [B, T, H], kwargs)``) and of its
     output ``y0``: every tensor of two or more dimensions whose first is ``B`` is cut. Unchanged when
@@ -403,13 +408,17 @@ def _leading(batch, y0: torch.Tensor, n: int):
     if B <= n or h.dim() < 2 or h.shape[1] == B:
         return batch, y0
 
-    def cut(x):
+    def cut(x, key=None):
         if isinstance(x, torch.Tensor):
-            return x[:n] if x.dim() >= 2 and x.shape[0] == B else x
+            if x.dim() >= 2 and x.shape[0] == B:
+                return x[:n]
+            if key in _PER_SEQUENCE_ROWS and x.shape[0] % B == 0:
+                return x[:n * (x.shape[0] // B)]
+            return x
         if isinstance(x, (tuple, list)):
             return type(x)(cut(v) for v in x)
         if isinstance(x, dict):
-            return {k: cut(v) for k, v in x.items()}
+            return {k: cut(v, k) for k, v in x.items()}
         return x
     return (h[:n], cut(kw)), y0[:n]
 

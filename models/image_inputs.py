@@ -30,6 +30,12 @@ def language_model(model: nn.Module) -> tuple[str, nn.Module]:
     return found
 
 
+def cross_attention_layers(config) -> tuple[int, ...]:
+    """The indices of the decoder layers that read images by cross-attention (Mllama); empty for
+    other models."""
+    return tuple(getattr(text_config(config), "cross_attention_layers", None) or ())
+
+
 _LANGUAGE_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

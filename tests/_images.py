@@ -99,6 +99,29 @@ def gemma4_processor():
                            video_processor=Gemma4VideoProcessor(), image_seq_length=70)
 
 
+def mllama_processor():
+    """Mllama's processor over the character tokenizer: 28-pixel tiles, up to 4 per image (5 vision
+    tokens each with the tiny tower), its image token id 120."""
+    from transformers import MllamaImageProcessorPil, MllamaProcessor
+
+    tok = tokenizer(template(IMAGE))
+    tok._set_model_specific_special_tokens(special_tokens={"image_token": IMAGE})
+    images = MllamaImageProcessorPil(size={"height": 28, "width": 28}, max_image_tiles=4)
+    return MllamaProcessor(image_processor=images, tokenizer=tok)
+
+
+def parts_prompt(processor, parts: list):
+    """Token ids and tensors of a user message of ``parts`` (a PIL image, or text), in order."""
+    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts]
+    rendered = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                       add_generation_prompt=True)
+    images = [p for p in parts if not isinstance(p, str)]
+    out = processor(text=[rendered], images=images, return_tensors="pt", add_special_tokens=False)
+    ids = out.pop("input_ids")[0].tolist()
+    out.pop("attention_mask", None)
+    return ids, PromptMedia(dict(out), len(images))
+
+
 def llava_processor(tok):
     from transformers import CLIPImageProcessor, LlavaProcessor
 

@@ -36,16 +36,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deltazip.models.image_inputs import language_model_of
-from deltazip.models.loader import text_config
+from deltazip.models.image_inputs import cross_attention_layers, language_model_of
 
 # What a language model with cross-attention layers is handed from the images (MllamaTextModel).
 CROSS_ARGS = frozenset({"cross_attention_states", "cross_attention_mask", "full_text_row_masked_out_mask"})
-
-
-def cross_attention_layers(config) -> tuple[int, ...]:
-    """The indices of the decoder layers that attend to images (empty for other models)."""
-    return tuple(getattr(text_config(config), "cross_attention_layers", None) or ())
 
 
 @dataclass

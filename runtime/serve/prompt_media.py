@@ -37,8 +37,13 @@ import torch
 from torch import nn
 
 from deltazip.formats.errors import InputError, first_line
-from deltazip.models.image_inputs import language_model_of, on_model, run_to_language_model
-from deltazip.runtime.serve.cross_attention import CROSS_ARGS, CrossInputs, cross_attention_layers, read_cross
+from deltazip.models.image_inputs import (
+    cross_attention_layers,
+    language_model_of,
+    on_model,
+    run_to_language_model,
+)
+from deltazip.runtime.serve.cross_attention import CROSS_ARGS, CrossInputs, read_cross
 
 # Image tokens see each other both ways within one image (transformers' token_type_ids blocks):
 # Gemma 3's always, Gemma 4's where its text config says so.

@@ -16,6 +16,7 @@ from _images import (
     gemma4_processor,
     generate,
     llava_processor,
+    mllama_processor,
     needs_torchvision,
     picture,
     prompt,
@@ -44,16 +45,16 @@ CFG = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"),
 
 
 def _pair(root, dtype=torch.float32, arch="llava"):
-    """Base and a fine-tune whose language model, vision tower and projector all moved, stored in
-    ``dtype`` (trained in fp32)."""
+    """Base and a fine-tune whose language model, vision tower and projector all moved (Mllama: its
+    language model, the cross-attention layer included), stored in ``dtype`` (trained in fp32)."""
     proc = (llava_processor(tokenizer()) if arch == "llava" else gemma4_processor() if arch == "gemma4_vl"
-            else qwen_vl_processor(arch))
+            else mllama_processor() if arch == "mllama" else qwen_vl_processor(arch))
     ids = dict(IDS, vocab_size=max(128, len(proc.tokenizer)))
     base_dir = save_model(tiny_model(arch, **ids).to(dtype), root / "base", tokenizer=False)
     ft = finetune(tiny_model(arch, **ids), steps=20, seed=3)
     with torch.no_grad():  # a vision fine-tune: low-rank-structured moves of everything beside the language model
         side = torch.nn.ModuleDict({n: m for n, m in ft.model.named_children() if n != "language_model"})
-        perturb(side, scale=0.2, seed=9)
+        perturb(ft.model.language_model.layers[1] if arch == "mllama" else side, scale=0.2, seed=9)
     ft_dir = save_model(ft.to(dtype), root / "ft", tokenizer=False)
     for d in (base_dir, ft_dir):
         proc.save_pretrained(d)
@@ -186,3 +187,55 @@ def test_the_command_line_says_what_is_wrong_with_the_images_in_one_line(tmp_pat
     assert r.stderr.strip().splitlines() == [f"deltazip: error: --calib-images {tmp_path / 'nope'}: not a directory; "
                                              "pass a directory of .png/.jpg images"]
     assert not (tmp_path / "out").exists()
+
+
+def test_mllama_cross_attention_layers_calibrate_on_the_images(tmp_path):
+    """Mllama's cross-attention layers run only with an image: with ``--calib-images`` every
+    calibration window starts with one, so those layers are calibrated layer by layer like the others
+    (without images they are rounded to nearest). Against the fine-tune on held-out prompts with
+    images, the calibrated cross-attention layer's output stays closer than the same deltas rounded
+    to nearest on the same grid."""
+    import dataclasses
+
+    from _images import parts_prompt
+
+    with single_thread():
+        base_dir, ft_dir, images, proc = _pair(tmp_path, arch="mllama")
+        calib = calib_file(tmp_path / "calib", n=16)
+        compress_delta(base_dir, ft_dir, str(calib), tmp_path / "art", CFG, calib_images=images)
+        compress_delta(base_dir, ft_dir, str(calib), tmp_path / "text", CFG)
+        # --target-ratio's probe runs the same windows, images and all (one batch cut to its first sequences)
+        compress_delta(base_dir, ft_dir, str(calib), tmp_path / "ratio", dataclasses.replace(CFG, target_ratio=6.0),
+                       calib_images=images)
+    cal, text, ratio = (Artifact(tmp_path / k).manifest["layers"][1] for k in ("art", "text", "ratio"))
+    assert "calibration" not in cal and cal["rel_out_err"] < 0.5, cal
+    assert "calibration" not in ratio, ratio
+    assert text["calibration"].startswith("rtn"), text
+    ck = Checkpoint(base_dir)
+    merged = load_merged_model(Artifact(tmp_path / "art"), ck)
+    rounded = load_merged_model(Artifact(tmp_path / "art"), ck)
+    ft = load_causal_lm(ft_dir, torch.float32)
+    base, tuned = load_causal_lm(base_dir, torch.float32).state_dict(), ft.state_dict()
+    cross = "model.language_model.layers.1.cross_attn."
+    with torch.no_grad():
+        for name, p in rounded.named_parameters():
+            if name.startswith(cross) and p.dim() == 2:
+                p.copy_(base[name] + rtn_compress(tuned[name] - base[name], CFG.scheme).values)
+    held = [parts_prompt(proc, ["which one?", picture(500 + s, (44, 40)), "and?"]) for s in range(4)]
+
+    def cross_out(model):  # the cross-attention's output on each held-out prompt [T, H], concatenated
+        got = []
+        hook = model.model.language_model.layers[1].cross_attn.register_forward_hook(
+            lambda _m, _a, out: got.append(out[0][0]))
+        try:
+            with torch.no_grad():
+                for ids_, media in held:
+                    model(input_ids=torch.tensor([ids_]), **media.tensors)
+        finally:
+            hook.remove()
+        return torch.cat(got)
+
+    want = cross_out(ft)
+    err = {k: float((cross_out(m) - want).norm() / want.norm()) for k, m in (("calibrated", merged), ("rounded", rounded))}
+    print("relative cross-attention output error", err)  # docs/dev/2026-12-images.md quotes it (pytest -s)
+    assert err["calibrated"] < 0.9 * err["rounded"], err

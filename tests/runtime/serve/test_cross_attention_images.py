@@ -17,16 +17,15 @@ import shutil
 import pytest
 import torch
 from _images import (
-    IMAGE,
     N,
     build_variant,
     generate,
+    mllama_processor,
+    parts_prompt,
     picture,
     png,
     same,
     served_matches_merged,
-    template,
-    tokenizer,
 )
 from _serving import ServedSet, engine_runs, running_server, single_thread
 
@@ -35,32 +34,7 @@ from deltazip.formats.artifact import Artifact
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.loader import load_causal_lm
 from deltazip.runtime.serve.model import DeltaModel, SwapModels
-from deltazip.runtime.serve.prompt_media import PromptMedia
 from deltazip.runtime.serve.variant_sources import discover_variants
-
-
-def mllama_processor():
-    """Mllama's processor over the character tokenizer: 28-pixel tiles, up to 4 per image (5 vision
-    tokens each with the tiny tower), its image token id 120."""
-    from transformers import MllamaImageProcessorPil, MllamaProcessor
-
-    tok = tokenizer(template(IMAGE))
-    tok._set_model_specific_special_tokens(special_tokens={"image_token": IMAGE})
-    images = MllamaImageProcessorPil(size={"height": 28, "width": 28}, max_image_tiles=4)
-    return MllamaProcessor(image_processor=images, tokenizer=tok)
-
-
-def parts_prompt(processor, parts: list):
-    """Token ids and tensors of a user message of ``parts`` (a PIL image, or text), in order."""
-    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts]
-    rendered = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                       add_generation_prompt=True)
-    images = [p for p in parts if not isinstance(p, str)]
-    out = processor(text=[rendered], images=images, return_tensors="pt", add_special_tokens=False)
-    ids = out.pop("input_ids")[0].tolist()
-    out.pop("attention_mask", None)
-    return ids, PromptMedia(dict(out), len(images))
-
 
 PROMPTS = [["what is it?", picture(0)],  # text before the image: it sees no image yet
            [picture(7, (60, 44)), "and this", picture(8), "one?"]]  # 2 tiles, then 1: each text sees those before it
