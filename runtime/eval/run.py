@@ -201,15 +201,25 @@ def run_eval(specs: list[str], opts: EvalOptions, progress=None) -> dict[str, An
         if progress:
             progress(f"evaluating {t.label}")
         t0 = time.perf_counter()
-        lm = DeltazipLM(t.label, bank=bank, batch_size=opts.batch_size)
+        # An image-text target with an image processor runs lm-eval's multimodal type (tasks with images;
+        # text tasks take the same text path as DeltazipLM's).
+        lm_type = DeltazipLM if bank.processor_for(t) is None else _multimodal_type()
+        lm = lm_type(t.label, bank=bank, batch_size=opts.batch_size)
         if tm is not None:
-            results[t.label] = lm_eval.simple_evaluate(
-                model=lm, tasks=opts.tasks, num_fewshot=opts.num_fewshot, limit=opts.limit,
-                task_manager=tm, random_seed=opts.seed, numpy_random_seed=opts.seed,
-                torch_random_seed=opts.seed, fewshot_random_seed=opts.seed, bootstrap_iters=0,
-                # lm-eval resets its logger to this level on every call: its warnings about the model
-                # object passed in (expected here) would come back for every target after the first.
-                log_samples=False, verbosity="ERROR")
+            try:
+                results[t.label] = lm_eval.simple_evaluate(
+                    model=lm, tasks=opts.tasks, num_fewshot=opts.num_fewshot, limit=opts.limit,
+                    task_manager=tm, random_seed=opts.seed, numpy_random_seed=opts.seed,
+                    torch_random_seed=opts.seed, fewshot_random_seed=opts.seed, bootstrap_iters=0,
+                    # lm-eval resets its logger to this level on every call: its warnings about the model
+                    # object passed in (expected here) would come back for every target after the first.
+                    log_samples=False, verbosity="ERROR")
+            except ValueError as e:
+                if "multimodal" not in str(e):
+                    raise
+                raise InputError(f"{t.label}: a task reads images, and this target has no image processor (a text "
+                                 "model, or a checkpoint saved without its processor files); drop that task or "
+                                 "save the processor beside the checkpoint") from e
         if text is not None:
             window = opts.ppl_window or min(lm.max_length, 2048)
             ppl[t.label] = perplexity(lm.model, lm.tokenizer, text, window, batch_size=opts.batch_size).to_dict()
@@ -226,6 +236,12 @@ def run_eval(specs: list[str], opts: EvalOptions, progress=None) -> dict[str, An
         "perplexity": ppl,
     }
     return {"summary": summary, "lm_eval": results}
+
+
+def _multimodal_type():
+    from deltazip.runtime.eval.lm_eval_vlm import DeltazipVLM
+
+    return DeltazipVLM
 
 
 def _quiet_git_hash() -> None:

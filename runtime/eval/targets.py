@@ -20,6 +20,8 @@ lm-eval's ``HFLM`` (loglikelihood and ``generate``), a perplexity loop — runs 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +31,7 @@ import torch
 from torch import nn
 
 from deltazip.formats.artifact import MANIFEST
-from deltazip.formats.errors import InputError
+from deltazip.formats.errors import InputError, first_line
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import check_dtype, resolve_device
 from deltazip.models.loader import load_causal_lm
@@ -47,6 +49,7 @@ from deltazip.runtime.serve.model import (
 from deltazip.runtime.serve.variant_sources import inspect_variant
 
 BASE_TARGET = "base"
+log = logging.getLogger("deltazip.eval")
 
 
 @dataclass
@@ -114,17 +117,26 @@ def eval_advice(message: str, base: Path) -> str:
             f"`deltazip merge ARTIFACT --base {base} --out MERGED`, then pass MERGED as the target")
 
 
-def _route_all_rows(ctx, get_slot, device: torch.device):
-    """A forward pre-hook that binds every row of the incoming batch to the bank's current slot."""
+def _route_all_rows(model: nn.Module, ctx, get_slot, device: torch.device) -> None:
+    """Bind every row of each forward's batch to the bank's current slot (a pre-hook), and between
+    forwards every token (one row: ``DeltaContext`` then routes any input shape to it). ``generate``
+    of an image-text model runs the vision tower before the model's forward; bound only by the
+    pre-hook, that first call would read the images with whatever the previous forward left (or the
+    base's weights)."""
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+    def before(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
         x = kwargs.get("input_ids")
         if x is None:
             x = args[0] if args else kwargs.get("inputs_embeds")
         ctx.bind([get_slot()] * int(x.shape[0]), device)
         return None
 
-    return hook
+    def after(module: nn.Module, args: tuple, kwargs: dict[str, Any], output):
+        ctx.bind([get_slot()], device)
+        return None
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True, always_call=True)
 
 
 class EvalBank:
@@ -144,6 +156,7 @@ class EvalBank:
         check_dtype(dtype)
         self._dtype_name = dtype
         self._hf: tuple[str, nn.Module] | None = None
+        self._processors: dict[str, Any] = {}
         variants = [t.variant for t in targets if t.variant is not None]
         arts = [v for v in variants if v.kind == "artifact"]
         loras = [v for v in variants if v.kind == "lora"]
@@ -169,8 +182,9 @@ class EvalBank:
             self.dtype = asm.dtype
             self._slot = BASE_SLOT
             self._loaded: str | None = None
-            self.delta_model.model.register_forward_pre_hook(
-                _route_all_rows(self.delta_model.ctx, lambda: self._slot, self.device), with_kwargs=True)
+            self._vision = contextlib.ExitStack()  # the vision tensors of the slot in use (VisionParams)
+            self._vision_slot: int | None = None
+            _route_all_rows(self.delta_model.model, self.delta_model.ctx, lambda: self._slot, self.device)
         else:
             self.dtype = None
 
@@ -193,10 +207,59 @@ class EvalBank:
         else:
             name = target.variant.name
             if self._loaded != name:
+                self._hold_vision(None)  # the slot's vision values change with its contents
                 self.delta_model.write_slot(0, name, self.delta_model.load_host(name))
                 self._loaded = name
             self._slot = 0
+        self._hold_vision(self._slot)
+        self.delta_model.ctx.bind([self._slot], self.device)  # until a forward binds its batch (_route_all_rows)
         return self.delta_model.model
+
+    def _hold_vision(self, slot: int | None) -> None:
+        """Keep slot ``slot``'s vision tensors in place (an image task runs the vision tower in its
+        forwards, which the per-row routing does not reach); None: the base's back."""
+        if slot == self._vision_slot:
+            return
+        self._vision.close()
+        self._vision = contextlib.ExitStack()
+        if slot is not None:
+            self._vision.enter_context(self.delta_model.vision_of(slot))
+        self._vision_slot = slot
+
+    def processor_for(self, target: Target):
+        """The processor serve reads ``target``'s images with (a variant's own files, else its base's),
+        or None for a text model or a checkpoint without an image processor (logged: it is evaluated
+        on text tasks only). Loaded once per target."""
+        if target.label not in self._processors:
+            self._processors[target.label] = self._find_processor(target)
+        return self._processors[target.label]
+
+    def _find_processor(self, target: Target):
+        from deltazip.models.loader import is_image_text
+        from deltazip.runtime.serve.images import PROCESSOR_FILES
+
+        if not is_image_text(self.model_for(target).config):
+            return None
+        if target.kind == "hf":
+            dirs = [target.path]
+        else:
+            assert self.base is not None
+            dirs = [self.base.path] if target.variant is None else [target.variant.side_dir(self.base.path),
+                                                                    self.base.path]
+        found = next((Path(d) for d in dirs if any((Path(d) / f).is_file() for f in PROCESSOR_FILES)), None)
+        if found is None:
+            log.warning("%s: no image processor (%s); tasks with images cannot run on it", target.label,
+                        " or ".join(PROCESSOR_FILES))
+            return None
+        from transformers import AutoProcessor
+
+        try:
+            proc = AutoProcessor.from_pretrained(str(found))
+        except Exception as e:  # a package its processor needs (torchvision)
+            log.warning("%s: its image processor in %s does not load (%s: %s); tasks with images cannot run on it",
+                        target.label, found, type(e).__name__, first_line(e))
+            return None
+        return proc if hasattr(proc, "image_processor") else None
 
     def tokenizer_for(self, target: Target):
         """The tokenizer ``serve`` would use for ``target`` (an artifact's own, else its base's)."""

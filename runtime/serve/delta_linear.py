@@ -63,6 +63,7 @@ class DeltaContext:
         self._plans: dict[int, object] = {}
         self._row_slot_host: torch.Tensor | None = None
         self._segments: dict[tuple[int, frozenset[int]], SlotSegments | None] = {}
+        self._uniform = False  # every bound row in one slot
         self.generation = 0  # counts binds: a merged projection group's cached output is per forward
         # Grouped LoRA's unmeasured keys go here instead of being measured in a forward (a server's tuner
         # measures them off the engine thread; ``grouped_lora.lora(defer=...)``); None: measured at once.
@@ -80,6 +81,7 @@ class DeltaContext:
         self.row_slot = torch.tensor(row_slots, dtype=torch.int64, device=device)
         self._row_slot_host = torch.tensor(row_slots, dtype=torch.int64)
         self.active = frozenset(s for s in row_slots if s >= 0)
+        self._uniform = len(set(row_slots)) == 1
         self.generation += 1
         self._token_index.clear()
         self._plans.clear()
@@ -107,6 +109,7 @@ class DeltaContext:
         host = self._row_slot_host[rows]
         self.row_slot = self.row_slot[torch.tensor(rows, device=self.row_slot.device)]
         self._row_slot_host, self.active = host, frozenset(s for s in host.tolist() if s >= 0)
+        uniform, self._uniform = self._uniform, len(set(host.tolist())) == 1
         self._token_index, self._plans, self._segments = {}, {}, {}
         self.generation += 1  # merged projections' cached outputs belong to one batch
         try:
@@ -114,6 +117,7 @@ class DeltaContext:
         finally:
             (self.row_slot, self._row_slot_host, self.active, self._token_index, self._plans,
              self._segments) = saved
+            self._uniform = uniform
             self.generation += 1
 
     def token_index(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,9 +127,14 @@ class DeltaContext:
             raise RuntimeError("a decoupled module ran outside DeltaContext.bind(): the engine must bind "
                                "the batch's slots before every forward")
         b = self.row_slot.shape[0]
-        if b == 1:  # one row (a prompt's images read through the vision tower): every token is its
+        if self._uniform:  # one slot for every row: every token is its, whatever the input's layout (a
+            # prompt's images through the vision tower; Mllama's [B · images · tiles, P, H] in a batch)
             t = x.numel() // x.shape[-1]
-        elif x.dim() == 2 and x.shape[0] % b == 0:
+            idx = self._token_index.get(t)
+            if idx is None:
+                idx = self._token_index[t] = self.row_slot[:1].expand(t).contiguous()
+            return idx
+        if x.dim() == 2 and x.shape[0] % b == 0:
             # [B * t, in]: batch-major rows flattened by the model (OPT's MLP reshapes to 2-D)
             t = x.shape[0] // b
         elif x.dim() > 2 and x.shape[0] == b:
@@ -144,7 +153,8 @@ class DeltaContext:
         None when padding would more than double the work (a skewed batch)."""
         key = (rows, slots)
         if key not in self._segments:
-            self._segments[key] = SlotSegments.build(self._row_slot_host, rows, slots, self.row_slot.device)
+            host = self._row_slot_host[:1] if self._uniform else self._row_slot_host
+            self._segments[key] = SlotSegments.build(host, rows, slots, self.row_slot.device)
         return self._segments[key]
 
     def plan(self, idx: torch.Tensor):
@@ -154,6 +164,8 @@ class DeltaContext:
         plan = self._plans.get(key)
         if plan is None:
             host = self._row_slot_host
+            if host is not None and self._uniform:
+                host = host[:1]
             if host is not None and key % max(1, host.shape[0]) == 0:
                 plan = plan_rows(np.repeat(host.numpy(), key // max(1, host.shape[0])), self.num_slots, idx.device)
             else:

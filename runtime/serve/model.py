@@ -828,13 +828,20 @@ class DeltaModel:
         finally:
             self.ctx.unbind()
 
-    def prompt_inputs(self, slot: int, prompt_ids: list[int], media: PromptMedia) -> PromptInputs:
-        """What the model's forward makes of a prompt with images, read with variant ``slot`` bound
-        (``-1``: the base), so that a variant's own vision tower and projector read them."""
+    @contextlib.contextmanager
+    def vision_of(self, slot: int):
+        """Within: the vision tensors that no decoupled module applies per row hold variant ``slot``'s
+        values (``VisionParams``; the base's for ``-1``), for a forward that reads images."""
         with contextlib.ExitStack() as held:
             for m in self.modules.values():
                 if isinstance(m, VisionParams):
                     held.enter_context(m.applied(slot))
+            yield
+
+    def prompt_inputs(self, slot: int, prompt_ids: list[int], media: PromptMedia) -> PromptInputs:
+        """What the model's forward makes of a prompt with images, read with variant ``slot`` bound
+        (``-1``: the base), so that a variant's own vision tower and projector read them."""
+        with self.vision_of(slot):
             self.ctx.bind([slot], self.device)
             try:
                 return read_prompt(self.model, prompt_ids, media, self.device, self.dtype)

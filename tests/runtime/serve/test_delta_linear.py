@@ -119,6 +119,27 @@ def test_base_only_batch_is_the_plain_linear_and_unbound_context_is_an_error():
         ctx.bind([5], "cpu")
 
 
+def test_a_batch_in_one_slot_routes_inputs_of_any_layout():
+    """Rows all in one slot: every token is that slot's, whatever the input's first dimension
+    (Mllama's vision tower sees ``[B · images · tiles, P, H]`` in a batch of B prompts); rows in
+    several slots still need inputs that start with the batch."""
+    base = nn.Linear(16, 8)
+    ctx = DeltaContext(2)
+    lin = DeltaLinear(base, ctx)
+    lin.load_slot(1, packed=_packed(8, 16, 4, False, False, 0))
+    x = torch.randn(8, 5, 16)  # 2 prompts x 4 tiles
+    full = base.weight + delta_weight(_packed(8, 16, 4, False, False, 0)).to(base.weight.dtype)
+    ctx.bind([1, 1], "cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, full, base.bias), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lin(x[:3]), torch.nn.functional.linear(x[:3], full, base.bias), atol=1e-5,
+                                   rtol=1e-5)  # 3 rows of a 2-row batch: still all slot 1
+    ctx.bind([1, -1], "cpu")
+    with pytest.raises(ValueError, match="does not start with the batch size 2"), torch.no_grad():
+        lin(x[:3])
+    ctx.unbind()
+
+
 def test_embedding_and_norm_rows_read_their_variant_and_same_costs_nothing():
     torch.manual_seed(0)
     ctx = DeltaContext(3)
