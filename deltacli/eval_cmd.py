@@ -45,6 +45,10 @@ def eval_targets(
     limit: Annotated[float | None, typer.Option("--limit", help="Examples per task (a count, or a fraction < 1).",
                                                 show_default=False)] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Requests per forward.")] = 8,
+    apply_chat_template: Annotated[bool, typer.Option(
+        "--apply-chat-template", help="Render each prompt (and its few-shot examples) with the target's chat "
+                                      "template, as a chat request to `deltazip serve` is: for instruct and chat "
+                                      "fine-tunes.")] = False,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     perplexity: Annotated[Path | None, typer.Option(
@@ -84,7 +88,7 @@ def eval_targets(
     opts = EvalOptions(tasks=tasks.split(",") if tasks else [], base=base, include_path=list(include_path or []),
                        num_fewshot=num_fewshot, limit=int(limit) if limit is not None and limit >= 1 else limit,
                        batch_size=batch_size, device=device, dtype=dtype, perplexity=perplexity,
-                       ppl_window=ppl_window, reference=reference)
+                       ppl_window=ppl_window, reference=reference, apply_chat_template=apply_chat_template)
     say = None if json_out else (lambda msg: err_console.print(f"[dim]{escape(msg)}[/dim]"))
     res = run_eval(targets, opts, progress=say)
     summary = res["summary"]

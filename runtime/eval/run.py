@@ -47,6 +47,7 @@ class EvalOptions:
     ppl_window: int | None = None
     reference: str | None = None
     seed: int = 0
+    apply_chat_template: bool = False
 
     def __post_init__(self) -> None:
         self.tasks = [t.strip() for t in self.tasks if t.strip()]
@@ -193,6 +194,9 @@ def run_eval(specs: list[str], opts: EvalOptions, progress=None) -> dict[str, An
     bank = EvalBank(targets, opts.base, device=opts.device, dtype=opts.dtype)
     refs = {t.label: _reference_for(t, targets, reference) for t in targets}
 
+    if opts.apply_chat_template and tm is not None:  # every target, before the first is evaluated
+        for t in targets:
+            _check_chat_template(t, bank)
     results: dict[str, dict] = {}
     ppl: dict[str, dict] = {}
     rows_t: list[dict] = []
@@ -213,7 +217,7 @@ def run_eval(specs: list[str], opts: EvalOptions, progress=None) -> dict[str, An
                     torch_random_seed=opts.seed, fewshot_random_seed=opts.seed, bootstrap_iters=0,
                     # lm-eval resets its logger to this level on every call: its warnings about the model
                     # object passed in (expected here) would come back for every target after the first.
-                    log_samples=False, verbosity="ERROR")
+                    log_samples=False, verbosity="ERROR", apply_chat_template=opts.apply_chat_template)
             except ValueError as e:
                 if "multimodal" not in str(e):
                     raise
@@ -236,6 +240,15 @@ def run_eval(specs: list[str], opts: EvalOptions, progress=None) -> dict[str, An
         "perplexity": ppl,
     }
     return {"summary": summary, "lm_eval": results}
+
+
+def _check_chat_template(target: Target, bank: EvalBank) -> None:
+    """``--apply-chat-template`` needs the target's chat template (its processor's, for an image-text
+    target with one, else its tokenizer's)."""
+    proc = bank.processor_for(target)
+    if not getattr(proc, "chat_template", None) and not getattr(bank.tokenizer_for(target), "chat_template", None):
+        raise InputError(f"{target.label}: --apply-chat-template, but its tokenizer has no chat template; drop the "
+                         "option for this target, or save the template with its tokenizer")
 
 
 def _multimodal_type():

@@ -258,3 +258,41 @@ def test_eval_with_the_wrong_base_says_what_to_do_in_eval_terms(served, tasks_di
                "--include-path", tasks_dir)
     assert f"pass the base it was compressed against as --base (its lineage names {served.base_dir})" in msg
     assert "serve its own base" not in msg
+
+
+def test_apply_chat_template_renders_prompts_as_hf_does_on_the_merged_model(served, tasks_dir, merged_alpha,
+                                                                            hf_reference, tmp_path, capsys,
+                                                                            monkeypatch):
+    """``--apply-chat-template``: each prompt rendered with the variant's chat template, as lm-eval's own
+    ``hf`` type renders it on the merged model (the same per-sample loglikelihoods, generations and
+    accuracy); the template changes what is scored. A target without a template is a one-line error
+    before any target is evaluated."""
+    want = evaluate("hf", tasks_dir, model_args=f"pretrained={merged_alpha},device=cpu,dtype=float32,batch_size=4",
+                    apply_chat_template=True)
+    with single_thread():
+        lm = DeltazipLM(str(served.variant_dir("alpha")), base=str(served.base_dir), device="cpu", batch_size=4)
+    ours = evaluate(lm, tasks_dir, apply_chat_template=True)
+    a, b = torch.tensor(loglikelihoods(ours)), torch.tensor(loglikelihoods(want))
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-5), (a - b).abs().max()
+    assert generations(ours) == generations(want)
+    assert not torch.allclose(a, torch.tensor(loglikelihoods(hf_reference)), atol=1e-2)  # the template is applied
+    with single_thread():
+        code, stdout, err = run_cli(capsys, monkeypatch, "eval", served.variant_dir("alpha"), "--tasks", "tiny_mc",
+                                    "--include-path", tasks_dir, "--batch-size", "4", "--device", "cpu",
+                                    "--apply-chat-template", "--json")
+    assert code == 0, err
+    (row,) = [r for r in json.loads(stdout)["metrics"] if r["metric"] == "acc"]
+    assert row["values"]["alpha"] == want["results"]["tiny_mc"]["acc,none"]
+    assert row["values"]["alpha"] != hf_reference["results"]["tiny_mc"]["acc,none"]  # 0.25 against 0.29: applied
+
+    plain = tmp_path / "no-template"  # the merged model, its tokenizer saved without a chat template
+    shutil.copytree(merged_alpha, plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with single_thread():
+        code, stdout, err = run_cli(capsys, monkeypatch, "eval", served.variant_dir("alpha"), plain, "--tasks",
+                                    "tiny_mc", "--include-path", tasks_dir, "--device", "cpu", "--apply-chat-template")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "no-template: --apply-chat-template" in err and "no chat template" in err, err
