@@ -245,7 +245,46 @@ ARCH_CONFIGS = {
                          vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
                                             out_hidden_size=64, deepstack_visual_indexes=[0, 1]),
                          image_token_id=120, video_token_id=121, vision_start_token_id=122),
+    # images split into a grid of tiles at the best of several resolutions, plus a base view
+    "llava_next": dict(model_type="llava_next", text_config=dict(_LM, model_type="llama"),
+                       vision_config=dict(_VISION, model_type="clip_vision_model", projection_dim=32),
+                       image_token_index=120, image_grid_pinpoints=[[28, 28], [28, 56], [56, 28], [56, 56]]),
+    "llava_onevision": dict(model_type="llava_onevision", text_config=dict(_LM, model_type="qwen2"),
+                            vision_config=dict(_VISION, model_type="siglip_vision_model"), image_token_index=120,
+                            video_token_index=121, image_grid_pinpoints=[[28, 28], [28, 56], [56, 28], [56, 56]],
+                            vision_aspect_ratio="anyres_max_9"),
+    # a Cohere 2 language model (sliding-window layers) behind a SigLIP tower
+    "aya_vision": dict(model_type="aya_vision", text_config=dict(_LM, model_type="cohere2", sliding_window=16,
+                                                                layer_types=["sliding_attention", "full_attention"]),
+                       vision_config=dict(_VISION, model_type="siglip_vision_model"), image_token_index=120,
+                       downsample_factor=1),
+    # a perceiver resampler between the tower and the language model (its image token, id 128, is the
+    # first of the tokens its processor adds)
+    "idefics2": dict(model_type="idefics2", text_config=dict(_LM, model_type="mistral", sliding_window=None),
+                     vision_config=dict(_VISION, model_type="idefics2_vision"), image_token_id=128,
+                     perceiver_config=dict(hidden_size=64, resampler_n_latents=4, resampler_depth=1,
+                                           resampler_n_heads=2, resampler_head_dim=16, num_key_value_heads=1)),
+    # positions in three sections (GLM-4.1V)
+    "glm4v": dict(model_type="glm4v", text_config=dict(_LM, model_type="glm4v_text", head_dim=16, rope_parameters=dict(
+                      rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
+                  vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                     patch_size=14, image_size=28, spatial_merge_size=2, temporal_patch_size=2),
+                  image_token_id=120, video_token_id=121, image_start_token_id=121, image_end_token_id=122),
 }
+# Image-text forms of hybrid language models (recurrent layers beside attention): Qwen3.5 (gated delta
+# rule layers; positions in three sections) and LFM2-VL (short convolutions).
+ARCH_CONFIGS["qwen3_5_vl"] = dict(
+    model_type="qwen3_5", image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123,
+    text_config={**{k: v for k, v in ARCH_CONFIGS["qwen3_5"].items() if k != "model_type"}, "model_type": "qwen3_5_text",
+                 "rope_parameters": dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                         mrope_section=[1, 1, 2], mrope_interleaved=True)},
+    vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                       num_position_embeddings=16))
+ARCH_CONFIGS["lfm2_vl"] = dict(
+    model_type="lfm2_vl", image_token_id=120, projector_hidden_size=64, downsample_factor=2,
+    text_config={**{k: v for k, v in ARCH_CONFIGS["lfm2"].items() if k != "model_type"}, "model_type": "lfm2"},
+    vision_config=dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, patch_size=14, num_patches=16))
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32, **overrides):

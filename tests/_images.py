@@ -84,6 +84,30 @@ def qwen_vl_processor(arch: str):
     return getattr(transformers, cls)(image_processor=images, tokenizer=tok, video_processor=Qwen2VLVideoProcessor())
 
 
+class QwenProcessor:
+    """What Qwen2.5-VL's (``patch=14``) and Qwen3-VL's (``patch=16``) processors give (their classes
+    also build a video processor, which needs torchvision): the image processor's patches and grid,
+    each image's placeholder expanded to one token per merged patch between the vision start and end
+    tokens."""
+
+    def __init__(self, patch: int = 14):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        self.tokenizer = tokenizer(template(BOI + IMAGE + EOI))
+        side = 2 * patch  # a merged patch
+        self.images = Qwen2VLImageProcessorPil(min_pixels=4 * side * side, max_pixels=24 * side * side, patch_size=patch,
+                                               merge_size=2, temporal_patch_size=2)
+
+    def __call__(self, text, images, return_tensors, add_special_tokens):
+        out = dict(self.images(images=images, return_tensors="pt"))
+        for thw in out["image_grid_thw"]:
+            text = [t.replace(BOI + IMAGE + EOI, BOI + "<|p|>" * (int(thw.prod()) // 4) + EOI, 1) for t in text]
+        text = [t.replace("<|p|>", IMAGE) for t in text]
+        enc = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        kinds = (enc["input_ids"] == self.tokenizer.convert_tokens_to_ids(IMAGE)).int()  # 1: an image's token
+        return {**enc, **out, "mm_token_type_ids": kinds}
+
+
 def gemma4_processor():
     """Gemma 4's processor class (its video processor needs torchvision), 70 soft tokens per image."""
     from transformers import Gemma4ImageProcessorPil, Gemma4Processor

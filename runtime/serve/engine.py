@@ -84,7 +84,7 @@ from deltazip.runtime.serve.grammar import GrammarCompilers, MaskFiller, StepMas
 from deltazip.runtime.serve.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, SeqBlocks
 from deltazip.runtime.serve.model_runner import SeqKV, forward_step, new_kv_pool, new_seq_kv
 from deltazip.runtime.serve.prompt_media import PromptInputs, PromptMedia, is_prefix_lm
-from deltazip.runtime.serve.recurrent_state import recurrent_layer_types
+from deltazip.runtime.serve.recurrent_state import recurrent_layer_types, tokenwise
 from deltazip.runtime.serve.sampling import (
     MAX_TOP_LOGPROBS,
     process_logits,
@@ -522,7 +522,7 @@ class Engine:
             return f"the served model ({cfg.model_type}) reads text only; send text content parts"
         if not hasattr(self.backend, "prompt_inputs"):
             return "this server's model does not read images; send text content parts"
-        if recurrent_layer_types(cfg):
+        if tokenwise(cfg):  # its recurrent layers continue a state one token per forward: no prompt step reads a chunk
             return f"images are not read by {cfg.model_type}'s recurrent layers here; send text content parts"
         return None
 

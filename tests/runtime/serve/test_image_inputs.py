@@ -21,6 +21,7 @@ from _images import (
     EOI,
     IMAGE,
     N,
+    QwenProcessor,
     build_variant,
     gemma4_processor,
     generate,
@@ -55,30 +56,6 @@ def _gemma3_processor():
                            image_seq_length=4)
 
 
-class _QwenProcessor:
-    """What Qwen2.5-VL's (``patch=14``) and Qwen3-VL's (``patch=16``) processors give (their classes
-    also build a video processor, which needs torchvision): the image processor's patches and grid,
-    each image's placeholder expanded to one token per merged patch between the vision start and end
-    tokens."""
-
-    def __init__(self, patch: int = 14):
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-        self.tokenizer = tokenizer(template(BOI + IMAGE + EOI))
-        side = 2 * patch  # a merged patch
-        self.images = Qwen2VLImageProcessorPil(min_pixels=4 * side * side, max_pixels=24 * side * side, patch_size=patch,
-                                               merge_size=2, temporal_patch_size=2)
-
-    def __call__(self, text, images, return_tensors, add_special_tokens):
-        out = dict(self.images(images=images, return_tensors="pt"))
-        for thw in out["image_grid_thw"]:
-            text = [t.replace(BOI + IMAGE + EOI, BOI + "<|p|>" * (int(thw.prod()) // 4) + EOI, 1) for t in text]
-        text = [t.replace("<|p|>", IMAGE) for t in text]
-        enc = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)
-        kinds = (enc["input_ids"] == self.tokenizer.convert_tokens_to_ids(IMAGE)).int()  # 1: an image's token
-        return {**enc, **out, "mm_token_type_ids": kinds}
-
-
 class _Gemma4Processor:
     """What Gemma 4's processor gives (its class also builds a video processor, which needs
     torchvision): the image processor's patches and their positions, each image's placeholder
@@ -110,7 +87,7 @@ def test_images_served_in_bf16_give_the_merged_output_in_bf16(tmp_path, arch):
     """bf16, the dtype GPUs serve in: the vision tower, the image rows and the batched decoder run in
     bf16 as the merged model's ``generate`` does; texts equal, log probabilities within 0.05 (rows
     padded and batched with others round differently)."""
-    processor = llava_processor(tokenizer()) if arch == "llava" else _QwenProcessor()
+    processor = llava_processor(tokenizer()) if arch == "llava" else QwenProcessor()
     served_matches_merged(tmp_path, arch, processor, images_per_prompt=2, vision_scale=0.5, dtype=torch.bfloat16,
                            tol=0.05)
 
@@ -137,7 +114,7 @@ def test_gemma3_images_see_themselves_both_ways(tmp_path, budget):
 def test_qwen2_5_vl_images_keep_their_own_positions(tmp_path):
     """Qwen2.5-VL: the images' tokens take positions of their own in three sections, and every token
     after them is offset (``rope_delta``), generated ones included."""
-    served_matches_merged(tmp_path, "qwen2_5_vl", _QwenProcessor(), images_per_prompt=2)
+    served_matches_merged(tmp_path, "qwen2_5_vl", QwenProcessor(), images_per_prompt=2)
 
 
 @pytest.mark.parametrize(("arch", "budget"), [("qwen3_vl", 2048), ("qwen3_vl", 12), ("qwen3_vl_moe", 12)])
@@ -147,7 +124,7 @@ def test_qwen3_vl_images_feed_their_deepstack_features_to_early_layers(tmp_path,
     variant changed its mergers (DeepStack's included), so it reads images with its own. With a
     budget of 12 tokens per step the images' tokens are split over chunks, each adding its own. The
     MoE form's experts are decoupled per row as usual."""
-    served_matches_merged(tmp_path, arch, _QwenProcessor(patch=16), images_per_prompt=2,
+    served_matches_merged(tmp_path, arch, QwenProcessor(patch=16), images_per_prompt=2,
                            vision_scale=0.5, max_batch_tokens=budget)
 
 
@@ -288,7 +265,7 @@ def test_images_over_http_with_the_openai_client(tmp_path):
 def test_the_samples_of_an_image_prompt_keep_its_positions(tmp_path):
     """``n=2`` of a Qwen2.5-VL prompt with images: the second sample is forked from the first after
     the prompt, and both decode with the prompt's position offset."""
-    processor = _QwenProcessor()
+    processor = QwenProcessor()
     with single_thread():
         base_dir, arts = build_variant(tmp_path, "qwen2_5_vl", processor)
         ck = Checkpoint(base_dir)
@@ -306,7 +283,7 @@ def test_preempted_image_prompts_resume_with_their_positions(tmp_path):
     them: the same text and log probabilities as the merged model's ``generate``."""
     import shutil
 
-    processor = _QwenProcessor()
+    processor = QwenProcessor()
     with single_thread():
         base_dir, arts = build_variant(tmp_path, "qwen2_5_vl", processor)
         shutil.copytree(arts / "ft", arts / "ft2")
@@ -327,7 +304,7 @@ def test_preempted_image_prompts_resume_with_their_positions(tmp_path):
 def test_swap_mode_reads_images_with_the_variants_whole_model(tmp_path, arch):
     from deltazip.runtime.serve.model import SwapModels
 
-    processor = llava_processor(tokenizer()) if arch == "llava" else _QwenProcessor(patch=16)
+    processor = llava_processor(tokenizer()) if arch == "llava" else QwenProcessor(patch=16)
     with single_thread():
         base_dir, arts = build_variant(tmp_path, arch, processor, vision_scale=0.5, vocab=max(128, len(processor.tokenizer)))
         ck = Checkpoint(base_dir)
@@ -368,7 +345,7 @@ def test_tensor_parallel_reads_images_on_rank_0_and_every_rank_puts_them_in_plac
     with the step, and the served text and log probabilities are the merged model's."""
     from deltazip.runtime.cluster.tp_group import start_tensor_parallel
 
-    processor = llava_processor(tokenizer()) if arch == "llava" else _QwenProcessor()
+    processor = llava_processor(tokenizer()) if arch == "llava" else QwenProcessor()
     with single_thread():
         base_dir, arts = build_variant(tmp_path, arch, processor, vision_scale=0.5)
         ck = Checkpoint(base_dir)
