@@ -271,8 +271,8 @@ ARCH_CONFIGS = {
                                      patch_size=14, image_size=28, spatial_merge_size=2, temporal_patch_size=2),
                   image_token_id=120, video_token_id=121, image_start_token_id=121, image_end_token_id=122),
 }
-# Image-text forms of hybrid language models (recurrent layers beside attention): Qwen3.5 (gated delta
-# rule layers; positions in three sections) and LFM2-VL (short convolutions).
+# Image-text forms of hybrid language models (recurrent layers beside attention): Qwen3.5 and its MoE form
+# (gated delta rule layers; positions in three sections) and LFM2-VL (short convolutions).
 ARCH_CONFIGS["qwen3_5_vl"] = dict(
     model_type="qwen3_5", image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123,
     text_config={**{k: v for k, v in ARCH_CONFIGS["qwen3_5"].items() if k != "model_type"}, "model_type": "qwen3_5_text",
@@ -280,6 +280,9 @@ ARCH_CONFIGS["qwen3_5_vl"] = dict(
                                          mrope_section=[1, 1, 2], mrope_interleaved=True)},
     vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                        num_position_embeddings=16))
+ARCH_CONFIGS["qwen3_5_moe_vl"] = dict(ARCH_CONFIGS["qwen3_5_vl"], model_type="qwen3_5_moe", text_config={
+    **ARCH_CONFIGS["qwen3_5_vl"]["text_config"], "model_type": "qwen3_5_moe_text", "moe_intermediate_size": 32,
+    "num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 32})
 ARCH_CONFIGS["lfm2_vl"] = dict(
     model_type="lfm2_vl", image_token_id=120, projector_hidden_size=64, downsample_factor=2,
     text_config={**{k: v for k, v in ARCH_CONFIGS["lfm2"].items() if k != "model_type"}, "model_type": "lfm2"},

@@ -6,8 +6,8 @@
   resampler between the tower and the language model);
 - GLM-4.1V: positions in three sections, as Qwen2-VL's;
 - hybrid language models, whose recurrent layers carry a state per sequence through the image
-  tokens: Qwen3.5 (gated delta rule layers, positions in three sections; also read in chunks) and
-  LFM2-VL (short convolutions).
+  tokens: Qwen3.5 and Qwen3.5-MoE (gated delta rule layers, positions in three sections; also read in
+  chunks) and LFM2-VL (short convolutions).
 
 The processors of LLaVA-OneVision, GLM-4.1V and LFM2-VL need torchvision (``make test-torchvision``).
 """
@@ -99,11 +99,12 @@ def test_more_families_give_the_merged_output(tmp_path, arch, processor):
     served_matches_merged(tmp_path, arch, processor(), images_per_prompt=2, vision_scale=0.5)
 
 
-@pytest.mark.parametrize("budget", [2048, 12])
-def test_qwen3_5_images_through_its_recurrent_layers(tmp_path, budget):
+@pytest.mark.parametrize("arch,budget", [("qwen3_5_vl", 2048), ("qwen3_5_vl", 12), ("qwen3_5_moe_vl", 12)])
+def test_qwen3_5_images_through_its_recurrent_layers(tmp_path, arch, budget):
     """Qwen3.5's gated delta rule layers read the image tokens like any other: a prompt read in one step,
-    or in chunks of 12 tokens (the state carried from chunk to chunk), with positions of its own."""
-    served_matches_merged(tmp_path, "qwen3_5_vl", QwenProcessor(patch=16), images_per_prompt=2, vision_scale=0.5,
+    or in chunks of 12 tokens (the state carried from chunk to chunk), with positions of its own; the
+    MoE form too."""
+    served_matches_merged(tmp_path, arch, QwenProcessor(patch=16), images_per_prompt=2, vision_scale=0.5,
                           max_batch_tokens=budget)
 
 
