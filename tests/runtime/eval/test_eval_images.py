@@ -94,6 +94,16 @@ def test_image_tasks_through_the_serving_model_answer_as_the_merged_checkpoint(t
                                         model_args=f"pretrained={blind},device=cpu,dtype=float32", **run)
     assert _answers(got) == _answers(want), (_answers(got), _answers(want))
     assert _answers(other) != _answers(want), _answers(want)
+    if arch == "llava":  # prompts rendered with the processor's chat template, as hf-multimodal renders them
+        with single_thread():
+            chat = dict(run, apply_chat_template=True)
+            want_chat = lm_eval.simple_evaluate(model="hf-multimodal", batch_size=2,
+                                                model_args=f"pretrained={merged},device=cpu,dtype=float32", **chat)
+            got_chat = lm_eval.simple_evaluate(model=DeltazipVLM(str(arts / "ft"), base=str(base_dir),
+                                                                 device="cpu", batch_size=2), **chat)
+        assert _answers(got_chat) == _answers(want_chat), (_answers(got_chat), _answers(want_chat))
+        assert [s["arguments"] for s in got_chat["samples"]["tiny_images"]] != [
+            s["arguments"] for s in got["samples"]["tiny_images"]]  # the template changed the prompts
 
     # End to end: the merged checkpoint's answers are the task's targets.
     shutil.rmtree(tasks)
