@@ -48,6 +48,19 @@ ARCH_CONFIGS = {
     "gemma3": dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128,
                    layer_types=["full_attention", "full_attention"], sliding_window=128),
+    # q/k norms per head (Qwen3); attention logits soft-capped, sliding-window layers (Gemma 2); scalar
+    # multipliers (Granite); layers without rotary positions (SmolLM3)
+    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128),
+    "gemma2": dict(model_type="gemma2", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=16,
+                   layer_types=["sliding_attention", "full_attention"]),
+    "granite": dict(model_type="granite", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, attention_multiplier=0.2,
+                    residual_multiplier=0.5, embedding_multiplier=2.0, logits_scaling=2.0),
+    "smollm3": dict(model_type="smollm3", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, no_rope_layers=[1, 0]),
     # AltUp (its output scale a parameter of its own), Laurel, per-layer inputs
     "gemma3n": dict(model_type="gemma3n_text", hidden_size=64, intermediate_size=[128, 128], num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=128,

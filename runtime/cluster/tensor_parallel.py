@@ -1,6 +1,7 @@
 """Tensor-parallel sharding of the base model and of every packed delta (Megatron-style, at load time).
 
-Each decoder layer of a Llama-family model has two kinds of linears:
+Each decoder layer of a supported model (``SUPPORTED_MODEL_TYPES``: the Llama family and others laid
+out alike) has two kinds of linears:
 
 - column-parallel (``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj``): rank ``r`` of ``n``
   keeps output rows ``[r * out/n, (r + 1) * out/n)``. Attention heads split with them (the attention
@@ -34,7 +35,10 @@ from deltazip.models.param_names import module_names
 from deltazip.runtime.serve.model import DeltaModel, HostDelta, load_base_model
 from deltazip.runtime.serve.variant_sources import VariantInfo
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+# Decoder layers of separate q/k/v/o and gate/up/down projections whose attention reshapes to ``-1``
+# heads, and any q/k norm is per head (Qwen3, Gemma 2 and 3): a rank's heads need nothing of the others'.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3", "qwen3_vl_text",
+                         "gemma2", "gemma3_text", "granite", "smollm3")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
@@ -59,8 +63,8 @@ def check_config(config, world: int) -> None:
     config = text_config(config)  # an image-text model's language model is what is sharded
     mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise InputError(f"--tensor-parallel supports the Llama family ({', '.join(SUPPORTED_MODEL_TYPES)}), not "
-                         f"model_type {mt!r}; serve this base with --tensor-parallel 1")
+        raise InputError(f"--tensor-parallel supports {', '.join(SUPPORTED_MODEL_TYPES)}, not model_type {mt!r}; "
+                         "serve this base with --tensor-parallel 1")
     for key, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
                       ("intermediate_size", "intermediate size")):
         value = getattr(config, key, None)

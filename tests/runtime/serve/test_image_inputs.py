@@ -338,16 +338,19 @@ def test_workers_read_images_behind_the_front(tmp_path):
     assert [g["choices"][0]["message"]["content"] for g in got] == [want[0]] * 2
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "qwen3_vl", "gemma3_vl"])
 def test_tensor_parallel_reads_images_on_rank_0_and_every_rank_puts_them_in_place(tmp_path, arch):
     """``--tensor-parallel 2``: the vision tower and projector are whole on every rank, so rank 0 reads
-    a prompt's images alone; each step's image rows (and Qwen's own positions) go to the other rank
-    with the step, and the served text and log probabilities are the merged model's."""
+    a prompt's images alone; each step's image rows (and Qwen's own positions, Qwen3-VL's DeepStack
+    features, Gemma 3's two-way image spans) go to the other rank with the step, and the served text
+    and log probabilities are the merged model's."""
     from deltazip.runtime.cluster.tp_group import start_tensor_parallel
 
-    processor = llava_processor(tokenizer()) if arch == "llava" else QwenProcessor()
+    processor = {"llava": lambda: llava_processor(tokenizer()), "qwen2_5_vl": QwenProcessor,
+                 "qwen3_vl": lambda: QwenProcessor(patch=16), "gemma3_vl": _gemma3_processor}[arch]()
     with single_thread():
-        base_dir, arts = build_variant(tmp_path, arch, processor, vision_scale=0.5)
+        base_dir, arts = build_variant(tmp_path, arch, processor, vision_scale=0.5,
+                                       vocab=max(128, len(processor.tokenizer)))
         ck = Checkpoint(base_dir)
         refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck), "base": load_causal_lm(base_dir, torch.float32)}
         one = prompt(processor, "what is it?", [picture(0), picture(1)])

@@ -1,0 +1,51 @@
+"""``--tensor-parallel 2`` beyond Llama: families whose attention splits by heads with nothing shared
+across them serve a compressed fine-tune as the merged model generates it. Each test starts its own
+two-rank group (this process is rank 0), so they live apart from ``test_tensor_parallel.py``'s
+module-wide group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _factories import calib_file, finetune, save_model, tiny_model
+from _images import generate
+from _serving import engine_runs, single_thread
+
+from deltazip.compress.config import CompressConfig
+from deltazip.compress.merge import load_merged_model
+from deltazip.compress.pipeline import compress_delta
+from deltazip.demo.pair import build_char_tokenizer
+from deltazip.formats.artifact import Artifact
+from deltazip.kernels.scheme import DeltaScheme
+from deltazip.models.checkpoint import Checkpoint
+from deltazip.runtime.cluster.tp_group import start_tensor_parallel
+from deltazip.runtime.serve.variant_sources import discover_variants
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "granite", "smollm3"])
+def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
+    """Families whose attention splits by heads with nothing shared across them (Qwen3's per-head q/k
+    norms; Gemma 2's soft-capped logits and sliding windows; Gemma 3; Granite's multipliers; SmolLM3's
+    layers without rotary positions): two ranks serve a compressed fine-tune's greedy text and log
+    probabilities as the merged model generates them."""
+    ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2, vocab_size=128)
+    tok = build_char_tokenizer()
+    prompts = ["zip model tune", "alpha beta gamma delta"]
+    with single_thread():
+        base_dir = save_model(tiny_model(arch, **ids), tmp_path / "base", tokenizer=False)
+        ft_dir = save_model(finetune(tiny_model(arch, **ids), steps=30, seed=3), tmp_path / "ft", tokenizer=False)
+        for d in (base_dir, ft_dir):
+            tok.save_pretrained(d)
+        cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=16, sparsity="none"), method="deltazip",
+                             nsamples=8, seqlen=32, device="cpu")
+        compress_delta(base_dir, ft_dir, str(calib_file(tmp_path / "calib", n=16)), tmp_path / "arts" / "ft", cfg)
+        ck = Checkpoint(base_dir)
+        merged = load_merged_model(Artifact(tmp_path / "arts" / "ft"), ck)
+        want = [generate(merged, tok(p)["input_ids"], None, n=8) for p in prompts]
+        tp = start_tensor_parallel(ck, discover_variants(tmp_path / "arts"), 2, torch.device("cpu"), torch.float32, 2)
+        try:
+            got = engine_runs(tp, tok, [("ft", p) for p in prompts], 8, max_batch_tokens=16)
+        finally:
+            tp.close()
+    for g, w in zip(got, want):
+        assert g.text == w[0] and max(abs(a[1] - b) for a, b in zip(g.logprobs, w[1])) < 1e-4, (g.text, w)
