@@ -68,7 +68,7 @@ needs_torchvision = pytest.mark.skipif(importlib.util.find_spec("torchvision") i
 
 
 def qwen_vl_processor(arch: str):
-    """Qwen2.5-VL's (``qwen2_5_vl``, patches of 14) or Qwen3-VL's (``qwen3_vl``, 16) processor class
+    """Qwen2.5-VL's (``qwen2_5_vl``, patches of 14) or Qwen3-VL's (``qwen3_vl``, 16; Qwen3.5's too) processor class
     over the character tokenizer, its image token id 120 between the vision start and end tokens."""
     import transformers
     from transformers import Qwen2VLImageProcessor
@@ -80,7 +80,7 @@ def qwen_vl_processor(arch: str):
     patch = 16 if arch.startswith("qwen3") else 14
     images = Qwen2VLImageProcessor(min_pixels=4 * (2 * patch) ** 2, max_pixels=24 * (2 * patch) ** 2, patch_size=patch,
                                    merge_size=2, temporal_patch_size=2)
-    cls = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}[arch]
+    cls = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor", "qwen3_5_vl": "Qwen3VLProcessor"}[arch]
     return getattr(transformers, cls)(image_processor=images, tokenizer=tok, video_processor=Qwen2VLVideoProcessor())
 
 

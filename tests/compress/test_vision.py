@@ -110,10 +110,12 @@ def test_calibration_images_compress_the_vision_side_better_than_rounding(tmp_pa
 
 @pytest.mark.parametrize("arch", ["llava", pytest.param("qwen2_5_vl", marks=needs_torchvision),
                                   pytest.param("qwen3_vl", marks=needs_torchvision),
+                                  pytest.param("qwen3_5_vl", marks=needs_torchvision),
                                   pytest.param("gemma4_vl", marks=needs_torchvision)])
 def test_the_server_reads_images_with_the_packed_vision_deltas(tmp_path, arch):
-    """LLaVA; Qwen2.5-VL, Qwen3-VL and Gemma 4 (their processors need torchvision: patches merged,
-    Qwen3-VL's DeepStack mergers calibrated too, Gemma 4's clippable linears)."""
+    """LLaVA; Qwen2.5-VL, Qwen3-VL, Qwen3.5 and Gemma 4 (their processors need torchvision: patches
+    merged, Qwen3-VL's DeepStack mergers calibrated too, Qwen3.5's hybrid language model, Gemma 4's
+    clippable linears)."""
     with single_thread():
         base_dir, ft_dir, images, proc = _pair(tmp_path, arch=arch)
         compress_delta(base_dir, ft_dir, str(calib_file(tmp_path / "calib", n=16)), tmp_path / "arts" / "ft", CFG,
