@@ -9,6 +9,8 @@
   tokens: Qwen3.5 and Qwen3.5-MoE (gated delta rule layers, positions in three sections; also read in
   chunks) and LFM2-VL (short convolutions).
 
+Also a PEFT LoRA adapter over every linear of LLaVA and Qwen2.5-VL, vision side included.
+
 The processors of LLaVA-OneVision, GLM-4.1V and LFM2-VL need torchvision (``make test-torchvision``).
 """
 
@@ -113,3 +115,40 @@ def test_qwen3_5_images_through_its_recurrent_layers(tmp_path, arch, budget):
                                             ("lfm2_vl", _lfm2_vl)])
 def test_families_whose_processors_need_torchvision(tmp_path, arch, processor):
     served_matches_merged(tmp_path, arch, processor(), images_per_prompt=2, vision_scale=0.5)
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl"])
+def test_a_lora_adapter_over_every_linear_reads_images_with_its_own_vision_side(tmp_path, arch):
+    """A PEFT adapter with ``target_modules="all-linear"`` (the vision tower's, the projector's or
+    mergers' and the language model's linears), served beside the base in one batch: a prompt with
+    two images answers what PEFT's merged model generates."""
+    import torch
+    from _images import N, build_variant, generate, llava_processor, picture, prompt, same
+    from _serving import engine_runs, single_thread
+    from peft import LoraConfig, get_peft_model
+
+    from deltazip.models.checkpoint import Checkpoint
+    from deltazip.models.loader import load_causal_lm
+    from deltazip.runtime.serve.model import DeltaModel
+    from deltazip.runtime.serve.variant_sources import discover_variants
+
+    processor = llava_processor(tokenizer()) if arch == "llava" else QwenProcessor()
+    with single_thread():
+        base_dir, arts = build_variant(tmp_path, arch, processor)
+        pm = get_peft_model(load_causal_lm(base_dir, torch.float32),
+                            LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in pm.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        assert any("lora_A" in n and ("vision" in n or "visual" in n) for n, _ in pm.named_parameters())
+        pm.save_pretrained(arts / "lora", safe_serialization=True)
+        merged = pm.merge_and_unload().eval()
+        one = prompt(processor, "what is it?", [picture(0), picture(1)])
+        want = {"lora": generate(merged, *one), "base": generate(load_causal_lm(base_dir, torch.float32), *one)}
+        dm = DeltaModel(Checkpoint(base_dir), discover_variants(arts), num_slots=2, device=torch.device("cpu"),
+                        dtype=torch.float32)
+        got = engine_runs(dm, processor.tokenizer, [("lora", one), ("base", one)], N)
+    assert want["lora"] != want["base"]
+    assert same(got[0], want["lora"]) and same(got[1], want["base"]), [g.text for g in got]
