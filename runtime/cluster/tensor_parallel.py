@@ -38,7 +38,7 @@ from deltazip.runtime.serve.variant_sources import VariantInfo
 # Decoder layers of separate q/k/v/o and gate/up/down projections whose attention reshapes to ``-1``
 # heads, and any q/k norm is per head (Qwen3, Gemma 2 and 3): a rank's heads need nothing of the others'.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3", "qwen3_vl_text",
-                         "gemma2", "gemma3_text", "granite", "smollm3")
+                         "gemma2", "gemma3_text", "granite", "smollm3", "mllama_text_model")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
@@ -191,6 +191,15 @@ def _shard_module(mod: nn.Linear, kind: str, rank: int, world: int) -> None:
     mod.out_features, mod.in_features = w.shape
 
 
+def _shard_head_counts(attn: nn.Module, world: int) -> None:
+    """An attention module that views its projections with its own head counts (Mllama's
+    ``num_heads``, ``num_key_value_heads``) holds ``1/world`` of them on each rank."""
+    for attr in ("num_heads", "num_key_value_heads"):
+        n = getattr(attn, attr, None)
+        if isinstance(n, int):
+            setattr(attn, attr, n // world)
+
+
 class ShardedDeltaModel(DeltaModel):
     """A :class:`DeltaModel` holding rank ``rank``'s shard of the base and of every variant.
 
@@ -224,6 +233,8 @@ class ShardedDeltaModel(DeltaModel):
             if kind is not None and isinstance(mod, nn.Linear):
                 _shard_module(mod, kind, self.group.rank, self.group.world)
                 self._hook(mod, kind)
+            elif name.startswith(f"{self._layers}.") and isinstance(getattr(mod, "q_proj", None), nn.Linear):
+                _shard_head_counts(mod, self.group.world)
         return model.to(device)
 
     def _kind(self, module_name: str) -> str | None:

@@ -160,6 +160,7 @@ class TPWorker:
         self.max_hosts = max(1, max_cpu + model.num_slots)
         self.pool = new_kv_pool(model)  # the engine's kind of pool: paged, or contiguous (ALiBi models)
         self.kv: dict[int, Any] = {}  # rank 0's sequence key -> this rank's SeqKV / SeqBlocks
+        self.cross: dict[int, Any] = {}  # sequence key -> its images' CrossInputs, this rank's heads (Mllama)
 
     def run(self) -> None:
         while True:
@@ -171,6 +172,8 @@ class TPWorker:
                 self.forward(*cmd[1:])
             elif op == "fork":
                 self.kv[cmd[2]] = self.kv[cmd[1]].fork()
+                if cmd[1] in self.cross:  # the samples of a prompt share its images' keys
+                    self.cross[cmd[2]] = self.cross[cmd[1]]
             elif op == "write":
                 self.write(*cmd[1:])
             else:
@@ -211,15 +214,43 @@ class TPWorker:
             c = self.kv.pop(k, None)
             if c is not None:
                 c.free()
+            self.cross.pop(k, None)
         caches = [self.kv.setdefault(k, new_seq_kv(self.pool)) for k in keys]
         dev = self.group.device
+        images = dict(images or {})
+        cross = images.pop("cross", None)
         with torch.inference_mode():
             kv = step_cache(self.pool, caches, past, new, dev)
-            for name, value in (images or {}).items():
+            for name, value in images.items():
                 setattr(kv, name, value.to(dev))
+            if cross is not None:
+                self._cross_step(kv, cross, keys, past, new, ids.shape[1])
             self.model.forward(row_slots, ids.to(dev), pos.to(dev), mask.to(dev), kv)
         for c, n in zip(caches, new):
             c.length += n
+
+
+    def _cross_step(self, kv, new_rows: dict, keys: list[int], past: list[int], new: list[int], tm: int) -> None:
+        """Images read by cross-attention (Mllama): the keys of sequences seen for the first time, made
+        by this rank's own heads from the vision states rank 0 sent (``new_rows``: key -> ``(slot,
+        states, layers, views, view_of)``, the request's variant bound), then the step's view of its
+        rows' keys, as ``model_runner.forward_step`` makes rank 0's."""
+        from types import SimpleNamespace
+
+        from deltazip.runtime.serve.cross_attention import CrossInputs, cross_keys, cross_step
+
+        dev = self.group.device
+        for key, (slot, states, layers, views, view_of) in new_rows.items():
+            self.model.ctx.bind([slot], dev)
+            try:
+                ks, vs = cross_keys(self.model.model, states.to(device=dev, dtype=self.model.dtype))
+            finally:
+                self.model.ctx.unbind()
+            self.cross[key] = CrossInputs(layers, ks, vs, views, view_of)
+        rows = [SimpleNamespace(cross=self.cross.get(k)) for k in keys]
+        kv.cross = cross_step(rows, past, new, tm)
+        if kv.cross is not None:
+            kv.layers = kv.cross.layers
 
 
 def _image_args(kv) -> dict:
@@ -251,6 +282,7 @@ class TPLeader:
         self._keys: dict[int, tuple[weakref.ref, int]] = {}  # id(SeqKV) -> (ref, key)
         self._next_key = 0
         self._freed_early: list[int] = []  # keys found freed outside a forward, sent with the next one
+        self._cross_sent: set[int] = set()  # sequence keys whose images' vision states the workers hold
         self._closed = False
 
     def __getattr__(self, name: str):
@@ -290,6 +322,8 @@ class TPLeader:
         keys = [self._key_of(c, freed) for c in (parent, child)]
         self._group.broadcast(("fork", keys[0], keys[1]))
         self._freed_early += freed
+        if keys[0] in self._cross_sent:  # the workers copy the parent's images' keys with its cache
+            self._cross_sent.add(keys[1])
 
     def _key_of(self, c, freed: list[int]) -> int:
         held = self._keys.get(id(c))
@@ -319,15 +353,40 @@ class TPLeader:
     def forward(self, row_slots: list[int], input_ids, position_ids, attention_mask, kv) -> torch.Tensor:
         keys, freed = self._sequence_keys(kv.caches)
         cpu = torch.device("cpu")
+        images = _image_args(kv)
+        cross = self._cross_args(kv, keys, row_slots, freed)
+        if cross is not None:
+            images["cross"] = cross
         self._group.broadcast(("forward", list(row_slots), input_ids.to(cpu), position_ids.to(cpu),
-                               attention_mask.to(cpu), keys, list(kv.past), list(kv.new), freed, _image_args(kv)))
+                               attention_mask.to(cpu), keys, list(kv.past), list(kv.new), freed, images))
         return self._model.forward(row_slots, input_ids, position_ids, attention_mask, kv)
+
+    def _cross_args(self, kv, keys: list[int], row_slots: list[int], freed: list[int]) -> dict | None:
+        """For a step with images read by cross-attention (Mllama): the vision states, slot and views
+        of each sequence the workers have not seen yet (key -> tuple, on the CPU; rank 0 drops its
+        copy of the states once sent), else None. Each worker makes its own heads' keys from them."""
+        for k in freed:
+            self._cross_sent.discard(k)
+        step = getattr(kv, "cross", None)
+        if step is None:
+            return None
+        out = {}
+        for key, slot, c in zip(keys, row_slots, step.rows):
+            if c is None or key in self._cross_sent:
+                continue
+            if c.states is None:
+                raise RuntimeError("a sequence's images were read without their vision states for the workers")
+            out[key] = (slot, c.states.to("cpu"), c.layers, c.views, c.view_of)
+            self._cross_sent.add(key)
+            c.states = None  # rank 0's own keys are made; the workers now hold theirs
+        return out
 
     def prompt_inputs(self, slot: int, prompt_ids: list[int], media):
         """What the model's forward makes of a prompt with images, on rank 0 alone: that forward
         stops before the first decoder layer, and the vision tower, projector and embeddings are
-        whole on every rank (``tensor_parallel.shard_kind``), so no rank has a part to add."""
-        return self._model.prompt_inputs(slot, prompt_ids, media)
+        whole on every rank (``tensor_parallel.shard_kind``), so no rank has a part to add. Images
+        read by cross-attention keep their vision states: each rank makes its own heads' keys."""
+        return self._model.prompt_inputs(slot, prompt_ids, media, keep_states=True)
 
     def close(self) -> None:
         """Stop the workers and leave the group (idempotent)."""

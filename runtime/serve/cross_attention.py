@@ -53,6 +53,8 @@ class CrossInputs:
             and, last, whether its row is kept (False before the first image, where the model masks
             the layer's MLP output out and its attention sees every vision token).
         view_of: int64 ``[T]``: each prompt token's view; a token past the prompt takes the last one.
+        states: the vision states ``[N, H]`` the keys and values were made from, kept only for
+            ``--tensor-parallel`` (each rank makes its own heads' keys from them), else None.
     """
 
     layers: tuple[int, ...]
@@ -60,6 +62,7 @@ class CrossInputs:
     values: list[torch.Tensor]
     views: torch.Tensor
     view_of: torch.Tensor
+    states: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -69,55 +72,74 @@ class CrossInputs:
         """What the generated tokens need: the last prompt token's view."""
         last = int(self.view_of[-1])
         return CrossInputs(self.layers, self.keys, self.values, self.views[last:last + 1],
-                           torch.zeros(1, dtype=torch.long))
+                           torch.zeros(1, dtype=torch.long), self.states)
 
     def to(self, device) -> CrossInputs:
         """The same keys and values on ``device``."""
         return CrossInputs(self.layers, [k.to(device) for k in self.keys], [v.to(device) for v in self.values],
-                           self.views, self.view_of)
+                           self.views, self.view_of, self.states)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
+class _KeysMade(Exception):
+    """Raised by :class:`_Capture` once the module has made its keys and values."""
+
+
 class _Capture:
-    """The cache a cross-attention module's forward writes its keys and values to."""
+    """The cache a cross-attention module's forward writes its keys and values to. It stops the
+    forward there: the rest (the attention, ``o_proj``, whose tensor-parallel all-reduce every rank
+    would have to join) is not needed."""
 
     def __init__(self):
         self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
         self.kv = (keys, values)
-        return keys, values
+        raise _KeysMade
 
 
-def read_cross(model: nn.Module, seen: dict) -> CrossInputs:
-    """The keys and values of a prompt's images in every cross-attention layer, and each prompt
-    token's view of them, from what ``model``'s forward handed its language model (``seen``:
-    ``cross_attention_states [1, N, H]``, ``cross_attention_mask [1, 1, T, N]`` additive,
-    ``full_text_row_masked_out_mask [1, 1, T, 1]``)."""
-    states = seen["cross_attention_states"]
+def cross_keys(model: nn.Module, states: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per cross-attention layer, the keys and values ``[H_kv, N, D]`` of vision states ``[1, N, H]``
+    (or their rows ``[B·images·tiles, P, H]``), made by each layer's own projections and norms (the
+    request's variant bound by the caller; under tensor parallelism, this rank's heads)."""
     lm = language_model_of(model)
-    layers = cross_attention_layers(model.config)
     keys, values = [], []
     with torch.inference_mode():
-        for i in layers:
+        for i in cross_attention_layers(model.config):
             attn = lm.layers[i].cross_attn
             cap = _Capture()
             # The module's own projections and norms make the keys and values; one query is enough.
-            attn(hidden_states=states.new_zeros(1, 1, states.shape[-1]), cross_attention_states=states, cache=cap,
-                 attention_mask=None)
+            try:
+                attn(hidden_states=states.new_zeros(1, 1, states.shape[-1]), cross_attention_states=states,
+                     cache=cap, attention_mask=None)
+            except _KeysMade:
+                pass
             if cap.kv is None:
                 raise ValueError(f"{type(attn).__name__} did not hand its keys and values to the cache")
             keys.append(cap.kv[0][0].clone())
             values.append(cap.kv[1][0].clone())
+    return keys, values
+
+
+def read_cross(model: nn.Module, seen: dict, keep_states: bool = False) -> CrossInputs:
+    """The keys and values of a prompt's images in every cross-attention layer, and each prompt
+    token's view of them, from what ``model``'s forward handed its language model (``seen``:
+    ``cross_attention_states [1, N, H]``, ``cross_attention_mask [1, 1, T, N]`` additive,
+    ``full_text_row_masked_out_mask [1, 1, T, 1]``); ``keep_states``: keep the vision states too."""
+    states = seen["cross_attention_states"]
+    layers = cross_attention_layers(model.config)
+    keys, values = cross_keys(model, states)
+    with torch.inference_mode():
         mask, kept = seen["cross_attention_mask"], seen["full_text_row_masked_out_mask"]
         n = keys[0].shape[1]
         if mask is None or kept is None or mask.shape[-1] != n:
             raise ValueError("the model's cross-attention mask does not cover its vision tokens")
         per_token = torch.cat([mask[0, 0] == 0, kept[0, 0] > 0], dim=-1).cpu()  # [T, N + 1]
         views, view_of = torch.unique(per_token, dim=0, return_inverse=True)
-    return CrossInputs(layers, keys, values, views, view_of)
+        flat = states.reshape(1, -1, states.shape[-1]).clone() if keep_states else None
+    return CrossInputs(layers, keys, values, views, view_of, flat)
 
 
 class CrossLayer:
@@ -137,6 +159,7 @@ class CrossStep:
     layers: list[CrossLayer]
     mask: torch.Tensor  # [B, 1, Tm, N_max], additive, model dtype
     kept: torch.Tensor  # [B, 1, Tm, 1], model dtype
+    rows: list[CrossInputs | None]  # per batch row (the tensor-parallel leader ships their states)
 
     @property
     def layer_ids(self) -> frozenset[int]:
@@ -179,4 +202,5 @@ def cross_step(inputs: list, past: list[int], new: list[int], tm: int) -> CrossS
                 k[b, :, :c.tokens] = c.keys[j]
                 v[b, :, :c.tokens] = c.values[j]
         layers[i] = CrossLayer(k, v)
-    return CrossStep(layers, mask.to(k0.device), kept.to(k0.device))
+    per_row = [None if x is None else x.cross for x in inputs]
+    return CrossStep(layers, mask.to(k0.device), kept.to(k0.device), per_row)

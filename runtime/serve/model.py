@@ -838,13 +838,15 @@ class DeltaModel:
                     held.enter_context(m.applied(slot))
             yield
 
-    def prompt_inputs(self, slot: int, prompt_ids: list[int], media: PromptMedia) -> PromptInputs:
+    def prompt_inputs(self, slot: int, prompt_ids: list[int], media: PromptMedia,
+                      keep_states: bool = False) -> PromptInputs:
         """What the model's forward makes of a prompt with images, read with variant ``slot`` bound
-        (``-1``: the base), so that a variant's own vision tower and projector read them."""
+        (``-1``: the base), so that a variant's own vision tower and projector read them
+        (``keep_states``: ``read_prompt``'s)."""
         with self.vision_of(slot):
             self.ctx.bind([slot], self.device)
             try:
-                return read_prompt(self.model, prompt_ids, media, self.device, self.dtype)
+                return read_prompt(self.model, prompt_ids, media, self.device, self.dtype, keep_states)
             finally:
                 self.ctx.unbind()
 

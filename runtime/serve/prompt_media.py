@@ -168,9 +168,11 @@ def token_embeddings(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def read_prompt(model: nn.Module, prompt_ids: list[int], media: PromptMedia, device: torch.device,
-                dtype: torch.dtype) -> PromptInputs:
+                dtype: torch.dtype, keep_states: bool = False) -> PromptInputs:
     """Run ``model``'s forward on the prompt with its images up to its language model and keep what
-    that is handed (module docstring). The caller binds the request's variant."""
+    that is handed (module docstring). The caller binds the request's variant. ``keep_states``: keep
+    the vision states of images read by cross-attention (each tensor-parallel rank makes its own
+    heads' keys from them)."""
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     try:
         seen = run_to_language_model(model, ids, on_model(media.tensors, device, dtype))
@@ -207,7 +209,7 @@ def read_prompt(model: nn.Module, prompt_ids: list[int], media: PromptMedia, dev
     cross = None
     if seen.get("cross_attention_states") is not None:
         try:
-            cross = read_cross(model, seen)
+            cross = read_cross(model, seen, keep_states)
         except Exception as e:
             raise ImagesUnsupported(f"{kind}: its cross-attention layers could not read the images: "
                                     f"{type(e).__name__}: {first_line(e)}") from e

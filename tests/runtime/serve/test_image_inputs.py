@@ -26,6 +26,7 @@ from _images import (
     gemma4_processor,
     generate,
     llava_processor,
+    mllama_processor,
     needs_torchvision,
     picture,
     png,
@@ -338,18 +339,20 @@ def test_workers_read_images_behind_the_front(tmp_path):
     assert [g["choices"][0]["message"]["content"] for g in got] == [want[0]] * 2
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "qwen3_vl", "gemma3_vl"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "qwen3_vl", "gemma3_vl", "mllama"])
 def test_tensor_parallel_reads_images_on_rank_0_and_every_rank_puts_them_in_place(tmp_path, arch):
     """``--tensor-parallel 2``: the vision tower and projector are whole on every rank, so rank 0 reads
     a prompt's images alone; each step's image rows (and Qwen's own positions, Qwen3-VL's DeepStack
     features, Gemma 3's two-way image spans) go to the other rank with the step, and the served text
-    and log probabilities are the merged model's."""
+    and log probabilities are the merged model's. Mllama: rank 0 sends each request's vision states
+    once, and every rank makes its own heads' cross-attention keys from them."""
     from deltazip.runtime.cluster.tp_group import start_tensor_parallel
 
     processor = {"llava": lambda: llava_processor(tokenizer()), "qwen2_5_vl": QwenProcessor,
-                 "qwen3_vl": lambda: QwenProcessor(patch=16), "gemma3_vl": _gemma3_processor}[arch]()
+                 "qwen3_vl": lambda: QwenProcessor(patch=16), "gemma3_vl": _gemma3_processor,
+                 "mllama": mllama_processor}[arch]()
     with single_thread():
-        base_dir, arts = build_variant(tmp_path, arch, processor, vision_scale=0.5,
+        base_dir, arts = build_variant(tmp_path, arch, processor, vision_scale=0.05 if arch == "mllama" else 0.5,
                                        vocab=max(128, len(processor.tokenizer)))
         ck = Checkpoint(base_dir)
         refs = {"ft": load_merged_model(Artifact(arts / "ft"), ck), "base": load_causal_lm(base_dir, torch.float32)}
@@ -360,9 +363,12 @@ def test_tensor_parallel_reads_images_on_rank_0_and_every_rank_puts_them_in_plac
         try:
             got = engine_runs(tp, processor.tokenizer, [("ft", one), ("base", one), ("ft", "zip model tune")], N,
                               max_batch_tokens=16)
+            # n=2: the second sample forks after the prompt (Mllama: the workers copy its images' keys)
+            twice = engine_runs(tp, processor.tokenizer, [("ft", one)], N, samples=2) if arch == "mllama" else []
         finally:
             tp.close()
     assert all(same(g, want[k], tol=1e-3) for g, k in zip(got, ("ft", "base", "text"))), [g.text for g in got]
+    assert all(same(g, want["ft"], tol=1e-3) for g in twice), [g.text for g in twice]
 
 
 def _pixtral_processor():
