@@ -58,14 +58,14 @@ test-latest:
 	.venv-latest/bin/python -m pytest -q
 
 # The image-text tests whose processors need torchvision (Qwen2.5-VL's, Qwen3-VL's and Qwen3.5's with their video
-# processors, Pixtral's, InternVL's, Gemma 4's, LLaVA-OneVision's, GLM-4.1V's, LFM2-VL's, SmolVLM's with num2words),
-# which `make test` skips: no torchvision build matches the CPU torch 2.13.0. Their own venv: torch 2.14.1 and
+# processors, Pixtral's, InternVL's, Gemma 4's, LLaVA-OneVision's, GLM-4.1V's, LFM2-VL's, SmolVLM's with num2words;
+# Gemma 3n's timm tower), which `make test` skips: no torchvision build matches the CPU torch 2.13.0. Their own venv: torch 2.14.1 and
 # torchvision 0.29.1 (a CUDA build, about 5.5 GB; it runs on the CPU), kept over deltazip's torch range (< 2.14) by
 # reinstalling it without dependencies.
 TV_VENV := .venv-tv
 test-torchvision:
 	@test -x $(TV_VENV)/bin/python || python3 -m venv $(TV_VENV)
-	$(TV_VENV)/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1" num2words
+	$(TV_VENV)/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1" num2words "timm==1.0.31"
 	$(TV_VENV)/bin/python -m pip install -q -e ".[dev,serve]" $(PIN)
 	$(TV_VENV)/bin/python -m pip install -q --no-deps "torch==2.14.1"
 	$(TV_VENV)/bin/python -m pytest -q tests/runtime/serve/test_image_inputs.py tests/runtime/serve/test_image_families.py \

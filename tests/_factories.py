@@ -296,6 +296,15 @@ ARCH_CONFIGS["qwen3_5_vl"] = dict(
 ARCH_CONFIGS["qwen3_5_moe_vl"] = dict(ARCH_CONFIGS["qwen3_5_vl"], model_type="qwen3_5_moe", text_config={
     **ARCH_CONFIGS["qwen3_5_vl"]["text_config"], "model_type": "qwen3_5_moe_text", "moe_intermediate_size": 32,
     "num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 32})
+# Gemma 3n: a timm MobileNetV5 tower (the smallest timm builds, 81M parameters; 256 soft tokens per
+# image), the vision and audio special tokens after the character tokenizer's 128 ids
+ARCH_CONFIGS["gemma3n_vl"] = dict(
+    model_type="gemma3n", boi_token_id=128, image_token_id=129, eoi_token_id=130, boa_token_id=131, audio_token_id=132,
+    eoa_token_id=133, vision_soft_tokens_per_image=256, audio_soft_tokens_per_image=4,
+    text_config={**{k: v for k, v in ARCH_CONFIGS["gemma3n"].items() if k != "model_type"}, "model_type": "gemma3n_text"},
+    vision_config=dict(architecture="mobilenetv5_base", hidden_size=2048, vocab_size=3, vocab_offset=128),
+    audio_config=dict(vocab_size=3, vocab_offset=131, hidden_size=32, conf_num_attention_heads=2,
+                      conf_num_hidden_layers=1, sscp_conv_channel_size=[8, 8]))
 ARCH_CONFIGS["lfm2_vl"] = dict(
     model_type="lfm2_vl", image_token_id=120, projector_hidden_size=64, downsample_factor=2,
     text_config={**{k: v for k, v in ARCH_CONFIGS["lfm2"].items() if k != "model_type"}, "model_type": "lfm2"},

@@ -196,8 +196,9 @@ def build_variant(root, arch, processor, vision_scale: float = 0.0, vocab: int =
         if hasattr(processor, "save_pretrained") and processor_files:
             processor.save_pretrained(d)
         tok.save_pretrained(d)
+    # Gemma 3n's AltUp coefficients have 2 inputs, which no group of 32 divides: groups picked per tensor
     cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=32, sparsity="none"), method="deltazip", nsamples=8,
-                         seqlen=32, device="cpu")
+                         seqlen=32, device="cpu", group_auto=arch.startswith("gemma3n"))
     compress_delta(base_dir, ft_dir, str(calib_file(root / "calib", n=16)), root / "arts" / "ft", cfg)
     return base_dir, root / "arts"
 

@@ -31,6 +31,7 @@ images than these is refused with :class:`ImagesUnsupported`.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -268,7 +269,9 @@ class StepEmbeds:
         embeddings that are not a token's; else nothing."""
         if self.per_layer is None:
             return {}
-        table = language_model_of(model).get_per_layer_inputs(input_ids, None)
+        per_layer = language_model_of(model).get_per_layer_inputs
+        # Gemma 4's takes the embeddings too (None: from the ids); Gemma 3n's the ids alone
+        table = per_layer(input_ids, None) if len(inspect.signature(per_layer).parameters) > 1 else per_layer(input_ids)
         table[self.rows, self.cols] = self.per_layer.to(table.dtype)
         return {_PER_LAYER: table}
 

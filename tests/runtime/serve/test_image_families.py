@@ -11,10 +11,13 @@
 
 Also a PEFT LoRA adapter over every linear of LLaVA and Qwen2.5-VL, vision side included.
 
-The processors of LLaVA-OneVision, GLM-4.1V and LFM2-VL need torchvision (``make test-torchvision``).
+The processors of LLaVA-OneVision, GLM-4.1V and LFM2-VL need torchvision, and Gemma 3n's tower timm
+(``make test-torchvision`` installs both).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 from _images import (
@@ -82,6 +85,20 @@ def _glm4v():
     images = Glm4vImageProcessorPil(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 24 * 28 * 28}, patch_size=14,
                                     merge_size=2, temporal_patch_size=2)
     return Glm4vProcessor(image_processor=images, tokenizer=tok, video_processor=Glm4vVideoProcessor())
+
+
+def _gemma3n():
+    from transformers import Gemma3nProcessor, SiglipImageProcessorPil
+    from transformers.models.gemma3n.feature_extraction_gemma3n import Gemma3nAudioFeatureExtractor
+
+    tok = tokenizer(template("<img>"))
+    tok.add_special_tokens({"additional_special_tokens": ["<boi>", "<img>", "<eoi>", "<boa>", "<aud>", "<eoa>"]})
+    tok._set_model_specific_special_tokens(special_tokens={  # ids 128-133, as in the tiny config
+        "boi_token": "<boi>", "image_token": "<img>", "eoi_token": "<eoi>", "boa_token": "<boa>", "audio_token": "<aud>",
+        "eoa_token": "<eoa>"})
+    return Gemma3nProcessor(feature_extractor=Gemma3nAudioFeatureExtractor(), tokenizer=tok, audio_seq_length=4,
+                            image_processor=SiglipImageProcessorPil(size={"height": 64, "width": 64}),
+                            image_seq_length=256)
 
 
 def _lfm2_vl():
@@ -152,3 +169,11 @@ def test_a_lora_adapter_over_every_linear_reads_images_with_its_own_vision_side(
         got = engine_runs(dm, processor.tokenizer, [("lora", one), ("base", one)], N)
     assert want["lora"] != want["base"]
     assert same(got[0], want["lora"]) and same(got[1], want["base"]), [g.text for g in got]
+
+
+@needs_torchvision
+@pytest.mark.skipif(importlib.util.find_spec("timm") is None, reason="Gemma 3n's vision tower needs timm")
+def test_gemma3n_images_with_its_timm_tower_and_per_layer_embeddings(tmp_path):
+    """Gemma 3n: a timm MobileNetV5 tower, its image and special tokens embedded by a vision embedder
+    of their own, and per-layer token embeddings beside the input embeddings (as Gemma 4's)."""
+    served_matches_merged(tmp_path, "gemma3n_vl", _gemma3n(), images_per_prompt=1)
