@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deltazip.formats.errors import InputError
+from deltazip.formats.errors import InputError, first_line
 
 
 def causal_lm_class(config):
@@ -62,5 +62,5 @@ def load_causal_lm(path: str | Path, dtype, attn_implementation: str | None = No
             raise ValueError(f"transformers has no causal LM or image-text-to-text class for {type(config).__name__}")
         model = cls.from_pretrained(str(path), config=config, dtype=dtype, **kw)
     except Exception as e:  # unknown architecture, broken weights
-        raise InputError(f"{what} {path} cannot be loaded as a causal LM ({type(e).__name__}: {e})") from e
+        raise InputError(f"{what} {path} cannot be loaded as a causal LM ({type(e).__name__}: {first_line(e)})") from e
     return model.eval()
