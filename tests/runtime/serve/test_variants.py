@@ -224,7 +224,8 @@ def test_a_lora_key_met_by_a_request_is_measured_off_the_engine_thread(fleet, mo
             dispatch.CALLS.clear()
             first = complete(srv.url)
             lora_paths = {k for k, n in dispatch.CALLS.items() if k.startswith("lora_") and n}
-            assert lora_paths == {"lora_loop"} and not threads  # nothing measured inside the request
+            # nothing measured inside the request (the tuner's thread may already have started, the engine idle)
+            assert lora_paths == {"lora_loop"} and set(threads) <= {"deltazip-tuner"}, threads
             queued = set(grouped_lora.QUEUED)
             assert queued and rt.backend.tuner.wait(120)
             assert set(threads) == {"deltazip-tuner"} and len(threads) == len(queued)
