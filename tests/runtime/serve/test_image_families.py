@@ -142,7 +142,8 @@ def test_a_lora_adapter_over_every_linear_reads_images_with_its_own_vision_side(
     import torch
     from _images import N, build_variant, generate, llava_processor, picture, prompt, same
     from _serving import engine_runs, single_thread
-    from peft import LoraConfig, get_peft_model
+
+    peft = pytest.importorskip("peft")  # the eval extra (make test-torchvision installs dev and serve)
 
     from deltazip.models.checkpoint import Checkpoint
     from deltazip.models.loader import load_causal_lm
@@ -152,8 +153,8 @@ def test_a_lora_adapter_over_every_linear_reads_images_with_its_own_vision_side(
     processor = llava_processor(tokenizer()) if arch == "llava" else QwenProcessor()
     with single_thread():
         base_dir, arts = build_variant(tmp_path, arch, processor)
-        pm = get_peft_model(load_causal_lm(base_dir, torch.float32),
-                            LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+        pm = peft.get_peft_model(load_causal_lm(base_dir, torch.float32),
+                                 peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for name, p in pm.named_parameters():
