@@ -44,6 +44,14 @@ GQA = dict(SHAPE, num_key_value_heads=2)
 MROPE3 = dict(rope_type="default", mrope_section=[2, 3, 3], mrope_interleaved=True)
 QWEN3_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                     deepstack_visual_indexes=[0])
+# Qwen3.5's image-text form: a hybrid language model (gated delta rule and attention layers) with
+# positions in three sections, behind its vision tower
+QWEN3_5_TEXT = dict(GQA, head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                    linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                    rope_parameters=dict(MROPE3, rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[1, 1, 2]))
+QWEN3_5_IMAGES = dict(vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                         num_position_embeddings=16),
+                      image_token_id=120, video_token_id=121, vision_start_token_id=122)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
               patch_size=14)
 FAMILIES: dict[str, tuple[str, dict, torch.dtype]] = {
@@ -323,31 +331,13 @@ FAMILIES: dict[str, tuple[str, dict, torch.dtype]] = {
                             image_token_id=120, video_token_id=121, image_start_token_id=121,
                             image_end_token_id=122), torch.float32),
     # hybrid language models behind a vision tower (Qwen3.5 is released in this form)
-    "qwen3_5-vision": ("qwen3_5", dict(text_config=dict(GQA, head_dim=16, model_type="qwen3_5_text",
-                                                        layer_types=["linear_attention", "full_attention"],
-                                                        linear_num_value_heads=4, linear_num_key_heads=2,
-                                                        linear_key_head_dim=16, linear_value_head_dim=16,
-                                                        rope_parameters=dict(MROPE3, rope_theta=10000.0,
-                                                                             partial_rotary_factor=0.5,
-                                                                             mrope_section=[1, 1, 2])),
-                                       vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                                                          out_hidden_size=64, num_position_embeddings=16),
-                                       image_token_id=120, video_token_id=121, vision_start_token_id=122),
+    "qwen3_5-vision": ("qwen3_5", dict(text_config=dict(QWEN3_5_TEXT, model_type="qwen3_5_text"), **QWEN3_5_IMAGES),
                        torch.float32),
-    "qwen3_5_moe-vision": ("qwen3_5_moe", dict(text_config=dict(GQA, head_dim=16, model_type="qwen3_5_moe_text",
+    "qwen3_5_moe-vision": ("qwen3_5_moe", dict(text_config=dict(QWEN3_5_TEXT, model_type="qwen3_5_moe_text",
                                                                 moe_intermediate_size=32, num_experts=4,
-                                                                num_experts_per_tok=2, shared_expert_intermediate_size=32,
-                                                                layer_types=["linear_attention", "full_attention"],
-                                                                linear_num_value_heads=4, linear_num_key_heads=2,
-                                                                linear_key_head_dim=16, linear_value_head_dim=16,
-                                                                rope_parameters=dict(MROPE3, rope_theta=10000.0,
-                                                                                     partial_rotary_factor=0.5,
-                                                                                     mrope_section=[1, 1, 2])),
-                                               vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
-                                                                  num_heads=2, out_hidden_size=64,
-                                                                  num_position_embeddings=16),
-                                               image_token_id=120, video_token_id=121, vision_start_token_id=122),
-                           torch.float32),
+                                                                num_experts_per_tok=2,
+                                                                shared_expert_intermediate_size=32),
+                                               **QWEN3_5_IMAGES), torch.float32),
     "lfm2_vl": ("lfm2_vl", dict(text_config=dict(GQA, model_type="lfm2", layer_types=["conv", "full_attention"]),
                                 vision_config=dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64,
                                                    num_hidden_layers=1, num_attention_heads=2, patch_size=14,
