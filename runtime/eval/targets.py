@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from deltazip.formats.artifact import MANIFEST
-from deltazip.formats.errors import InputError, first_line
+from deltazip.formats.errors import InputError
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import check_dtype, resolve_device
 from deltazip.models.loader import load_causal_lm
@@ -236,28 +236,21 @@ class EvalBank:
 
     def _find_processor(self, target: Target):
         from deltazip.models.loader import is_image_text
-        from deltazip.runtime.serve.images import PROCESSOR_FILES
+        from deltazip.runtime.serve.images import processor
+        from deltazip.runtime.serve.openai_schema import ApiError
 
         if not is_image_text(self.model_for(target).config):
             return None
         if target.kind == "hf":
-            dirs = [target.path]
+            own = base = target.path
         else:
             assert self.base is not None
-            dirs = [self.base.path] if target.variant is None else [target.variant.side_dir(self.base.path),
-                                                                    self.base.path]
-        found = next((Path(d) for d in dirs if any((Path(d) / f).is_file() for f in PROCESSOR_FILES)), None)
-        if found is None:
-            log.warning("%s: no image processor (%s); tasks with images cannot run on it", target.label,
-                        " or ".join(PROCESSOR_FILES))
-            return None
-        from transformers import AutoProcessor
-
-        try:
-            proc = AutoProcessor.from_pretrained(str(found))
-        except Exception as e:  # a package its processor needs (torchvision)
-            log.warning("%s: its image processor in %s does not load (%s: %s); tasks with images cannot run on it",
-                        target.label, found, type(e).__name__, first_line(e))
+            base = self.base.path
+            own = base if target.variant is None else target.variant.side_dir(base)
+        try:  # serve's own lookup: the variant's files, else the base's
+            proc = processor(own, base)
+        except ApiError as e:  # no processor files, or a package it needs (torchvision)
+            log.warning("%s: %s; tasks with images cannot run on it", target.label, e.message)
             return None
         return proc if hasattr(proc, "image_processor") else None
 

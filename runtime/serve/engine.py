@@ -77,6 +77,7 @@ from typing import Any
 
 import torch
 
+from deltazip.models.image_inputs import cross_attention_layers
 from deltazip.models.loader import is_image_text, text_config
 from deltazip.runtime.serve.delta_cache import TieredCache
 from deltazip.runtime.serve.delta_loader import DeltaLoader
@@ -485,6 +486,7 @@ class Engine:
         self.pad_id = 0
         self._fork_of: dict[str, str] = {}  # rid of a sample not forked yet -> its request's rid
         self.kv_bytes_per_token = _kv_bytes_per_token(backend.config, backend.dtype)
+        self._cross_keys = bool(cross_attention_layers(backend.config))  # sequences hold image keys (Mllama)
         vocab = getattr(backend.config, "vocab_size", None) or 0
         self.grammars = GrammarCompilers(vocab)  # compiled by request threads
         self.masks = MaskFiller(vocab, self.device)  # filled beside each step's forward
@@ -858,8 +860,9 @@ class Engine:
         """Publish the KV cache's size: the pool (which drops its tensors once no sequence holds a row)
         and the keys and values of images read by cross-attention layers (Mllama), each counted once
         however many samples share them."""
-        cross = {id(s.inputs.cross.keys): s.inputs.cross.nbytes() for s in self._seqs.values()
-                 if s.inputs is not None and s.inputs.cross is not None and not s.kv_on_host}
+        cross = {} if not self._cross_keys else {
+            id(s.inputs.cross.keys): s.inputs.cross.nbytes() for s in self._seqs.values()
+            if s.inputs is not None and s.inputs.cross is not None and not s.kv_on_host}
         self._memory = {**self._memory, "kv_cache_bytes": self.kv_pool.nbytes() + sum(cross.values())}
 
     def _cache_name(self, key: str) -> str:
