@@ -191,7 +191,8 @@ def test_the_command_line_says_what_is_wrong_with_the_images_in_one_line(tmp_pat
     assert not (tmp_path / "out").exists()
 
 
-def test_mllama_cross_attention_layers_calibrate_on_the_images(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mllama_cross_attention_layers_calibrate_on_the_images(tmp_path, dtype):
     """Mllama's cross-attention layers run only with an image: with ``--calib-images`` every
     calibration window starts with one, so those layers are calibrated layer by layer like the others
     (without images they are rounded to nearest). Against the fine-tune on held-out prompts with
@@ -202,7 +203,7 @@ def test_mllama_cross_attention_layers_calibrate_on_the_images(tmp_path):
     from _images import parts_prompt
 
     with single_thread():
-        base_dir, ft_dir, images, proc = _pair(tmp_path, arch="mllama")
+        base_dir, ft_dir, images, proc = _pair(tmp_path, dtype, arch="mllama")
         calib = calib_file(tmp_path / "calib", n=16)
         compress_delta(base_dir, ft_dir, str(calib), tmp_path / "art", CFG, calib_images=images)
         compress_delta(base_dir, ft_dir, str(calib), tmp_path / "text", CFG)
@@ -214,15 +215,15 @@ def test_mllama_cross_attention_layers_calibrate_on_the_images(tmp_path):
     assert "calibration" not in ratio, ratio
     assert text["calibration"].startswith("rtn"), text
     ck = Checkpoint(base_dir)
-    merged = load_merged_model(Artifact(tmp_path / "art"), ck)
-    rounded = load_merged_model(Artifact(tmp_path / "art"), ck)
+    merged = load_merged_model(Artifact(tmp_path / "art"), ck).float()  # outputs in fp32 from the stored weights
+    rounded = load_merged_model(Artifact(tmp_path / "art"), ck).float()
     ft = load_causal_lm(ft_dir, torch.float32)
     base, tuned = load_causal_lm(base_dir, torch.float32).state_dict(), ft.state_dict()
     cross = "model.language_model.layers.1.cross_attn."
     with torch.no_grad():
         for name, p in rounded.named_parameters():
             if name.startswith(cross) and p.dim() == 2:
-                p.copy_(base[name] + rtn_compress(tuned[name] - base[name], CFG.scheme).values)
+                p.copy_((base[name] + rtn_compress(tuned[name] - base[name], CFG.scheme).values).to(dtype))
     held = [parts_prompt(proc, ["which one?", picture(500 + s, (44, 40)), "and?"]) for s in range(4)]
 
     def cross_out(model):  # the cross-attention's output on each held-out prompt [T, H], concatenated
@@ -239,5 +240,6 @@ def test_mllama_cross_attention_layers_calibrate_on_the_images(tmp_path):
 
     want = cross_out(ft)
     err = {k: float((cross_out(m) - want).norm() / want.norm()) for k, m in (("calibrated", merged), ("rounded", rounded))}
-    print("relative cross-attention output error", err)  # docs/dev/2026-12-images.md quotes it (pytest -s)
-    assert err["calibrated"] < 0.9 * err["rounded"], err
+    print("relative cross-attention output error", str(dtype), err)  # docs/compress.md quotes it (pytest -s)
+    # bf16 storage rounds both forms alike, which narrows the gap (measured: 0.82 of rounding in fp32, 0.90 in bf16)
+    assert err["calibrated"] < (0.9 if dtype == torch.float32 else 0.95) * err["rounded"], err
