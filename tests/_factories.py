@@ -251,7 +251,7 @@ ARCH_CONFIGS = {
                      vision_config=dict(_VISION, image_size=[28, 28], patch_size=[14, 14]), image_token_id=120,
                      downsample_ratio=0.5),
     "qwen3_vl_moe": dict(model_type="qwen3_vl_moe",
-                         text_config=dict(_LM, model_type="qwen3_vl_moe_text", head_dim=16, moe_intermediate_size=32,
+                         text_config=dict(_LM, model_type="qwen3_vl_moe_text", head_dim=16, moe_intermediate_size=64,
                                           num_experts=4, num_experts_per_tok=2,
                                           rope_scaling=dict(rope_type="default", mrope_section=[2, 3, 3],
                                                             mrope_interleaved=True)),

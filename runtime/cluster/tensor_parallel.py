@@ -10,6 +10,12 @@ out alike) has two kinds of linears:
   its output is a partial sum, completed by one all-reduce (a forward hook, see
   :class:`ShardedDeltaModel`). A row-parallel bias is kept on rank 0 only, so it is added once.
 
+Mixture-of-experts layers (``MOE_MODEL_TYPES``) shard every expert the same way: each rank keeps
+``1/n`` of each expert's intermediate width (the matching rows of the gate and the up halves of
+``gate_up_proj [E, 2I, H]``, the columns of ``down_proj [E, H, I]``), the router stays whole (every
+rank routes every token alike), and the experts module's output is all-reduced like a row-parallel
+linear's.
+
 A packed delta (``deltazip.kernels.packed``) shards the same way. Column shards slice every part by
 rows. Row shards slice codes, 2:4 positions and group scales/zeros along the input dimension, which
 only works when a shard holds whole quantization groups (and so whole 2:4 blocks): that is checked
@@ -30,8 +36,15 @@ from deltazip.formats.packing import pack_int32
 from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import unpack_int32
 from deltazip.models.loader import text_config
-from deltazip.models.model_walk import decoder_layers
+from deltazip.models.model_walk import decoder_layers, dense_routed, empty_model, experts_transposed
 from deltazip.models.param_names import module_names
+from deltazip.runtime.serve.delta_experts import (
+    MoeLayout,
+    expert_params,
+    is_fused_experts,
+    parse_piece_key,
+    piece_key,
+)
 from deltazip.runtime.serve.model import DeltaModel, HostDelta, load_base_model
 from deltazip.runtime.serve.variant_sources import VariantInfo
 
@@ -39,6 +52,9 @@ from deltazip.runtime.serve.variant_sources import VariantInfo
 # heads, and any q/k norm is per head (Qwen3, Gemma 2 and 3): a rank's heads need nothing of the others'.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3", "qwen3_vl_text",
                          "gemma2", "gemma3_text", "granite", "smollm3", "mllama_text_model")
+# The same attention, with mixture-of-experts layers whose fused experts gate by halves (``chunk(2)``
+# of ``gate_up_proj``), beside plain MLP layers and shared experts (sharded as the MLP is).
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
@@ -62,15 +78,16 @@ def check_config(config, world: int) -> None:
     """
     config = text_config(config)  # an image-text model's language model is what is sharded
     mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise InputError(f"--tensor-parallel supports {', '.join(SUPPORTED_MODEL_TYPES)}, not model_type {mt!r}; "
-                         "serve this base with --tensor-parallel 1")
+    if mt not in SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES:
+        raise InputError(f"--tensor-parallel supports {', '.join(SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES)}, not "
+                         f"model_type {mt!r}; serve this base with --tensor-parallel 1")
     for key, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
-                      ("intermediate_size", "intermediate size")):
+                      ("intermediate_size", "intermediate size"), ("moe_intermediate_size", "expert width"),
+                      ("shared_expert_intermediate_size", "shared expert width")):
         value = getattr(config, key, None)
         if value is None and key == "num_key_value_heads":
             value = config.num_attention_heads  # no GQA: as many KV heads as query heads
-        if value % world:
+        if value is not None and value % world:
             raise InputError(f"--tensor-parallel {world} does not divide the model's {what} ({value}); use a "
                              f"degree that divides it")
 
@@ -80,17 +97,17 @@ def check_variant(v: VariantInfo, row_in: dict[str, int], world: int) -> None:
 
     Args:
         v: the variant (its manifest entries).
-        row_in: per row-parallel module name, its full input width.
+        row_in: per tensor of ``v`` that lands on a row-parallel weight (``o_proj``, ``down_proj``, an
+            experts module's ``down_proj``), that weight's full input width.
         world: tensor-parallel degree.
     Raises:
         InputError: a quantization group (or a 2:4 block) would straddle two ranks.
     """
     for tname, e in v.entries.items():
-        mname = tname.rsplit(".", 1)[0]
-        if not e.kernel_ready or mname not in row_in:
+        if not e.kernel_ready or tname not in row_in:
             continue
-        width = row_in[mname] // world
-        group = e.scheme.effective_group(row_in[mname])
+        width = row_in[tname] // world
+        group = e.scheme.effective_group(row_in[tname])
         block = 4 if e.scheme.sparse else 1
         if width % group or width % block:
             raise InputError(f"variant {v.name}: {tname} has quantization groups of {group} input columns, which "
@@ -98,16 +115,15 @@ def check_variant(v: VariantInfo, row_in: dict[str, int], world: int) -> None:
                              f"shard width is a multiple of the group size")
 
 
-def check_variants(variants: list[VariantInfo], config, world: int) -> None:
-    """:func:`check_variant` for every artifact, from the manifests and the base config alone."""
-    config = text_config(config)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    widths = {"o_proj": heads * head_dim, "down_proj": config.intermediate_size}
+def check_variants(variants: list[VariantInfo], world: int) -> None:
+    """:func:`check_variant` for every artifact, from its manifest alone (before any rank starts): the
+    tensors named as row-parallel linears (``...o_proj.weight``, ``...down_proj.weight``, per-expert
+    ones included). Each rank checks again against the model, which also names the rest (Mixtral's
+    ``w2``, fused experts)."""
     for v in variants:
         if v.kind == "artifact":
-            mods = {t.rsplit(".", 1)[0] for t in v.tensors}
-            check_variant(v, {m: widths[m.rsplit(".", 1)[-1]] for m in mods if shard_kind(m) == "row"}, world)
+            check_variant(v, {t: e.shape[-1] for t, e in v.entries.items()
+                              if shard_kind(t.rsplit(".", 1)[0]) == "row"}, world)
 
 
 def _span(size: int, rank: int, world: int) -> slice:
@@ -182,6 +198,74 @@ def shard_slot_args(kw: dict[str, Any], kind: str, rank: int, world: int) -> dic
     return out
 
 
+def _expert_blocks(param: str) -> int:
+    """How many equal blocks of rows each expert's ``param`` stacks, each sharded alike: 2 for a gated
+    ``gate_up_proj`` (gate, then up), 1 for an ungated ``up_proj``, 0 for ``down_proj`` (sharded by columns)."""
+    return {"gate_up_proj": 2, "up_proj": 1, "down_proj": 0}[param]
+
+
+def expert_row_runs(r0: int, r1: int, out: int, blocks: int, rank: int, world: int) -> list[tuple[int, int, int]]:
+    """Rows of an expert parameter seen as ``[E * out, in]`` that rank ``rank`` keeps, within ``[r0, r1)``:
+    ``(lo, hi, at)`` runs, ``at`` the first row's place in the rank's ``[E * out/n, in]``.
+
+    Each expert's ``out`` rows are ``blocks`` equal blocks (gate, up); a rank keeps its ``1/n`` of each.
+    """
+    per_block, per = out // blocks, out // blocks // world
+    runs = []
+    for e in range(r0 // out, (r1 - 1) // out + 1):
+        for b in range(blocks):
+            start = e * out + b * per_block + rank * per  # the rank's first row of this block
+            lo, hi = max(start, r0), min(start + per, r1)
+            if lo < hi:
+                runs.append((lo, hi, e * (out // world) + b * per + lo - start))
+    return runs
+
+
+def shard_expert_piece(param: str, r0: int, r1: int, value, out: int, rank: int,
+                       world: int) -> list[tuple[int, int, Any]]:
+    """Rank ``rank``'s parts of a variant's piece of an experts parameter: full rows ``[r0, r1)`` of
+    ``[E * out, in]``, ``value`` their dense delta ``[r1 - r0, in]`` or a :class:`PackedDelta`.
+
+    Returns:
+        ``(row0, row1, part)`` in the rank's ``[E * out/n, in]`` (``down_proj``: the same rows, the
+        rank's columns of ``value``).
+    """
+    blocks = _expert_blocks(param)
+    if not blocks:
+        part = shard_packed(value, "row", rank, world) if isinstance(value, PackedDelta) \
+            else shard_dense(value, "row", rank, world)
+        return [(r0, r1, part)]
+    parts = []
+    for lo, hi, at in expert_row_runs(r0, r1, out, blocks, rank, world):
+        a, b = lo - r0, hi - r0
+        part = value.map_parts(lambda t, a=a, b=b: t[a:b].contiguous(), out_features=b - a) \
+            if isinstance(value, PackedDelta) else value[a:b].clone()
+        parts.append((at, at + hi - lo, part))
+    return parts
+
+
+def shard_experts(mod: nn.Module, rank: int, world: int) -> None:
+    """Shard a fused-experts module in place: each expert keeps its ``1/n`` of the intermediate width
+    (rows of each block of the first projection, columns of ``down_proj``).
+
+    Raises:
+        InputError: experts laid out ``[E, in, out]``, with biases, or run over every token, which
+            are not sharded.
+    """
+    if experts_transposed(mod) or dense_routed(mod) or getattr(mod, "has_bias", False):
+        raise InputError(f"--tensor-parallel does not shard {type(mod).__name__} (experts stored [E, in, out], with "
+                         "biases or run over every token); serve this base with --tensor-parallel 1")
+    first, _ = expert_params(mod)
+    w = getattr(mod, first).detach().as_subclass(torch.Tensor)
+    blocks = _expert_blocks(first)
+    kept = torch.cat([blk[:, _span(blk.shape[1], rank, world)] for blk in w.chunk(blocks, dim=1)], dim=1)
+    setattr(mod, first, nn.Parameter(kept.clone(), requires_grad=False))
+    down = mod.down_proj.detach().as_subclass(torch.Tensor)
+    mod.down_proj = nn.Parameter(down[:, :, _span(down.shape[2], rank, world)].clone(), requires_grad=False)
+    if isinstance(getattr(mod, "intermediate_dim", None), int):
+        mod.intermediate_dim //= world
+
+
 def _shard_module(mod: nn.Linear, kind: str, rank: int, world: int) -> None:
     """Shard an ``nn.Linear`` in place (its full weight is dropped)."""
     w = shard_dense(mod.weight.detach(), kind, rank, world)
@@ -228,25 +312,35 @@ class ShardedDeltaModel(DeltaModel):
         self._full_linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules()
                               if isinstance(m, nn.Linear)}
         self._layers = decoder_layers(model)[0]
+        self._experts: set[str] = set()  # fused-experts modules (sharded by expert width, all-reduced)
+        rank, world = self.group.rank, self.group.world
         for name, mod in model.named_modules():
             kind = self._kind(name)
             if kind is not None and isinstance(mod, nn.Linear):
-                _shard_module(mod, kind, self.group.rank, self.group.world)
+                _shard_module(mod, kind, rank, world)
                 self._hook(mod, kind)
+            elif name.startswith(f"{self._layers}.") and is_fused_experts(mod):
+                shard_experts(mod, rank, world)
+                self._hook(mod, "row")
+                self._experts.add(name)
             elif name.startswith(f"{self._layers}.") and isinstance(getattr(mod, "q_proj", None), nn.Linear):
-                _shard_head_counts(mod, self.group.world)
+                _shard_head_counts(mod, world)
+        # Checkpoint names of expert tensors map to rows of the full parameters (a meta skeleton).
+        self._full_model = empty_model(base.path, dtype) if self._experts else None
         return model.to(device)
+
+    def _moe_layout(self) -> MoeLayout:
+        return MoeLayout(self.model, full=self._full_model)
 
     def _kind(self, module_name: str) -> str | None:
         return shard_kind(module_name, self._layers)
 
     def _hook(self, mod: nn.Module, kind: str) -> None:
-        # Marked on the module itself: an id() could be reused by a new module once the linear that
+        # Held on the module itself: an id() could be reused by a new module once the linear that
         # a DeltaLinear replaced is collected, and a row-parallel layer without its all-reduce would
         # leave the ranks out of step.
-        if kind == "row" and not getattr(mod, "_tp_all_reduce", False):
-            mod.register_forward_hook(lambda _m, _i, out: self.group.all_reduce(out))
-            mod._tp_all_reduce = True
+        if kind == "row" and getattr(mod, "_tp_all_reduce", None) is None:
+            mod._tp_all_reduce = mod.register_forward_hook(lambda _m, _i, out: self.group.all_reduce(out))
 
     def prepare_variant(self, v: VariantInfo, wanted: dict[str, str] | None = None):
         wanted = {} if wanted is None else wanted
@@ -259,15 +353,54 @@ class ShardedDeltaModel(DeltaModel):
             return spec
         plan = self._plan_variant(v, self._full_params, wanted)
         if v.kind == "artifact":
-            check_variant(v, {n: s[1] for n, s in self._full_linears.items() if self._kind(n) == "row"},
-                          self.group.world)
+            check_variant(v, self._row_inputs(plan), self.group.world)
         return plan
 
+    def _row_inputs(self, plan: dict[str, list[tuple[str, str]]]) -> dict[str, int]:
+        """Per planned tensor landing on a row-parallel weight (a linear's, or experts' ``down_proj``),
+        that weight's full input width."""
+        out = {}
+        for tname, targets in plan.items():
+            for mname, attr in targets:
+                if self._kind(mname) == "row" and attr == "weight":
+                    out[tname] = self._full_linears[mname][1]
+                elif mname in self._experts and parse_piece_key(attr)[0] == "down_proj":
+                    out[tname] = self._full_params[f"{mname}.down_proj"].shape[-1]
+        return out
+
     def _replace(self, mname: str, kind: str) -> nn.Module:
-        new = super()._replace(mname, kind)  # built over the (already sharded) base linear
-        if self._kind(mname) is not None:
-            self._hook(new, self._kind(mname))
+        if mname in self._experts:  # DeltaExperts runs the base module for steps without expert deltas:
+            old = self.model.get_submodule(mname)  # its all-reduce moves to the outer module, to run once
+            old._tp_all_reduce.remove()
+            old._tp_all_reduce = None
+        new = super()._replace(mname, kind)  # built over the (already sharded) base module
+        if self._kind(mname) is not None or mname in self._experts:
+            self._hook(new, "row" if mname in self._experts else self._kind(mname))
         return new
+
+    def _put_packed(self, host: HostDelta, targets: list[tuple[str, str]], delta: PackedDelta, additive: bool) -> None:
+        for mname, attr in targets:
+            for key, part in self._expert_parts(mname, attr, delta):
+                super()._put_packed(host, [(mname, key)], part, additive)
+
+    def _put_dense(self, host: HostDelta, targets: list[tuple[str, str]], tensor: torch.Tensor) -> None:
+        for mname, attr in targets:
+            value = tensor
+            if mname in self._experts:  # the piece's rows, as DeltaExperts.host_dense reads them
+                _, r0, r1 = parse_piece_key(attr)
+                value = tensor.reshape(r1 - r0, -1)
+            for key, part in self._expert_parts(mname, attr, value):
+                super()._put_dense(host, [(mname, key)], part)
+
+    def _expert_parts(self, mname: str, attr: str, value) -> list[tuple[str, Any]]:
+        """``(attr, value)`` for a target that is not an experts module; for one, this rank's parts of
+        the piece ``attr`` (full rows), keyed by their rows in the rank's sharded parameter."""
+        if mname not in self._experts:
+            return [(attr, value)]
+        param, r0, r1 = parse_piece_key(attr)
+        out = self._full_params[f"{mname}.{param}"].shape[1]
+        return [(piece_key(param, a, b), part) for a, b, part in
+                shard_expert_piece(param, r0, r1, value, out, self.group.rank, self.group.world)]
 
     def load_host(self, name: str) -> HostDelta:
         """The variant decoded from disk, then cut to this rank's shard (the full copy is dropped)."""
@@ -288,7 +421,7 @@ class ShardedDeltaModel(DeltaModel):
         esize = torch.tensor([], dtype=self.dtype).element_size()
         for tname, targets in self._targets[name].items():
             e = v.entries[tname]
-            sharded = [m for m, _ in targets if self._kind(m) is not None]  # the modules it lands on
+            sharded = [m for m, _ in targets if self._kind(m) is not None or m in self._experts]
             if not sharded or len(e.shape) != 2:
                 continue
             packed_here = e.kernel_ready and self.delta_compute == "packed"

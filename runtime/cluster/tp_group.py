@@ -424,7 +424,7 @@ def start_tensor_parallel(base, variants: list, num_slots: int, device: torch.de
 
     config = _base_config(base)
     check_config(config, world)
-    check_variants(variants, config, world)
+    check_variants(variants, world)
     if device.type == "cuda" and torch.cuda.device_count() < world:
         raise InputError(f"--tensor-parallel {world} needs {world} GPUs, {torch.cuda.device_count()} visible; lower "
                          f"the degree or make more GPUs visible (CUDA_VISIBLE_DEVICES)")

@@ -513,12 +513,16 @@ class MoeLayout:
 
     Args:
         model: the base causal LM (transformers 5).
+        full: the same architecture with every parameter at its full shape (meta tensors will do),
+            where ``model`` holds shards of the experts (tensor parallel): checkpoint names are
+            mapped to the full parameters' rows, and the routers' block tensors are ``model``'s.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, full: nn.Module | None = None):
         from deltazip.models.model_walk import decoder_layers
 
-        self.model = model
+        own = dict(model.named_modules())
+        self.model = model = full if full is not None else model
         self.experts: dict[str, nn.Module] = {}  # qualified module name -> fused experts module
         self.routers: dict[str, nn.Module] = {}
         self.blocks: dict[str, dict[str, torch.Tensor]] = {}  # router -> its block's tensors (block_tensors)
@@ -540,7 +544,7 @@ class MoeLayout:
                 for cname, child in modules[parent].named_children():
                     if child is not m and _is_router_module(child, m.num_experts):
                         self.routers[f"{parent}.{cname}"] = child
-                        self.blocks[f"{parent}.{cname}"] = block_tensors(modules[parent], m.num_experts)
+                        self.blocks[f"{parent}.{cname}"] = block_tensors(own[parent], m.num_experts)
 
     def _router_of(self, param: str) -> tuple[str, str] | None:
         """``(router module, name in it)`` of a qualified parameter name under a router, else None."""

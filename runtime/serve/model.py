@@ -469,7 +469,7 @@ class DeltaModel:
         # Linear shapes of the base (LoRA checks), taken before any module is decoupled.
         self._linears = {n: (m.out_features, m.in_features) for n, m in self.model.named_modules()
                          if isinstance(m, nn.Linear)}
-        self._moe = MoeLayout(self.model)  # fused experts and routers, before any module is decoupled
+        self._moe = self._moe_layout()  # fused experts and routers, before any module is decoupled
         self._targets: dict[str, dict[str, list[tuple[str, str]]]] = {}  # variant -> tensor -> [(module, attr)]
         self._lora: dict[str, Any] = {}  # LoRA variant -> LoraSpec
         self.modules: dict[str, nn.Module] = {}
@@ -487,6 +487,10 @@ class DeltaModel:
     def _load_model(self, base: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Module:
         """The base model on ``device`` (tensor parallel overrides it to shard the model first)."""
         return load_base_model(base, dtype, device)
+
+    def _moe_layout(self) -> MoeLayout:
+        """Where variants' expert and router tensors land (tensor parallel maps them on full shapes)."""
+        return MoeLayout(self.model)
 
     def prepare_variant(self, v: VariantInfo, wanted: dict[str, str] | None = None):
         """Check a variant against the model and plan which modules it needs; changes nothing.
