@@ -12,6 +12,10 @@ tensor moves, norms, biases, embeddings and positions included), then:
   than the base is (mean squared logit error on held-out sequences);
 - serve delta / serve swap: the engine in that mode, the variant's rows in one batch with base rows;
   every greedy output equals the merged model's ``generate``;
+- serve tp2: the same in delta mode on two tensor-parallel ranks (``--tensor-parallel 2``: two
+  processes on the CPU, gloo), every layer and the variant's deltas sharded. Its artifact is the
+  fine-tune compressed RTN 4-bit in groups of 16 (a shard of a 64-wide ``o_proj`` holds whole groups,
+  which the automatic group does not promise), compared with its own merged model;
 - eval: ``deltazip eval`` at its default ``--batch-size 8``: the artifact's perplexity equals the
   merged checkpoint's (relative difference below 1e-4), and on two lm-eval tasks (``deltazip_ticket``,
   multiple choice by loglikelihood; ``deltazip_copy``, generation; 8 examples each) it scores exactly
@@ -348,7 +352,7 @@ FAMILIES: dict[str, tuple[str, dict, torch.dtype]] = {
                                                       sliding_window=16, hidden_size_per_layer_input=16,
                                                       vocab_size_per_layer_input=128)), torch.float32),
 }
-CHECKS = ("compress", "merge", "serve_delta", "serve_swap", "eval")
+CHECKS = ("compress", "merge", "serve_delta", "serve_swap", "serve_tp2", "eval")
 EVAL_TASKS = ("deltazip_ticket", "deltazip_copy")  # lm-eval: multiple choice (loglikelihood), generation
 TEXT = ("the quick brown fox jumps over the lazy dog. " * 12
         + "0123456789 abcdefghij klmnopqrst uvwxyz, pack my box with five dozen liquor jugs. " * 6)
@@ -457,6 +461,25 @@ class Family:
         if not err_m < err_b:
             raise AssertionError(f"merged model is not closer to the fine-tune than the base ({err_m:.3g} vs {err_b:.3g})")
 
+    def tp_artifact(self) -> Path:
+        """The fine-tune compressed RTN 4-bit in groups of 16, and its merged checkpoint beside it."""
+        from transformers import AutoConfig
+
+        from deltazip.compress.config import CompressConfig
+        from deltazip.compress.merge import merge_to_dir
+        from deltazip.compress.pipeline import compress_delta
+        from deltazip.formats.artifact import Artifact
+        from deltazip.kernels.scheme import DeltaScheme
+        from deltazip.models.checkpoint import Checkpoint
+        from deltazip.runtime.cluster.tensor_parallel import check_config
+
+        check_config(AutoConfig.from_pretrained(self.base_dir), 2)  # a family it does not shard: its refusal
+        art = self.root / "tp" / "arts" / "ft"
+        cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=16, sparsity="none"), method="rtn", device="cpu")
+        compress_delta(self.base_dir, self.ft_dir, None, art, cfg)
+        merge_to_dir(Artifact(art), Checkpoint(self.base_dir), self.root / "tp" / "merged")
+        return art
+
     def reference(self, model_dir: Path, prompt: list[int]) -> str:
         from deltazip.models.loader import load_causal_lm
 
@@ -469,6 +492,7 @@ class Family:
 
     def serve(self, mode: str) -> None:
         from deltazip.models.checkpoint import Checkpoint
+        from deltazip.runtime.cluster.tp_group import start_tensor_parallel
         from deltazip.runtime.serve.engine import (
             Engine,
             EngineConfig,
@@ -479,10 +503,13 @@ class Family:
         from deltazip.runtime.serve.model import DeltaModel, SwapModels
         from deltazip.runtime.serve.variant_sources import discover_variants
 
-        variants = discover_variants(self.art.parent)
+        art = self.tp_artifact() if mode == "tp2" else self.art
+        variants = discover_variants(art.parent)
         ck = Checkpoint(self.base_dir)
         if mode == "delta":
             backend = DeltaModel(ck, variants, 2, torch.device("cpu"), torch.float32)
+        elif mode == "tp2":
+            backend = start_tensor_parallel(ck, variants, 2, torch.device("cpu"), torch.float32, 2)
         else:
             backend = SwapModels(ck, variants, 2, torch.device("cpu"), torch.float32, "base")
         table = {"base": ServedVariant("base", self.tok, [1], None), "ft": ServedVariant("ft", self.tok, [1], "base")}
@@ -507,8 +534,10 @@ class Family:
                     raise TimeoutError("the engine did not finish")
         finally:
             eng.shutdown()
+            if mode == "tp2":
+                backend.close()
         for i, (m, p) in enumerate(jobs):
-            want = self.reference(self.merged_dir if m == "ft" else self.base_dir, p)
+            want = self.reference(art.parent.parent / "merged" if m == "ft" else self.base_dir, p)
             if got[i] != want:
                 raise AssertionError(f"{m} greedy output differs from the merged model's generate ({got[i]!r} vs {want!r})")
 
@@ -540,14 +569,16 @@ def run_family(name: str, root: Path, quick: bool) -> dict:
     except Exception as e:  # the model cannot even be built or fine-tuned here
         why = one_line(e).replace(f"{root.parent}/", "")
         return {**row, **dict.fromkeys(CHECKS, why), "seconds": round(time.perf_counter() - t0, 1)}
-    needs = {"merge": "compress", "serve_delta": "merge", "serve_swap": "merge", "eval": "merge"}
+    needs = {"merge": "compress", "serve_delta": "merge", "serve_swap": "merge", "serve_tp2": "serve_delta",
+             "eval": "merge"}
     for check in CHECKS:
         if check in needs and row.get(needs[check]) != "ok":
             row[check] = f"not run ({needs[check]} did not pass)"
             continue
         try:
             {"compress": fam.compress, "merge": fam.merge, "serve_delta": lambda: fam.serve("delta"),
-             "serve_swap": lambda: fam.serve("swap"), "eval": fam.eval}[check]()
+             "serve_swap": lambda: fam.serve("swap"), "serve_tp2": lambda: fam.serve("tp2"),
+             "eval": fam.eval}[check]()
             row[check] = "ok"
         except Exception as e:  # one cell per failure: the matrix goes on
             row[check] = one_line(e).replace(f"{root.parent}/", "")  # no temporary paths in the table

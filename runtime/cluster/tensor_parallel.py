@@ -50,11 +50,17 @@ from deltazip.runtime.serve.variant_sources import VariantInfo
 
 # Decoder layers of separate q/k/v/o and gate/up/down projections whose attention reshapes to ``-1``
 # heads, and any q/k norm is per head (Qwen3, Gemma 2 and 3): a rank's heads need nothing of the others'.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3", "qwen3_vl_text",
-                         "gemma2", "gemma3_text", "granite", "smollm3", "mllama_text_model")
+# Each is served by two ranks as the merged model generates (``python bench/support.py``, serve_tp2).
+SUPPORTED_MODEL_TYPES = (
+    "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3",
+    "qwen3_vl_text", "gemma", "gemma2", "gemma3_text", "gemma4_text", "vaultgemma", "granite", "granite_swa",
+    "smollm3", "mllama_text_model", "stablelm", "cohere", "cohere2", "olmo", "exaone", "exaone4",
+    "hunyuan_v1_dense", "ernie4_5", "seed_oss", "apertus", "nemotron", "arcee", "helium", "internlm3")
 # The same attention, with mixture-of-experts layers whose fused experts gate by halves (``chunk(2)``
 # of ``gate_up_proj``), beside plain MLP layers and shared experts (sharded as the MLP is).
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe", "granitemoe",
+                   "granitemoeshared", "granitemoe_swa", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1",
+                   "cohere2_moe", "exaone_moe", "solar_open", "afmoe", "hy_v3")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
@@ -84,7 +90,11 @@ def check_config(config, world: int) -> None:
     for key, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
                       ("intermediate_size", "intermediate size"), ("moe_intermediate_size", "expert width"),
                       ("shared_expert_intermediate_size", "shared expert width")):
-        value = getattr(config, key, None)
+        try:
+            value = getattr(config, key, None)
+        except Exception as e:  # transformers refuses one value for a setting that differs per layer
+            raise InputError(f"--tensor-parallel needs one {what} count for every layer, and this {mt} model's "
+                             f"varies per layer; serve this base with --tensor-parallel 1") from e
         if value is None and key == "num_key_value_heads":
             value = config.num_attention_heads  # no GQA: as many KV heads as query heads
         if value is not None and value % world:
@@ -124,6 +134,27 @@ def check_variants(variants: list[VariantInfo], world: int) -> None:
         if v.kind == "artifact":
             check_variant(v, {t: e.shape[-1] for t, e in v.entries.items()
                               if shard_kind(t.rsplit(".", 1)[0]) == "row"}, world)
+
+
+def check_attention(attn: nn.Module, name: str, head_dim: int) -> None:
+    """Refuse an attention module holding a tensor that splitting its heads would not split with them:
+    anything beyond its sharded projections and per-head norms of ``[head_dim]`` (a q/k norm over every
+    head, OLMo 2's; one weight per head, Cohere's q/k norms, attention sinks).
+
+    Raises:
+        InputError: naming the tensor.
+    """
+    for child, mod in attn.named_children():
+        if isinstance(mod, nn.Linear) and child in COLUMN_PARALLEL + ROW_PARALLEL:
+            continue
+        for pname, p in mod.named_parameters():
+            if tuple(p.shape) != (head_dim,):
+                raise InputError(f"--tensor-parallel cannot split {name}.{child}.{pname} {list(p.shape)} with the "
+                                 f"attention heads (only per-head norms of [{head_dim}] are); serve this base with "
+                                 "--tensor-parallel 1")
+    for pname, p in attn.named_parameters(recurse=False):
+        raise InputError(f"--tensor-parallel cannot split {name}.{pname} {list(p.shape)} with the attention heads; "
+                         "serve this base with --tensor-parallel 1")
 
 
 def _span(size: int, rank: int, world: int) -> slice:
@@ -275,6 +306,15 @@ def _shard_module(mod: nn.Linear, kind: str, rank: int, world: int) -> None:
     mod.out_features, mod.in_features = w.shape
 
 
+def _head_dim(attn: nn.Module, config) -> int:
+    """An attention module's head width: its own ``head_dim``, else the text config's."""
+    hd = getattr(attn, "head_dim", None)
+    if isinstance(hd, int):
+        return hd
+    config = text_config(config)
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _shard_head_counts(attn: nn.Module, world: int) -> None:
     """An attention module that views its projections with its own head counts (Mllama's
     ``num_heads``, ``num_key_value_heads``) holds ``1/world`` of them on each rank."""
@@ -324,6 +364,7 @@ class ShardedDeltaModel(DeltaModel):
                 self._hook(mod, "row")
                 self._experts.add(name)
             elif name.startswith(f"{self._layers}.") and isinstance(getattr(mod, "q_proj", None), nn.Linear):
+                check_attention(mod, name, _head_dim(mod, model.config))
                 _shard_head_counts(mod, world)
         # Checkpoint names of expert tensors map to rows of the full parameters (a meta skeleton).
         self._full_model = empty_model(base.path, dtype) if self._experts else None

@@ -22,13 +22,17 @@ from deltazip.runtime.cluster.tp_group import start_tensor_parallel
 from deltazip.runtime.serve.variant_sources import discover_variants
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "granite", "smollm3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "gemma4", "granite", "smollm3", "cohere", "apertus",
+                                  "nemotron", "exaone"])
 def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
     """Families whose attention splits by heads with nothing shared across them (Qwen3's per-head q/k
-    norms; Gemma 2's soft-capped logits and sliding windows; Gemma 3; Granite's multipliers; SmolLM3's
-    layers without rotary positions): two ranks serve a compressed fine-tune's greedy text and log
-    probabilities as the merged model generates them."""
+    norms; Gemma 2's soft-capped logits and sliding windows; Gemma 3; Gemma 4's per-layer inputs;
+    Granite's multipliers; SmolLM3's layers without rotary positions; Cohere's parallel attention and
+    MLP; Apertus' and Nemotron's ungated MLPs; EXAONE): two ranks serve a compressed fine-tune's
+    greedy text and log probabilities as the merged model generates them."""
     ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2, vocab_size=128)
+    if arch == "gemma4":  # its dense form (the factory's has experts and one global KV head, which 2 cannot split)
+        ids.update(enable_moe_block=False, attention_k_eq_v=False, num_global_key_value_heads=2)
     tok = build_char_tokenizer()
     prompts = ["zip model tune", "alpha beta gamma delta"]
     with single_thread():
@@ -49,3 +53,21 @@ def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
             tp.close()
     for g, w in zip(got, want):
         assert g.text == w[0] and max(abs(a[1] - b) for a, b in zip(g.logprobs, w[1])) < 1e-4, (g.text, w)
+
+
+def test_attention_tensors_that_do_not_split_with_the_heads_are_refused_in_one_line():
+    """A q/k norm over every head (OLMo 2) or one weight per head (Cohere's ``use_qk_norm``) would be
+    wrong on a rank holding half the heads: refused, naming the tensor; per-head norms pass."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    from deltazip.formats.errors import InputError
+    from deltazip.runtime.cluster.tensor_parallel import check_attention
+
+    olmo2 = Olmo2ForCausalLM(Olmo2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                         num_hidden_layers=1, vocab_size=128))
+    cohere = tiny_model("cohere", use_qk_norm=True)
+    for model, bad in ((olmo2, "q_norm.weight [64]"), (cohere, "q_norm.weight [4, 16]")):
+        with pytest.raises(InputError, match=r"cannot split model\.layers\.0\.self_attn\." + bad.replace("[", r"\[")) as e:
+            check_attention(model.model.layers[0].self_attn, "model.layers.0.self_attn", 16)
+        assert "\n" not in str(e.value) and "--tensor-parallel 1" in str(e.value)
+    check_attention(tiny_model("qwen3").model.layers[0].self_attn, "model.layers.0.self_attn", 16)  # [16] norms
