@@ -39,6 +39,7 @@ from deltazip.models.loader import text_config
 from deltazip.models.model_walk import decoder_layers, dense_routed, empty_model, experts_transposed
 from deltazip.models.param_names import module_names
 from deltazip.runtime.serve.delta_experts import (
+    BIAS_OF,
     MoeLayout,
     expert_params,
     is_fused_experts,
@@ -58,9 +59,11 @@ SUPPORTED_MODEL_TYPES = (
     "hunyuan_v1_dense", "ernie4_5", "seed_oss", "apertus", "nemotron", "arcee", "helium", "internlm3")
 # The same attention, with mixture-of-experts layers whose fused experts gate by halves (``chunk(2)``
 # of ``gate_up_proj``), beside plain MLP layers and shared experts (sharded as the MLP is).
+# Experts whose gate and up columns alternate in ``gate_up_proj`` (GPT-OSS's ``gate_up[..., ::2]``).
+INTERLEAVED_GATE_UP = ("gpt_oss",)
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe", "granitemoe",
                    "granitemoeshared", "granitemoe_swa", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1",
-                   "cohere2_moe", "exaone_moe", "solar_open", "afmoe", "hy_v3")
+                   "cohere2_moe", "exaone_moe", "solar_open", "afmoe", "hy_v3", "gpt_oss", "llama4_text")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
@@ -85,11 +88,13 @@ def check_config(config, world: int) -> None:
     config = text_config(config)  # an image-text model's language model is what is sharded
     mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES:
-        raise InputError(f"--tensor-parallel supports {', '.join(SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES)}, not "
-                         f"model_type {mt!r}; serve this base with --tensor-parallel 1")
+        raise InputError(f"--tensor-parallel does not shard model_type {mt!r} (its layers are not split by heads and "
+                         "intermediate width alike; docs/support.md's serve_tp2 column lists the families it shards); "
+                         "serve this base with --tensor-parallel 1")
     for key, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
                       ("intermediate_size", "intermediate size"), ("moe_intermediate_size", "expert width"),
-                      ("shared_expert_intermediate_size", "shared expert width")):
+                      ("shared_expert_intermediate_size", "shared expert width"),
+                      ("intermediate_size_mlp", "MLP width")):
         try:
             value = getattr(config, key, None)
         except Exception as e:  # transformers refuses one value for a setting that differs per layer
@@ -144,7 +149,7 @@ def check_attention(attn: nn.Module, name: str, head_dim: int) -> None:
     Raises:
         InputError: naming the tensor.
     """
-    for child, mod in attn.named_children():
+    for child, mod in attn.named_children():  # (attention sinks, one per head, are split: shard_sinks)
         if isinstance(mod, nn.Linear) and child in COLUMN_PARALLEL + ROW_PARALLEL:
             continue
         for pname, p in mod.named_parameters():
@@ -153,6 +158,8 @@ def check_attention(attn: nn.Module, name: str, head_dim: int) -> None:
                                  f"attention heads (only per-head norms of [{head_dim}] are); serve this base with "
                                  "--tensor-parallel 1")
     for pname, p in attn.named_parameters(recurse=False):
+        if pname == "sinks" and p.dim() == 1:
+            continue
         raise InputError(f"--tensor-parallel cannot split {name}.{pname} {list(p.shape)} with the attention heads; "
                          "serve this base with --tensor-parallel 1")
 
@@ -229,10 +236,20 @@ def shard_slot_args(kw: dict[str, Any], kind: str, rank: int, world: int) -> dic
     return out
 
 
-def _expert_blocks(param: str) -> int:
-    """How many equal blocks of rows each expert's ``param`` stacks, each sharded alike: 2 for a gated
-    ``gate_up_proj`` (gate, then up), 1 for an ungated ``up_proj``, 0 for ``down_proj`` (sharded by columns)."""
-    return {"gate_up_proj": 2, "up_proj": 1, "down_proj": 0}[param]
+def expert_blocks(param: str, interleaved: bool) -> int:
+    """How many equal blocks of rows each expert's ``param`` stacks in its ``[out, in]`` view, each
+    sharded alike: 2 for ``gate_up_proj`` (gate, then up), 1 for an ungated ``up_proj`` or a gate_up
+    whose gate and up columns alternate (``interleaved``, GPT-OSS: a span of pairs is a span of rows),
+    0 for ``down_proj`` (sharded by columns)."""
+    return 0 if param == "down_proj" else 1 if param == "up_proj" or interleaved else 2
+
+
+def _kept_rows(out: int, blocks: int, rank: int, world: int) -> torch.Tensor:
+    """The rank's rows of one expert's ``out`` rows (its ``1/n`` of each block), in order: int64."""
+    per_block = out // blocks
+    per = per_block // world
+    return torch.cat([torch.arange(b * per_block + rank * per, b * per_block + (rank + 1) * per)
+                      for b in range(blocks)])
 
 
 def expert_row_runs(r0: int, r1: int, out: int, blocks: int, rank: int, world: int) -> list[tuple[int, int, int]]:
@@ -252,16 +269,16 @@ def expert_row_runs(r0: int, r1: int, out: int, blocks: int, rank: int, world: i
     return runs
 
 
-def shard_expert_piece(param: str, r0: int, r1: int, value, out: int, rank: int,
+def shard_expert_piece(param: str, r0: int, r1: int, value, out: int, blocks: int, rank: int,
                        world: int) -> list[tuple[int, int, Any]]:
     """Rank ``rank``'s parts of a variant's piece of an experts parameter: full rows ``[r0, r1)`` of
-    ``[E * out, in]``, ``value`` their dense delta ``[r1 - r0, in]`` or a :class:`PackedDelta`.
+    ``[E * out, in]``, ``value`` their dense delta ``[r1 - r0, in]`` or a :class:`PackedDelta`
+    (``blocks``: :func:`expert_blocks`).
 
     Returns:
         ``(row0, row1, part)`` in the rank's ``[E * out/n, in]`` (``down_proj``: the same rows, the
         rank's columns of ``value``).
     """
-    blocks = _expert_blocks(param)
     if not blocks:
         part = shard_packed(value, "row", rank, world) if isinstance(value, PackedDelta) \
             else shard_dense(value, "row", rank, world)
@@ -275,26 +292,44 @@ def shard_expert_piece(param: str, r0: int, r1: int, value, out: int, rank: int,
     return parts
 
 
-def shard_experts(mod: nn.Module, rank: int, world: int) -> None:
-    """Shard a fused-experts module in place: each expert keeps its ``1/n`` of the intermediate width
-    (rows of each block of the first projection, columns of ``down_proj``).
+def shard_expert_bias(param: str, bias: torch.Tensor, blocks: int, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s part of an experts bias ``[E, out]``: the columns of its rows for the first
+    projection; ``down_proj``'s whole on rank 0 and zeros elsewhere (added once, after the all-reduce's sum)."""
+    bias = bias.as_subclass(torch.Tensor)
+    if not blocks:
+        return bias.clone() if rank == 0 else torch.zeros_like(bias)
+    return bias[:, _kept_rows(bias.shape[1], blocks, rank, world)].contiguous()
 
-    Raises:
-        InputError: experts laid out ``[E, in, out]``, with biases, or run over every token, which
-            are not sharded.
+
+def shard_experts(mod: nn.Module, rank: int, world: int, interleaved: bool) -> None:
+    """Shard a fused-experts module in place: each expert keeps its ``1/n`` of the intermediate width
+    (rows of each block of the first projection, columns of ``down_proj``, in the ``[E, out, in]``
+    view of either storage), and its biases with them (:func:`shard_expert_bias`).
     """
-    if experts_transposed(mod) or dense_routed(mod) or getattr(mod, "has_bias", False):
-        raise InputError(f"--tensor-parallel does not shard {type(mod).__name__} (experts stored [E, in, out], with "
-                         "biases or run over every token); serve this base with --tensor-parallel 1")
-    first, _ = expert_params(mod)
-    w = getattr(mod, first).detach().as_subclass(torch.Tensor)
-    blocks = _expert_blocks(first)
-    kept = torch.cat([blk[:, _span(blk.shape[1], rank, world)] for blk in w.chunk(blocks, dim=1)], dim=1)
-    setattr(mod, first, nn.Parameter(kept.clone(), requires_grad=False))
-    down = mod.down_proj.detach().as_subclass(torch.Tensor)
-    mod.down_proj = nn.Parameter(down[:, :, _span(down.shape[2], rank, world)].clone(), requires_grad=False)
-    if isinstance(getattr(mod, "intermediate_dim", None), int):
-        mod.intermediate_dim //= world
+    transposed = experts_transposed(mod)
+    for param in expert_params(mod):
+        w = getattr(mod, param).detach().as_subclass(torch.Tensor)
+        view = w.transpose(1, 2) if transposed else w  # [E, out, in]
+        blocks = expert_blocks(param, interleaved)
+        if blocks:
+            view = view[:, _kept_rows(view.shape[1], blocks, rank, world)]
+        else:
+            view = view[:, :, _span(view.shape[2], rank, world)]
+        kept = view.transpose(1, 2) if transposed else view
+        setattr(mod, param, nn.Parameter(kept.contiguous(), requires_grad=False))
+        if getattr(mod, "has_bias", False):
+            b = getattr(mod, f"{param}_bias").detach()
+            setattr(mod, f"{param}_bias", nn.Parameter(shard_expert_bias(param, b, blocks, rank, world),
+                                                       requires_grad=False))
+    for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
+        if isinstance(getattr(mod, attr, None), int):
+            setattr(mod, attr, getattr(mod, attr) // world)
+
+
+def shard_sinks(attn: nn.Module, rank: int, world: int) -> None:
+    """An attention module's sinks ``[H]`` (one logit per query head): the rank's heads'."""
+    sinks = attn.sinks.detach().as_subclass(torch.Tensor)
+    attn.sinks = nn.Parameter(sinks[_span(sinks.shape[0], rank, world)].clone(), requires_grad=False)
 
 
 def _shard_module(mod: nn.Linear, kind: str, rank: int, world: int) -> None:
@@ -352,20 +387,31 @@ class ShardedDeltaModel(DeltaModel):
         self._full_linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules()
                               if isinstance(m, nn.Linear)}
         self._layers = decoder_layers(model)[0]
-        self._experts: set[str] = set()  # fused-experts modules (sharded by expert width, all-reduced)
+        self._experts: dict[str, bool] = {}  # fused-experts modules (sharded by expert width, all-reduced)
+        # -> whether stored [E, in, out]
+        self._sinks: set[str] = set()  # attention modules whose sinks are sharded by heads
+        self._interleaved = text_config(model.config).model_type in INTERLEAVED_GATE_UP
+        # MoE blocks of experts run over every token (Llama 4): their [E * T, H] output is summed over
+        # experts and added to the shared expert's inside the block, so the block's output is what is
+        # all-reduced (once, and E times smaller), not the experts' nor the shared expert's down_proj.
+        self._reduced_blocks = {n.rpartition(".")[0] for n, m in model.named_modules()
+                                if n.startswith(f"{self._layers}.") and is_fused_experts(m) and dense_routed(m)}
         rank, world = self.group.rank, self.group.world
         for name, mod in model.named_modules():
             kind = self._kind(name)
             if kind is not None and isinstance(mod, nn.Linear):
                 _shard_module(mod, kind, rank, world)
-                self._hook(mod, kind)
             elif name.startswith(f"{self._layers}.") and is_fused_experts(mod):
-                shard_experts(mod, rank, world)
-                self._hook(mod, "row")
-                self._experts.add(name)
+                shard_experts(mod, rank, world, self._interleaved)
+                self._experts[name] = experts_transposed(mod)
             elif name.startswith(f"{self._layers}.") and isinstance(getattr(mod, "q_proj", None), nn.Linear):
                 check_attention(mod, name, _head_dim(mod, model.config))
                 _shard_head_counts(mod, world)
+                if isinstance(getattr(mod, "sinks", None), nn.Parameter):
+                    shard_sinks(mod, rank, world)
+                    self._sinks.add(name)
+        for name, mod in model.named_modules():
+            self._hook(mod, name)
         # Checkpoint names of expert tensors map to rows of the full parameters (a meta skeleton).
         self._full_model = empty_model(base.path, dtype) if self._experts else None
         return model.to(device)
@@ -376,12 +422,30 @@ class ShardedDeltaModel(DeltaModel):
     def _kind(self, module_name: str) -> str | None:
         return shard_kind(module_name, self._layers)
 
-    def _hook(self, mod: nn.Module, kind: str) -> None:
+    def _reduced(self, name: str) -> str | None:
+        """How module ``name``'s output is all-reduced: ``"output"`` (a row-parallel linear, or fused
+        experts), ``"first"`` (a MoE block returning ``(output, router logits)``), None (not here)."""
+        if name in self._reduced_blocks:
+            return "first"
+        if any(name.startswith(f"{b}.") for b in self._reduced_blocks):
+            return None  # summed into its block's output, which is all-reduced
+        return "output" if self._kind(name) == "row" or name in self._experts else None
+
+    def _hook(self, mod: nn.Module, name: str) -> None:
         # Held on the module itself: an id() could be reused by a new module once the linear that
         # a DeltaLinear replaced is collected, and a row-parallel layer without its all-reduce would
         # leave the ranks out of step.
-        if kind == "row" and getattr(mod, "_tp_all_reduce", None) is None:
+        how = self._reduced(name)
+        if how is None or getattr(mod, "_tp_all_reduce", None) is not None:
+            return
+        if how == "output":
             mod._tp_all_reduce = mod.register_forward_hook(lambda _m, _i, out: self.group.all_reduce(out))
+        else:
+            mod._tp_all_reduce = mod.register_forward_hook(self._reduce_first)
+
+    def _reduce_first(self, _mod: nn.Module, _inputs, out: tuple) -> None:
+        """All-reduce a block's ``(output, router logits)`` output in place (the tuple is unchanged)."""
+        self.group.all_reduce(out[0])
 
     def prepare_variant(self, v: VariantInfo, wanted: dict[str, str] | None = None):
         wanted = {} if wanted is None else wanted
@@ -406,17 +470,19 @@ class ShardedDeltaModel(DeltaModel):
                 if self._kind(mname) == "row" and attr == "weight":
                     out[tname] = self._full_linears[mname][1]
                 elif mname in self._experts and parse_piece_key(attr)[0] == "down_proj":
-                    out[tname] = self._full_params[f"{mname}.down_proj"].shape[-1]
+                    shape = self._full_params[f"{mname}.down_proj"].shape  # [E, out, in], or [E, in, out]
+                    out[tname] = shape[1] if self._experts[mname] else shape[2]
         return out
 
     def _replace(self, mname: str, kind: str) -> nn.Module:
-        if mname in self._experts:  # DeltaExperts runs the base module for steps without expert deltas:
-            old = self.model.get_submodule(mname)  # its all-reduce moves to the outer module, to run once
+        old = self.model.get_submodule(mname)
+        if getattr(old, "_tp_all_reduce", None) is not None:
+            # DeltaExperts runs the base module for steps without expert deltas: the all-reduce moves
+            # to the outer module, to run once
             old._tp_all_reduce.remove()
             old._tp_all_reduce = None
         new = super()._replace(mname, kind)  # built over the (already sharded) base module
-        if self._kind(mname) is not None or mname in self._experts:
-            self._hook(new, "row" if mname in self._experts else self._kind(mname))
+        self._hook(new, mname)
         return new
 
     def _put_packed(self, host: HostDelta, targets: list[tuple[str, str]], delta: PackedDelta, additive: bool) -> None:
@@ -426,30 +492,43 @@ class ShardedDeltaModel(DeltaModel):
 
     def _put_dense(self, host: HostDelta, targets: list[tuple[str, str]], tensor: torch.Tensor) -> None:
         for mname, attr in targets:
-            value = tensor
-            if mname in self._experts:  # the piece's rows, as DeltaExperts.host_dense reads them
-                _, r0, r1 = parse_piece_key(attr)
-                value = tensor.reshape(r1 - r0, -1)
-            for key, part in self._expert_parts(mname, attr, value):
-                super()._put_dense(host, [(mname, key)], part)
+            if mname not in self._experts:
+                super()._put_dense(host, [(mname, attr)], tensor)
+                continue
+            mod, kw = self.modules[mname], host.modules.setdefault(mname, {})
+            if parse_piece_key(attr)[0] in BIAS_OF:  # the variant's whole [E, out] bias
+                ((key, part),) = self._expert_parts(mname, attr, tensor)
+                kw[key] = mod.host_dense(key, part)
+                continue
+            for key, part in self._expert_parts(mname, attr, mod.piece_rows(attr, tensor)):
+                kw[key] = mod.rows_delta(key, part)
 
     def _expert_parts(self, mname: str, attr: str, value) -> list[tuple[str, Any]]:
         """``(attr, value)`` for a target that is not an experts module; for one, this rank's parts of
-        the piece ``attr`` (full rows), keyed by their rows in the rank's sharded parameter."""
+        the piece ``attr`` (full rows of the ``[E * out, in]`` view, or a whole ``[E, out]`` bias), keyed
+        by their rows in the rank's sharded parameter."""
         if mname not in self._experts:
             return [(attr, value)]
+        rank, world = self.group.rank, self.group.world
         param, r0, r1 = parse_piece_key(attr)
-        out = self._full_params[f"{mname}.{param}"].shape[1]
+        if param in BIAS_OF:
+            return [(attr, shard_expert_bias(BIAS_OF[param], value, expert_blocks(BIAS_OF[param], self._interleaved),
+                                             rank, world))]
+        full = self._full_params[f"{mname}.{param}"]
+        out = full.shape[2] if self._experts[mname] else full.shape[1]
         return [(piece_key(param, a, b), part) for a, b, part in
-                shard_expert_piece(param, r0, r1, value, out, self.group.rank, self.group.world)]
+                shard_expert_piece(param, r0, r1, value, out, expert_blocks(param, self._interleaved), rank, world)]
 
     def load_host(self, name: str) -> HostDelta:
         """The variant decoded from disk, then cut to this rank's shard (the full copy is dropped)."""
         full = super().load_host(name)
         host = HostDelta(name)
+        rank, world = self.group.rank, self.group.world
         for mname, kw in full.modules.items():
             kind = self._kind(mname)
-            host.modules[mname] = kw if kind is None else shard_slot_args(kw, kind, self.group.rank, self.group.world)
+            host.modules[mname] = kw if kind is None else shard_slot_args(kw, kind, rank, world)
+            if mname in self._sinks and "sinks" in kw:  # the variant's sinks [H]: this rank's heads'
+                host.modules[mname] = {**kw, "sinks": kw["sinks"][_span(kw["sinks"].shape[0], rank, world)].clone()}
         return host
 
     def resident_estimate(self, name: str) -> int:

@@ -328,14 +328,22 @@ class DeltaExperts(nn.Module):
         param, r0, r1 = parse_piece_key(key)
         if param in BIAS_OF:
             return tensor.to(getattr(self, param).dtype)
+        return self.rows_delta(key, self.piece_rows(key, tensor))
+
+    def piece_rows(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A piece's checkpoint tensor as its rows ``[row1 - row0, in]`` of the ``[E * out, in]`` view."""
+        _, r0, r1 = parse_piece_key(key)
         rows = tensor.transpose(-1, -2) if self.transposed else tensor  # transposed pieces are whole tensors
-        return self._rows_delta(param, r0, r1, rows.reshape(r1 - r0, -1))
+        return rows.reshape(r1 - r0, -1)
 
     def host_weight(self, key: str, delta: PackedDelta) -> torch.Tensor:
         """A packed non-additive piece (a full compressed weight, ``[rows, in]``): its delta to the base, dense."""
-        return self._rows_delta(*parse_piece_key(key), delta_weight(delta))
+        return self.rows_delta(key, delta_weight(delta))
 
-    def _rows_delta(self, param: str, r0: int, r1: int, rows: torch.Tensor) -> torch.Tensor:
+    def rows_delta(self, key: str, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``[row1 - row0, in]`` of a variant's expert parameter (piece ``key``) minus the base's,
+        computed in fp32, in the model dtype."""
+        param, r0, r1 = parse_piece_key(key)
         base = self.weight_of(param)
         ref = base.detach().reshape(-1, base.shape[-1])[r0:r1].to(device=rows.device, dtype=torch.float32)
         return (rows.float() - ref).to(base.dtype)

@@ -41,6 +41,19 @@ def _save_fused(model, out):
     return out
 
 
+def _moved(model):
+    """A fake full fine-tune: every weight moved. Biases that start at 0 and sinks near 0 (GPT-OSS) move
+    by a fixed amount, which noise relative to their spread would not give them."""
+    fixed = ("bias", "sinks")
+    model = perturb(model, scale=0.3 if model.config.model_type != "gpt_oss" else 0.1, seed=5, skip=("norm", *fixed))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(fixed) and "norm" not in name:
+                p.add_(torch.randn(p.shape, generator=g) * (1.5 if name.endswith("sinks") else 0.05))
+    return model
+
+
 def _pair(tmp_path, arch: str, scheme: DeltaScheme, fused: bool = False, **config):
     """A tiny MoE base, a fine-tune in which every weight moved, one compressed artifact ``ft``
     (``fused``: both saved with their fused expert tensors instead of one tensor per expert)."""
@@ -48,7 +61,7 @@ def _pair(tmp_path, arch: str, scheme: DeltaScheme, fused: bool = False, **confi
     save = _save_fused if fused else (lambda m, out: save_model(m, out, tokenizer=False))
     base = tiny_model(arch, **IDS, **config)
     base_dir = save(base, tmp_path / "base")
-    ft_dir = save(perturb(tiny_model(arch, **IDS, **config), scale=0.3, seed=5, skip=("norm",)), tmp_path / "ft")
+    ft_dir = save(_moved(tiny_model(arch, **IDS, **config)), tmp_path / "ft")
     for d in (base_dir, ft_dir):
         tok.save_pretrained(d)
     cfg = CompressConfig(scheme=scheme, method="deltazip", nsamples=8, seqlen=32, device="cpu")
@@ -72,16 +85,28 @@ def _served_as_merged(tmp_path, ck, base_model, tok, prompts, delta_compute: str
     assert want[0][0] != base[0][0]  # the fine-tune answers otherwise than the base: its experts are applied
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "ernie4_5_moe", "afmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "ernie4_5_moe", "afmoe", "llama4"])
 def test_moe_models_shard_by_expert_width_and_answer_as_the_merged_model(tmp_path, arch):
     """Mixtral (per-expert ``w1``/``w3``/``w2`` in the checkpoint), Qwen2-MoE (shared experts and
     their gate), Qwen3-MoE (per-head q/k norms), Phi-3.5-MoE (an ``nn.Linear`` router with its own
     top-k), Ernie 4.5 (dense layers first, a router holding statistics), AFMoE (gated attention, a
-    router bias the block passes): two ranks give the merged model's greedy text and log
-    probabilities, 4-bit groups of 16."""
+    router bias the block passes), Llama 4 (experts stored ``[E, in, out]`` and run over every token,
+    summed with a shared expert inside the block, whose output is the one all-reduced): two ranks
+    give the merged model's greedy text and log probabilities, 4-bit groups of 16."""
     with single_thread():
         ck, base, tok = _pair(tmp_path, arch, DeltaScheme(bits=4, group_size=16, sparsity="none"))
         _served_as_merged(tmp_path, ck, base, tok, ["zip model tune", "alpha beta gamma delta"])
+
+
+def test_gpt_oss_experts_stored_transposed_with_biases_and_its_sinks_shard_too(tmp_path):
+    """GPT-OSS: experts stored ``[E, in, out]`` whose gate and up columns alternate, per-expert biases
+    (the first projection's cut with its columns, ``down_proj``'s added on rank 0 alone), attention
+    sinks cut with the heads; a fine-tune that moved all of them is served as the merged model,
+    in packed and in dequantized slots."""
+    with single_thread():
+        ck, base, tok = _pair(tmp_path, "gpt_oss", DeltaScheme(bits=4, group_size=16, sparsity="none"))
+        for compute in ("packed", "dequantized"):
+            _served_as_merged(tmp_path, ck, base, tok, ["zip model tune", "alpha beta"], delta_compute=compute)
 
 
 def test_fused_expert_tensors_and_2_4_deltas_shard_too(tmp_path):
@@ -135,7 +160,7 @@ def test_sharded_expert_pieces_reassemble_each_ranks_product():
     gate_up = pack_delta(codes, torch.rand(e_all * 2 * inter, 2) + 0.1, None, None, 4, 16)
     dense = delta_weight(gate_up)
     for rank in range(world):
-        parts = shard_expert_piece("gate_up_proj", 0, e_all * 2 * inter, gate_up, 2 * inter, rank, world)
+        parts = shard_expert_piece("gate_up_proj", 0, e_all * 2 * inter, gate_up, 2 * inter, 2, rank, world)
         got = torch.zeros(e_all * 2 * inter // world, hidden)
         for a, b, p in parts:
             assert isinstance(p, PackedDelta)
@@ -145,6 +170,6 @@ def test_sharded_expert_pieces_reassemble_each_ranks_product():
         assert torch.equal(got, dense[rows])
     down = pack_delta(torch.randint(0, 16, (hidden, 2 * inter)), torch.rand(hidden, 2) + 0.1, None, None, 4, 8)
     for rank in range(world):
-        ((a, b, p),) = shard_expert_piece("down_proj", 32, 64, down, hidden, rank, world)
+        ((a, b, p),) = shard_expert_piece("down_proj", 32, 64, down, hidden, 0, rank, world)
         assert (a, b) == (32, 64)
         assert torch.equal(delta_weight(p), delta_weight(down)[:, rank * inter:(rank + 1) * inter])
