@@ -41,6 +41,9 @@ ARCH_CONFIGS = {
                     num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, sliding_window=None),
     "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                      num_hidden_layers=2, max_position_embeddings=128, rotary_pct=0.5),
+    # fused projections: qkv_proj [q; k; v] and gate_up_proj [gate; up]
+    "phi3": dict(model_type="phi3", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=2, max_position_embeddings=128),
     "phi": dict(model_type="phi", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                 num_hidden_layers=2, max_position_embeddings=128, partial_rotary_factor=0.5),
     "gemma": dict(model_type="gemma", hidden_size=64, intermediate_size=128, num_attention_heads=4,

@@ -26,6 +26,7 @@ The artifact layout does not change: everything here runs when a model or a vari
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -56,15 +57,24 @@ SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3",
     "qwen3_vl_text", "gemma", "gemma2", "gemma3_text", "gemma4_text", "vaultgemma", "granite", "granite_swa",
     "smollm3", "mllama_text_model", "stablelm", "cohere", "cohere2", "olmo", "exaone", "exaone4",
-    "hunyuan_v1_dense", "ernie4_5", "seed_oss", "apertus", "nemotron", "arcee", "helium", "internlm3")
+    "hunyuan_v1_dense", "ernie4_5", "seed_oss", "apertus", "nemotron", "arcee", "helium", "internlm3", "minicpm3",
+    "phi3", "glm", "glm4")
 # The same attention, with mixture-of-experts layers whose fused experts gate by halves (``chunk(2)``
 # of ``gate_up_proj``), beside plain MLP layers and shared experts (sharded as the MLP is).
 # Experts whose gate and up columns alternate in ``gate_up_proj`` (GPT-OSS's ``gate_up[..., ::2]``).
 INTERLEAVED_GATE_UP = ("gpt_oss",)
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe", "granitemoe",
                    "granitemoeshared", "granitemoe_swa", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1",
-                   "cohere2_moe", "exaone_moe", "solar_open", "afmoe", "hy_v3", "gpt_oss", "llama4_text")
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+                   "cohere2_moe", "exaone_moe", "solar_open", "afmoe", "hy_v3", "gpt_oss", "llama4_text",
+                   "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+# Multi-head latent attention (DeepSeek-V2/V3 and kin): the query's and the cached latent's per-head
+# expansions are column-parallel; the projections and norms that make the latents, which every head
+# reads, stay whole.
+# Fused projections (Phi-3's ``qkv_proj``, GLM-4's and Phi-3's ``gate_up_proj``) are column-parallel
+# block by block: a rank keeps its share of each of the stacked projections (``fused_blocks``).
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "qkv_proj",
+                   "gate_up_proj")
+LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
@@ -150,7 +160,7 @@ def check_attention(attn: nn.Module, name: str, head_dim: int) -> None:
         InputError: naming the tensor.
     """
     for child, mod in attn.named_children():  # (attention sinks, one per head, are split: shard_sinks)
-        if isinstance(mod, nn.Linear) and child in COLUMN_PARALLEL + ROW_PARALLEL:
+        if child in LATENT or (isinstance(mod, nn.Linear) and child in COLUMN_PARALLEL + ROW_PARALLEL):
             continue
         for pname, p in mod.named_parameters():
             if tuple(p.shape) != (head_dim,):
@@ -174,16 +184,16 @@ def _slice_codes(packed: torch.Tensor, bits: int, n: int, cols: slice) -> torch.
     return pack_int32(unpack_int32(packed, bits, n)[:, cols], bits)
 
 
-def shard_packed(d: PackedDelta, kind: str, rank: int, world: int) -> PackedDelta:
+def shard_packed(d: PackedDelta, kind: str, rank: int, world: int, rows: torch.Tensor | None = None) -> PackedDelta:
     """Rank ``rank``'s shard of a packed delta ``[out, in]``.
 
-    Column: ``[out/n, in]``, every part sliced by rows. Row: ``[out, in/n]``; kept values ``in/2n``
-    per row under 2:4, groups ``G/n`` (the caller checked that groups do not straddle ranks).
+    Column: ``[out/n, in]``, every part sliced by rows (``rows``, int64: those rows, for a fused
+    projection; else the rank's span). Row: ``[out, in/n]``; kept values ``in/2n`` per row under
+    2:4, groups ``G/n`` (the caller checked that groups do not straddle ranks).
     """
     if kind == "column":
-        rows = _span(d.out_features, rank, world)
-
-        return d.map_parts(lambda t: t[rows].contiguous(), out_features=rows.stop - rows.start)
+        idx = _span(d.out_features, rank, world) if rows is None else rows
+        return d.map_parts(lambda t: t[idx].contiguous(), out_features=d.out_features // world)
     width = d.in_features // world
     g = d.effective_group
     if world > 1 and (d.group_size == -1 or width % g or (d.sparse and width % 4)):
@@ -199,38 +209,42 @@ def shard_packed(d: PackedDelta, kind: str, rank: int, world: int) -> PackedDelt
     return out
 
 
-def shard_dense(t: torch.Tensor, kind: str, rank: int, world: int) -> torch.Tensor:
-    """Rank ``rank``'s shard of a weight ``[out, in]`` (column: rows; row: columns), a fresh tensor."""
+def shard_dense(t: torch.Tensor, kind: str, rank: int, world: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Rank ``rank``'s shard of a weight ``[out, in]`` (column: rows, ``rows`` as in :func:`shard_packed`;
+    row: columns), a fresh tensor."""
     t = t.as_subclass(torch.Tensor)  # a read-only registry tensor: the shard is new memory we own
     if kind == "column":
-        return t[_span(t.shape[0], rank, world)].clone()
+        return t[_span(t.shape[0], rank, world) if rows is None else rows].clone()
     return t[:, _span(t.shape[1], rank, world)].clone()
 
 
-def shard_bias(b: torch.Tensor, kind: str, rank: int, world: int) -> torch.Tensor:
-    """Column: the rank's slice of ``[out]``; row: the whole bias on rank 0, zeros elsewhere (added once)."""
+def shard_bias(b: torch.Tensor, kind: str, rank: int, world: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Column: the rank's slice (or ``rows``) of ``[out]``; row: the whole bias on rank 0, zeros
+    elsewhere (added once)."""
     b = b.as_subclass(torch.Tensor)
     if kind == "column":
-        return b[_span(b.shape[0], rank, world)].clone()
+        return b[_span(b.shape[0], rank, world) if rows is None else rows].clone()
     return b.clone() if rank == 0 else torch.zeros_like(b)
 
 
-def shard_slot_args(kw: dict[str, Any], kind: str, rank: int, world: int) -> dict[str, Any]:
-    """The ``DeltaLinear.load_slot`` arguments of one variant, sharded for ``rank``.
+def shard_slot_args(kw: dict[str, Any], kind: str, rank: int, world: int,
+                    rows: torch.Tensor | None = None) -> dict[str, Any]:
+    """The ``DeltaLinear.load_slot`` arguments of one variant, sharded for ``rank`` (``rows``: a fused
+    projection's rows the rank keeps, :func:`fused_blocks`).
 
     LoRA: a column shard keeps its rows of ``B [out, r]`` (``A`` whole); a row shard its columns of
     ``A [r, in]`` (``B`` whole), so its partial product sums to the full one in the all-reduce.
     """
     out = dict(kw)
     if kw.get("packed") is not None:
-        out["packed"] = shard_packed(kw["packed"], kind, rank, world)
+        out["packed"] = shard_packed(kw["packed"], kind, rank, world, rows)
     if kw.get("dense") is not None:
-        out["dense"] = shard_dense(kw["dense"], kind, rank, world)
+        out["dense"] = shard_dense(kw["dense"], kind, rank, world, rows)
     if kw.get("bias") is not None:
-        out["bias"] = shard_bias(kw["bias"], kind, rank, world)
+        out["bias"] = shard_bias(kw["bias"], kind, rank, world, rows)
     if kw.get("lora_a") is not None:
         if kind == "column":
-            out["lora_b"] = shard_dense(kw["lora_b"], "column", rank, world)
+            out["lora_b"] = shard_dense(kw["lora_b"], "column", rank, world, rows)
         else:
             out["lora_a"] = shard_dense(kw["lora_a"], "row", rank, world)
     return out
@@ -244,12 +258,32 @@ def expert_blocks(param: str, interleaved: bool) -> int:
     return 0 if param == "down_proj" else 1 if param == "up_proj" or interleaved else 2
 
 
-def _kept_rows(out: int, blocks: int, rank: int, world: int) -> torch.Tensor:
-    """The rank's rows of one expert's ``out`` rows (its ``1/n`` of each block), in order: int64."""
-    per_block = out // blocks
-    per = per_block // world
-    return torch.cat([torch.arange(b * per_block + rank * per, b * per_block + (rank + 1) * per)
-                      for b in range(blocks)])
+def kept_rows(sizes: list[int], rank: int, world: int) -> torch.Tensor:
+    """The rank's rows of a stack of blocks of ``sizes`` rows (its ``1/n`` of each block), in order: int64."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return torch.cat([torch.arange(a + rank * (n // world), a + (rank + 1) * (n // world))
+                      for a, n in zip(starts, sizes)])
+
+
+def fused_blocks(leaf: str, out: int, config, head_dim: int) -> list[int] | None:
+    """The blocks a fused column-parallel linear stacks (``qkv_proj``: query, key and value heads;
+    ``gate_up_proj``: gate and up halves), None for any other linear.
+
+    Raises:
+        InputError: a ``qkv_proj`` whose width is not the heads' (a layout this does not know).
+    """
+    if leaf == "gate_up_proj":
+        return [out // 2, out // 2]
+    if leaf != "qkv_proj":
+        return None
+    config = text_config(config)
+    h = config.num_attention_heads
+    hkv = getattr(config, "num_key_value_heads", None) or h
+    sizes = [h * head_dim, hkv * head_dim, hkv * head_dim]
+    if sum(sizes) != out:
+        raise InputError(f"--tensor-parallel cannot split a qkv_proj of {out} rows into {h} query and {hkv} KV heads "
+                         f"of {head_dim}; serve this base with --tensor-parallel 1")
+    return sizes
 
 
 def expert_row_runs(r0: int, r1: int, out: int, blocks: int, rank: int, world: int) -> list[tuple[int, int, int]]:
@@ -298,7 +332,7 @@ def shard_expert_bias(param: str, bias: torch.Tensor, blocks: int, rank: int, wo
     bias = bias.as_subclass(torch.Tensor)
     if not blocks:
         return bias.clone() if rank == 0 else torch.zeros_like(bias)
-    return bias[:, _kept_rows(bias.shape[1], blocks, rank, world)].contiguous()
+    return bias[:, kept_rows([bias.shape[1] // blocks] * blocks, rank, world)].contiguous()
 
 
 def shard_experts(mod: nn.Module, rank: int, world: int, interleaved: bool) -> None:
@@ -312,7 +346,7 @@ def shard_experts(mod: nn.Module, rank: int, world: int, interleaved: bool) -> N
         view = w.transpose(1, 2) if transposed else w  # [E, out, in]
         blocks = expert_blocks(param, interleaved)
         if blocks:
-            view = view[:, _kept_rows(view.shape[1], blocks, rank, world)]
+            view = view[:, kept_rows([view.shape[1] // blocks] * blocks, rank, world)]
         else:
             view = view[:, :, _span(view.shape[2], rank, world)]
         kept = view.transpose(1, 2) if transposed else view
@@ -332,13 +366,18 @@ def shard_sinks(attn: nn.Module, rank: int, world: int) -> None:
     attn.sinks = nn.Parameter(sinks[_span(sinks.shape[0], rank, world)].clone(), requires_grad=False)
 
 
-def _shard_module(mod: nn.Linear, kind: str, rank: int, world: int) -> None:
+def _shard_module(mod: nn.Linear, kind: str, rank: int, world: int, rows: torch.Tensor | None = None) -> None:
     """Shard an ``nn.Linear`` in place (its full weight is dropped)."""
-    w = shard_dense(mod.weight.detach(), kind, rank, world)
+    w = shard_dense(mod.weight.detach(), kind, rank, world, rows)
     mod.weight = nn.Parameter(w, requires_grad=False)
     if mod.bias is not None:
-        mod.bias = nn.Parameter(shard_bias(mod.bias.detach(), kind, rank, world), requires_grad=False)
+        mod.bias = nn.Parameter(shard_bias(mod.bias.detach(), kind, rank, world, rows), requires_grad=False)
     mod.out_features, mod.in_features = w.shape
+
+
+def _is_attention(mod: nn.Module) -> bool:
+    """A module holding the query projection (``q_proj``, Phi-3's ``qkv_proj``, MLA's ``q_a_proj``/``q_b_proj``)."""
+    return any(isinstance(getattr(mod, n, None), nn.Linear) for n in ("q_proj", "qkv_proj", "q_b_proj"))
 
 
 def _head_dim(attn: nn.Module, config) -> int:
@@ -352,11 +391,18 @@ def _head_dim(attn: nn.Module, config) -> int:
 
 def _shard_head_counts(attn: nn.Module, world: int) -> None:
     """An attention module that views its projections with its own head counts (Mllama's
-    ``num_heads``, ``num_key_value_heads``) holds ``1/world`` of them on each rank."""
+    ``num_heads``, ``num_key_value_heads``) holds ``1/world`` of them on each rank; one that reads
+    them from its config in the forward (Phi-3 finds the end of its queries in ``qkv_proj``'s output
+    so) gets a copy of its config with the rank's counts."""
     for attr in ("num_heads", "num_key_value_heads"):
         n = getattr(attn, attr, None)
         if isinstance(n, int):
             setattr(attn, attr, n // world)
+    if isinstance(getattr(attn, "qkv_proj", None), nn.Linear) and getattr(attn, "config", None) is not None:
+        attn.config = copy.copy(attn.config)
+        attn.config.num_attention_heads //= world
+        if isinstance(getattr(attn.config, "num_key_value_heads", None), int):
+            attn.config.num_key_value_heads //= world
 
 
 class ShardedDeltaModel(DeltaModel):
@@ -396,16 +442,22 @@ class ShardedDeltaModel(DeltaModel):
         # all-reduced (once, and E times smaller), not the experts' nor the shared expert's down_proj.
         self._reduced_blocks = {n.rpartition(".")[0] for n, m in model.named_modules()
                                 if n.startswith(f"{self._layers}.") and is_fused_experts(m) and dense_routed(m)}
+        self._fused_rows: dict[str, torch.Tensor] = {}  # fused column-parallel linear -> the rank's rows
         rank, world = self.group.rank, self.group.world
+        heads = {n: _head_dim(m, model.config) for n, m in model.named_modules() if _is_attention(m)}
         for name, mod in model.named_modules():
             kind = self._kind(name)
             if kind is not None and isinstance(mod, nn.Linear):
-                _shard_module(mod, kind, rank, world)
+                parent, _, leaf = name.rpartition(".")
+                sizes = fused_blocks(leaf, mod.out_features, model.config, heads.get(parent, 0))
+                if sizes is not None:
+                    self._fused_rows[name] = kept_rows(sizes, rank, world)
+                _shard_module(mod, kind, rank, world, self._fused_rows.get(name))
             elif name.startswith(f"{self._layers}.") and is_fused_experts(mod):
                 shard_experts(mod, rank, world, self._interleaved)
                 self._experts[name] = experts_transposed(mod)
-            elif name.startswith(f"{self._layers}.") and isinstance(getattr(mod, "q_proj", None), nn.Linear):
-                check_attention(mod, name, _head_dim(mod, model.config))
+            elif name.startswith(f"{self._layers}.") and name in heads:
+                check_attention(mod, name, heads[name])
                 _shard_head_counts(mod, world)
                 if isinstance(getattr(mod, "sinks", None), nn.Parameter):
                     shard_sinks(mod, rank, world)
@@ -526,7 +578,8 @@ class ShardedDeltaModel(DeltaModel):
         rank, world = self.group.rank, self.group.world
         for mname, kw in full.modules.items():
             kind = self._kind(mname)
-            host.modules[mname] = kw if kind is None else shard_slot_args(kw, kind, rank, world)
+            host.modules[mname] = kw if kind is None else shard_slot_args(kw, kind, rank, world,
+                                                                          self._fused_rows.get(mname))
             if mname in self._sinks and "sinks" in kw:  # the variant's sinks [H]: this rank's heads'
                 host.modules[mname] = {**kw, "sinks": kw["sinks"][_span(kw["sinks"].shape[0], rank, world)].clone()}
         return host

@@ -23,13 +23,14 @@ from deltazip.runtime.serve.variant_sources import discover_variants
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "gemma4", "granite", "smollm3", "cohere", "apertus",
-                                  "nemotron", "exaone"])
+                                  "nemotron", "exaone", "phi3"])
 def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
     """Families whose attention splits by heads with nothing shared across them (Qwen3's per-head q/k
     norms; Gemma 2's soft-capped logits and sliding windows; Gemma 3; Gemma 4's per-layer inputs;
     Granite's multipliers; SmolLM3's layers without rotary positions; Cohere's parallel attention and
-    MLP; Apertus' and Nemotron's ungated MLPs; EXAONE): two ranks serve a compressed fine-tune's
-    greedy text and log probabilities as the merged model generates them."""
+    MLP; Apertus' and Nemotron's ungated MLPs; EXAONE; Phi-3's fused ``qkv_proj`` and
+    ``gate_up_proj``, cut block by block): two ranks serve a compressed fine-tune's greedy text and log
+    probabilities as the merged model generates them."""
     ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2, vocab_size=128)
     if arch == "gemma4":  # its dense form (the factory's has experts and one global KV head, which 2 cannot split)
         ids.update(enable_moe_block=False, attention_k_eq_v=False, num_global_key_value_heads=2)
@@ -71,3 +72,32 @@ def test_attention_tensors_that_do_not_split_with_the_heads_are_refused_in_one_l
             check_attention(model.model.layers[0].self_attn, "model.layers.0.self_attn", 16)
         assert "\n" not in str(e.value) and "--tensor-parallel 1" in str(e.value)
     check_attention(tiny_model("qwen3").model.layers[0].self_attn, "model.layers.0.self_attn", 16)  # [16] norms
+
+
+def test_fused_projection_shards_keep_each_ranks_share_of_every_block():
+    """A ``qkv_proj`` of 4 query and 2 KV heads of 16 on 2 ranks: rank r keeps query heads 2r, 2r+1 and
+    KV head r; its shard of a packed delta, a dense one, a bias and a LoRA ``B`` is exactly those rows,
+    and the rank outputs put back in place give the whole projection's."""
+    from deltazip.formats.packing import pack_delta
+    from deltazip.kernels.reference import delta_weight
+    from deltazip.runtime.cluster.tensor_parallel import fused_blocks, kept_rows, shard_slot_args
+
+    config = tiny_model("phi3").config
+    sizes = fused_blocks("qkv_proj", 128, config, 16)
+    assert sizes == [64, 32, 32] and fused_blocks("gate_up_proj", 256, config, 16) == [128, 128]
+    assert fused_blocks("o_proj", 64, config, 16) is None
+    torch.manual_seed(0)
+    packed = pack_delta(torch.randint(0, 16, (128, 64)), torch.rand(128, 4) + 0.1, None, None, 4, 16)
+    kw = dict(packed=packed, dense=torch.randn(128, 64), bias=torch.randn(128), lora_a=torch.randn(8, 64),
+              lora_b=torch.randn(128, 8))
+    x = torch.randn(3, 64)
+    full = x @ (delta_weight(packed) + kw["dense"] + kw["lora_b"] @ kw["lora_a"]).T + kw["bias"]
+    got = torch.empty_like(full)
+    for rank in range(2):
+        rows = kept_rows(sizes, rank, 2)
+        assert rows.tolist() == [*range(32 * rank, 32 * rank + 32), *range(64 + 16 * rank, 80 + 16 * rank),
+                                 *range(96 + 16 * rank, 112 + 16 * rank)]
+        part = shard_slot_args(kw, "column", rank, 2, rows)
+        got[:, rows] = x @ (delta_weight(part["packed"]) + part["dense"] + part["lora_b"] @ part["lora_a"]).T \
+            + part["bias"]
+    assert torch.allclose(got, full, atol=1e-5)
