@@ -14,35 +14,47 @@ Mixture-of-experts layers (``MOE_MODEL_TYPES``) shard every expert the same way:
 ``1/n`` of each expert's intermediate width (the matching rows of the gate and the up halves of
 ``gate_up_proj [E, 2I, H]``, the columns of ``down_proj [E, H, I]``), the router stays whole (every
 rank routes every token alike), and the experts module's output is all-reduced like a row-parallel
-linear's.
+linear's (a Llama 4 block's output instead: its experts run over every token and are summed inside
+it). Attention sinks, one per head, go with their heads. What each rank keeps of a tensor is
+computed in :mod:`deltazip.runtime.cluster.tp_shards`.
 
 A packed delta (``deltazip.kernels.packed``) shards the same way. Column shards slice every part by
 rows. Row shards slice codes, 2:4 positions and group scales/zeros along the input dimension, which
 only works when a shard holds whole quantization groups (and so whole 2:4 blocks): that is checked
-before serving (:func:`check_variant`). Embeddings, norms and ``lm_head`` stay replicated.
+before serving (:func:`check_variant`). Embeddings, norms and ``lm_head`` stay replicated; an
+attention tensor that would not split with the heads is refused (:func:`check_attention`).
 
 The artifact layout does not change: everything here runs when a model or a variant is loaded.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 from torch import nn
 
 from deltazip.formats.errors import InputError
-from deltazip.formats.packing import pack_int32
 from deltazip.kernels.packed import PackedDelta
-from deltazip.kernels.reference import unpack_int32
 from deltazip.models.loader import text_config
 from deltazip.models.model_walk import decoder_layers, dense_routed, empty_model, experts_transposed
 from deltazip.models.param_names import module_names
+from deltazip.runtime.cluster.tp_shards import (
+    expert_blocks,
+    fused_blocks,
+    kept_rows,
+    shard_expert_bias,
+    shard_expert_piece,
+    shard_experts,
+    shard_head_counts,
+    shard_linear,
+    shard_sinks,
+    shard_slot_args,
+    span,
+)
 from deltazip.runtime.serve.delta_experts import (
     BIAS_OF,
     MoeLayout,
-    expert_params,
     is_fused_experts,
     parse_piece_key,
     piece_key,
@@ -50,28 +62,28 @@ from deltazip.runtime.serve.delta_experts import (
 from deltazip.runtime.serve.model import DeltaModel, HostDelta, load_base_model
 from deltazip.runtime.serve.variant_sources import VariantInfo
 
-# Decoder layers of separate q/k/v/o and gate/up/down projections whose attention reshapes to ``-1``
-# heads, and any q/k norm is per head (Qwen3, Gemma 2 and 3): a rank's heads need nothing of the others'.
-# Each is served by two ranks as the merged model generates (``python bench/support.py``, serve_tp2).
+# Decoder layers whose projections split as below and whose attention reshapes to ``-1`` heads with
+# any q/k norm per head (Qwen3, Gemma): a rank's heads need nothing of the others'. Each is served by
+# two ranks as the merged model generates (``python bench/support.py``, its serve_tp2 column).
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3",
     "qwen3_vl_text", "gemma", "gemma2", "gemma3_text", "gemma4_text", "vaultgemma", "granite", "granite_swa",
     "smollm3", "mllama_text_model", "stablelm", "cohere", "cohere2", "olmo", "exaone", "exaone4",
     "hunyuan_v1_dense", "ernie4_5", "seed_oss", "apertus", "nemotron", "arcee", "helium", "internlm3", "minicpm3",
     "phi3", "glm", "glm4")
-# The same attention, with mixture-of-experts layers whose fused experts gate by halves (``chunk(2)``
-# of ``gate_up_proj``), beside plain MLP layers and shared experts (sharded as the MLP is).
-# Experts whose gate and up columns alternate in ``gate_up_proj`` (GPT-OSS's ``gate_up[..., ::2]``).
-INTERLEAVED_GATE_UP = ("gpt_oss",)
+# The same attention beside mixture-of-experts layers of fused experts (and plain MLP layers and
+# shared experts, sharded as any MLP).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe", "granitemoe",
                    "granitemoeshared", "granitemoe_swa", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1",
                    "cohere2_moe", "exaone_moe", "solar_open", "afmoe", "hy_v3", "gpt_oss", "llama4_text",
                    "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
-# Multi-head latent attention (DeepSeek-V2/V3 and kin): the query's and the cached latent's per-head
-# expansions are column-parallel; the projections and norms that make the latents, which every head
-# reads, stay whole.
-# Fused projections (Phi-3's ``qkv_proj``, GLM-4's and Phi-3's ``gate_up_proj``) are column-parallel
-# block by block: a rank keeps its share of each of the stacked projections (``fused_blocks``).
+# Experts whose gate and up columns alternate in ``gate_up_proj`` (GPT-OSS's ``gate_up[..., ::2]``);
+# the others stack the gate half, then the up half (``chunk(2)``).
+INTERLEAVED_GATE_UP = ("gpt_oss",)
+# Fused projections (Phi-3's ``qkv_proj``, a ``gate_up_proj`` linear) are column-parallel block by
+# block (``tp_shards.fused_blocks``). Multi-head latent attention (DeepSeek-V2/V3 and kin) splits its
+# per-head expansions (``q_b_proj``, ``kv_b_proj``); what makes the latents, which every head reads,
+# stays whole (``LATENT``).
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "qkv_proj",
                    "gate_up_proj")
 LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
@@ -99,8 +111,8 @@ def check_config(config, world: int) -> None:
     mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES:
         raise InputError(f"--tensor-parallel does not shard model_type {mt!r} (its layers are not split by heads and "
-                         "intermediate width alike; docs/support.md's serve_tp2 column lists the families it shards); "
-                         "serve this base with --tensor-parallel 1")
+                         "intermediate width alike; the support matrix's serve_tp2 column lists the families it "
+                         "shards); serve this base with --tensor-parallel 1")
     for key, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
                       ("intermediate_size", "intermediate size"), ("moe_intermediate_size", "expert width"),
                       ("shared_expert_intermediate_size", "shared expert width"),
@@ -174,207 +186,6 @@ def check_attention(attn: nn.Module, name: str, head_dim: int) -> None:
                          "serve this base with --tensor-parallel 1")
 
 
-def _span(size: int, rank: int, world: int) -> slice:
-    per = size // world
-    return slice(rank * per, (rank + 1) * per)
-
-
-def _slice_codes(packed: torch.Tensor, bits: int, n: int, cols: slice) -> torch.Tensor:
-    """Codes ``cols`` of every row of int32-packed ``packed`` (``n`` codes per row), packed again."""
-    return pack_int32(unpack_int32(packed, bits, n)[:, cols], bits)
-
-
-def shard_packed(d: PackedDelta, kind: str, rank: int, world: int, rows: torch.Tensor | None = None) -> PackedDelta:
-    """Rank ``rank``'s shard of a packed delta ``[out, in]``.
-
-    Column: ``[out/n, in]``, every part sliced by rows (``rows``, int64: those rows, for a fused
-    projection; else the rank's span). Row: ``[out, in/n]``; kept values ``in/2n`` per row under
-    2:4, groups ``G/n`` (the caller checked that groups do not straddle ranks).
-    """
-    if kind == "column":
-        idx = _span(d.out_features, rank, world) if rows is None else rows
-        return d.map_parts(lambda t: t[idx].contiguous(), out_features=d.out_features // world)
-    width = d.in_features // world
-    g = d.effective_group
-    if world > 1 and (d.group_size == -1 or width % g or (d.sparse and width % 4)):
-        raise InputError(f"a packed delta with groups of {g} columns cannot be split into {world} shards of {width} "
-                         f"input columns; use a degree whose shard width is a multiple of the group size")
-    kept = _span(d.kept_per_row, rank, world)
-    groups = _span(d.num_groups, rank, world)
-    qweight = _slice_codes(d.qweight, d.bits, d.kept_per_row, kept)
-    positions = None if d.positions is None else _slice_codes(d.positions, 2, d.kept_per_row, kept)
-    zeros = None if d.zeros is None else d.zeros[:, groups].contiguous()
-    out = PackedDelta(qweight, d.scales[:, groups].contiguous(), zeros, positions, d.scheme, width, d.out_features)
-    out.validate()
-    return out
-
-
-def shard_dense(t: torch.Tensor, kind: str, rank: int, world: int, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Rank ``rank``'s shard of a weight ``[out, in]`` (column: rows, ``rows`` as in :func:`shard_packed`;
-    row: columns), a fresh tensor."""
-    t = t.as_subclass(torch.Tensor)  # a read-only registry tensor: the shard is new memory we own
-    if kind == "column":
-        return t[_span(t.shape[0], rank, world) if rows is None else rows].clone()
-    return t[:, _span(t.shape[1], rank, world)].clone()
-
-
-def shard_bias(b: torch.Tensor, kind: str, rank: int, world: int, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Column: the rank's slice (or ``rows``) of ``[out]``; row: the whole bias on rank 0, zeros
-    elsewhere (added once)."""
-    b = b.as_subclass(torch.Tensor)
-    if kind == "column":
-        return b[_span(b.shape[0], rank, world) if rows is None else rows].clone()
-    return b.clone() if rank == 0 else torch.zeros_like(b)
-
-
-def shard_slot_args(kw: dict[str, Any], kind: str, rank: int, world: int,
-                    rows: torch.Tensor | None = None) -> dict[str, Any]:
-    """The ``DeltaLinear.load_slot`` arguments of one variant, sharded for ``rank`` (``rows``: a fused
-    projection's rows the rank keeps, :func:`fused_blocks`).
-
-    LoRA: a column shard keeps its rows of ``B [out, r]`` (``A`` whole); a row shard its columns of
-    ``A [r, in]`` (``B`` whole), so its partial product sums to the full one in the all-reduce.
-    """
-    out = dict(kw)
-    if kw.get("packed") is not None:
-        out["packed"] = shard_packed(kw["packed"], kind, rank, world, rows)
-    if kw.get("dense") is not None:
-        out["dense"] = shard_dense(kw["dense"], kind, rank, world, rows)
-    if kw.get("bias") is not None:
-        out["bias"] = shard_bias(kw["bias"], kind, rank, world, rows)
-    if kw.get("lora_a") is not None:
-        if kind == "column":
-            out["lora_b"] = shard_dense(kw["lora_b"], "column", rank, world, rows)
-        else:
-            out["lora_a"] = shard_dense(kw["lora_a"], "row", rank, world)
-    return out
-
-
-def expert_blocks(param: str, interleaved: bool) -> int:
-    """How many equal blocks of rows each expert's ``param`` stacks in its ``[out, in]`` view, each
-    sharded alike: 2 for ``gate_up_proj`` (gate, then up), 1 for an ungated ``up_proj`` or a gate_up
-    whose gate and up columns alternate (``interleaved``, GPT-OSS: a span of pairs is a span of rows),
-    0 for ``down_proj`` (sharded by columns)."""
-    return 0 if param == "down_proj" else 1 if param == "up_proj" or interleaved else 2
-
-
-def kept_rows(sizes: list[int], rank: int, world: int) -> torch.Tensor:
-    """The rank's rows of a stack of blocks of ``sizes`` rows (its ``1/n`` of each block), in order: int64."""
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return torch.cat([torch.arange(a + rank * (n // world), a + (rank + 1) * (n // world))
-                      for a, n in zip(starts, sizes)])
-
-
-def fused_blocks(leaf: str, out: int, config, head_dim: int) -> list[int] | None:
-    """The blocks a fused column-parallel linear stacks (``qkv_proj``: query, key and value heads;
-    ``gate_up_proj``: gate and up halves), None for any other linear.
-
-    Raises:
-        InputError: a ``qkv_proj`` whose width is not the heads' (a layout this does not know).
-    """
-    if leaf == "gate_up_proj":
-        return [out // 2, out // 2]
-    if leaf != "qkv_proj":
-        return None
-    config = text_config(config)
-    h = config.num_attention_heads
-    hkv = getattr(config, "num_key_value_heads", None) or h
-    sizes = [h * head_dim, hkv * head_dim, hkv * head_dim]
-    if sum(sizes) != out:
-        raise InputError(f"--tensor-parallel cannot split a qkv_proj of {out} rows into {h} query and {hkv} KV heads "
-                         f"of {head_dim}; serve this base with --tensor-parallel 1")
-    return sizes
-
-
-def expert_row_runs(r0: int, r1: int, out: int, blocks: int, rank: int, world: int) -> list[tuple[int, int, int]]:
-    """Rows of an expert parameter seen as ``[E * out, in]`` that rank ``rank`` keeps, within ``[r0, r1)``:
-    ``(lo, hi, at)`` runs, ``at`` the first row's place in the rank's ``[E * out/n, in]``.
-
-    Each expert's ``out`` rows are ``blocks`` equal blocks (gate, up); a rank keeps its ``1/n`` of each.
-    """
-    per_block, per = out // blocks, out // blocks // world
-    runs = []
-    for e in range(r0 // out, (r1 - 1) // out + 1):
-        for b in range(blocks):
-            start = e * out + b * per_block + rank * per  # the rank's first row of this block
-            lo, hi = max(start, r0), min(start + per, r1)
-            if lo < hi:
-                runs.append((lo, hi, e * (out // world) + b * per + lo - start))
-    return runs
-
-
-def shard_expert_piece(param: str, r0: int, r1: int, value, out: int, blocks: int, rank: int,
-                       world: int) -> list[tuple[int, int, Any]]:
-    """Rank ``rank``'s parts of a variant's piece of an experts parameter: full rows ``[r0, r1)`` of
-    ``[E * out, in]``, ``value`` their dense delta ``[r1 - r0, in]`` or a :class:`PackedDelta`
-    (``blocks``: :func:`expert_blocks`).
-
-    Returns:
-        ``(row0, row1, part)`` in the rank's ``[E * out/n, in]`` (``down_proj``: the same rows, the
-        rank's columns of ``value``).
-    """
-    if not blocks:
-        part = shard_packed(value, "row", rank, world) if isinstance(value, PackedDelta) \
-            else shard_dense(value, "row", rank, world)
-        return [(r0, r1, part)]
-    parts = []
-    for lo, hi, at in expert_row_runs(r0, r1, out, blocks, rank, world):
-        a, b = lo - r0, hi - r0
-        part = value.map_parts(lambda t, a=a, b=b: t[a:b].contiguous(), out_features=b - a) \
-            if isinstance(value, PackedDelta) else value[a:b].clone()
-        parts.append((at, at + hi - lo, part))
-    return parts
-
-
-def shard_expert_bias(param: str, bias: torch.Tensor, blocks: int, rank: int, world: int) -> torch.Tensor:
-    """Rank ``rank``'s part of an experts bias ``[E, out]``: the columns of its rows for the first
-    projection; ``down_proj``'s whole on rank 0 and zeros elsewhere (added once, after the all-reduce's sum)."""
-    bias = bias.as_subclass(torch.Tensor)
-    if not blocks:
-        return bias.clone() if rank == 0 else torch.zeros_like(bias)
-    return bias[:, kept_rows([bias.shape[1] // blocks] * blocks, rank, world)].contiguous()
-
-
-def shard_experts(mod: nn.Module, rank: int, world: int, interleaved: bool) -> None:
-    """Shard a fused-experts module in place: each expert keeps its ``1/n`` of the intermediate width
-    (rows of each block of the first projection, columns of ``down_proj``, in the ``[E, out, in]``
-    view of either storage), and its biases with them (:func:`shard_expert_bias`).
-    """
-    transposed = experts_transposed(mod)
-    for param in expert_params(mod):
-        w = getattr(mod, param).detach().as_subclass(torch.Tensor)
-        view = w.transpose(1, 2) if transposed else w  # [E, out, in]
-        blocks = expert_blocks(param, interleaved)
-        if blocks:
-            view = view[:, kept_rows([view.shape[1] // blocks] * blocks, rank, world)]
-        else:
-            view = view[:, :, _span(view.shape[2], rank, world)]
-        kept = view.transpose(1, 2) if transposed else view
-        setattr(mod, param, nn.Parameter(kept.contiguous(), requires_grad=False))
-        if getattr(mod, "has_bias", False):
-            b = getattr(mod, f"{param}_bias").detach()
-            setattr(mod, f"{param}_bias", nn.Parameter(shard_expert_bias(param, b, blocks, rank, world),
-                                                       requires_grad=False))
-    for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
-        if isinstance(getattr(mod, attr, None), int):
-            setattr(mod, attr, getattr(mod, attr) // world)
-
-
-def shard_sinks(attn: nn.Module, rank: int, world: int) -> None:
-    """An attention module's sinks ``[H]`` (one logit per query head): the rank's heads'."""
-    sinks = attn.sinks.detach().as_subclass(torch.Tensor)
-    attn.sinks = nn.Parameter(sinks[_span(sinks.shape[0], rank, world)].clone(), requires_grad=False)
-
-
-def _shard_module(mod: nn.Linear, kind: str, rank: int, world: int, rows: torch.Tensor | None = None) -> None:
-    """Shard an ``nn.Linear`` in place (its full weight is dropped)."""
-    w = shard_dense(mod.weight.detach(), kind, rank, world, rows)
-    mod.weight = nn.Parameter(w, requires_grad=False)
-    if mod.bias is not None:
-        mod.bias = nn.Parameter(shard_bias(mod.bias.detach(), kind, rank, world, rows), requires_grad=False)
-    mod.out_features, mod.in_features = w.shape
-
-
 def _is_attention(mod: nn.Module) -> bool:
     """A module holding the query projection (``q_proj``, Phi-3's ``qkv_proj``, MLA's ``q_a_proj``/``q_b_proj``)."""
     return any(isinstance(getattr(mod, n, None), nn.Linear) for n in ("q_proj", "qkv_proj", "q_b_proj"))
@@ -387,22 +198,6 @@ def _head_dim(attn: nn.Module, config) -> int:
         return hd
     config = text_config(config)
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _shard_head_counts(attn: nn.Module, world: int) -> None:
-    """An attention module that views its projections with its own head counts (Mllama's
-    ``num_heads``, ``num_key_value_heads``) holds ``1/world`` of them on each rank; one that reads
-    them from its config in the forward (Phi-3 finds the end of its queries in ``qkv_proj``'s output
-    so) gets a copy of its config with the rank's counts."""
-    for attr in ("num_heads", "num_key_value_heads"):
-        n = getattr(attn, attr, None)
-        if isinstance(n, int):
-            setattr(attn, attr, n // world)
-    if isinstance(getattr(attn, "qkv_proj", None), nn.Linear) and getattr(attn, "config", None) is not None:
-        attn.config = copy.copy(attn.config)
-        attn.config.num_attention_heads //= world
-        if isinstance(getattr(attn.config, "num_key_value_heads", None), int):
-            attn.config.num_key_value_heads //= world
 
 
 class ShardedDeltaModel(DeltaModel):
@@ -452,13 +247,13 @@ class ShardedDeltaModel(DeltaModel):
                 sizes = fused_blocks(leaf, mod.out_features, model.config, heads.get(parent, 0))
                 if sizes is not None:
                     self._fused_rows[name] = kept_rows(sizes, rank, world)
-                _shard_module(mod, kind, rank, world, self._fused_rows.get(name))
+                shard_linear(mod, kind, rank, world, self._fused_rows.get(name))
             elif name.startswith(f"{self._layers}.") and is_fused_experts(mod):
                 shard_experts(mod, rank, world, self._interleaved)
                 self._experts[name] = experts_transposed(mod)
             elif name.startswith(f"{self._layers}.") and name in heads:
                 check_attention(mod, name, heads[name])
-                _shard_head_counts(mod, world)
+                shard_head_counts(mod, world)
                 if isinstance(getattr(mod, "sinks", None), nn.Parameter):
                     shard_sinks(mod, rank, world)
                     self._sinks.add(name)
@@ -581,7 +376,7 @@ class ShardedDeltaModel(DeltaModel):
             host.modules[mname] = kw if kind is None else shard_slot_args(kw, kind, rank, world,
                                                                           self._fused_rows.get(mname))
             if mname in self._sinks and "sinks" in kw:  # the variant's sinks [H]: this rank's heads'
-                host.modules[mname] = {**kw, "sinks": kw["sinks"][_span(kw["sinks"].shape[0], rank, world)].clone()}
+                host.modules[mname] = {**kw, "sinks": kw["sinks"][span(kw["sinks"].shape[0], rank, world)].clone()}
         return host
 
     def resident_estimate(self, name: str) -> int:

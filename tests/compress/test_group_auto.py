@@ -74,10 +74,14 @@ def test_an_explicit_group_that_does_not_divide_keeps_its_error(capsys, monkeypa
     assert "576 input features, not divisible by --group-size 128" in lines[0] and not out.exists()
 
 
-def test_the_support_bench_names_no_group_size():
+def test_the_support_bench_compresses_with_the_automatic_group():
+    """The matrix's compress check picks groups as a user's ``--group-size auto`` would; the one named
+    group is the tensor-parallel check's own artifact (groups a shard of a 64-wide o_proj holds whole)."""
     src = (ROOT / "bench" / "support.py").read_text()
-    assert "group_size=" not in src and "--group-size" not in src
-    assert "group_auto=True" in src
+    compress = src.split("    def compress(self)")[1].split("\n    def ")[0]
+    assert "group_auto=True" in compress and "group_size=" not in compress
+    tp = src.split("    def tp_artifact(self)")[1].split("\n    def ")[0]
+    assert src.count("group_size=") == 1 and "group_size=16" in tp and "--group-size" not in src
 
 
 @pytest.mark.parametrize("art", ["v1/art-deltazip", "v2/art-llama", "v2/art-gpt2"])

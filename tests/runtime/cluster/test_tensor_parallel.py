@@ -19,7 +19,8 @@ from _serving import PROMPTS, VARIANTS, served_set, single_thread
 from deltazip.formats.errors import InputError
 from deltazip.formats.packing import pack_delta
 from deltazip.kernels.reference import delta_weight, sbmm
-from deltazip.runtime.cluster.tensor_parallel import check_variants, shard_packed, shard_slot_args
+from deltazip.runtime.cluster.tensor_parallel import check_variants
+from deltazip.runtime.cluster.tp_shards import shard_packed, shard_slot_args
 from deltazip.runtime.serve.engine import Engine, SamplingParams
 
 # fp32 on both sides; the sharded sums add the same products in another order.

@@ -80,7 +80,7 @@ def test_fused_projection_shards_keep_each_ranks_share_of_every_block():
     and the rank outputs put back in place give the whole projection's."""
     from deltazip.formats.packing import pack_delta
     from deltazip.kernels.reference import delta_weight
-    from deltazip.runtime.cluster.tensor_parallel import fused_blocks, kept_rows, shard_slot_args
+    from deltazip.runtime.cluster.tp_shards import fused_blocks, kept_rows, shard_slot_args
 
     config = tiny_model("phi3").config
     sizes = fused_blocks("qkv_proj", 128, config, 16)

@@ -22,8 +22,8 @@ from deltazip.kernels.packed import PackedDelta
 from deltazip.kernels.reference import delta_weight
 from deltazip.kernels.scheme import DeltaScheme
 from deltazip.models.checkpoint import Checkpoint
-from deltazip.runtime.cluster.tensor_parallel import expert_row_runs, shard_expert_piece
 from deltazip.runtime.cluster.tp_group import start_tensor_parallel
+from deltazip.runtime.cluster.tp_shards import expert_row_runs, shard_expert_piece
 from deltazip.runtime.serve.variant_sources import discover_variants
 
 IDS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2, vocab_size=128)
