@@ -359,8 +359,7 @@ class ShardedDeltaModel(DeltaModel):
         rank, world = self.group.rank, self.group.world
         param, r0, r1 = parse_piece_key(attr)
         if param in BIAS_OF:
-            return [(attr, shard_expert_bias(BIAS_OF[param], value, expert_blocks(BIAS_OF[param], self._interleaved),
-                                             rank, world))]
+            return [(attr, shard_expert_bias(value, expert_blocks(BIAS_OF[param], self._interleaved), rank, world))]
         full = self._full_params[f"{mname}.{param}"]
         out = full.shape[2] if self._experts[mname] else full.shape[1]
         return [(piece_key(param, a, b), part) for a, b, part in

@@ -183,9 +183,9 @@ def shard_expert_piece(param: str, r0: int, r1: int, value, out: int, blocks: in
     return parts
 
 
-def shard_expert_bias(param: str, bias: torch.Tensor, blocks: int, rank: int, world: int) -> torch.Tensor:
-    """Rank ``rank``'s part of an experts bias ``[E, out]``: the columns of its rows for the first
-    projection; ``down_proj``'s whole on rank 0 and zeros elsewhere (added once, after the all-reduce's sum)."""
+def shard_expert_bias(bias: torch.Tensor, blocks: int, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s part of an experts bias ``[E, out]`` (``blocks``: its projection's
+    :func:`expert_blocks`): the columns of its rows for the first projection; ``down_proj``'s whole on rank 0 and zeros elsewhere (added once, after the all-reduce's sum)."""
     bias = bias.as_subclass(torch.Tensor)
     if not blocks:
         return bias.clone() if rank == 0 else torch.zeros_like(bias)
@@ -210,7 +210,7 @@ def shard_experts(mod: nn.Module, rank: int, world: int, interleaved: bool) -> N
         setattr(mod, param, nn.Parameter(kept.contiguous(), requires_grad=False))
         if getattr(mod, "has_bias", False):
             b = getattr(mod, f"{param}_bias").detach()
-            setattr(mod, f"{param}_bias", nn.Parameter(shard_expert_bias(param, b, blocks, rank, world),
+            setattr(mod, f"{param}_bias", nn.Parameter(shard_expert_bias(b, blocks, rank, world),
                                                        requires_grad=False))
     for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
         if isinstance(getattr(mod, attr, None), int):

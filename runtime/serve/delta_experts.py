@@ -530,17 +530,17 @@ class MoeLayout:
         from deltazip.models.model_walk import decoder_layers
 
         own = dict(model.named_modules())
-        self.model = model = full if full is not None else model
+        self.model = full if full is not None else model
         self.experts: dict[str, nn.Module] = {}  # qualified module name -> fused experts module
         self.routers: dict[str, nn.Module] = {}
         self.blocks: dict[str, dict[str, torch.Tensor]] = {}  # router -> its block's tensors (block_tensors)
         self.layers: dict[str, nn.Module] = {}  # layer prefix ("model.layers.3.") -> layer
         self._maps: dict[tuple[str, frozenset], dict[str, object]] = {}
         self._ckpt_prefix: dict[str, str] = {}  # layer prefix -> its checkpoint names' prefix
-        modules = dict(model.named_modules())
+        modules = own if full is None else dict(full.named_modules())
         if not any(is_fused_experts(m) for m in modules.values()):
             return
-        lname, layers = decoder_layers(model)
+        lname, layers = decoder_layers(self.model)
         for i, layer in enumerate(layers):
             for name, m in layer.named_modules():
                 if not is_fused_experts(m):
