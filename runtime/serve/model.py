@@ -59,16 +59,9 @@ from deltazip.runtime.serve.delta_experts import (
     is_own_forward_router,
     router_tensors,
 )
-from deltazip.runtime.serve.delta_linear import (
-    DeltaContext,
-    DeltaLayerNorm,
-    DeltaLinear,
-    DeltaRMSNorm,
-    is_linear,
-    layer_norm_offset,
-    rms_norm_style,
-)
+from deltazip.runtime.serve.delta_linear import DeltaContext, DeltaLinear, is_linear
 from deltazip.runtime.serve.delta_mixer import DeltaMixer, mixer_of, mixer_pieces
+from deltazip.runtime.serve.delta_norms import DeltaLayerNorm, DeltaRMSNorm, layer_norm_offset, rms_norm_style
 from deltazip.runtime.serve.delta_scale import DeltaScale, output_scale_param
 from deltazip.runtime.serve.delta_sinks import DeltaSinks
 from deltazip.runtime.serve.kernel_tuner import LoraJob, Tuner

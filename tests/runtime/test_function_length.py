@@ -26,6 +26,7 @@ REQUEST_PATH = [
     "serve/delta_cache.py",  # tiers, slot writes
     "serve/delta_loader.py",  # background loads
     "serve/delta_linear.py",  # the forward
+    "serve/delta_norms.py",  # decoupled norms in the forward
     "serve/model.py",  # forward, load_host, write_slot
     "serve/kv_cache.py",  # the paged KV cache every step writes
     "serve/recurrent_state.py",  # recurrent layers' states, read and written by every step of a hybrid model

@@ -12,12 +12,8 @@ from torch import nn
 from deltazip.formats.packing import pack_delta
 from deltazip.kernels.reference import delta_weight
 from deltazip.runtime.serve.delta_embedding import decouple_embedding
-from deltazip.runtime.serve.delta_linear import (
-    DeltaContext,
-    DeltaLinear,
-    DeltaRMSNorm,
-    is_llama_rmsnorm,
-)
+from deltazip.runtime.serve.delta_linear import DeltaContext, DeltaLinear
+from deltazip.runtime.serve.delta_norms import DeltaRMSNorm, is_llama_rmsnorm
 
 
 def _packed(out_f, in_f, bits, sparse, asym, seed):
@@ -257,7 +253,7 @@ def test_phi_variant_with_changed_layernorms_matches_its_merged_model(tmp_path, 
     from deltazip.formats.artifact import Artifact
     from deltazip.kernels.scheme import DeltaScheme
     from deltazip.models.checkpoint import Checkpoint
-    from deltazip.runtime.serve.delta_linear import DeltaLayerNorm
+    from deltazip.runtime.serve.delta_norms import DeltaLayerNorm
     from deltazip.runtime.serve.model import DeltaModel
     from deltazip.runtime.serve.model_runner import prefill_logits
     from deltazip.runtime.serve.variant_sources import discover_variants
