@@ -156,6 +156,11 @@ ARCH_CONFIGS = {
     # LayerNorm without a bias (the mean subtracted, a weight only)
     "cohere": dict(model_type="cohere", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128),
+    # q/k norms over every head (OLMo 2/3; OLMoE and FlexOlmo beside fused experts); OLMo 3's sliding layers
+    "olmo2": dict(_LM, model_type="olmo2"),
+    "olmo3": dict(_LM, model_type="olmo3", sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+    "olmoe": dict(_LM, model_type="olmoe", num_experts=4, num_experts_per_tok=2, clip_qkv=8.0),
+    "flex_olmo": dict(_LM, model_type="flex_olmo", num_experts=4, num_experts_per_tok=2),
     # checkpoint names transformers renames on load, layer prefix included (transformer.h.3.attn.attention.q_proj)
     "exaone": dict(model_type="exaone", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=2, num_layers=2, max_position_embeddings=128),

@@ -21,8 +21,10 @@ computed in :mod:`deltazip.runtime.cluster.tp_shards`.
 A packed delta (``deltazip.kernels.packed``) shards the same way. Column shards slice every part by
 rows. Row shards slice codes, 2:4 positions and group scales/zeros along the input dimension, which
 only works when a shard holds whole quantization groups (and so whole 2:4 blocks): that is checked
-before serving (:func:`check_variant`). Embeddings, norms and ``lm_head`` stay replicated; an
-attention tensor that would not split with the heads is refused (:func:`check_attention`).
+before serving (:func:`check_variant`). Embeddings, norms and ``lm_head`` stay replicated, but for a
+query or key norm over every head (OLMo 2), which keeps its heads' columns and all-reduces the sum of
+squares (:mod:`deltazip.runtime.cluster.tp_norms`); any other attention tensor that would not split
+with the heads is refused (:func:`check_attention`).
 
 The artifact layout does not change: everything here runs when a model or a variant is loaded.
 """
@@ -39,6 +41,7 @@ from deltazip.kernels.packed import PackedDelta
 from deltazip.models.loader import text_config
 from deltazip.models.model_walk import decoder_layers, dense_routed, empty_model, experts_transposed
 from deltazip.models.param_names import module_names
+from deltazip.runtime.cluster.tp_norms import QK_NORMS, ShardedRMSNorm, split_qk_norms
 from deltazip.runtime.cluster.tp_shards import (
     expert_blocks,
     fused_blocks,
@@ -70,13 +73,13 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_vl_text", "gemma", "gemma2", "gemma3_text", "gemma4_text", "vaultgemma", "granite", "granite_swa",
     "smollm3", "mllama_text_model", "stablelm", "cohere", "cohere2", "olmo", "exaone", "exaone4",
     "hunyuan_v1_dense", "ernie4_5", "seed_oss", "apertus", "nemotron", "arcee", "helium", "internlm3", "minicpm3",
-    "phi3", "glm", "glm4")
+    "phi3", "glm", "glm4", "olmo2", "olmo3")
 # The same attention beside mixture-of-experts layers of fused experts (and plain MLP layers and
 # shared experts, sharded as any MLP).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe", "granitemoe",
                    "granitemoeshared", "granitemoe_swa", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1",
                    "cohere2_moe", "exaone_moe", "solar_open", "afmoe", "hy_v3", "gpt_oss", "llama4_text",
-                   "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+                   "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "olmoe", "flex_olmo")
 # Experts whose gate and up columns alternate in ``gate_up_proj`` (GPT-OSS's ``gate_up[..., ::2]``);
 # the others stack the gate half, then the up half (``chunk(2)``).
 INTERLEAVED_GATE_UP = ("gpt_oss",)
@@ -165,14 +168,15 @@ def check_variants(variants: list[VariantInfo], world: int) -> None:
 
 def check_attention(attn: nn.Module, name: str, head_dim: int) -> None:
     """Refuse an attention module holding a tensor that splitting its heads would not split with them:
-    anything beyond its sharded projections and per-head norms of ``[head_dim]`` (a q/k norm over every
-    head, OLMo 2's; one weight per head, Cohere's q/k norms, attention sinks).
+    anything beyond its sharded projections, per-head norms of ``[head_dim]`` and the q/k norms over
+    every head already split (``tp_norms``): one weight per head, Cohere's q/k norms, say.
 
     Raises:
         InputError: naming the tensor.
     """
     for child, mod in attn.named_children():  # (attention sinks, one per head, are split: shard_sinks)
-        if child in LATENT or (isinstance(mod, nn.Linear) and child in COLUMN_PARALLEL + ROW_PARALLEL):
+        if (child in LATENT or isinstance(mod, ShardedRMSNorm)
+                or (isinstance(mod, nn.Linear) and child in COLUMN_PARALLEL + ROW_PARALLEL)):
             continue
         for pname, p in mod.named_parameters():
             if tuple(p.shape) != (head_dim,):
@@ -231,6 +235,7 @@ class ShardedDeltaModel(DeltaModel):
         self._experts: dict[str, bool] = {}  # fused-experts modules (sharded by expert width, all-reduced)
         # -> whether stored [E, in, out]
         self._sinks: set[str] = set()  # attention modules whose sinks are sharded by heads
+        self._split_norms: set[str] = set()  # q/k norms over every head, kept by columns (tp_norms)
         self._interleaved = text_config(model.config).model_type in INTERLEAVED_GATE_UP
         # MoE blocks of experts run over every token (Llama 4): their [E * T, H] output is summed over
         # experts and added to the shared expert's inside the block, so the block's output is what is
@@ -252,6 +257,10 @@ class ShardedDeltaModel(DeltaModel):
                 shard_experts(mod, rank, world, self._interleaved)
                 self._experts[name] = experts_transposed(mod)
             elif name.startswith(f"{self._layers}.") and name in heads:
+                widths = {p: self._full_linears[f"{name}.{p}"][0] for p in QK_NORMS.values()
+                          if f"{name}.{p}" in self._full_linears}
+                split = split_qk_norms(mod, widths, heads[name], rank, world, self.group)
+                self._split_norms.update(f"{name}.{c}" for c in split)
                 check_attention(mod, name, heads[name])
                 shard_head_counts(mod, world)
                 if isinstance(getattr(mod, "sinks", None), nn.Parameter):
@@ -374,8 +383,9 @@ class ShardedDeltaModel(DeltaModel):
             kind = self._kind(mname)
             host.modules[mname] = kw if kind is None else shard_slot_args(kw, kind, rank, world,
                                                                           self._fused_rows.get(mname))
-            if mname in self._sinks and "sinks" in kw:  # the variant's sinks [H]: this rank's heads'
-                host.modules[mname] = {**kw, "sinks": kw["sinks"][span(kw["sinks"].shape[0], rank, world)].clone()}
+            for key, held in (("sinks", self._sinks), ("weight", self._split_norms)):
+                if mname in held and key in kw:  # the variant's sinks [H], or norm [H * d]: this rank's heads'
+                    host.modules[mname] = {**kw, key: kw[key][span(kw[key].shape[0], rank, world)].clone()}
         return host
 
     def resident_estimate(self, name: str) -> int:

@@ -11,6 +11,8 @@ Shapes: activations ``[..., H]``; weight tables ``[N + 1, H]`` (row 0 the base's
 from __future__ import annotations
 
 import copy
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,29 +21,26 @@ from torch import nn
 from deltazip.runtime.serve.delta_linear import DeltaContext, slot_lookup
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama-family RMSNorm (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm``) with a weight
-    that may be per row: normalise in fp32, cast back, scale. ``weight`` is ``[H]`` or broadcastable."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def rms_norm_fp32_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm scaled in fp32 and cast once (OLMo 2/3, GPT-OSS, Gemma 3n/4, Helium, Nemotron-H): in bf16
-    this rounds once where :func:`rms_norm_reference` rounds twice. ``weight`` is ``[H]`` or broadcastable."""
+def rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` divided by its root mean square over the last dimension, in fp32 (every RMS style's first half)."""
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * h).to(x.dtype)
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma-family RMSNorm (``GemmaRMSNorm``, ``Gemma3RMSNorm``): normalise and scale by ``1 + w``,
-    all in fp32, then cast back. ``weight`` is ``[H]`` or broadcastable."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * (1.0 + weight.float())).type_as(x)
+# How each RMS style scales the fp32-normalised rows ``h`` by ``weight`` and casts to ``dtype``:
+# Llama's casts, then scales (rounding twice in bf16); the fp32 form (OLMo 2/3, GPT-OSS, Gemma 3n/4,
+# Helium, Nemotron-H) scales in fp32 and casts once; Gemma's scales by ``1 + w`` in fp32.
+RMS_SCALES = {
+    "llama": lambda h, w, dtype: w * h.to(dtype),
+    "fp32": lambda h, w, dtype: (w.float() * h).to(dtype),
+    "gemma": lambda h, w, dtype: (h * (1.0 + w.float())).to(dtype),
+}
+
+
+def rms_norm(style: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` ``[..., H]`` in style ``style`` (a key of :data:`RMS_SCALES`) with a weight ``[H]``
+    or broadcastable (one row per token)."""
+    return RMS_SCALES[style](rms_normalise(x, eps), weight, x.dtype)
 
 
 def layer_norm_cohere(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,8 +53,18 @@ def layer_norm_cohere(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
 
 
 # (in fp32 "llama" and "fp32" are the same formula; the first that matches is taken)
-_NORM_STYLES = {"llama": rms_norm_reference, "fp32": rms_norm_fp32_scale, "gemma": rms_norm_gemma,
-                "cohere": layer_norm_cohere}
+_NORM_STYLES = {**{k: functools.partial(rms_norm, k) for k in RMS_SCALES}, "cohere": layer_norm_cohere}
+
+
+def norm_function(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
+    """``f(x, weight, eps)``: what ``module`` computes with a weight of its shape, or None when it is not a
+    norm this package reproduces. A norm that declares its own (``norm_rows``: one split across
+    tensor-parallel ranks) is taken at its word; any other is probed (:func:`rms_norm_style`)."""
+    own = getattr(module, "norm_rows", None)
+    if callable(own):
+        return own
+    style = rms_norm_style(module)
+    return None if style is None else _NORM_STYLES[style]
 
 
 def norm_eps(module: nn.Module) -> float | None:
@@ -68,9 +77,8 @@ def norm_eps(module: nn.Module) -> float | None:
 
 
 def rms_norm_style(module: nn.Module) -> str | None:
-    """``"llama"``, ``"fp32"``, ``"gemma"`` or ``"cohere"`` when ``module`` computes exactly that norm
-    with its weight (:func:`rms_norm_reference`, :func:`rms_norm_fp32_scale`, :func:`rms_norm_gemma`,
-    :func:`layer_norm_cohere`), else None.
+    """``"llama"``, ``"fp32"``, ``"gemma"`` (:func:`rms_norm`'s styles) or ``"cohere"``
+    (:func:`layer_norm_cohere`) when ``module`` computes exactly that norm with its weight, else None.
 
     Checked by running a copy of it on a probe, not by class name: norms that look alike but differ
     (LayerNorm's mean subtraction, a norm with a bias, where the weight multiply is rounded) fail the
@@ -98,7 +106,7 @@ def rms_norm_style(module: nn.Module) -> str | None:
 
 
 def is_llama_rmsnorm(module: nn.Module) -> bool:
-    """True when ``module`` computes exactly :func:`rms_norm_reference` with its own weight."""
+    """True when ``module`` computes exactly Llama's RMSNorm (:func:`rms_norm` ``"llama"``)."""
     return rms_norm_style(module) == "llama"
 
 
@@ -112,10 +120,10 @@ class DeltaRMSNorm(nn.Module):
 
     def __init__(self, base: nn.Module, ctx: DeltaContext):
         super().__init__()
-        style = rms_norm_style(base)
-        if style is None:
+        norm = norm_function(base)
+        if norm is None:
             raise ValueError(f"{type(base).__name__} is not an RMSNorm this module reproduces")
-        self._norm = _NORM_STYLES[style]
+        self._norm = norm
         self.weight = base.weight
         self.eps = norm_eps(base)
         self.ctx = ctx

@@ -61,7 +61,7 @@ from deltazip.runtime.serve.delta_experts import (
 )
 from deltazip.runtime.serve.delta_linear import DeltaContext, DeltaLinear, is_linear
 from deltazip.runtime.serve.delta_mixer import DeltaMixer, mixer_of, mixer_pieces
-from deltazip.runtime.serve.delta_norms import DeltaLayerNorm, DeltaRMSNorm, layer_norm_offset, rms_norm_style
+from deltazip.runtime.serve.delta_norms import DeltaLayerNorm, DeltaRMSNorm, layer_norm_offset, norm_function
 from deltazip.runtime.serve.delta_scale import DeltaScale, output_scale_param
 from deltazip.runtime.serve.delta_sinks import DeltaSinks
 from deltazip.runtime.serve.kernel_tuner import LoraJob, Tuner
@@ -615,7 +615,7 @@ class DeltaModel:
             return "linear"  # nn.Linear and Conv1D, weights and biases
         if attr == "weight" and can_decouple(mod):
             return "embedding"  # token tables, scaled embeddings, learned positions
-        if attr == "weight" and (isinstance(mod, DeltaRMSNorm) or rms_norm_style(mod) is not None):
+        if attr == "weight" and (isinstance(mod, DeltaRMSNorm) or norm_function(mod) is not None):
             return "norm"
         if attr in ("weight", "bias") and (type(mod) is DeltaLayerNorm or layer_norm_offset(mod) is not None):
             return "layernorm"  # nn.LayerNorm, or a subclass computing it or Nemotron's 1 + w form

@@ -65,6 +65,7 @@ REQUEST_PATH = [
     "cluster/ray_app.py",  # the Ray Serve ingress and replicas
     "cluster/tensor_parallel.py",  # sharded forward, all-reduce hooks
     "cluster/tp_shards.py",  # what each rank keeps of a tensor, at load time
+    "cluster/tp_norms.py",  # q/k norms over every head, all-reduced in the forward
     "cluster/tp_group.py",  # per-step broadcast to the worker ranks
 ]
 OFF_PATH = {

@@ -23,14 +23,15 @@ from deltazip.runtime.serve.variant_sources import discover_variants
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "gemma4", "granite", "smollm3", "cohere", "apertus",
-                                  "nemotron", "exaone", "phi3"])
+                                  "nemotron", "exaone", "phi3", "olmo2", "olmo3"])
 def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
     """Families whose attention splits by heads with nothing shared across them (Qwen3's per-head q/k
     norms; Gemma 2's soft-capped logits and sliding windows; Gemma 3; Gemma 4's per-layer inputs;
     Granite's multipliers; SmolLM3's layers without rotary positions; Cohere's parallel attention and
     MLP; Apertus' and Nemotron's ungated MLPs; EXAONE; Phi-3's fused ``qkv_proj`` and
-    ``gate_up_proj``, cut block by block): two ranks serve a compressed fine-tune's greedy text and log
-    probabilities as the merged model generates them."""
+    ``gate_up_proj``, cut block by block; OLMo 2 and 3, whose q/k norms span every head: each rank
+    keeps its heads' columns and the sum of squares is all-reduced): two ranks serve a compressed
+    fine-tune's greedy text and log probabilities as the merged model generates them."""
     ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2, vocab_size=128)
     if arch == "gemma4":  # its dense form (the factory's has experts and one global KV head, which 2 cannot split)
         ids.update(enable_moe_block=False, attention_k_eq_v=False, num_global_key_value_heads=2)
@@ -57,15 +58,13 @@ def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
 
 
 def test_attention_tensors_that_do_not_split_with_the_heads_are_refused_in_one_line():
-    """A q/k norm over every head (OLMo 2) or one weight per head (Cohere's ``use_qk_norm``) would be
-    wrong on a rank holding half the heads: refused, naming the tensor; per-head norms pass."""
-    from transformers import Olmo2Config, Olmo2ForCausalLM
-
+    """One norm weight per head (Cohere's ``use_qk_norm``) or a q/k norm over every head that is not
+    split (OLMo 2's, before ``split_qk_norms``) would be wrong on a rank holding half the heads:
+    refused, naming the tensor; per-head norms pass."""
     from deltazip.formats.errors import InputError
     from deltazip.runtime.cluster.tensor_parallel import check_attention
 
-    olmo2 = Olmo2ForCausalLM(Olmo2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                         num_hidden_layers=1, vocab_size=128))
+    olmo2 = tiny_model("olmo2")
     cohere = tiny_model("cohere", use_qk_norm=True)
     for model, bad in ((olmo2, "q_norm.weight [64]"), (cohere, "q_norm.weight [4, 16]")):
         with pytest.raises(InputError, match=r"cannot split model\.layers\.0\.self_attn\." + bad.replace("[", r"\[")) as e:

@@ -1,0 +1,65 @@
+"""Query and key norms over every head (OLMo 2/3, OLMoE, FlexOlmo), split across tensor-parallel ranks.
+
+Such a model normalises ``q_proj``'s whole output ``[T, H * d]`` (and ``k_proj``'s, ``[T, H_kv * d]``)
+before splitting it into heads. A rank holds its heads' columns only, so its norm keeps the same
+columns of the weight, and the root mean square over the full width is found from each rank's sum of
+squares, all-reduced: one ``[T, 1]`` fp32 all-reduce per norm and step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltazip.runtime.cluster.tp_shards import span
+from deltazip.runtime.serve.delta_norms import RMS_SCALES, norm_eps, rms_norm_style
+
+QK_NORMS = {"q_norm": "q_proj", "k_norm": "k_proj"}  # a norm of a projection's whole output -> the projection
+
+
+class ShardedRMSNorm(nn.Module):
+    """Rank ``rank``'s columns of an RMSNorm over ``full`` columns.
+
+    Args:
+        base: the whole norm (its weight ``[full]``; a style of :data:`RMS_SCALES`).
+        style: how it scales (``rms_norm_style(base)``).
+        rank, world: this rank and the degree; the columns kept are ``span(full, rank, world)``.
+        group: the tensor-parallel group (``all_reduce``).
+    """
+
+    def __init__(self, base: nn.Module, style: str, rank: int, world: int, group):
+        super().__init__()
+        self.full = base.weight.shape[0]
+        self.weight = nn.Parameter(base.weight.detach()[span(self.full, rank, world)].clone(), requires_grad=False)
+        self.variance_epsilon = norm_eps(base)
+        self.style, self.group = style, group
+
+    def norm_rows(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """The norm of ``x`` ``[..., full / world]`` over the full width, scaled by ``weight`` (this
+        rank's ``[full / world]`` columns, or one such row per token: a decoupled variant's)."""
+        h = x.float()
+        squares = h.pow(2).sum(-1, keepdim=True)
+        self.group.all_reduce(squares)
+        return RMS_SCALES[self.style](h * torch.rsqrt(squares / self.full + eps), weight, x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm_rows(x, self.weight, self.variance_epsilon)
+
+
+def split_qk_norms(attn: nn.Module, widths: dict[str, int], head_dim: int, rank: int, world: int, group) -> list[str]:
+    """Replace ``attn``'s query and key norms that span every head (``[out]`` of their projection's
+    full output ``widths[proj]``, not one head's ``[head_dim]``) with their :class:`ShardedRMSNorm`;
+    the names replaced. A norm of another form (a bias, a mean subtracted) is left for
+    ``check_attention`` to refuse by name."""
+    split = []
+    for child, proj in QK_NORMS.items():
+        norm = getattr(attn, child, None)
+        w = getattr(norm, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 1 or w.shape[0] == head_dim or w.shape[0] != widths.get(proj):
+            continue
+        style = rms_norm_style(norm)
+        if style not in RMS_SCALES:
+            continue
+        setattr(attn, child, ShardedRMSNorm(norm, style, rank, world, group))
+        split.append(child)
+    return split
