@@ -161,6 +161,15 @@ ARCH_CONFIGS = {
     "olmo3": dict(_LM, model_type="olmo3", sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
     "olmoe": dict(_LM, model_type="olmoe", num_experts=4, num_experts_per_tok=2, clip_qkv=8.0),
     "flex_olmo": dict(_LM, model_type="flex_olmo", num_experts=4, num_experts_per_tok=2),
+    # MLPs named otherwise (StarCoder2's c_fc/c_proj with biases); GPT-J's transformer.h layers (fc_in/fc_out);
+    # XGLM's attention reshaping to its own embed_dim; Persimmon's query_key_value, each head's q, k, v together
+    "starcoder2": dict(_LM, model_type="starcoder2", sliding_window=None),
+    "gptj": dict(model_type="gptj", n_embd=64, n_head=4, n_layer=2, n_positions=128, rotary_dim=8),
+    "xglm": dict(model_type="xglm", d_model=64, ffn_dim=128, attention_heads=4, num_layers=2,
+                 max_position_embeddings=128),
+    "persimmon": dict(_LM, model_type="persimmon", num_key_value_heads=4),
+    "minimax_m2": dict(_LM, model_type="minimax_m2", head_dim=16, intermediate_size=32, num_local_experts=4,
+                       num_experts_per_tok=2),
     # checkpoint names transformers renames on load, layer prefix included (transformer.h.3.attn.attention.q_proj)
     "exaone": dict(model_type="exaone", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=2, num_layers=2, max_position_embeddings=128),

@@ -1,7 +1,7 @@
 """Tensor-parallel sharding of the base model and of every packed delta (Megatron-style, at load time).
 
 Each decoder layer of a supported model (``SUPPORTED_MODEL_TYPES``: the Llama family and others laid
-out alike) has two kinds of linears:
+out alike) has two kinds of linears (``COLUMN_PARALLEL``, ``ROW_PARALLEL`` list every name):
 
 - column-parallel (``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj``): rank ``r`` of ``n``
   keeps output rows ``[r * out/n, (r + 1) * out/n)``. Attention heads split with them (the attention
@@ -38,6 +38,7 @@ from torch import nn
 
 from deltazip.formats.errors import InputError
 from deltazip.kernels.packed import PackedDelta
+from deltazip.models.layer_map import checkpoint_prefix
 from deltazip.models.loader import text_config
 from deltazip.models.model_walk import decoder_layers, dense_routed, empty_model, experts_transposed
 from deltazip.models.param_names import module_names
@@ -73,31 +74,38 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_vl_text", "gemma", "gemma2", "gemma3_text", "gemma4_text", "vaultgemma", "granite", "granite_swa",
     "smollm3", "mllama_text_model", "stablelm", "cohere", "cohere2", "olmo", "exaone", "exaone4",
     "hunyuan_v1_dense", "ernie4_5", "seed_oss", "apertus", "nemotron", "arcee", "helium", "internlm3", "minicpm3",
-    "phi3", "glm", "glm4", "olmo2", "olmo3")
+    "phi3", "glm", "glm4", "olmo2", "olmo3", "starcoder2", "phi", "nanochat", "opt", "xglm", "gpt_neo", "gptj",
+    "glm4v_text", "gpt_neox", "persimmon")
 # The same attention beside mixture-of-experts layers of fused experts (and plain MLP layers and
 # shared experts, sharded as any MLP).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe", "granitemoe",
                    "granitemoeshared", "granitemoe_swa", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1",
                    "cohere2_moe", "exaone_moe", "solar_open", "afmoe", "hy_v3", "gpt_oss", "llama4_text",
-                   "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "olmoe", "flex_olmo")
+                   "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "olmoe", "flex_olmo", "minimax_m2",
+                   "mimo_v2_flash")
 # Experts whose gate and up columns alternate in ``gate_up_proj`` (GPT-OSS's ``gate_up[..., ::2]``);
 # the others stack the gate half, then the up half (``chunk(2)``).
 INTERLEAVED_GATE_UP = ("gpt_oss",)
 # Fused projections (Phi-3's ``qkv_proj``, a ``gate_up_proj`` linear) are column-parallel block by
-# block (``tp_shards.fused_blocks``). Multi-head latent attention (DeepSeek-V2/V3 and kin) splits its
+# block (``tp_shards.fused_blocks``); GPT-NeoX's and Persimmon's ``query_key_value`` hold each head's
+# q, k and v together, so a plain split of its rows is a split by heads. The MLPs and output
+# projections of GPT-2-era layouts go by other names (StarCoder2's ``c_fc``/``c_proj``, OPT's and
+# Phi-2's ``fc1``/``fc2``, GPT-J's ``fc_in``/``fc_out``, ``out_proj``, ``dense``); a decoder layer in
+# which none of these names is found is refused rather than run whole on every rank. Multi-head latent attention (DeepSeek-V2/V3 and kin) splits its
 # per-head expansions (``q_b_proj``, ``kv_b_proj``); what makes the latents, which every head reads,
 # stays whole (``LATENT``).
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "qkv_proj",
-                   "gate_up_proj")
+                   "gate_up_proj", "c_fc", "fc1", "fc_in", "query_key_value", "dense_h_to_4h")
 LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
-ROW_PARALLEL = ("o_proj", "down_proj")
+ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "fc2", "fc_out", "out_proj", "dense", "dense_4h_to_h")
 
 
 def shard_kind(module_name: str, layers: str | None = None) -> str | None:
-    """``"column"``, ``"row"`` or None (replicated) for a module name such as ``model.layers.3.self_attn.q_proj``;
-    with ``layers`` (the decoder list's name), only modules under it (an image-text model's vision tower,
-    whose blocks are ``layers`` too, stays whole)."""
-    if ".layers." not in f".{module_name}" or (layers is not None and not module_name.startswith(f"{layers}.")):
+    """``"column"``, ``"row"`` or None (replicated) for a module name such as ``model.layers.3.self_attn.q_proj``:
+    a module under ``layers`` (the decoder list's name: an image-text model's vision tower, whose
+    blocks may be ``layers`` too, stays whole); without it, under any ``.layers.``."""
+    inside = module_name.startswith(f"{layers}.") if layers is not None else ".layers." in f".{module_name}"
+    if not inside:
         return None
     leaf = module_name.rsplit(".", 1)[-1]
     return "column" if leaf in COLUMN_PARALLEL else "row" if leaf in ROW_PARALLEL else None
@@ -119,7 +127,7 @@ def check_config(config, world: int) -> None:
     for key, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
                       ("intermediate_size", "intermediate size"), ("moe_intermediate_size", "expert width"),
                       ("shared_expert_intermediate_size", "shared expert width"),
-                      ("intermediate_size_mlp", "MLP width")):
+                      ("intermediate_size_mlp", "MLP width"), ("ffn_dim", "MLP width"), ("n_inner", "MLP width")):
         try:
             value = getattr(config, key, None)
         except Exception as e:  # transformers refuses one value for a setting that differs per layer
@@ -155,15 +163,24 @@ def check_variant(v: VariantInfo, row_in: dict[str, int], world: int) -> None:
                              f"shard width is a multiple of the group size")
 
 
-def check_variants(variants: list[VariantInfo], world: int) -> None:
+def check_variants(variants: list[VariantInfo], world: int, layers: str) -> None:
     """:func:`check_variant` for every artifact, from its manifest alone (before any rank starts): the
-    tensors named as row-parallel linears (``...o_proj.weight``, ``...down_proj.weight``, per-expert
-    ones included). Each rank checks again against the model, which also names the rest (Mixtral's
-    ``w2``, fused experts)."""
+    tensors under ``layers`` (the decoder list's checkpoint name, :func:`checkpoint_layers`) named as
+    row-parallel linears (``...o_proj.weight``, ``...down_proj.weight``, per-expert ones included).
+    Each rank checks again against the model, which also names the rest (Mixtral's ``w2``, fused
+    experts)."""
     for v in variants:
         if v.kind == "artifact":
             check_variant(v, {t: e.shape[-1] for t, e in v.entries.items()
-                              if shard_kind(t.rsplit(".", 1)[0]) == "row"}, world)
+                              if shard_kind(t.rsplit(".", 1)[0], layers) == "row"}, world)
+
+
+def checkpoint_layers(model_dir) -> str:
+    """The checkpoint name of a model's decoder layer list (``model.layers``, GPT-J's ``transformer.h``,
+    an image-text model's language model's), from a meta skeleton of its config."""
+    model = empty_model(model_dir, torch.float32)
+    lname = decoder_layers(model)[0]
+    return checkpoint_prefix(model, f"{lname}.0.")[:-len(".0.")]
 
 
 def check_attention(attn: nn.Module, name: str, head_dim: int) -> None:
@@ -191,8 +208,9 @@ def check_attention(attn: nn.Module, name: str, head_dim: int) -> None:
 
 
 def _is_attention(mod: nn.Module) -> bool:
-    """A module holding the query projection (``q_proj``, Phi-3's ``qkv_proj``, MLA's ``q_a_proj``/``q_b_proj``)."""
-    return any(isinstance(getattr(mod, n, None), nn.Linear) for n in ("q_proj", "qkv_proj", "q_b_proj"))
+    """A module holding the query projection (``q_proj``, Phi-3's ``qkv_proj``, MLA's ``q_a_proj``/``q_b_proj``,
+    GPT-NeoX's ``query_key_value``)."""
+    return any(isinstance(getattr(mod, n, None), nn.Linear) for n in ("q_proj", "qkv_proj", "q_b_proj", "query_key_value"))
 
 
 def _head_dim(attn: nn.Module, config) -> int:
@@ -245,6 +263,7 @@ class ShardedDeltaModel(DeltaModel):
         self._fused_rows: dict[str, torch.Tensor] = {}  # fused column-parallel linear -> the rank's rows
         rank, world = self.group.rank, self.group.world
         heads = {n: _head_dim(m, model.config) for n, m in model.named_modules() if _is_attention(m)}
+        touched: set[str] = set()  # the decoder layers (their index) in which something was split
         for name, mod in model.named_modules():
             kind = self._kind(name)
             if kind is not None and isinstance(mod, nn.Linear):
@@ -253,19 +272,25 @@ class ShardedDeltaModel(DeltaModel):
                 if sizes is not None:
                     self._fused_rows[name] = kept_rows(sizes, rank, world)
                 shard_linear(mod, kind, rank, world, self._fused_rows.get(name))
+                touched.add(name[len(self._layers) + 1:].partition(".")[0])
             elif name.startswith(f"{self._layers}.") and is_fused_experts(mod):
                 shard_experts(mod, rank, world, self._interleaved)
                 self._experts[name] = experts_transposed(mod)
+                touched.add(name[len(self._layers) + 1:].partition(".")[0])
             elif name.startswith(f"{self._layers}.") and name in heads:
                 widths = {p: self._full_linears[f"{name}.{p}"][0] for p in QK_NORMS.values()
                           if f"{name}.{p}" in self._full_linears}
-                split = split_qk_norms(mod, widths, heads[name], rank, world, self.group)
-                self._split_norms.update(f"{name}.{c}" for c in split)
+                norms = split_qk_norms(mod, widths, heads[name], rank, world, self.group)
+                self._split_norms.update(f"{name}.{c}" for c in norms)
                 check_attention(mod, name, heads[name])
                 shard_head_counts(mod, world)
                 if isinstance(getattr(mod, "sinks", None), nn.Parameter):
                     shard_sinks(mod, rank, world)
                     self._sinks.add(name)
+        unsplit = [i for i in range(len(model.get_submodule(self._layers))) if str(i) not in touched]
+        if unsplit:  # its linears named otherwise: every rank would run (and hold) the whole layer
+            raise InputError(f"--tensor-parallel found no projection it splits in decoder layer {unsplit[0]} of "
+                             f"{type(model).__name__}; serve this base with --tensor-parallel 1")
         for name, mod in model.named_modules():
             self._hook(mod, name)
         # Checkpoint names of expert tensors map to rows of the full parameters (a meta skeleton).

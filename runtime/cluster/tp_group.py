@@ -420,11 +420,16 @@ def start_tensor_parallel(base, variants: list, num_slots: int, device: torch.de
     """
     import torch.multiprocessing as mp
 
-    from deltazip.runtime.cluster.tensor_parallel import ShardedDeltaModel, check_config, check_variants
+    from deltazip.runtime.cluster.tensor_parallel import (
+        ShardedDeltaModel,
+        check_config,
+        check_variants,
+        checkpoint_layers,
+    )
 
     config = _base_config(base)
     check_config(config, world)
-    check_variants(variants, world)
+    check_variants(variants, world, checkpoint_layers(base.path))
     if device.type == "cuda" and torch.cuda.device_count() < world:
         raise InputError(f"--tensor-parallel {world} needs {world} GPUs, {torch.cuda.device_count()} visible; lower "
                          f"the degree or make more GPUs visible (CUDA_VISIBLE_DEVICES)")

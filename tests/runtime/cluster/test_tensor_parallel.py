@@ -19,7 +19,7 @@ from _serving import PROMPTS, VARIANTS, served_set, single_thread
 from deltazip.formats.errors import InputError
 from deltazip.formats.packing import pack_delta
 from deltazip.kernels.reference import delta_weight, sbmm
-from deltazip.runtime.cluster.tensor_parallel import check_variants
+from deltazip.runtime.cluster.tensor_parallel import check_variants, checkpoint_layers
 from deltazip.runtime.cluster.tp_shards import shard_packed, shard_slot_args
 from deltazip.runtime.serve.engine import Engine, SamplingParams
 
@@ -235,10 +235,13 @@ def test_a_row_shard_that_would_split_a_group_is_refused(served):
     with pytest.raises(InputError, match="cannot be split into 2 shards of 32"):
         shard_packed(d, "row", 0, 2)
     variants = discover_variants(served.artifacts)
-    check_variants(variants, 2)  # shards of 32 (o_proj) and 64 (down_proj) hold whole groups of 32
+    layers = checkpoint_layers(served.base_dir)
+    assert layers == "model.layers"
+    check_variants(variants, 2, layers)  # shards of 32 (o_proj) and 64 (down_proj) hold whole groups of 32
     with pytest.raises(InputError, match=r"groups of 32 input columns.*--tensor-parallel 4 shards of 16") as e:
-        check_variants(variants, 4)
+        check_variants(variants, 4, layers)
     assert "\n" not in str(e.value)
+    check_variants(variants, 4, "vision_tower.layers")  # tensors outside the decoder layers stay whole
 
 
 def _one_line(code: int, err: str) -> str:
@@ -261,13 +264,13 @@ def test_cli_refuses_what_it_cannot_shard_in_one_line(served, capsys, monkeypatc
     for extra, msg in cases:
         code, _, err = run_cli(capsys, monkeypatch, "serve", arts, "--base", served.base_dir, "--port", "0", *extra)
         assert msg in _one_line(code, err), err
-    neox = tmp_path / "neox"
-    tiny_model("gpt_neox").save_pretrained(neox, safe_serialization=True)
+    bigcode = tmp_path / "bigcode"  # one fused c_attn for every query head and the one KV head
+    tiny_model("gpt_bigcode").save_pretrained(bigcode, safe_serialization=True)
     (tmp_path / "empty").mkdir()
-    code, _, err = run_cli(capsys, monkeypatch, "serve", tmp_path / "empty", "--base", neox, "--port", "0",
+    code, _, err = run_cli(capsys, monkeypatch, "serve", tmp_path / "empty", "--base", bigcode, "--port", "0",
                            "--tensor-parallel", "2")
     line = _one_line(code, err)
-    assert "--tensor-parallel does not shard model_type 'gpt_neox'" in line and "serve_tp2" in line, line
+    assert "--tensor-parallel does not shard model_type 'gpt_bigcode'" in line and "serve_tp2" in line, line
 
 
 def _children(pid: int) -> set[int]:

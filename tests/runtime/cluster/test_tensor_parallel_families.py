@@ -23,15 +23,20 @@ from deltazip.runtime.serve.variant_sources import discover_variants
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "gemma4", "granite", "smollm3", "cohere", "apertus",
-                                  "nemotron", "exaone", "phi3", "olmo2", "olmo3"])
+                                  "nemotron", "exaone", "phi3", "olmo2", "olmo3", "starcoder2", "phi", "opt", "gptj",
+                                  "xglm", "gpt_neox", "persimmon"])
 def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
     """Families whose attention splits by heads with nothing shared across them (Qwen3's per-head q/k
     norms; Gemma 2's soft-capped logits and sliding windows; Gemma 3; Gemma 4's per-layer inputs;
     Granite's multipliers; SmolLM3's layers without rotary positions; Cohere's parallel attention and
     MLP; Apertus' and Nemotron's ungated MLPs; EXAONE; Phi-3's fused ``qkv_proj`` and
     ``gate_up_proj``, cut block by block; OLMo 2 and 3, whose q/k norms span every head: each rank
-    keeps its heads' columns and the sum of squares is all-reduced): two ranks serve a compressed
-    fine-tune's greedy text and log probabilities as the merged model generates them."""
+    keeps its heads' columns and the sum of squares is all-reduced; projections named otherwise:
+    StarCoder2's ``c_fc``/``c_proj`` with biases, Phi-2's ``dense``/``fc1``/``fc2``, OPT's and XGLM's
+    ``out_proj`` and layer-level ``fc1``/``fc2`` (XGLM reshaping to its own width), GPT-J's
+    ``transformer.h`` layers, GPT-NeoX's and Persimmon's ``query_key_value`` holding each head's q, k
+    and v together): two ranks serve a compressed fine-tune's greedy text and log probabilities as
+    the merged model generates them."""
     ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2, vocab_size=128)
     if arch == "gemma4":  # its dense form (the factory's has experts and one global KV head, which 2 cannot split)
         ids.update(enable_moe_block=False, attention_k_eq_v=False, num_global_key_value_heads=2)
@@ -100,3 +105,34 @@ def test_fused_projection_shards_keep_each_ranks_share_of_every_block():
         got[:, rows] = x @ (delta_weight(part["packed"]) + part["dense"] + part["lora_b"] @ part["lora_a"]).T \
             + part["bias"]
     assert torch.allclose(got, full, atol=1e-5)
+
+
+def test_the_decoder_layers_are_named_as_the_checkpoint_names_them(tmp_path):
+    """The manifest check before any rank starts looks at the tensors under the decoder list's
+    checkpoint name: GPT-J's ``transformer.h``, an image-text model's language model's (never the
+    vision tower's ``layers``, whose ``fc2`` a shard would not cut)."""
+    from safetensors import safe_open
+
+    from deltazip.runtime.cluster.tensor_parallel import checkpoint_layers
+
+    for arch, want in (("llama", "model.layers"), ("gptj", "transformer.h"), ("gemma3_vl", "language_model.model.layers")):
+        d = save_model(tiny_model(arch), tmp_path / arch, tokenizer=False)
+        assert checkpoint_layers(d) == want
+        with safe_open(str(d / "model.safetensors"), "pt") as f:
+            assert any(n.startswith(f"{want}.0.") for n in f.keys())
+
+
+def test_a_model_whose_layers_hold_nothing_it_splits_is_refused(tmp_path, monkeypatch):
+    """Were a family's projections named otherwise than the lists say, every rank would run and hold
+    the whole model: rank 0, seeing no projection of its lists in the layers, refuses in one line."""
+    from deltazip.formats.errors import InputError
+    from deltazip.runtime.cluster import tensor_parallel
+
+    # rank 0 finds no projection it splits (rank 1, spawned, shards as usual)
+    monkeypatch.setattr(tensor_parallel, "shard_kind", lambda name, layers=None: None)
+    with single_thread():
+        base_dir = save_model(tiny_model("llama"), tmp_path / "base")
+        with pytest.raises(InputError, match=r"rank 0: .*found no projection it splits in decoder layer 0 of "
+                                             r"LlamaForCausalLM; serve this base with --tensor-parallel 1") as e:
+            start_tensor_parallel(Checkpoint(base_dir), [], 1, torch.device("cpu"), torch.float32, 2)
+    assert "\n" not in str(e.value)

@@ -89,7 +89,7 @@ def _served_as_merged(tmp_path, ck, base_model, tok, prompts, delta_compute: str
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "ernie4_5_moe", "afmoe", "llama4",
-                                  "deepseek_v3", "olmoe", "flex_olmo"])
+                                  "deepseek_v3", "olmoe", "flex_olmo", "minimax_m2"])
 def test_moe_models_shard_by_expert_width_and_answer_as_the_merged_model(tmp_path, arch):
     """Mixtral (per-expert ``w1``/``w3``/``w2`` in the checkpoint), Qwen2-MoE (shared experts and
     their gate), Qwen3-MoE (per-head q/k norms), Phi-3.5-MoE (an ``nn.Linear`` router with its own
@@ -97,8 +97,8 @@ def test_moe_models_shard_by_expert_width_and_answer_as_the_merged_model(tmp_pat
     router bias the block passes), Llama 4 (experts stored ``[E, in, out]`` and run over every token,
     summed with a shared expert inside the block, whose output is the one all-reduced), DeepSeek-V3
     (multi-head latent attention: the latents are made whole on every rank, their per-head
-    expansions split), OLMoE and FlexOlmo (q/k norms over every head, split by columns with their
-    sums of squares all-reduced; OLMoE's q/k/v clipped): two ranks
+    expansions split), OLMoE, FlexOlmo and MiniMax-M2 (q/k norms over every head, split by columns
+    with their sums of squares all-reduced; OLMoE's q/k/v clipped): two ranks
     give the merged model's greedy text and log probabilities, 4-bit groups of 16."""
     with single_thread():
         ck, base, tok = _pair(tmp_path, arch, DeltaScheme(bits=4, group_size=16, sparsity="none"))
