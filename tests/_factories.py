@@ -158,6 +158,8 @@ ARCH_CONFIGS = {
                    num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128),
     # q/k norms over every head (OLMo 2/3; OLMoE and FlexOlmo beside fused experts); OLMo 3's sliding layers
     "olmo2": dict(_LM, model_type="olmo2"),
+    # sub-layer norms over the attention's output and the MLP's product, before o_proj and down_proj
+    "bitnet": dict(_LM, model_type="bitnet"),
     "olmo3": dict(_LM, model_type="olmo3", sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
     "olmoe": dict(_LM, model_type="olmoe", num_experts=4, num_experts_per_tok=2, clip_qkv=8.0),
     "flex_olmo": dict(_LM, model_type="flex_olmo", num_experts=4, num_experts_per_tok=2),

@@ -22,9 +22,10 @@ A packed delta (``deltazip.kernels.packed``) shards the same way. Column shards 
 rows. Row shards slice codes, 2:4 positions and group scales/zeros along the input dimension, which
 only works when a shard holds whole quantization groups (and so whole 2:4 blocks): that is checked
 before serving (:func:`check_variant`). Embeddings, norms and ``lm_head`` stay replicated, but for a
-query or key norm over every head (OLMo 2), which keeps its heads' columns and all-reduces the sum of
-squares (:mod:`deltazip.runtime.cluster.tp_norms`); any other attention tensor that would not split
-with the heads is refused (:func:`check_attention`).
+norm over a split width (a query or key norm over every head, OLMo 2's; BitNet's sub-layer norms),
+which keeps the rank's columns and all-reduces the sum of squares
+(:mod:`deltazip.runtime.cluster.tp_norms`); any other attention tensor that would not split with the
+heads is refused (:func:`check_attention`).
 
 The artifact layout does not change: everything here runs when a model or a variant is loaded.
 """
@@ -42,7 +43,7 @@ from deltazip.models.layer_map import checkpoint_prefix
 from deltazip.models.loader import text_config
 from deltazip.models.model_walk import decoder_layers, dense_routed, empty_model, experts_transposed
 from deltazip.models.param_names import module_names
-from deltazip.runtime.cluster.tp_norms import QK_NORMS, ShardedRMSNorm, split_qk_norms
+from deltazip.runtime.cluster.tp_norms import ShardedRMSNorm, split_norms
 from deltazip.runtime.cluster.tp_shards import (
     expert_blocks,
     fused_blocks,
@@ -75,7 +76,7 @@ SUPPORTED_MODEL_TYPES = (
     "smollm3", "mllama_text_model", "stablelm", "cohere", "cohere2", "olmo", "exaone", "exaone4",
     "hunyuan_v1_dense", "ernie4_5", "seed_oss", "apertus", "nemotron", "arcee", "helium", "internlm3", "minicpm3",
     "phi3", "glm", "glm4", "olmo2", "olmo3", "starcoder2", "phi", "nanochat", "opt", "xglm", "gpt_neo", "gptj",
-    "glm4v_text", "gpt_neox", "persimmon")
+    "glm4v_text", "gpt_neox", "persimmon", "bitnet")
 # The same attention beside mixture-of-experts layers of fused experts (and plain MLP layers and
 # shared experts, sharded as any MLP).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe", "granitemoe",
@@ -88,12 +89,12 @@ MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "ph
 INTERLEAVED_GATE_UP = ("gpt_oss",)
 # Fused projections (Phi-3's ``qkv_proj``, a ``gate_up_proj`` linear) are column-parallel block by
 # block (``tp_shards.fused_blocks``); GPT-NeoX's and Persimmon's ``query_key_value`` hold each head's
-# q, k and v together, so a plain split of its rows is a split by heads. The MLPs and output
-# projections of GPT-2-era layouts go by other names (StarCoder2's ``c_fc``/``c_proj``, OPT's and
-# Phi-2's ``fc1``/``fc2``, GPT-J's ``fc_in``/``fc_out``, ``out_proj``, ``dense``); a decoder layer in
-# which none of these names is found is refused rather than run whole on every rank. Multi-head latent attention (DeepSeek-V2/V3 and kin) splits its
-# per-head expansions (``q_b_proj``, ``kv_b_proj``); what makes the latents, which every head reads,
-# stays whole (``LATENT``).
+# q, k and v together, so a plain split of its rows is a split by heads. Multi-head latent attention
+# (DeepSeek-V2/V3 and kin) splits its per-head expansions (``q_b_proj``, ``kv_b_proj``); what makes
+# the latents, which every head reads, stays whole (``LATENT``). The MLPs and output projections of
+# GPT-2-era layouts go by other names (StarCoder2's ``c_fc``/``c_proj``, OPT's and Phi-2's
+# ``fc1``/``fc2``, GPT-J's ``fc_in``/``fc_out``, ``out_proj``, ``dense``); a decoder layer in which
+# none of these names is found is refused rather than run whole on every rank.
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "qkv_proj",
                    "gate_up_proj", "c_fc", "fc1", "fc_in", "query_key_value", "dense_h_to_4h")
 LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
@@ -185,8 +186,8 @@ def checkpoint_layers(model_dir) -> str:
 
 def check_attention(attn: nn.Module, name: str, head_dim: int) -> None:
     """Refuse an attention module holding a tensor that splitting its heads would not split with them:
-    anything beyond its sharded projections, per-head norms of ``[head_dim]`` and the q/k norms over
-    every head already split (``tp_norms``): one weight per head, Cohere's q/k norms, say.
+    anything beyond its sharded projections, per-head norms of ``[head_dim]`` and the norms over a
+    split width already split (``tp_norms``): one weight per head, Cohere's q/k norms, say.
 
     Raises:
         InputError: naming the tensor.
@@ -253,7 +254,7 @@ class ShardedDeltaModel(DeltaModel):
         self._experts: dict[str, bool] = {}  # fused-experts modules (sharded by expert width, all-reduced)
         # -> whether stored [E, in, out]
         self._sinks: set[str] = set()  # attention modules whose sinks are sharded by heads
-        self._split_norms: set[str] = set()  # q/k norms over every head, kept by columns (tp_norms)
+        self._split_norms: set[str] = set()  # norms over a split width, kept by columns (tp_norms)
         self._interleaved = text_config(model.config).model_type in INTERLEAVED_GATE_UP
         # MoE blocks of experts run over every token (Llama 4): their [E * T, H] output is summed over
         # experts and added to the shared expert's inside the block, so the block's output is what is
@@ -265,6 +266,9 @@ class ShardedDeltaModel(DeltaModel):
         heads = {n: _head_dim(m, model.config) for n, m in model.named_modules() if _is_attention(m)}
         touched: set[str] = set()  # the decoder layers (their index) in which something was split
         for name, mod in model.named_modules():
+            if name.startswith(f"{self._layers}."):  # (before the attention's own check, which they would fail)
+                norms = split_norms(mod, name, self._full_linears, rank, world, self.group)
+                self._split_norms.update(f"{name}.{c}" for c in norms)
             kind = self._kind(name)
             if kind is not None and isinstance(mod, nn.Linear):
                 parent, _, leaf = name.rpartition(".")
@@ -278,10 +282,6 @@ class ShardedDeltaModel(DeltaModel):
                 self._experts[name] = experts_transposed(mod)
                 touched.add(name[len(self._layers) + 1:].partition(".")[0])
             elif name.startswith(f"{self._layers}.") and name in heads:
-                widths = {p: self._full_linears[f"{name}.{p}"][0] for p in QK_NORMS.values()
-                          if f"{name}.{p}" in self._full_linears}
-                norms = split_qk_norms(mod, widths, heads[name], rank, world, self.group)
-                self._split_norms.update(f"{name}.{c}" for c in norms)
                 check_attention(mod, name, heads[name])
                 shard_head_counts(mod, world)
                 if isinstance(getattr(mod, "sinks", None), nn.Parameter):

@@ -1,9 +1,11 @@
-"""Query and key norms over every head (OLMo 2/3, OLMoE, FlexOlmo), split across tensor-parallel ranks.
+"""Norms over a width that tensor parallelism splits, split with it.
 
-Such a model normalises ``q_proj``'s whole output ``[T, H * d]`` (and ``k_proj``'s, ``[T, H_kv * d]``)
-before splitting it into heads. A rank holds its heads' columns only, so its norm keeps the same
-columns of the weight, and the root mean square over the full width is found from each rank's sum of
-squares, all-reduced: one ``[T, 1]`` fp32 all-reduce per norm and step.
+OLMo 2/3, OLMoE, FlexOlmo and MiniMax-M2 normalise ``q_proj``'s whole output ``[T, H * d]`` (and
+``k_proj``'s, ``[T, H_kv * d]``) before splitting it into heads; BitNet normalises the attention's
+output before ``o_proj`` and the MLP's product before ``down_proj`` (its sub-layer norms). A rank
+holds its share of those columns only, so its norm keeps the same columns of the weight, and the
+root mean square over the full width is found from each rank's sum of squares, all-reduced: one
+``[T, 1]`` fp32 all-reduce per norm and step.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from torch import nn
 from deltazip.runtime.cluster.tp_shards import span
 from deltazip.runtime.serve.delta_norms import RMS_SCALES, norm_eps, rms_norm_style
 
-QK_NORMS = {"q_norm": "q_proj", "k_norm": "k_proj"}  # a norm of a projection's whole output -> the projection
+# a norm over a split width -> the projection beside it, and which of its widths (0: out, 1: in) it spans
+SPLIT_NORMS = {"q_norm": ("q_proj", 0), "k_norm": ("k_proj", 0), "attn_sub_norm": ("o_proj", 1),
+               "ffn_sub_norm": ("down_proj", 1)}
 
 
 class ShardedRMSNorm(nn.Module):
@@ -46,20 +50,22 @@ class ShardedRMSNorm(nn.Module):
         return self.norm_rows(x, self.weight, self.variance_epsilon)
 
 
-def split_qk_norms(attn: nn.Module, widths: dict[str, int], head_dim: int, rank: int, world: int, group) -> list[str]:
-    """Replace ``attn``'s query and key norms that span every head (``[out]`` of their projection's
-    full output ``widths[proj]``, not one head's ``[head_dim]``) with their :class:`ShardedRMSNorm`;
-    the names replaced. A norm of another form (a bias, a mean subtracted) is left for
+def split_norms(mod: nn.Module, name: str, full_linears: dict[str, tuple[int, int]], rank: int, world: int,
+                group) -> list[str]:
+    """Replace the norms of module ``name`` that span a split width (the full ``out`` of the column-parallel
+    projection beside them, or the full ``in`` of the row-parallel one: ``full_linears[name.proj]``,
+    ``(out, in)``) with their :class:`ShardedRMSNorm`; the children replaced. One head's norm
+    (``[head_dim]``) is no such width. A norm of another form (a bias, a mean subtracted) is left for
     ``check_attention`` to refuse by name."""
     split = []
-    for child, proj in QK_NORMS.items():
-        norm = getattr(attn, child, None)
+    for child, (proj, axis) in SPLIT_NORMS.items():
+        norm, shape = getattr(mod, child, None), full_linears.get(f"{name}.{proj}")
         w = getattr(norm, "weight", None)
-        if not isinstance(w, torch.Tensor) or w.dim() != 1 or w.shape[0] == head_dim or w.shape[0] != widths.get(proj):
+        if shape is None or not isinstance(w, torch.Tensor) or w.dim() != 1 or w.shape[0] != shape[axis]:
             continue
         style = rms_norm_style(norm)
         if style not in RMS_SCALES:
             continue
-        setattr(attn, child, ShardedRMSNorm(norm, style, rank, world, group))
+        setattr(mod, child, ShardedRMSNorm(norm, style, rank, world, group))
         split.append(child)
     return split

@@ -24,14 +24,15 @@ from deltazip.runtime.serve.variant_sources import discover_variants
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "gemma4", "granite", "smollm3", "cohere", "apertus",
                                   "nemotron", "exaone", "phi3", "olmo2", "olmo3", "starcoder2", "phi", "opt", "gptj",
-                                  "xglm", "gpt_neox", "persimmon"])
+                                  "xglm", "gpt_neox", "persimmon", "bitnet"])
 def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
     """Families whose attention splits by heads with nothing shared across them (Qwen3's per-head q/k
     norms; Gemma 2's soft-capped logits and sliding windows; Gemma 3; Gemma 4's per-layer inputs;
     Granite's multipliers; SmolLM3's layers without rotary positions; Cohere's parallel attention and
     MLP; Apertus' and Nemotron's ungated MLPs; EXAONE; Phi-3's fused ``qkv_proj`` and
-    ``gate_up_proj``, cut block by block; OLMo 2 and 3, whose q/k norms span every head: each rank
-    keeps its heads' columns and the sum of squares is all-reduced; projections named otherwise:
+    ``gate_up_proj``, cut block by block; OLMo 2 and 3, whose q/k norms span every head, and BitNet,
+    whose sub-layer norms span the split widths: each rank keeps its columns and the sum of squares
+    is all-reduced; projections named otherwise:
     StarCoder2's ``c_fc``/``c_proj`` with biases, Phi-2's ``dense``/``fc1``/``fc2``, OPT's and XGLM's
     ``out_proj`` and layer-level ``fc1``/``fc2`` (XGLM reshaping to its own width), GPT-J's
     ``transformer.h`` layers, GPT-NeoX's and Persimmon's ``query_key_value`` holding each head's q, k
