@@ -170,6 +170,11 @@ ARCH_CONFIGS = {
     "xglm": dict(model_type="xglm", d_model=64, ffn_dim=128, attention_heads=4, num_layers=2,
                  max_position_embeddings=128),
     "persimmon": dict(_LM, model_type="persimmon", num_key_value_heads=4),
+    # Falcon's query_key_value grouped by KV head (Falcon-40B's layout), and by head (no multi-query)
+    "falcon": dict(model_type="falcon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, alibi=False,
+                   new_decoder_architecture=True, num_kv_heads=2, max_position_embeddings=128),
+    "falcon_mha": dict(model_type="falcon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, alibi=False,
+                       multi_query=False, max_position_embeddings=128),
     "minimax_m2": dict(_LM, model_type="minimax_m2", head_dim=16, intermediate_size=32, num_local_experts=4,
                        num_experts_per_tok=2),
     # checkpoint names transformers renames on load, layer prefix included (transformer.h.3.attn.attention.q_proj)

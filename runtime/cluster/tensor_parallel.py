@@ -76,7 +76,7 @@ SUPPORTED_MODEL_TYPES = (
     "smollm3", "mllama_text_model", "stablelm", "cohere", "cohere2", "olmo", "exaone", "exaone4",
     "hunyuan_v1_dense", "ernie4_5", "seed_oss", "apertus", "nemotron", "arcee", "helium", "internlm3", "minicpm3",
     "phi3", "glm", "glm4", "olmo2", "olmo3", "starcoder2", "phi", "nanochat", "opt", "xglm", "gpt_neo", "gptj",
-    "glm4v_text", "gpt_neox", "persimmon", "bitnet")
+    "glm4v_text", "gpt_neox", "persimmon", "bitnet", "falcon")
 # The same attention beside mixture-of-experts layers of fused experts (and plain MLP layers and
 # shared experts, sharded as any MLP).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe", "granitemoe",
@@ -89,7 +89,8 @@ MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "ph
 INTERLEAVED_GATE_UP = ("gpt_oss",)
 # Fused projections (Phi-3's ``qkv_proj``, a ``gate_up_proj`` linear) are column-parallel block by
 # block (``tp_shards.fused_blocks``); GPT-NeoX's and Persimmon's ``query_key_value`` hold each head's
-# q, k and v together, so a plain split of its rows is a split by heads. Multi-head latent attention
+# q, k and v together (Falcon's each KV group's queries, key and value), so a plain split of its rows
+# is a split by heads. Multi-head latent attention
 # (DeepSeek-V2/V3 and kin) splits its per-head expansions (``q_b_proj``, ``kv_b_proj``); what makes
 # the latents, which every head reads, stays whole (``LATENT``). The MLPs and output projections of
 # GPT-2-era layouts go by other names (StarCoder2's ``c_fc``/``c_proj``, OPT's and Phi-2's
@@ -125,6 +126,9 @@ def check_config(config, world: int) -> None:
         raise InputError(f"--tensor-parallel does not shard model_type {mt!r} (its layers are not split by heads and "
                          "intermediate width alike; the support matrix's serve_tp2 column lists the families it "
                          "shards); serve this base with --tensor-parallel 1")
+    if getattr(config, "alibi", False):  # the model builds one slope per head for every head, not a rank's
+        raise InputError(f"--tensor-parallel does not split this {mt} model's ALiBi position biases (one slope per "
+                         "head); serve this base with --tensor-parallel 1")
     for key, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
                       ("intermediate_size", "intermediate size"), ("moe_intermediate_size", "expert width"),
                       ("shared_expert_intermediate_size", "shared expert width"),
@@ -135,10 +139,18 @@ def check_config(config, world: int) -> None:
             raise InputError(f"--tensor-parallel needs one {what} count for every layer, and this {mt} model's "
                              f"varies per layer; serve this base with --tensor-parallel 1") from e
         if value is None and key == "num_key_value_heads":
-            value = config.num_attention_heads  # no GQA: as many KV heads as query heads
+            value = _kv_heads(config)
         if value is not None and value % world:
             raise InputError(f"--tensor-parallel {world} does not divide the model's {what} ({value}); use a "
                              f"degree that divides it")
+
+
+def _kv_heads(config) -> int:
+    """KV heads of a config without ``num_key_value_heads``: Falcon's ``num_kv_heads`` (one in its
+    multi-query layout, Falcon-7B's), else as many as query heads (no GQA)."""
+    if getattr(config, "model_type", None) == "falcon":
+        return config.num_kv_heads if config.new_decoder_architecture or not config.multi_query else 1
+    return config.num_attention_heads
 
 
 def check_variant(v: VariantInfo, row_in: dict[str, int], world: int) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltazip.formats.errors import InputError
 from deltazip.runtime.cluster.tp_shards import span
 from deltazip.runtime.serve.delta_norms import RMS_SCALES, norm_eps, rms_norm_style
 
@@ -55,8 +56,12 @@ def split_norms(mod: nn.Module, name: str, full_linears: dict[str, tuple[int, in
     """Replace the norms of module ``name`` that span a split width (the full ``out`` of the column-parallel
     projection beside them, or the full ``in`` of the row-parallel one: ``full_linears[name.proj]``,
     ``(out, in)``) with their :class:`ShardedRMSNorm`; the children replaced. One head's norm
-    (``[head_dim]``) is no such width. A norm of another form (a bias, a mean subtracted) is left for
-    ``check_attention`` to refuse by name."""
+    (``[head_dim]``) is no such width.
+
+    Raises:
+        InputError: such a norm is not an RMSNorm of :data:`RMS_SCALES` (a bias, a mean subtracted),
+            whose statistics one sum of squares would not give.
+    """
     split = []
     for child, (proj, axis) in SPLIT_NORMS.items():
         norm, shape = getattr(mod, child, None), full_linears.get(f"{name}.{proj}")
@@ -65,7 +70,8 @@ def split_norms(mod: nn.Module, name: str, full_linears: dict[str, tuple[int, in
             continue
         style = rms_norm_style(norm)
         if style not in RMS_SCALES:
-            continue
+            raise InputError(f"--tensor-parallel cannot split {name}.{child} ({type(norm).__name__} over the full "
+                             f"width {shape[axis]}, not an RMSNorm); serve this base with --tensor-parallel 1")
         setattr(mod, child, ShardedRMSNorm(norm, style, rank, world, group))
         split.append(child)
     return split

@@ -24,7 +24,7 @@ from deltazip.runtime.serve.variant_sources import discover_variants
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "gemma4", "granite", "smollm3", "cohere", "apertus",
                                   "nemotron", "exaone", "phi3", "olmo2", "olmo3", "starcoder2", "phi", "opt", "gptj",
-                                  "xglm", "gpt_neox", "persimmon", "bitnet"])
+                                  "xglm", "gpt_neox", "persimmon", "bitnet", "falcon", "falcon_mha"])
 def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
     """Families whose attention splits by heads with nothing shared across them (Qwen3's per-head q/k
     norms; Gemma 2's soft-capped logits and sliding windows; Gemma 3; Gemma 4's per-layer inputs;
@@ -36,7 +36,7 @@ def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
     StarCoder2's ``c_fc``/``c_proj`` with biases, Phi-2's ``dense``/``fc1``/``fc2``, OPT's and XGLM's
     ``out_proj`` and layer-level ``fc1``/``fc2`` (XGLM reshaping to its own width), GPT-J's
     ``transformer.h`` layers, GPT-NeoX's and Persimmon's ``query_key_value`` holding each head's q, k
-    and v together): two ranks serve a compressed fine-tune's greedy text and log probabilities as
+    and v together, Falcon's each KV group's): two ranks serve a compressed fine-tune's greedy text and log probabilities as
     the merged model generates them."""
     ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2, vocab_size=128)
     if arch == "gemma4":  # its dense form (the factory's has experts and one global KV head, which 2 cannot split)
@@ -137,3 +137,37 @@ def test_a_model_whose_layers_hold_nothing_it_splits_is_refused(tmp_path, monkey
                                              r"LlamaForCausalLM; serve this base with --tensor-parallel 1") as e:
             start_tensor_parallel(Checkpoint(base_dir), [], 1, torch.device("cpu"), torch.float32, 2)
     assert "\n" not in str(e.value)
+
+
+def test_a_norm_over_a_split_width_that_is_not_an_rmsnorm_is_refused_by_name():
+    """A sum of squares per rank gives an RMSNorm's statistics, not a LayerNorm's (its mean): a
+    LayerNorm over OLMo 2's whole query width is refused, naming it; the RMSNorm is split."""
+    from deltazip.formats.errors import InputError
+    from deltazip.runtime.cluster.tp_norms import ShardedRMSNorm, split_norms
+
+    attn = tiny_model("olmo2").model.layers[0].self_attn
+    full = {"a.q_proj": (64, 64), "a.k_proj": (32, 64)}
+    assert split_norms(attn, "a", full, 0, 2, None) == ["q_norm", "k_norm"]
+    assert isinstance(attn.q_norm, ShardedRMSNorm) and attn.q_norm.weight.shape == (32,)
+    attn = tiny_model("olmo2").model.layers[0].self_attn
+    attn.q_norm = torch.nn.LayerNorm(64)
+    with pytest.raises(InputError, match=r"cannot split a\.q_norm \(LayerNorm over the full width 64, not an "
+                                         r"RMSNorm\); serve this base with --tensor-parallel 1"):
+        split_norms(attn, "a", full, 0, 2, None)
+
+
+def test_falcon_layouts_a_degree_cannot_split_are_refused_in_one_line():
+    """Falcon-7B's multi-query layout has one KV head for every query head, and ALiBi models build a
+    slope for every head: neither splits, each refused by what it is."""
+    from transformers import AutoConfig
+
+    from deltazip.formats.errors import InputError
+    from deltazip.runtime.cluster.tensor_parallel import check_config
+
+    base = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
+    check_config(AutoConfig.for_model("falcon", **base, new_decoder_architecture=True, num_kv_heads=2), 2)
+    check_config(AutoConfig.for_model("falcon", **base, multi_query=False), 2)
+    with pytest.raises(InputError, match=r"--tensor-parallel 2 does not divide the model's KV heads \(1\)"):
+        check_config(AutoConfig.for_model("falcon", **base), 2)  # multi_query by default
+    with pytest.raises(InputError, match=r"does not split this falcon model's ALiBi position biases"):
+        check_config(AutoConfig.for_model("falcon", **base, multi_query=False, alibi=True), 2)
