@@ -234,11 +234,11 @@ def shard_linear(mod: nn.Linear, kind: str, rank: int, world: int, rows: torch.T
 
 def shard_head_counts(attn: nn.Module, world: int) -> None:
     """An attention module that views its projections with its own head counts (Mllama's
-    ``num_heads``, ``num_key_value_heads``, GPT-J's ``num_attention_heads``, Falcon's ``num_kv_heads``) or
-    reshapes its heads'
-    output to its own width (XGLM's ``embed_dim``, heads x head width) holds ``1/world`` of them on
-    each rank; one that reads them from its config in the forward (Phi-3 finds the end of its
-    queries in ``qkv_proj``'s output so) gets a copy of its config with the rank's counts."""
+    ``num_heads``, ``num_key_value_heads``, GPT-J's ``num_attention_heads``, Falcon's
+    ``num_kv_heads``) or reshapes its heads' output to its own width (XGLM's ``embed_dim``, heads x
+    head width) holds ``1/world`` of them on each rank; one that reads them from its config in the
+    forward (Phi-3 finds the end of its queries in ``qkv_proj``'s output so) gets a copy of its
+    config with the rank's counts."""
     heads, head_dim, width = (getattr(attn, a, None) for a in ("num_heads", "head_dim", "embed_dim"))
     if isinstance(width, int) and isinstance(heads, int) and isinstance(head_dim, int) and width == heads * head_dim:
         attn.embed_dim = width // world
