@@ -278,9 +278,12 @@ class ShardedDeltaModel(DeltaModel):
         heads = {n: _head_dim(m, model.config) for n, m in model.named_modules() if _is_attention(m)}
         touched: set[str] = set()  # the decoder layers (their index) in which something was split
         for name, mod in model.named_modules():
-            if name.startswith(f"{self._layers}."):  # (before the attention's own check, which they would fail)
-                norms = split_norms(mod, name, self._full_linears, rank, world, self.group)
-                self._split_norms.update(f"{name}.{c}" for c in norms)
+            if not name.startswith(f"{self._layers}."):
+                continue
+            layer = name[len(self._layers) + 1:].partition(".")[0]
+            # (norms first: the attention's own check would refuse them whole)
+            norms = split_norms(mod, name, self._full_linears, rank, world, self.group)
+            self._split_norms.update(f"{name}.{c}" for c in norms)
             kind = self._kind(name)
             if kind is not None and isinstance(mod, nn.Linear):
                 parent, _, leaf = name.rpartition(".")
@@ -288,12 +291,12 @@ class ShardedDeltaModel(DeltaModel):
                 if sizes is not None:
                     self._fused_rows[name] = kept_rows(sizes, rank, world)
                 shard_linear(mod, kind, rank, world, self._fused_rows.get(name))
-                touched.add(name[len(self._layers) + 1:].partition(".")[0])
-            elif name.startswith(f"{self._layers}.") and is_fused_experts(mod):
+                touched.add(layer)
+            elif is_fused_experts(mod):
                 shard_experts(mod, rank, world, self._interleaved)
                 self._experts[name] = experts_transposed(mod)
-                touched.add(name[len(self._layers) + 1:].partition(".")[0])
-            elif name.startswith(f"{self._layers}.") and name in heads:
+                touched.add(layer)
+            elif name in heads:
                 check_attention(mod, name, heads[name])
                 shard_head_counts(mod, world)
                 if isinstance(getattr(mod, "sinks", None), nn.Parameter):
