@@ -123,10 +123,28 @@ ARCH_CONFIGS = {
                     num_key_value_heads=2, head_dim=16, num_hidden_layers=3, max_position_embeddings=128,
                     layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_value_heads=4,
                     linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    # the same linear attention beside experts with a shared expert (Qwen3-Next's projections fused per key head)
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, num_hidden_layers=3, max_position_embeddings=128,
+                        layer_types=["linear_attention", "full_attention", "linear_attention"],
+                        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                        linear_value_head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                        shared_expert_intermediate_size=32),
+    "qwen3_next": dict(model_type="qwen3_next", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, num_hidden_layers=3, max_position_embeddings=128,
+                       layer_types=["linear_attention", "full_attention", "linear_attention"],
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                       shared_expert_intermediate_size=32),
     # hybrid: short-convolution layers (a convolution window per sequence) beside attention layers
     "lfm2": dict(model_type="lfm2", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=128,
                  layer_types=["conv", "full_attention", "conv"]),
+    # the same beside experts (a router with a correction bias), the first layer a dense MLP
+    "lfm2_moe": dict(model_type="lfm2_moe", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                     num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=128,
+                     layer_types=["conv", "full_attention", "conv"], num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=32, num_dense_layers=1),
     # a router whose own [E, H] weight sits beside statistics of its own (a [1, E] correction bias)
     "ernie4_5_moe": dict(model_type="ernie4_5_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                          num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128,

@@ -25,7 +25,9 @@ before serving (:func:`check_variant`). Embeddings, norms and ``lm_head`` stay r
 norm over a split width (a query or key norm over every head, OLMo 2's; BitNet's sub-layer norms),
 which keeps the rank's columns and all-reduces the sum of squares
 (:mod:`deltazip.runtime.cluster.tp_norms`); any other attention tensor that would not split with the
-heads is refused (:func:`check_attention`).
+heads is refused (:func:`check_attention`). Recurrent mixers of hybrid models (Qwen3.5's gated delta
+nets, LFM2's short convolutions) split by channels like an attention by heads, their own tensors
+and their linears with them (:mod:`deltazip.runtime.cluster.tp_mixers`).
 
 The artifact layout does not change: everything here runs when a model or a variant is loaded.
 """
@@ -43,6 +45,7 @@ from deltazip.models.layer_map import checkpoint_prefix
 from deltazip.models.loader import text_config
 from deltazip.models.model_walk import decoder_layers, dense_routed, empty_model, experts_transposed
 from deltazip.models.param_names import module_names
+from deltazip.runtime.cluster.tp_mixers import MixerShard, shard_mixer_tensors, split_mixer
 from deltazip.runtime.cluster.tp_norms import ShardedRMSNorm, split_norms
 from deltazip.runtime.cluster.tp_shards import (
     expert_blocks,
@@ -76,14 +79,15 @@ SUPPORTED_MODEL_TYPES = (
     "smollm3", "mllama_text_model", "stablelm", "cohere", "cohere2", "olmo", "exaone", "exaone4",
     "hunyuan_v1_dense", "ernie4_5", "seed_oss", "apertus", "nemotron", "arcee", "helium", "internlm3", "minicpm3",
     "phi3", "glm", "glm4", "olmo2", "olmo3", "starcoder2", "phi", "nanochat", "opt", "xglm", "gpt_neo", "gptj",
-    "glm4v_text", "gpt_neox", "persimmon", "bitnet", "falcon")
+    "glm4v_text", "gpt_neox", "persimmon", "bitnet", "falcon",
+    "qwen3_5_text", "lfm2")  # (with recurrent mixers beside the attention layers, split by channels: tp_mixers)
 # The same attention beside mixture-of-experts layers of fused experts (and plain MLP layers and
 # shared experts, sharded as any MLP).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe", "granitemoe",
                    "granitemoeshared", "granitemoe_swa", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1",
                    "cohere2_moe", "exaone_moe", "solar_open", "afmoe", "hy_v3", "gpt_oss", "llama4_text",
                    "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "olmoe", "flex_olmo", "minimax_m2",
-                   "mimo_v2_flash")
+                   "mimo_v2_flash", "qwen3_5_moe_text", "qwen3_next", "lfm2_moe")
 # Experts whose gate and up columns alternate in ``gate_up_proj`` (GPT-OSS's ``gate_up[..., ::2]``);
 # the others stack the gate half, then the up half (``chunk(2)``).
 INTERLEAVED_GATE_UP = ("gpt_oss",)
@@ -97,9 +101,9 @@ INTERLEAVED_GATE_UP = ("gpt_oss",)
 # ``fc1``/``fc2``, GPT-J's ``fc_in``/``fc_out``, ``out_proj``, ``dense``); a decoder layer in which
 # none of these names is found is refused rather than run whole on every rank.
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "qkv_proj",
-                   "gate_up_proj", "c_fc", "fc1", "fc_in", "query_key_value", "dense_h_to_4h")
+                   "gate_up_proj", "c_fc", "fc1", "fc_in", "query_key_value", "dense_h_to_4h", "w1", "w3")
 LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
-ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "fc2", "fc_out", "out_proj", "dense", "dense_4h_to_h")
+ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "fc2", "fc_out", "out_proj", "dense", "dense_4h_to_h", "w2")
 
 
 def shard_kind(module_name: str, layers: str | None = None) -> str | None:
@@ -132,7 +136,9 @@ def check_config(config, world: int) -> None:
     for key, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
                       ("intermediate_size", "intermediate size"), ("moe_intermediate_size", "expert width"),
                       ("shared_expert_intermediate_size", "shared expert width"),
-                      ("intermediate_size_mlp", "MLP width"), ("ffn_dim", "MLP width"), ("n_inner", "MLP width")):
+                      ("intermediate_size_mlp", "MLP width"), ("ffn_dim", "MLP width"), ("n_inner", "MLP width"),
+                      ("linear_num_key_heads", "linear-attention key heads"),
+                      ("linear_num_value_heads", "linear-attention value heads")):
         try:
             value = getattr(config, key, None)
         except Exception as e:  # transformers refuses one value for a setting that differs per layer
@@ -267,6 +273,8 @@ class ShardedDeltaModel(DeltaModel):
         # -> whether stored [E, in, out]
         self._sinks: set[str] = set()  # attention modules whose sinks are sharded by heads
         self._split_norms: set[str] = set()  # norms over a split width, kept by columns (tp_norms)
+        self._mixers: dict[str, MixerShard] = {}  # recurrent mixers, kept by channels (tp_mixers)
+        self._mixer_columns: set[str] = set()  # their linears split by rows, named as the lists do not
         self._interleaved = text_config(model.config).model_type in INTERLEAVED_GATE_UP
         # MoE blocks of experts run over every token (Llama 4): their [E * T, H] output is summed over
         # experts and added to the shared expert's inside the block, so the block's output is what is
@@ -288,6 +296,10 @@ class ShardedDeltaModel(DeltaModel):
             if kind is not None and isinstance(mod, nn.Linear):
                 parent, _, leaf = name.rpartition(".")
                 sizes = fused_blocks(leaf, mod.out_features, model.config, heads.get(parent, 0))
+                width = mod.out_features if kind == "column" else mod.in_features
+                if any(n % world for n in sizes or [width]):  # a span would drop the rows past n // world * world
+                    raise InputError(f"--tensor-parallel {world} does not divide {name}'s {width} "
+                                     f"{'output' if kind == 'column' else 'input'} features; use a degree that divides them")
                 if sizes is not None:
                     self._fused_rows[name] = kept_rows(sizes, rank, world)
                 shard_linear(mod, kind, rank, world, self._fused_rows.get(name))
@@ -296,6 +308,12 @@ class ShardedDeltaModel(DeltaModel):
                 shard_experts(mod, rank, world, self._interleaved)
                 self._experts[name] = experts_transposed(mod)
                 touched.add(layer)
+            elif (mixer := split_mixer(mod, name, rank, world)) is not None:  # (visited before its linears)
+                self._mixers[name] = mixer
+                for child, rows in mixer.columns.items():
+                    self._mixer_columns.add(f"{name}.{child}")
+                    if rows is not None:
+                        self._fused_rows[f"{name}.{child}"] = rows
             elif name in heads:
                 check_attention(mod, name, heads[name])
                 shard_head_counts(mod, world)
@@ -316,7 +334,7 @@ class ShardedDeltaModel(DeltaModel):
         return MoeLayout(self.model, full=self._full_model)
 
     def _kind(self, module_name: str) -> str | None:
-        return shard_kind(module_name, self._layers)
+        return "column" if module_name in self._mixer_columns else shard_kind(module_name, self._layers)
 
     def _reduced(self, name: str) -> str | None:
         """How module ``name``'s output is all-reduced: ``"output"`` (a row-parallel linear, or fused
@@ -423,6 +441,8 @@ class ShardedDeltaModel(DeltaModel):
             kind = self._kind(mname)
             host.modules[mname] = kw if kind is None else shard_slot_args(kw, kind, rank, world,
                                                                           self._fused_rows.get(mname))
+            if mname in self._mixers:  # the variant's own tensors of a recurrent mixer (DeltaMixer's)
+                host.modules[mname] = shard_mixer_tensors(kw, self._mixers[mname], mname)
             for key, held in (("sinks", self._sinks), ("weight", self._split_norms)):
                 if mname in held and key in kw:  # the variant's sinks [H], or norm [H * d]: this rank's heads'
                     host.modules[mname] = {**kw, key: kw[key][span(kw[key].shape[0], rank, world)].clone()}

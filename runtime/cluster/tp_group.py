@@ -225,7 +225,7 @@ class TPWorker:
                 setattr(kv, name, value.to(dev))
             if cross is not None:
                 self._cross_step(kv, cross, keys, past, new, ids.shape[1])
-            self.model.forward(row_slots, ids.to(dev), pos.to(dev), mask.to(dev), kv)
+            self.model.forward(row_slots, ids.to(dev), pos.to(dev), _mask_to(mask, dev), kv)
         for c, n in zip(caches, new):
             c.length += n
 
@@ -251,6 +251,14 @@ class TPWorker:
         kv.cross = cross_step(rows, past, new, tm)
         if kv.cross is not None:
             kv.layers = kv.cross.layers
+
+
+def _mask_to(mask, device: torch.device):
+    """A step's attention mask argument on ``device``: a tensor, or per layer type one (a hybrid
+    model's: its recurrent layers take a 2-D padding mask, its attention layers a 4-D one)."""
+    if isinstance(mask, dict):
+        return {k: _mask_to(m, device) for k, m in mask.items()}
+    return mask.to(device) if isinstance(mask, torch.Tensor) else mask
 
 
 def _image_args(kv) -> dict:
@@ -358,7 +366,7 @@ class TPLeader:
         if cross is not None:
             images["cross"] = cross
         self._group.broadcast(("forward", list(row_slots), input_ids.to(cpu), position_ids.to(cpu),
-                               attention_mask.to(cpu), keys, list(kv.past), list(kv.new), freed, images))
+                               _mask_to(attention_mask, cpu), keys, list(kv.past), list(kv.new), freed, images))
         return self._model.forward(row_slots, input_ids, position_ids, attention_mask, kv)
 
     def _cross_args(self, kv, keys: list[int], row_slots: list[int], freed: list[int]) -> dict | None:

@@ -1,0 +1,113 @@
+"""Recurrent mixers split by channels for tensor parallelism (``runtime/cluster/tp_mixers.py``): each
+rank's shard of a gated delta net or a short convolution, run on its own, gives its part of the whole
+mixer's output, and what cannot be split so is refused by name."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _factories import tiny_model
+from torch import nn
+
+from deltazip.formats.errors import InputError
+from deltazip.runtime.cluster.tp_mixers import shard_mixer_tensors, split_mixer
+from deltazip.runtime.cluster.tp_shards import shard_linear
+
+
+def _mixer(arch: str, **config) -> nn.Module:
+    layer = tiny_model(arch, **config).model.layers[0]
+    return layer.linear_attn if hasattr(layer, "linear_attn") else layer.conv
+
+
+def _rank_part(mixer: nn.Module, rank: int, world: int, x: torch.Tensor) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``mixer`` (its linears cut as ShardedDeltaModel cuts them) run on ``x``:
+    its partial sum of the output, before the all-reduce."""
+    part = copy.deepcopy(mixer)
+    shard = split_mixer(part, "mixer", rank, world)
+    for child, rows in shard.columns.items():
+        shard_linear(getattr(part, child), "column", rank, world, rows)
+    shard_linear(part.out_proj, "row", rank, world)
+    with torch.no_grad():
+        return part(x)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "lfm2"])
+def test_each_ranks_mixer_shard_gives_its_part_of_the_whole_output(arch):
+    """Qwen3.5's gated delta net (``in_proj_qkv`` cut block by block with the convolution's channels),
+    Qwen3-Next's (``in_proj_qkvz``/``in_proj_ba`` grouped per key head: a span is the rank's groups) and
+    LFM2's short convolution (``B``, ``C``, ``x`` blocks): the ranks' outputs sum to the whole mixer's,
+    with 4 key heads over 2 ranks and over 4."""
+    heads = dict(linear_num_key_heads=4, linear_num_value_heads=8) if arch != "lfm2" else {}
+    mixer = _mixer(arch, **heads)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in mixer.parameters():  # every tensor away from its initial value (A_log, dt_bias, norm)
+            p.add_(torch.randn_like(p) * 0.1)
+        x = torch.randn(2, 7, 64)
+        whole = mixer(x)
+    for world in (2, 4):
+        got = sum(_rank_part(mixer, r, world, x) for r in range(world))
+        assert torch.allclose(got, whole, atol=1e-5), (world, (got - whole).abs().max())
+
+
+def test_a_variants_mixer_tensors_are_cut_as_the_base_is():
+    """A variant's ``A_log``/``dt_bias`` (value heads), ``conv1d.weight`` (channels of q, k and v) and
+    per-head norm (whole), substituted into the rank's shard, give the rank's part of the variant's
+    whole mixer."""
+    base = _mixer("qwen3_5")
+    torch.manual_seed(1)
+    tensors = {"A_log": torch.randn(4), "dt_bias": torch.randn(4), "conv1d.weight": torch.randn(128, 1, 4),
+               "norm.weight": 1 + torch.randn(16) * 0.1}
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        whole = torch.func.functional_call(base, tensors, (x,))
+        got = 0
+        for rank in range(2):
+            part = copy.deepcopy(base)
+            shard = split_mixer(part, "mixer", rank, 2)
+            for child, rows in shard.columns.items():
+                shard_linear(getattr(part, child), "column", rank, 2, rows)
+            shard_linear(part.out_proj, "row", rank, 2)
+            mine = shard_mixer_tensors(tensors, shard, "mixer")
+            assert mine["conv1d.weight"].shape == (64, 1, 4) and mine["A_log"].shape == (2,)
+            got = got + torch.func.functional_call(part, mine, (x,))
+    assert torch.allclose(got, whole, atol=1e-5)
+
+
+def test_what_a_mixer_split_cannot_cut_is_refused_in_one_line():
+    """Key heads the degree does not divide, a tensor of the mixer's own that no rule cuts, and a
+    variant's rows of a tensor (a conversion's piece) are each refused, naming what."""
+    with pytest.raises(InputError, match=r"--tensor-parallel 2 does not divide mixer's num_k_heads \(1\)") as e:
+        split_mixer(_mixer("qwen3_5", linear_num_key_heads=1, linear_num_value_heads=2), "mixer", 0, 2)
+    assert "\n" not in str(e.value)
+    odd = _mixer("qwen3_5")
+    odd.register_parameter("mix_scale", nn.Parameter(torch.ones(3)))
+    with pytest.raises(InputError, match=r"cannot split mixer\.mix_scale \[3\] with the linear-attention heads"):
+        split_mixer(odd, "mixer", 0, 2)
+    shard = split_mixer(_mixer("lfm2"), "mixer", 0, 2)
+    with pytest.raises(InputError, match=r"cannot split a variant's mixer\.conv\.weight:0:32"):
+        shard_mixer_tensors({"conv.weight:0:32": torch.zeros(32, 1, 3)}, shard, "mixer")
+    assert split_mixer(tiny_model("llama").model.layers[0].self_attn, "attn", 0, 2) is None
+
+
+def test_widths_a_degree_does_not_divide_are_refused_before_serving(tmp_path):
+    """Linear-attention key heads that the degree does not divide are refused from the config; an MLP
+    whose width the model derives from its config (LFM2 makes 85 of 128) is refused by name when a
+    rank cuts it, instead of a span silently dropping its last row."""
+    from _factories import save_model
+    from _serving import single_thread
+
+    from deltazip.models.checkpoint import Checkpoint
+    from deltazip.runtime.cluster.tensor_parallel import check_config
+    from deltazip.runtime.cluster.tp_group import start_tensor_parallel
+
+    with pytest.raises(InputError, match=r"does not divide the model's linear-attention key heads \(1\)"):
+        check_config(tiny_model("qwen3_5", linear_num_key_heads=1, linear_num_value_heads=2).config, 2)
+    with single_thread():
+        base = save_model(tiny_model("lfm2", block_ffn_dim_multiplier=1.0, block_multiple_of=1), tmp_path / "base")
+        with pytest.raises(InputError, match=r"rank 0: .*--tensor-parallel 2 does not divide "
+                                             r"model\.layers\.0\.feed_forward\.w1's 85 output features") as e:
+            start_tensor_parallel(Checkpoint(base), [], 1, torch.device("cpu"), torch.float32, 2)
+    assert "\n" not in str(e.value)
