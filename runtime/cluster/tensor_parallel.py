@@ -51,6 +51,7 @@ from deltazip.runtime.cluster.tp_shards import (
     expert_blocks,
     fused_blocks,
     kept_rows,
+    kv_head_rows,
     shard_expert_bias,
     shard_expert_piece,
     shard_experts,
@@ -122,7 +123,8 @@ def check_config(config, world: int) -> None:
 
     Raises:
         InputError: unsupported architecture, or ``world`` not dividing the attention heads, the
-            KV heads or the MLP intermediate size.
+            KV heads (nor a multiple of them, where a rank can keep a KV head whole) or the MLP
+            intermediate size.
     """
     config = text_config(config)  # an image-text model's language model is what is sharded
     mt = getattr(config, "model_type", None)
@@ -142,10 +144,14 @@ def check_config(config, world: int) -> None:
         try:
             value = getattr(config, key, None)
         except Exception as e:  # transformers refuses one value for a setting that differs per layer
+            if key == "num_key_value_heads":  # (each attention's are checked as it is cut: _kv_heads_of)
+                continue
             raise InputError(f"--tensor-parallel needs one {what} count for every layer, and this {mt} model's "
                              f"varies per layer; serve this base with --tensor-parallel 1") from e
         if value is None and key == "num_key_value_heads":
             value = _kv_heads(config)
+        if key == "num_key_value_heads" and value and world % value == 0 and mt != "falcon":
+            continue  # fewer KV heads than ranks: each rank keeps the one its query heads read (kv_head_rows)
         if value is not None and value % world:
             raise InputError(f"--tensor-parallel {world} does not divide the model's {what} ({value}); use a "
                              f"degree that divides it")
@@ -282,44 +288,11 @@ class ShardedDeltaModel(DeltaModel):
         self._reduced_blocks = {n.rpartition(".")[0] for n, m in model.named_modules()
                                 if n.startswith(f"{self._layers}.") and is_fused_experts(m) and dense_routed(m)}
         self._fused_rows: dict[str, torch.Tensor] = {}  # fused column-parallel linear -> the rank's rows
-        rank, world = self.group.rank, self.group.world
+        self._kv_rows: dict[str, torch.Tensor] = {}  # attention with fewer KV heads than ranks -> its KV head's rows
         heads = {n: _head_dim(m, model.config) for n, m in model.named_modules() if _is_attention(m)}
-        touched: set[str] = set()  # the decoder layers (their index) in which something was split
-        for name, mod in model.named_modules():
-            if not name.startswith(f"{self._layers}."):
-                continue
-            layer = name[len(self._layers) + 1:].partition(".")[0]
-            # (norms first: the attention's own check would refuse them whole)
-            norms = split_norms(mod, name, self._full_linears, rank, world, self.group)
-            self._split_norms.update(f"{name}.{c}" for c in norms)
-            kind = self._kind(name)
-            if kind is not None and isinstance(mod, nn.Linear):
-                parent, _, leaf = name.rpartition(".")
-                sizes = fused_blocks(leaf, mod.out_features, model.config, heads.get(parent, 0))
-                width = mod.out_features if kind == "column" else mod.in_features
-                if any(n % world for n in sizes or [width]):  # a span would drop the rows past n // world * world
-                    raise InputError(f"--tensor-parallel {world} does not divide {name}'s {width} "
-                                     f"{'output' if kind == 'column' else 'input'} features; use a degree that divides them")
-                if sizes is not None:
-                    self._fused_rows[name] = kept_rows(sizes, rank, world)
-                shard_linear(mod, kind, rank, world, self._fused_rows.get(name))
-                touched.add(layer)
-            elif is_fused_experts(mod):
-                shard_experts(mod, rank, world, self._interleaved)
-                self._experts[name] = experts_transposed(mod)
-                touched.add(layer)
-            elif (mixer := split_mixer(mod, name, rank, world)) is not None:  # (visited before its linears)
-                self._mixers[name] = mixer
-                for child, rows in mixer.columns.items():
-                    self._mixer_columns.add(f"{name}.{child}")
-                    if rows is not None:
-                        self._fused_rows[f"{name}.{child}"] = rows
-            elif name in heads:
-                check_attention(mod, name, heads[name])
-                shard_head_counts(mod, world)
-                if isinstance(getattr(mod, "sinks", None), nn.Parameter):
-                    shard_sinks(mod, rank, world)
-                    self._sinks.add(name)
+        # the decoder layers (their index) in which something was split
+        touched = {name[len(self._layers) + 1:].partition(".")[0] for name, mod in model.named_modules()
+                   if name.startswith(f"{self._layers}.") and self._shard_module(name, mod, heads, model.config)}
         unsplit = [i for i in range(len(model.get_submodule(self._layers))) if str(i) not in touched]
         if unsplit:  # its linears named otherwise: every rank would run (and hold) the whole layer
             raise InputError(f"--tensor-parallel found no projection it splits in decoder layer {unsplit[0]} of "
@@ -329,6 +302,85 @@ class ShardedDeltaModel(DeltaModel):
         # Checkpoint names of expert tensors map to rows of the full parameters (a meta skeleton).
         self._full_model = empty_model(base.path, dtype) if self._experts else None
         return model.to(device)
+
+    def _shard_module(self, name: str, mod: nn.Module, heads: dict[str, int], config) -> bool:
+        """Cut module ``name`` (under the decoder layers; modules come before their children) to this
+        rank's shard in place; whether it was a linear or experts module split."""
+        rank, world = self.group.rank, self.group.world
+        # (norms first: the attention's own check would refuse them whole)
+        norms = split_norms(mod, name, self._full_linears, rank, world, self.group)
+        self._split_norms.update(f"{name}.{c}" for c in norms)
+        kind = self._kind(name)
+        if kind is not None and isinstance(mod, nn.Linear):
+            self._fused_rows.update(self._rows_of(name, mod, kind, heads, config))
+            shard_linear(mod, kind, rank, world, self._fused_rows.get(name))
+            return True
+        if is_fused_experts(mod):
+            shard_experts(mod, rank, world, self._interleaved)
+            self._experts[name] = experts_transposed(mod)
+            return True
+        if (mixer := split_mixer(mod, name, rank, world)) is not None:  # (visited before its linears)
+            self._mixers[name] = mixer
+            for child, rows in mixer.columns.items():
+                self._mixer_columns.add(f"{name}.{child}")
+                if rows is not None:
+                    self._fused_rows[f"{name}.{child}"] = rows
+        elif name in heads:
+            check_attention(mod, name, heads[name])
+            kv = self._kv_heads_of(name, heads[name], config)
+            rows = None if kv is None else kv_head_rows(kv, heads[name], rank, world)
+            if rows is not None:
+                if "k_norm" in norms:  # its sum of squares would count each replicated head several times
+                    raise InputError(f"--tensor-parallel {world} exceeds {name}'s {kv} KV heads, whose key norm "
+                                     "spans them all; use a degree that divides the KV heads")
+                self._kv_rows[name] = rows
+            shard_head_counts(mod, world, 1 if rows is None else world // kv)
+            if isinstance(getattr(mod, "sinks", None), nn.Parameter):
+                shard_sinks(mod, rank, world)
+                self._sinks.add(name)
+        return False
+
+    def _kv_heads_of(self, attn: str, head_dim: int, config) -> int | None:
+        """The KV heads of attention module ``attn`` (from its full ``k_proj`` or ``qkv_proj``), None for a
+        layout that holds none apart (GPT-NeoX's ``query_key_value``, latent attention: checked from the
+        config).
+
+        Raises:
+            InputError: the degree neither divides them nor is a multiple of them.
+        """
+        world = self.group.world
+        if f"{attn}.k_proj" in self._full_linears:
+            kv = self._full_linears[f"{attn}.k_proj"][0] // head_dim
+        elif f"{attn}.qkv_proj" in self._full_linears:
+            kv = fused_blocks("qkv_proj", self._full_linears[f"{attn}.qkv_proj"][0], config, head_dim)[1] // head_dim
+        else:
+            return None
+        if kv % world and world % kv:
+            raise InputError(f"--tensor-parallel {world} neither divides {attn}'s {kv} KV heads nor is a multiple of "
+                             "them; use a degree that divides them or one they divide")
+        return kv
+
+    def _rows_of(self, name: str, mod: nn.Linear, kind: str, heads: dict[str, int], config) -> dict[str, torch.Tensor]:
+        """The rows a column-parallel linear keeps where not its plain span (``{name: rows}``, else empty):
+        a fused projection's share of each block, or a KV head kept whole (:func:`kv_head_rows`).
+
+        Raises:
+            InputError: ``world`` does not divide the width it splits (a span would drop its last rows).
+        """
+        world, rank = self.group.world, self.group.rank
+        parent, _, leaf = name.rpartition(".")
+        kv = self._kv_rows.get(parent)
+        sizes = fused_blocks(leaf, mod.out_features, config, heads.get(parent, 0))
+        if kv is not None and leaf in ("k_proj", "v_proj"):
+            return {name: kv}
+        if kv is not None and leaf == "qkv_proj":
+            q = sizes[0]
+            return {name: torch.cat([kept_rows([q], rank, world), q + kv, q + sizes[1] + kv])}
+        width = mod.out_features if kind == "column" else mod.in_features
+        if any(n % world for n in sizes or [width]):
+            raise InputError(f"--tensor-parallel {world} does not divide {name}'s {width} "
+                             f"{'output' if kind == 'column' else 'input'} features; use a degree that divides them")
+        return {} if sizes is None or name in self._fused_rows else {name: kept_rows(sizes, rank, world)}
 
     def _moe_layout(self) -> MoeLayout:
         return MoeLayout(self.model, full=self._full_model)

@@ -63,10 +63,13 @@ def split_norms(mod: nn.Module, name: str, full_linears: dict[str, tuple[int, in
             whose statistics one sum of squares would not give.
     """
     split = []
+    head_dim = getattr(mod, "head_dim", None)
     for child, (proj, axis) in SPLIT_NORMS.items():
         norm, shape = getattr(mod, child, None), full_linears.get(f"{name}.{proj}")
         w = getattr(norm, "weight", None)
         if shape is None or not isinstance(w, torch.Tensor) or w.dim() != 1 or w.shape[0] != shape[axis]:
+            continue
+        if w.shape[0] == head_dim:  # one head's norm over a single KV head's keys: per head all the same
             continue
         style = rms_norm_style(norm)
         if style not in RMS_SCALES:

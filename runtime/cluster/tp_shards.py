@@ -45,12 +45,13 @@ def shard_packed(d: PackedDelta, kind: str, rank: int, world: int, rows: torch.T
     """Rank ``rank``'s shard of a packed delta ``[out, in]``.
 
     Column: ``[out/n, in]``, every part sliced by rows (``rows``, int64: those rows, for a fused
-    projection; else the rank's span). Row: ``[out, in/n]``; kept values ``in/2n`` per row under
+    projection or a KV head kept whole; else the rank's span). Row: ``[out, in/n]``; kept values ``in/2n`` per row under
     2:4, groups ``G/n`` (the caller checked that groups do not straddle ranks).
     """
     if kind == "column":
         idx = span(d.out_features, rank, world) if rows is None else rows
-        return d.map_parts(lambda t: t[idx].contiguous(), out_features=d.out_features // world)
+        return d.map_parts(lambda t: t[idx].contiguous(),
+                           out_features=d.out_features // world if rows is None else len(rows))
     width = d.in_features // world
     g = d.effective_group
     if world > 1 and (d.group_size == -1 or width % g or (d.sparse and width % 4)):
@@ -232,22 +233,41 @@ def shard_linear(mod: nn.Linear, kind: str, rank: int, world: int, rows: torch.T
     mod.out_features, mod.in_features = w.shape
 
 
-def shard_head_counts(attn: nn.Module, world: int) -> None:
+def kv_head_rows(kv_heads: int, head_dim: int, rank: int, world: int) -> torch.Tensor | None:
+    """Rows of a key or value projection ``[kv_heads * head_dim, in]`` that rank ``rank`` keeps when
+    the degree exceeds the KV heads (``kv_heads`` divides ``world``): KV head ``rank * kv_heads // world``
+    whole (int64), the one every query head of the rank reads under grouped-query attention; each KV
+    head is then held by ``world / kv_heads`` ranks. None when ``world`` divides ``kv_heads``: a span."""
+    if kv_heads % world == 0:
+        return None
+    h = rank * kv_heads // world
+    return torch.arange(h * head_dim, (h + 1) * head_dim)
+
+
+def shard_head_counts(attn: nn.Module, world: int, copies: int = 1) -> None:
     """An attention module that views its projections with its own head counts (Mllama's
     ``num_heads``, ``num_key_value_heads``, GPT-J's ``num_attention_heads``, Falcon's
     ``num_kv_heads``) or reshapes its heads' output to its own width (XGLM's ``embed_dim``, heads x
     head width) holds ``1/world`` of them on each rank; one that reads them from its config in the
     forward (Phi-3 finds the end of its queries in ``qkv_proj``'s output so) gets a copy of its
-    config with the rank's counts."""
+    config with the rank's counts. ``copies``: how many ranks hold each KV head (:func:`kv_head_rows`;
+    1 when they are split): a rank then holds ``kv * copies / world`` of them, and each serves
+    ``1/copies`` of the query heads it served (``num_key_value_groups``)."""
     heads, head_dim, width = (getattr(attn, a, None) for a in ("num_heads", "head_dim", "embed_dim"))
     if isinstance(width, int) and isinstance(heads, int) and isinstance(head_dim, int) and width == heads * head_dim:
         attn.embed_dim = width // world
-    for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads"):
+    for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "num_key_value_groups"):
         n = getattr(attn, attr, None)
         if isinstance(n, int):
-            setattr(attn, attr, n // world)
+            setattr(attn, attr, _per_rank(attr, n, world, copies))
     if isinstance(getattr(attn, "qkv_proj", None), nn.Linear) and getattr(attn, "config", None) is not None:
         attn.config = copy.copy(attn.config)
-        attn.config.num_attention_heads //= world
-        if isinstance(getattr(attn.config, "num_key_value_heads", None), int):
-            attn.config.num_key_value_heads //= world
+        for attr in ("num_attention_heads", "num_key_value_heads"):
+            if isinstance(getattr(attn.config, attr, None), int):
+                setattr(attn.config, attr, _per_rank(attr, getattr(attn.config, attr), world, copies))
+
+
+def _per_rank(attr: str, n: int, world: int, copies: int) -> int:
+    if attr == "num_key_value_groups":
+        return n // copies
+    return n * copies // world if attr in ("num_key_value_heads", "num_kv_heads") else n // world

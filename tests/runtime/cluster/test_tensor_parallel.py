@@ -256,7 +256,9 @@ def test_cli_refuses_what_it_cannot_shard_in_one_line(served, capsys, monkeypatc
     arts = served.artifacts
     cases = [
         (["--tensor-parallel", "3"], "does not divide the model's attention heads (4)"),
-        (["--tensor-parallel", "4"], "does not divide the model's KV heads (2)"),
+        # (4 ranks would keep each of the 2 KV heads whole on two of them, but would split o_proj's groups)
+        (["--tensor-parallel", "4"], "has quantization groups of 32 input columns, which --tensor-parallel 4 shards "
+                                     "of 16 columns would split"),
         (["--tensor-parallel", "2", "--mode", "swap"], "does not combine with --mode swap or --workers"),
         (["--tensor-parallel", "2", "--workers", "2"], "does not combine with --mode swap or --workers"),
         (["--tensor-parallel", "0"], "--tensor-parallel must be >= 1"),

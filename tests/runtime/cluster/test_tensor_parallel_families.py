@@ -40,9 +40,25 @@ def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
     and v together, Falcon's each KV group's; Qwen3.5's gated delta nets and LFM2's short convolutions,
     split by channels with their recurrent states and the variant's own tensors of them): two ranks serve a compressed fine-tune's greedy text and log probabilities as
     the merged model generates them."""
-    ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2, vocab_size=128)
-    if arch == "gemma4":  # its dense form (the factory's has experts and one global KV head, which 2 cannot split)
-        ids.update(enable_moe_block=False, attention_k_eq_v=False, num_global_key_value_heads=2)
+    # gemma4: its dense form with two KV heads everywhere (the factory's form is served below)
+    dense = dict(enable_moe_block=False, attention_k_eq_v=False, num_global_key_value_heads=2) if arch == "gemma4" else {}
+    _served_as_merged(tmp_path, arch, **dense)
+
+
+@pytest.mark.parametrize("arch,config", [("llama", dict(num_key_value_heads=1)), ("qwen2", dict(num_key_value_heads=1)),
+                                         ("phi3", dict(num_key_value_heads=1)), ("gemma4", {})])
+def test_fewer_kv_heads_than_ranks_are_kept_whole_by_each_rank(tmp_path, arch, config):
+    """One KV head over two ranks (Gemma 3 1B's and Gemma 2B's layout; Qwen2's with its k/v biases;
+    Phi-3's inside its fused ``qkv_proj``; Gemma 4's global layers, one KV head beside sliding layers
+    of two, with experts): each rank keeps the KV head its query heads read, a variant's k/v deltas
+    cut alike, and serves the merged model's text and log probabilities."""
+    _served_as_merged(tmp_path, arch, **config)
+
+
+def _served_as_merged(tmp_path, arch: str, **config) -> None:
+    """A tiny ``arch`` base and a fine-tune compressed 4-bit (groups of 16); two ranks serve its greedy
+    text and log probabilities as the merged model generates them."""
+    ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2, vocab_size=128, **config)
     tok = build_char_tokenizer()
     prompts = ["zip model tune", "alpha beta gamma delta"]
     with single_thread():
@@ -173,3 +189,24 @@ def test_falcon_layouts_a_degree_cannot_split_are_refused_in_one_line():
         check_config(AutoConfig.for_model("falcon", **base), 2)  # multi_query by default
     with pytest.raises(InputError, match=r"does not split this falcon model's ALiBi position biases"):
         check_config(AutoConfig.for_model("falcon", **base, multi_query=False, alibi=True), 2)
+
+
+def test_kv_head_counts_a_degree_can_neither_split_nor_keep_whole_are_refused(tmp_path):
+    """Three KV heads over two ranks can neither be split nor kept whole per rank (2 is no multiple of
+    3); OLMo 2's key norm over two KV heads, each kept by two of four ranks, would count every head's
+    squares twice: both refused in one line."""
+    from transformers import AutoConfig
+
+    from deltazip.formats.errors import InputError
+    from deltazip.runtime.cluster.tensor_parallel import check_config
+
+    shape = dict(hidden_size=96, num_attention_heads=12, num_hidden_layers=2, intermediate_size=128)
+    check_config(AutoConfig.for_model("llama", **shape, num_key_value_heads=2), 4)  # each KV head on 2 ranks
+    with pytest.raises(InputError, match=r"--tensor-parallel 2 does not divide the model's KV heads \(3\)"):
+        check_config(AutoConfig.for_model("llama", **shape, num_key_value_heads=3), 2)
+    with single_thread():
+        base_dir = save_model(tiny_model("olmo2", num_key_value_heads=2), tmp_path / "base")
+        with pytest.raises(InputError, match=r"rank 0: .*--tensor-parallel 4 exceeds model\.layers\.0\.self_attn's 2 "
+                                             r"KV heads, whose key norm spans them all") as e:
+            start_tensor_parallel(Checkpoint(base_dir), [], 1, torch.device("cpu"), torch.float32, 4)
+    assert "\n" not in str(e.value)
