@@ -140,6 +140,10 @@ ARCH_CONFIGS = {
     "lfm2": dict(model_type="lfm2", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=128,
                  layer_types=["conv", "full_attention", "conv"]),
+    # the same, its attention gated per head by a projection of its own (g_proj)
+    "lfm3": dict(model_type="lfm3", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=128,
+                 layer_types=["conv", "full_attention", "conv"]),
     # the same beside experts (a router with a correction bias), the first layer a dense MLP
     "lfm2_moe": dict(model_type="lfm2_moe", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                      num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=128,
@@ -230,6 +234,12 @@ ARCH_CONFIGS = {
                           mamba_headdim=16, n_mamba_heads=8, hybrid_layer_ids=[1], num_mem_blocks=1,
                           layers_block_type=["mamba", "hybrid"]),
     # the model unpacks each layer's output (hidden_states, attn_weights = layer(...))
+    # Granite 4: Mamba-2 layers (one group) and attention layers, each beside experts and a shared MLP
+    "granitemoehybrid": dict(model_type="granitemoehybrid", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                             num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128,
+                             layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2,
+                             mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1,
+                             shared_intermediate_size=64),
     "bamba": dict(model_type="bamba", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, attn_layer_indices=[1],
                   mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1),

@@ -26,7 +26,7 @@ norm over a split width (a query or key norm over every head, OLMo 2's; BitNet's
 which keeps the rank's columns and all-reduces the sum of squares
 (:mod:`deltazip.runtime.cluster.tp_norms`); any other attention tensor that would not split with the
 heads is refused (:func:`check_attention`). Recurrent mixers of hybrid models (Qwen3.5's gated delta
-nets, LFM2's short convolutions) split by channels like an attention by heads, their own tensors
+nets, Mamba-2 mixers, LFM2's short convolutions) split by channels like an attention by heads, their own tensors
 and their linears with them (:mod:`deltazip.runtime.cluster.tp_mixers`).
 
 The artifact layout does not change: everything here runs when a model or a variant is loaded.
@@ -81,14 +81,15 @@ SUPPORTED_MODEL_TYPES = (
     "hunyuan_v1_dense", "ernie4_5", "seed_oss", "apertus", "nemotron", "arcee", "helium", "internlm3", "minicpm3",
     "phi3", "glm", "glm4", "olmo2", "olmo3", "starcoder2", "phi", "nanochat", "opt", "xglm", "gpt_neo", "gptj",
     "glm4v_text", "gpt_neox", "persimmon", "bitnet", "falcon",
-    "qwen3_5_text", "lfm2")  # (with recurrent mixers beside the attention layers, split by channels: tp_mixers)
+    "qwen3_5_text", "lfm2", "lfm3", "bamba", "mamba2")  # (with recurrent mixers beside the attention layers, split by channels: tp_mixers)
 # The same attention beside mixture-of-experts layers of fused experts (and plain MLP layers and
 # shared experts, sharded as any MLP).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe", "granitemoe",
                    "granitemoeshared", "granitemoe_swa", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1",
                    "cohere2_moe", "exaone_moe", "solar_open", "afmoe", "hy_v3", "gpt_oss", "llama4_text",
                    "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "olmoe", "flex_olmo", "minimax_m2",
-                   "mimo_v2_flash", "qwen3_5_moe_text", "qwen3_next", "lfm2_moe")
+                   "mimo_v2_flash", "qwen3_5_moe_text", "qwen3_next", "lfm2_moe",
+                   "granitemoehybrid", "nemotron_h")
 # Experts whose gate and up columns alternate in ``gate_up_proj`` (GPT-OSS's ``gate_up[..., ::2]``);
 # the others stack the gate half, then the up half (``chunk(2)``).
 INTERLEAVED_GATE_UP = ("gpt_oss",)
@@ -102,7 +103,8 @@ INTERLEAVED_GATE_UP = ("gpt_oss",)
 # ``fc1``/``fc2``, GPT-J's ``fc_in``/``fc_out``, ``out_proj``, ``dense``); a decoder layer in which
 # none of these names is found is refused rather than run whole on every rank.
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "qkv_proj",
-                   "gate_up_proj", "c_fc", "fc1", "fc_in", "query_key_value", "dense_h_to_4h", "w1", "w3")
+                   "gate_up_proj", "c_fc", "fc1", "fc_in", "query_key_value", "dense_h_to_4h", "w1", "w3",
+                   "g_proj")  # (LFM3's output gate, one row per head)
 LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
 ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "fc2", "fc_out", "out_proj", "dense", "dense_4h_to_h", "w2")
 
@@ -157,12 +159,12 @@ def check_config(config, world: int) -> None:
                              f"degree that divides it")
 
 
-def _kv_heads(config) -> int:
+def _kv_heads(config) -> int | None:
     """KV heads of a config without ``num_key_value_heads``: Falcon's ``num_kv_heads`` (one in its
     multi-query layout, Falcon-7B's), else as many as query heads (no GQA)."""
     if getattr(config, "model_type", None) == "falcon":
         return config.num_kv_heads if config.new_decoder_architecture or not config.multi_query else 1
-    return config.num_attention_heads
+    return getattr(config, "num_attention_heads", None)  # (None: no attention at all, Mamba-2's)
 
 
 def check_variant(v: VariantInfo, row_in: dict[str, int], world: int) -> None:
@@ -319,12 +321,16 @@ class ShardedDeltaModel(DeltaModel):
             shard_experts(mod, rank, world, self._interleaved)
             self._experts[name] = experts_transposed(mod)
             return True
-        if (mixer := split_mixer(mod, name, rank, world)) is not None:  # (visited before its linears)
+        if (mixer := split_mixer(mod, name, rank, world, self.group)) is not None:  # (visited before its linears)
             self._mixers[name] = mixer
             for child, rows in mixer.columns.items():
                 self._mixer_columns.add(f"{name}.{child}")
                 if rows is not None:
                     self._fused_rows[f"{name}.{child}"] = rows
+            whole = [c for c, m in mod.named_children() if isinstance(m, nn.Linear) and self._kind(f"{name}.{c}") is None]
+            if whole:  # a linear every rank would run whole beside its split neighbours, on the rank's channels
+                raise InputError(f"--tensor-parallel cannot split {name}.{whole[0]} with the mixer's heads or "
+                                 "channels; serve this base with --tensor-parallel 1")
         elif name in heads:
             check_attention(mod, name, heads[name])
             kv = self._kv_heads_of(name, heads[name], config)

@@ -1,5 +1,6 @@
 """Recurrent token mixers split by channels, as tensor parallelism splits an attention by heads:
-the gated delta nets of Qwen3.5 and Qwen3-Next, and LFM2's short convolutions.
+the gated delta nets of Qwen3.5 and Qwen3-Next, Mamba-2 mixers (Granite 4, Nemotron-H, Bamba,
+Mamba-2) and LFM2's (and LFM3's) short convolutions.
 
 **Gated delta net.** ``nk`` key heads and ``nv`` value heads, each key head serving ``nv/nk``
 consecutive value heads; no head reads another's state. Rank ``r`` of ``n`` keeps key heads
@@ -14,22 +15,34 @@ consecutive value heads; no head reads another's state. Rank ``r`` of ``n`` keep
 - ``A_log``, ``dt_bias [nv]``: the rank's value heads; the gated norm ``[dv]`` is one head's and
   stays whole.
 
+**Mamba-2 mixer.** ``nh`` heads of ``p`` channels (``I = nh * p``) read ``G`` groups of ``B`` and
+``C`` (``N`` states each). A rank keeps its span of heads, and of the groups when ``n`` divides
+``G``; when ``G`` divides ``n`` it keeps whole the group its heads read (every rank holds a copy):
+
+- ``in_proj [2 I + 2 G N + nh, H]`` stacks the gate ``z``, ``x``, ``B``, ``C`` and ``dt``: its rows of
+  each; ``conv1d [I + 2 G N, 1, K]`` the same channels of ``x``, ``B`` and ``C``;
+- ``A_log``, ``D``, ``dt_bias [nh]``: its heads'; the gated norm's weight ``[I]``: its channels. The
+  norm normalises each group's ``I / G`` channels: whole on a rank when ``n`` divides ``G``; with
+  one group over every rank (Granite 4, Bamba), each rank's sum of squares is all-reduced
+  (:class:`ShardedGatedNorm`).
+
 **Short convolution** (LFM2): ``in_proj [3 H, H]`` stacks the ``B``, ``C`` and ``x`` gates of ``H``
 channels, each multiplied channel by channel around a depthwise ``conv [H, 1, K]``: a rank keeps
 its span of channels in each block, and of the convolution.
 
-``out_proj`` is row-parallel in both. Each rank's recurrent states are then its channels' alone (a
-window ``[B, C/n, K]``, a state ``[B, nv/n, dk, dv]``): the serving state pool takes whatever
-shapes the layer writes. A variant that changes the mixer's own tensors (a full fine-tune moves
-``A_log``) is cut the same way (:func:`shard_mixer_tensors`).
+``out_proj`` is row-parallel in all three. Each rank's recurrent states are then its channels'
+alone (a window ``[B, C/n, K]``, a state ``[B, nv/n, dk, dv]``): the serving state pool takes
+whatever shapes the layer writes. A variant that changes the mixer's own tensors (a full
+fine-tune moves ``A_log`` and the convolution) is cut the same way (:func:`shard_mixer_tensors`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from deltazip.formats.errors import InputError
 from deltazip.runtime.cluster.tp_shards import kept_rows, span
@@ -46,73 +59,133 @@ class MixerShard:
             or None for the rank's span.
         own: its own tensors by name (``A_log``, ``conv1d.weight``): the rows kept, None for whole.
         conv: its depthwise convolution (a child).
-        counts: head counts and widths its forward reads, each divided by the degree.
+        counts: head counts and widths its forward reads -> the rank's.
+        divides: what the degree must divide, by name (refused otherwise).
+        norm_width: the full width of a gated norm whose one group spans every rank (its sum of
+            squares all-reduced), else 0.
     """
 
     columns: dict[str, torch.Tensor | None]
     own: dict[str, Index]
     conv: str
-    counts: tuple[str, ...] = ()
+    counts: dict[str, int] = field(default_factory=dict)
+    divides: dict[str, int] = field(default_factory=dict)
+    norm_width: int = 0
 
 
 def _is_depthwise(conv) -> bool:
     return isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
 
 
+def _ints(mod: nn.Module, *names: str) -> bool:
+    return all(isinstance(getattr(mod, a, None), int) for a in names)
+
+
+def _delta_net(mod: nn.Module, rank: int, world: int) -> MixerShard:
+    channels = kept_rows([mod.key_dim, mod.key_dim, mod.value_dim], rank, world)
+    heads = span(mod.num_v_heads, rank, world)
+    columns = {"in_proj_qkv": channels, "in_proj_z": None, "in_proj_b": None, "in_proj_a": None,
+               "in_proj_qkvz": None, "in_proj_ba": None}
+    own = {"A_log": heads, "dt_bias": heads, "conv1d.weight": channels, "conv1d.bias": channels}
+    if tuple(getattr(getattr(mod, "norm", None), "weight", torch.empty(0)).shape) == (mod.head_v_dim,):
+        own["norm.weight"] = None  # one head's, whole (any other width is refused as a tensor no rule cuts)
+    counts = {a: getattr(mod, a) // world for a in ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
+              if isinstance(getattr(mod, a, None), int)}
+    return MixerShard({c: r for c, r in columns.items() if isinstance(getattr(mod, c, None), nn.Linear)}, own,
+                      "conv1d", counts, {"linear-attention key heads": mod.num_k_heads})
+
+
+def _mamba2(mod: nn.Module, rank: int, world: int) -> MixerShard:
+    i, g, n, nh = mod.intermediate_size, mod.n_groups, mod.ssm_state_size, mod.num_heads
+    groups = range(g)[span(g, rank, world)] if g % world == 0 else [0]  # (else one group, which every rank reads)
+    bc = torch.cat([torch.arange(k * n, (k + 1) * n) for k in groups])  # the kept groups' rows of B (or C)
+    x = torch.arange(i)[span(i, rank, world)]
+    heads = span(nh, rank, world)
+    conv = torch.cat([x, i + bc, i + g * n + bc])
+    proj = torch.cat([x, i + conv, 2 * i + 2 * g * n + torch.arange(nh)[heads]])
+    local = len(groups)
+    return MixerShard({"in_proj": proj},
+                      {"A_log": heads, "D": heads, "dt_bias": heads, "conv1d.weight": conv, "conv1d.bias": conv,
+                       "norm.weight": span(i, rank, world)}, "conv1d",
+                      {"num_heads": nh // world, "intermediate_size": i // world, "n_groups": local,
+                       "conv_dim": i // world + 2 * local * n},
+                      # several groups split by ranks (one norm group per group); one group kept by every rank
+                      {"Mamba heads": nh, **({"Mamba groups": g} if g > 1 else {})}, i if g == 1 else 0)
+
+
 def mixer_shard(mod: nn.Module, rank: int, world: int) -> MixerShard | None:
-    """Rank ``rank``'s :class:`MixerShard` of ``mod`` when it is a gated delta net or a short
-    convolution (module docstring), else None."""
-    if _is_depthwise(getattr(mod, "conv1d", None)) and all(
-            isinstance(getattr(mod, a, None), int) for a in ("num_k_heads", "num_v_heads", "key_dim", "value_dim")):
-        channels = kept_rows([mod.key_dim, mod.key_dim, mod.value_dim], rank, world)
-        heads = span(mod.num_v_heads, rank, world)
-        columns = {"in_proj_qkv": channels, "in_proj_z": None, "in_proj_b": None, "in_proj_a": None,
-                   "in_proj_qkvz": None, "in_proj_ba": None}
-        return MixerShard({c: r for c, r in columns.items() if isinstance(getattr(mod, c, None), nn.Linear)},
-                          {"A_log": heads, "dt_bias": heads, "conv1d.weight": channels, "conv1d.bias": channels,
-                           "norm.weight": None}, "conv1d",
-                          ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim"))
+    """Rank ``rank``'s :class:`MixerShard` of ``mod`` when it is a gated delta net, a Mamba-2 mixer or
+    a short convolution (module docstring), else None."""
+    if _is_depthwise(getattr(mod, "conv1d", None)):
+        if _ints(mod, "num_k_heads", "num_v_heads", "key_dim", "value_dim", "head_v_dim"):
+            return _delta_net(mod, rank, world)
+        if (_ints(mod, "num_heads", "intermediate_size", "n_groups", "ssm_state_size")
+                and isinstance(getattr(mod, "in_proj", None), nn.Linear)
+                and isinstance(getattr(getattr(mod, "norm", None), "group_size", None), int)):
+            return _mamba2(mod, rank, world)
     conv, proj = getattr(mod, "conv", None), getattr(mod, "in_proj", None)
     if _is_depthwise(conv) and isinstance(proj, nn.Linear) and proj.out_features == 3 * conv.out_channels:
         h = conv.out_channels
         return MixerShard({"in_proj": kept_rows([h, h, h], rank, world)},
-                          {"conv.weight": span(h, rank, world), "conv.bias": span(h, rank, world)}, "conv")
+                          {"conv.weight": span(h, rank, world), "conv.bias": span(h, rank, world)}, "conv",
+                          divides={"convolution channels": h})
     return None
 
 
-def split_mixer(mod: nn.Module, name: str, rank: int, world: int) -> MixerShard | None:
+class ShardedGatedNorm(nn.Module):
+    """A Mamba-2 gated RMSNorm of one group over ``full`` channels, of which this rank holds a span
+    (``base``, its weight already cut to the span): ``weight * norm(x * silu(gate))`` with the mean
+    square over the full width from each rank's sum of squares, all-reduced (one ``[tokens, 1]``
+    fp32 tensor per layer and step)."""
+
+    def __init__(self, base: nn.Module, full: int, group):
+        super().__init__()
+        self.weight = base.weight
+        self.variance_epsilon, self.full, self.group = base.variance_epsilon, full, group
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        h = hidden_states.float()
+        if gate is not None:
+            h = h * F.silu(gate.float())
+        squares = h.pow(2).sum(-1, keepdim=True)
+        self.group.all_reduce(squares)
+        return self.weight * (h * torch.rsqrt(squares / self.full + self.variance_epsilon)).to(dtype)
+
+
+def split_mixer(mod: nn.Module, name: str, rank: int, world: int, group=None) -> MixerShard | None:
     """Cut recurrent mixer ``name`` to rank ``rank``'s channels in place (its own tensors, and the
     counts its forward splits by; its linears are sharded as linears, by ``columns``), or None when
-    ``mod`` is no mixer :func:`mixer_shard` knows.
+    ``mod`` is no mixer :func:`mixer_shard` knows. ``group``: the all-reduce of a gated norm whose
+    one group spans every rank.
 
     Raises:
-        InputError: ``world`` does not divide its heads (or channels), or it holds a tensor other
-            than those it splits (named).
+        InputError: the degree does not divide its heads (or channels, or groups), or it holds a
+            tensor other than those it splits (named).
     """
     shard = mixer_shard(mod, rank, world)
     if shard is None:
         return None
-    conv = mod.get_submodule(shard.conv)
-    sizes = {f"{a} ({getattr(mod, a)})": getattr(mod, a) for a in shard.counts if isinstance(getattr(mod, a, None), int)}
-    sizes[f"{shard.conv} channels ({conv.out_channels})"] = conv.out_channels
-    bad = [k for k, v in sizes.items() if v % world]
+    bad = [f"{v} {k}" for k, v in shard.divides.items() if v % world]
     if bad:
-        raise InputError(f"--tensor-parallel {world} does not divide {name}'s {bad[0]}; use a degree that divides it")
-    linears = (*shard.columns, "out_proj")
+        raise InputError(f"--tensor-parallel {world} does not divide {name}'s {bad[0]}; use a degree that divides them")
     for pname, p in list(mod.named_parameters()):
-        if pname.rpartition(".")[0] in linears:
-            continue
-        if pname not in shard.own or (pname == "norm.weight" and tuple(p.shape) != (getattr(mod, "head_v_dim", -1),)):
-            raise InputError(f"--tensor-parallel cannot split {name}.{pname} {list(p.shape)} with the "
-                             "linear-attention heads or convolution channels; serve this base with --tensor-parallel 1")
+        if isinstance(mod.get_submodule(pname.rpartition(".")[0]), nn.Linear):
+            continue  # (cut as linears; the caller checks that each one is)
+        if pname not in shard.own:
+            raise InputError(f"--tensor-parallel cannot split {name}.{pname} {list(p.shape)} with the mixer's heads "
+                             "or channels; serve this base with --tensor-parallel 1")
         if shard.own[pname] is not None:
             owner, _, leaf = pname.rpartition(".")
             holder = mod.get_submodule(owner) if owner else mod
-            setattr(holder, leaf, nn.Parameter(p.detach()[shard.own[pname]].clone(), requires_grad=False))
+            kept = p.detach().as_subclass(torch.Tensor)[shard.own[pname]]  # (a read-only registry tensor's rows)
+            setattr(holder, leaf, nn.Parameter(kept.clone(), requires_grad=False))
+    conv = mod.get_submodule(shard.conv)
     conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
-    for attr in shard.counts:
-        if isinstance(getattr(mod, attr, None), int):
-            setattr(mod, attr, getattr(mod, attr) // world)
+    for attr, value in shard.counts.items():
+        setattr(mod, attr, value)
+    if shard.norm_width:
+        mod.norm = ShardedGatedNorm(mod.norm, shard.norm_width, group)
     return shard
 
 
@@ -126,8 +199,8 @@ def shard_mixer_tensors(kw: dict[str, torch.Tensor], shard: MixerShard, name: st
     out = {}
     for key, t in kw.items():
         if key not in shard.own:
-            raise InputError(f"--tensor-parallel cannot split a variant's {name}.{key} with the linear-attention "
-                             "heads or convolution channels; serve this base with --tensor-parallel 1")
+            raise InputError(f"--tensor-parallel cannot split a variant's {name}.{key} with the mixer's heads or "
+                             "channels; serve this base with --tensor-parallel 1")
         idx = shard.own[key]
         t = t.as_subclass(torch.Tensor)
         out[key] = (t if idx is None else t[idx]).clone()

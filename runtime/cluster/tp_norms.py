@@ -35,7 +35,8 @@ class ShardedRMSNorm(nn.Module):
     def __init__(self, base: nn.Module, style: str, rank: int, world: int, group):
         super().__init__()
         self.full = base.weight.shape[0]
-        self.weight = nn.Parameter(base.weight.detach()[span(self.full, rank, world)].clone(), requires_grad=False)
+        w = base.weight.detach().as_subclass(torch.Tensor)  # (a read-only registry tensor: the columns are new memory)
+        self.weight = nn.Parameter(w[span(self.full, rank, world)].clone(), requires_grad=False)
         self.variance_epsilon = norm_eps(base)
         self.style, self.group = style, group
 

@@ -17,8 +17,12 @@ from deltazip.runtime.cluster.tp_shards import shard_linear
 
 
 def _mixer(arch: str, **config) -> nn.Module:
-    layer = tiny_model(arch, **config).model.layers[0]
-    return layer.linear_attn if hasattr(layer, "linear_attn") else layer.conv
+    model = tiny_model(arch, **config)
+    layer = (model.backbone if arch == "mamba2" else model.model).layers[0]
+    for child in ("linear_attn", "conv", "mamba", "mixer"):
+        if hasattr(layer, child):
+            return getattr(layer, child)
+    raise AssertionError(f"no mixer in {arch}'s first layer")
 
 
 def _rank_part(mixer: nn.Module, rank: int, world: int, x: torch.Tensor) -> torch.Tensor:
@@ -33,14 +37,17 @@ def _rank_part(mixer: nn.Module, rank: int, world: int, x: torch.Tensor) -> torc
         return part(x)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "lfm2"])
-def test_each_ranks_mixer_shard_gives_its_part_of_the_whole_output(arch):
+@pytest.mark.parametrize("arch,config", [
+    ("qwen3_5", dict(linear_num_key_heads=4, linear_num_value_heads=8)),
+    ("qwen3_next", dict(linear_num_key_heads=4, linear_num_value_heads=8)),
+    ("lfm2", {}), ("mamba2", dict(n_groups=4)), ("nemotron_h", dict(n_groups=4))])
+def test_each_ranks_mixer_shard_gives_its_part_of_the_whole_output(arch, config):
     """Qwen3.5's gated delta net (``in_proj_qkv`` cut block by block with the convolution's channels),
-    Qwen3-Next's (``in_proj_qkvz``/``in_proj_ba`` grouped per key head: a span is the rank's groups) and
-    LFM2's short convolution (``B``, ``C``, ``x`` blocks): the ranks' outputs sum to the whole mixer's,
-    with 4 key heads over 2 ranks and over 4."""
-    heads = dict(linear_num_key_heads=4, linear_num_value_heads=8) if arch != "lfm2" else {}
-    mixer = _mixer(arch, **heads)
+    Qwen3-Next's (``in_proj_qkvz``/``in_proj_ba`` grouped per key head: a span is the rank's groups),
+    LFM2's short convolution (``B``, ``C``, ``x`` blocks) and Mamba-2 mixers of 4 groups (``z``, ``x``,
+    ``B``, ``C``, ``dt`` rows of ``in_proj``, each group's gated norm on the rank holding it): the
+    ranks' outputs sum to the whole mixer's over 2 ranks and over 4."""
+    mixer = _mixer(arch, **config)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in mixer.parameters():  # every tensor away from its initial value (A_log, dt_bias, norm)
@@ -77,14 +84,18 @@ def test_a_variants_mixer_tensors_are_cut_as_the_base_is():
 
 
 def test_what_a_mixer_split_cannot_cut_is_refused_in_one_line():
-    """Key heads the degree does not divide, a tensor of the mixer's own that no rule cuts, and a
-    variant's rows of a tensor (a conversion's piece) are each refused, naming what."""
-    with pytest.raises(InputError, match=r"--tensor-parallel 2 does not divide mixer's num_k_heads \(1\)") as e:
+    """Key heads the degree does not divide, Mamba-2 groups it neither divides nor holds one of (two
+    groups over four ranks: each group's norm would span two ranks), a tensor of the mixer's own that
+    no rule cuts, and a variant's rows of a tensor (a conversion's piece) are each refused, naming
+    what."""
+    with pytest.raises(InputError, match=r"--tensor-parallel 2 does not divide mixer's 1 linear-attention key heads") as e:
         split_mixer(_mixer("qwen3_5", linear_num_key_heads=1, linear_num_value_heads=2), "mixer", 0, 2)
     assert "\n" not in str(e.value)
+    with pytest.raises(InputError, match=r"--tensor-parallel 4 does not divide mixer's 2 Mamba groups"):
+        split_mixer(_mixer("nemotron_h", n_groups=2), "mixer", 0, 4)  # (one group would be kept whole per rank)
     odd = _mixer("qwen3_5")
     odd.register_parameter("mix_scale", nn.Parameter(torch.ones(3)))
-    with pytest.raises(InputError, match=r"cannot split mixer\.mix_scale \[3\] with the linear-attention heads"):
+    with pytest.raises(InputError, match=r"cannot split mixer\.mix_scale \[3\] with the mixer's heads or channels"):
         split_mixer(odd, "mixer", 0, 2)
     shard = split_mixer(_mixer("lfm2"), "mixer", 0, 2)
     with pytest.raises(InputError, match=r"cannot split a variant's mixer\.conv\.weight:0:32"):
