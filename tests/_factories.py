@@ -71,6 +71,8 @@ ARCH_CONFIGS = {
                     laurel_rank=8, altup_num_inputs=2, hidden_size_per_layer_input=16, vocab_size_per_layer_input=128,
                     activation_sparsity_pattern=[0.0, 0.0]),
     "gpt_bigcode": dict(model_type="gpt_bigcode", n_embd=64, n_head=4, n_layer=2, n_positions=128),
+    "gpt_bigcode_mha": dict(model_type="gpt_bigcode", n_embd=64, n_head=4, n_layer=2, n_positions=128,
+                            multi_query=False),
     "opt": dict(model_type="opt", hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=2,
                 max_position_embeddings=128, word_embed_proj_dim=64),
     # Conv1D linears, weights stored [in, out]

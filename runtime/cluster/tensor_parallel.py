@@ -81,7 +81,7 @@ SUPPORTED_MODEL_TYPES = (
     "hunyuan_v1_dense", "ernie4_5", "seed_oss", "apertus", "nemotron", "arcee", "helium", "internlm3", "minicpm3",
     "phi3", "glm", "glm4", "olmo2", "olmo3", "starcoder2", "phi", "nanochat", "opt", "xglm", "gpt_neo", "gptj",
     "glm4v_text", "gpt_neox", "persimmon", "bitnet", "falcon",
-    "qwen3_5_text", "lfm2", "lfm3", "bamba", "mamba2")  # (with recurrent mixers beside the attention layers, split by channels: tp_mixers)
+    "qwen3_5_text", "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1", "gpt_bigcode")  # (with recurrent mixers beside the attention layers, split by channels: tp_mixers)
 # The same attention beside mixture-of-experts layers of fused experts (and plain MLP layers and
 # shared experts, sharded as any MLP).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe", "granitemoe",
@@ -104,7 +104,7 @@ INTERLEAVED_GATE_UP = ("gpt_oss",)
 # none of these names is found is refused rather than run whole on every rank.
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "qkv_proj",
                    "gate_up_proj", "c_fc", "fc1", "fc_in", "query_key_value", "dense_h_to_4h", "w1", "w3",
-                   "g_proj")  # (LFM3's output gate, one row per head)
+                   "g_proj", "c_attn")  # (LFM3's output gate, one row per head; GPT-BigCode's q, k, v)
 LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
 ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "fc2", "fc_out", "out_proj", "dense", "dense_4h_to_h", "w2")
 
@@ -161,9 +161,12 @@ def check_config(config, world: int) -> None:
 
 def _kv_heads(config) -> int | None:
     """KV heads of a config without ``num_key_value_heads``: Falcon's ``num_kv_heads`` (one in its
-    multi-query layout, Falcon-7B's), else as many as query heads (no GQA)."""
+    multi-query layout, Falcon-7B's), GPT-BigCode's one in its multi-query layout, else as many as
+    query heads (no GQA)."""
     if getattr(config, "model_type", None) == "falcon":
         return config.num_kv_heads if config.new_decoder_architecture or not config.multi_query else 1
+    if getattr(config, "model_type", None) == "gpt_bigcode" and config.multi_query:
+        return 1
     return getattr(config, "num_attention_heads", None)  # (None: no attention at all, Mamba-2's)
 
 
@@ -236,8 +239,9 @@ def check_attention(attn: nn.Module, name: str, head_dim: int) -> None:
 
 def _is_attention(mod: nn.Module) -> bool:
     """A module holding the query projection (``q_proj``, Phi-3's ``qkv_proj``, MLA's ``q_a_proj``/``q_b_proj``,
-    GPT-NeoX's ``query_key_value``)."""
-    return any(isinstance(getattr(mod, n, None), nn.Linear) for n in ("q_proj", "qkv_proj", "q_b_proj", "query_key_value"))
+    GPT-NeoX's ``query_key_value``, GPT-BigCode's ``c_attn``)."""
+    return any(isinstance(getattr(mod, n, None), nn.Linear)
+               for n in ("q_proj", "qkv_proj", "q_b_proj", "query_key_value", "c_attn"))
 
 
 def _head_dim(attn: nn.Module, config) -> int:
@@ -357,8 +361,12 @@ class ShardedDeltaModel(DeltaModel):
         world = self.group.world
         if f"{attn}.k_proj" in self._full_linears:
             kv = self._full_linears[f"{attn}.k_proj"][0] // head_dim
-        elif f"{attn}.qkv_proj" in self._full_linears:
-            kv = fused_blocks("qkv_proj", self._full_linears[f"{attn}.qkv_proj"][0], config, head_dim)[1] // head_dim
+        elif f"{attn}.qkv_proj" in self._full_linears or f"{attn}.c_attn" in self._full_linears:
+            leaf = "qkv_proj" if f"{attn}.qkv_proj" in self._full_linears else "c_attn"
+            sizes = fused_blocks(leaf, self._full_linears[f"{attn}.{leaf}"][0], config, head_dim)
+            if sizes is None:  # GPT-BigCode without multi-query: each head's q, k, v together, split by heads
+                return None
+            kv = sizes[1] // head_dim
         else:
             return None
         if kv % world and world % kv:
@@ -379,7 +387,7 @@ class ShardedDeltaModel(DeltaModel):
         sizes = fused_blocks(leaf, mod.out_features, config, heads.get(parent, 0))
         if kv is not None and leaf in ("k_proj", "v_proj"):
             return {name: kv}
-        if kv is not None and leaf == "qkv_proj":
+        if kv is not None and leaf in ("qkv_proj", "c_attn"):
             q = sizes[0]
             return {name: torch.cat([kept_rows([q], rank, world), q + kv, q + sizes[1] + kv])}
         width = mod.out_features if kind == "column" else mod.in_features

@@ -1,6 +1,6 @@
 """Recurrent token mixers split by channels, as tensor parallelism splits an attention by heads:
 the gated delta nets of Qwen3.5 and Qwen3-Next, Mamba-2 mixers (Granite 4, Nemotron-H, Bamba,
-Mamba-2) and LFM2's (and LFM3's) short convolutions.
+Mamba-2, Falcon-H1) and LFM2's (and LFM3's) short convolutions.
 
 **Gated delta net.** ``nk`` key heads and ``nv`` value heads, each key head serving ``nv/nk``
 consecutive value heads; no head reads another's state. Rank ``r`` of ``n`` keeps key heads
@@ -23,8 +23,9 @@ consecutive value heads; no head reads another's state. Rank ``r`` of ``n`` keep
   each; ``conv1d [I + 2 G N, 1, K]`` the same channels of ``x``, ``B`` and ``C``;
 - ``A_log``, ``D``, ``dt_bias [nh]``: its heads'; the gated norm's weight ``[I]``: its channels. The
   norm normalises each group's ``I / G`` channels: whole on a rank when ``n`` divides ``G``; with
-  one group over every rank (Granite 4, Bamba), each rank's sum of squares is all-reduced
-  (:class:`ShardedGatedNorm`).
+  one group over every rank (Granite 4, Bamba, Falcon-H1), each rank's sum of squares is all-reduced
+  (:class:`ShardedGatedNorm`). Falcon-H1 scales each row of ``in_proj``'s output (``mup_vector``):
+  the rank keeps its rows' scales.
 
 **Short convolution** (LFM2): ``in_proj [3 H, H]`` stacks the ``B``, ``C`` and ``x`` gates of ``H``
 channels, each multiplied channel by channel around a depthwise ``conv [H, 1, K]``: a rank keeps
@@ -59,10 +60,12 @@ class MixerShard:
             or None for the rank's span.
         own: its own tensors by name (``A_log``, ``conv1d.weight``): the rows kept, None for whole.
         conv: its depthwise convolution (a child).
-        counts: head counts and widths its forward reads -> the rank's.
+        counts: head counts and widths its forward reads (``norm.n_groups``: a child's) -> the rank's.
         divides: what the degree must divide, by name (refused otherwise).
         norm_width: the full width of a gated norm whose one group spans every rank (its sum of
             squares all-reduced), else 0.
+        buffers: buffers cut along their last dimension (Falcon-H1's ``mup_vector``, one scale per row
+            of ``in_proj``) -> the entries kept.
     """
 
     columns: dict[str, torch.Tensor | None]
@@ -71,6 +74,7 @@ class MixerShard:
     counts: dict[str, int] = field(default_factory=dict)
     divides: dict[str, int] = field(default_factory=dict)
     norm_width: int = 0
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _is_depthwise(conv) -> bool:
@@ -104,13 +108,17 @@ def _mamba2(mod: nn.Module, rank: int, world: int) -> MixerShard:
     conv = torch.cat([x, i + bc, i + g * n + bc])
     proj = torch.cat([x, i + conv, 2 * i + 2 * g * n + torch.arange(nh)[heads]])
     local = len(groups)
+    counts = {"num_heads": nh // world, "intermediate_size": i // world, "n_groups": local,
+              "conv_dim": i // world + 2 * local * n, "groups_time_state_size": local * n, "norm.n_groups": local}
+    normed = isinstance(getattr(mod.norm, "weight", None), nn.Parameter)  # (Falcon-H1's may be an Identity)
     return MixerShard({"in_proj": proj},
                       {"A_log": heads, "D": heads, "dt_bias": heads, "conv1d.weight": conv, "conv1d.bias": conv,
                        "norm.weight": span(i, rank, world)}, "conv1d",
-                      {"num_heads": nh // world, "intermediate_size": i // world, "n_groups": local,
-                       "conv_dim": i // world + 2 * local * n},
+                      {k: v for k, v in counts.items() if _ints(mod.get_submodule(k.rpartition(".")[0]),
+                                                                 k.rpartition(".")[2])},
                       # several groups split by ranks (one norm group per group); one group kept by every rank
-                      {"Mamba heads": nh, **({"Mamba groups": g} if g > 1 else {})}, i if g == 1 else 0)
+                      {"Mamba heads": nh, **({"Mamba groups": g} if g > 1 else {})}, i if g == 1 and normed else 0,
+                      {"mup_vector": proj} if isinstance(getattr(mod, "mup_vector", None), torch.Tensor) else {})
 
 
 def mixer_shard(mod: nn.Module, rank: int, world: int) -> MixerShard | None:
@@ -119,9 +127,10 @@ def mixer_shard(mod: nn.Module, rank: int, world: int) -> MixerShard | None:
     if _is_depthwise(getattr(mod, "conv1d", None)):
         if _ints(mod, "num_k_heads", "num_v_heads", "key_dim", "value_dim", "head_v_dim"):
             return _delta_net(mod, rank, world)
+        norm = getattr(mod, "norm", None)
         if (_ints(mod, "num_heads", "intermediate_size", "n_groups", "ssm_state_size")
                 and isinstance(getattr(mod, "in_proj", None), nn.Linear)
-                and isinstance(getattr(getattr(mod, "norm", None), "group_size", None), int)):
+                and (isinstance(norm, nn.Identity) or _ints(norm, "group_size") or _ints(norm, "n_groups"))):
             return _mamba2(mod, rank, world)
     conv, proj = getattr(mod, "conv", None), getattr(mod, "in_proj", None)
     if _is_depthwise(conv) and isinstance(proj, nn.Linear) and proj.out_features == 3 * conv.out_channels:
@@ -134,23 +143,31 @@ def mixer_shard(mod: nn.Module, rank: int, world: int) -> MixerShard | None:
 
 class ShardedGatedNorm(nn.Module):
     """A Mamba-2 gated RMSNorm of one group over ``full`` channels, of which this rank holds a span
-    (``base``, its weight already cut to the span): ``weight * norm(x * silu(gate))`` with the mean
-    square over the full width from each rank's sum of squares, all-reduced (one ``[tokens, 1]``
-    fp32 tensor per layer and step)."""
+    (``base``, its weight already cut to the span), the mean square over the full width from each
+    rank's sum of squares, all-reduced (one ``[tokens, 1]`` fp32 tensor per layer and step). As the
+    base computes it: Mamba-2's ``weight * norm(x * silu(gate)).to(dtype)``, or Falcon-H1's (its
+    ``norm_before_gate``) ``(weight * norm(x))`` in fp32, gated before or after, cast last."""
 
     def __init__(self, base: nn.Module, full: int, group):
         super().__init__()
         self.weight = base.weight
         self.variance_epsilon, self.full, self.group = base.variance_epsilon, full, group
+        self.before_gate = getattr(base, "norm_before_gate", None)  # None: Mamba-2's formula
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         dtype = hidden_states.dtype
         h = hidden_states.float()
-        if gate is not None:
+        if gate is not None and not self.before_gate:
             h = h * F.silu(gate.float())
         squares = h.pow(2).sum(-1, keepdim=True)
         self.group.all_reduce(squares)
-        return self.weight * (h * torch.rsqrt(squares / self.full + self.variance_epsilon)).to(dtype)
+        h = h * torch.rsqrt(squares / self.full + self.variance_epsilon)
+        if self.before_gate is None:
+            return self.weight * h.to(dtype)
+        h = self.weight * h
+        if self.before_gate and gate is not None:
+            h = h * F.silu(gate.float())
+        return h.to(dtype)
 
 
 def split_mixer(mod: nn.Module, name: str, rank: int, world: int, group=None) -> MixerShard | None:
@@ -183,7 +200,10 @@ def split_mixer(mod: nn.Module, name: str, rank: int, world: int, group=None) ->
     conv = mod.get_submodule(shard.conv)
     conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
     for attr, value in shard.counts.items():
-        setattr(mod, attr, value)
+        owner, _, leaf = attr.rpartition(".")
+        setattr(mod.get_submodule(owner), leaf, value)
+    for buf, idx in shard.buffers.items():
+        setattr(mod, buf, getattr(mod, buf)[..., idx].clone())
     if shard.norm_width:
         mod.norm = ShardedGatedNorm(mod.norm, shard.norm_width, group)
     return shard

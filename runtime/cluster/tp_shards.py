@@ -125,16 +125,20 @@ def kept_rows(sizes: list[int], rank: int, world: int) -> torch.Tensor:
 
 def fused_blocks(leaf: str, out: int, config, head_dim: int) -> list[int] | None:
     """The blocks a fused column-parallel linear stacks (``qkv_proj``: query, key and value heads;
-    ``gate_up_proj``: gate and up halves), None for any other linear.
+    GPT-BigCode's multi-query ``c_attn`` likewise; ``gate_up_proj``: gate and up halves), None for any
+    other linear.
 
     Raises:
         InputError: a ``qkv_proj`` whose width is not the heads' (a layout this does not know).
     """
     if leaf == "gate_up_proj":
         return [out // 2, out // 2]
+    config = text_config(config)
+    if leaf == "c_attn":  # GPT-BigCode: every query head, then the one KV head's key and value
+        kv = (out - config.hidden_size) // 2  # (or each head's q, k and v together: a plain span, None)
+        return None if out == 3 * config.hidden_size else [config.hidden_size, kv, kv]
     if leaf != "qkv_proj":
         return None
-    config = text_config(config)
     h = config.num_attention_heads
     hkv = getattr(config, "num_key_value_heads", None) or h
     sizes = [h * head_dim, hkv * head_dim, hkv * head_dim]
@@ -256,7 +260,8 @@ def shard_head_counts(attn: nn.Module, world: int, copies: int = 1) -> None:
     heads, head_dim, width = (getattr(attn, a, None) for a in ("num_heads", "head_dim", "embed_dim"))
     if isinstance(width, int) and isinstance(heads, int) and isinstance(head_dim, int) and width == heads * head_dim:
         attn.embed_dim = width // world
-    for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "num_key_value_groups"):
+    for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "kv_heads",
+                 "num_key_value_groups"):
         n = getattr(attn, attr, None)
         if isinstance(n, int):
             setattr(attn, attr, _per_rank(attr, n, world, copies))
@@ -270,4 +275,4 @@ def shard_head_counts(attn: nn.Module, world: int, copies: int = 1) -> None:
 def _per_rank(attr: str, n: int, world: int, copies: int) -> int:
     if attr == "num_key_value_groups":
         return n // copies
-    return n * copies // world if attr in ("num_key_value_heads", "num_kv_heads") else n // world
+    return n * copies // world if attr in ("num_key_value_heads", "num_kv_heads", "kv_heads") else n // world

@@ -266,13 +266,13 @@ def test_cli_refuses_what_it_cannot_shard_in_one_line(served, capsys, monkeypatc
     for extra, msg in cases:
         code, _, err = run_cli(capsys, monkeypatch, "serve", arts, "--base", served.base_dir, "--port", "0", *extra)
         assert msg in _one_line(code, err), err
-    bigcode = tmp_path / "bigcode"  # one fused c_attn for every query head and the one KV head
-    tiny_model("gpt_bigcode").save_pretrained(bigcode, safe_serialization=True)
+    gpt2 = tmp_path / "gpt2"  # Conv1D projections, [in, out]
+    tiny_model("gpt2").save_pretrained(gpt2, safe_serialization=True)
     (tmp_path / "empty").mkdir()
-    code, _, err = run_cli(capsys, monkeypatch, "serve", tmp_path / "empty", "--base", bigcode, "--port", "0",
+    code, _, err = run_cli(capsys, monkeypatch, "serve", tmp_path / "empty", "--base", gpt2, "--port", "0",
                            "--tensor-parallel", "2")
     line = _one_line(code, err)
-    assert "--tensor-parallel does not shard model_type 'gpt_bigcode'" in line and "serve_tp2" in line, line
+    assert "--tensor-parallel does not shard model_type 'gpt2'" in line and "serve_tp2" in line, line
 
 
 def _children(pid: int) -> set[int]:

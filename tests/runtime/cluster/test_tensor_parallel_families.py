@@ -25,7 +25,8 @@ from deltazip.runtime.serve.variant_sources import discover_variants
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "gemma4", "granite", "smollm3", "cohere", "apertus",
                                   "nemotron", "exaone", "phi3", "olmo2", "olmo3", "starcoder2", "phi", "opt", "gptj",
                                   "xglm", "gpt_neox", "persimmon", "bitnet", "falcon", "falcon_mha", "qwen3_5",
-                                  "lfm2", "lfm3", "bamba", "mamba2"])
+                                  "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1",
+                                  "gpt_bigcode", "gpt_bigcode_mha"])
 def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
     """Families whose attention splits by heads with nothing shared across them (Qwen3's per-head q/k
     norms; Gemma 2's soft-capped logits and sliding windows; Gemma 3; Gemma 4's per-layer inputs;
@@ -211,3 +212,12 @@ def test_kv_head_counts_a_degree_can_neither_split_nor_keep_whole_are_refused(tm
                                              r"KV heads, whose key norm spans them all") as e:
             start_tensor_parallel(Checkpoint(base_dir), [], 1, torch.device("cpu"), torch.float32, 4)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("before_gate", [True, False])
+def test_falcon_h1_gated_norm_and_row_scales_shard_too(tmp_path, before_gate):
+    """Falcon-H1 with its Mamba gated norm on (one group over both ranks: each rank's sum of squares
+    all-reduced, the norm gated before or after as the model says) and ``in_proj`` rows scaled apart
+    (``mup_vector``, each rank keeping its rows' scales): served as the merged model."""
+    _served_as_merged(tmp_path, "falcon_h1", mamba_rms_norm=True, mamba_norm_before_gate=before_gate,
+                      ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 2.0])
