@@ -26,8 +26,10 @@ norm over a split width (a query or key norm over every head, OLMo 2's; BitNet's
 which keeps the rank's columns and all-reduces the sum of squares
 (:mod:`deltazip.runtime.cluster.tp_norms`); any other attention tensor that would not split with the
 heads is refused (:func:`check_attention`). Recurrent mixers of hybrid models (Qwen3.5's gated delta
-nets, Mamba-2 mixers, LFM2's short convolutions) split by channels like an attention by heads, their own tensors
-and their linears with them (:mod:`deltazip.runtime.cluster.tp_mixers`).
+nets, Mamba-2 mixers, LFM2's short convolutions) split by channels like an attention by heads, their
+own tensors and their linears with them (:mod:`deltazip.runtime.cluster.tp_mixers`). An attention
+with fewer KV heads than ranks has each rank keep whole the KV head its query heads read
+(:func:`~deltazip.runtime.cluster.tp_shards.kv_head_rows`).
 
 The artifact layout does not change: everything here runs when a model or a variant is loaded.
 """
@@ -80,8 +82,9 @@ SUPPORTED_MODEL_TYPES = (
     "smollm3", "mllama_text_model", "stablelm", "cohere", "cohere2", "olmo", "exaone", "exaone4",
     "hunyuan_v1_dense", "ernie4_5", "seed_oss", "apertus", "nemotron", "arcee", "helium", "internlm3", "minicpm3",
     "phi3", "glm", "glm4", "olmo2", "olmo3", "starcoder2", "phi", "nanochat", "opt", "xglm", "gpt_neo", "gptj",
-    "glm4v_text", "gpt_neox", "persimmon", "bitnet", "falcon",
-    "qwen3_5_text", "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1", "gpt_bigcode")  # (with recurrent mixers beside the attention layers, split by channels: tp_mixers)
+    "glm4v_text", "gpt_neox", "persimmon", "bitnet", "falcon", "gpt_bigcode",
+    # hybrids: recurrent mixers beside the attention layers, split by channels (tp_mixers)
+    "qwen3_5_text", "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1")
 # The same attention beside mixture-of-experts layers of fused experts (and plain MLP layers and
 # shared experts, sharded as any MLP).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe", "granitemoe",

@@ -111,14 +111,17 @@ def _mamba2(mod: nn.Module, rank: int, world: int) -> MixerShard:
     counts = {"num_heads": nh // world, "intermediate_size": i // world, "n_groups": local,
               "conv_dim": i // world + 2 * local * n, "groups_time_state_size": local * n, "norm.n_groups": local}
     normed = isinstance(getattr(mod.norm, "weight", None), nn.Parameter)  # (Falcon-H1's may be an Identity)
-    return MixerShard({"in_proj": proj},
-                      {"A_log": heads, "D": heads, "dt_bias": heads, "conv1d.weight": conv, "conv1d.bias": conv,
-                       "norm.weight": span(i, rank, world)}, "conv1d",
-                      {k: v for k, v in counts.items() if _ints(mod.get_submodule(k.rpartition(".")[0]),
-                                                                 k.rpartition(".")[2])},
-                      # several groups split by ranks (one norm group per group); one group kept by every rank
-                      {"Mamba heads": nh, **({"Mamba groups": g} if g > 1 else {})}, i if g == 1 and normed else 0,
-                      {"mup_vector": proj} if isinstance(getattr(mod, "mup_vector", None), torch.Tensor) else {})
+    return MixerShard(
+        columns={"in_proj": proj},
+        own={"A_log": heads, "D": heads, "dt_bias": heads, "conv1d.weight": conv, "conv1d.bias": conv,
+             "norm.weight": span(i, rank, world)},
+        conv="conv1d",
+        counts={k: v for k, v in counts.items()  # those the mixer (or its norm) has
+                if _ints(mod.get_submodule(k.rpartition(".")[0]), k.rpartition(".")[2])},
+        # several groups split by ranks (a norm group each); one group is kept by every rank
+        divides={"Mamba heads": nh, **({"Mamba groups": g} if g > 1 else {})},
+        norm_width=i if g == 1 and normed else 0,
+        buffers={"mup_vector": proj} if isinstance(getattr(mod, "mup_vector", None), torch.Tensor) else {})
 
 
 def mixer_shard(mod: nn.Module, rank: int, world: int) -> MixerShard | None:
