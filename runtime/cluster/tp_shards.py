@@ -45,8 +45,8 @@ def shard_packed(d: PackedDelta, kind: str, rank: int, world: int, rows: torch.T
     """Rank ``rank``'s shard of a packed delta ``[out, in]``.
 
     Column: ``[out/n, in]``, every part sliced by rows (``rows``, int64: those rows, for a fused
-    projection or a KV head kept whole; else the rank's span). Row: ``[out, in/n]``; kept values ``in/2n`` per row under
-    2:4, groups ``G/n`` (the caller checked that groups do not straddle ranks).
+    projection or a KV head kept whole; else the rank's span). Row: ``[out, in/n]``; kept values
+    ``in/2n`` per row under 2:4, groups ``G/n`` (the caller checked that groups do not straddle ranks).
     """
     if kind == "column":
         idx = span(d.out_features, rank, world) if rows is None else rows
