@@ -321,8 +321,10 @@ class ShardedDeltaModel(DeltaModel):
         self._split_norms.update(f"{name}.{c}" for c in norms)
         kind = self._kind(name)
         if kind is not None and isinstance(mod, nn.Linear):
-            self._fused_rows.update(self._rows_of(name, mod, kind, heads, config))
-            shard_linear(mod, kind, rank, world, self._fused_rows.get(name))
+            rows = self._rows_of(name, mod, kind, heads, config)
+            if rows is not None:
+                self._fused_rows[name] = rows
+            shard_linear(mod, kind, rank, world, rows)
             return True
         if is_fused_experts(mod):
             shard_experts(mod, rank, world, self._interleaved)
@@ -377,9 +379,10 @@ class ShardedDeltaModel(DeltaModel):
                              "them; use a degree that divides them or one they divide")
         return kv
 
-    def _rows_of(self, name: str, mod: nn.Linear, kind: str, heads: dict[str, int], config) -> dict[str, torch.Tensor]:
-        """The rows a column-parallel linear keeps where not its plain span (``{name: rows}``, else empty):
-        a fused projection's share of each block, or a KV head kept whole (:func:`kv_head_rows`).
+    def _rows_of(self, name: str, mod: nn.Linear, kind: str, heads: dict[str, int], config) -> torch.Tensor | None:
+        """The rows a column-parallel linear keeps where not its plain span (else None): a fused
+        projection's share of each block, a mixer's (set when the mixer was cut), or a KV head kept
+        whole (:func:`kv_head_rows`).
 
         Raises:
             InputError: ``world`` does not divide the width it splits (a span would drop its last rows).
@@ -389,15 +392,15 @@ class ShardedDeltaModel(DeltaModel):
         kv = self._kv_rows.get(parent)
         sizes = fused_blocks(leaf, mod.out_features, config, heads.get(parent, 0))
         if kv is not None and leaf in ("k_proj", "v_proj"):
-            return {name: kv}
+            return kv
         if kv is not None and leaf in ("qkv_proj", "c_attn"):
             q = sizes[0]
-            return {name: torch.cat([kept_rows([q], rank, world), q + kv, q + sizes[1] + kv])}
+            return torch.cat([kept_rows([q], rank, world), q + kv, q + sizes[1] + kv])
         width = mod.out_features if kind == "column" else mod.in_features
         if any(n % world for n in sizes or [width]):
             raise InputError(f"--tensor-parallel {world} does not divide {name}'s {width} "
                              f"{'output' if kind == 'column' else 'input'} features; use a degree that divides them")
-        return {} if sizes is None or name in self._fused_rows else {name: kept_rows(sizes, rank, world)}
+        return self._fused_rows.get(name) if sizes is None else kept_rows(sizes, rank, world)
 
     def _moe_layout(self) -> MoeLayout:
         return MoeLayout(self.model, full=self._full_model)

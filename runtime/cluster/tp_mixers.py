@@ -60,7 +60,8 @@ class MixerShard:
             or None for the rank's span.
         own: its own tensors by name (``A_log``, ``conv1d.weight``): the rows kept, None for whole.
         conv: its depthwise convolution (a child).
-        counts: head counts and widths its forward reads (``norm.n_groups``: a child's) -> the rank's.
+        counts: head counts and widths its forward reads (``norm.n_groups``: a child's) -> the rank's;
+            those the module does not have are skipped.
         divides: what the degree must divide, by name (refused otherwise).
         norm_width: the full width of a gated norm whose one group spans every rank (its sum of
             squares all-reduced), else 0.
@@ -93,8 +94,7 @@ def _delta_net(mod: nn.Module, rank: int, world: int) -> MixerShard:
     own = {"A_log": heads, "dt_bias": heads, "conv1d.weight": channels, "conv1d.bias": channels}
     if tuple(getattr(getattr(mod, "norm", None), "weight", torch.empty(0)).shape) == (mod.head_v_dim,):
         own["norm.weight"] = None  # one head's, whole (any other width is refused as a tensor no rule cuts)
-    counts = {a: getattr(mod, a) // world for a in ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
-              if isinstance(getattr(mod, a, None), int)}
+    counts = {a: getattr(mod, a, 0) // world for a in ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")}
     return MixerShard({c: r for c, r in columns.items() if isinstance(getattr(mod, c, None), nn.Linear)}, own,
                       "conv1d", counts, {"linear-attention key heads": mod.num_k_heads})
 
@@ -116,8 +116,7 @@ def _mamba2(mod: nn.Module, rank: int, world: int) -> MixerShard:
         own={"A_log": heads, "D": heads, "dt_bias": heads, "conv1d.weight": conv, "conv1d.bias": conv,
              "norm.weight": span(i, rank, world)},
         conv="conv1d",
-        counts={k: v for k, v in counts.items()  # those the mixer (or its norm) has
-                if _ints(mod.get_submodule(k.rpartition(".")[0]), k.rpartition(".")[2])},
+        counts=counts,
         # several groups split by ranks (a norm group each); one group is kept by every rank
         divides={"Mamba heads": nh, **({"Mamba groups": g} if g > 1 else {})},
         norm_width=i if g == 1 and normed else 0,
@@ -204,7 +203,9 @@ def split_mixer(mod: nn.Module, name: str, rank: int, world: int, group=None) ->
     conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
     for attr, value in shard.counts.items():
         owner, _, leaf = attr.rpartition(".")
-        setattr(mod.get_submodule(owner), leaf, value)
+        holder = mod.get_submodule(owner)
+        if _ints(holder, leaf):  # (Mamba-2's groups_time_state_size is Falcon-H1's alone, say)
+            setattr(holder, leaf, value)
     for buf, idx in shard.buffers.items():
         setattr(mod, buf, getattr(mod, buf)[..., idx].clone())
     if shard.norm_width:

@@ -25,16 +25,20 @@ def _mixer(arch: str, **config) -> nn.Module:
     raise AssertionError(f"no mixer in {arch}'s first layer")
 
 
-def _rank_part(mixer: nn.Module, rank: int, world: int, x: torch.Tensor) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``mixer`` (its linears cut as ShardedDeltaModel cuts them) run on ``x``:
-    its partial sum of the output, before the all-reduce."""
+def _shard(mixer: nn.Module, rank: int, world: int):
+    """Rank ``rank``'s copy of ``mixer``, its linears cut as ShardedDeltaModel cuts them, and its shard."""
     part = copy.deepcopy(mixer)
     shard = split_mixer(part, "mixer", rank, world)
     for child, rows in shard.columns.items():
         shard_linear(getattr(part, child), "column", rank, world, rows)
     shard_linear(part.out_proj, "row", rank, world)
+    return part, shard
+
+
+def _rank_part(mixer: nn.Module, rank: int, world: int, x: torch.Tensor) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``mixer`` run on ``x``: its partial sum of the output, before the all-reduce."""
     with torch.no_grad():
-        return part(x)
+        return _shard(mixer, rank, world)[0](x)
 
 
 @pytest.mark.parametrize("arch,config", [
@@ -72,11 +76,7 @@ def test_a_variants_mixer_tensors_are_cut_as_the_base_is():
         whole = torch.func.functional_call(base, tensors, (x,))
         got = 0
         for rank in range(2):
-            part = copy.deepcopy(base)
-            shard = split_mixer(part, "mixer", rank, 2)
-            for child, rows in shard.columns.items():
-                shard_linear(getattr(part, child), "column", rank, 2, rows)
-            shard_linear(part.out_proj, "row", rank, 2)
+            part, shard = _shard(base, rank, 2)
             mine = shard_mixer_tensors(tensors, shard, "mixer")
             assert mine["conv1d.weight"].shape == (64, 1, 4) and mine["A_log"].shape == (2,)
             got = got + torch.func.functional_call(part, mine, (x,))
