@@ -210,6 +210,12 @@ ARCH_CONFIGS = {
                   num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, num_experts=4,
                   num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=1, mamba_d_state=16, mamba_dt_rank=8, mamba_expand=2),
+    # Mamba-1 layers only, under backbone. (dt_proj's weight read by the mixer itself); Falcon-Mamba's
+    # mixer normalises its dt, B and C
+    "mamba": dict(model_type="mamba", hidden_size=64, num_hidden_layers=2, state_size=16, intermediate_size=128,
+                  time_step_rank=16),
+    "falcon_mamba": dict(model_type="falcon_mamba", hidden_size=64, num_hidden_layers=2, state_size=16,
+                         intermediate_size=128, time_step_rank=16),
     # recurrent layers only (Mamba-2): no attention, the padding mask passed to the layers as it is
     "mamba2": dict(model_type="mamba2", hidden_size=64, num_hidden_layers=2, state_size=16, num_heads=8, head_dim=16,
                    n_groups=1, expand=2),

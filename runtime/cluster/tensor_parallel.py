@@ -25,9 +25,9 @@ before serving (:func:`check_variant`). Embeddings, norms and ``lm_head`` stay r
 norm over a split width (a query or key norm over every head, OLMo 2's; BitNet's sub-layer norms),
 which keeps the rank's columns and all-reduces the sum of squares
 (:mod:`deltazip.runtime.cluster.tp_norms`); any other attention tensor that would not split with the
-heads is refused (:func:`check_attention`). Recurrent mixers of hybrid models (Qwen3.5's gated delta
-nets, Mamba-2 mixers, LFM2's short convolutions) split by channels like an attention by heads, their
-own tensors and their linears with them (:mod:`deltazip.runtime.cluster.tp_mixers`). An attention
+heads is refused (:func:`check_attention`). Recurrent mixers (Qwen3.5's gated delta nets, Mamba-2
+and Mamba-1 mixers, LFM2's short convolutions) split by channels like an attention by heads, their
+own tensors and their linears with them (Mamba-1's ``x_proj``, which reads every channel, row-parallel) (:mod:`deltazip.runtime.cluster.tp_mixers`). An attention
 with fewer KV heads than ranks has each rank keep whole the KV head its query heads read
 (:func:`~deltazip.runtime.cluster.tp_shards.kv_head_rows`).
 
@@ -84,7 +84,7 @@ SUPPORTED_MODEL_TYPES = (
     "phi3", "glm", "glm4", "olmo2", "olmo3", "starcoder2", "phi", "nanochat", "opt", "xglm", "gpt_neo", "gptj",
     "glm4v_text", "gpt_neox", "persimmon", "bitnet", "falcon", "gpt_bigcode",
     # hybrids: recurrent mixers beside the attention layers, split by channels (tp_mixers)
-    "qwen3_5_text", "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1")
+    "qwen3_5_text", "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1", "mamba", "falcon_mamba")
 # The same attention beside mixture-of-experts layers of fused experts (and plain MLP layers and
 # shared experts, sharded as any MLP).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe", "granitemoe",
@@ -92,7 +92,7 @@ MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "ph
                    "cohere2_moe", "exaone_moe", "solar_open", "afmoe", "hy_v3", "gpt_oss", "llama4_text",
                    "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "olmoe", "flex_olmo", "minimax_m2",
                    "mimo_v2_flash", "qwen3_5_moe_text", "qwen3_next", "lfm2_moe",
-                   "granitemoehybrid", "nemotron_h")
+                   "granitemoehybrid", "nemotron_h", "jamba")
 # Experts whose gate and up columns alternate in ``gate_up_proj`` (GPT-OSS's ``gate_up[..., ::2]``);
 # the others stack the gate half, then the up half (``chunk(2)``).
 INTERLEAVED_GATE_UP = ("gpt_oss",)
@@ -290,6 +290,7 @@ class ShardedDeltaModel(DeltaModel):
         self._split_norms: set[str] = set()  # norms over a split width, kept by columns (tp_norms)
         self._mixers: dict[str, MixerShard] = {}  # recurrent mixers, kept by channels (tp_mixers)
         self._mixer_columns: set[str] = set()  # their linears split by rows, named as the lists do not
+        self._mixer_rows: set[str] = set()  # and by input columns (Mamba-1's x_proj)
         self._interleaved = text_config(model.config).model_type in INTERLEAVED_GATE_UP
         # MoE blocks of experts run over every token (Llama 4): their [E * T, H] output is summed over
         # experts and added to the shared expert's inside the block, so the block's output is what is
@@ -336,6 +337,7 @@ class ShardedDeltaModel(DeltaModel):
                 self._mixer_columns.add(f"{name}.{child}")
                 if rows is not None:
                     self._fused_rows[f"{name}.{child}"] = rows
+            self._mixer_rows.update(f"{name}.{child}" for child in mixer.rows)
             whole = [c for c, m in mod.named_children() if isinstance(m, nn.Linear) and self._kind(f"{name}.{c}") is None]
             if whole:  # a linear every rank would run whole beside its split neighbours, on the rank's channels
                 raise InputError(f"--tensor-parallel cannot split {name}.{whole[0]} with the mixer's heads or "
@@ -406,7 +408,9 @@ class ShardedDeltaModel(DeltaModel):
         return MoeLayout(self.model, full=self._full_model)
 
     def _kind(self, module_name: str) -> str | None:
-        return "column" if module_name in self._mixer_columns else shard_kind(module_name, self._layers)
+        if module_name in self._mixer_columns:
+            return "column"
+        return "row" if module_name in self._mixer_rows else shard_kind(module_name, self._layers)
 
     def _reduced(self, name: str) -> str | None:
         """How module ``name``'s output is all-reduced: ``"output"`` (a row-parallel linear, or fused

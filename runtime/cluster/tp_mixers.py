@@ -1,6 +1,7 @@
 """Recurrent token mixers split by channels, as tensor parallelism splits an attention by heads:
 the gated delta nets of Qwen3.5 and Qwen3-Next, Mamba-2 mixers (Granite 4, Nemotron-H, Bamba,
-Mamba-2, Falcon-H1) and LFM2's (and LFM3's) short convolutions.
+Mamba-2, Falcon-H1), Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba) and LFM2's (and LFM3's) short
+convolutions.
 
 **Gated delta net.** ``nk`` key heads and ``nv`` value heads, each key head serving ``nv/nk``
 consecutive value heads; no head reads another's state. Rank ``r`` of ``n`` keeps key heads
@@ -27,11 +28,21 @@ consecutive value heads; no head reads another's state. Rank ``r`` of ``n`` keep
   (:class:`ShardedGatedNorm`). Falcon-H1 scales each row of ``in_proj``'s output (``mup_vector``):
   the rank keeps its rows' scales.
 
+**Mamba-1 mixer.** ``I`` channels, each with its own ``N`` states; every channel's step size and
+``B``, ``C`` come from one projection of all the channels. A rank keeps its span of channels:
+
+- ``in_proj [2 I, H]`` stacks ``x`` and the gate ``z``: its rows of each; ``conv1d [I, 1, K]``,
+  ``A_log [I, N]``, ``D [I]`` and ``dt_proj [I, R]`` (weight and bias, which the mixer reads itself):
+  its channels;
+- ``x_proj [R + 2 N, I]`` reads every channel: row-parallel, its output (``R + 2 N`` values a
+  token) all-reduced inside the mixer, so each rank then holds the whole ``dt``, ``B`` and ``C``;
+  Jamba's norms of them (``dt_layernorm``, ``b_layernorm``, ``c_layernorm``) stay whole.
+
 **Short convolution** (LFM2): ``in_proj [3 H, H]`` stacks the ``B``, ``C`` and ``x`` gates of ``H``
 channels, each multiplied channel by channel around a depthwise ``conv [H, 1, K]``: a rank keeps
 its span of channels in each block, and of the convolution.
 
-``out_proj`` is row-parallel in all three. Each rank's recurrent states are then its channels'
+``out_proj`` is row-parallel in all four. Each rank's recurrent states are then its channels'
 alone (a window ``[B, C/n, K]``, a state ``[B, nv/n, dk, dv]``): the serving state pool takes
 whatever shapes the layer writes. A variant that changes the mixer's own tensors (a full
 fine-tune moves ``A_log`` and the convolution) is cut the same way (:func:`shard_mixer_tensors`).
@@ -58,6 +69,8 @@ class MixerShard:
     Attributes:
         columns: its linears split by rows (column-parallel): child name -> the rows kept (int64),
             or None for the rank's span.
+        rows: its linears split by input columns (row-parallel, their output all-reduced) other than
+            those every layer names so (``out_proj``): Mamba-1's ``x_proj``.
         own: its own tensors by name (``A_log``, ``conv1d.weight``): the rows kept, None for whole.
         conv: its depthwise convolution (a child).
         counts: head counts and widths its forward reads (``norm.n_groups``: a child's) -> the rank's;
@@ -76,6 +89,7 @@ class MixerShard:
     divides: dict[str, int] = field(default_factory=dict)
     norm_width: int = 0
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    rows: tuple[str, ...] = ()
 
 
 def _is_depthwise(conv) -> bool:
@@ -123,9 +137,19 @@ def _mamba2(mod: nn.Module, rank: int, world: int) -> MixerShard:
         buffers={"mup_vector": proj} if isinstance(getattr(mod, "mup_vector", None), torch.Tensor) else {})
 
 
+def _mamba1(mod: nn.Module, rank: int, world: int) -> MixerShard:
+    i = mod.intermediate_size
+    x = span(i, rank, world)
+    own = {"A_log": x, "D": x, "conv1d.weight": x, "conv1d.bias": x, "dt_proj.weight": x, "dt_proj.bias": x}
+    own |= {f"{n}.weight": None for n in ("dt_layernorm", "b_layernorm", "c_layernorm")  # Jamba's, over x_proj's
+            if isinstance(getattr(getattr(mod, n, None), "weight", None), nn.Parameter)}  # all-reduced output
+    return MixerShard(columns={"in_proj": kept_rows([i, i], rank, world), "dt_proj": None}, own=own, conv="conv1d",
+                      counts={"intermediate_size": i // world}, divides={"Mamba channels": i}, rows=("x_proj",))
+
+
 def mixer_shard(mod: nn.Module, rank: int, world: int) -> MixerShard | None:
-    """Rank ``rank``'s :class:`MixerShard` of ``mod`` when it is a gated delta net, a Mamba-2 mixer or
-    a short convolution (module docstring), else None."""
+    """Rank ``rank``'s :class:`MixerShard` of ``mod`` when it is a gated delta net, a Mamba-2 or
+    Mamba-1 mixer or a short convolution (module docstring), else None."""
     if _is_depthwise(getattr(mod, "conv1d", None)):
         if _ints(mod, "num_k_heads", "num_v_heads", "key_dim", "value_dim", "head_v_dim"):
             return _delta_net(mod, rank, world)
@@ -134,6 +158,9 @@ def mixer_shard(mod: nn.Module, rank: int, world: int) -> MixerShard | None:
                 and isinstance(getattr(mod, "in_proj", None), nn.Linear)
                 and (isinstance(norm, nn.Identity) or _ints(norm, "group_size") or _ints(norm, "n_groups"))):
             return _mamba2(mod, rank, world)
+        if (_ints(mod, "intermediate_size", "ssm_state_size", "time_step_rank")
+                and all(isinstance(getattr(mod, c, None), nn.Linear) for c in ("in_proj", "x_proj", "dt_proj"))):
+            return _mamba1(mod, rank, world)
     conv, proj = getattr(mod, "conv", None), getattr(mod, "in_proj", None)
     if _is_depthwise(conv) and isinstance(proj, nn.Linear) and proj.out_features == 3 * conv.out_channels:
         h = conv.out_channels

@@ -1,6 +1,6 @@
 """Recurrent mixers split by channels for tensor parallelism (``runtime/cluster/tp_mixers.py``): each
-rank's shard of a gated delta net or a short convolution, run on its own, gives its part of the whole
-mixer's output, and what cannot be split so is refused by name."""
+rank's shard of a gated delta net, a Mamba-2 or Mamba-1 mixer or a short convolution gives its part of
+the whole mixer's output, and what cannot be split so is refused by name."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from deltazip.runtime.cluster.tp_shards import shard_linear
 
 def _mixer(arch: str, **config) -> nn.Module:
     model = tiny_model(arch, **config)
-    layer = (model.backbone if arch == "mamba2" else model.model).layers[0]
+    layer = (model.backbone if hasattr(model, "backbone") else model.model).layers[0]
     for child in ("linear_attn", "conv", "mamba", "mixer"):
         if hasattr(layer, child):
             return getattr(layer, child)
@@ -31,7 +31,8 @@ def _shard(mixer: nn.Module, rank: int, world: int):
     shard = split_mixer(part, "mixer", rank, world)
     for child, rows in shard.columns.items():
         shard_linear(getattr(part, child), "column", rank, world, rows)
-    shard_linear(part.out_proj, "row", rank, world)
+    for child in ("out_proj", *shard.rows):
+        shard_linear(getattr(part, child), "row", rank, world)
     return part, shard
 
 
@@ -81,6 +82,70 @@ def test_a_variants_mixer_tensors_are_cut_as_the_base_is():
             assert mine["conv1d.weight"].shape == (64, 1, 4) and mine["A_log"].shape == (2,)
             got = got + torch.func.functional_call(part, mine, (x,))
     assert torch.allclose(got, whole, atol=1e-5)
+
+
+def _mamba1_ranks(mixer: nn.Module, world: int, x: torch.Tensor, tensors: dict | None = None) -> torch.Tensor:
+    """The sum of every rank's part of ``mixer`` (Mamba-1) on ``x``, each rank's ``x_proj`` output
+    all-reduced as the group would: a first pass records each rank's partial ``x_proj`` output (which
+    nothing after it feeds), a second runs every rank with their sum in its place. ``tensors``: a
+    variant's own mixer tensors, cut to each rank's channels."""
+    ranks = [_shard(mixer, r, world) for r in range(world)]
+    partial: list[torch.Tensor] = []
+
+    def run(part, shard):
+        mine = shard_mixer_tensors(tensors, shard, "mixer") if tensors else {}
+        return torch.func.functional_call(part, mine, (x,), strict=False) if mine else part(x)
+
+    with torch.no_grad():
+        for part, shard in ranks:
+            h = part.x_proj.register_forward_hook(lambda _m, _i, out: partial.append(out.clone()))
+            run(part, shard)
+            h.remove()
+        total = sum(partial)
+        out = 0
+        for part, shard in ranks:
+            h = part.x_proj.register_forward_hook(lambda _m, _i, _out: total)
+            out = out + run(part, shard)
+            h.remove()
+    return out
+
+
+@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba", "jamba"])
+def test_mamba1_shards_all_reduce_x_proj_and_give_their_part_of_the_output(arch):
+    """Mamba-1 mixers (Mamba; Falcon-Mamba, which normalises dt, B and C; Jamba, whose norms of them
+    have weights): ``in_proj``'s x and gate rows, the convolution, ``A_log``, ``D`` and ``dt_proj``
+    (read by the mixer itself) cut by channels, ``x_proj`` row-parallel; with its output all-reduced,
+    the ranks' outputs sum to the whole mixer's over 2 ranks and over 4."""
+    mixer = _mixer(arch, **(dict(mamba_dt_rank=16) if arch == "jamba" else {}))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+        x = torch.randn(2, 7, 64)
+        whole = mixer(x)
+    for world in (2, 4):
+        part, shard = _shard(mixer, 0, world)
+        assert part.x_proj.weight.shape == (48, 128 // world) and part.dt_proj.weight.shape == (128 // world, 16)
+        assert part.intermediate_size == 128 // world and shard.rows == ("x_proj",)
+        got = _mamba1_ranks(mixer, world, x)
+        assert torch.allclose(got, whole, atol=1e-5), (world, (got - whole).abs().max())
+
+
+def test_a_variants_mamba1_tensors_are_cut_as_the_base_is():
+    """A variant's ``A_log``, ``D``, convolution and ``dt_proj`` weight and bias (the mixer's own: it
+    reads them itself), and Jamba's norm weights (whole), substituted into each rank's shard, give
+    the variant's whole mixer."""
+    base = _mixer("jamba", mamba_dt_rank=16)
+    torch.manual_seed(1)
+    tensors = {"A_log": torch.randn(128, 16) * 0.1, "D": torch.randn(128), "conv1d.weight": torch.randn(128, 1, 4),
+               "dt_proj.weight": torch.randn(128, 16) * 0.1, "dt_proj.bias": torch.randn(128) * 0.1,
+               "dt_layernorm.weight": 1 + torch.randn(16) * 0.1}
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        whole = torch.func.functional_call(base, tensors, (x,), strict=False)
+    assert not torch.allclose(whole, base(x).detach(), atol=1e-3)  # the variant's tensors matter
+    got = _mamba1_ranks(base, 2, x, tensors)
+    assert torch.allclose(got, whole, atol=1e-5), (got - whole).abs().max()
 
 
 def test_what_a_mixer_split_cannot_cut_is_refused_in_one_line():
