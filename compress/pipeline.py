@@ -87,32 +87,45 @@ def check_pair(base: Checkpoint, ft: Checkpoint) -> None:
 
 
 def _layer_maps(model, lname: str, layers, ft: Checkpoint) -> list[LayerMap]:
-    """Per layer: its checkpoint tensors mapped to its parameters, and the linears among them."""
-    _refuse_tied_across_layers(model, lname)
+    """Per layer: its checkpoint tensors mapped to its parameters, and the linears among them; a
+    parameter tied to an earlier layer's is borrowed from it (:func:`_tied_across_layers`)."""
+    tied = _tied_across_layers(model, lname)
     maps = []
     for i, layer in enumerate(layers):
-        m = map_layer(model, f"{lname}.{i}.", layer, ft.names, ft.shape)
+        prefix = f"{lname}.{i}."
+        m = map_layer(model, prefix, layer, ft.names, ft.shape)
+        m.borrow({t[len(prefix):]: s for t, s in tied.items() if t.startswith(prefix)})
         m.check_sites_covered()
         maps.append(m)
     return maps
 
 
-def _refuse_tied_across_layers(model, lname: str) -> None:
-    """InputError when transformers ties a parameter of one decoder layer to another layer's (Zamba2's
-    shared transformer block, one set of weights used by several layers)."""
+def _tied_across_layers(model, lname: str) -> dict[str, str]:
+    """``parameter -> the parameter it is tied to`` (module names) where transformers ties a decoder
+    layer's parameter to an earlier layer's (Zamba2's shared transformer block: one set of weights
+    that every hybrid layer runs, stored under the first). Such a matrix is compressed with the first
+    layer that runs it, on that layer's inputs, and the later layers run its reconstruction.
+
+    Raises:
+        InputError: a layer's parameter is tied to a later layer's (the later one is compressed after
+            the earlier one has run it).
+    """
     try:
         tied = model.get_expanded_tied_weights_keys(all_submodels=True)
     except (AttributeError, TypeError):  # transformers 4.x: no layer ties of this kind
-        return
+        return {}
     head = lname + "."
+    out = {}
     for target, source in tied.items():
         if not (target.startswith(head) and source.startswith(head)):
             continue
-        i, j = target[len(head):].split(".", 1)[0], source[len(head):].split(".", 1)[0]
+        i, j = int(target[len(head):].split(".", 1)[0]), int(source[len(head):].split(".", 1)[0])
+        if i < j:
+            raise InputError(f"layer {i} of {type(model).__name__} runs {source}, a weight of the later layer {j} "
+                             "(tied across layers): compress calibrates layers in order and cannot compress it")
         if i != j:
-            raise InputError(f"layers {j} and {i} of {type(model).__name__} share {source} (weights tied across "
-                             "layers): compress calibrates each layer's matrices on that layer's inputs and does "
-                             "not compress a matrix several layers use")
+            out[target] = source
+    return out
 
 
 def _check_shapes(maps: list[LayerMap], cfg: CompressConfig, group_of: Callable[[int], int]) -> None:
@@ -196,6 +209,9 @@ class _Run:
         self.layer_arity = 0  # how the model takes a layer's output (LayerStandIn.arity)
         self.base_view = cfg.calib_activations == "base"
         self.layer_kw: list[list[dict]] = []  # per layer, per calibration batch (first_inputs)
+        # parameters later layers share (tied): their values as the layer that holds them left them
+        self.lent = {src for m in self.maps for src in m.borrowed.values()}
+        self.held: dict[str, torch.Tensor] = {}
 
     def warn_unrecognised_matrices(self) -> None:
         """A warning when the layers' matrices that are not compressed (stored exactly: neither a linear
@@ -520,6 +536,8 @@ class _Run:
             return batches
         for n in lin:
             lmap.put(layer, n, self.base.get(n) if self.base_view else self.ft.get(n), self.cdtype, self.device)
+        for pn, src in lmap.borrowed.items():  # tied to an earlier layer's: as that layer left it
+            set_param(layer, pn, self.held[src], self.device)
         lmap.finish()
         batches = [(h, self.layer_kwargs(i, k)) for k, (h, _) in enumerate(batches)]  # this layer's own mask, rotary
         with torch.no_grad():
@@ -539,7 +557,9 @@ class _Run:
         den_d = sum(float((yf - h).float().pow(2).sum()) for yf, (h, _) in zip(ys_ft, batches))
         stats["rel_out_err"] = (num / den_y) ** 0.5 if den_y else 0.0
         stats["rel_update_err"] = (num / den_d) ** 0.5 if den_d else 0.0
-        for n, _ in layer.named_parameters():
+        for n, p in layer.named_parameters():
+            if lmap.module_prefix + n in self.lent:  # a later layer runs it (Zamba2's shared block)
+                self.held[lmap.module_prefix + n] = p.detach().clone()
             set_param(layer, n, None)
         self.layer_stats.append(stats)
         return outs

@@ -166,6 +166,7 @@ class LayerMap:
         self.pieces, self.problems, self.names = pieces, problems, names
         self._partial: dict[str, tuple[torch.Tensor, list[Piece]]] = {}
         self._loaded: set[str] = set()
+        self.borrowed: dict[str, str] = {}  # parameter -> the earlier layer's (module name) it is tied to
         by_param = {s.param: s for s in self.sites.values()}
         self.targets: dict[str, Target] = {}
         for n in names:
@@ -173,6 +174,13 @@ class LayerMap:
             if pc is not None and pc.param in by_param:
                 site = by_param[pc.param]
                 self.targets[n] = _target(n, site, pc, tuple(shape_of(n)), self.params[site.param])
+
+    def borrow(self, tied: dict[str, str]) -> None:
+        """Parameters of this layer tied to an earlier layer's (``parameter -> that one's module name``:
+        Zamba2's shared transformer block): compressed with that layer, so no site of this one, and
+        put into the layer by the caller rather than from this layer's checkpoint tensors."""
+        self.borrowed.update(tied)
+        self.sites = {k: s for k, s in self.sites.items() if s.param not in tied}
 
     def check_sites_covered(self) -> None:
         """Every compressible parameter is fully held by checkpoint tensors (else InputError)."""
@@ -234,7 +242,7 @@ class LayerMap:
         for param, (_, got) in partial.items():
             self._check_covered(param, got)
         for param in self.params:
-            if param not in loaded:
+            if param not in loaded and param not in self.borrowed:
                 self._check_covered(param, [])
     def store(self, layer: nn.Module, t: Target, value: torch.Tensor) -> None:
         """Write a target's (reconstructed) tensor, in the checkpoint's shape, back into the layer."""

@@ -197,16 +197,53 @@ def test_models_that_unpack_layer_outputs_or_mix_layer_classes(tmp_path, arch):
     _assert_closer_than_base(base, ft, art_dir)
 
 
-def test_weights_tied_across_layers_are_refused_in_one_line(tmp_path):
-    """Zamba2's hybrid layers share one transformer block: a matrix used by several layers has no one
-    layer's inputs to be calibrated on. Refused before anything is written."""
-    from deltazip.formats.errors import InputError
+def test_weights_tied_across_layers_are_compressed_once_and_run_as_reconstructed(tmp_path, monkeypatch):
+    """Zamba2's hybrid layers 1 and 3 share one transformer block, stored under layer 1: it is
+    compressed once, on layer 1's inputs, and layer 3's calibration runs its reconstruction (what the
+    merged model holds) beside layer 3's own Mamba mixer. Every checkpoint tensor is in the artifact
+    once, and the merged model is closer to the fine-tune than the base."""
+    import deltazip.compress.pipeline as pipeline
 
     base, ft = make_pair(tmp_path, "zamba2")
-    out = tmp_path / "art"
-    with pytest.raises(InputError, match=r"layers 1 and 3 of Zamba2ForCausalLM share model\.layers\.1\.shared_transformer"):
-        compress_delta(base, ft, str(calib_file(tmp_path)), out, CompressConfig(**CFG))
-    assert not out.exists() and not list(tmp_path.glob(".art*"))
+    put = {}
+    real = pipeline.set_param
+
+    def spy(module, name, value, device="cpu"):  # what goes into layer 3's shared block
+        if value is not None and "shared_transformer" in name and module.mamba_decoder.mamba.layer_idx == 3:
+            put[name] = value.detach().clone()
+        return real(module, name, value, device)
+
+    monkeypatch.setattr(pipeline, "set_param", spy)
+    art_dir = tmp_path / "art"
+    s = compress_delta(base, ft, str(calib_file(tmp_path)), art_dir, CompressConfig(**CFG))
+    art = Artifact(art_dir)
+    assert set(art.tensors) == set(Checkpoint(ft).names)
+    layers = art.manifest["layers"]
+    shared = {n for n in layers[1]["tensors"] if ".shared_transformer." in n}
+    assert "model.layers.1.shared_transformer.self_attn.q_proj.weight" in shared and len(shared) >= 6
+    assert not any(".shared_transformer." in n for n in layers[3]["tensors"])
+    assert all(L["rel_out_err"] < 0.05 for L in s["layers"])
+    merged = load_merged_model(art, Checkpoint(base))
+    want = dict(merged.model.layers[1].named_parameters())
+    assert "shared_transformer.self_attn.q_proj.weight" in put and set(put) <= set(want)
+    for name, value in put.items():
+        assert torch.allclose(value, want[name].float(), atol=1e-6), name
+    _assert_closer_than_base(base, ft, art_dir)
+
+
+def test_a_weight_tied_to_a_later_layer_is_refused_in_one_line(monkeypatch):
+    """A layer that runs a later layer's weight cannot be calibrated in layer order: refused, naming it."""
+    from _factories import tiny_model
+
+    from deltazip.compress.pipeline import _tied_across_layers
+    from deltazip.formats.errors import InputError
+
+    model = tiny_model("zamba2")
+    ties = {s: t for t, s in model.get_expanded_tied_weights_keys(all_submodels=True).items() if "layers" in t}
+    monkeypatch.setattr(model, "get_expanded_tied_weights_keys", lambda all_submodels=True: ties)
+    with pytest.raises(InputError, match=r"layer 1 of Zamba2ForCausalLM runs model\.layers\.3\.shared_transformer\.") as e:
+        _tied_across_layers(model, "model.layers")
+    assert "\n" not in str(e.value)
 
 
 def test_a_checkpoint_mostly_stored_exactly_is_warned_about(tmp_path):

@@ -180,7 +180,7 @@ def test_engine_steps_equal_a_full_forward(arch, paged):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "falcon_h1", "kimi_linear", "jamba", "mamba2", "nemotron_h",
-                                  "zamba2-untied"])
+                                  "zamba2-untied", "zamba2"])
 def test_delta_mode_runs_each_variants_recurrent_parameters_on_its_rows(tmp_path, arch):
     """Two real fine-tunes (every tensor moved: the convolution, the decay and step size, the gated
     norm) served as full checkpoints in delta mode: their recurrent layers are ``DeltaMixer``s, and in
@@ -188,7 +188,8 @@ def test_delta_mode_runs_each_variants_recurrent_parameters_on_its_rows(tmp_path
     row's logits equal its own model's plain forward. Kimi Linear's checkpoint holds its fused
     convolution as three pieces, which land as rows of the mixer's parameter. Jamba's mixer reads its
     ``dt_proj`` weight itself: that linear's tensors are the mixer's, not a ``DeltaLinear``'s.
-    Nemotron-H's checkpoint names its tensors under ``backbone.``."""
+    Nemotron-H's checkpoint names its tensors under ``backbone.``. Zamba2's hybrid layers share one
+    transformer block, stored once: a variant's change of it reaches both layers."""
     _check_delta_mode(tmp_path, arch, torch.device("cpu"), 1e-4)
 
 
