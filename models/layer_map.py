@@ -342,3 +342,35 @@ def map_layer(model: nn.Module, prefix: str, layer: nn.Module, names: Iterable[s
         more, problems = _reverted_pieces(model, prefix, unmatched, rest, shape_of)
         pieces.update(more)
     return LayerMap(ck, layer, pieces, problems, layer_names, shape_of, module_prefix=prefix)
+
+
+def converted_params(model: nn.Module, names: Iterable[str],
+                     shape_of: Callable[[str], tuple[int, ...]]) -> dict[str, list[tuple[str, Piece]]]:
+    """Decoder-layer parameters that transformers assembles on load from checkpoint tensors of other
+    names (one expert's ``w1``/``w3``/``w2`` rows stacked into fused ``[E, ., .]`` experts, gate and
+    up halves concatenated): ``module parameter name -> [(checkpoint name, Piece)]`` in row order,
+    for each parameter whose pieces tile all of its rows with no gap or overlap. A parameter held
+    by its own checkpoint name is not listed.
+
+    Args:
+        model: the model (meta parameters are fine).
+        names: checkpoint tensor names.
+        shape_of: checkpoint name -> shape.
+    """
+    from deltazip.models.model_walk import decoder_layers
+
+    names = list(names)
+    lname, layers = decoder_layers(model)
+    out: dict[str, list[tuple[str, Piece]]] = {}
+    for i, layer in enumerate(layers):
+        m = map_layer(model, f"{lname}.{i}.", layer, names, shape_of)
+        by_param: dict[str, list[tuple[str, Piece]]] = {}
+        for name, pc in m.pieces.items():
+            if name != m.prefix + pc.param:
+                by_param.setdefault(pc.param, []).append((name, pc))
+        for param, got in by_param.items():
+            got.sort(key=lambda x: x[1].row0)
+            ends = [0] + [pc.row1 for _, pc in got]
+            if [pc.row0 for _, pc in got] == ends[:-1] and ends[-1] == as_rows(m.params[param])[0]:
+                out[m.module_prefix + param] = got
+    return out

@@ -298,16 +298,20 @@ class WorkerPool:
 
     # -- owner ----------------------------------------------------------------------------------
     def _start_owner(self, dtype: str) -> None:
-        from deltazip.runtime.share.weight_share import strip_expandable_segments
+        from deltazip.runtime.share.weight_share import fused_runs, strip_expandable_segments
 
         cmd = [sys.executable, "-m", "deltazip.runtime.share.weight_share", "--base", str(self.base_dir), "--dtype", dtype,
-               "--device", str(self.device), "--address", self.address]
+               "--device", str(self.device), "--address", self.address, "--runs-on-stdin"]
         env = _child_env(self.env)
         if self.device.type == "cuda":
             env = strip_expandable_segments(env)
         t0 = time.perf_counter()
+        # the tensors transformers fuses on load (MoE experts), each parameter's laid out back to back
+        runs = fused_runs(self.base_dir)
         self.owner = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                       start_new_session=True)
+        self.owner.stdin.write(json.dumps(runs).encode() + b"\n")
+        self.owner.stdin.flush()
         line = _read_line(self.owner.stdout, self.start_timeout)
         try:
             rep = json.loads(line) if line else {}

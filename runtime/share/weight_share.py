@@ -35,9 +35,12 @@ handle bytes travel as hex in the JSON metadata; nothing is pickled. The owner m
 workers use the slab (CUDA frees the memory with the exporting process), which the supervisor
 guarantees: it stops workers first, then the owner.
 
-Limits: the checkpoint's tensor names must be the model's state-dict names (Llama family, as for
-``--mode delta``); an architecture that renames keys on load is refused with a message pointing at
-``--workers 1``. Modules that transformers keeps in fp32 under another dtype are refused the same way.
+Checkpoint names are placed by transformers' own renaming; parameters that transformers assembles on
+load from several checkpoint tensors (per-expert tensors fused into ``[E, ., .]`` experts) are one view
+of a run of them the owner laid out back to back in the parameter's row order (:func:`fused_runs`,
+computed by the supervisor, which has torch, and handed to the owner on its stdin). Limits: any other
+conversion (a transpose, a split) is refused with a message pointing at ``--workers 1``; so are
+modules that transformers keeps in fp32 under another dtype.
 """
 
 from __future__ import annotations
@@ -142,10 +145,16 @@ def _checkpoint_tables(base_dir: Path) -> list[tuple[Path, dict]]:
     return [(wf.path, read_table(wf.path)[0]) for wf in ck.files]
 
 
-def plan_layout(base_dir: Path, dtype: str) -> list[TensorMeta]:
+def plan_layout(base_dir: Path, dtype: str, runs: list[list[str]] | None = None) -> list[TensorMeta]:
     """Offsets of every checkpoint tensor (floating ones in ``dtype``), 64-byte aligned, except that
     the members of a projection group (``deltazip.models.projection_groups``: q/k/v, gate/up) of one
-    dtype follow each other with no gap, in group order: a worker stacks them by a view, no copy."""
+    dtype follow each other with no gap, in group order: a worker stacks them by a view, no copy.
+    ``runs``: more names to lay out so, each list in its order at the place of its first member (the
+    checkpoint tensors that make one parameter transformers assembles on load, :func:`fused_runs`).
+
+    Raises:
+        InputError: a run names a tensor the checkpoint does not hold.
+    """
     from deltazip.models.projection_groups import layout_runs
 
     entries = {}  # name -> (dtype, shape, nbytes), in file order
@@ -158,8 +167,14 @@ def plan_layout(base_dir: Path, dtype: str) -> list[TensorMeta]:
             for s in e.shape:
                 numel *= int(s)
             entries[name] = (dt, [int(s) for s in e.shape], numel * ST_SIZES[dt])
+    given = {name: k for k, run in enumerate(runs or []) for name in run}
+    missing = [n for n in given if n not in entries]
+    if missing:
+        raise InputError(f"{base_dir}: the layout names {missing[0]!r}, which is not in the checkpoint")
+    order = {name: i for i, name in enumerate(entries)}
+    planned = layout_runs(n for n in entries if n not in given) + [list(r) for r in runs or [] if r]
     out, off = [], 0
-    for run in layout_runs(entries):
+    for run in sorted(planned, key=lambda r: order[r[0]]):
         packed = len({entries[n][0] for n in run}) == 1
         for name in run:
             dt, shape, nbytes = entries[name]
@@ -169,6 +184,26 @@ def plan_layout(base_dir: Path, dtype: str) -> list[TensorMeta]:
                 off = (off + ALIGN - 1) // ALIGN * ALIGN
         off = (off + ALIGN - 1) // ALIGN * ALIGN
     return out
+
+
+def fused_runs(base_dir: Path) -> list[list[str]]:
+    """The checkpoint names that make each parameter transformers assembles on load (Mixtral's
+    per-expert ``w1``/``w3`` rows of one fused ``gate_up_proj``), in the parameter's row order: laid
+    out back to back by the owner, the parameter is one view of the buffer in a worker. Torch side
+    (the supervisor runs it; the owner takes the result on its stdin)."""
+    import torch
+
+    from deltazip.models.checkpoint import Checkpoint
+    from deltazip.models.layer_map import converted_params
+    from deltazip.models.model_walk import empty_model
+
+    ck = Checkpoint(base_dir)
+    skeleton = empty_model(base_dir, torch.float32)
+    try:
+        fused = converted_params(skeleton, ck.names, ck.shape)
+    except InputError:  # no decoder layer list found: nothing fused that a worker could view
+        return []
+    return [[name for name, _ in pieces] for pieces in fused.values() if len(pieces) > 1]
 
 
 def convert_bytes(raw, src: str, dst: str):
@@ -212,19 +247,20 @@ def _fill(write, base_dir: Path, tensors: list[TensorMeta]) -> None:
                 data.release()
 
 
-def export_cpu(base_dir: str | Path, dtype: str) -> tuple[int, ExportMeta, mmap.mmap]:
+def export_cpu(base_dir: str | Path, dtype: str, runs: list[list[str]] | None = None) -> tuple[int, ExportMeta, mmap.mmap]:
     """Write the checkpoint's tensors into a sealed memfd.
 
     Args:
         base_dir: Hugging Face model directory (safetensors, single or sharded).
         dtype: served dtype (``F32``/``F16``/``BF16``); floating tensors are converted to it, as
             ``from_pretrained(dtype=...)`` does.
+        runs: names laid out back to back (:func:`plan_layout`).
     Returns:
         (fd, metadata, a read-only mapping the owner keeps; all its pages have been touched).
     """
     t0 = time.perf_counter()
     base_dir = Path(base_dir)
-    tensors = plan_layout(base_dir, dtype)
+    tensors = plan_layout(base_dir, dtype, runs)
     total = _total(tensors)
     fd = _new_buffer("deltazip-weights")
     try:
@@ -317,8 +353,9 @@ def seals(fd: int) -> set[str]:
     return {n for n in ("F_SEAL_WRITE", "F_SEAL_GROW", "F_SEAL_SHRINK", "F_SEAL_SEAL") if got & getattr(fcntl, n)}
 
 
-def export_cuda(base_dir: str | Path, dtype: str, device) -> tuple[Any, ExportMeta]:
-    """Copy the checkpoint's tensors into one device slab and describe its CUDA IPC handle.
+def export_cuda(base_dir: str | Path, dtype: str, device, runs: list[list[str]] | None = None) -> tuple[Any, ExportMeta]:
+    """Copy the checkpoint's tensors into one device slab (laid out as :func:`plan_layout`, ``runs``
+    back to back) and describe its CUDA IPC handle.
 
     Returns:
         (slab: uint8 ``[nbytes]`` tensor on ``device`` — keep it alive while workers use it, metadata).
@@ -329,7 +366,7 @@ def export_cuda(base_dir: str | Path, dtype: str, device) -> tuple[Any, ExportMe
     t0 = time.perf_counter()
     base_dir = Path(base_dir)
     device = torch.device(device)
-    tensors = plan_layout(base_dir, dtype)
+    tensors = plan_layout(base_dir, dtype, runs)
     total = _total(tensors)
     # One allocation: the IPC handle covers the whole slab, every tensor is an offset into it.
     slab = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
@@ -484,12 +521,10 @@ class SharedWeights:
         slots = state_slots(model)
         # checkpoint names that transformers renames on load (image-text models' legacy layouts, EXAONE 3)
         renamed = module_names(model, [n for n in self.tensors if n not in slots])
-        for name, t in self.tensors.items():
-            slot = slots.get(renamed.get(name, name))
-            if slot is None:
-                raise WeightShareError(f"shared tensor {name!r} is not a parameter of {type(model).__name__} (this "
-                                       f"architecture converts checkpoint keys on load); serve it with --workers 1")
-            mod, attr, cur = slot
+        placed = {renamed.get(n, n): t for n, t in self.tensors.items() if renamed.get(n, n) in slots}
+        placed.update(self._fused(model, [n for n in self.tensors if renamed.get(n, n) not in slots], slots))
+        for name, t in placed.items():
+            mod, attr, cur = slots[name]
             if tuple(cur.shape) != tuple(t.shape) or cur.dtype != t.dtype:
                 raise WeightShareError(f"shared tensor {name} is {t.dtype} {list(t.shape)}, the model expects "
                                        f"{cur.dtype} {list(cur.shape)}; serve this model with --workers 1")
@@ -507,6 +542,37 @@ class SharedWeights:
                 if b is not None and b.device != device:
                     mod._buffers[bname] = b.to(device)
         return model.eval()
+
+
+    def _fused(self, model, names: list[str], slots: dict) -> dict[str, Any]:
+        """Parameters transformers assembles on load from the checkpoint tensors ``names`` (fused
+        experts), each one view of the buffer: the owner laid their pieces out back to back in row
+        order (:func:`fused_runs`). Raises WeightShareError for a name that lands in no such view."""
+        if not names:
+            return {}
+        from deltazip.models.layer_map import converted_params
+        from deltazip.runtime.share.dedup_registry import ST_TO_TORCH, read_only
+
+        where = {tm.name: tm for tm in self.meta.tensors}
+        out, used = {}, set()
+        for param, pieces in converted_params(model, list(self.tensors), lambda n: tuple(self.tensors[n].shape)).items():
+            tms = [where[n] for n, _ in pieces]
+            if not set(where) >= {n for n, _ in pieces} or len({tm.dtype for tm in tms}) != 1 or any(
+                    b.offset != a.offset + a.nbytes for a, b in zip(tms, tms[1:])):
+                continue  # not laid out as one run: refused below
+            dt, nbytes = ST_TO_TORCH[tms[0].dtype], sum(tm.nbytes for tm in tms)
+            cur = slots[param][2] if param in slots else None
+            if cur is None or nbytes != cur.numel() * dt.itemsize:
+                continue
+            raw = self.buffer[tms[0].offset:tms[0].offset + nbytes]
+            out[param] = read_only(raw.view(dt).reshape(cur.shape))
+            used.update(n for n, _ in pieces)
+        left = [n for n in names if n not in used]
+        if left:
+            raise WeightShareError(f"shared tensor {left[0]!r} is not a parameter of {type(model).__name__} and is "
+                                   "not laid out as a piece of one (this architecture converts checkpoint keys on "
+                                   "load in a way the weight owner does not follow); serve it with --workers 1")
+        return out
 
 
 def request_export(address: str, timeout: float = 30.0) -> tuple[ExportMeta, int | None]:
@@ -630,9 +696,10 @@ def attached_model(base_path: Path, dtype, device, attn_implementation: str = "s
 
 
 def owner_main(argv: list[str] | None = None) -> int:
-    """``python -m deltazip.runtime.share.weight_share --base DIR --dtype F32 --device cpu --address NAME``
+    """``python -m deltazip.runtime.share.weight_share --base DIR --dtype F32 --device cpu --address NAME
+    [--runs-on-stdin]``
 
-    Exports, prints one JSON line ``{"ready": ...}`` on stdout, serves attaches until stdin closes
+    Reads the layout's runs (:func:`fused_runs`, one JSON line) from stdin when asked, exports, prints one JSON line ``{"ready": ...}`` on stdout, serves attaches until stdin closes
     (the supervisor holds the other end: if it dies, so does the owner) or SIGTERM.
     """
     ap = argparse.ArgumentParser(description="deltazip weight owner")
@@ -640,18 +707,21 @@ def owner_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", required=True, choices=("F32", "F16", "BF16"))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--address", required=True)
+    ap.add_argument("--runs-on-stdin", action="store_true",
+                    help="read one JSON line from stdin first: lists of names to lay out back to back")
     a = ap.parse_args(argv)
     cuda = a.device.startswith("cuda")
     if cuda:  # before torch initialises CUDA in this process
         os.environ.update(strip_expandable_segments(dict(os.environ)))
     try:
+        runs = json.loads(sys.stdin.buffer.readline() or b"[]") if a.runs_on_stdin else None
         if cuda:
-            keep, meta = export_cuda(a.base, a.dtype, a.device)
+            keep, meta = export_cuda(a.base, a.dtype, a.device, runs)
             owner = WeightOwner(meta, a.address, keep=keep)
         else:
-            fd, meta, view = export_cpu(a.base, a.dtype)
+            fd, meta, view = export_cpu(a.base, a.dtype, runs)
             owner = WeightOwner(meta, a.address, fd=fd, keep=view)
-    except (InputError, OSError) as e:
+    except (InputError, OSError, ValueError) as e:
         print(json.dumps({"ready": False, "error": str(e)}), flush=True)
         return 1
 

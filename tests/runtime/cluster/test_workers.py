@@ -417,6 +417,75 @@ def test_no_worker_ready_is_503(served):
     assert h.status_code == 503 and h.json()["status"] == "down"
 
 
+def test_a_mixture_of_experts_base_fused_on_load_is_shared_as_one_view_per_expert_tensor(tmp_path):
+    """Mixtral's checkpoint holds one ``w1``/``w3``/``w2`` tensor per expert, which transformers fuses
+    on load into ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``. The owner lays each fused
+    parameter's pieces out back to back in its row order, so a worker's fused experts are views of the
+    shared buffer (no private copy), and two workers give the merged model's greedy text for the base
+    and a compressed fine-tune."""
+    from _images import generate
+
+    from deltazip.compress.config import CompressConfig
+    from deltazip.compress.merge import load_merged_model
+    from deltazip.compress.pipeline import compress_delta
+    from deltazip.demo.pair import build_char_tokenizer
+    from deltazip.formats.artifact import Artifact
+    from deltazip.kernels.scheme import DeltaScheme
+    from deltazip.models.checkpoint import Checkpoint
+
+    ids = dict(vocab_size=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    tok = build_char_tokenizer()
+    with single_thread():
+        base = tiny_model("mixtral", **ids)
+        base.save_pretrained(tmp_path / "base")
+        perturb(tiny_model("mixtral", **ids), scale=0.2, seed=3).save_pretrained(tmp_path / "ft")
+        for d in ("base", "ft"):
+            tok.save_pretrained(tmp_path / d)
+        cfg = CompressConfig(scheme=DeltaScheme(bits=4, sparsity="none", group_size=32), method="rtn", device="cpu")
+        compress_delta(tmp_path / "base", tmp_path / "ft", None, tmp_path / "arts" / "ft", cfg)
+        merged = load_merged_model(Artifact(tmp_path / "arts" / "ft"), Checkpoint(tmp_path / "base"))
+        want = {m: generate(model, tok(PROMPTS[0])["input_ids"], None, n=8)[0]
+                for m, model in (("base", base), ("ft", merged))}
+    assert "w1" in ",".join(Checkpoint(tmp_path / "base").names)  # per-expert tensors on disk
+    assert want["base"] != want["ft"] and all(want.values()), want  # the variant's experts change the text
+    serve = ServeConfig(artifacts=tmp_path / "arts", api_key=KEY, max_deltas=1, max_cpu_deltas=1, cpu_threads=1,
+                        port=0)
+    with WorkerPool(serve, workers=2, env=ENV) as pool:
+        assert all(w["weights"] == "mapped" for w in pool.health()["workers"])
+        for w in pool.workers:
+            got = {m: complete(w.url, m, PROMPTS[0], 8).json()["choices"][0]["text"] for m in want}
+            assert got == want, f"worker {w.index}"
+        shared = ws.attach(pool.address)
+        model = shared.build_model(torch.float32, "cpu")
+        lo, hi = shared.buffer.data_ptr(), shared.buffer.data_ptr() + shared.meta.nbytes
+        experts = model.model.layers[0].mlp.experts
+        for p in (experts.gate_up_proj, experts.down_proj):
+            assert lo <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= hi
+        assert torch.equal(experts.gate_up_proj, base.model.layers[0].mlp.experts.gate_up_proj)
+
+
+def test_fused_tensors_not_laid_out_as_one_run_are_refused_with_the_fix(tmp_path):
+    """An owner export whose per-expert tensors are not back to back (no runs given) cannot give a
+    worker its fused experts as a view: refused in one line pointing at ``--workers 1``, not copied
+    privately. A run naming a tensor the checkpoint lacks is refused by the owner."""
+    from deltazip.formats.errors import InputError
+
+    base = tmp_path / "base"
+    tiny_model("mixtral").save_pretrained(base)
+    with pytest.raises(InputError, match=r"the layout names 'model\.layers\.0\.nope', which is not in the checkpoint"):
+        ws.plan_layout(base, "F32", [["model.layers.0.nope"]])
+    fd, meta, view = ws.export_cpu(base, "F32")
+    owner = ws.WeightOwner(meta, f"dz-fused-{os.getpid()}", fd=fd, keep=view)
+    threading.Thread(target=owner.serve_forever, daemon=True).start()
+    try:
+        shared = ws.attach(owner.address)
+        with pytest.raises(ws.WeightShareError, match=r"is not laid out as a piece of one .*serve it with --workers 1") as e:
+            shared.build_model(torch.float32, "cpu")
+        assert "\n" not in str(e.value)
+    finally:
+        owner.close()
+
+
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
     """A base large enough (31.6 M params, fp16 on disk, 126 MB served in fp32) that its weights
