@@ -210,6 +210,10 @@ ARCH_CONFIGS = {
                   num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, num_experts=4,
                   num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=1, mamba_d_state=16, mamba_dt_rank=8, mamba_expand=2),
+    # gated delta nets with separate q/k/v/a/b projections and a per-head output norm, beside attention
+    "olmo_hybrid": dict(model_type="olmo_hybrid", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128,
+                        layer_types=["linear_attention", "full_attention"]),
     # Mamba-1 layers only, under backbone. (dt_proj's weight read by the mixer itself); Falcon-Mamba's
     # mixer normalises its dt, B and C
     "mamba": dict(model_type="mamba", hidden_size=64, num_hidden_layers=2, state_size=16, intermediate_size=128,

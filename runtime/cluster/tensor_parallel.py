@@ -84,7 +84,7 @@ SUPPORTED_MODEL_TYPES = (
     "phi3", "glm", "glm4", "olmo2", "olmo3", "starcoder2", "phi", "nanochat", "opt", "xglm", "gpt_neo", "gptj",
     "glm4v_text", "gpt_neox", "persimmon", "bitnet", "falcon", "gpt_bigcode",
     # hybrids: recurrent mixers beside the attention layers, split by channels (tp_mixers)
-    "qwen3_5_text", "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1", "mamba", "falcon_mamba")
+    "qwen3_5_text", "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1", "mamba", "falcon_mamba", "olmo_hybrid")
 # The same attention beside mixture-of-experts layers of fused experts (and plain MLP layers and
 # shared experts, sharded as any MLP).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe", "granitemoe",
@@ -92,7 +92,7 @@ MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "ph
                    "cohere2_moe", "exaone_moe", "solar_open", "afmoe", "hy_v3", "gpt_oss", "llama4_text",
                    "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "olmoe", "flex_olmo", "minimax_m2",
                    "mimo_v2_flash", "qwen3_5_moe_text", "qwen3_next", "lfm2_moe",
-                   "granitemoehybrid", "nemotron_h", "jamba")
+                   "granitemoehybrid", "nemotron_h", "jamba", "kimi_linear")
 # Experts whose gate and up columns alternate in ``gate_up_proj`` (GPT-OSS's ``gate_up[..., ::2]``);
 # the others stack the gate half, then the up half (``chunk(2)``).
 INTERLEAVED_GATE_UP = ("gpt_oss",)
@@ -145,6 +145,7 @@ def check_config(config, world: int) -> None:
                       ("shared_expert_intermediate_size", "shared expert width"),
                       ("intermediate_size_mlp", "MLP width"), ("ffn_dim", "MLP width"), ("n_inner", "MLP width"),
                       ("linear_num_key_heads", "linear-attention key heads"),
+                      ("linear_num_heads", "linear-attention heads"),
                       ("linear_num_value_heads", "linear-attention value heads")):
         try:
             value = getattr(config, key, None)
@@ -309,8 +310,8 @@ class ShardedDeltaModel(DeltaModel):
                              f"{type(model).__name__}; serve this base with --tensor-parallel 1")
         for name, mod in model.named_modules():
             self._hook(mod, name)
-        # Checkpoint names of expert tensors map to rows of the full parameters (a meta skeleton).
-        self._full_model = empty_model(base.path, dtype) if self._experts else None
+        # Checkpoint names of expert (and mixer) tensors map to rows of the full parameters (a meta skeleton).
+        self._full_model = empty_model(base.path, dtype) if self._experts or self._mixers else None
         return model.to(device)
 
     def _shard_module(self, name: str, mod: nn.Module, heads: dict[str, int], config) -> bool:
@@ -338,7 +339,8 @@ class ShardedDeltaModel(DeltaModel):
                 if rows is not None:
                     self._fused_rows[f"{name}.{child}"] = rows
             self._mixer_rows.update(f"{name}.{child}" for child in mixer.rows)
-            whole = [c for c, m in mod.named_children() if isinstance(m, nn.Linear) and self._kind(f"{name}.{c}") is None]
+            whole = [c for c, m in mod.named_children() if isinstance(m, nn.Linear) and c not in mixer.whole
+                     and self._kind(f"{name}.{c}") is None]
             if whole:  # a linear every rank would run whole beside its split neighbours, on the rank's channels
                 raise InputError(f"--tensor-parallel cannot split {name}.{whole[0]} with the mixer's heads or "
                                  "channels; serve this base with --tensor-parallel 1")
@@ -403,6 +405,9 @@ class ShardedDeltaModel(DeltaModel):
             raise InputError(f"--tensor-parallel {world} does not divide {name}'s {width} "
                              f"{'output' if kind == 'column' else 'input'} features; use a degree that divides them")
         return self._fused_rows.get(name) if sizes is None else kept_rows(sizes, rank, world)
+
+    def _layout_model(self) -> nn.Module:
+        return self._full_model if self._full_model is not None else self.model
 
     def _moe_layout(self) -> MoeLayout:
         return MoeLayout(self.model, full=self._full_model)

@@ -1,7 +1,7 @@
 """Recurrent token mixers split by channels, as tensor parallelism splits an attention by heads:
-the gated delta nets of Qwen3.5 and Qwen3-Next, Mamba-2 mixers (Granite 4, Nemotron-H, Bamba,
-Mamba-2, Falcon-H1), Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba) and LFM2's (and LFM3's) short
-convolutions.
+the gated delta nets of Qwen3.5, Qwen3-Next and OLMo Hybrid, Kimi Linear's delta attention, Mamba-2
+mixers (Granite 4, Nemotron-H, Bamba, Mamba-2, Falcon-H1), Mamba-1 mixers (Mamba, Falcon-Mamba,
+Jamba) and LFM2's (and LFM3's) short convolutions.
 
 **Gated delta net.** ``nk`` key heads and ``nv`` value heads, each key head serving ``nv/nk``
 consecutive value heads; no head reads another's state. Rank ``r`` of ``n`` keeps key heads
@@ -14,7 +14,17 @@ consecutive value heads; no head reads another's state. Rank ``r`` of ``n`` keep
 - ``conv1d [2 Dk + Dv, 1, K]``: depthwise (each channel reads only its own input), so the same
   channels as ``in_proj_qkv``'s rows;
 - ``A_log``, ``dt_bias [nv]``: the rank's value heads; the gated norm ``[dv]`` is one head's and
-  stays whole.
+  stays whole. OLMo Hybrid's separate ``q_proj``/``k_proj``/``v_proj``/``a_proj``/``b_proj``/``g_proj``
+  are spans of rows (heads).
+
+**Kimi delta attention.** ``h`` heads of ``d`` channels, a decay per channel: ``q_proj``, ``k_proj``,
+``v_proj`` and ``g_b_proj``, ``forget_gate.f_b_proj`` (``[h d, d]``) keep the rank's rows, ``b_proj``
+its heads, ``dt_bias`` its channels, ``A_log [1, 1, h, 1]`` its heads; the convolution its channels
+of each of q, k and v; the low-rank ``f_a_proj`` and ``g_a_proj`` (``[d, H]``) stay whole.
+
+A variant's rows of a parameter (the checkpoint stores OLMo Hybrid's and Kimi's convolution as
+``q_conv1d``, ``k_conv1d`` and ``v_conv1d``, which transformers concatenates) land on the rank's
+kept rows among them (:func:`shard_mixer_tensors`).
 
 **Mamba-2 mixer.** ``nh`` heads of ``p`` channels (``I = nh * p``) read ``G`` groups of ``B`` and
 ``C`` (``N`` states each). A rank keeps its span of heads, and of the groups when ``n`` divides
@@ -42,7 +52,7 @@ consecutive value heads; no head reads another's state. Rank ``r`` of ``n`` keep
 channels, each multiplied channel by channel around a depthwise ``conv [H, 1, K]``: a rank keeps
 its span of channels in each block, and of the convolution.
 
-``out_proj`` is row-parallel in all four. Each rank's recurrent states are then its channels'
+``out_proj`` (``o_proj``) is row-parallel in all of them. Each rank's recurrent states are then its channels'
 alone (a window ``[B, C/n, K]``, a state ``[B, nv/n, dk, dv]``): the serving state pool takes
 whatever shapes the layer writes. A variant that changes the mixer's own tensors (a full
 fine-tune moves ``A_log`` and the convolution) is cut the same way (:func:`shard_mixer_tensors`).
@@ -59,7 +69,9 @@ from torch.nn import functional as F
 from deltazip.formats.errors import InputError
 from deltazip.runtime.cluster.tp_shards import kept_rows, span
 
-Index = torch.Tensor | slice | None  # kept rows of a tensor's first dimension (int64, or a span); None: whole
+# kept rows of a tensor's first dimension (int64, or a span), or an index over its leading dimensions
+# (Kimi's A_log [1, 1, heads, 1]); None: whole
+Index = torch.Tensor | slice | tuple | None
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,8 @@ class MixerShard:
             squares all-reduced), else 0.
         buffers: buffers cut along their last dimension (Falcon-H1's ``mup_vector``, one scale per row
             of ``in_proj``) -> the entries kept.
+        whole: its linears every rank keeps whole (Kimi's low-rank ``g_a_proj``, whose output every
+            head's gate reads).
     """
 
     columns: dict[str, torch.Tensor | None]
@@ -90,6 +104,7 @@ class MixerShard:
     norm_width: int = 0
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     rows: tuple[str, ...] = ()
+    whole: tuple[str, ...] = ()
 
 
 def _is_depthwise(conv) -> bool:
@@ -104,10 +119,11 @@ def _delta_net(mod: nn.Module, rank: int, world: int) -> MixerShard:
     channels = kept_rows([mod.key_dim, mod.key_dim, mod.value_dim], rank, world)
     heads = span(mod.num_v_heads, rank, world)
     columns = {"in_proj_qkv": channels, "in_proj_z": None, "in_proj_b": None, "in_proj_a": None,
-               "in_proj_qkvz": None, "in_proj_ba": None}
+               "in_proj_qkvz": None, "in_proj_ba": None, "a_proj": None, "b_proj": None}  # (OLMo Hybrid's a, b)
     own = {"A_log": heads, "dt_bias": heads, "conv1d.weight": channels, "conv1d.bias": channels}
-    if tuple(getattr(getattr(mod, "norm", None), "weight", torch.empty(0)).shape) == (mod.head_v_dim,):
-        own["norm.weight"] = None  # one head's, whole (any other width is refused as a tensor no rule cuts)
+    for norm in ("norm", "o_norm"):  # one head's, whole (any other width is refused as a tensor no rule cuts)
+        if tuple(getattr(getattr(mod, norm, None), "weight", torch.empty(0)).shape) == (mod.head_v_dim,):
+            own[f"{norm}.weight"] = None
     counts = {a: getattr(mod, a, 0) // world for a in ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")}
     return MixerShard({c: r for c, r in columns.items() if isinstance(getattr(mod, c, None), nn.Linear)}, own,
                       "conv1d", counts, {"linear-attention key heads": mod.num_k_heads})
@@ -147,6 +163,22 @@ def _mamba1(mod: nn.Module, rank: int, world: int) -> MixerShard:
                       counts={"intermediate_size": i // world}, divides={"Mamba channels": i}, rows=("x_proj",))
 
 
+def _kimi_delta(mod: nn.Module, rank: int, world: int) -> MixerShard:
+    h, qkv = mod.num_heads, mod.qkv_dim
+    channels = span(qkv, rank, world)
+    heads = span(h, rank, world)
+    conv = kept_rows([qkv, qkv, qkv], rank, world)
+    own = {"conv1d.weight": conv, "conv1d.bias": conv, "forget_gate.dt_bias": channels,
+           "forget_gate.A_log": (slice(None), slice(None), heads), "o_norm.weight": None}
+    counts = {"num_heads": h // world, "qkv_dim": qkv // world, "conv_dim": 3 * qkv // world,
+              "forget_gate.num_heads": h // world, "forget_gate.qkv_dim": qkv // world}
+    return MixerShard(
+        columns={"q_proj": None, "k_proj": None, "v_proj": None, "b_proj": None, "g_b_proj": None,
+                 "forget_gate.f_b_proj": None},
+        own=own, conv="conv1d", counts=counts, divides={"linear-attention heads": h},
+        whole=("g_a_proj", "forget_gate.f_a_proj"))
+
+
 def mixer_shard(mod: nn.Module, rank: int, world: int) -> MixerShard | None:
     """Rank ``rank``'s :class:`MixerShard` of ``mod`` when it is a gated delta net, a Mamba-2 or
     Mamba-1 mixer or a short convolution (module docstring), else None."""
@@ -158,6 +190,8 @@ def mixer_shard(mod: nn.Module, rank: int, world: int) -> MixerShard | None:
                 and isinstance(getattr(mod, "in_proj", None), nn.Linear)
                 and (isinstance(norm, nn.Identity) or _ints(norm, "group_size") or _ints(norm, "n_groups"))):
             return _mamba2(mod, rank, world)
+        if _ints(mod, "num_heads", "head_dim", "qkv_dim") and isinstance(getattr(mod, "forget_gate", None), nn.Module):
+            return _kimi_delta(mod, rank, world)
         if (_ints(mod, "intermediate_size", "ssm_state_size", "time_step_rank")
                 and all(isinstance(getattr(mod, c, None), nn.Linear) for c in ("in_proj", "x_proj", "dt_proj"))):
             return _mamba1(mod, rank, world)
@@ -249,10 +283,24 @@ def shard_mixer_tensors(kw: dict[str, torch.Tensor], shard: MixerShard, name: st
     """
     out = {}
     for key, t in kw.items():
-        if key not in shard.own:
+        param, sep, rows = key.partition(":")
+        idx = shard.own.get(param, False)
+        if idx is False or (sep and isinstance(idx, tuple)):
             raise InputError(f"--tensor-parallel cannot split a variant's {name}.{key} with the mixer's heads or "
                              "channels; serve this base with --tensor-parallel 1")
-        idx = shard.own[key]
         t = t.as_subclass(torch.Tensor)
-        out[key] = (t if idx is None else t[idx]).clone()
+        if not sep or idx is None:
+            out[key] = (t if idx is None else t[idx]).clone()
+            continue
+        # rows [r0, r1) of the parameter (a checkpoint piece Kimi's conversion concatenates): the
+        # rank's kept rows among them, at their places in the rank's shard
+        r0, r1 = (int(r) for r in rows.split(":"))
+        kept = torch.arange(idx.start, idx.stop) if isinstance(idx, slice) else idx
+        local = ((kept >= r0) & (kept < r1)).nonzero().flatten()
+        if not len(local):
+            continue
+        if not torch.equal(local, torch.arange(int(local[0]), int(local[-1]) + 1)):
+            raise InputError(f"--tensor-parallel cannot split a variant's {name}.{key} with the mixer's heads or "
+                             "channels; serve this base with --tensor-parallel 1")
+        out[f"{param}:{int(local[0])}:{int(local[-1]) + 1}"] = t[kept[local] - r0].clone()
     return out

@@ -557,7 +557,7 @@ class DeltaModel:
                 changed.append(name)
         to_param = module_names(self.model, changed)
         recurrent = bool(recurrent_layer_types(self.config))  # recurrent layers' own parameters: DeltaMixer
-        pieces = mixer_pieces(self.model, {n: list(x.stored_shape) for n, x in v.entries.items()},
+        pieces = mixer_pieces(self._layout_model(), {n: list(x.stored_shape) for n, x in v.entries.items()},
                               [n for n in changed if n not in to_param]) if recurrent else {}
         for name in changed:
             e = v.entries[name]
@@ -601,6 +601,11 @@ class DeltaModel:
                 wanted[mname] = kind
                 plan[name].append((mname, attr))
         return plan
+
+    def _layout_model(self) -> nn.Module:
+        """The model whose parameter shapes are the checkpoint's: where a checkpoint tensor's rows
+        land in a parameter (a tensor-parallel rank's are cut: its meta skeleton of the full model)."""
+        return self.model
 
     @staticmethod
     def _decoupled_kind(mod: nn.Module, attr: str) -> str | None:

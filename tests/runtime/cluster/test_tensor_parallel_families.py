@@ -25,7 +25,7 @@ from deltazip.runtime.serve.variant_sources import discover_variants
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "gemma4", "granite", "smollm3", "cohere", "apertus",
                                   "nemotron", "exaone", "phi3", "olmo2", "olmo3", "starcoder2", "phi", "opt", "gptj",
                                   "xglm", "gpt_neox", "persimmon", "bitnet", "falcon", "falcon_mha", "qwen3_5",
-                                  "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1", "mamba", "falcon_mamba",
+                                  "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1", "mamba", "falcon_mamba", "olmo_hybrid",
                                   "gpt_bigcode", "gpt_bigcode_mha"])
 def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
     """Families whose attention splits by heads with nothing shared across them (Qwen3's per-head q/k
@@ -38,7 +38,8 @@ def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
     StarCoder2's ``c_fc``/``c_proj`` with biases, Phi-2's ``dense``/``fc1``/``fc2``, OPT's and XGLM's
     ``out_proj`` and layer-level ``fc1``/``fc2`` (XGLM reshaping to its own width), GPT-J's
     ``transformer.h`` layers, GPT-NeoX's and Persimmon's ``query_key_value`` holding each head's q, k
-    and v together, Falcon's each KV group's; Qwen3.5's gated delta nets, Bamba's and Mamba-2's
+    and v together, Falcon's each KV group's; Qwen3.5's and OLMo Hybrid's gated delta nets (OLMo
+    Hybrid's convolution stored as three checkpoint pieces, each cut to the rank's rows), Bamba's and Mamba-2's
     Mamba-2 mixers, Mamba's and Falcon-Mamba's Mamba-1 mixers (``x_proj`` row-parallel, all-reduced
     inside the mixer) and LFM2's and LFM3's short convolutions (LFM3's attention gated per head by
     ``g_proj``), split by channels with their recurrent states and the variant's own tensors of them): two ranks serve a compressed fine-tune's greedy text and log probabilities as

@@ -92,7 +92,7 @@ def _served_as_merged(tmp_path, ck, base_model, tok, prompts, delta_compute: str
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "ernie4_5_moe", "afmoe", "llama4",
                                   "deepseek_v3", "olmoe", "flex_olmo", "minimax_m2", "qwen3_5_moe", "qwen3_next",
-                                  "lfm2_moe", "nemotron_h", "granitemoehybrid", "jamba"])
+                                  "lfm2_moe", "nemotron_h", "granitemoehybrid", "jamba", "kimi_linear"])
 def test_moe_models_shard_by_expert_width_and_answer_as_the_merged_model(tmp_path, arch):
     """Mixtral (per-expert ``w1``/``w3``/``w2`` in the checkpoint), Qwen2-MoE (shared experts and
     their gate), Qwen3-MoE (per-head q/k norms), Phi-3.5-MoE (an ``nn.Linear`` router with its own
@@ -105,8 +105,9 @@ def test_moe_models_shard_by_expert_width_and_answer_as_the_merged_model(tmp_pat
     LFM2-MoE, Nemotron-H, Granite 4 and Jamba (experts beside recurrent layers split by channels;
     Granite 4's one group of Mamba-2 states kept by both ranks, its gated norm's sum of squares
     all-reduced; Jamba's Mamba-1 ``x_proj`` row-parallel, its output all-reduced inside the mixer
-    before the norms of ``dt``, ``B`` and ``C``): two ranks give the merged model's greedy text and
-    log probabilities, 4-bit groups of 16."""
+    before the norms of ``dt``, ``B`` and ``C``; Kimi Linear's delta attention split by heads, its
+    convolution's three checkpoint pieces cut to each rank's rows, beside latent attention): two
+    ranks give the merged model's greedy text and log probabilities, 4-bit groups of 16."""
     config = dict(mamba_dt_rank=16) if arch == "jamba" else {}  # (dt_proj's 16 inputs: one group)
     with single_thread():
         ck, base, tok = _pair(tmp_path, arch, DeltaScheme(bits=4, group_size=16, sparsity="none"), **config)

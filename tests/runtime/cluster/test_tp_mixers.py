@@ -12,6 +12,7 @@ from _factories import tiny_model
 from torch import nn
 
 from deltazip.formats.errors import InputError
+from deltazip.runtime.cluster.tensor_parallel import COLUMN_PARALLEL, ROW_PARALLEL
 from deltazip.runtime.cluster.tp_mixers import shard_mixer_tensors, split_mixer
 from deltazip.runtime.cluster.tp_shards import shard_linear
 
@@ -19,7 +20,7 @@ from deltazip.runtime.cluster.tp_shards import shard_linear
 def _mixer(arch: str, **config) -> nn.Module:
     model = tiny_model(arch, **config)
     layer = (model.backbone if hasattr(model, "backbone") else model.model).layers[0]
-    for child in ("linear_attn", "conv", "mamba", "mixer"):
+    for child in ("linear_attn", "conv", "mamba", "mixer", "self_attn"):
         if hasattr(layer, child):
             return getattr(layer, child)
     raise AssertionError(f"no mixer in {arch}'s first layer")
@@ -29,10 +30,16 @@ def _shard(mixer: nn.Module, rank: int, world: int):
     """Rank ``rank``'s copy of ``mixer``, its linears cut as ShardedDeltaModel cuts them, and its shard."""
     part = copy.deepcopy(mixer)
     shard = split_mixer(part, "mixer", rank, world)
-    for child, rows in shard.columns.items():
-        shard_linear(getattr(part, child), "column", rank, world, rows)
-    for child in ("out_proj", *shard.rows):
-        shard_linear(getattr(part, child), "row", rank, world)
+    for child, mod in list(part.named_modules()):
+        if not isinstance(mod, nn.Linear) or child in shard.whole:
+            continue
+        leaf = child.rpartition(".")[2]
+        if child in shard.columns or leaf in COLUMN_PARALLEL:
+            shard_linear(mod, "column", rank, world, shard.columns.get(child))
+        elif child in shard.rows or leaf in ROW_PARALLEL:
+            shard_linear(mod, "row", rank, world)
+        else:
+            raise AssertionError(f"{child} is cut by no rule")
     return part, shard
 
 
@@ -45,11 +52,15 @@ def _rank_part(mixer: nn.Module, rank: int, world: int, x: torch.Tensor) -> torc
 @pytest.mark.parametrize("arch,config", [
     ("qwen3_5", dict(linear_num_key_heads=4, linear_num_value_heads=8)),
     ("qwen3_next", dict(linear_num_key_heads=4, linear_num_value_heads=8)),
-    ("lfm2", {}), ("mamba2", dict(n_groups=4)), ("nemotron_h", dict(n_groups=4))])
+    ("lfm2", {}), ("mamba2", dict(n_groups=4)), ("nemotron_h", dict(n_groups=4)), ("olmo_hybrid", {}),
+    ("kimi_linear", {})])
 def test_each_ranks_mixer_shard_gives_its_part_of_the_whole_output(arch, config):
     """Qwen3.5's gated delta net (``in_proj_qkv`` cut block by block with the convolution's channels),
     Qwen3-Next's (``in_proj_qkvz``/``in_proj_ba`` grouped per key head: a span is the rank's groups),
-    LFM2's short convolution (``B``, ``C``, ``x`` blocks) and Mamba-2 mixers of 4 groups (``z``, ``x``,
+    OLMo Hybrid's (separate ``q``/``k``/``v``/``a``/``b`` projections, a per-head output norm),
+    Kimi Linear's delta attention (per-channel decay: ``f_b_proj``'s rows and ``dt_bias`` by channels,
+    ``A_log [1, 1, heads, 1]`` by heads, the low-rank ``f_a_proj`` and ``g_a_proj`` whole), LFM2's
+    short convolution (``B``, ``C``, ``x`` blocks) and Mamba-2 mixers of 4 groups (``z``, ``x``,
     ``B``, ``C``, ``dt`` rows of ``in_proj``, each group's gated norm on the rank holding it): the
     ranks' outputs sum to the whole mixer's over 2 ranks and over 4."""
     mixer = _mixer(arch, **config)
@@ -82,6 +93,28 @@ def test_a_variants_mixer_tensors_are_cut_as_the_base_is():
             assert mine["conv1d.weight"].shape == (64, 1, 4) and mine["A_log"].shape == (2,)
             got = got + torch.func.functional_call(part, mine, (x,))
     assert torch.allclose(got, whole, atol=1e-5)
+
+
+def test_a_variants_convolution_pieces_land_on_each_ranks_rows():
+    """Kimi Linear's checkpoint holds its convolution as three pieces (``q_conv1d``, ``k_conv1d``,
+    ``v_conv1d``), which a variant hands the mixer as rows of ``conv1d.weight``: each rank gets its
+    channels of each piece at their places in its shard, and with them its part of the variant's
+    whole mixer."""
+    base = _mixer("kimi_linear")
+    torch.manual_seed(2)
+    conv = torch.randn(192, 1, 4)
+    pieces = {f"conv1d.weight:{r0}:{r0 + 64}": conv[r0:r0 + 64] for r0 in (0, 64, 128)}
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        whole = torch.func.functional_call(base, {"conv1d.weight": conv}, (x,), strict=False)
+        got = 0
+        for rank in range(2):
+            part, shard = _shard(base, rank, 2)
+            mine = shard_mixer_tensors(pieces, shard, "mixer")
+            assert sorted(mine) == ["conv1d.weight:0:32", "conv1d.weight:32:64", "conv1d.weight:64:96"]
+            conv_r = torch.cat([mine[k] for k in sorted(mine, key=lambda k: int(k.split(":")[1]))])
+            got = got + torch.func.functional_call(part, {"conv1d.weight": conv_r}, (x,), strict=False)
+    assert torch.allclose(got, whole, atol=1e-5), (got - whole).abs().max()
 
 
 def _mamba1_ranks(mixer: nn.Module, world: int, x: torch.Tensor, tensors: dict | None = None) -> torch.Tensor:
@@ -151,8 +184,8 @@ def test_a_variants_mamba1_tensors_are_cut_as_the_base_is():
 def test_what_a_mixer_split_cannot_cut_is_refused_in_one_line():
     """Key heads the degree does not divide, Mamba-2 groups it neither divides nor holds one of (two
     groups over four ranks: each group's norm would span two ranks), a tensor of the mixer's own that
-    no rule cuts, and a variant's rows of a tensor (a conversion's piece) are each refused, naming
-    what."""
+    no rule cuts, a variant's tensor no rule cuts and rows of a tensor cut along another dimension
+    (Kimi's ``A_log`` by heads) are each refused, naming what."""
     with pytest.raises(InputError, match=r"--tensor-parallel 2 does not divide mixer's 1 linear-attention key heads") as e:
         split_mixer(_mixer("qwen3_5", linear_num_key_heads=1, linear_num_value_heads=2), "mixer", 0, 2)
     assert "\n" not in str(e.value)
@@ -162,9 +195,11 @@ def test_what_a_mixer_split_cannot_cut_is_refused_in_one_line():
     odd.register_parameter("mix_scale", nn.Parameter(torch.ones(3)))
     with pytest.raises(InputError, match=r"cannot split mixer\.mix_scale \[3\] with the mixer's heads or channels"):
         split_mixer(odd, "mixer", 0, 2)
-    shard = split_mixer(_mixer("lfm2"), "mixer", 0, 2)
-    with pytest.raises(InputError, match=r"cannot split a variant's mixer\.conv\.weight:0:32"):
-        shard_mixer_tensors({"conv.weight:0:32": torch.zeros(32, 1, 3)}, shard, "mixer")
+    shard = split_mixer(_mixer("kimi_linear"), "mixer", 0, 2)
+    with pytest.raises(InputError, match=r"cannot split a variant's mixer\.forget_gate\.A_log:0:1"):
+        shard_mixer_tensors({"forget_gate.A_log:0:1": torch.zeros(1, 1, 4, 1)}, shard, "mixer")
+    with pytest.raises(InputError, match=r"cannot split a variant's mixer\.mix_scale"):
+        shard_mixer_tensors({"mix_scale": torch.zeros(3)}, shard, "mixer")
     assert split_mixer(tiny_model("llama").model.layers[0].self_attn, "attn", 0, 2) is None
 
 
