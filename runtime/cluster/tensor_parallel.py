@@ -84,7 +84,7 @@ SUPPORTED_MODEL_TYPES = (
     "phi3", "glm", "glm4", "olmo2", "olmo3", "starcoder2", "phi", "nanochat", "opt", "xglm", "gpt_neo", "gptj",
     "glm4v_text", "gpt_neox", "persimmon", "bitnet", "falcon", "gpt_bigcode",
     # hybrids: recurrent mixers beside the attention layers, split by channels (tp_mixers)
-    "qwen3_5_text", "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1", "mamba", "falcon_mamba", "olmo_hybrid")
+    "qwen3_5_text", "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1", "mamba", "falcon_mamba", "olmo_hybrid", "zamba2")
 # The same attention beside mixture-of-experts layers of fused experts (and plain MLP layers and
 # shared experts, sharded as any MLP).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "phimoe", "granitemoe",
@@ -109,6 +109,11 @@ COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_pr
                    "gate_up_proj", "c_fc", "fc1", "fc_in", "query_key_value", "dense_h_to_4h", "w1", "w3",
                    "g_proj", "c_attn")  # (LFM3's output gate, one row per head; GPT-BigCode's q, k, v)
 LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
+# Per-layer low-rank adapters whose output is added to a split projection's (Zamba2's shared block:
+# ``gate_up_proj_adapter_list.<k>`` is ``Sequential(Linear(H, r), Linear(r, 2I))``): the second linear is
+# column-parallel with the projection's rows, the first stays whole.
+ADAPTED = {"gate_up_proj_adapter_list": "gate_up_proj", "linear_q_adapter_list": "q_proj",
+           "linear_k_adapter_list": "k_proj", "linear_v_adapter_list": "v_proj"}
 ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "fc2", "fc_out", "out_proj", "dense", "dense_4h_to_h", "w2")
 
 
@@ -121,6 +126,30 @@ def shard_kind(module_name: str, layers: str | None = None) -> str | None:
         return None
     leaf = module_name.rsplit(".", 1)[-1]
     return "column" if leaf in COLUMN_PARALLEL else "row" if leaf in ROW_PARALLEL else None
+
+
+def _retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """Tie again each group of parameter names that shared one tensor before the modules holding
+    them were cut one by one (each got its own shard): every name then holds the first one's shard,
+    as the full model held one tensor (and a variant's change of it, planned by identity, reaches all)."""
+    for names in groups:
+        first = model.get_parameter(names[0])
+        for n in names[1:]:
+            owner, _, attr = n.rpartition(".")
+            mod = model.get_submodule(owner)
+            if tuple(mod._parameters[attr].shape) != tuple(first.shape):
+                raise InputError(f"--tensor-parallel cut the tied parameters {names[0]} and {n} apart; serve this "
+                                 "base with --tensor-parallel 1")
+            mod._parameters[attr] = first
+
+
+def _adapted(module_name: str) -> str:
+    """The projection whose output the adapter linear ``module_name`` adds to (its second linear,
+    ``...gate_up_proj_adapter_list.3.1`` -> ``...gate_up_proj``), else ``module_name`` itself."""
+    parts = module_name.split(".")
+    if len(parts) >= 3 and parts[-1] == "1" and parts[-3] in ADAPTED:
+        return ".".join([*parts[:-3], ADAPTED[parts[-3]]])
+    return module_name
 
 
 def check_config(config, world: int) -> None:
@@ -227,8 +256,10 @@ def check_attention(attn: nn.Module, name: str, head_dim: int) -> None:
     """
     for child, mod in attn.named_children():  # (attention sinks, one per head, are split: shard_sinks)
         if (child in LATENT or isinstance(mod, ShardedRMSNorm)
-                or (isinstance(mod, nn.Linear) and child in COLUMN_PARALLEL + ROW_PARALLEL)):
-            continue
+                or (isinstance(mod, nn.Linear) and child in COLUMN_PARALLEL + ROW_PARALLEL)
+                or (child in ADAPTED and all(isinstance(m, nn.Linear) for m in mod.modules()
+                                             if not list(m.children())))):
+            continue  # (an adapter list's linears: its first whole, its second with the projection's rows)
         for pname, p in mod.named_parameters():
             if tuple(p.shape) != (head_dim,):
                 raise InputError(f"--tensor-parallel cannot split {name}.{child}.{pname} {list(p.shape)} with the "
@@ -284,6 +315,9 @@ class ShardedDeltaModel(DeltaModel):
                              for n, p in model.named_parameters(remove_duplicate=False)}
         self._full_linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules()
                               if isinstance(m, nn.Linear)}
+        by_obj: dict[int, list[str]] = {}  # parameters tied across modules (Zamba2's shared block)
+        for n, p in model.named_parameters(remove_duplicate=False):
+            by_obj.setdefault(id(p), []).append(n)
         self._layers = decoder_layers(model)[0]
         self._experts: dict[str, bool] = {}  # fused-experts modules (sharded by expert width, all-reduced)
         # -> whether stored [E, in, out]
@@ -310,6 +344,7 @@ class ShardedDeltaModel(DeltaModel):
                              f"{type(model).__name__}; serve this base with --tensor-parallel 1")
         for name, mod in model.named_modules():
             self._hook(mod, name)
+        _retie(model, [names for names in by_obj.values() if len(names) > 1])
         # Checkpoint names of expert (and mixer) tensors map to rows of the full parameters (a meta skeleton).
         self._full_model = empty_model(base.path, dtype) if self._experts or self._mixers else None
         return model.to(device)
@@ -392,7 +427,7 @@ class ShardedDeltaModel(DeltaModel):
             InputError: ``world`` does not divide the width it splits (a span would drop its last rows).
         """
         world, rank = self.group.world, self.group.rank
-        parent, _, leaf = name.rpartition(".")
+        parent, _, leaf = _adapted(name).rpartition(".")  # (an adapter's rows are its projection's)
         kv = self._kv_rows.get(parent)
         sizes = fused_blocks(leaf, mod.out_features, config, heads.get(parent, 0))
         if kv is not None and leaf in ("k_proj", "v_proj"):
@@ -413,7 +448,8 @@ class ShardedDeltaModel(DeltaModel):
         return MoeLayout(self.model, full=self._full_model)
 
     def _kind(self, module_name: str) -> str | None:
-        if module_name in self._mixer_columns:
+        if module_name in self._mixer_columns or (_adapted(module_name) != module_name
+                                                  and shard_kind(_adapted(module_name), self._layers) == "column"):
             return "column"
         return "row" if module_name in self._mixer_rows else shard_kind(module_name, self._layers)
 
@@ -524,10 +560,27 @@ class ShardedDeltaModel(DeltaModel):
                                                                           self._fused_rows.get(mname))
             if mname in self._mixers:  # the variant's own tensors of a recurrent mixer (DeltaMixer's)
                 host.modules[mname] = shard_mixer_tensors(kw, self._mixers[mname], mname)
+            elif any(m.startswith(f"{mname}.") for m in self._mixers):  # a block holding one (Zamba2's)
+                host.modules[mname] = self._cut_inner_mixer(mname, kw)
             for key, held in (("sinks", self._sinks), ("weight", self._split_norms)):
                 if mname in held and key in kw:  # the variant's sinks [H], or norm [H * d]: this rank's heads'
                     host.modules[mname] = {**kw, key: kw[key][span(kw[key].shape[0], rank, world)].clone()}
         return host
+
+    def _cut_inner_mixer(self, mname: str, kw: dict[str, Any]) -> dict[str, Any]:
+        """A ``DeltaMixer``'s tensors of a block that holds a split mixer (Zamba2's ``mamba_decoder``,
+        decoupled as a whole, around its ``mamba``): those of the mixer cut as :func:`shard_mixer_tensors`
+        cuts them, the block's others (its norm) whole, as the rank holds them."""
+        out = {}
+        for key, t in kw.items():
+            inner = next((m for m in self._mixers if f"{mname}.{key}".startswith(f"{m}.")), None)
+            if inner is None:
+                out[key] = t
+                continue
+            rel = f"{mname}.{key}"[len(inner) + 1:]
+            out.update({f"{inner[len(mname) + 1:]}.{k}": v
+                        for k, v in shard_mixer_tensors({rel: t}, self._mixers[inner], inner).items()})
+        return out
 
     def resident_estimate(self, name: str) -> int:
         """Device bytes of this rank's shard of a variant (sharded linears count ``1/n``)."""

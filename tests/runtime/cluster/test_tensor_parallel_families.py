@@ -59,6 +59,18 @@ def test_fewer_kv_heads_than_ranks_are_kept_whole_by_each_rank(tmp_path, arch, c
     _served_as_merged(tmp_path, arch, **config)
 
 
+@pytest.mark.parametrize("config", [{}, dict(use_shared_attention_adapter=True, num_key_value_heads=4)],
+                         ids=["mlp-adapters", "attention-adapters"])
+def test_zamba2_shared_blocks_and_their_adapters_shard(tmp_path, config):
+    """Zamba2: the transformer block its hybrid layers share (tied parameters) is cut once per layer
+    and tied again, so a variant's change of it reaches every layer that runs it; each layer's
+    low-rank adapter adds its second linear's output to a split projection's, so that linear keeps
+    the projection's rows (``gate_up_proj``'s gate and up halves; with attention adapters, ``q``, ``k``,
+    ``v``'s heads) and the first stays whole; the Mamba-2 mixer inside ``mamba_decoder`` (decoupled
+    with its norm as one block) is cut by heads. Two ranks serve the merged model's text."""
+    _served_as_merged(tmp_path, "zamba2", **config)
+
+
 @pytest.mark.parametrize("arch", ["llama", "olmo2", "qwen3_5", "granitemoehybrid"])
 def test_bf16_shards_answer_as_the_merged_model_in_bf16(tmp_path, arch):
     """Served in bf16, as on GPUs: Llama, OLMo 2's split q/k norms (their sums of squares all-reduced
