@@ -20,15 +20,19 @@ import re
 from torch import nn
 
 
-def module_names(model: nn.Module, names: list[str]) -> dict[str, str]:
+def module_names(model: nn.Module, names: list[str], buffers: bool = False) -> dict[str, str]:
     """``checkpoint name -> parameter name`` for every name of ``names`` that transformers would load
     into exactly one parameter of ``model`` by renaming (identity included).
 
     Args:
         model: the loaded transformers model (its classes pick the conversion rules).
         names: checkpoint tensor names.
+        buffers: buffers count as parameters (a router's ``e_score_correction_bias``, which some
+            checkpoints hold under another name).
     """
     params = dict(model.named_parameters(remove_duplicate=False))
+    if buffers:
+        params.update(model.named_buffers(remove_duplicate=False))
     out = {n: n for n in names if n in params}
     rest = [n for n in names if n not in out]
     if not rest:

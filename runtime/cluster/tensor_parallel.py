@@ -25,9 +25,12 @@ before serving (:func:`check_variant`). Embeddings, norms and ``lm_head`` stay r
 norm over a split width (a query or key norm over every head, OLMo 2's; BitNet's sub-layer norms),
 which keeps the rank's columns and all-reduces the sum of squares
 (:mod:`deltazip.runtime.cluster.tp_norms`); any other attention tensor that would not split with the
-heads is refused (:func:`check_attention`). Recurrent mixers (Qwen3.5's gated delta nets, Mamba-2
-and Mamba-1 mixers, LFM2's short convolutions) split by channels like an attention by heads, their
-own tensors and their linears with them (Mamba-1's ``x_proj``, which reads every channel, row-parallel) (:mod:`deltazip.runtime.cluster.tp_mixers`). An attention
+heads is refused (:func:`check_attention`). Recurrent mixers (gated delta nets, Kimi's delta
+attention, Mamba-2 and Mamba-1 mixers, LFM2's short convolutions) split by channels like an attention
+by heads, their own tensors and their linears with them (Mamba-1's ``x_proj``, which reads every
+channel, row-parallel; :mod:`deltazip.runtime.cluster.tp_mixers`). Parameters tied across layers
+(Zamba2's shared blocks) are cut once per module and tied again; the low-rank adapters added to a
+split projection keep its rows (``ADAPTED``). An attention
 with fewer KV heads than ranks has each rank keep whole the KV head its query heads read
 (:func:`~deltazip.runtime.cluster.tp_shards.kv_head_rows`).
 

@@ -519,8 +519,9 @@ class SharedWeights:
         from deltazip.runtime.share.dedup_loader import state_slots  # torch-side; the owner never imports it
 
         slots = state_slots(model)
-        # checkpoint names that transformers renames on load (image-text models' legacy layouts, EXAONE 3)
-        renamed = module_names(model, [n for n in self.tensors if n not in slots])
+        # checkpoint names that transformers renames on load (image-text models' legacy layouts, EXAONE 3,
+        # a router's bias buffer)
+        renamed = module_names(model, [n for n in self.tensors if n not in slots], buffers=True)
         placed = {renamed.get(n, n): t for n, t in self.tensors.items() if renamed.get(n, n) in slots}
         placed.update(self._fused(model, [n for n in self.tensors if renamed.get(n, n) not in slots], slots))
         for name, t in placed.items():
@@ -543,7 +544,6 @@ class SharedWeights:
                     mod._buffers[bname] = b.to(device)
         return model.eval()
 
-
     def _fused(self, model, names: list[str], slots: dict) -> dict[str, Any]:
         """Parameters transformers assembles on load from the checkpoint tensors ``names`` (fused
         experts), each one view of the buffer: the owner laid their pieces out back to back in row
@@ -556,9 +556,10 @@ class SharedWeights:
         where = {tm.name: tm for tm in self.meta.tensors}
         out, used = {}, set()
         for param, pieces in converted_params(model, list(self.tensors), lambda n: tuple(self.tensors[n].shape)).items():
+            if any(n not in where for n, _ in pieces):
+                continue
             tms = [where[n] for n, _ in pieces]
-            if not set(where) >= {n for n, _ in pieces} or len({tm.dtype for tm in tms}) != 1 or any(
-                    b.offset != a.offset + a.nbytes for a, b in zip(tms, tms[1:])):
+            if len({tm.dtype for tm in tms}) != 1 or any(b.offset != a.offset + a.nbytes for a, b in zip(tms, tms[1:])):
                 continue  # not laid out as one run: refused below
             dt, nbytes = ST_TO_TORCH[tms[0].dtype], sum(tm.nbytes for tm in tms)
             cur = slots[param][2] if param in slots else None

@@ -464,6 +464,33 @@ def test_a_mixture_of_experts_base_fused_on_load_is_shared_as_one_view_per_exper
         assert torch.equal(experts.gate_up_proj, base.model.layers[0].mlp.experts.gate_up_proj)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h", "kimi_linear"])
+def test_converted_checkpoints_map_whole_in_process(tmp_path, arch):
+    """Bases whose checkpoints transformers converts on load, mapped as a worker maps them: Qwen3-Next's
+    per-expert tensors fused, Nemotron-H's ``backbone.`` names and Kimi Linear's router bias buffer
+    (``e_score_correction_bias``) renamed into the module, its convolution pieces concatenated. Every
+    parameter and buffer the checkpoint holds lies inside the owner's buffer, and the model's logits
+    are the source model's."""
+    model = tiny_model(arch)
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    fd, meta, view = ws.export_cpu(base, "F32", ws.fused_runs(base))
+    owner = ws.WeightOwner(meta, f"dz-conv-{os.getpid()}-{arch}", fd=fd, keep=view)
+    threading.Thread(target=owner.serve_forever, daemon=True).start()
+    try:
+        shared = ws.attach(owner.address)
+        built = shared.build_model(torch.float32, "cpu", attn_implementation="eager")
+    finally:
+        owner.close()
+    lo, hi = shared.buffer.data_ptr(), shared.buffer.data_ptr() + shared.meta.nbytes
+    outside = [n for n, t in list(built.named_parameters()) + list(built.named_buffers(remove_duplicate=False))
+               if n in dict(model.state_dict()) and not lo <= t.data_ptr() < hi]
+    assert not outside, outside
+    ids = torch.tensor([[3, 5, 7, 9, 11, 13]])
+    with torch.no_grad():
+        assert torch.allclose(built(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+
+
 def test_fused_tensors_not_laid_out_as_one_run_are_refused_with_the_fix(tmp_path):
     """An owner export whose per-expert tensors are not back to back (no runs given) cannot give a
     worker its fused experts as a view: refused in one line pointing at ``--workers 1``, not copied
