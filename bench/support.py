@@ -71,8 +71,10 @@ FAMILIES: dict[str, tuple[str, dict, torch.dtype]] = {
     "falcon-gqa": ("falcon", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, alibi=False,
                                   new_decoder_architecture=True, num_kv_heads=2, max_position_embeddings=128),
                    torch.float32),
+    # as Falcon-RW, the ALiBi Falcon: one KV head per query head, sequential attention and MLP, biases
     "falcon-alibi": ("falcon", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, alibi=True,
-                                    max_position_embeddings=128), torch.float32),
+                                    multi_query=False, parallel_attn=False, bias=True, max_position_embeddings=128),
+                     torch.float32),
     "stablelm": ("stablelm", dict(GQA), torch.float32),
     "gpt_bigcode": ("gpt_bigcode", dict(n_embd=64, n_head=4, n_layer=2, n_positions=128), torch.float32),
     "gemma": ("gemma", dict(GQA, head_dim=16), torch.float32),

@@ -210,6 +210,12 @@ ARCH_CONFIGS = {
                   num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128, num_experts=4,
                   num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=1, mamba_d_state=16, mamba_dt_rank=8, mamba_expand=2),
+    # ALiBi attention (a slope per head, built above the layers): BLOOM's per-head q/k/v rows, MPT's
+    # q, k, v blocks (Wqkv), Falcon-RW's per-head rows (multi_query off, sequential attention and MLP)
+    "bloom": dict(model_type="bloom", hidden_size=64, n_head=4, n_layer=2),
+    "mpt": dict(model_type="mpt", d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=128),
+    "falcon_rw": dict(model_type="falcon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, alibi=True,
+                      multi_query=False, parallel_attn=False, bias=True, max_position_embeddings=128),
     # gated delta nets with separate q/k/v/a/b projections and a per-head output norm, beside attention
     "olmo_hybrid": dict(model_type="olmo_hybrid", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                         num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128,

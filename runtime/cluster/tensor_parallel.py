@@ -50,6 +50,7 @@ from deltazip.models.layer_map import checkpoint_prefix
 from deltazip.models.loader import text_config
 from deltazip.models.model_walk import decoder_layers, dense_routed, empty_model, experts_transposed
 from deltazip.models.param_names import module_names
+from deltazip.runtime.cluster.tp_alibi import slice_alibi, uses_alibi
 from deltazip.runtime.cluster.tp_mixers import MixerShard, shard_mixer_tensors, split_mixer
 from deltazip.runtime.cluster.tp_norms import ShardedRMSNorm, split_norms
 from deltazip.runtime.cluster.tp_shards import (
@@ -85,7 +86,7 @@ SUPPORTED_MODEL_TYPES = (
     "smollm3", "mllama_text_model", "stablelm", "cohere", "cohere2", "olmo", "exaone", "exaone4",
     "hunyuan_v1_dense", "ernie4_5", "seed_oss", "apertus", "nemotron", "arcee", "helium", "internlm3", "minicpm3",
     "phi3", "glm", "glm4", "olmo2", "olmo3", "starcoder2", "phi", "nanochat", "opt", "xglm", "gpt_neo", "gptj",
-    "glm4v_text", "gpt_neox", "persimmon", "bitnet", "falcon", "gpt_bigcode",
+    "glm4v_text", "gpt_neox", "persimmon", "bitnet", "falcon", "gpt_bigcode", "bloom", "mpt",
     # hybrids: recurrent mixers beside the attention layers, split by channels (tp_mixers)
     "qwen3_5_text", "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1", "mamba", "falcon_mamba", "olmo_hybrid", "zamba2")
 # The same attention beside mixture-of-experts layers of fused experts (and plain MLP layers and
@@ -110,7 +111,8 @@ INTERLEAVED_GATE_UP = ("gpt_oss",)
 # none of these names is found is refused rather than run whole on every rank.
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "qkv_proj",
                    "gate_up_proj", "c_fc", "fc1", "fc_in", "query_key_value", "dense_h_to_4h", "w1", "w3",
-                   "g_proj", "c_attn")  # (LFM3's output gate, one row per head; GPT-BigCode's q, k, v)
+                   "g_proj", "c_attn", "Wqkv")  # (LFM3's output gate, one row per head; GPT-BigCode's and
+# MPT's q, k, v)
 LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
 # Per-layer low-rank adapters whose output is added to a split projection's (Zamba2's shared block:
 # ``gate_up_proj_adapter_list.<k>`` is ``Sequential(Linear(H, r), Linear(r, 2I))``): the second linear is
@@ -169,9 +171,10 @@ def check_config(config, world: int) -> None:
         raise InputError(f"--tensor-parallel does not shard model_type {mt!r} (its layers are not split by heads and "
                          "intermediate width alike; the support matrix's serve_tp2 column lists the families it "
                          "shards); serve this base with --tensor-parallel 1")
-    if getattr(config, "alibi", False):  # the model builds one slope per head for every head, not a rank's
-        raise InputError(f"--tensor-parallel does not split this {mt} model's ALiBi position biases (one slope per "
-                         "head); serve this base with --tensor-parallel 1")
+    if mt == "bloom" and getattr(config, "slow_but_exact", False) and getattr(config, "pretraining_tp", 1) > 1:
+        # (its output projection is then applied in slices of the full width, which a rank does not hold)
+        raise InputError("--tensor-parallel does not split BLOOM's slow_but_exact projections; set slow_but_exact "
+                         "to false in the base's config.json or serve it with --tensor-parallel 1")
     for key, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
                       ("intermediate_size", "intermediate size"), ("moe_intermediate_size", "expert width"),
                       ("shared_expert_intermediate_size", "shared expert width"),
@@ -279,7 +282,7 @@ def _is_attention(mod: nn.Module) -> bool:
     """A module holding the query projection (``q_proj``, Phi-3's ``qkv_proj``, MLA's ``q_a_proj``/``q_b_proj``,
     GPT-NeoX's ``query_key_value``, GPT-BigCode's ``c_attn``)."""
     return any(isinstance(getattr(mod, n, None), nn.Linear)
-               for n in ("q_proj", "qkv_proj", "q_b_proj", "query_key_value", "c_attn"))
+               for n in ("q_proj", "qkv_proj", "q_b_proj", "query_key_value", "c_attn", "Wqkv"))
 
 
 def _head_dim(attn: nn.Module, config) -> int:
@@ -391,6 +394,8 @@ class ShardedDeltaModel(DeltaModel):
                     raise InputError(f"--tensor-parallel {world} exceeds {name}'s {kv} KV heads, whose key norm "
                                      "spans them all; use a degree that divides the KV heads")
                 self._kv_rows[name] = rows
+            if uses_alibi(text_config(config)):  # slopes built for every head above the layers: the rank's
+                slice_alibi(mod, text_config(config).num_attention_heads, rank, world)
             shard_head_counts(mod, world, 1 if rows is None else world // kv)
             if isinstance(getattr(mod, "sinks", None), nn.Parameter):
                 shard_sinks(mod, rank, world)

@@ -133,6 +133,8 @@ def fused_blocks(leaf: str, out: int, config, head_dim: int) -> list[int] | None
     """
     if leaf == "gate_up_proj":
         return [out // 2, out // 2]
+    if leaf == "Wqkv":  # MPT: every query head, then every key head, then every value head
+        return [out // 3] * 3
     config = text_config(config)
     if leaf == "c_attn":  # GPT-BigCode: every query head, then the one KV head's key and value
         kv = (out - config.hidden_size) // 2  # (or each head's q, k and v together: a plain span, None)
@@ -260,7 +262,7 @@ def shard_head_counts(attn: nn.Module, world: int, copies: int = 1) -> None:
     heads, head_dim, width = (getattr(attn, a, None) for a in ("num_heads", "head_dim", "embed_dim"))
     if isinstance(width, int) and isinstance(heads, int) and isinstance(head_dim, int) and width == heads * head_dim:
         attn.embed_dim = width // world
-    for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "kv_heads",
+    for attr in ("num_heads", "n_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "kv_heads",
                  "num_key_value_groups"):
         n = getattr(attn, attr, None)
         if isinstance(n, int):

@@ -67,6 +67,7 @@ REQUEST_PATH = [
     "cluster/tp_shards.py",  # what each rank keeps of a tensor, at load time
     "cluster/tp_norms.py",  # q/k norms over every head, all-reduced in the forward
     "cluster/tp_mixers.py",  # what each rank keeps of a recurrent mixer, at load time and variant loads
+    "cluster/tp_alibi.py",  # ALiBi biases cut to the rank's heads, a pre-hook set at load time
     "cluster/tp_group.py",  # per-step broadcast to the worker ranks
 ]
 OFF_PATH = {

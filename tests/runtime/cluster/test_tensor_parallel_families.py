@@ -26,7 +26,7 @@ from deltazip.runtime.serve.variant_sources import discover_variants
                                   "nemotron", "exaone", "phi3", "olmo2", "olmo3", "starcoder2", "phi", "opt", "gptj",
                                   "xglm", "gpt_neox", "persimmon", "bitnet", "falcon", "falcon_mha", "qwen3_5",
                                   "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1", "mamba", "falcon_mamba", "olmo_hybrid",
-                                  "gpt_bigcode", "gpt_bigcode_mha"])
+                                  "gpt_bigcode", "gpt_bigcode_mha", "bloom", "mpt", "falcon_rw"])
 def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
     """Families whose attention splits by heads with nothing shared across them (Qwen3's per-head q/k
     norms; Gemma 2's soft-capped logits and sliding windows; Gemma 3; Gemma 4's per-layer inputs;
@@ -42,7 +42,9 @@ def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
     Hybrid's convolution stored as three checkpoint pieces, each cut to the rank's rows), Bamba's and Mamba-2's
     Mamba-2 mixers, Mamba's and Falcon-Mamba's Mamba-1 mixers (``x_proj`` row-parallel, all-reduced
     inside the mixer) and LFM2's and LFM3's short convolutions (LFM3's attention gated per head by
-    ``g_proj``), split by channels with their recurrent states and the variant's own tensors of them): two ranks serve a compressed fine-tune's greedy text and log probabilities as
+    ``g_proj``), split by channels with their recurrent states and the variant's own tensors of them;
+    BLOOM, MPT (``Wqkv`` cut block by block) and Falcon-RW, whose ALiBi biases, built for every head
+    above the layers, are cut to each rank's heads): two ranks serve a compressed fine-tune's greedy text and log probabilities as
     the merged model generates them."""
     # gemma4: its dense form with two KV heads everywhere (the factory's form is served below)
     dense = dict(enable_moe_block=False, attention_k_eq_v=False, num_global_key_value_heads=2) if arch == "gemma4" else {}
@@ -202,8 +204,9 @@ def test_a_norm_over_a_split_width_that_is_not_an_rmsnorm_is_refused_by_name():
 
 
 def test_falcon_layouts_a_degree_cannot_split_are_refused_in_one_line():
-    """Falcon-7B's multi-query layout has one KV head for every query head, and ALiBi models build a
-    slope for every head: neither splits, each refused by what it is."""
+    """Falcon-7B's multi-query layout has one KV head for every query head: it does not split. ALiBi
+    Falcon (Falcon-RW) does; BLOOM's "slow but exact" emulation of its pretraining's tensor
+    parallelism slices the output projection by the full width, so it is refused by name."""
     from transformers import AutoConfig
 
     from deltazip.formats.errors import InputError
@@ -214,8 +217,12 @@ def test_falcon_layouts_a_degree_cannot_split_are_refused_in_one_line():
     check_config(AutoConfig.for_model("falcon", **base, multi_query=False), 2)
     with pytest.raises(InputError, match=r"--tensor-parallel 2 does not divide the model's KV heads \(1\)"):
         check_config(AutoConfig.for_model("falcon", **base), 2)  # multi_query by default
-    with pytest.raises(InputError, match=r"does not split this falcon model's ALiBi position biases"):
-        check_config(AutoConfig.for_model("falcon", **base, multi_query=False, alibi=True), 2)
+    check_config(AutoConfig.for_model("falcon", **base, multi_query=False, alibi=True), 2)
+    bloom = dict(hidden_size=64, n_head=4, n_layer=2, pretraining_tp=2)
+    check_config(AutoConfig.for_model("bloom", **bloom), 2)
+    with pytest.raises(InputError, match=r"does not split BLOOM's slow_but_exact projections") as e:
+        check_config(AutoConfig.for_model("bloom", **bloom, slow_but_exact=True), 2)
+    assert "\n" not in str(e.value)
 
 
 def test_kv_head_counts_a_degree_can_neither_split_nor_keep_whole_are_refused(tmp_path):
