@@ -180,8 +180,8 @@ def _kimi_delta(mod: nn.Module, rank: int, world: int) -> MixerShard:
 
 
 def mixer_shard(mod: nn.Module, rank: int, world: int) -> MixerShard | None:
-    """Rank ``rank``'s :class:`MixerShard` of ``mod`` when it is a gated delta net, a Mamba-2 or
-    Mamba-1 mixer or a short convolution (module docstring), else None."""
+    """Rank ``rank``'s :class:`MixerShard` of ``mod`` when it is a gated delta net, Kimi's delta
+    attention, a Mamba-2 or Mamba-1 mixer or a short convolution (module docstring), else None."""
     if _is_depthwise(getattr(mod, "conv1d", None)):
         if _ints(mod, "num_k_heads", "num_v_heads", "key_dim", "value_dim", "head_v_dim"):
             return _delta_net(mod, rank, world)
