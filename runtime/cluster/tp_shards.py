@@ -253,7 +253,7 @@ def kv_head_rows(kv_heads: int, head_dim: int, rank: int, world: int) -> torch.T
 def shard_head_counts(attn: nn.Module, world: int, copies: int = 1) -> None:
     """An attention module that views its projections with its own head counts (Mllama's
     ``num_heads``, ``num_key_value_heads``, GPT-J's ``num_attention_heads``, Falcon's
-    ``num_kv_heads``) or reshapes its heads' output to its own width (XGLM's ``embed_dim``, heads x
+    ``num_kv_heads``, MPT's ``n_heads``) or reshapes its heads' output to its own width (XGLM's ``embed_dim``, heads x
     head width) holds ``1/world`` of them on each rank; one that reads them from its config in the
     forward (Phi-3 finds the end of its queries in ``qkv_proj``'s output so) gets a copy of its
     config with the rank's counts. ``copies``: how many ranks hold each KV head (:func:`kv_head_rows`;
