@@ -74,7 +74,7 @@ from deltazip.runtime.serve.delta_experts import (
     parse_piece_key,
     piece_key,
 )
-from deltazip.runtime.serve.model import DeltaModel, HostDelta, load_base_model
+from deltazip.runtime.serve.model import DeltaModel, HostDelta, load_base_model, tied_names
 from deltazip.runtime.serve.variant_sources import VariantInfo
 
 # Decoder layers whose projections split as below and whose attention reshapes to ``-1`` heads with
@@ -321,9 +321,7 @@ class ShardedDeltaModel(DeltaModel):
                              for n, p in model.named_parameters(remove_duplicate=False)}
         self._full_linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules()
                               if isinstance(m, nn.Linear)}
-        by_obj: dict[int, list[str]] = {}  # parameters tied across modules (Zamba2's shared block)
-        for n, p in model.named_parameters(remove_duplicate=False):
-            by_obj.setdefault(id(p), []).append(n)
+        tied = tied_names(model)  # parameters tied across modules (Zamba2's shared block), before they are cut
         self._layers = decoder_layers(model)[0]
         self._experts: dict[str, bool] = {}  # fused-experts modules (sharded by expert width, all-reduced)
         # -> whether stored [E, in, out]
@@ -350,7 +348,7 @@ class ShardedDeltaModel(DeltaModel):
                              f"{type(model).__name__}; serve this base with --tensor-parallel 1")
         for name, mod in model.named_modules():
             self._hook(mod, name)
-        _retie(model, [names for names in by_obj.values() if len(names) > 1])
+        _retie(model, tied)
         # Checkpoint names of expert (and mixer) tensors map to rows of the full parameters (a meta skeleton).
         self._full_model = empty_model(base.path, dtype) if self._experts or self._mixers else None
         return model.to(device)
@@ -456,8 +454,8 @@ class ShardedDeltaModel(DeltaModel):
         return MoeLayout(self.model, full=self._full_model)
 
     def _kind(self, module_name: str) -> str | None:
-        if module_name in self._mixer_columns or (_adapted(module_name) != module_name
-                                                  and shard_kind(_adapted(module_name), self._layers) == "column"):
+        adapted = _adapted(module_name)  # (an adapter's second linear: its projection's kind)
+        if module_name in self._mixer_columns or (adapted != module_name and shard_kind(adapted, self._layers) == "column"):
             return "column"
         return "row" if module_name in self._mixer_rows else shard_kind(module_name, self._layers)
 

@@ -293,14 +293,11 @@ def shard_mixer_tensors(kw: dict[str, torch.Tensor], shard: MixerShard, name: st
             out[key] = (t if idx is None else t[idx]).clone()
             continue
         # rows [r0, r1) of the parameter (a checkpoint piece Kimi's conversion concatenates): the
-        # rank's kept rows among them, at their places in the rank's shard
+        # rank's kept rows among them, at their places in the rank's shard (kept rows are ascending,
+        # so those of one piece are consecutive in the shard)
         r0, r1 = (int(r) for r in rows.split(":"))
         kept = torch.arange(idx.start, idx.stop) if isinstance(idx, slice) else idx
         local = ((kept >= r0) & (kept < r1)).nonzero().flatten()
-        if not len(local):
-            continue
-        if not torch.equal(local, torch.arange(int(local[0]), int(local[-1]) + 1)):
-            raise InputError(f"--tensor-parallel cannot split a variant's {name}.{key} with the mixer's heads or "
-                             "channels; serve this base with --tensor-parallel 1")
-        out[f"{param}:{int(local[0])}:{int(local[-1]) + 1}"] = t[kept[local] - r0].clone()
+        if len(local):
+            out[f"{param}:{int(local[0])}:{int(local[-1]) + 1}"] = t[kept[local] - r0].clone()
     return out

@@ -455,10 +455,7 @@ class DeltaModel:
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         # Parameters that share storage (tied embeddings): a change to one is a change to all names
         # that the checkpoint does not store separately.
-        by_obj: dict[int, list[str]] = {}
-        for n, p in self._params.items():
-            by_obj.setdefault(id(p), []).append(n)
-        self._aliases = {n: [m for m in by_obj[id(p)] if m != n] for n, p in self._params.items()}
+        self._aliases = {n: [m for m in names if m != n] for names in tied_names(self.model) for n in names}
         # Linear shapes of the base (LoRA checks), taken before any module is decoupled.
         self._linears = {n: (m.out_features, m.in_features) for n, m in self.model.named_modules()
                          if isinstance(m, nn.Linear)}
@@ -957,7 +954,7 @@ class SwapModels:
         if model is None:
             model = self.models[slot] = copy.deepcopy(self._template)
         missing, unexpected = model.load_state_dict(host, strict=False)
-        tied = {a for names in _tied_names(model) for a in names}
+        tied = {a for names in tied_names(model) for a in names}
         if unexpected or (set(missing) - tied):
             raise ArtifactError(f"variant {name}: its tensors do not match the model ({len(missing)} missing, "
                                 f"{len(unexpected)} unexpected)")
@@ -999,7 +996,8 @@ class _SwapHost(dict):
         return sum(t.numel() * t.element_size() for t in self.values())
 
 
-def _tied_names(model: nn.Module) -> list[list[str]]:
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that hold one tensor (tied embeddings, Zamba2's shared blocks)."""
     by_obj: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         by_obj.setdefault(id(p), []).append(n)

@@ -167,7 +167,7 @@ def plan_layout(base_dir: Path, dtype: str, runs: list[list[str]] | None = None)
             for s in e.shape:
                 numel *= int(s)
             entries[name] = (dt, [int(s) for s in e.shape], numel * ST_SIZES[dt])
-    given = {name: k for k, run in enumerate(runs or []) for name in run}
+    given = {name for run in runs or [] for name in run}
     missing = [n for n in given if n not in entries]
     if missing:
         raise InputError(f"{base_dir}: the layout names {missing[0]!r}, which is not in the checkpoint")

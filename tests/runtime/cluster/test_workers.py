@@ -9,6 +9,7 @@ all processes of a deployment (shared pages split between their users) is its ph
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import mmap
@@ -474,14 +475,8 @@ def test_converted_checkpoints_map_whole_in_process(tmp_path, arch):
     model = tiny_model(arch)
     base = tmp_path / "base"
     model.save_pretrained(base)
-    fd, meta, view = ws.export_cpu(base, "F32", ws.fused_runs(base))
-    owner = ws.WeightOwner(meta, f"dz-conv-{os.getpid()}-{arch}", fd=fd, keep=view)
-    threading.Thread(target=owner.serve_forever, daemon=True).start()
-    try:
-        shared = ws.attach(owner.address)
+    with _owner(base, ws.fused_runs(base), arch) as shared:
         built = shared.build_model(torch.float32, "cpu", attn_implementation="eager")
-    finally:
-        owner.close()
     lo, hi = shared.buffer.data_ptr(), shared.buffer.data_ptr() + shared.meta.nbytes
     outside = [n for n, t in list(built.named_parameters()) + list(built.named_buffers(remove_duplicate=False))
                if n in dict(model.state_dict()) and not lo <= t.data_ptr() < hi]
@@ -501,14 +496,21 @@ def test_fused_tensors_not_laid_out_as_one_run_are_refused_with_the_fix(tmp_path
     tiny_model("mixtral").save_pretrained(base)
     with pytest.raises(InputError, match=r"the layout names 'model\.layers\.0\.nope', which is not in the checkpoint"):
         ws.plan_layout(base, "F32", [["model.layers.0.nope"]])
-    fd, meta, view = ws.export_cpu(base, "F32")
-    owner = ws.WeightOwner(meta, f"dz-fused-{os.getpid()}", fd=fd, keep=view)
-    threading.Thread(target=owner.serve_forever, daemon=True).start()
-    try:
-        shared = ws.attach(owner.address)
+    with _owner(base, None, "fused") as shared:
         with pytest.raises(ws.WeightShareError, match=r"is not laid out as a piece of one .*serve it with --workers 1") as e:
             shared.build_model(torch.float32, "cpu")
-        assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@contextlib.contextmanager
+def _owner(base: Path, runs, tag: str):
+    """A weight owner of ``base`` (fp32, ``runs`` laid out back to back) serving in a thread of this
+    process; yields its weights as a worker attaches them."""
+    fd, meta, view = ws.export_cpu(base, "F32", runs)
+    owner = ws.WeightOwner(meta, f"dz-{tag}-{os.getpid()}", fd=fd, keep=view)
+    threading.Thread(target=owner.serve_forever, daemon=True).start()
+    try:
+        yield ws.attach(owner.address)
     finally:
         owner.close()
 
