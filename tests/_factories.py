@@ -191,12 +191,16 @@ ARCH_CONFIGS = {
     # XGLM's attention reshaping to its own embed_dim; Persimmon's query_key_value, each head's q, k, v together
     "starcoder2": dict(_LM, model_type="starcoder2", sliding_window=None),
     "gptj": dict(model_type="gptj", n_embd=64, n_head=4, n_layer=2, n_positions=128, rotary_dim=8),
+    # qkv_proj: 4 blocks (its pretraining's model-parallel shards), each a quarter of the heads' q, v, k
+    "codegen": dict(model_type="codegen", n_embd=64, n_head=8, n_layer=2, n_positions=128, rotary_dim=4, n_ctx=128),
     "xglm": dict(model_type="xglm", d_model=64, ffn_dim=128, attention_heads=4, num_layers=2,
                  max_position_embeddings=128),
     "persimmon": dict(_LM, model_type="persimmon", num_key_value_heads=4),
     # Falcon's query_key_value grouped by KV head (Falcon-40B's layout), and by head (no multi-query)
     "falcon": dict(model_type="falcon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, alibi=False,
                    new_decoder_architecture=True, num_kv_heads=2, max_position_embeddings=128),
+    "falcon_mq": dict(model_type="falcon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, alibi=False,
+                      multi_query=True, max_position_embeddings=128),
     "falcon_mha": dict(model_type="falcon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, alibi=False,
                        multi_query=False, max_position_embeddings=128),
     "minimax_m2": dict(_LM, model_type="minimax_m2", head_dim=16, intermediate_size=32, num_local_experts=4,

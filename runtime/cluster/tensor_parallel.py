@@ -52,7 +52,7 @@ from deltazip.models.model_walk import decoder_layers, dense_routed, empty_model
 from deltazip.models.param_names import module_names
 from deltazip.runtime.cluster.tp_alibi import slice_alibi, uses_alibi
 from deltazip.runtime.cluster.tp_mixers import MixerShard, shard_mixer_tensors, split_mixer
-from deltazip.runtime.cluster.tp_norms import ShardedRMSNorm, split_norms
+from deltazip.runtime.cluster.tp_norms import ShardedRMSNorm, split_activation_sparsity, split_norms
 from deltazip.runtime.cluster.tp_shards import (
     expert_blocks,
     fused_blocks,
@@ -74,6 +74,7 @@ from deltazip.runtime.serve.delta_experts import (
     parse_piece_key,
     piece_key,
 )
+from deltazip.runtime.serve.delta_linear import is_linear
 from deltazip.runtime.serve.model import DeltaModel, HostDelta, load_base_model, tied_names
 from deltazip.runtime.serve.variant_sources import VariantInfo
 
@@ -82,11 +83,11 @@ from deltazip.runtime.serve.variant_sources import VariantInfo
 # two ranks as the merged model generates (``python bench/support.py``, its serve_tp2 column).
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3",
-    "qwen3_vl_text", "gemma", "gemma2", "gemma3_text", "gemma4_text", "vaultgemma", "granite", "granite_swa",
+    "qwen3_vl_text", "gemma", "gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "vaultgemma", "granite", "granite_swa",
     "smollm3", "mllama_text_model", "stablelm", "cohere", "cohere2", "olmo", "exaone", "exaone4",
     "hunyuan_v1_dense", "ernie4_5", "seed_oss", "apertus", "nemotron", "arcee", "helium", "internlm3", "minicpm3",
     "phi3", "glm", "glm4", "olmo2", "olmo3", "starcoder2", "phi", "nanochat", "opt", "xglm", "gpt_neo", "gptj",
-    "glm4v_text", "gpt_neox", "persimmon", "bitnet", "falcon", "gpt_bigcode", "bloom", "mpt",
+    "glm4v_text", "gpt_neox", "persimmon", "bitnet", "falcon", "gpt_bigcode", "bloom", "mpt", "gpt2", "codegen",
     # hybrids: recurrent mixers beside the attention layers, split by channels (tp_mixers)
     "qwen3_5_text", "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1", "mamba", "falcon_mamba", "olmo_hybrid", "zamba2")
 # The same attention beside mixture-of-experts layers of fused experts (and plain MLP layers and
@@ -191,8 +192,12 @@ def check_config(config, world: int) -> None:
                              f"varies per layer; serve this base with --tensor-parallel 1") from e
         if value is None and key == "num_key_value_heads":
             value = _kv_heads(config)
-        if key == "num_key_value_heads" and value and world % value == 0 and mt != "falcon":
-            continue  # fewer KV heads than ranks: each rank keeps the one its query heads read (kv_head_rows)
+        if (key == "num_key_value_heads" and value and world % value == 0
+                and not (mt == "falcon" and config.new_decoder_architecture)):
+            continue  # fewer KV heads than ranks: each rank keeps the one its query heads read (kv_head_rows);
+            # (Falcon-40B's KV groups each hold their queries, key and value together: not cut so)
+        if isinstance(value, (list, tuple)):  # one per layer (Gemma 3n's MLP widths)
+            value = next((v for v in value if v % world), value[0])
         if value is not None and value % world:
             raise InputError(f"--tensor-parallel {world} does not divide the model's {what} ({value}); use a "
                              f"degree that divides it")
@@ -262,7 +267,7 @@ def check_attention(attn: nn.Module, name: str, head_dim: int) -> None:
     """
     for child, mod in attn.named_children():  # (attention sinks, one per head, are split: shard_sinks)
         if (child in LATENT or isinstance(mod, ShardedRMSNorm)
-                or (isinstance(mod, nn.Linear) and child in COLUMN_PARALLEL + ROW_PARALLEL)
+                or (is_linear(mod) and child in COLUMN_PARALLEL + ROW_PARALLEL)
                 or (child in ADAPTED and all(isinstance(m, nn.Linear) for m in mod.modules()
                                              if not list(m.children())))):
             continue  # (an adapter list's linears: its first whole, its second with the projection's rows)
@@ -278,11 +283,31 @@ def check_attention(attn: nn.Module, name: str, head_dim: int) -> None:
                          "serve this base with --tensor-parallel 1")
 
 
+def check_blocks(attn: nn.Module, name: str, world: int) -> None:
+    """Refuse a degree that does not divide the ``mp_num`` blocks CodeGen's ``qkv_proj`` interleaves its
+    heads in (each block a share of the heads' queries, values and keys, which a rank keeps whole).
+
+    Raises:
+        InputError: naming the blocks and the fix.
+    """
+    blocks = getattr(attn, "mp_num", None)
+    if isinstance(blocks, int) and blocks % world:
+        raise InputError(f"--tensor-parallel {world} does not divide the {blocks} blocks {name}.qkv_proj interleaves "
+                         "its heads in; use a degree that divides them")
+
+
 def _is_attention(mod: nn.Module) -> bool:
     """A module holding the query projection (``q_proj``, Phi-3's ``qkv_proj``, MLA's ``q_a_proj``/``q_b_proj``,
-    GPT-NeoX's ``query_key_value``, GPT-BigCode's ``c_attn``)."""
-    return any(isinstance(getattr(mod, n, None), nn.Linear)
+    GPT-NeoX's ``query_key_value``, GPT-BigCode's and GPT-2's ``c_attn``)."""
+    return any(is_linear(getattr(mod, n, None))
                for n in ("q_proj", "qkv_proj", "q_b_proj", "query_key_value", "c_attn", "Wqkv"))
+
+
+def _out_in(linear: nn.Module) -> tuple[int, int]:
+    """``(out_features, in_features)`` of an ``nn.Linear`` or a Conv1D (weight stored ``[in, out]``)."""
+    if isinstance(linear, nn.Linear):
+        return linear.out_features, linear.in_features
+    return linear.weight.shape[1], linear.weight.shape[0]
 
 
 def _head_dim(attn: nn.Module, config) -> int:
@@ -319,8 +344,9 @@ class ShardedDeltaModel(DeltaModel):
         # Planning compares artifact and adapter shapes with the full model's (meta tensors: shapes only).
         self._full_params = {n: torch.empty(p.shape, device="meta")
                              for n, p in model.named_parameters(remove_duplicate=False)}
-        self._full_linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules()
-                              if isinstance(m, nn.Linear)}
+        self._full_linears = {n: _out_in(m) for n, m in model.named_modules() if is_linear(m)}
+        # GPT-2's Conv1D linears: weight (and a variant's dense replacement) stored [in, out]
+        self._transposed = {n for n, m in model.named_modules() if is_linear(m) and not isinstance(m, nn.Linear)}
         tied = tied_names(model)  # parameters tied across modules (Zamba2's shared block), before they are cut
         self._layers = decoder_layers(model)[0]
         self._experts: dict[str, bool] = {}  # fused-experts modules (sharded by expert width, all-reduced)
@@ -360,9 +386,11 @@ class ShardedDeltaModel(DeltaModel):
         # (norms first: the attention's own check would refuse them whole)
         norms = split_norms(mod, name, self._full_linears, rank, world, self.group)
         self._split_norms.update(f"{name}.{c}" for c in norms)
+        if f"{name}.gate_proj" in self._full_linears:  # (Gemma 3n's sparse gates: statistics over the split width)
+            split_activation_sparsity(mod, self._full_linears[f"{name}.gate_proj"][0], self.group)
         kind = self._kind(name)
-        if kind is not None and isinstance(mod, nn.Linear):
-            rows = self._rows_of(name, mod, kind, heads, config)
+        if kind is not None and is_linear(mod):
+            rows = self._rows_of(name, kind, heads, config)
             if rows is not None:
                 self._fused_rows[name] = rows
             shard_linear(mod, kind, rank, world, rows)
@@ -385,6 +413,7 @@ class ShardedDeltaModel(DeltaModel):
                                  "channels; serve this base with --tensor-parallel 1")
         elif name in heads:
             check_attention(mod, name, heads[name])
+            check_blocks(mod, name, world)
             kv = self._kv_heads_of(name, heads[name], config)
             rows = None if kv is None else kv_head_rows(kv, heads[name], rank, world)
             if rows is not None:
@@ -401,9 +430,9 @@ class ShardedDeltaModel(DeltaModel):
         return False
 
     def _kv_heads_of(self, attn: str, head_dim: int, config) -> int | None:
-        """The KV heads of attention module ``attn`` (from its full ``k_proj`` or ``qkv_proj``), None for a
-        layout that holds none apart (GPT-NeoX's ``query_key_value``, latent attention: checked from the
-        config).
+        """The KV heads of attention module ``attn`` (from its full ``k_proj``, ``qkv_proj``, ``c_attn`` or
+        Falcon-7B's multi-query ``query_key_value``), None for a layout that holds none apart (GPT-NeoX's
+        ``query_key_value``, latent attention: checked from the config).
 
         Raises:
             InputError: the degree neither divides them nor is a multiple of them.
@@ -411,10 +440,10 @@ class ShardedDeltaModel(DeltaModel):
         world = self.group.world
         if f"{attn}.k_proj" in self._full_linears:
             kv = self._full_linears[f"{attn}.k_proj"][0] // head_dim
-        elif f"{attn}.qkv_proj" in self._full_linears or f"{attn}.c_attn" in self._full_linears:
-            leaf = "qkv_proj" if f"{attn}.qkv_proj" in self._full_linears else "c_attn"
+        elif leaf := next((n for n in ("qkv_proj", "c_attn", "query_key_value")
+                           if f"{attn}.{n}" in self._full_linears), None):
             sizes = fused_blocks(leaf, self._full_linears[f"{attn}.{leaf}"][0], config, head_dim)
-            if sizes is None:  # GPT-BigCode without multi-query: each head's q, k, v together, split by heads
+            if sizes is None:  # each head's (or KV group's) q, k, v together: split by heads
                 return None
             kv = sizes[1] // head_dim
         else:
@@ -424,7 +453,7 @@ class ShardedDeltaModel(DeltaModel):
                              "them; use a degree that divides them or one they divide")
         return kv
 
-    def _rows_of(self, name: str, mod: nn.Linear, kind: str, heads: dict[str, int], config) -> torch.Tensor | None:
+    def _rows_of(self, name: str, kind: str, heads: dict[str, int], config) -> torch.Tensor | None:
         """The rows a column-parallel linear keeps where not its plain span (else None): a fused
         projection's share of each block, a mixer's (set when the mixer was cut), or a KV head kept
         whole (:func:`kv_head_rows`).
@@ -435,13 +464,14 @@ class ShardedDeltaModel(DeltaModel):
         world, rank = self.group.world, self.group.rank
         parent, _, leaf = _adapted(name).rpartition(".")  # (an adapter's rows are its projection's)
         kv = self._kv_rows.get(parent)
-        sizes = fused_blocks(leaf, mod.out_features, config, heads.get(parent, 0))
+        out, in_ = self._full_linears[name]
+        sizes = fused_blocks(leaf, out, config, heads.get(parent, 0))
         if kv is not None and leaf in ("k_proj", "v_proj"):
             return kv
-        if kv is not None and leaf in ("qkv_proj", "c_attn"):
+        if kv is not None and leaf in ("qkv_proj", "c_attn", "query_key_value"):
             q = sizes[0]
             return torch.cat([kept_rows([q], rank, world), q + kv, q + sizes[1] + kv])
-        width = mod.out_features if kind == "column" else mod.in_features
+        width = out if kind == "column" else in_
         if any(n % world for n in sizes or [width]):
             raise InputError(f"--tensor-parallel {world} does not divide {name}'s {width} "
                              f"{'output' if kind == 'column' else 'input'} features; use a degree that divides them")
@@ -562,8 +592,8 @@ class ShardedDeltaModel(DeltaModel):
         rank, world = self.group.rank, self.group.world
         for mname, kw in full.modules.items():
             kind = self._kind(mname)
-            host.modules[mname] = kw if kind is None else shard_slot_args(kw, kind, rank, world,
-                                                                          self._fused_rows.get(mname))
+            host.modules[mname] = kw if kind is None else shard_slot_args(
+                kw, kind, rank, world, self._fused_rows.get(mname), transposed=mname in self._transposed)
             if mname in self._mixers:  # the variant's own tensors of a recurrent mixer (DeltaMixer's)
                 host.modules[mname] = shard_mixer_tensors(kw, self._mixers[mname], mname)
             elif any(m.startswith(f"{mname}.") for m in self._mixers):  # a block holding one (Zamba2's)

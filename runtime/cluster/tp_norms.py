@@ -5,7 +5,8 @@ OLMo 2/3, OLMoE, FlexOlmo and MiniMax-M2 normalise ``q_proj``'s whole output ``[
 output before ``o_proj`` and the MLP's product before ``down_proj`` (its sub-layer norms). A rank
 holds its share of those columns only, so its norm keeps the same columns of the weight, and the
 root mean square over the full width is found from each rank's sum of squares, all-reduced: one
-``[T, 1]`` fp32 all-reduce per norm and step.
+``[T, 1]`` fp32 all-reduce per norm and step. Gemma 3n's sparse MLP gates take the same kind of
+statistics (mean and deviation) over the split intermediate width (:func:`split_activation_sparsity`).
 """
 
 from __future__ import annotations
@@ -79,3 +80,24 @@ def split_norms(mod: nn.Module, name: str, full_linears: dict[str, tuple[int, in
         setattr(mod, child, ShardedRMSNorm(norm, style, rank, world, group))
         split.append(child)
     return split
+
+
+def split_activation_sparsity(mlp: nn.Module, full: int, group) -> bool:
+    """Make a Gemma 3n MLP whose gate is sparsified (``activation_sparsity > 0``: it keeps
+    ``relu(g - (mean + z * std))``, mean and deviation over the gate's full ``full`` outputs, ``z`` the
+    normal quantile of the sparsity) take them over every rank's columns: two ``[T, 1]`` fp32
+    all-reduces (sum, then sum of squared deviations); whether it was one."""
+    sparsity = getattr(mlp, "activation_sparsity", 0.0)
+    if not callable(getattr(mlp, "_gaussian_topk", None)) or not sparsity > 0.0:
+        return False
+    z = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(sparsity, dtype=torch.float32)))
+
+    def gaussian_topk(g: torch.Tensor) -> torch.Tensor:
+        """``g [..., full / world]`` (this rank's gate outputs) sparsified by the full width's statistics."""
+        h = g.float()
+        mean = group.all_reduce(h.sum(-1, keepdim=True)) / full
+        var = group.all_reduce((h - mean).pow(2).sum(-1, keepdim=True)) / full
+        return nn.functional.relu(g - (mean + var.sqrt() * z).to(g.dtype))
+
+    mlp._gaussian_topk = gaussian_topk  # (the instance's, found before the class's by its forward)
+    return True

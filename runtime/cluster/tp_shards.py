@@ -67,10 +67,14 @@ def shard_packed(d: PackedDelta, kind: str, rank: int, world: int, rows: torch.T
     return out
 
 
-def shard_dense(t: torch.Tensor, kind: str, rank: int, world: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+def shard_dense(t: torch.Tensor, kind: str, rank: int, world: int, rows: torch.Tensor | None = None,
+                transposed: bool = False) -> torch.Tensor:
     """Rank ``rank``'s shard of a weight ``[out, in]`` (column: rows, ``rows`` as in :func:`shard_packed`;
-    row: columns), a fresh tensor."""
+    row: columns), a fresh tensor; with ``transposed``, of a Conv1D weight stored ``[in, out]``, in that
+    layout."""
     t = t.as_subclass(torch.Tensor)  # a read-only registry tensor: the shard is new memory we own
+    if transposed:
+        return shard_dense(t.t(), kind, rank, world, rows).t().contiguous()
     if kind == "column":
         return t[span(t.shape[0], rank, world) if rows is None else rows].clone()
     return t[:, span(t.shape[1], rank, world)].clone()
@@ -86,9 +90,10 @@ def shard_bias(b: torch.Tensor, kind: str, rank: int, world: int, rows: torch.Te
 
 
 def shard_slot_args(kw: dict[str, Any], kind: str, rank: int, world: int,
-                    rows: torch.Tensor | None = None) -> dict[str, Any]:
+                    rows: torch.Tensor | None = None, transposed: bool = False) -> dict[str, Any]:
     """The ``DeltaLinear.load_slot`` arguments of one variant, sharded for ``rank`` (``rows``: a fused
-    projection's rows the rank keeps, :func:`fused_blocks`).
+    projection's rows the rank keeps, :func:`fused_blocks`; ``transposed``: a Conv1D's, whose dense
+    replacement is stored ``[in, out]`` and its packed delta ``[out, in]`` as any linear's).
 
     LoRA: a column shard keeps its rows of ``B [out, r]`` (``A`` whole); a row shard its columns of
     ``A [r, in]`` (``B`` whole), so its partial product sums to the full one in the all-reduce.
@@ -97,7 +102,7 @@ def shard_slot_args(kw: dict[str, Any], kind: str, rank: int, world: int,
     if kw.get("packed") is not None:
         out["packed"] = shard_packed(kw["packed"], kind, rank, world, rows)
     if kw.get("dense") is not None:
-        out["dense"] = shard_dense(kw["dense"], kind, rank, world, rows)
+        out["dense"] = shard_dense(kw["dense"], kind, rank, world, rows, transposed)
     if kw.get("bias") is not None:
         out["bias"] = shard_bias(kw["bias"], kind, rank, world, rows)
     if kw.get("lora_a") is not None:
@@ -136,10 +141,18 @@ def fused_blocks(leaf: str, out: int, config, head_dim: int) -> list[int] | None
     if leaf == "Wqkv":  # MPT: every query head, then every key head, then every value head
         return [out // 3] * 3
     config = text_config(config)
+    if leaf == "c_attn" and config.model_type == "gpt2":  # every query head, then every key, every value head
+        return [out // 3] * 3
     if leaf == "c_attn":  # GPT-BigCode: every query head, then the one KV head's key and value
         kv = (out - config.hidden_size) // 2  # (or each head's q, k and v together: a plain span, None)
         return None if out == 3 * config.hidden_size else [config.hidden_size, kv, kv]
-    if leaf != "qkv_proj":
+    if leaf == "query_key_value" and config.model_type == "falcon":  # multi-query (Falcon-7B): every
+        # query head, then the one key and value head; else each head's or KV group's q, k, v together
+        kv = (out - config.hidden_size) // 2
+        return [config.hidden_size, kv, kv] if config.multi_query and not config.new_decoder_architecture else None
+    if leaf != "qkv_proj" or config.model_type == "codegen":
+        # (CodeGen's holds 4 blocks, each a quarter of the heads' queries, values and keys: a plain
+        # span of whole blocks is a span of heads, tensor_parallel checks the degree divides them)
         return None
     h = config.num_attention_heads
     hkv = getattr(config, "num_key_value_heads", None) or h
@@ -230,13 +243,18 @@ def shard_sinks(attn: nn.Module, rank: int, world: int) -> None:
     attn.sinks = nn.Parameter(sinks[span(sinks.shape[0], rank, world)].clone(), requires_grad=False)
 
 
-def shard_linear(mod: nn.Linear, kind: str, rank: int, world: int, rows: torch.Tensor | None = None) -> None:
-    """Shard an ``nn.Linear`` in place (its full weight is dropped)."""
-    w = shard_dense(mod.weight.detach(), kind, rank, world, rows)
+def shard_linear(mod: nn.Module, kind: str, rank: int, world: int, rows: torch.Tensor | None = None) -> None:
+    """Shard an ``nn.Linear``, or a Conv1D (GPT-2's: weight ``[in, out]``), in place (its full weight
+    is dropped)."""
+    transposed = not isinstance(mod, nn.Linear)
+    w = shard_dense(mod.weight.detach(), kind, rank, world, rows, transposed)
     mod.weight = nn.Parameter(w, requires_grad=False)
     if mod.bias is not None:
         mod.bias = nn.Parameter(shard_bias(mod.bias.detach(), kind, rank, world, rows), requires_grad=False)
-    mod.out_features, mod.in_features = w.shape
+    if transposed:  # (its forward shapes the output by nf)
+        mod.nx, mod.nf = w.shape
+    else:
+        mod.out_features, mod.in_features = w.shape
 
 
 def kv_head_rows(kv_heads: int, head_dim: int, rank: int, world: int) -> torch.Tensor | None:
@@ -259,9 +277,11 @@ def shard_head_counts(attn: nn.Module, world: int, copies: int = 1) -> None:
     config with the rank's counts. ``copies``: how many ranks hold each KV head (:func:`kv_head_rows`;
     1 when they are split): a rank then holds ``kv * copies / world`` of them, and each serves
     ``1/copies`` of the query heads it served (``num_key_value_groups``)."""
-    heads, head_dim, width = (getattr(attn, a, None) for a in ("num_heads", "head_dim", "embed_dim"))
-    if isinstance(width, int) and isinstance(heads, int) and isinstance(head_dim, int) and width == heads * head_dim:
-        attn.embed_dim = width // world
+    heads, head_dim = getattr(attn, "num_heads", None), getattr(attn, "head_dim", None)
+    for attr in ("embed_dim", "split_size"):  # (GPT-2 splits c_attn's output at split_size)
+        width = getattr(attn, attr, None)
+        if isinstance(width, int) and isinstance(heads, int) and isinstance(head_dim, int) and width == heads * head_dim:
+            setattr(attn, attr, width // world)
     for attr in ("num_heads", "n_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "kv_heads",
                  "num_key_value_groups"):
         n = getattr(attn, attr, None)

@@ -266,13 +266,13 @@ def test_cli_refuses_what_it_cannot_shard_in_one_line(served, capsys, monkeypatc
     for extra, msg in cases:
         code, _, err = run_cli(capsys, monkeypatch, "serve", arts, "--base", served.base_dir, "--port", "0", *extra)
         assert msg in _one_line(code, err), err
-    gpt2 = tmp_path / "gpt2"  # Conv1D projections, [in, out]
-    tiny_model("gpt2").save_pretrained(gpt2, safe_serialization=True)
+    dbrx = tmp_path / "dbrx"  # experts stored as flat [E * F, H] parameters
+    tiny_model("dbrx").save_pretrained(dbrx, safe_serialization=True)
     (tmp_path / "empty").mkdir()
-    code, _, err = run_cli(capsys, monkeypatch, "serve", tmp_path / "empty", "--base", gpt2, "--port", "0",
+    code, _, err = run_cli(capsys, monkeypatch, "serve", tmp_path / "empty", "--base", dbrx, "--port", "0",
                            "--tensor-parallel", "2")
     line = _one_line(code, err)
-    assert "--tensor-parallel does not shard model_type 'gpt2'" in line and "serve_tp2" in line, line
+    assert "--tensor-parallel does not shard model_type 'dbrx'" in line and "serve_tp2" in line, line
 
 
 def _children(pid: int) -> set[int]:

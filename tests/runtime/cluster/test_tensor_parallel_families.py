@@ -5,6 +5,8 @@ module-wide group."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from _factories import calib_file, finetune, save_model, tiny_model
@@ -19,14 +21,16 @@ from deltazip.formats.artifact import Artifact
 from deltazip.kernels.scheme import DeltaScheme
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.runtime.cluster.tp_group import start_tensor_parallel
-from deltazip.runtime.serve.variant_sources import discover_variants
+from deltazip.runtime.serve.variant_sources import BaseTensorIndex, compare_full_checkpoint, discover_variants
+from deltazip.runtime.share.dedup_serving import new_serving_registry
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "gemma4", "granite", "smollm3", "cohere", "apertus",
                                   "nemotron", "exaone", "phi3", "olmo2", "olmo3", "starcoder2", "phi", "opt", "gptj",
                                   "xglm", "gpt_neox", "persimmon", "bitnet", "falcon", "falcon_mha", "qwen3_5",
                                   "lfm2", "lfm3", "bamba", "mamba2", "falcon_h1", "mamba", "falcon_mamba", "olmo_hybrid",
-                                  "gpt_bigcode", "gpt_bigcode_mha", "bloom", "mpt", "falcon_rw"])
+                                  "gpt_bigcode", "gpt_bigcode_mha", "bloom", "mpt", "falcon_rw", "falcon_mq",
+                                  "codegen"])
 def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
     """Families whose attention splits by heads with nothing shared across them (Qwen3's per-head q/k
     norms; Gemma 2's soft-capped logits and sliding windows; Gemma 3; Gemma 4's per-layer inputs;
@@ -44,7 +48,9 @@ def test_more_families_shard_and_answer_as_the_merged_model(tmp_path, arch):
     inside the mixer) and LFM2's and LFM3's short convolutions (LFM3's attention gated per head by
     ``g_proj``), split by channels with their recurrent states and the variant's own tensors of them;
     BLOOM, MPT (``Wqkv`` cut block by block) and Falcon-RW, whose ALiBi biases, built for every head
-    above the layers, are cut to each rank's heads): two ranks serve a compressed fine-tune's greedy text and log probabilities as
+    above the layers, are cut to each rank's heads; Falcon-7B's multi-query ``query_key_value``, each
+    rank keeping its query heads and the one key and value head whole; CodeGen's ``qkv_proj``, four
+    blocks of a quarter of the heads' queries, values and keys each, two kept whole by each rank): two ranks serve a compressed fine-tune's greedy text and log probabilities as
     the merged model generates them."""
     # gemma4: its dense form with two KV heads everywhere (the factory's form is served below)
     dense = dict(enable_moe_block=False, attention_k_eq_v=False, num_global_key_value_heads=2) if arch == "gemma4" else {}
@@ -81,28 +87,63 @@ def test_bf16_shards_answer_as_the_merged_model_in_bf16(tmp_path, arch):
     _served_as_merged(tmp_path, arch, torch.bfloat16)
 
 
-def _served_as_merged(tmp_path, arch: str, dtype: torch.dtype = torch.float32, **config) -> None:
+def test_gpt2_conv1d_layers_shard_for_compressed_and_whole_fine_tunes(tmp_path):
+    """GPT-2's linears are Conv1D, weights stored ``[in, out]``, ``c_attn`` stacking every query, key
+    and value head, split at the attention's ``split_size``: each rank keeps its heads' columns of each
+    block. A compressed fine-tune (packed ``[out, in]``) and the same fine-tune served whole (dense
+    replacements in the ``[in, out]`` layout, cut alike) answer as the merged and the fine-tuned model."""
+    _served_as_merged(tmp_path, "gpt2", whole=True)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-gates", "sparse-gates-shared-kv"])
+def test_gemma3n_sparse_gates_altup_and_per_layer_inputs_shard(tmp_path, sparse):
+    """Gemma 3n: AltUp, Laurel and the per-layer inputs stay whole on every rank beside the split
+    attention and MLP; the first layer's gate kept sparse (``relu(g - (mean + z * std))``) takes its
+    mean and deviation over both ranks' columns; the last two layers read the KV heads of the earlier
+    layers of their kind (Gemma 3n's shared KV), each rank its own. Served as the merged model
+    (``--group-size auto``, as AltUp's coefficients have 2 inputs: widths of 256 keep each rank's 128
+    columns whole groups)."""
+    shape = dict(head_dim=64, intermediate_size=[256] * 4, num_hidden_layers=4, layer_types=["sliding_attention",
+                 "full_attention"] * 2, num_kv_shared_layers=2 if sparse else 0,
+                 activation_sparsity_pattern=[0.95 if sparse else 0.0, 0.0, 0.0, 0.0])
+    _served_as_merged(tmp_path, "gemma3n", group_auto=True, **shape)
+
+
+def _served_as_merged(tmp_path, arch: str, dtype: torch.dtype = torch.float32, whole: bool = False,
+                      group_auto: bool = False, **config) -> None:
     """A tiny ``arch`` base and a fine-tune compressed 4-bit (groups of 16); two ranks serve its greedy
     text and log probabilities as the merged model generates them, in ``dtype`` (log probabilities
     within 1e-4 in fp32; in bf16, where the ranks' partial sums round apart from one whole matmul,
-    within 0.05)."""
+    within 0.05). ``whole``: the fine-tune is served as a plain checkpoint too, as it generates;
+    ``group_auto``: groups as ``--group-size auto`` picks them."""
     ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2, vocab_size=128, **config)
     tok = build_char_tokenizer()
     prompts = ["zip model tune", "alpha beta gamma delta"]
     with single_thread():
         base_dir = save_model(tiny_model(arch, **ids), tmp_path / "base", tokenizer=False)
-        ft_dir = save_model(finetune(tiny_model(arch, **ids), steps=30, seed=3), tmp_path / "ft", tokenizer=False)
+        ft_model = finetune(tiny_model(arch, **ids), steps=30, seed=3)
+        ft_dir = save_model(ft_model, tmp_path / "ft", tokenizer=False)
         for d in (base_dir, ft_dir):
             tok.save_pretrained(d)
         cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=16, sparsity="none"), method="deltazip",
-                             nsamples=8, seqlen=32, device="cpu")
+                             nsamples=8, seqlen=32, device="cpu", group_auto=group_auto)
         compress_delta(base_dir, ft_dir, str(calib_file(tmp_path / "calib", n=16)), tmp_path / "arts" / "ft", cfg)
         ck = Checkpoint(base_dir)
         merged = load_merged_model(Artifact(tmp_path / "arts" / "ft"), ck).to(dtype)
         want = [generate(merged, tok(p)["input_ids"], None, n=8) for p in prompts]
-        tp = start_tensor_parallel(ck, discover_variants(tmp_path / "arts"), 2, torch.device("cpu"), dtype, 2)
+        asked = [("ft", p) for p in prompts]
+        if whole:
+            shutil.copytree(ft_dir, tmp_path / "arts" / "whole")
+            want += [generate(ft_model.to(dtype), tok(p)["input_ids"], None, n=8) for p in prompts]
+            asked += [("whole", p) for p in prompts]
+        variants = discover_variants(tmp_path / "arts")
+        index = BaseTensorIndex(ck, new_serving_registry().fingerprint_bytes)
+        for v in variants:  # (as the server does: a whole checkpoint's tensors compared with the base's)
+            if v.kind == "full":
+                compare_full_checkpoint(v, index, torch.tensor([], dtype=dtype).element_size())
+        tp = start_tensor_parallel(ck, variants, 2, torch.device("cpu"), dtype, 2)
         try:
-            got = engine_runs(tp, tok, [("ft", p) for p in prompts], 8, max_batch_tokens=16)
+            got = engine_runs(tp, tok, asked, 8, max_batch_tokens=16)
         finally:
             tp.close()
     tol = 1e-4 if dtype == torch.float32 else 0.05
@@ -204,8 +245,10 @@ def test_a_norm_over_a_split_width_that_is_not_an_rmsnorm_is_refused_by_name():
 
 
 def test_falcon_layouts_a_degree_cannot_split_are_refused_in_one_line():
-    """Falcon-7B's multi-query layout has one KV head for every query head: it does not split. ALiBi
-    Falcon (Falcon-RW) does; BLOOM's "slow but exact" emulation of its pretraining's tensor
+    """Falcon-40B's layout with fewer KV groups than ranks holds each group's queries, key and value
+    together, so a rank cannot keep a whole KV head beside its share of the queries: refused.
+    Falcon-7B's multi-query layout (every query head, then one key and one value head) and ALiBi
+    Falcon (Falcon-RW) split; BLOOM's "slow but exact" emulation of its pretraining's tensor
     parallelism slices the output projection by the full width, so it is refused by name."""
     from transformers import AutoConfig
 
@@ -215,14 +258,29 @@ def test_falcon_layouts_a_degree_cannot_split_are_refused_in_one_line():
     base = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
     check_config(AutoConfig.for_model("falcon", **base, new_decoder_architecture=True, num_kv_heads=2), 2)
     check_config(AutoConfig.for_model("falcon", **base, multi_query=False), 2)
+    check_config(AutoConfig.for_model("falcon", **base), 2)  # multi_query by default
     with pytest.raises(InputError, match=r"--tensor-parallel 2 does not divide the model's KV heads \(1\)"):
-        check_config(AutoConfig.for_model("falcon", **base), 2)  # multi_query by default
+        check_config(AutoConfig.for_model("falcon", **base, new_decoder_architecture=True, num_kv_heads=1), 2)
     check_config(AutoConfig.for_model("falcon", **base, multi_query=False, alibi=True), 2)
     bloom = dict(hidden_size=64, n_head=4, n_layer=2, pretraining_tp=2)
     check_config(AutoConfig.for_model("bloom", **bloom), 2)
     with pytest.raises(InputError, match=r"does not split BLOOM's slow_but_exact projections") as e:
         check_config(AutoConfig.for_model("bloom", **bloom, slow_but_exact=True), 2)
     assert "\n" not in str(e.value)
+
+
+def test_a_degree_that_does_not_divide_codegens_qkv_blocks_is_refused_in_one_line():
+    """CodeGen's ``qkv_proj`` holds 4 blocks of a quarter of the heads each; 2 and 4 ranks keep whole
+    blocks, 8 would cut them (16 heads: the degree divides the heads, not the blocks)."""
+    from deltazip.formats.errors import InputError
+    from deltazip.runtime.cluster.tensor_parallel import check_blocks
+
+    attn = tiny_model("codegen", n_head=16).transformer.h[0].attn
+    for world in (2, 4):
+        check_blocks(attn, "transformer.h.0.attn", world)
+    with pytest.raises(InputError, match=r"^--tensor-parallel 8 does not divide the 4 blocks transformer\.h\.0\.attn"
+                                         r"\.qkv_proj interleaves its heads in; use a degree that divides them$"):
+        check_blocks(attn, "transformer.h.0.attn", 8)
 
 
 def test_kv_head_counts_a_degree_can_neither_split_nor_keep_whole_are_refused(tmp_path):
