@@ -15,7 +15,9 @@ tensor moves, norms, biases, embeddings and positions included), then:
 - serve tp2: the same in delta mode on two tensor-parallel ranks (``--tensor-parallel 2``: two
   processes on the CPU, gloo), every layer and the variant's deltas sharded. Its artifact is the
   fine-tune compressed RTN 4-bit in groups of 16 (a shard of a 64-wide ``o_proj`` holds whole groups,
-  which the automatic group does not promise), compared with its own merged model;
+  which the automatic group does not promise; a model with a compressed input width 16 does not
+  divide, Gemma 3n's 2-input AltUp coefficients, takes the automatic group), compared with its own
+  merged model;
 - eval: ``deltazip eval`` at its default ``--batch-size 8``: the artifact's perplexity equals the
   merged checkpoint's (relative difference below 1e-4), and on two lm-eval tasks (``deltazip_ticket``,
   multiple choice by loglikelihood; ``deltazip_copy``, generation; 8 examples each) it scores exactly
@@ -133,10 +135,11 @@ FAMILIES: dict[str, tuple[str, dict, torch.dtype]] = {
     "phi": ("phi", dict(SHAPE, partial_rotary_factor=0.5), torch.float32),
     "apertus": ("apertus", GQA, torch.float32),
     "nemotron": ("nemotron", dict(GQA, head_dim=16), torch.float32),
-    "gemma3n": ("gemma3n_text", dict(GQA, head_dim=16, layer_types=["sliding_attention", "full_attention"],
+    # (head_dim 64 and MLP width 256: its tensor-parallel artifact takes automatic groups, of 128 there)
+    "gemma3n": ("gemma3n_text", dict(GQA, head_dim=64, layer_types=["sliding_attention", "full_attention"],
                                      sliding_window=16, num_kv_shared_layers=0, laurel_rank=8, altup_num_inputs=2,
                                      hidden_size_per_layer_input=16, vocab_size_per_layer_input=128,
-                                     activation_sparsity_pattern=[0.0, 0.0], intermediate_size=[128, 128]),
+                                     activation_sparsity_pattern=[0.95, 0.0], intermediate_size=[256, 256]),
                 torch.float32),
     "gemma4": ("gemma4_text", dict(GQA, head_dim=16, global_head_dim=32, layer_types=["sliding_attention", "full_attention"],
                                    sliding_window=16, hidden_size_per_layer_input=16, vocab_size_per_layer_input=128),
@@ -474,6 +477,7 @@ class Family:
         from deltazip.compress.merge import merge_to_dir
         from deltazip.compress.pipeline import compress_delta
         from deltazip.formats.artifact import Artifact
+        from deltazip.formats.errors import InputError
         from deltazip.kernels.scheme import DeltaScheme
         from deltazip.models.checkpoint import Checkpoint
         from deltazip.runtime.cluster.tensor_parallel import check_config
@@ -481,7 +485,13 @@ class Family:
         check_config(AutoConfig.from_pretrained(self.base_dir), 2)  # a family it does not shard: its refusal
         art = self.root / "tp" / "arts" / "ft"
         cfg = CompressConfig(scheme=DeltaScheme(bits=4, group_size=16, sparsity="none"), method="rtn", device="cpu")
-        compress_delta(self.base_dir, self.ft_dir, None, art, cfg)
+        try:
+            compress_delta(self.base_dir, self.ft_dir, None, art, cfg)
+        except InputError as e:
+            if "not divisible by --group-size" not in str(e):
+                raise
+            cfg.group_auto = True
+            compress_delta(self.base_dir, self.ft_dir, None, art, cfg)
         merge_to_dir(Artifact(art), Checkpoint(self.base_dir), self.root / "tp" / "merged")
         return art
 

@@ -108,6 +108,21 @@ class QwenProcessor:
         return {**enc, **out, "mm_token_type_ids": kinds}
 
 
+def gemma3n_processor():
+    """Gemma 3n's processor (its timm tower needs timm and torchvision to run), 256 image tokens."""
+    from transformers import Gemma3nProcessor, SiglipImageProcessorPil
+    from transformers.models.gemma3n.feature_extraction_gemma3n import Gemma3nAudioFeatureExtractor
+
+    tok = tokenizer(template("<img>"))
+    tok.add_special_tokens({"additional_special_tokens": ["<boi>", "<img>", "<eoi>", "<boa>", "<aud>", "<eoa>"]})
+    tok._set_model_specific_special_tokens(special_tokens={  # ids 128-133, as in the tiny config
+        "boi_token": "<boi>", "image_token": "<img>", "eoi_token": "<eoi>", "boa_token": "<boa>", "audio_token": "<aud>",
+        "eoa_token": "<eoa>"})
+    return Gemma3nProcessor(feature_extractor=Gemma3nAudioFeatureExtractor(), tokenizer=tok, audio_seq_length=4,
+                            image_processor=SiglipImageProcessorPil(size={"height": 64, "width": 64}),
+                            image_seq_length=256)
+
+
 def gemma4_processor():
     """Gemma 4's processor class (its video processor needs torchvision), 70 soft tokens per image."""
     from transformers import Gemma4ImageProcessorPil, Gemma4Processor

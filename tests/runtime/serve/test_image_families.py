@@ -25,6 +25,7 @@ from _images import (
     EOI,
     IMAGE,
     QwenProcessor,
+    gemma3n_processor,
     needs_torchvision,
     served_matches_merged,
     template,
@@ -85,20 +86,6 @@ def _glm4v():
     images = Glm4vImageProcessorPil(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 24 * 28 * 28}, patch_size=14,
                                     merge_size=2, temporal_patch_size=2)
     return Glm4vProcessor(image_processor=images, tokenizer=tok, video_processor=Glm4vVideoProcessor())
-
-
-def _gemma3n():
-    from transformers import Gemma3nProcessor, SiglipImageProcessorPil
-    from transformers.models.gemma3n.feature_extraction_gemma3n import Gemma3nAudioFeatureExtractor
-
-    tok = tokenizer(template("<img>"))
-    tok.add_special_tokens({"additional_special_tokens": ["<boi>", "<img>", "<eoi>", "<boa>", "<aud>", "<eoa>"]})
-    tok._set_model_specific_special_tokens(special_tokens={  # ids 128-133, as in the tiny config
-        "boi_token": "<boi>", "image_token": "<img>", "eoi_token": "<eoi>", "boa_token": "<boa>", "audio_token": "<aud>",
-        "eoa_token": "<eoa>"})
-    return Gemma3nProcessor(feature_extractor=Gemma3nAudioFeatureExtractor(), tokenizer=tok, audio_seq_length=4,
-                            image_processor=SiglipImageProcessorPil(size={"height": 64, "width": 64}),
-                            image_seq_length=256)
 
 
 def _lfm2_vl():
@@ -177,4 +164,4 @@ def test_a_lora_adapter_over_every_linear_reads_images_with_its_own_vision_side(
 def test_gemma3n_images_with_its_timm_tower_and_per_layer_embeddings(tmp_path):
     """Gemma 3n: a timm MobileNetV5 tower, its image and special tokens embedded by a vision embedder
     of their own, and per-layer token embeddings beside the input embeddings (as Gemma 4's)."""
-    served_matches_merged(tmp_path, "gemma3n_vl", _gemma3n(), images_per_prompt=1)
+    served_matches_merged(tmp_path, "gemma3n_vl", gemma3n_processor(), images_per_prompt=1)

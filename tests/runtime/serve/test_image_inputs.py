@@ -23,6 +23,7 @@ from _images import (
     N,
     QwenProcessor,
     build_variant,
+    gemma3n_processor,
     gemma4_processor,
     generate,
     llava_processor,
@@ -339,19 +340,23 @@ def test_workers_read_images_behind_the_front(tmp_path):
     assert [g["choices"][0]["message"]["content"] for g in got] == [want[0]] * 2
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3_vl", "mllama"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3_vl", "mllama",
+                                  "gemma4_vl", pytest.param("gemma3n_vl", marks=pytest.mark.skipif(
+                                      not all(importlib.util.find_spec(m) for m in ("timm", "torchvision")),
+                                      reason="Gemma 3n's vision tower needs timm and torchvision"))])
 def test_tensor_parallel_reads_images_on_rank_0_and_every_rank_puts_them_in_place(tmp_path, arch):
     """``--tensor-parallel 2``: the vision tower and projector are whole on every rank, so rank 0 reads
     a prompt's images alone; each step's image rows (and Qwen's own positions, Qwen3-VL's DeepStack
     features, Gemma 3's two-way image spans) go to the other rank with the step, and the served text
     and log probabilities are the merged model's. Mllama: rank 0 sends each request's vision states
     once, and every rank makes its own heads' cross-attention keys from them. Qwen3-VL-MoE: each rank
-    holds its share of every expert."""
+    holds its share of every expert. Gemma 4 and Gemma 3n: the image rows' per-layer token embeddings
+    go with them."""
     from deltazip.runtime.cluster.tp_group import start_tensor_parallel
 
     processor = {"llava": lambda: llava_processor(tokenizer()), "qwen2_5_vl": QwenProcessor,
                  "qwen3_vl": lambda: QwenProcessor(patch=16), "qwen3_vl_moe": lambda: QwenProcessor(patch=16),
-                 "gemma3_vl": _gemma3_processor,
+                 "gemma3_vl": _gemma3_processor, "gemma4_vl": _Gemma4Processor, "gemma3n_vl": gemma3n_processor,
                  "mllama": mllama_processor}[arch]()
     with single_thread():
         base_dir, arts = build_variant(tmp_path, arch, processor, vision_scale=0.05 if arch == "mllama" else 0.5,
