@@ -425,6 +425,22 @@ def perturb(model, scale: float = 0.05, seed: int = 1, skip=("norm",)):
     return model
 
 
+def lora_adapter(model, out, seed: int = 0, **config):
+    """``model`` with a PEFT LoRA adapter (``LoraConfig(**config)``; rank 4, alpha 8, no dropout unless
+    given) whose factors are random and non-zero (PEFT starts ``B`` at zero, which changes nothing),
+    saved to ``out`` as safetensors; the PEFT model, in eval mode."""
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(model, LoraConfig(**{"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, **config}))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    pm.save_pretrained(out, safe_serialization=True)
+    return pm.eval()
+
+
 def finetune(model, steps: int = 30, lr: float = 3e-3, seed: int = 1, seqlen: int = 24, batch: int = 4):
     """A real (short) full fine-tune: ``steps`` of Adam on next-token loss over random sequences of a
     fixed pattern, so every parameter (norms, biases, embeddings, positions) moves as training moves

@@ -6,12 +6,15 @@ computes ``y = x W_mᵀ (+ b) + scale_m · (x A_mᵀ) B_mᵀ`` with ``A_m [r, in
 ``scale_m = alpha_m / r_m`` (``alpha_m / sqrt(r_m)`` with rsLoRA), ``r_m`` / ``alpha_m`` from
 ``rank_pattern`` / ``alpha_pattern`` when they name the module. The runtime applies exactly that per
 row (``deltazip.runtime.serve.delta_linear.DeltaLinear``, grouped through ``deltazip.kernels.dispatch.lora``)
-or, in swap mode, merges ``W + scale · B A`` into a whole model (:func:`merged_weight`).
+or, in swap mode, merges ``W + scale · B A`` into a whole model (:func:`merged_weight`). GPT-2's
+Conv1D layers (PEFT's ``fan_in_fan_out``) store ``W`` as ``[in, out]``, but their factors are
+``A [r, in]`` and ``B [out, r]`` as for any linear and PEFT adds the same term; only the merge
+transposes it.
 
 What cannot be served this way is refused with a message naming the setting: DoRA (a per-column
 magnitude rescale of the merged weight, not an additive term), ``modules_to_save`` and trainable
-tokens (full replacement copies of other tensors), LoRA biases, ``fan_in_fan_out`` (Conv1D layers),
-layer replication, LoRA on parameters or on non-linear modules, and adapter types other than LoRA.
+tokens (full replacement copies of other tensors), LoRA biases, layer replication, LoRA on
+parameters or on non-linear modules, and adapter types other than LoRA.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch import nn
 
 from deltazip.formats import codecs
 from deltazip.formats.errors import InputError
+from deltazip.models.model_walk import Conv1D
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -96,7 +100,6 @@ def _refusal(path: Path, cfg: dict[str, Any]) -> str | None:
                                              "peft and serve the merged model as a full checkpoint"),
         (cfg.get("bias", "none") != "none" or cfg.get("lora_bias"), "it trains biases (bias/lora_bias); merge it "
                                                                     "with peft and serve it as a full checkpoint"),
-        (cfg.get("fan_in_fan_out"), "it targets Conv1D layers (fan_in_fan_out), which the served base does not use"),
         (cfg.get("layer_replication"), "it replicates layers (layer_replication), which changes the architecture"),
         (cfg.get("target_parameters"), "it adapts parameters directly (target_parameters); only linear modules "
                                         "are served"),
@@ -119,8 +122,14 @@ def _targeted(target_modules, module: str) -> bool:
 
 
 def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """``module name -> (out, in)`` of every ``nn.Linear`` of a model."""
-    return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    """``module name -> (out, in)`` of every ``nn.Linear`` and Conv1D (weight ``[in, out]``) of a model."""
+    out = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return out | {n: tuple(m.weight.shape[::-1]) for n, m in conv1d_modules(model).items()}
+
+
+def conv1d_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's Conv1D layers (GPT-2's), whose weight is stored ``[in, out]``, by name."""
+    return {n: m for n, m in model.named_modules() if Conv1D is not None and isinstance(m, Conv1D)}
 
 
 def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
@@ -138,7 +147,7 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
 
     Raises:
         InputError: unreadable or unsupported config, pickle-only weights, a key that is not a LoRA
-            factor of a base ``nn.Linear``, or factor shapes that do not fit the module.
+            factor of a base ``nn.Linear`` or Conv1D, or factor shapes that do not fit the module.
     """
     path = Path(path)
     try:
@@ -245,6 +254,9 @@ def load_lora_factors(spec: LoraSpec, dtype: torch.dtype) -> dict[str, LoraFacto
     return out
 
 
-def merged_weight(weight: torch.Tensor, f: LoraFactors) -> torch.Tensor:
-    """``W + scale · B A`` (``[out, in]``): the ``lora`` codec's merge (what PEFT's merge does)."""
+def merged_weight(weight: torch.Tensor, f: LoraFactors, transposed: bool = False) -> torch.Tensor:
+    """``W + scale · B A`` (``[out, in]``; with ``transposed``, a Conv1D's ``[in, out]`` weight plus the
+    term transposed): the ``lora`` codec's merge (what PEFT's merge does)."""
+    if transposed:
+        return codecs.get("lora").merge(weight.t(), f.A, f.B, f.scale).t().contiguous()
     return codecs.get("lora").merge(weight, f.A, f.B, f.scale)

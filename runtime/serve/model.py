@@ -66,6 +66,7 @@ from deltazip.runtime.serve.delta_scale import DeltaScale, output_scale_param
 from deltazip.runtime.serve.delta_sinks import DeltaSinks
 from deltazip.runtime.serve.kernel_tuner import LoraJob, Tuner
 from deltazip.runtime.serve.kernel_warmup import tune_new_keys
+from deltazip.runtime.serve.lora_variant import conv1d_modules, linear_shapes
 from deltazip.runtime.serve.model_runner import (
     forward_step,
     new_kv_pool,
@@ -457,8 +458,7 @@ class DeltaModel:
         # that the checkpoint does not store separately.
         self._aliases = {n: [m for m in names if m != n] for names in tied_names(self.model) for n in names}
         # Linear shapes of the base (LoRA checks), taken before any module is decoupled.
-        self._linears = {n: (m.out_features, m.in_features) for n, m in self.model.named_modules()
-                         if isinstance(m, nn.Linear)}
+        self._linears = linear_shapes(self.model)
         self._moe = self._moe_layout()  # fused experts and routers, before any module is decoupled
         self._targets: dict[str, dict[str, list[tuple[str, str]]]] = {}  # variant -> tensor -> [(module, attr)]
         self._lora: dict[str, Any] = {}  # LoRA variant -> LoraSpec
@@ -883,8 +883,8 @@ class SwapModels:
         # transformers' loader, which applies the architecture's key renames.
         self._names_match = set(base.names) <= keys
         self._template = template
-        self._linears = {n: (m.out_features, m.in_features) for n, m in template.named_modules()
-                         if isinstance(m, nn.Linear)}
+        self._linears = linear_shapes(template)
+        self._conv1d = set(conv1d_modules(template))  # (a LoRA merge into their [in, out] weights transposes)
         self.variants: dict[str, VariantInfo] = {}
         self._lora: dict[str, Any] = {}
         for v in variants:
@@ -936,7 +936,7 @@ class SwapModels:
 
             sd = {n: t.to(self.dtype) for n, t in self._state_dict_of(self.base.path, self.base).items()}
             for mname, f in load_lora_factors(self._lora[name], self.dtype).items():
-                sd[f"{mname}.weight"] = merged_weight(sd[f"{mname}.weight"], f)
+                sd[f"{mname}.weight"] = merged_weight(sd[f"{mname}.weight"], f, transposed=mname in self._conv1d)
         else:
             art = Artifact(v.path)
             if self._names_match:

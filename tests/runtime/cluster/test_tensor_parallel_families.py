@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from _factories import calib_file, finetune, save_model, tiny_model
+from _factories import calib_file, finetune, lora_adapter, save_model, tiny_model
 from _images import generate
 from _serving import engine_runs, single_thread
 
@@ -20,6 +20,7 @@ from deltazip.demo.pair import build_char_tokenizer
 from deltazip.formats.artifact import Artifact
 from deltazip.kernels.scheme import DeltaScheme
 from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.loader import load_causal_lm
 from deltazip.runtime.cluster.tp_group import start_tensor_parallel
 from deltazip.runtime.serve.variant_sources import BaseTensorIndex, compare_full_checkpoint, discover_variants
 from deltazip.runtime.share.dedup_serving import new_serving_registry
@@ -90,9 +91,11 @@ def test_bf16_shards_answer_as_the_merged_model_in_bf16(tmp_path, arch):
 def test_gpt2_conv1d_layers_shard_for_compressed_and_whole_fine_tunes(tmp_path):
     """GPT-2's linears are Conv1D, weights stored ``[in, out]``, ``c_attn`` stacking every query, key
     and value head, split at the attention's ``split_size``: each rank keeps its heads' columns of each
-    block. A compressed fine-tune (packed ``[out, in]``) and the same fine-tune served whole (dense
-    replacements in the ``[in, out]`` layout, cut alike) answer as the merged and the fine-tuned model."""
-    _served_as_merged(tmp_path, "gpt2", whole=True)
+    block. A compressed fine-tune (packed ``[out, in]``), the same fine-tune served whole (dense
+    replacements in the ``[in, out]`` layout, cut alike) and a LoRA adapter on the Conv1D layers
+    (factors ``[r, in]``, ``[out, r]``) answer as the merged, the fine-tuned and PEFT's merged model."""
+    _served_as_merged(tmp_path, "gpt2", whole=True,
+                      lora=dict(target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True))
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-gates", "sparse-gates-shared-kv"])
@@ -110,12 +113,13 @@ def test_gemma3n_sparse_gates_altup_and_per_layer_inputs_shard(tmp_path, sparse)
 
 
 def _served_as_merged(tmp_path, arch: str, dtype: torch.dtype = torch.float32, whole: bool = False,
-                      group_auto: bool = False, **config) -> None:
+                      group_auto: bool = False, lora: dict | None = None, **config) -> None:
     """A tiny ``arch`` base and a fine-tune compressed 4-bit (groups of 16); two ranks serve its greedy
     text and log probabilities as the merged model generates them, in ``dtype`` (log probabilities
     within 1e-4 in fp32; in bf16, where the ranks' partial sums round apart from one whole matmul,
     within 0.05). ``whole``: the fine-tune is served as a plain checkpoint too, as it generates;
-    ``group_auto``: groups as ``--group-size auto`` picks them."""
+    ``group_auto``: groups as ``--group-size auto`` picks them; ``lora``: a PEFT adapter of that config
+    on the base is served too, as PEFT's merged model generates."""
     ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2, vocab_size=128, **config)
     tok = build_char_tokenizer()
     prompts = ["zip model tune", "alpha beta gamma delta"]
@@ -136,12 +140,17 @@ def _served_as_merged(tmp_path, arch: str, dtype: torch.dtype = torch.float32, w
             shutil.copytree(ft_dir, tmp_path / "arts" / "whole")
             want += [generate(ft_model.to(dtype), tok(p)["input_ids"], None, n=8) for p in prompts]
             asked += [("whole", p) for p in prompts]
+        if lora is not None:
+            pm = lora_adapter(load_causal_lm(base_dir, torch.float32), tmp_path / "arts" / "lora", 5, **lora)
+            peft_merged = pm.merge_and_unload().to(dtype)
+            want += [generate(peft_merged, tok(p)["input_ids"], None, n=8) for p in prompts]
+            asked += [("lora", p) for p in prompts]
         variants = discover_variants(tmp_path / "arts")
         index = BaseTensorIndex(ck, new_serving_registry().fingerprint_bytes)
         for v in variants:  # (as the server does: a whole checkpoint's tensors compared with the base's)
             if v.kind == "full":
                 compare_full_checkpoint(v, index, torch.tensor([], dtype=dtype).element_size())
-        tp = start_tensor_parallel(ck, variants, 2, torch.device("cpu"), dtype, 2)
+        tp = start_tensor_parallel(ck, variants, max(2, len(variants)), torch.device("cpu"), dtype, 2)
         try:
             got = engine_runs(tp, tok, asked, 8, max_batch_tokens=16)
         finally:

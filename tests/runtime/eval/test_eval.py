@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _cli import run_cli
+from _factories import lora_adapter
 from _lm_eval_tasks import evaluate, generations, loglikelihoods, write_tiny_tasks
 from _serving import served_set, single_thread
 
@@ -202,20 +203,13 @@ def test_lm_eval_command_line_runs_the_deltazip_model_type(served, tasks_dir, tm
 
 def test_lora_adapter_target_runs_through_the_serving_lora_path(served, tasks_dir, tmp_path):
     pytest.importorskip("peft")
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     with single_thread():
-        model = AutoModelForCausalLM.from_pretrained(served.base_dir, dtype=torch.float32)
-        pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                              target_modules=["q_proj", "v_proj", "down_proj"]))
-        g = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for n, p in pm.named_parameters():
-                if "lora_" in n:  # PEFT starts B at zero: make the adapter change the outputs
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
         adapter = tmp_path / "my-lora"
-        pm.save_pretrained(adapter, safe_serialization=True)
+        lora_adapter(AutoModelForCausalLM.from_pretrained(served.base_dir, dtype=torch.float32), adapter, 3,
+                     target_modules=["q_proj", "v_proj", "down_proj"])
         merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(served.base_dir, dtype=torch.float32),
                                            adapter).merge_and_unload()
         merged.save_pretrained(tmp_path / "lora-merged", safe_serialization=True)

@@ -130,7 +130,8 @@ def test_a_lora_adapter_over_every_linear_reads_images_with_its_own_vision_side(
     from _images import N, build_variant, generate, llava_processor, picture, prompt, same
     from _serving import engine_runs, single_thread
 
-    peft = pytest.importorskip("peft")  # the eval extra (make test-torchvision installs dev and serve)
+    pytest.importorskip("peft")  # the eval extra (make test-torchvision installs dev and serve)
+    from _factories import lora_adapter
 
     from deltazip.models.checkpoint import Checkpoint
     from deltazip.models.loader import load_causal_lm
@@ -140,15 +141,8 @@ def test_a_lora_adapter_over_every_linear_reads_images_with_its_own_vision_side(
     processor = llava_processor(tokenizer()) if arch == "llava" else QwenProcessor()
     with single_thread():
         base_dir, arts = build_variant(tmp_path, arch, processor)
-        pm = peft.get_peft_model(load_causal_lm(base_dir, torch.float32),
-                                 peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for name, p in pm.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        pm = lora_adapter(load_causal_lm(base_dir, torch.float32), arts / "lora", 1, target_modules="all-linear")
         assert any("lora_A" in n and ("vision" in n or "visual" in n) for n, _ in pm.named_parameters())
-        pm.save_pretrained(arts / "lora", safe_serialization=True)
         merged = pm.merge_and_unload().eval()
         one = prompt(processor, "what is it?", [picture(0), picture(1)])
         want = {"lora": generate(merged, *one), "base": generate(load_causal_lm(base_dir, torch.float32), *one)}

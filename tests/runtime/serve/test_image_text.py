@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from _factories import calib_file, finetune, save_model, tiny_model
+from _factories import calib_file, finetune, lora_adapter, save_model, tiny_model
 from _serving import ServedSet, char_greedy, engine_texts, running_server, single_thread
 
 from deltazip.compress.config import CompressConfig
@@ -200,18 +200,10 @@ def _adapter(base_dir, out, seed: int, legacy: bool):
     """A PEFT LoRA adapter on the language model's q/v projections (random non-zero factors). With
     ``legacy``, its keys are renamed to the layout an adapter trained under transformers 4.x has
     (``base_model.model.language_model.model.layers.0...``), as the checkpoint itself is saved."""
-    from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file, save_file
 
-    model = load_causal_lm(base_dir, torch.float32)
-    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                          target_modules=r".*language_model.*\.(q_proj|v_proj)"))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    pm.save_pretrained(out, safe_serialization=True)
+    pm = lora_adapter(load_causal_lm(base_dir, torch.float32), out, seed,
+                      target_modules=r".*language_model.*\.(q_proj|v_proj)")
     if legacy:
         f = out / "adapter_model.safetensors"
         tensors = load_file(f)

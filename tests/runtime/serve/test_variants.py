@@ -14,7 +14,7 @@ import threading
 import httpx
 import pytest
 import torch
-from _factories import perturb, tiny_model
+from _factories import lora_adapter, perturb, tiny_model
 from _serving import PROMPTS, served_set, single_thread
 
 from deltazip.formats.errors import InputError
@@ -45,19 +45,10 @@ def save_full(model, tok_src, out):
 
 def make_adapter(base_dir, out, seed, **cfg):
     """A PEFT LoRA adapter on the tiny base with random (non-zero) factors, saved as safetensors."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    opts = dict(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0)
-    opts.update(cfg)
-    pm = get_peft_model(model, LoraConfig(**opts))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_" in n:  # PEFT initialises B to zero: make the adapter change the outputs
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    pm.save_pretrained(out, safe_serialization=True)
+    lora_adapter(model, out, seed, **{"target_modules": LORA_TARGETS, **cfg})
     return out
 
 
