@@ -75,6 +75,7 @@ from deltazip.runtime.serve.delta_experts import (
     piece_key,
 )
 from deltazip.runtime.serve.delta_linear import is_linear
+from deltazip.runtime.serve.lora_experts import expert_param_table
 from deltazip.runtime.serve.model import DeltaModel, HostDelta, load_base_model, tied_names
 from deltazip.runtime.serve.variant_sources import VariantInfo
 
@@ -345,6 +346,7 @@ class ShardedDeltaModel(DeltaModel):
         self._full_params = {n: torch.empty(p.shape, device="meta")
                              for n, p in model.named_parameters(remove_duplicate=False)}
         self._full_linears = {n: _out_in(m) for n, m in model.named_modules() if is_linear(m)}
+        self._full_experts = expert_param_table(model)  # (LoRA on experts parameters: checked on full shapes)
         # GPT-2's Conv1D linears: weight (and a variant's dense replacement) stored [in, out]
         self._transposed = {n for n, m in model.named_modules() if is_linear(m) and not isinstance(m, nn.Linear)}
         tied = tied_names(model)  # parameters tied across modules (Zamba2's shared block), before they are cut
@@ -520,8 +522,9 @@ class ShardedDeltaModel(DeltaModel):
             from deltazip.runtime.serve.lora_variant import read_lora_spec
 
             spec = read_lora_spec(v.path, self._full_linears, type(self.model).__name__,
-                                  lambda names: module_names(self.model, names))
+                                  lambda names: module_names(self.model, names), self._full_experts)
             wanted.update({m: "linear" for m in spec.modules})
+            wanted.update({x.module: "experts" for x in spec.params.values()})
             return spec
         plan = self._plan_variant(v, self._full_params, wanted)
         if v.kind == "artifact":
@@ -569,6 +572,11 @@ class ShardedDeltaModel(DeltaModel):
                 continue
             for key, part in self._expert_parts(mname, attr, mod.piece_rows(attr, tensor)):
                 kw[key] = mod.rows_delta(key, part)
+
+    def _put_expert_delta(self, host: HostDelta, mname: str, key: str, rows: torch.Tensor) -> None:
+        kw = host.modules.setdefault(mname, {})
+        for k, part in self._expert_parts(mname, key, rows):  # the rank's rows (or columns) of each expert
+            kw[k] = part
 
     def _expert_parts(self, mname: str, attr: str, value) -> list[tuple[str, Any]]:
         """``(attr, value)`` for a target that is not an experts module; for one, this rank's parts of

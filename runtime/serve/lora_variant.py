@@ -9,12 +9,14 @@ row (``deltazip.runtime.serve.delta_linear.DeltaLinear``, grouped through ``delt
 or, in swap mode, merges ``W + scale · B A`` into a whole model (:func:`merged_weight`). GPT-2's
 Conv1D layers (PEFT's ``fan_in_fan_out``) store ``W`` as ``[in, out]``, but their factors are
 ``A [r, in]`` and ``B [out, r]`` as for any linear and PEFT adds the same term; only the merge
-transposes it.
+transposes it. LoRA on fused experts parameters (``target_parameters``) is read by
+:mod:`deltazip.runtime.serve.lora_experts` and served as a dense delta of each adapted parameter.
 
 What cannot be served this way is refused with a message naming the setting: DoRA (a per-column
 magnitude rescale of the merged weight, not an additive term), ``modules_to_save`` and trainable
 tokens (full replacement copies of other tensors), LoRA biases, layer replication, LoRA on
-parameters or on non-linear modules, and adapter types other than LoRA.
+parameters other than fused experts weights or on non-linear modules, and adapter types other than
+LoRA.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ from torch import nn
 from deltazip.formats import codecs
 from deltazip.formats.errors import InputError
 from deltazip.models.model_walk import Conv1D
+from deltazip.runtime.serve.lora_experts import (
+    ExpertLora,
+    ExpertsModule,
+    delta_rows,
+    matches_target,
+    take_expert_factors,
+)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -61,6 +70,7 @@ class LoraSpec:
     config: dict[str, Any]
     modules: dict[str, tuple[str, str]] = field(default_factory=dict)  # module -> (A key, B key)
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    params: dict[str, ExpertLora] = field(default_factory=dict)  # "module.param" -> an adapted experts weight
 
     @property
     def base_model(self) -> str | None:
@@ -101,8 +111,6 @@ def _refusal(path: Path, cfg: dict[str, Any]) -> str | None:
         (cfg.get("bias", "none") != "none" or cfg.get("lora_bias"), "it trains biases (bias/lora_bias); merge it "
                                                                     "with peft and serve it as a full checkpoint"),
         (cfg.get("layer_replication"), "it replicates layers (layer_replication), which changes the architecture"),
-        (cfg.get("target_parameters"), "it adapts parameters directly (target_parameters); only linear modules "
-                                        "are served"),
         (cfg.get("megatron_config"), "it targets Megatron parallel layers (megatron_config)"),
     ]
     for bad, why in checks:
@@ -133,7 +141,8 @@ def conv1d_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
-                   rename: Callable[[list[str]], dict[str, str]] | None = None) -> LoraSpec:
+                   rename: Callable[[list[str]], dict[str, str]] | None = None,
+                   experts: dict[str, ExpertsModule] | None = None) -> LoraSpec:
     """Read and check an adapter directory against the served base model (module names and shapes).
 
     Args:
@@ -144,6 +153,8 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
             over the served model): an adapter trained under an older transformers names modules as
             that version's class did (Qwen2.5-VL's ``model.layers.0...`` is now
             ``model.language_model.layers.0...``).
+        experts: the base's fused experts modules (``lora_experts.expert_param_table``), for adapters
+            with ``target_parameters``.
 
     Raises:
         InputError: unreadable or unsupported config, pickle-only weights, a key that is not a LoRA
@@ -177,6 +188,9 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
         pairs.setdefault(m["module"], {})[m["which"]] = key
     if not pairs:
         raise InputError(f"adapter {path}: {ADAPTER_WEIGHTS} holds no LoRA factors")
+    spec.params = take_expert_factors(path, cfg, pairs, entries, experts or {}, spec.scale)
+    if not pairs:
+        return spec
     named = {m: m for m in pairs}  # module of the served model -> module as the adapter names it
     unknown = [f"{m}.weight" for m in pairs if m not in linears]
     if unknown and rename is not None:
@@ -195,7 +209,8 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
         if len(a) != 2 or len(b) != 2 or a[1] != in_f or b[0] != out_f or a[0] != b[1]:
             raise InputError(f"adapter {path}: {mname} has lora_A {list(a)} and lora_B {list(b)}, the base linear is "
                              f"[{out_f}, {in_f}]; the adapter belongs to another base model")
-        if not _targeted(cfg.get("target_modules"), named[mname]):
+        if not (_targeted(cfg.get("target_modules"), named[mname])
+                or matches_target(f"{named[mname]}.weight", list(cfg.get("target_parameters") or []))):
             raise InputError(f"adapter {path}: {ADAPTER_WEIGHTS} adapts {named[mname]}, which target_modules "
                              f"{cfg.get('target_modules')!r} in {ADAPTER_CONFIG} does not name; the files do not "
                              f"belong together")
@@ -252,6 +267,15 @@ def load_lora_factors(spec: LoraSpec, dtype: torch.dtype) -> dict[str, LoraFacto
                 raise InputError(f"adapter {spec.path}: {key} {problem.split(' ', 1)[1]}")
             out[mname] = LoraFactors(a.to(dtype), b.to(dtype), spec.scale(mname, a.shape[0]))
     return out
+
+
+def load_expert_deltas(spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """Every adapted experts parameter's delta rows ``[E·out, in]`` (fp32, CPU), keyed ``module.param``
+    (:func:`deltazip.runtime.serve.lora_experts.delta_rows`)."""
+    from safetensors import safe_open
+
+    with safe_open(str(spec.path / ADAPTER_WEIGHTS), framework="pt") as f:
+        return {name: delta_rows(x, f.get_tensor(x.keys[0]), f.get_tensor(x.keys[1])) for name, x in spec.params.items()}
 
 
 def merged_weight(weight: torch.Tensor, f: LoraFactors, transposed: bool = False) -> torch.Tensor:

@@ -57,6 +57,7 @@ from deltazip.runtime.serve.delta_experts import (
     DeltaRouter,
     MoeLayout,
     is_own_forward_router,
+    piece_key,
     router_tensors,
 )
 from deltazip.runtime.serve.delta_linear import DeltaContext, DeltaLinear, is_linear
@@ -66,6 +67,7 @@ from deltazip.runtime.serve.delta_scale import DeltaScale, output_scale_param
 from deltazip.runtime.serve.delta_sinks import DeltaSinks
 from deltazip.runtime.serve.kernel_tuner import LoraJob, Tuner
 from deltazip.runtime.serve.kernel_warmup import tune_new_keys
+from deltazip.runtime.serve.lora_experts import expert_param_table, merged_param
 from deltazip.runtime.serve.lora_variant import conv1d_modules, linear_shapes
 from deltazip.runtime.serve.model_runner import (
     forward_step,
@@ -459,6 +461,7 @@ class DeltaModel:
         self._aliases = {n: [m for m in names if m != n] for names in tied_names(self.model) for n in names}
         # Linear shapes of the base (LoRA checks), taken before any module is decoupled.
         self._linears = linear_shapes(self.model)
+        self._experts_table = expert_param_table(self.model)  # (LoRA on experts parameters)
         self._moe = self._moe_layout()  # fused experts and routers, before any module is decoupled
         self._targets: dict[str, dict[str, list[tuple[str, str]]]] = {}  # variant -> tensor -> [(module, attr)]
         self._lora: dict[str, Any] = {}  # LoRA variant -> LoraSpec
@@ -496,9 +499,11 @@ class DeltaModel:
             from deltazip.runtime.serve.lora_variant import read_lora_spec
 
             spec = read_lora_spec(v.path, self._linears, type(self.model).__name__,
-                                  lambda names: module_names(self.model, names))
+                                  lambda names: module_names(self.model, names), self._experts_table)
             for mname in spec.modules:
                 wanted[mname] = "linear"
+            for x in spec.params.values():
+                wanted[x.module] = "experts"
             return spec
         return self._plan_variant(v, self._params, wanted)
 
@@ -666,11 +671,16 @@ class DeltaModel:
         tally = LoadTally(self.registry)
         host = HostDelta(name)
         if v.kind == "lora":
-            from deltazip.runtime.serve.lora_variant import load_lora_factors
+            from deltazip.runtime.serve.lora_variant import load_expert_deltas, load_lora_factors
 
-            for mname, f in load_lora_factors(self._lora[name], self.dtype).items():
+            spec = self._lora[name]
+            for mname, f in load_lora_factors(spec, self.dtype).items():
                 host.modules[mname] = {"lora_a": tally.share(_pin(f.A)), "lora_b": tally.share(_pin(f.B)),
                                        "lora_scale": f.scale}
+            for pname, rows in load_expert_deltas(spec).items():  # LoRA on experts: their dense delta
+                x = spec.params[pname]
+                self._put_expert_delta(host, x.module, piece_key(x.param, 0, rows.shape[0]),
+                                       tally.share(_pin(rows.to(self.dtype))))
         elif v.kind == "full":
             for tname, t in load_checkpoint_tensors(v, list(self._targets[name]), self.dtype, tally).items():
                 self._put_dense(host, self._targets[name][tname], t)
@@ -700,6 +710,10 @@ class DeltaModel:
                 host.modules.setdefault(mname, {})[attr] = delta if additive else mod.host_weight(attr, delta)
             else:
                 host.modules.setdefault(mname, {}).update(packed=delta, additive=additive)
+
+    def _put_expert_delta(self, host: HostDelta, mname: str, key: str, rows: torch.Tensor) -> None:
+        """A dense delta ``rows`` of piece ``key`` (rows of the ``[E * out, in]`` view) of experts module ``mname``."""
+        host.modules.setdefault(mname, {})[key] = rows
 
     def host_from_packed(self, name: str, deltas: dict[str, PackedDelta]) -> HostDelta:
         """A :class:`HostDelta` of variant ``name`` from packed deltas already in memory (``checkpoint
@@ -797,7 +811,8 @@ class DeltaModel:
         esize = torch.tensor([], dtype=self.dtype).element_size()
         if v.kind == "lora":
             spec = self._lora[name]
-            return sum((a[0] * a[1] + b[0] * b[1]) * esize for a, b in spec.shapes.values())
+            return (sum((a[0] * a[1] + b[0] * b[1]) * esize for a, b in spec.shapes.values())
+                    + sum(x.delta_bytes(esize) for x in spec.params.values()))
         for tname, targets in self._targets[name].items():
             e = v.entries[tname]
             per = e.stored_bytes if e.kernel_ready and packed else e.numel * esize
@@ -885,6 +900,7 @@ class SwapModels:
         self._template = template
         self._linears = linear_shapes(template)
         self._conv1d = set(conv1d_modules(template))  # (a LoRA merge into their [in, out] weights transposes)
+        self._experts_table = expert_param_table(template)
         self.variants: dict[str, VariantInfo] = {}
         self._lora: dict[str, Any] = {}
         for v in variants:
@@ -898,7 +914,7 @@ class SwapModels:
             from deltazip.runtime.serve.lora_variant import read_lora_spec
 
             return read_lora_spec(v.path, self._linears, type(self._template).__name__,
-                                  lambda names: module_names(self._template, names))
+                                  lambda names: module_names(self._template, names), self._experts_table)
         return None
 
     def commit_variant(self, v: VariantInfo, plan, wanted: dict[str, str] | None = None) -> None:
@@ -932,11 +948,18 @@ class SwapModels:
         elif v.kind == "full":
             sd = self._state_dict_of(v.path, Checkpoint(v.path, f"checkpoint {v.name}"))
         elif v.kind == "lora":
-            from deltazip.runtime.serve.lora_variant import load_lora_factors, merged_weight
+            from deltazip.runtime.serve.lora_variant import (
+                load_expert_deltas,
+                load_lora_factors,
+                merged_weight,
+            )
 
+            spec = self._lora[name]
             sd = {n: t.to(self.dtype) for n, t in self._state_dict_of(self.base.path, self.base).items()}
-            for mname, f in load_lora_factors(self._lora[name], self.dtype).items():
+            for mname, f in load_lora_factors(spec, self.dtype).items():
                 sd[f"{mname}.weight"] = merged_weight(sd[f"{mname}.weight"], f, transposed=mname in self._conv1d)
+            for pname, rows in load_expert_deltas(spec).items():
+                sd[pname] = merged_param(sd[pname], spec.params[pname], rows)
         else:
             art = Artifact(v.path)
             if self._names_match:

@@ -189,3 +189,37 @@ def test_sharded_expert_pieces_reassemble_each_ranks_product():
         ((a, b, p),) = shard_expert_piece("down_proj", 32, 64, down, hidden, 0, rank, world)
         assert (a, b) == (32, 64)
         assert torch.equal(delta_weight(p), delta_weight(down)[:, rank * inter:(rank + 1) * inter])
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_a_lora_adapter_on_the_experts_is_cut_by_each_experts_width(tmp_path, arch):
+    """A PEFT adapter on every layer's experts weights (``target_parameters``) and ``q_proj``: each rank
+    keeps its rows of each expert's gate and up deltas and its columns of ``down_proj``'s (GPT-OSS's
+    ``[E, in, out]``, gate and up interleaved, alike), and the ``q_proj`` factors' rows. Two ranks
+    serve PEFT's merged model's greedy text and log probabilities, beside base rows."""
+    from _factories import lora_adapter
+
+    from deltazip.models.loader import load_causal_lm
+
+    tok = build_char_tokenizer()
+    prompts = ["zip model tune", "alpha beta gamma delta"]
+    with single_thread():
+        base = tiny_model(arch, **IDS)
+        base_dir = save_model(base, tmp_path / "base", tokenizer=False)
+        tok.save_pretrained(base_dir)
+        pm = lora_adapter(load_causal_lm(base_dir, torch.float32), tmp_path / "arts" / "lora", 4,
+                          target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj",
+                                                                        "mlp.experts.down_proj"])
+        merged = pm.merge_and_unload()
+        want = [generate(merged, tok(p)["input_ids"], None, n=8) for p in prompts]
+        plain = generate(base, tok(prompts[0])["input_ids"], None, n=8)
+        tp = start_tensor_parallel(Checkpoint(base_dir), discover_variants(tmp_path / "arts"), 2,
+                                   torch.device("cpu"), torch.float32, 2)
+        try:
+            got = engine_runs(tp, tok, [("lora", p) for p in prompts] + [("base", prompts[0])], 8,
+                              max_batch_tokens=16)
+        finally:
+            tp.close()
+    for g, w in zip(got, want + [plain]):
+        assert g.text == w[0] and max(abs(a[1] - b) for a, b in zip(g.logprobs, w[1])) < 1e-4, (g.text, w)
+    assert want[0] != plain

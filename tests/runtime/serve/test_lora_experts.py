@@ -1,0 +1,120 @@
+"""LoRA adapters on fused experts parameters (PEFT's ``target_parameters``, as GPT-OSS and Qwen3-MoE
+are fine-tuned): served in delta mode beside base rows and in swap mode, both as PEFT computes, and
+their files checked against the base in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _factories import lora_adapter, save_model, tiny_model
+from _serving import single_thread
+
+from deltazip.formats.errors import InputError
+from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.loader import load_causal_lm
+from deltazip.runtime.serve.lora_experts import expert_param_table
+from deltazip.runtime.serve.lora_variant import linear_shapes, read_lora_spec
+from deltazip.runtime.serve.model import DeltaModel, SwapModels
+from deltazip.runtime.serve.variant_sources import discover_variants
+
+pytest.importorskip("peft")
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def _adapter(tmp_path, arch: str, vocab: dict | None = None, **config):
+    """A tiny ``arch`` base (``vocab``: its token ids' config) and a PEFT adapter on its attention's
+    ``q_proj`` and every layer's experts parameters; the base's directory and the PEFT model (eval mode)."""
+    base = save_model(tiny_model(arch, **(vocab or {})), tmp_path / "base")
+    pm = lora_adapter(load_causal_lm(base, torch.float32), tmp_path / "arts" / "lora", 2,
+                      **{"target_modules": ["q_proj"], "target_parameters": EXPERTS, **config})
+    return base, pm
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss", "qwen3_moe"])
+def test_experts_lora_rows_and_swap_give_pefts_logits(tmp_path, arch):
+    """Mixtral and Qwen3-MoE store experts ``[E, out, in]``, GPT-OSS ``[E, in, out]`` (with biases, its
+    gate and up columns interleaved): each adapted expert weight gets ``scale · B_e A_e`` from PEFT's
+    ``[r·E, in]`` / ``[out, r·E]`` factors, beside the ``q_proj`` LoRA. The adapter's rows equal PEFT's
+    logits and base rows the base's, in one batch; swap mode merges the same."""
+    cpu = torch.device("cpu")
+    with single_thread():
+        base, pm = _adapter(tmp_path, arch)
+        (v,) = discover_variants(tmp_path / "arts")
+        ck = Checkpoint(base)
+        ids = torch.randint(4, 51, (2, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            want = pm(input_ids=ids).logits
+            with pm.disable_adapter():
+                plain = pm(input_ids=ids).logits
+        assert (want - plain).abs().max() > 0.05  # the adapter matters
+        model = DeltaModel(ck, [v], num_slots=2, device=cpu, dtype=torch.float32)
+        assert len(model._lora[v.name].params) == 2 * len(pm.base_model.model.model.layers)
+        model.write_slot(1, v.name, model.load_host(v.name))
+        model.ctx.bind([1, -1], "cpu")
+        try:
+            with torch.no_grad():
+                got = model.model(input_ids=ids).logits
+        finally:
+            model.ctx.unbind()
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-5)
+        swap = SwapModels(ck, [v], num_slots=1, device=cpu, dtype=torch.float32, base_name="base")
+        swap.write_slot(0, v.name, swap.load_host(v.name))
+        with torch.no_grad():
+            torch.testing.assert_close(swap.models[0](input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_experts_lora_files_that_do_not_fit_the_base_are_refused_in_one_line(tmp_path):
+    """An experts factor of the wrong shape (another base), factors nested deeper than the parameters
+    ``target_parameters`` names, and a targeted experts bias: each named in one line."""
+    with single_thread():
+        base, _ = _adapter(tmp_path, "mixtral")
+        model = load_causal_lm(base, torch.float32)
+    lin, table, path = linear_shapes(model), expert_param_table(model), tmp_path / "arts" / "lora"
+    read_lora_spec(path, lin, "MixtralForCausalLM", None, table)
+    cfg_file = path / "adapter_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg_file.write_text(json.dumps({**cfg, "target_parameters": ["mlp.experts.down_proj"]}))
+    with pytest.raises(InputError, match=r"holds factors under model\.layers\.0\.mlp\.experts\.base_layer, but "
+                                         r"target_parameters \['mlp\.experts\.down_proj'\] names 1 parameter") as e:
+        read_lora_spec(path, lin, "MixtralForCausalLM", None, table)
+    assert "\n" not in str(e.value)
+    cfg_file.write_text(json.dumps(cfg))
+    wide = {**table, "model.layers.0.mlp.experts": table["model.layers.0.mlp.experts"]._replace(
+        params=[(p, (s[0], s[1], s[2] * 2)) for p, s in table["model.layers.0.mlp.experts"].params])}
+    with pytest.raises(InputError, match=r"model\.layers\.0\.mlp\.experts\.(gate_up|down)_proj has lora_A .* the base "
+                                         r"parameter is .*; the adapter belongs to another base model"):
+        read_lora_spec(path, lin, "MixtralForCausalLM", None, wide)
+
+
+def test_an_experts_lora_served_over_http_answers_as_pefts_merged_model(tmp_path):
+    """``deltazip serve`` on a real loopback port, the OpenAI client: the adapter's completion is the
+    text PEFT's merged model generates greedily, the base's the base's."""
+    openai = pytest.importorskip("openai")
+    from deltazip.demo.pair import build_char_tokenizer
+    from deltazip.runtime.serve.assembly import ServeConfig, build_runtime
+    from deltazip.runtime.serve.server import Metrics, ServerThread, create_app
+
+    prompt, n = "zip model tune", 8
+    with single_thread():
+        base, pm = _adapter(tmp_path, "qwen3_moe", dict(bos_token_id=0, eos_token_id=1, pad_token_id=2, vocab_size=128))
+        tok = build_char_tokenizer()  # (one character per token: a completion's text is its tokens')
+        tok.save_pretrained(base)
+        ids = torch.tensor([tok(prompt)["input_ids"]])
+        want = {}
+        with torch.no_grad():
+            for name, model in (("lora", pm.merge_and_unload()), ("base", load_causal_lm(base, torch.float32))):
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                     pad_token_id=tok.pad_token_id)
+                want[name] = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        assert want["lora"] != want["base"]
+        metrics = Metrics()
+        rt = build_runtime(ServeConfig(artifacts=tmp_path / "arts", base=str(base), device="cpu"), observer=metrics)
+        with ServerThread(create_app(rt, metrics)) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+            for name in ("lora", "base"):
+                r = client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0)
+                assert r.choices[0].text == want[name], name
