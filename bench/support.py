@@ -488,7 +488,7 @@ class Family:
         try:
             compress_delta(self.base_dir, self.ft_dir, None, art, cfg)
         except InputError as e:
-            if "not divisible by --group-size" not in str(e):
+            if "input features, not divisible by" not in str(e):  # (a width the fixed group does not divide)
                 raise
             cfg.group_auto = True
             compress_delta(self.base_dir, self.ft_dir, None, art, cfg)
