@@ -78,3 +78,11 @@ def _renamed_v4(model: nn.Module, names: list[str], params: dict) -> dict[str, s
             key = key[len(prefix) + 1:]
         out[n] = key
     return out
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that hold one tensor (tied embeddings, Zamba2's shared blocks)."""
+    by_obj: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_obj.setdefault(id(p), []).append(n)
+    return [v for v in by_obj.values() if len(v) > 1]

@@ -49,7 +49,7 @@ from deltazip.kernels.packed import PackedDelta
 from deltazip.models.layer_map import checkpoint_prefix
 from deltazip.models.loader import text_config
 from deltazip.models.model_walk import decoder_layers, dense_routed, empty_model, experts_transposed
-from deltazip.models.param_names import module_names
+from deltazip.models.param_names import module_names, tied_names
 from deltazip.runtime.cluster.tp_alibi import slice_alibi, uses_alibi
 from deltazip.runtime.cluster.tp_mixers import MixerShard, shard_mixer_tensors, split_mixer
 from deltazip.runtime.cluster.tp_norms import ShardedRMSNorm, split_activation_sparsity, split_norms
@@ -75,8 +75,8 @@ from deltazip.runtime.serve.delta_experts import (
     piece_key,
 )
 from deltazip.runtime.serve.delta_linear import is_linear
-from deltazip.runtime.serve.lora_experts import expert_param_table
-from deltazip.runtime.serve.model import DeltaModel, HostDelta, load_base_model, tied_names
+from deltazip.runtime.serve.lora_variant import lora_base
+from deltazip.runtime.serve.model import DeltaModel, HostDelta, load_base_model
 from deltazip.runtime.serve.variant_sources import VariantInfo
 
 # Decoder layers whose projections split as below and whose attention reshapes to ``-1`` heads with
@@ -346,7 +346,7 @@ class ShardedDeltaModel(DeltaModel):
         self._full_params = {n: torch.empty(p.shape, device="meta")
                              for n, p in model.named_parameters(remove_duplicate=False)}
         self._full_linears = {n: _out_in(m) for n, m in model.named_modules() if is_linear(m)}
-        self._full_experts = expert_param_table(model)  # (LoRA on experts parameters: checked on full shapes)
+        self._full_base = lora_base(model)  # (LoRA on experts parameters, modules_to_save: on full shapes)
         # GPT-2's Conv1D linears: weight (and a variant's dense replacement) stored [in, out]
         self._transposed = {n for n, m in model.named_modules() if is_linear(m) and not isinstance(m, nn.Linear)}
         tied = tied_names(model)  # parameters tied across modules (Zamba2's shared block), before they are cut
@@ -522,9 +522,10 @@ class ShardedDeltaModel(DeltaModel):
             from deltazip.runtime.serve.lora_variant import read_lora_spec
 
             spec = read_lora_spec(v.path, self._full_linears, type(self.model).__name__,
-                                  lambda names: module_names(self.model, names), self._full_experts)
+                                  lambda names: module_names(self.model, names), self._full_base)
             wanted.update({m: "linear" for m in spec.modules})
             wanted.update({x.module: "experts" for x in spec.params.values()})
+            spec.saved_targets = self._plan_saved(v, spec, wanted)
             return spec
         plan = self._plan_variant(v, self._full_params, wanted)
         if v.kind == "artifact":

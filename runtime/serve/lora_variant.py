@@ -11,10 +11,13 @@ Conv1D layers (PEFT's ``fan_in_fan_out``) store ``W`` as ``[in, out]``, but thei
 ``A [r, in]`` and ``B [out, r]`` as for any linear and PEFT adds the same term; only the merge
 transposes it. LoRA on fused experts parameters (``target_parameters``) is read by
 :mod:`deltazip.runtime.serve.lora_experts` and served as a dense delta of each adapted parameter.
+The whole tensors of ``modules_to_save`` (a fine-tune's own ``lm_head`` and ``embed_tokens``, say)
+replace the base's for the adapter's rows, as a full checkpoint's changed tensors do.
 
 What cannot be served this way is refused with a message naming the setting: DoRA (a per-column
-magnitude rescale of the merged weight, not an additive term), ``modules_to_save`` and trainable
-tokens (full replacement copies of other tensors), LoRA biases, layer replication, LoRA on
+magnitude rescale of the merged weight, not an additive term), trainable tokens (rows of the
+embedding kept apart), a saved module whose shape is not the base's (a resized vocabulary), LoRA
+biases, layer replication, LoRA on
 parameters other than fused experts weights or on non-linear modules, and adapter types other than
 LoRA.
 """
@@ -27,7 +30,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -35,10 +38,12 @@ from torch import nn
 from deltazip.formats import codecs
 from deltazip.formats.errors import InputError
 from deltazip.models.model_walk import Conv1D
+from deltazip.models.param_names import tied_names
 from deltazip.runtime.serve.lora_experts import (
     ExpertLora,
     ExpertsModule,
     delta_rows,
+    expert_param_table,
     matches_target,
     take_expert_factors,
 )
@@ -71,6 +76,10 @@ class LoraSpec:
     modules: dict[str, tuple[str, str]] = field(default_factory=dict)  # module -> (A key, B key)
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     params: dict[str, ExpertLora] = field(default_factory=dict)  # "module.param" -> an adapted experts weight
+    saved: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # modules_to_save: parameter ->
+    # (its key in the file, shape)
+    saved_targets: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # parameter -> [(module, attr)]
+    # the served model applies it to (set when the model plans the adapter)
 
     @property
     def base_model(self) -> str | None:
@@ -104,8 +113,6 @@ def _refusal(path: Path, cfg: dict[str, Any]) -> str | None:
     checks = [
         (cfg.get("use_dora"), "it uses DoRA (use_dora), whose magnitude rescale is not an additive term; merge it "
                               "with peft (merge_and_unload) and serve the merged model as a full checkpoint"),
-        (cfg.get("modules_to_save"), f"it saves whole modules ({cfg.get('modules_to_save')}) besides the LoRA "
-                                     f"factors; merge it with peft and serve the merged model as a full checkpoint"),
         (cfg.get("trainable_token_indices"), "it trains token embeddings (trainable_token_indices); merge it with "
                                              "peft and serve the merged model as a full checkpoint"),
         (cfg.get("bias", "none") != "none" or cfg.get("lora_bias"), "it trains biases (bias/lora_bias); merge it "
@@ -140,9 +147,44 @@ def conv1d_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if Conv1D is not None and isinstance(m, Conv1D)}
 
 
+class LoraBase(NamedTuple):
+    """What an adapter is checked against besides the base's linears, taken before any module is
+    decoupled (:func:`lora_base`): the fused experts modules (``target_parameters``), every
+    parameter's shape and the parameters tied to each (``modules_to_save``)."""
+
+    experts: dict[str, ExpertsModule]
+    params: dict[str, tuple[int, ...]]
+    aliases: dict[str, list[str]]
+
+
+def lora_base(model: nn.Module) -> LoraBase:
+    """:class:`LoraBase` of ``model`` (tied parameters: those sharing one tensor)."""
+    aliases = {n: [m for m in names if m != n] for names in tied_names(model) for n in names}
+    return LoraBase(expert_param_table(model), {n: tuple(p.shape) for n, p in model.named_parameters(
+        remove_duplicate=False)}, aliases)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """``adapter_config.json`` of a servable adapter.
+
+    Raises:
+        InputError: unreadable, not an object, or a setting :func:`_refusal` names.
+    """
+    try:
+        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"adapter {path}: cannot read {ADAPTER_CONFIG} ({e})") from e
+    if not isinstance(cfg, dict):
+        raise InputError(f"adapter {path}: {ADAPTER_CONFIG} is not a JSON object")
+    why = _refusal(path, cfg)
+    if why:
+        raise InputError(f"adapter {path} cannot be served: {why}")
+    return cfg
+
+
 def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
                    rename: Callable[[list[str]], dict[str, str]] | None = None,
-                   experts: dict[str, ExpertsModule] | None = None) -> LoraSpec:
+                   base: LoraBase | None = None) -> LoraSpec:
     """Read and check an adapter directory against the served base model (module names and shapes).
 
     Args:
@@ -153,23 +195,15 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
             over the served model): an adapter trained under an older transformers names modules as
             that version's class did (Qwen2.5-VL's ``model.layers.0...`` is now
             ``model.language_model.layers.0...``).
-        experts: the base's fused experts modules (``lora_experts.expert_param_table``), for adapters
-            with ``target_parameters``.
+        base: the base's experts, parameters and ties (:func:`lora_base`), for adapters with
+            ``target_parameters`` or ``modules_to_save``.
 
     Raises:
         InputError: unreadable or unsupported config, pickle-only weights, a key that is not a LoRA
             factor of a base ``nn.Linear`` or Conv1D, or factor shapes that do not fit the module.
     """
     path = Path(path)
-    try:
-        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise InputError(f"adapter {path}: cannot read {ADAPTER_CONFIG} ({e})") from e
-    if not isinstance(cfg, dict):
-        raise InputError(f"adapter {path}: {ADAPTER_CONFIG} is not a JSON object")
-    why = _refusal(path, cfg)
-    if why:
-        raise InputError(f"adapter {path} cannot be served: {why}")
+    cfg = _read_config(path)
     weights = path / ADAPTER_WEIGHTS
     if not weights.is_file():
         hint = " (only the pickle adapter_model.bin is there; re-save it with safe_serialization=True)" \
@@ -179,8 +213,11 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
 
     entries, _ = read_table(weights)
     spec = LoraSpec(path, cfg)
+    base = base or LoraBase({}, {}, {})
+    spec.saved = _saved_tensors(path, cfg, entries, base)
+    saved_keys = {k for k, _ in spec.saved.values()}
     pairs: dict[str, dict[str, str]] = {}
-    for key in entries:
+    for key in [k for k in entries if k not in saved_keys]:
         m = _KEY.match(key.removeprefix(_PREFIX))
         if m is None:
             raise InputError(f"adapter {path}: tensor {key!r} is not a LoRA factor (lora_A/lora_B weight); this "
@@ -188,7 +225,7 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
         pairs.setdefault(m["module"], {})[m["which"]] = key
     if not pairs:
         raise InputError(f"adapter {path}: {ADAPTER_WEIGHTS} holds no LoRA factors")
-    spec.params = take_expert_factors(path, cfg, pairs, entries, experts or {}, spec.scale)
+    spec.params = take_expert_factors(path, cfg, pairs, entries, base.experts, spec.scale)
     if not pairs:
         return spec
     named = {m: m for m in pairs}  # module of the served model -> module as the adapter names it
@@ -218,6 +255,40 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
         spec.shapes[mname] = (a, b)
         spec.scale(mname, a[0])  # validates the config's rank against the file
     return spec
+
+
+def _saved_tensors(path: Path, cfg: dict[str, Any], entries: dict, base: LoraBase
+                   ) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The adapter file's whole tensors of ``modules_to_save`` modules: ``parameter -> (key, shape)``
+    (a module whose name is, or ends with, one ``modules_to_save`` names; with ``ensure_weight_tying``,
+    also a parameter tied to one, which PEFT saves beside it).
+
+    Raises:
+        InputError: such a tensor whose shape is not the base parameter's (a resized vocabulary).
+    """
+    names = list(cfg.get("modules_to_save") or [])
+    whole = {key.removeprefix(_PREFIX): key for key in entries if not _KEY.match(key.removeprefix(_PREFIX))}
+    named = {n for n in whole if n in base.params and any(
+        n.rpartition(".")[0] == m or n.rpartition(".")[0].endswith(f".{m}") for m in names)}
+    if cfg.get("ensure_weight_tying"):
+        named |= {n for n in whole if n in base.params and set(base.aliases.get(n, [])) & named}
+    out = {}
+    for name in sorted(named):
+        shape = tuple(entries[whole[name]].shape)
+        if shape != base.params[name]:
+            raise InputError(f"adapter {path}: it saves {name} {list(shape)} (modules_to_save), the base's is "
+                             f"{list(base.params[name])}; a resized vocabulary does not share the base: merge it with "
+                             "peft and serve the merged model as a full checkpoint")
+        out[name] = (whole[name], shape)
+    return out
+
+
+def load_saved_tensors(spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """The whole tensors of the adapter's ``modules_to_save`` (CPU, as stored), by parameter name."""
+    from safetensors import safe_open
+
+    with safe_open(str(spec.path / ADAPTER_WEIGHTS), framework="pt") as f:
+        return {name: f.get_tensor(key) for name, (key, _) in spec.saved.items()}
 
 
 def check_lora_base(adapter: Path, named: str | None, base_path: Path, base_fingerprint) -> None:

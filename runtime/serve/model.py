@@ -33,6 +33,7 @@ import copy
 import functools
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.devices import resolve_dtype
 from deltazip.models.image_inputs import language_model
 from deltazip.models.loader import causal_lm_class, is_image_text, load_causal_lm, text_config
-from deltazip.models.param_names import module_names
+from deltazip.models.param_names import module_names, tied_names
 from deltazip.runtime.serve.attention import is_paged
 from deltazip.runtime.serve.delta_activation import DeltaActivation, is_learned_activation
 from deltazip.runtime.serve.delta_embedding import can_decouple, decouple_embedding
@@ -67,8 +68,8 @@ from deltazip.runtime.serve.delta_scale import DeltaScale, output_scale_param
 from deltazip.runtime.serve.delta_sinks import DeltaSinks
 from deltazip.runtime.serve.kernel_tuner import LoraJob, Tuner
 from deltazip.runtime.serve.kernel_warmup import tune_new_keys
-from deltazip.runtime.serve.lora_experts import expert_param_table, merged_param
-from deltazip.runtime.serve.lora_variant import conv1d_modules, linear_shapes
+from deltazip.runtime.serve.lora_experts import merged_param
+from deltazip.runtime.serve.lora_variant import conv1d_modules, linear_shapes, lora_base
 from deltazip.runtime.serve.model_runner import (
     forward_step,
     new_kv_pool,
@@ -461,7 +462,7 @@ class DeltaModel:
         self._aliases = {n: [m for m in names if m != n] for names in tied_names(self.model) for n in names}
         # Linear shapes of the base (LoRA checks), taken before any module is decoupled.
         self._linears = linear_shapes(self.model)
-        self._experts_table = expert_param_table(self.model)  # (LoRA on experts parameters)
+        self._lora_base = lora_base(self.model)  # (LoRA on experts parameters, modules_to_save)
         self._moe = self._moe_layout()  # fused experts and routers, before any module is decoupled
         self._targets: dict[str, dict[str, list[tuple[str, str]]]] = {}  # variant -> tensor -> [(module, attr)]
         self._lora: dict[str, Any] = {}  # LoRA variant -> LoraSpec
@@ -499,13 +500,36 @@ class DeltaModel:
             from deltazip.runtime.serve.lora_variant import read_lora_spec
 
             spec = read_lora_spec(v.path, self._linears, type(self.model).__name__,
-                                  lambda names: module_names(self.model, names), self._experts_table)
+                                  lambda names: module_names(self.model, names), self._lora_base)
             for mname in spec.modules:
                 wanted[mname] = "linear"
             for x in spec.params.values():
                 wanted[x.module] = "experts"
+            spec.saved_targets = self._plan_saved(v, spec, wanted)
             return spec
         return self._plan_variant(v, self._params, wanted)
+
+    def _plan_saved(self, v: VariantInfo, spec, wanted: dict[str, str]) -> dict[str, list[tuple[str, str]]]:
+        """``parameter -> [(module, attribute)]`` for an adapter's ``modules_to_save`` tensors (with
+        ``ensure_weight_tying``, the parameters tied to each that it does not save too: as PEFT, which
+        otherwise trains a copy and leaves the tied weights the base's); ``wanted`` gets each module's kind.
+
+        Raises:
+            UnsupportedVariant: a tensor no decoupled module applies per request.
+        """
+        plan: dict[str, list[tuple[str, str]]] = {}
+        tie = bool(spec.config.get("ensure_weight_tying"))  # (else PEFT's copy leaves the tied weights the base's)
+        for name in spec.saved:
+            plan[name] = []
+            for t in [name] + [a for a in self._aliases.get(name, []) if tie and a not in spec.saved]:
+                mname, attr = t.rsplit(".", 1)
+                kind = self._decoupled_kind(self.model.get_submodule(mname), attr)
+                if kind is None:
+                    raise UnsupportedVariant(f"variant {v.name}: it saves {t} (modules_to_save), which the decoupled "
+                                             "runtime cannot apply per request; serve it with --mode swap")
+                wanted[mname] = kind
+                plan[name].append((mname, attr))
+        return plan
 
     def commit_variant(self, v: VariantInfo, plan, wanted: dict[str, str] | None = None) -> None:
         """Serve a prepared variant (engine thread, between forwards): decouple the modules it needs
@@ -671,9 +695,15 @@ class DeltaModel:
         tally = LoadTally(self.registry)
         host = HostDelta(name)
         if v.kind == "lora":
-            from deltazip.runtime.serve.lora_variant import load_expert_deltas, load_lora_factors
+            from deltazip.runtime.serve.lora_variant import (
+                load_expert_deltas,
+                load_lora_factors,
+                load_saved_tensors,
+            )
 
             spec = self._lora[name]
+            for pname, t in load_saved_tensors(spec).items():  # modules_to_save: whole replacements
+                self._put_dense(host, spec.saved_targets[pname], tally.share(_pin(t.to(self.dtype))))
             for mname, f in load_lora_factors(spec, self.dtype).items():
                 host.modules[mname] = {"lora_a": tally.share(_pin(f.A)), "lora_b": tally.share(_pin(f.B)),
                                        "lora_scale": f.scale}
@@ -812,7 +842,8 @@ class DeltaModel:
         if v.kind == "lora":
             spec = self._lora[name]
             return (sum((a[0] * a[1] + b[0] * b[1]) * esize for a, b in spec.shapes.values())
-                    + sum(x.delta_bytes(esize) for x in spec.params.values()))
+                    + sum(x.delta_bytes(esize) for x in spec.params.values())
+                    + sum(math.prod(shape) * esize * len(spec.saved_targets[n]) for n, (_, shape) in spec.saved.items()))
         for tname, targets in self._targets[name].items():
             e = v.entries[tname]
             per = e.stored_bytes if e.kernel_ready and packed else e.numel * esize
@@ -900,7 +931,7 @@ class SwapModels:
         self._template = template
         self._linears = linear_shapes(template)
         self._conv1d = set(conv1d_modules(template))  # (a LoRA merge into their [in, out] weights transposes)
-        self._experts_table = expert_param_table(template)
+        self._lora_base = lora_base(template)
         self.variants: dict[str, VariantInfo] = {}
         self._lora: dict[str, Any] = {}
         for v in variants:
@@ -913,8 +944,14 @@ class SwapModels:
         if v.kind == "lora":
             from deltazip.runtime.serve.lora_variant import read_lora_spec
 
-            return read_lora_spec(v.path, self._linears, type(self._template).__name__,
-                                  lambda names: module_names(self._template, names), self._experts_table)
+            spec = read_lora_spec(v.path, self._linears, type(self._template).__name__,
+                                  lambda names: module_names(self._template, names), self._lora_base)
+            apart = [n for n in spec.saved if self._lora_base.aliases.get(n)]
+            if apart and not spec.config.get("ensure_weight_tying"):  # (PEFT trained a copy, leaving the
+                # weights tied to it the base's; a swapped-in model ties them again)
+                raise UnsupportedVariant(f"variant {v.name}: it saves {apart[0]} apart from the weights this base "
+                                         "ties to it (modules_to_save); serve it with --mode delta")
+            return spec
         return None
 
     def commit_variant(self, v: VariantInfo, plan, wanted: dict[str, str] | None = None) -> None:
@@ -951,6 +988,7 @@ class SwapModels:
             from deltazip.runtime.serve.lora_variant import (
                 load_expert_deltas,
                 load_lora_factors,
+                load_saved_tensors,
                 merged_weight,
             )
 
@@ -960,6 +998,7 @@ class SwapModels:
                 sd[f"{mname}.weight"] = merged_weight(sd[f"{mname}.weight"], f, transposed=mname in self._conv1d)
             for pname, rows in load_expert_deltas(spec).items():
                 sd[pname] = merged_param(sd[pname], spec.params[pname], rows)
+            sd.update({n: t.to(self.dtype) for n, t in load_saved_tensors(spec).items()})  # modules_to_save
         else:
             art = Artifact(v.path)
             if self._names_match:
@@ -1017,11 +1056,3 @@ class _SwapHost(dict):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.values())
-
-
-def tied_names(model: nn.Module) -> list[list[str]]:
-    """Groups of parameter names that hold one tensor (tied embeddings, Zamba2's shared blocks)."""
-    by_obj: dict[int, list[str]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        by_obj.setdefault(id(p), []).append(n)
-    return [v for v in by_obj.values() if len(v) > 1]

@@ -98,6 +98,14 @@ def test_gpt2_conv1d_layers_shard_for_compressed_and_whole_fine_tunes(tmp_path):
                       lora=dict(target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True))
 
 
+def test_a_lora_adapter_with_saved_modules_is_cut_as_its_layers_are(tmp_path):
+    """A LoRA adapter on ``q_proj`` and ``down_proj`` that also saves ``lm_head`` and ``embed_tokens``
+    whole (``modules_to_save``): the factors are cut with their projections, the saved tensors kept whole
+    on every rank as the layers they replace are; two ranks serve PEFT's merged model's text."""
+    _served_as_merged(tmp_path, "llama", lora=dict(target_modules=["q_proj", "down_proj"],
+                                                   modules_to_save=["lm_head", "embed_tokens"]))
+
+
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-gates", "sparse-gates-shared-kv"])
 def test_gemma3n_sparse_gates_altup_and_per_layer_inputs_shard(tmp_path, sparse):
     """Gemma 3n: AltUp, Laurel and the per-layer inputs stay whole on every rank beside the split

@@ -14,8 +14,7 @@ from _serving import single_thread
 from deltazip.formats.errors import InputError
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.loader import load_causal_lm
-from deltazip.runtime.serve.lora_experts import expert_param_table
-from deltazip.runtime.serve.lora_variant import linear_shapes, read_lora_spec
+from deltazip.runtime.serve.lora_variant import linear_shapes, lora_base, read_lora_spec
 from deltazip.runtime.serve.model import DeltaModel, SwapModels
 from deltazip.runtime.serve.variant_sources import discover_variants
 
@@ -73,21 +72,22 @@ def test_experts_lora_files_that_do_not_fit_the_base_are_refused_in_one_line(tmp
     with single_thread():
         base, _ = _adapter(tmp_path, "mixtral")
         model = load_causal_lm(base, torch.float32)
-    lin, table, path = linear_shapes(model), expert_param_table(model), tmp_path / "arts" / "lora"
-    read_lora_spec(path, lin, "MixtralForCausalLM", None, table)
+    lin, base, path = linear_shapes(model), lora_base(model), tmp_path / "arts" / "lora"
+    table = base.experts
+    read_lora_spec(path, lin, "MixtralForCausalLM", None, base)
     cfg_file = path / "adapter_config.json"
     cfg = json.loads(cfg_file.read_text())
     cfg_file.write_text(json.dumps({**cfg, "target_parameters": ["mlp.experts.down_proj"]}))
     with pytest.raises(InputError, match=r"holds factors under model\.layers\.0\.mlp\.experts\.base_layer, but "
                                          r"target_parameters \['mlp\.experts\.down_proj'\] names 1 parameter") as e:
-        read_lora_spec(path, lin, "MixtralForCausalLM", None, table)
+        read_lora_spec(path, lin, "MixtralForCausalLM", None, base)
     assert "\n" not in str(e.value)
     cfg_file.write_text(json.dumps(cfg))
     wide = {**table, "model.layers.0.mlp.experts": table["model.layers.0.mlp.experts"]._replace(
         params=[(p, (s[0], s[1], s[2] * 2)) for p, s in table["model.layers.0.mlp.experts"].params])}
     with pytest.raises(InputError, match=r"model\.layers\.0\.mlp\.experts\.(gate_up|down)_proj has lora_A .* the base "
                                          r"parameter is .*; the adapter belongs to another base model"):
-        read_lora_spec(path, lin, "MixtralForCausalLM", None, wide)
+        read_lora_spec(path, lin, "MixtralForCausalLM", None, base._replace(experts=wide))
 
 
 def test_an_experts_lora_served_over_http_answers_as_pefts_merged_model(tmp_path):

@@ -326,7 +326,7 @@ def _one_variant_dir(fleet, tmp_path, name, build):
 
 @pytest.mark.parametrize("case,match", [
     ("dora", "DoRA"),
-    ("modules_to_save", "saves whole modules"),
+    ("resized", r"saves lm_head\.weight \[\d+, \d+\] \(modules_to_save\), the base's is .*a resized vocabulary"),
     ("bias", "trains biases"),
     ("other_base", "not on the served base"),
     ("targets", "target_modules .* does not name"),
@@ -335,8 +335,14 @@ def test_unservable_adapters_are_refused_in_one_line(fleet, tmp_path, case, matc
     def build(out):
         if case == "dora":
             make_adapter(fleet.served.base_dir, out, seed=1, use_dora=True)
-        elif case == "modules_to_save":
+        elif case == "resized":  # a saved lm_head with rows for tokens the base does not have
+            from safetensors.torch import load_file, save_file
+
             make_adapter(fleet.served.base_dir, out, seed=1, modules_to_save=["lm_head"])
+            tensors = load_file(out / "adapter_model.safetensors")
+            head = tensors["base_model.model.lm_head.weight"]
+            tensors["base_model.model.lm_head.weight"] = torch.cat([head, head[:2]])
+            save_file(tensors, str(out / "adapter_model.safetensors"))
         elif case == "bias":
             make_adapter(fleet.served.base_dir, out, seed=1, bias="lora_only")
         else:

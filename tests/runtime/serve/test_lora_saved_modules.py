@@ -1,0 +1,72 @@
+"""LoRA adapters with ``modules_to_save`` (a fine-tune's own ``lm_head`` and ``embed_tokens`` beside the
+LoRA factors, as chat fine-tunes that teach new special tokens save them): their whole tensors
+replace the base's for the adapter's rows, in delta mode beside base rows and in swap mode, as
+PEFT computes, tied embeddings included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _factories import lora_adapter, save_model, tiny_model
+from _serving import single_thread
+
+from deltazip.formats.errors import InputError
+from deltazip.models.checkpoint import Checkpoint
+from deltazip.models.loader import load_causal_lm
+from deltazip.runtime.serve.model import DeltaModel, SwapModels
+from deltazip.runtime.serve.variant_sources import discover_variants
+
+pytest.importorskip("peft")
+
+
+def _logits(tmp_path, tied: bool, saved: list[str], **config):
+    """A tiny Llama (``tied`` embeddings), an adapter on ``q_proj`` saving ``saved``; PEFT's logits with
+    and without it, and the served model's for a batch of an adapter row and a base row."""
+    with single_thread():
+        base = save_model(tiny_model("llama", tie_word_embeddings=tied), tmp_path / "base")
+        pm = lora_adapter(load_causal_lm(base, torch.float32), tmp_path / "arts" / "lora", 3,
+                          target_modules=["q_proj"], modules_to_save=saved, **config)
+        (v,) = discover_variants(tmp_path / "arts")
+        ids = torch.randint(4, 51, (2, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            want = pm(input_ids=ids).logits
+            with pm.disable_adapter():
+                plain = pm(input_ids=ids).logits
+        model = DeltaModel(Checkpoint(base), [v], num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
+        model.write_slot(1, v.name, model.load_host(v.name))
+        model.ctx.bind([1, -1], "cpu")
+        try:
+            with torch.no_grad():
+                got = model.model(input_ids=ids).logits
+        finally:
+            model.ctx.unbind()
+    return Checkpoint(base), v, ids, want, plain, got
+
+
+@pytest.mark.parametrize("tied,saved,config,swap", [
+    (False, ["lm_head", "embed_tokens"], {}, True),
+    (True, ["embed_tokens"], {}, False),  # PEFT trains a copy: the tied lm_head stays the base's
+    (True, ["embed_tokens"], {"ensure_weight_tying": True}, True),  # the copy is saved as lm_head too
+    (True, ["lm_head", "embed_tokens"], {}, False),  # two copies trained apart
+], ids=["untied-both", "tied-embed", "tied-embed-ensure-tying", "tied-both"])
+def test_saved_modules_replace_the_bases_for_the_adapters_rows(tmp_path, tied, saved, config, swap):
+    """Delta mode gives PEFT's logits for the adapter's row and the base's for a base row, whatever
+    PEFT did with tied embeddings; swap mode merges the same, but where PEFT left weights tied to a
+    saved copy apart from it, which a swapped-in model would tie again: that is refused in one line."""
+    ck, v, ids, want, plain, got = _logits(tmp_path, tied, saved, **config)
+    assert (want - plain).abs().max() > 0.05  # the adapter matters
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-5)
+    cpu = torch.device("cpu")
+    if not swap:
+        with pytest.raises(InputError, match=r"saves (model\.embed_tokens|lm_head)\.weight apart from the "
+                                             r"weights this base ties to it \(modules_to_save\); serve it with "
+                                             r"--mode delta") as e:
+            SwapModels(ck, [v], num_slots=1, device=cpu, dtype=torch.float32, base_name="base")
+        assert "\n" not in str(e.value)
+        return
+    with single_thread():
+        sm = SwapModels(ck, [v], num_slots=1, device=cpu, dtype=torch.float32, base_name="base")
+        sm.write_slot(0, v.name, sm.load_host(v.name))
+        with torch.no_grad():
+            torch.testing.assert_close(sm.models[0](input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
