@@ -523,6 +523,9 @@ class ShardedDeltaModel(DeltaModel):
 
             spec = read_lora_spec(v.path, self._full_linears, type(self.model).__name__,
                                   lambda names: module_names(self.model, names), self._full_base)
+            if spec.magnitudes:  # (its norm of each output row spans the input columns a row shard splits)
+                raise InputError(f"variant {v.name}: --tensor-parallel does not serve DoRA adapters; merge it with "
+                                 "peft (merge_and_unload) and serve the merged model, or use --tensor-parallel 1")
             wanted.update({m: "linear" for m in spec.modules})
             wanted.update({x.module: "experts" for x in spec.params.values()})
             spec.saved_targets = self._plan_saved(v, spec, wanted)

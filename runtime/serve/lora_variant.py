@@ -14,8 +14,12 @@ transposes it. LoRA on fused experts parameters (``target_parameters``) is read 
 The whole tensors of ``modules_to_save`` (a fine-tune's own ``lm_head`` and ``embed_tokens``, say)
 replace the base's for the adapter's rows, as a full checkpoint's changed tensors do.
 
-What cannot be served this way is refused with a message naming the setting: DoRA (a per-column
-magnitude rescale of the merged weight, not an additive term), trainable tokens (rows of the
+DoRA rescales each output row of ``W + scale · B A`` to a learned magnitude, which is no additive
+term: a DoRA linear is served as its whole merged weight (:func:`dora_weight`), a dense replacement
+for the adapter's rows.
+
+What cannot be served this way is refused with a message naming the setting: DoRA on Conv1D layers
+or parameters, trainable tokens (rows of the
 embedding kept apart), a saved module whose shape is not the base's (a resized vocabulary), LoRA
 biases, layer replication, LoRA on
 parameters other than fused experts weights or on non-linear modules, and adapter types other than
@@ -52,15 +56,18 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
+_MAGNITUDE = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector$")  # DoRA's, one per output
 
 
 @dataclass
 class LoraFactors:
-    """One adapted linear: ``A [r, in]``, ``B [out, r]`` (served dtype) and its fp32 ``scale``."""
+    """One adapted linear: ``A [r, in]``, ``B [out, r]`` (served dtype), its fp32 ``scale`` and with
+    DoRA its ``magnitude [out]``."""
 
     A: torch.Tensor
     B: torch.Tensor
     scale: float
+    magnitude: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -78,6 +85,7 @@ class LoraSpec:
     params: dict[str, ExpertLora] = field(default_factory=dict)  # "module.param" -> an adapted experts weight
     saved: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # modules_to_save: parameter ->
     # (its key in the file, shape)
+    magnitudes: dict[str, str] = field(default_factory=dict)  # module -> its DoRA magnitude's key
     saved_targets: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # parameter -> [(module, attr)]
     # the served model applies it to (set when the model plans the adapter)
 
@@ -111,8 +119,9 @@ def _refusal(path: Path, cfg: dict[str, Any]) -> str | None:
     if kind != "LORA":
         return f"it is a {kind} adapter; only LoRA adapters are served"
     checks = [
-        (cfg.get("use_dora"), "it uses DoRA (use_dora), whose magnitude rescale is not an additive term; merge it "
-                              "with peft (merge_and_unload) and serve the merged model as a full checkpoint"),
+        (cfg.get("use_dora") and (cfg.get("fan_in_fan_out") or cfg.get("target_parameters")),
+         "it uses DoRA (use_dora) on Conv1D layers or parameters; merge it with peft (merge_and_unload) and serve "
+         "the merged model as a full checkpoint"),
         (cfg.get("trainable_token_indices"), "it trains token embeddings (trainable_token_indices); merge it with "
                                              "peft and serve the merged model as a full checkpoint"),
         (cfg.get("bias", "none") != "none" or cfg.get("lora_bias"), "it trains biases (bias/lora_bias); merge it "
@@ -218,11 +227,11 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
     saved_keys = {k for k, _ in spec.saved.values()}
     pairs: dict[str, dict[str, str]] = {}
     for key in [k for k in entries if k not in saved_keys]:
-        m = _KEY.match(key.removeprefix(_PREFIX))
+        m = _KEY.match(key.removeprefix(_PREFIX)) or _MAGNITUDE.match(key.removeprefix(_PREFIX))
         if m is None:
             raise InputError(f"adapter {path}: tensor {key!r} is not a LoRA factor (lora_A/lora_B weight); this "
                              f"adapter changes more than LoRA can express and cannot be served")
-        pairs.setdefault(m["module"], {})[m["which"]] = key
+        pairs.setdefault(m["module"], {})[m.groupdict().get("which", "M")] = key
     if not pairs:
         raise InputError(f"adapter {path}: {ADAPTER_WEIGHTS} holds no LoRA factors")
     spec.params = take_expert_factors(path, cfg, pairs, entries, base.experts, spec.scale)
@@ -236,25 +245,48 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
                  for m in pairs}
         pairs = {m: pairs[orig] for m, orig in named.items()}
     for mname, ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise InputError(f"adapter {path}: {mname} has only lora_{next(iter(ab))}; the adapter file is incomplete")
-        if mname not in linears:
-            raise InputError(f"adapter {path}: it adapts {mname}, which is not a linear layer of the served base "
-                             f"({arch}); the adapter was trained on another architecture")
-        out_f, in_f = linears[mname]
-        a, b = tuple(entries[ab["A"]].shape), tuple(entries[ab["B"]].shape)
-        if len(a) != 2 or len(b) != 2 or a[1] != in_f or b[0] != out_f or a[0] != b[1]:
-            raise InputError(f"adapter {path}: {mname} has lora_A {list(a)} and lora_B {list(b)}, the base linear is "
-                             f"[{out_f}, {in_f}]; the adapter belongs to another base model")
-        if not (_targeted(cfg.get("target_modules"), named[mname])
-                or matches_target(f"{named[mname]}.weight", list(cfg.get("target_parameters") or []))):
-            raise InputError(f"adapter {path}: {ADAPTER_WEIGHTS} adapts {named[mname]}, which target_modules "
-                             f"{cfg.get('target_modules')!r} in {ADAPTER_CONFIG} does not name; the files do not "
-                             f"belong together")
-        spec.modules[mname] = (ab["A"], ab["B"])
-        spec.shapes[mname] = (a, b)
-        spec.scale(mname, a[0])  # validates the config's rank against the file
+        _add_linear(spec, mname, named[mname], ab, linears, entries, arch)
     return spec
+
+
+def _add_linear(spec: LoraSpec, mname: str, named: str, ab: dict[str, str], linears: dict[str, tuple[int, int]],
+                entries: dict, arch: str) -> None:
+    """Check one adapted linear's tensors (``ab``: ``A``, ``B`` and with DoRA ``M``, their keys; ``named``:
+    the module as the adapter names it) and add them to ``spec``.
+
+    Raises:
+        InputError: a factor missing, not a linear of the base, shapes that do not fit it, a module
+            ``target_modules`` does not name, a DoRA magnitude missing or where DoRA is off.
+    """
+    path, cfg = spec.path, spec.config
+    if not {"A", "B"} <= set(ab):
+        raise InputError(f"adapter {path}: {mname} has only {', '.join(sorted(ab))} of lora_A and lora_B; the "
+                         "adapter file is incomplete")
+    if mname not in linears:
+        raise InputError(f"adapter {path}: it adapts {mname}, which is not a linear layer of the served base "
+                         f"({arch}); the adapter was trained on another architecture")
+    out_f, in_f = linears[mname]
+    a, b = tuple(entries[ab["A"]].shape), tuple(entries[ab["B"]].shape)
+    if len(a) != 2 or len(b) != 2 or a[1] != in_f or b[0] != out_f or a[0] != b[1]:
+        raise InputError(f"adapter {path}: {mname} has lora_A {list(a)} and lora_B {list(b)}, the base linear is "
+                         f"[{out_f}, {in_f}]; the adapter belongs to another base model")
+    if not (_targeted(cfg.get("target_modules"), named)
+            or matches_target(f"{named}.weight", list(cfg.get("target_parameters") or []))):
+        raise InputError(f"adapter {path}: {ADAPTER_WEIGHTS} adapts {named}, which target_modules "
+                         f"{cfg.get('target_modules')!r} in {ADAPTER_CONFIG} does not name; the files do not "
+                         f"belong together")
+    if bool(cfg.get("use_dora")) != ("M" in ab):
+        raise InputError(f"adapter {path}: {mname} {'lacks' if cfg.get('use_dora') else 'has'} a DoRA magnitude "
+                         f"(lora_magnitude_vector) but use_dora is {bool(cfg.get('use_dora'))}; the files do not "
+                         "belong together")
+    if "M" in ab:
+        if tuple(entries[ab["M"]].shape) != (out_f,):
+            raise InputError(f"adapter {path}: {mname}'s DoRA magnitude is {list(entries[ab['M']].shape)}, the base "
+                             f"linear has {out_f} outputs; the adapter belongs to another base model")
+        spec.magnitudes[mname] = ab["M"]
+    spec.modules[mname] = (ab["A"], ab["B"])
+    spec.shapes[mname] = (a, b)
+    spec.scale(mname, a[0])  # validates the config's rank against the file
 
 
 def _saved_tensors(path: Path, cfg: dict[str, Any], entries: dict, base: LoraBase
@@ -336,8 +368,16 @@ def load_lora_factors(spec: LoraSpec, dtype: torch.dtype) -> dict[str, LoraFacto
             for problem in codec.layout_problems(entry, {"lora_A": a, "lora_B": b}):
                 key = ka if problem.startswith("lora_A") else kb
                 raise InputError(f"adapter {spec.path}: {key} {problem.split(' ', 1)[1]}")
-            out[mname] = LoraFactors(a.to(dtype), b.to(dtype), spec.scale(mname, a.shape[0]))
+            m = f.get_tensor(spec.magnitudes[mname]).float() if mname in spec.magnitudes else None
+            out[mname] = LoraFactors(a.to(dtype), b.to(dtype), spec.scale(mname, a.shape[0]), m)
     return out
+
+
+def dora_weight(weight: torch.Tensor, f: LoraFactors) -> torch.Tensor:
+    """A DoRA adapter's whole weight ``[out, in]``: ``V = W + scale · B A`` with each output row scaled
+    to the adapter's magnitude, ``m / ‖V_row‖ · V`` (PEFT's merge; fp32, cast back to ``weight``'s dtype)."""
+    v = weight.float() + f.scale * (f.B.float() @ f.A.float())
+    return (v * (f.magnitude / v.norm(dim=1)).unsqueeze(1)).to(weight.dtype)
 
 
 def load_expert_deltas(spec: LoraSpec) -> dict[str, torch.Tensor]:
@@ -351,7 +391,9 @@ def load_expert_deltas(spec: LoraSpec) -> dict[str, torch.Tensor]:
 
 def merged_weight(weight: torch.Tensor, f: LoraFactors, transposed: bool = False) -> torch.Tensor:
     """``W + scale · B A`` (``[out, in]``; with ``transposed``, a Conv1D's ``[in, out]`` weight plus the
-    term transposed): the ``lora`` codec's merge (what PEFT's merge does)."""
+    term transposed): the ``lora`` codec's merge (what PEFT's merge does); with DoRA, :func:`dora_weight`."""
+    if f.magnitude is not None:  # (DoRA on Conv1D layers is refused)
+        return dora_weight(weight, f)
     if transposed:
         return codecs.get("lora").merge(weight.t(), f.A, f.B, f.scale).t().contiguous()
     return codecs.get("lora").merge(weight, f.A, f.B, f.scale)

@@ -696,6 +696,7 @@ class DeltaModel:
         host = HostDelta(name)
         if v.kind == "lora":
             from deltazip.runtime.serve.lora_variant import (
+                dora_weight,
                 load_expert_deltas,
                 load_lora_factors,
                 load_saved_tensors,
@@ -705,6 +706,10 @@ class DeltaModel:
             for pname, t in load_saved_tensors(spec).items():  # modules_to_save: whole replacements
                 self._put_dense(host, spec.saved_targets[pname], tally.share(_pin(t.to(self.dtype))))
             for mname, f in load_lora_factors(spec, self.dtype).items():
+                if f.magnitude is not None:  # DoRA: its whole weight, a dense replacement
+                    w = dora_weight(self._params[f"{mname}.weight"].detach().to("cpu", self.dtype), f)
+                    host.modules[mname] = {"dense": tally.share(_pin(w))}
+                    continue
                 host.modules[mname] = {"lora_a": tally.share(_pin(f.A)), "lora_b": tally.share(_pin(f.B)),
                                        "lora_scale": f.scale}
             for pname, rows in load_expert_deltas(spec).items():  # LoRA on experts: their dense delta
@@ -841,7 +846,8 @@ class DeltaModel:
         esize = torch.tensor([], dtype=self.dtype).element_size()
         if v.kind == "lora":
             spec = self._lora[name]
-            return (sum((a[0] * a[1] + b[0] * b[1]) * esize for a, b in spec.shapes.values())
+            return (sum((b[0] * a[1] if m in spec.magnitudes else a[0] * a[1] + b[0] * b[1]) * esize
+                        for m, (a, b) in spec.shapes.items())
                     + sum(x.delta_bytes(esize) for x in spec.params.values())
                     + sum(math.prod(shape) * esize * len(spec.saved_targets[n]) for n, (_, shape) in spec.saved.items()))
         for tname, targets in self._targets[name].items():

@@ -1,7 +1,8 @@
-"""LoRA adapters with ``modules_to_save`` (a fine-tune's own ``lm_head`` and ``embed_tokens`` beside the
-LoRA factors, as chat fine-tunes that teach new special tokens save them): their whole tensors
-replace the base's for the adapter's rows, in delta mode beside base rows and in swap mode, as
-PEFT computes, tied embeddings included."""
+"""LoRA adapters beyond additive factors: ``modules_to_save`` (a fine-tune's own ``lm_head`` and
+``embed_tokens`` beside the LoRA factors, as chat fine-tunes that teach new special tokens save them),
+whose whole tensors replace the base's for the adapter's rows, tied embeddings included; and DoRA,
+whose linears are served as their whole merged weights. In delta mode beside base rows and in swap
+mode, as PEFT computes."""
 
 from __future__ import annotations
 
@@ -70,3 +71,51 @@ def test_saved_modules_replace_the_bases_for_the_adapters_rows(tmp_path, tied, s
         sm.write_slot(0, v.name, sm.load_host(v.name))
         with torch.no_grad():
             torch.testing.assert_close(sm.models[0](input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dora_linears_serve_as_their_merged_weights(tmp_path):
+    """A DoRA adapter (``use_dora``: each output row of ``W + scale · B A`` rescaled to a learned
+    magnitude) on ``q_proj`` and ``down_proj``, its magnitudes moved off their initial norms: the
+    adapter's row gives PEFT's logits and the base row the base's; swap mode merges the same; two
+    tensor-parallel ranks refuse it in one line."""
+    from safetensors.torch import load_file, save_file
+
+    from deltazip.runtime.cluster.tp_group import start_tensor_parallel
+
+    with single_thread():
+        base = save_model(tiny_model("llama"), tmp_path / "base")
+        out = tmp_path / "arts" / "lora"
+        lora_adapter(load_causal_lm(base, torch.float32), out, 4, target_modules=["q_proj", "down_proj"],
+                     use_dora=True)
+        tensors = load_file(out / "adapter_model.safetensors")  # (PEFT starts m at the norms: move it)
+        g = torch.Generator().manual_seed(0)
+        save_file({k: t * (1 + 0.3 * torch.rand(t.shape, generator=g)) if k.endswith("magnitude_vector") else t
+                   for k, t in tensors.items()}, str(out / "adapter_model.safetensors"))
+        from peft import PeftModel
+
+        pm = PeftModel.from_pretrained(load_causal_lm(base, torch.float32), out).eval()
+        (v,) = discover_variants(tmp_path / "arts")
+        ids = torch.randint(4, 51, (2, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            want = pm(input_ids=ids).logits
+            with pm.disable_adapter():
+                plain = pm(input_ids=ids).logits
+        assert (want - plain).abs().max() > 0.05
+        ck = Checkpoint(base)
+        model = DeltaModel(ck, [v], num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
+        model.write_slot(1, v.name, model.load_host(v.name))
+        model.ctx.bind([1, -1], "cpu")
+        try:
+            with torch.no_grad():
+                got = model.model(input_ids=ids).logits
+        finally:
+            model.ctx.unbind()
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-5)
+        sm = SwapModels(ck, [v], num_slots=1, device=torch.device("cpu"), dtype=torch.float32, base_name="base")
+        sm.write_slot(0, v.name, sm.load_host(v.name))
+        with torch.no_grad():
+            torch.testing.assert_close(sm.models[0](input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        with pytest.raises(InputError, match=r"variant lora: --tensor-parallel does not serve DoRA adapters") as e:
+            start_tensor_parallel(ck, [v], 2, torch.device("cpu"), torch.float32, 2)
+    assert "\n" not in str(e.value)

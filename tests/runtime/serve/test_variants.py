@@ -325,7 +325,7 @@ def _one_variant_dir(fleet, tmp_path, name, build):
 
 
 @pytest.mark.parametrize("case,match", [
-    ("dora", "DoRA"),
+    ("dora", r"has a DoRA magnitude \(lora_magnitude_vector\) but use_dora is False"),
     ("resized", r"saves lm_head\.weight \[\d+, \d+\] \(modules_to_save\), the base's is .*a resized vocabulary"),
     ("bias", "trains biases"),
     ("other_base", "not on the served base"),
@@ -333,8 +333,10 @@ def _one_variant_dir(fleet, tmp_path, name, build):
 ])
 def test_unservable_adapters_are_refused_in_one_line(fleet, tmp_path, case, match):
     def build(out):
-        if case == "dora":
+        if case == "dora":  # a DoRA adapter whose config lost use_dora
             make_adapter(fleet.served.base_dir, out, seed=1, use_dora=True)
+            cfg = json.loads((out / "adapter_config.json").read_text())
+            (out / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": False}))
         elif case == "resized":  # a saved lm_head with rows for tokens the base does not have
             from safetensors.torch import load_file, save_file
 
