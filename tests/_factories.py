@@ -428,7 +428,7 @@ def perturb(model, scale: float = 0.05, seed: int = 1, skip=("norm",)):
 def lora_adapter(model, out, seed: int = 0, **config):
     """``model`` with a PEFT LoRA adapter (``LoraConfig(**config)``; rank 4, alpha 8, no dropout unless
     given) whose factors are random and non-zero (PEFT starts ``B`` at zero, which changes nothing) and
-    whose ``modules_to_save`` copies moved, saved to ``out`` as safetensors; the PEFT model, in eval mode."""
+    whose ``modules_to_save`` copies and trained biases moved, saved to ``out`` as safetensors; the PEFT model, in eval mode."""
     from peft import LoraConfig, get_peft_model
 
     pm = get_peft_model(model, LoraConfig(**{"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, **config}))
@@ -437,7 +437,7 @@ def lora_adapter(model, out, seed: int = 0, **config):
         for n, p in pm.named_parameters():
             if "lora_" in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-            elif "modules_to_save" in n:
+            elif p.requires_grad:  # the modules_to_save copies, biases it trains
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)
     pm.save_pretrained(out, safe_serialization=True)
     return pm.eval()

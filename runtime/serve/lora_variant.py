@@ -18,12 +18,14 @@ DoRA rescales each output row of ``W + scale · B A`` to a learned magnitude, wh
 term: a DoRA linear is served as its whole merged weight (:func:`dora_weight`), a dense replacement
 for the adapter's rows.
 
+Trained biases (``bias="all"`` or ``"lora_only"``: the base linears' own, saved whole) replace the
+base's as saved modules do; ``lora_bias`` adds ``scale · b`` of ``lora_B``'s bias to the linear's.
+
 What cannot be served this way is refused with a message naming the setting: DoRA on Conv1D layers
-or parameters, trainable tokens (rows of the
-embedding kept apart), a saved module whose shape is not the base's (a resized vocabulary), LoRA
-biases, layer replication, LoRA on
-parameters other than fused experts weights or on non-linear modules, and adapter types other than
-LoRA.
+or parameters, trainable tokens (rows of the embedding kept apart), a saved module whose shape is
+not the base's (a resized vocabulary), a LoRA bias on a linear without one, layer replication, LoRA
+on parameters other than fused experts weights or on non-linear modules, and adapter types other
+than LoRA.
 """
 
 from __future__ import annotations
@@ -57,17 +59,30 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 _MAGNITUDE = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector$")  # DoRA's, one per output
+_BASE_LAYER = re.compile(r"\.base_layer(?=\.)")  # PEFT's wrapper around an adapted module
+_LORA_BIAS = re.compile(r"^(?P<module>.+)\.lora_B\.bias$")  # lora_bias's, one per output
+
+
+def _factor(name: str) -> tuple[str, str] | None:
+    """``(module, part)`` of an adapter tensor name that is a LoRA factor (``A``, ``B``), a DoRA
+    magnitude (``M``) or a ``lora_B`` bias (``b``), else None."""
+    for pattern, part in ((_KEY, None), (_MAGNITUDE, "M"), (_LORA_BIAS, "b")):
+        m = pattern.match(name)
+        if m is not None:
+            return m["module"], part or m["which"]
+    return None
 
 
 @dataclass
 class LoraFactors:
-    """One adapted linear: ``A [r, in]``, ``B [out, r]`` (served dtype), its fp32 ``scale`` and with
-    DoRA its ``magnitude [out]``."""
+    """One adapted linear: ``A [r, in]``, ``B [out, r]`` (served dtype), its fp32 ``scale``, with DoRA
+    its ``magnitude [out]`` and with ``lora_bias`` its ``bias [out]``."""
 
     A: torch.Tensor
     B: torch.Tensor
     scale: float
     magnitude: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # lora_B's bias [out] (lora_bias), fp32: the linear adds scale · bias
 
     @property
     def rank(self) -> int:
@@ -86,6 +101,7 @@ class LoraSpec:
     saved: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # modules_to_save: parameter ->
     # (its key in the file, shape)
     magnitudes: dict[str, str] = field(default_factory=dict)  # module -> its DoRA magnitude's key
+    lora_biases: dict[str, str] = field(default_factory=dict)  # module -> its lora_B bias's key
     saved_targets: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # parameter -> [(module, attr)]
     # the served model applies it to (set when the model plans the adapter)
 
@@ -124,8 +140,6 @@ def _refusal(path: Path, cfg: dict[str, Any]) -> str | None:
          "the merged model as a full checkpoint"),
         (cfg.get("trainable_token_indices"), "it trains token embeddings (trainable_token_indices); merge it with "
                                              "peft and serve the merged model as a full checkpoint"),
-        (cfg.get("bias", "none") != "none" or cfg.get("lora_bias"), "it trains biases (bias/lora_bias); merge it "
-                                                                    "with peft and serve it as a full checkpoint"),
         (cfg.get("layer_replication"), "it replicates layers (layer_replication), which changes the architecture"),
         (cfg.get("megatron_config"), "it targets Megatron parallel layers (megatron_config)"),
     ]
@@ -227,11 +241,11 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
     saved_keys = {k for k, _ in spec.saved.values()}
     pairs: dict[str, dict[str, str]] = {}
     for key in [k for k in entries if k not in saved_keys]:
-        m = _KEY.match(key.removeprefix(_PREFIX)) or _MAGNITUDE.match(key.removeprefix(_PREFIX))
+        m = _factor(key.removeprefix(_PREFIX))
         if m is None:
             raise InputError(f"adapter {path}: tensor {key!r} is not a LoRA factor (lora_A/lora_B weight); this "
                              f"adapter changes more than LoRA can express and cannot be served")
-        pairs.setdefault(m["module"], {})[m.groupdict().get("which", "M")] = key
+        pairs.setdefault(m[0], {})[m[1]] = key
     if not pairs:
         raise InputError(f"adapter {path}: {ADAPTER_WEIGHTS} holds no LoRA factors")
     spec.params = take_expert_factors(path, cfg, pairs, entries, base.experts, spec.scale)
@@ -245,18 +259,19 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
                  for m in pairs}
         pairs = {m: pairs[orig] for m, orig in named.items()}
     for mname, ab in sorted(pairs.items()):
-        _add_linear(spec, mname, named[mname], ab, linears, entries, arch)
+        _add_linear(spec, mname, named[mname], ab, linears, entries, arch, base)
     return spec
 
 
 def _add_linear(spec: LoraSpec, mname: str, named: str, ab: dict[str, str], linears: dict[str, tuple[int, int]],
-                entries: dict, arch: str) -> None:
-    """Check one adapted linear's tensors (``ab``: ``A``, ``B`` and with DoRA ``M``, their keys; ``named``:
-    the module as the adapter names it) and add them to ``spec``.
+                entries: dict, arch: str, base: LoraBase) -> None:
+    """Check one adapted linear's tensors (``ab``: ``A``, ``B``, with DoRA ``M``, with ``lora_bias``
+    ``b``: their keys; ``named``: the module as the adapter names it) and add them to ``spec``.
 
     Raises:
         InputError: a factor missing, not a linear of the base, shapes that do not fit it, a module
-            ``target_modules`` does not name, a DoRA magnitude missing or where DoRA is off.
+            ``target_modules`` does not name, a DoRA magnitude missing or where DoRA is off, a LoRA
+            bias on a linear without one.
     """
     path, cfg = spec.path, spec.config
     if not {"A", "B"} <= set(ab):
@@ -284,6 +299,12 @@ def _add_linear(spec: LoraSpec, mname: str, named: str, ab: dict[str, str], line
             raise InputError(f"adapter {path}: {mname}'s DoRA magnitude is {list(entries[ab['M']].shape)}, the base "
                              f"linear has {out_f} outputs; the adapter belongs to another base model")
         spec.magnitudes[mname] = ab["M"]
+    if "b" in ab:
+        if f"{mname}.bias" not in base.params or tuple(entries[ab["b"]].shape) != (out_f,):
+            raise InputError(f"adapter {path}: {mname} has a LoRA bias (lora_bias) {list(entries[ab['b']].shape)}, "
+                             "but the base linear has no bias of that size to add it to; merge it with peft and "
+                             "serve the merged model as a full checkpoint")
+        spec.lora_biases[mname] = ab["b"]
     spec.modules[mname] = (ab["A"], ab["B"])
     spec.shapes[mname] = (a, b)
     spec.scale(mname, a[0])  # validates the config's rank against the file
@@ -293,15 +314,18 @@ def _saved_tensors(path: Path, cfg: dict[str, Any], entries: dict, base: LoraBas
                    ) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The adapter file's whole tensors of ``modules_to_save`` modules: ``parameter -> (key, shape)``
     (a module whose name is, or ends with, one ``modules_to_save`` names; with ``ensure_weight_tying``,
-    also a parameter tied to one, which PEFT saves beside it).
+    also a parameter tied to one, which PEFT saves beside it), and the base biases it trained (``bias``).
 
     Raises:
         InputError: such a tensor whose shape is not the base parameter's (a resized vocabulary).
     """
     names = list(cfg.get("modules_to_save") or [])
-    whole = {key.removeprefix(_PREFIX): key for key in entries if not _KEY.match(key.removeprefix(_PREFIX))}
+    whole = {_BASE_LAYER.sub("", key.removeprefix(_PREFIX)): key for key in entries
+             if _factor(key.removeprefix(_PREFIX)) is None}  # (an adapted linear's bias: X.base_layer.bias)
     named = {n for n in whole if n in base.params and any(
         n.rpartition(".")[0] == m or n.rpartition(".")[0].endswith(f".{m}") for m in names)}
+    if cfg.get("bias", "none") != "none":  # the base's biases it trained ("all", or "lora_only")
+        named |= {n for n in whole if n in base.params and n.endswith(".bias")}
     if cfg.get("ensure_weight_tying"):
         named |= {n for n in whole if n in base.params and set(base.aliases.get(n, [])) & named}
     out = {}
@@ -369,7 +393,8 @@ def load_lora_factors(spec: LoraSpec, dtype: torch.dtype) -> dict[str, LoraFacto
                 key = ka if problem.startswith("lora_A") else kb
                 raise InputError(f"adapter {spec.path}: {key} {problem.split(' ', 1)[1]}")
             m = f.get_tensor(spec.magnitudes[mname]).float() if mname in spec.magnitudes else None
-            out[mname] = LoraFactors(a.to(dtype), b.to(dtype), spec.scale(mname, a.shape[0]), m)
+            bias = f.get_tensor(spec.lora_biases[mname]).float() if mname in spec.lora_biases else None
+            out[mname] = LoraFactors(a.to(dtype), b.to(dtype), spec.scale(mname, a.shape[0]), m, bias)
     return out
 
 

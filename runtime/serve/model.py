@@ -706,12 +706,15 @@ class DeltaModel:
             for pname, t in load_saved_tensors(spec).items():  # modules_to_save: whole replacements
                 self._put_dense(host, spec.saved_targets[pname], tally.share(_pin(t.to(self.dtype))))
             for mname, f in load_lora_factors(spec, self.dtype).items():
+                kw = host.modules.setdefault(mname, {})  # (a trained bias of it may be there)
+                if f.bias is not None:  # lora_bias: scale · b added to the linear's bias
+                    bias = kw.get("bias", self._params.get(f"{mname}.bias"))
+                    kw["bias"] = tally.share(_pin((bias.detach().to("cpu").float() + f.scale * f.bias).to(self.dtype)))
                 if f.magnitude is not None:  # DoRA: its whole weight, a dense replacement
                     w = dora_weight(self._params[f"{mname}.weight"].detach().to("cpu", self.dtype), f)
-                    host.modules[mname] = {"dense": tally.share(_pin(w))}
+                    kw["dense"] = tally.share(_pin(w))
                     continue
-                host.modules[mname] = {"lora_a": tally.share(_pin(f.A)), "lora_b": tally.share(_pin(f.B)),
-                                       "lora_scale": f.scale}
+                kw.update(lora_a=tally.share(_pin(f.A)), lora_b=tally.share(_pin(f.B)), lora_scale=f.scale)
             for pname, rows in load_expert_deltas(spec).items():  # LoRA on experts: their dense delta
                 x = spec.params[pname]
                 self._put_expert_delta(host, x.module, piece_key(x.param, 0, rows.shape[0]),
@@ -1000,11 +1003,13 @@ class SwapModels:
 
             spec = self._lora[name]
             sd = {n: t.to(self.dtype) for n, t in self._state_dict_of(self.base.path, self.base).items()}
+            sd.update({n: t.to(self.dtype) for n, t in load_saved_tensors(spec).items()})  # modules_to_save, biases
             for mname, f in load_lora_factors(spec, self.dtype).items():
                 sd[f"{mname}.weight"] = merged_weight(sd[f"{mname}.weight"], f, transposed=mname in self._conv1d)
+                if f.bias is not None:  # lora_bias
+                    sd[f"{mname}.bias"] = (sd[f"{mname}.bias"].float() + f.scale * f.bias).to(self.dtype)
             for pname, rows in load_expert_deltas(spec).items():
                 sd[pname] = merged_param(sd[pname], spec.params[pname], rows)
-            sd.update({n: t.to(self.dtype) for n, t in load_saved_tensors(spec).items()})  # modules_to_save
         else:
             art = Artifact(v.path)
             if self._names_match:

@@ -119,3 +119,51 @@ def test_dora_linears_serve_as_their_merged_weights(tmp_path):
         with pytest.raises(InputError, match=r"variant lora: --tensor-parallel does not serve DoRA adapters") as e:
             start_tensor_parallel(ck, [v], 2, torch.device("cpu"), torch.float32, 2)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("config", [dict(bias="lora_only"), dict(bias="all"), dict(lora_bias=True),
+                                    dict(bias="all", lora_bias=True)],
+                         ids=["bias-lora-only", "bias-all", "lora-bias", "both"])
+def test_trained_biases_serve_as_peft_computes(tmp_path, config):
+    """Qwen2's q/k/v biases trained with the adapter (``bias``: the adapted linears' own, or every
+    bias, saved whole) or a bias on ``lora_B`` (``lora_bias``: ``scale · b`` added to the linear's),
+    or both: the adapter's row gives PEFT's logits, the base row the base's, and swap mode the same."""
+    with single_thread():
+        base = save_model(tiny_model("qwen2"), tmp_path / "base")
+        pm = lora_adapter(load_causal_lm(base, torch.float32), tmp_path / "arts" / "lora", 5,
+                          target_modules=["q_proj", "v_proj"], **config)
+        (v,) = discover_variants(tmp_path / "arts")
+        ids = torch.randint(4, 51, (2, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():  # (PEFT trains the base's own biases in place: the base is read again)
+            want = pm(input_ids=ids).logits
+            plain = load_causal_lm(base, torch.float32)(input_ids=ids).logits
+        ck = Checkpoint(base)
+        model = DeltaModel(ck, [v], num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
+        model.write_slot(1, v.name, model.load_host(v.name))
+        model.ctx.bind([1, -1], "cpu")
+        try:
+            with torch.no_grad():
+                got = model.model(input_ids=ids).logits
+        finally:
+            model.ctx.unbind()
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-5)
+        sm = SwapModels(ck, [v], num_slots=1, device=torch.device("cpu"), dtype=torch.float32, base_name="base")
+        sm.write_slot(0, v.name, sm.load_host(v.name))
+        with torch.no_grad():
+            torch.testing.assert_close(sm.models[0](input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+    assert (want - plain).abs().max() > 0.05
+
+
+def test_a_lora_bias_on_a_linear_without_one_is_refused_in_one_line(tmp_path):
+    """Llama's projections have no bias: a ``lora_bias`` adapter would give them one, which a base row
+    does not have: refused in one line, naming the module."""
+    with single_thread():
+        base = save_model(tiny_model("llama"), tmp_path / "base")
+        lora_adapter(load_causal_lm(base, torch.float32), tmp_path / "arts" / "lora", 5,
+                     target_modules=["q_proj"], lora_bias=True)
+        (v,) = discover_variants(tmp_path / "arts")
+        with pytest.raises(InputError, match=r"model\.layers\.0\.self_attn\.q_proj has a LoRA bias \(lora_bias\) "
+                                             r"\[64\], but the base linear has no bias of that size") as e:
+            DeltaModel(Checkpoint(base), [v], num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
+    assert "\n" not in str(e.value)
