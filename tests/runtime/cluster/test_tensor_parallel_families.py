@@ -106,6 +106,12 @@ def test_a_lora_adapter_with_saved_modules_is_cut_as_its_layers_are(tmp_path):
                                                    modules_to_save=["lm_head", "embed_tokens"]))
 
 
+def test_a_lora_adapter_that_trains_biases_is_cut_as_its_layers_are(tmp_path):
+    """Qwen2's q/k/v biases trained whole (``bias="all"``) and ``lora_bias`` on ``q_proj`` and ``v_proj``:
+    each rank keeps its rows of every column-parallel bias; two ranks serve PEFT's merged model's text."""
+    _served_as_merged(tmp_path, "qwen2", lora=dict(target_modules=["q_proj", "v_proj"], bias="all", lora_bias=True))
+
+
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-gates", "sparse-gates-shared-kv"])
 def test_gemma3n_sparse_gates_altup_and_per_layer_inputs_shard(tmp_path, sparse):
     """Gemma 3n: AltUp, Laurel and the per-layer inputs stay whole on every rank beside the split
