@@ -457,12 +457,12 @@ class DeltaModel:
         self.ctx = DeltaContext(num_slots, dequantize=self.delta_compute == "dequantized")
         self.ctx.defer_lora = lambda shape: self.tuner.tune_later([LoraJob(shape)])  # never measured in a step
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        # Linear shapes, experts, parameters and ties of the base (LoRA checks), before any module is decoupled.
+        self._linears = linear_shapes(self.model)
+        self._lora_base = lora_base(self.model)
         # Parameters that share storage (tied embeddings): a change to one is a change to all names
         # that the checkpoint does not store separately.
-        self._aliases = {n: [m for m in names if m != n] for names in tied_names(self.model) for n in names}
-        # Linear shapes of the base (LoRA checks), taken before any module is decoupled.
-        self._linears = linear_shapes(self.model)
-        self._lora_base = lora_base(self.model)  # (LoRA on experts parameters, modules_to_save)
+        self._aliases = self._lora_base.aliases
         self._moe = self._moe_layout()  # fused experts and routers, before any module is decoupled
         self._targets: dict[str, dict[str, list[tuple[str, str]]]] = {}  # variant -> tensor -> [(module, attr)]
         self._lora: dict[str, Any] = {}  # LoRA variant -> LoraSpec
