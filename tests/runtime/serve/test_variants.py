@@ -327,7 +327,7 @@ def _one_variant_dir(fleet, tmp_path, name, build):
 @pytest.mark.parametrize("case,match", [
     ("dora", r"has a DoRA magnitude \(lora_magnitude_vector\) but use_dora is False"),
     ("resized", r"saves lm_head\.weight \[\d+, \d+\] \(modules_to_save\), the base's is .*a resized vocabulary"),
-    ("bias", "trains biases"),
+    ("bias", r"has a LoRA bias \(lora_bias\) \[\d+\], but the base linear has no bias of that size"),
     ("other_base", "not on the served base"),
     ("targets", "target_modules .* does not name"),
 ])
@@ -345,8 +345,8 @@ def test_unservable_adapters_are_refused_in_one_line(fleet, tmp_path, case, matc
             head = tensors["base_model.model.lm_head.weight"]
             tensors["base_model.model.lm_head.weight"] = torch.cat([head, head[:2]])
             save_file(tensors, str(out / "adapter_model.safetensors"))
-        elif case == "bias":
-            make_adapter(fleet.served.base_dir, out, seed=1, bias="lora_only")
+        elif case == "bias":  # a bias on lora_B of a linear that has none
+            make_adapter(fleet.served.base_dir, out, seed=1, lora_bias=True)
         else:
             make_adapter(fleet.served.base_dir, out, seed=1)
             cfg = json.loads((out / "adapter_config.json").read_text())
