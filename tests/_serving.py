@@ -262,3 +262,37 @@ def engine_runs(dm, tok, jobs, n: int, samples: int = 1, stats: dict | None = No
         eng.shutdown()
     assert all(ev.reason in ("stop", "length") for ev in done.values()), done
     return [done[i] for i in range(len(jobs))]
+
+
+def adapter_rows(ck, v, ids: torch.Tensor) -> torch.Tensor:
+    """Delta-mode logits of one batch of ``ids [2, T]``: row 0 served as variant ``v`` (on base
+    checkpoint ``ck``), row 1 as the base; ``[2, T, V]``."""
+    from deltazip.runtime.serve.model import DeltaModel
+
+    model = DeltaModel(ck, [v], num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
+    model.write_slot(1, v.name, model.load_host(v.name))
+    model.ctx.bind([1, -1], "cpu")
+    try:
+        with torch.no_grad():
+            return model.model(input_ids=ids).logits
+    finally:
+        model.ctx.unbind()
+
+
+def swap_logits(ck, v, ids: torch.Tensor) -> torch.Tensor:
+    """Swap-mode logits of ``ids`` served as variant ``v`` (its whole model swapped in)."""
+    from deltazip.runtime.serve.model import SwapModels
+
+    sm = SwapModels(ck, [v], num_slots=1, device=torch.device("cpu"), dtype=torch.float32, base_name="base")
+    sm.write_slot(0, v.name, sm.load_host(v.name))
+    with torch.no_grad():
+        return sm.models[0](input_ids=ids).logits
+
+
+def peft_logits(pm, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A PEFT model's logits of ``ids`` with its adapter and without (the base's, unless the adapter
+    trained base parameters in place)."""
+    with torch.no_grad():
+        with_adapter = pm(input_ids=ids).logits
+        with pm.disable_adapter():
+            return with_adapter, pm(input_ids=ids).logits

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _factories import lora_adapter, make_pair
-from _serving import single_thread
+from _serving import adapter_rows, peft_logits, single_thread, swap_logits
 
 from deltazip.compress.config import CompressConfig
 from deltazip.compress.merge import load_merged_model
@@ -62,7 +62,6 @@ def test_gpt2_lora_adapter_on_conv1d_layers_serves_as_peft_computes(tmp_path):
     """A LoRA adapter on GPT-2's Conv1D layers (weights stored ``[in, out]``; its factors ``A [r, in]``,
     ``B [out, r]`` as for any linear): delta mode adds its term to the adapter's rows beside base rows,
     swap mode merges it into the transposed weights; both give PEFT's logits."""
-    cpu = torch.device("cpu")
     with single_thread():
         base, _ = make_pair(tmp_path, "gpt2")
         pm = lora_adapter(load_causal_lm(base, torch.float32), tmp_path / "arts" / "lora",
@@ -70,22 +69,9 @@ def test_gpt2_lora_adapter_on_conv1d_layers_serves_as_peft_computes(tmp_path):
         (v,) = discover_variants(tmp_path / "arts")
         ck = Checkpoint(base)
         ids = torch.randint(4, 51, (2, 24), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            want = pm(input_ids=ids).logits
-            with pm.disable_adapter():
-                plain = pm(input_ids=ids).logits
+        want, plain = peft_logits(pm, ids)
         assert (want - plain).abs().max() > 0.1  # the adapter matters
-        model = DeltaModel(ck, [v], num_slots=2, device=cpu, dtype=torch.float32)
-        model.write_slot(1, v.name, model.load_host(v.name))
-        model.ctx.bind([1, -1], "cpu")
-        try:
-            with torch.no_grad():
-                got = model.model(input_ids=ids).logits
-        finally:
-            model.ctx.unbind()
+        got = adapter_rows(ck, v, ids)
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-5)
-        swap = SwapModels(ck, [v], num_slots=1, device=cpu, dtype=torch.float32, base_name="base")
-        swap.write_slot(0, v.name, swap.load_host(v.name))
-        with torch.no_grad():
-            torch.testing.assert_close(swap.models[0](input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(swap_logits(ck, v, ids), want, rtol=1e-5, atol=1e-5)

@@ -9,13 +9,12 @@ import json
 import pytest
 import torch
 from _factories import lora_adapter, save_model, tiny_model
-from _serving import single_thread
+from _serving import adapter_rows, peft_logits, single_thread, swap_logits
 
 from deltazip.formats.errors import InputError
 from deltazip.models.checkpoint import Checkpoint
 from deltazip.models.loader import load_causal_lm
 from deltazip.runtime.serve.lora_variant import linear_shapes, lora_base, read_lora_spec
-from deltazip.runtime.serve.model import DeltaModel, SwapModels
 from deltazip.runtime.serve.variant_sources import discover_variants
 
 pytest.importorskip("peft")
@@ -38,32 +37,20 @@ def test_experts_lora_rows_and_swap_give_pefts_logits(tmp_path, arch):
     gate and up columns interleaved): each adapted expert weight gets ``scale · B_e A_e`` from PEFT's
     ``[r·E, in]`` / ``[out, r·E]`` factors, beside the ``q_proj`` LoRA. The adapter's rows equal PEFT's
     logits and base rows the base's, in one batch; swap mode merges the same."""
-    cpu = torch.device("cpu")
     with single_thread():
         base, pm = _adapter(tmp_path, arch)
         (v,) = discover_variants(tmp_path / "arts")
         ck = Checkpoint(base)
         ids = torch.randint(4, 51, (2, 24), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            want = pm(input_ids=ids).logits
-            with pm.disable_adapter():
-                plain = pm(input_ids=ids).logits
+        want, plain = peft_logits(pm, ids)
         assert (want - plain).abs().max() > 0.05  # the adapter matters
-        model = DeltaModel(ck, [v], num_slots=2, device=cpu, dtype=torch.float32)
-        assert len(model._lora[v.name].params) == 2 * len(pm.base_model.model.model.layers)
-        model.write_slot(1, v.name, model.load_host(v.name))
-        model.ctx.bind([1, -1], "cpu")
-        try:
-            with torch.no_grad():
-                got = model.model(input_ids=ids).logits
-        finally:
-            model.ctx.unbind()
+        plain_model = load_causal_lm(base, torch.float32)
+        spec = read_lora_spec(v.path, linear_shapes(plain_model), arch, None, lora_base(plain_model))
+        assert len(spec.params) == 2 * len(pm.base_model.model.model.layers)
+        got = adapter_rows(ck, v, ids)
         torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-5)
-        swap = SwapModels(ck, [v], num_slots=1, device=cpu, dtype=torch.float32, base_name="base")
-        swap.write_slot(0, v.name, swap.load_host(v.name))
-        with torch.no_grad():
-            torch.testing.assert_close(swap.models[0](input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(swap_logits(ck, v, ids), want, rtol=1e-4, atol=1e-4)
 
 
 def test_experts_lora_files_that_do_not_fit_the_base_are_refused_in_one_line(tmp_path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _factories import lora_adapter, save_model, tiny_model
-from _serving import single_thread
+from _serving import adapter_rows, peft_logits, single_thread, swap_logits
 
 from deltazip.formats.errors import InputError
 from deltazip.models.checkpoint import Checkpoint
@@ -29,18 +29,8 @@ def _logits(tmp_path, tied: bool, saved: list[str], **config):
                           target_modules=["q_proj"], modules_to_save=saved, **config)
         (v,) = discover_variants(tmp_path / "arts")
         ids = torch.randint(4, 51, (2, 24), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            want = pm(input_ids=ids).logits
-            with pm.disable_adapter():
-                plain = pm(input_ids=ids).logits
-        model = DeltaModel(Checkpoint(base), [v], num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
-        model.write_slot(1, v.name, model.load_host(v.name))
-        model.ctx.bind([1, -1], "cpu")
-        try:
-            with torch.no_grad():
-                got = model.model(input_ids=ids).logits
-        finally:
-            model.ctx.unbind()
+        want, plain = peft_logits(pm, ids)
+        got = adapter_rows(Checkpoint(base), v, ids)
     return Checkpoint(base), v, ids, want, plain, got
 
 
@@ -67,10 +57,7 @@ def test_saved_modules_replace_the_bases_for_the_adapters_rows(tmp_path, tied, s
         assert "\n" not in str(e.value)
         return
     with single_thread():
-        sm = SwapModels(ck, [v], num_slots=1, device=cpu, dtype=torch.float32, base_name="base")
-        sm.write_slot(0, v.name, sm.load_host(v.name))
-        with torch.no_grad():
-            torch.testing.assert_close(sm.models[0](input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(swap_logits(ck, v, ids), want, rtol=1e-5, atol=1e-5)
 
 
 def test_dora_linears_serve_as_their_merged_weights(tmp_path):
@@ -96,26 +83,13 @@ def test_dora_linears_serve_as_their_merged_weights(tmp_path):
         pm = PeftModel.from_pretrained(load_causal_lm(base, torch.float32), out).eval()
         (v,) = discover_variants(tmp_path / "arts")
         ids = torch.randint(4, 51, (2, 24), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            want = pm(input_ids=ids).logits
-            with pm.disable_adapter():
-                plain = pm(input_ids=ids).logits
+        want, plain = peft_logits(pm, ids)
         assert (want - plain).abs().max() > 0.05
         ck = Checkpoint(base)
-        model = DeltaModel(ck, [v], num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
-        model.write_slot(1, v.name, model.load_host(v.name))
-        model.ctx.bind([1, -1], "cpu")
-        try:
-            with torch.no_grad():
-                got = model.model(input_ids=ids).logits
-        finally:
-            model.ctx.unbind()
+        got = adapter_rows(ck, v, ids)
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-5)
-        sm = SwapModels(ck, [v], num_slots=1, device=torch.device("cpu"), dtype=torch.float32, base_name="base")
-        sm.write_slot(0, v.name, sm.load_host(v.name))
-        with torch.no_grad():
-            torch.testing.assert_close(sm.models[0](input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(swap_logits(ck, v, ids), want, rtol=1e-5, atol=1e-5)
         with pytest.raises(InputError, match=r"variant lora: --tensor-parallel does not serve DoRA adapters") as e:
             start_tensor_parallel(ck, [v], 2, torch.device("cpu"), torch.float32, 2)
     assert "\n" not in str(e.value)
@@ -138,20 +112,10 @@ def test_trained_biases_serve_as_peft_computes(tmp_path, config):
             want = pm(input_ids=ids).logits
             plain = load_causal_lm(base, torch.float32)(input_ids=ids).logits
         ck = Checkpoint(base)
-        model = DeltaModel(ck, [v], num_slots=2, device=torch.device("cpu"), dtype=torch.float32)
-        model.write_slot(1, v.name, model.load_host(v.name))
-        model.ctx.bind([1, -1], "cpu")
-        try:
-            with torch.no_grad():
-                got = model.model(input_ids=ids).logits
-        finally:
-            model.ctx.unbind()
+        got = adapter_rows(ck, v, ids)
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-5)
-        sm = SwapModels(ck, [v], num_slots=1, device=torch.device("cpu"), dtype=torch.float32, base_name="base")
-        sm.write_slot(0, v.name, sm.load_host(v.name))
-        with torch.no_grad():
-            torch.testing.assert_close(sm.models[0](input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(swap_logits(ck, v, ids), want, rtol=1e-5, atol=1e-5)
     assert (want - plain).abs().max() > 0.05
 
 
