@@ -75,7 +75,7 @@ from deltazip.runtime.serve.delta_experts import (
     piece_key,
 )
 from deltazip.runtime.serve.delta_linear import is_linear
-from deltazip.runtime.serve.lora_variant import lora_base
+from deltazip.runtime.serve.lora_variant import conv1d_modules, linear_shapes, lora_base
 from deltazip.runtime.serve.model import DeltaModel, HostDelta, load_base_model
 from deltazip.runtime.serve.variant_sources import VariantInfo
 
@@ -304,13 +304,6 @@ def _is_attention(mod: nn.Module) -> bool:
                for n in ("q_proj", "qkv_proj", "q_b_proj", "query_key_value", "c_attn", "Wqkv"))
 
 
-def _out_in(linear: nn.Module) -> tuple[int, int]:
-    """``(out_features, in_features)`` of an ``nn.Linear`` or a Conv1D (weight stored ``[in, out]``)."""
-    if isinstance(linear, nn.Linear):
-        return linear.out_features, linear.in_features
-    return linear.weight.shape[1], linear.weight.shape[0]
-
-
 def _head_dim(attn: nn.Module, config) -> int:
     """An attention module's head width: its own ``head_dim``, else the text config's."""
     hd = getattr(attn, "head_dim", None)
@@ -345,10 +338,10 @@ class ShardedDeltaModel(DeltaModel):
         # Planning compares artifact and adapter shapes with the full model's (meta tensors: shapes only).
         self._full_params = {n: torch.empty(p.shape, device="meta")
                              for n, p in model.named_parameters(remove_duplicate=False)}
-        self._full_linears = {n: _out_in(m) for n, m in model.named_modules() if is_linear(m)}
+        self._full_linears = linear_shapes(model)  # (out, in) of every nn.Linear and Conv1D
         self._full_base = lora_base(model)  # (LoRA on experts parameters, modules_to_save: on full shapes)
         # GPT-2's Conv1D linears: weight (and a variant's dense replacement) stored [in, out]
-        self._transposed = {n for n, m in model.named_modules() if is_linear(m) and not isinstance(m, nn.Linear)}
+        self._transposed = set(conv1d_modules(model))
         tied = tied_names(model)  # parameters tied across modules (Zamba2's shared block), before they are cut
         self._layers = decoder_layers(model)[0]
         self._experts: dict[str, bool] = {}  # fused-experts modules (sharded by expert width, all-reduced)
