@@ -519,10 +519,7 @@ class ShardedDeltaModel(DeltaModel):
             if spec.magnitudes:  # (its norm of each output row spans the input columns a row shard splits)
                 raise InputError(f"variant {v.name}: --tensor-parallel does not serve DoRA adapters; merge it with "
                                  "peft (merge_and_unload) and serve the merged model, or use --tensor-parallel 1")
-            wanted.update({m: "linear" for m in spec.modules})
-            wanted.update({x.module: "experts" for x in spec.params.values()})
-            spec.saved_targets = self._plan_saved(v, spec, wanted)
-            return spec
+            return self._plan_lora(v, spec, wanted)
         plan = self._plan_variant(v, self._full_params, wanted)
         if v.kind == "artifact":
             check_variant(v, self._row_inputs(plan), self.group.world)

@@ -10,8 +10,10 @@ module's class hierarchy right above ``nn.Embedding``: the subclass's own ``forw
 gather. The module object stays the same one (its buffers, such as Gemma's ``embed_scale``, and
 any tying stay as loaded).
 
-Per slot the variant's whole ``[V, H]`` table is referenced (no copy; slots holding the same
-deduplicated table share it); a slot whose variant keeps the table "same" reads the base table.
+Per slot either the variant's whole ``[V, H]`` table is referenced (no copy; slots holding the same
+deduplicated table share it), or only the rows it replaces are held (a PEFT adapter's trainable
+tokens: ``token_ids [n]``, ``token_rows [n, H]``, with a ``[V]`` map from token id to row); a slot
+whose variant keeps the table "same" reads the base table.
 """
 
 from __future__ import annotations
@@ -33,30 +35,47 @@ class DeltaEmbedding(nn.Embedding):
 
     ctx: DeltaContext
     _tables: dict[int, torch.Tensor]
+    _rows: dict[int, tuple[torch.Tensor, torch.Tensor]]
     _reached: bool
 
     def _init_slots(self, ctx: DeltaContext) -> None:
         self.ctx = ctx
         self._tables = {}  # slot -> [V, H] (a reference)
+        self._rows = {}  # slot -> (row of each token id, -1 for the base's [V] int32; the rows [n, H])
         self._reached = False
 
     def clear_slot(self, slot: int) -> None:
         self._tables.pop(slot, None)
+        self._rows.pop(slot, None)
 
-    def load_slot(self, slot: int, weight: torch.Tensor) -> None:
-        """The variant's table ``[V, H]`` for ``slot`` (referenced, not copied)."""
-        if tuple(weight.shape) != tuple(self.weight.shape):
-            raise ValueError(f"embedding {tuple(weight.shape)} != base {tuple(self.weight.shape)}")
-        self._tables[slot] = weight.to(device=self.weight.device, dtype=self.weight.dtype)
+    def load_slot(self, slot: int, weight: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
+                  token_rows: torch.Tensor | None = None) -> None:
+        """The variant's table ``weight [V, H]`` for ``slot`` (referenced, not copied), or the rows
+        ``token_rows [n, H]`` it gives token ids ``token_ids [n]`` (the base's rows elsewhere)."""
+        self.clear_slot(slot)
+        if weight is not None:
+            if tuple(weight.shape) != tuple(self.weight.shape):
+                raise ValueError(f"embedding {tuple(weight.shape)} != base {tuple(self.weight.shape)}")
+            self._tables[slot] = weight.to(device=self.weight.device, dtype=self.weight.dtype)
+            return
+        if token_ids is None or token_rows is None or token_rows.shape != (token_ids.shape[0], self.weight.shape[1]):
+            raise ValueError("an embedding slot takes a whole table, or token ids [n] with their rows [n, H]")
+        where = torch.full((self.weight.shape[0],), -1, dtype=torch.int32, device=self.weight.device)
+        where[token_ids.to(self.weight.device)] = torch.arange(token_ids.shape[0], dtype=torch.int32,
+                                                                device=self.weight.device)
+        self._rows[slot] = (where, token_rows.to(device=self.weight.device, dtype=self.weight.dtype))
 
     def resident_bytes(self, slot: int) -> int:
+        if slot in self._rows:
+            where, rows = self._rows[slot]
+            return where.numel() * where.element_size() + rows.numel() * rows.element_size()
         return 0 if slot not in self._tables else self.weight.numel() * self.weight.element_size()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self._reached = True
         out = F.embedding(ids, self.weight, self.padding_idx, self.max_norm, self.norm_type,
                           self.scale_grad_by_freq, self.sparse)
-        present = self._tables.keys() & self.ctx.active
+        present = (self._tables.keys() | self._rows.keys()) & self.ctx.active
         if not present:
             return out
         b = self.ctx.row_slot.shape[0]
@@ -68,7 +87,12 @@ class DeltaEmbedding(nn.Embedding):
             out = out.expand(b, *out.shape[1:])
         idx = self.ctx.token_index(ids.unsqueeze(-1)).view(ids.shape).unsqueeze(-1)  # [B, T, 1]
         for s in sorted(present):
-            out = torch.where(idx == s, F.embedding(ids, self._tables[s], self.padding_idx), out)
+            if s in self._tables:
+                out = torch.where(idx == s, F.embedding(ids, self._tables[s], self.padding_idx), out)
+                continue
+            where, rows = self._rows[s]
+            row = where[ids].long()  # [B, T]: the slot's row of each token, -1 for the base's
+            out = torch.where((idx == s) & (row >= 0).unsqueeze(-1), rows[row.clamp(min=0)], out)
         return out
 
 

@@ -53,6 +53,7 @@ from deltazip.runtime.serve.lora_experts import (
     matches_target,
     take_expert_factors,
 )
+from deltazip.runtime.serve.lora_tokens import TokenRows, read_token_rows, token_module
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -104,6 +105,7 @@ class LoraSpec:
     lora_biases: dict[str, str] = field(default_factory=dict)  # module -> its lora_B bias's key
     saved_targets: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # parameter -> [(module, attr)]
     # the served model applies it to (set when the model plans the adapter)
+    tokens: dict[str, TokenRows] = field(default_factory=dict)  # module -> the token rows it replaces
 
     @property
     def base_model(self) -> str | None:
@@ -132,14 +134,12 @@ class LoraSpec:
 def _refusal(path: Path, cfg: dict[str, Any]) -> str | None:
     """Why an adapter config cannot be served, or None."""
     kind = str(cfg.get("peft_type", "LORA")).upper()
-    if kind != "LORA":
-        return f"it is a {kind} adapter; only LoRA adapters are served"
+    if kind not in ("LORA", "TRAINABLE_TOKENS"):
+        return f"it is a {kind} adapter; only LoRA and trainable-tokens adapters are served"
     checks = [
         (cfg.get("use_dora") and (cfg.get("fan_in_fan_out") or cfg.get("target_parameters")),
          "it uses DoRA (use_dora) on Conv1D layers or parameters; merge it with peft (merge_and_unload) and serve "
          "the merged model as a full checkpoint"),
-        (cfg.get("trainable_token_indices"), "it trains token embeddings (trainable_token_indices); merge it with "
-                                             "peft and serve the merged model as a full checkpoint"),
         (cfg.get("layer_replication"), "it replicates layers (layer_replication), which changes the architecture"),
         (cfg.get("megatron_config"), "it targets Megatron parallel layers (megatron_config)"),
     ]
@@ -238,7 +238,13 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
     spec = LoraSpec(path, cfg)
     base = base or LoraBase({}, {}, {})
     spec.saved = _saved_tensors(path, cfg, entries, base)
-    saved_keys = {k for k, _ in spec.saved.values()}
+    token_keys = {m: k for k in entries if (m := token_module(k.removeprefix(_PREFIX))) is not None}
+    if rename is not None and (old := [f"{m}.weight" for m in token_keys if f"{m}.weight" not in base.params]):
+        got = rename(old)  # (a module named as an older transformers named it)
+        token_keys = {got.get(f"{m}.weight", f"{m}.weight").removesuffix(".weight"): k for m, k in token_keys.items()}
+    spec.tokens = read_token_rows(path, cfg, token_keys, {k: tuple(e.shape) for k, e in entries.items()},
+                                  base.params, base.aliases, linears)
+    saved_keys = {k for k, _ in spec.saved.values()} | set(token_keys.values())
     pairs: dict[str, dict[str, str]] = {}
     for key in [k for k in entries if k not in saved_keys]:
         m = _factor(key.removeprefix(_PREFIX))
@@ -246,11 +252,9 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
             raise InputError(f"adapter {path}: tensor {key!r} is not a LoRA factor (lora_A/lora_B weight); this "
                              f"adapter changes more than LoRA can express and cannot be served")
         pairs.setdefault(m[0], {})[m[1]] = key
-    if not pairs:
+    if not pairs and not spec.tokens:
         raise InputError(f"adapter {path}: {ADAPTER_WEIGHTS} holds no LoRA factors")
     spec.params = take_expert_factors(path, cfg, pairs, entries, base.experts, spec.scale)
-    if not pairs:
-        return spec
     named = {m: m for m in pairs}  # module of the served model -> module as the adapter names it
     unknown = [f"{m}.weight" for m in pairs if m not in linears]
     if unknown and rename is not None:
@@ -260,6 +264,10 @@ def read_lora_spec(path: Path, linears: dict[str, tuple[int, int]], arch: str,
         pairs = {m: pairs[orig] for m, orig in named.items()}
     for mname, ab in sorted(pairs.items()):
         _add_linear(spec, mname, named[mname], ab, linears, entries, arch, base)
+    clash = sorted(set(spec.tokens) & (set(spec.modules) | {n.rsplit(".", 1)[0] for n in spec.saved}))
+    if clash:
+        raise InputError(f"adapter {path}: it trains token rows of {clash[0]} and also LoRA factors or a whole copy "
+                         "of it; merge it with peft and serve the merged model as a full checkpoint")
     return spec
 
 

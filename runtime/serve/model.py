@@ -501,13 +501,34 @@ class DeltaModel:
 
             spec = read_lora_spec(v.path, self._linears, type(self.model).__name__,
                                   lambda names: module_names(self.model, names), self._lora_base)
-            for mname in spec.modules:
-                wanted[mname] = "linear"
-            for x in spec.params.values():
-                wanted[x.module] = "experts"
-            spec.saved_targets = self._plan_saved(v, spec, wanted)
-            return spec
+            return self._plan_lora(v, spec, wanted)
         return self._plan_variant(v, self._params, wanted)
+
+    def _plan_lora(self, v: VariantInfo, spec, wanted: dict[str, str]):
+        """``wanted`` gets the kind of every module a checked adapter (``spec``) changes; returns ``spec``."""
+        for mname in spec.modules:
+            wanted[mname] = "linear"
+        for x in spec.params.values():
+            wanted[x.module] = "experts"
+        spec.saved_targets = self._plan_saved(v, spec, wanted)
+        self._plan_tokens(v, spec, wanted)
+        return spec
+
+    def _plan_tokens(self, v: VariantInfo, spec, wanted: dict[str, str]) -> None:
+        """``wanted`` gets the kind of each module whose token rows the adapter replaces: an embedding's
+        rows are looked up per row, a linear's (a tied ``lm_head``) added as a LoRA term.
+
+        Raises:
+            UnsupportedVariant: a module neither applies per request.
+        """
+        for mname in spec.tokens:
+            mod = self.model.get_submodule(mname)
+            kind = self._decoupled_kind(mod, "weight")
+            if kind not in ("embedding", "linear"):
+                raise UnsupportedVariant(f"variant {v.name}: it trains token rows of {mname} ({type(mod).__name__}), "
+                                         "which the decoupled runtime cannot apply per request; serve it with --mode "
+                                         "swap")
+            wanted[mname] = kind
 
     def _plan_saved(self, v: VariantInfo, spec, wanted: dict[str, str]) -> dict[str, list[tuple[str, str]]]:
         """``parameter -> [(module, attribute)]`` for an adapter's ``modules_to_save`` tensors (with
@@ -695,7 +716,9 @@ class DeltaModel:
         tally = LoadTally(self.registry)
         host = HostDelta(name)
         if v.kind == "lora":
+            from deltazip.runtime.serve.lora_tokens import load_token_rows
             from deltazip.runtime.serve.lora_variant import (
+                ADAPTER_WEIGHTS,
                 dora_weight,
                 load_expert_deltas,
                 load_lora_factors,
@@ -715,6 +738,8 @@ class DeltaModel:
                     kw["dense"] = tally.share(_pin(w))
                     continue
                 kw.update(lora_a=tally.share(_pin(f.A)), lora_b=tally.share(_pin(f.B)), lora_scale=f.scale)
+            for mname, (ids, rows) in load_token_rows(spec.path / ADAPTER_WEIGHTS, spec.tokens).items():
+                self._put_token_rows(host.modules.setdefault(mname, {}), mname, ids, rows.to(self.dtype), tally)
             for pname, rows in load_expert_deltas(spec).items():  # LoRA on experts: their dense delta
                 x = spec.params[pname]
                 self._put_expert_delta(host, x.module, piece_key(x.param, 0, rows.shape[0]),
@@ -765,6 +790,20 @@ class DeltaModel:
                 raise KeyError(f"variant {name}: no delta given for {tname}")
             self._put_packed(host, targets, deltas[tname], True)
         return host
+
+    def _put_token_rows(self, kw: dict[str, Any], mname: str, ids: torch.Tensor, rows: torch.Tensor,
+                        tally: LoadTally) -> None:
+        """An adapter's token rows of module ``mname`` (``ids [n]``, ``rows [n, H]``) into its slot
+        arguments ``kw``: an embedding looks them up; a linear adds them as a rank-``n`` LoRA term."""
+        mod = self.modules[mname]
+        if not isinstance(mod, DeltaLinear):
+            kw.update(token_ids=_pin(ids), token_rows=tally.share(_pin(rows)))
+            return
+        from deltazip.runtime.serve.lora_tokens import lora_form
+
+        w = mod.weight.t() if mod.transposed else mod.weight  # [out, in]
+        a, b = lora_form(ids, rows, w.detach()[ids.to(w.device)].to("cpu", self.dtype), w.shape[0])
+        kw.update(lora_a=tally.share(_pin(a)), lora_b=tally.share(_pin(b)), lora_scale=1.0)
 
     def _put_dense(self, host: HostDelta, targets: list[tuple[str, str]], tensor: torch.Tensor) -> None:
         for mname, attr in targets:
@@ -852,7 +891,9 @@ class DeltaModel:
             return (sum((b[0] * a[1] if m in spec.magnitudes else a[0] * a[1] + b[0] * b[1]) * esize
                         for m, (a, b) in spec.shapes.items())
                     + sum(x.delta_bytes(esize) for x in spec.params.values())
-                    + sum(math.prod(shape) * esize * len(spec.saved_targets[n]) for n, (_, shape) in spec.saved.items()))
+                    + sum(math.prod(shape) * esize * len(spec.saved_targets[n]) for n, (_, shape) in spec.saved.items())
+                    + sum(len(r.indices) * (sum(self._params[f"{m}.weight"].shape) + 8) * esize
+                          for m, r in spec.tokens.items()))  # (token rows, ids or a linear's one-hot [out, n]: a bound)
         for tname, targets in self._targets[name].items():
             e = v.entries[tname]
             per = e.stored_bytes if e.kernel_ready and packed else e.numel * esize
@@ -960,6 +1001,12 @@ class SwapModels:
                 # weights tied to it the base's; a swapped-in model ties them again)
                 raise UnsupportedVariant(f"variant {v.name}: it saves {apart[0]} apart from the weights this base "
                                          "ties to it (modules_to_save); serve it with --mode delta")
+            apart = [m for m, r in spec.tokens.items() for a in self._lora_base.aliases.get(f"{m}.weight", [])
+                     if spec.tokens.get(a.rsplit(".", 1)[0], r).indices != r.indices]
+            if apart:  # (PEFT trained other rows for each of two tied weights, which a whole model cannot hold;
+                # with the same ids it ties the two, whether it saves one copy or both)
+                raise UnsupportedVariant(f"variant {v.name}: it trains token rows of {apart[0]} apart from those of "
+                                         "the weights this base ties to it; serve it with --mode delta")
             return spec
         return None
 
@@ -994,7 +1041,9 @@ class SwapModels:
         elif v.kind == "full":
             sd = self._state_dict_of(v.path, Checkpoint(v.path, f"checkpoint {v.name}"))
         elif v.kind == "lora":
+            from deltazip.runtime.serve.lora_tokens import load_token_rows
             from deltazip.runtime.serve.lora_variant import (
+                ADAPTER_WEIGHTS,
                 load_expert_deltas,
                 load_lora_factors,
                 load_saved_tensors,
@@ -1010,6 +1059,11 @@ class SwapModels:
                     sd[f"{mname}.bias"] = (sd[f"{mname}.bias"].float() + f.scale * f.bias).to(self.dtype)
             for pname, rows in load_expert_deltas(spec).items():
                 sd[pname] = merged_param(sd[pname], spec.params[pname], rows)
+            for mname, (ids, rows) in load_token_rows(spec.path / ADAPTER_WEIGHTS, spec.tokens).items():
+                if f"{mname}.weight" in sd:  # (a tied weight the checkpoint does not hold takes its table's)
+                    w, rows = sd[f"{mname}.weight"], rows.to(self.dtype)
+                    sd[f"{mname}.weight"] = (w.t().index_copy(0, ids, rows).t().contiguous()
+                                             if mname in self._conv1d else w.index_copy(0, ids, rows))
         else:
             art = Artifact(v.path)
             if self._names_match:

@@ -55,6 +55,7 @@ REQUEST_PATH = [
     "serve/kernel_tuning.py",  # what the tuner's thread runs for a key of a variant added while serving
     "serve/lora_variant.py",  # LoRA loads while serving
     "serve/lora_experts.py",  # LoRA on experts weights, read with the adapter
+    "serve/lora_tokens.py",  # an adapter's token rows, read with the adapter
     "serve/variant_sources.py",  # POST /v1/variants
     "serve/variant_catalog.py",  # listing and routing by name; a variant's first request reads it
     "serve/startup_report.py",  # a variant read on first use or added logs its line

@@ -112,6 +112,16 @@ def test_a_lora_adapter_that_trains_biases_is_cut_as_its_layers_are(tmp_path):
     _served_as_merged(tmp_path, "qwen2", lora=dict(target_modules=["q_proj", "v_proj"], bias="all", lora_bias=True))
 
 
+def test_a_lora_adapter_with_trained_token_rows_keeps_them_whole_on_every_rank(tmp_path):
+    """A LoRA adapter on ``q_proj`` that trains the rows of the prompts' own tokens
+    (``trainable_token_indices``) on a base with tied embeddings: the token table and ``lm_head`` are
+    whole on every rank, so each applies the rows as one model does; two ranks serve PEFT's merged
+    model's text."""
+    ids = sorted(set(build_char_tokenizer()("zip model tune")["input_ids"]))[:6]
+    _served_as_merged(tmp_path, "llama", tie_word_embeddings=True,
+                      lora=dict(target_modules=["q_proj"], trainable_token_indices=ids))
+
+
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-gates", "sparse-gates-shared-kv"])
 def test_gemma3n_sparse_gates_altup_and_per_layer_inputs_shard(tmp_path, sparse):
     """Gemma 3n: AltUp, Laurel and the per-layer inputs stay whole on every rank beside the split
