@@ -58,6 +58,7 @@ from deltazip.runtime.cluster.tp_shards import (
     fused_blocks,
     kept_rows,
     kv_head_rows,
+    shard_dense,
     shard_expert_bias,
     shard_expert_piece,
     shard_experts,
@@ -69,6 +70,7 @@ from deltazip.runtime.cluster.tp_shards import (
 )
 from deltazip.runtime.serve.delta_experts import (
     BIAS_OF,
+    ExpertLoraFactors,
     MoeLayout,
     is_fused_experts,
     parse_piece_key,
@@ -567,10 +569,20 @@ class ShardedDeltaModel(DeltaModel):
             for key, part in self._expert_parts(mname, attr, mod.piece_rows(attr, tensor)):
                 kw[key] = mod.rows_delta(key, part)
 
-    def _put_expert_delta(self, host: HostDelta, mname: str, key: str, rows: torch.Tensor) -> None:
-        kw = host.modules.setdefault(mname, {})
-        for k, part in self._expert_parts(mname, key, rows):  # the rank's rows (or columns) of each expert
-            kw[k] = part
+    def _put_expert_lora(self, host: HostDelta, mname: str, param: str, f: ExpertLoraFactors) -> None:
+        """The rank's share of an adapter's experts factors: ``B``'s rows that the rank keeps of each
+        expert's first projection (as a delta's rows are cut), ``A``'s columns of ``down_proj`` (the
+        rank's inputs; the all-reduce sums the parts)."""
+        e, out, r = f.b.shape
+        rank, world = self.group.rank, self.group.world
+        blocks = expert_blocks(param, self._interleaved)
+        if blocks:
+            parts = sorted(shard_expert_piece(param, 0, e * out, f.b.reshape(e * out, r), out, blocks, rank, world),
+                           key=lambda p: p[0])
+            f = f._replace(b=torch.cat([p for _, _, p in parts]).reshape(e, -1, r))
+        else:
+            f = f._replace(a=shard_dense(f.a.reshape(e * r, -1), "row", rank, world).reshape(e, r, -1))
+        super()._put_expert_lora(host, mname, param, f)
 
     def _expert_parts(self, mname: str, attr: str, value) -> list[tuple[str, Any]]:
         """``(attr, value)`` for a target that is not an experts module; for one, this rank's parts of

@@ -27,12 +27,16 @@ are decoupled like any other linear.
 A variant's expert tensor is held per piece: rows ``[row0, row1)`` of the parameter seen as
 ``[E * out, in]`` (always within one expert, or all experts of a fused tensor), keyed
 ``"param:row0:row1"`` in the host entry; a packed additive piece stays packed (or is dequantized in
-``dequantized`` compute mode), anything else becomes a dense delta in the model dtype.
+``dequantized`` compute mode), anything else becomes a dense delta in the model dtype. A LoRA
+adapter's factors of a parameter (PEFT's ``target_parameters``) are held as they are, keyed
+``"lora:param"`` (:class:`ExpertLoraFactors`): each pair adds ``scale · (x A_eᵀ) B_eᵀ``, so a resident
+adapter costs ``E · r · (in + out)`` values per parameter, not a copy of the experts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -230,6 +234,20 @@ class DeltaRouter(nn.Module):
 # --------------------------------------------------------------------------------------------------
 
 
+class ExpertLoraFactors(NamedTuple):
+    """A LoRA adapter's factors of one experts parameter, in the ``[E, out, in]`` view:
+    ``a [E, r, in]``, ``b [E, out, r]``; expert ``e`` adds ``scale · b[e] @ a[e]``."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
+def lora_key(param: str) -> str:
+    """Host-entry key of an adapter's factors of expert parameter ``param``."""
+    return f"lora:{param}"
+
+
 def piece_key(param: str, row0: int, row1: int) -> str:
     """Host-entry key of a piece of an expert parameter (rows of its ``[E * out, in]`` view)."""
     return f"{param}:{row0}:{row1}"
@@ -280,6 +298,11 @@ class _ParamDeltas:
     dense_at: set[int] = field(default_factory=set)
     # [N * E, out] each entry's bias (GPT-OSS): its variant's, else the base's (written on clear)
     bias: torch.Tensor | None = None
+    # LoRA factors per entry, zero-padded to the largest rank held: A [N * E, R, in], B [N * E, out, R]
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+    lora_scale: torch.Tensor | None = None  # [N * E] fp32
+    lora_at: dict[int, int] = field(default_factory=dict)  # entry -> its rank
 
 
 class DeltaExperts(nn.Module):
@@ -359,6 +382,7 @@ class DeltaExperts(nn.Module):
             if cfg is not None:
                 d.present[cfg][entry + 1] = False
             d.dense_at.discard(entry)
+            d.lora_at.pop(entry, None)
 
     def load_slot(self, slot: int, **pieces) -> None:
         """Put a variant's expert pieces (keys ``"param:row0:row1"``; values an additive
@@ -367,6 +391,12 @@ class DeltaExperts(nn.Module):
         by_expert: dict[tuple[str, int], list[tuple[int, object]]] = {}
         entries = set()
         for key, value in pieces.items():
+            if key.startswith("lora:"):  # an adapter's factors of every expert
+                param = key.removeprefix("lora:")
+                for e in range(self.num_experts):
+                    self._write_lora(param, slot * self.num_experts + e, value, e)
+                    entries.add((param, slot * self.num_experts + e))
+                continue
             param, r0, r1 = parse_piece_key(key)
             if param in BIAS_OF:  # the variant's [E, out] bias
                 self._write_bias(BIAS_OF[param], slot, value)
@@ -389,6 +419,32 @@ class DeltaExperts(nn.Module):
             d.bias = base.detach().repeat(self.ctx.num_slots, 1)
         e0 = slot * self.num_experts
         d.bias[e0:e0 + self.num_experts].copy_(value.to(device=base.device, dtype=base.dtype))
+
+    def _write_lora(self, param: str, entry: int, f: ExpertLoraFactors, e: int) -> None:
+        """Expert ``e``'s factors of ``f`` into ``entry``; the tables grow to a larger rank when one comes."""
+        base = self.weight_of(param)
+        _, out, in_f = base.shape
+        r = f.a.shape[1]
+        if tuple(f.a.shape) != (self.num_experts, r, in_f) or tuple(f.b.shape) != (self.num_experts, out, r):
+            raise ValueError(f"experts LoRA factors {tuple(f.a.shape)}, {tuple(f.b.shape)} do not fit {param} "
+                             f"[{self.num_experts}, {out}, {in_f}]")
+        d = self._deltas[param]
+        if d.lora_a is None or d.lora_a.shape[1] < r:
+            n = self.ctx.num_slots * self.num_experts
+            a = torch.zeros(n, r, in_f, dtype=base.dtype, device=base.device)
+            b = torch.zeros(n, out, r, dtype=base.dtype, device=base.device)
+            if d.lora_a is not None:  # (the zero columns added to B, rows to A, add nothing)
+                a[:, :d.lora_a.shape[1]] = d.lora_a
+                b[:, :, :d.lora_b.shape[2]] = d.lora_b
+            else:
+                d.lora_scale = torch.zeros(n, dtype=torch.float32, device=base.device)
+            d.lora_a, d.lora_b = a, b
+        d.lora_a[entry].zero_()
+        d.lora_b[entry].zero_()
+        d.lora_a[entry, :r].copy_(f.a[e])
+        d.lora_b[entry, :, :r].copy_(f.b[e])
+        d.lora_scale[entry] = f.scale
+        d.lora_at[entry] = r
 
     def _write(self, param: str, entry: int, parts: list[tuple[int, object]]) -> None:
         base = self.weight_of(param)
@@ -454,6 +510,8 @@ class DeltaExperts(nn.Module):
                 total += stack.nbytes() // stack.num_deltas
             elif entry in d.dense_at:
                 total += d.dense[entry].numel() * d.dense.element_size()
+            if entry in d.lora_at:
+                total += d.lora_at[entry] * (d.lora_a.shape[2] + d.lora_b.shape[1]) * d.lora_a.element_size()
         return total
 
     # -- forward --------------------------------------------------------------------------------
@@ -508,6 +566,12 @@ class DeltaExperts(nn.Module):
             dense = torch.zeros(d.dense.shape[0] + 1, dtype=torch.bool, device=x.device)
             dense[[e + 1 for e in d.dense_at]] = True
             y = y + grouped_matmul(x, torch.where(dense[entry + 1], entry, torch.full_like(entry, -1)), d.dense)
+        if d.lora_at:  # scale · (x A_eᵀ) B_eᵀ per pair of an adapter's entry: grouped LoRA over N * E entries
+            on = torch.zeros(d.lora_a.shape[0] + 1, dtype=torch.bool, device=x.device)
+            on[[e + 1 for e in d.lora_at]] = True
+            lora = torch.where(on[entry + 1], entry, torch.full_like(entry, -1))
+            y = y + dispatch.lora(x.to(d.lora_a.dtype), lora, d.lora_a, d.lora_b, d.lora_scale,
+                                  self.ctx.defer_lora).to(y.dtype)
         return y
 
 

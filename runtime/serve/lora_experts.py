@@ -9,8 +9,10 @@ where transformers flags the module ``is_transposed``: GPT-OSS). Two adapted par
 are nested wrappers, saved under the module's name with one ``.base_layer`` per level: the module's
 matched parameters, in their registration order, from the innermost (the most ``.base_layer``) out.
 
-The runtime serves the sum as a dense delta of each adapted expert parameter, as it serves a full
-fine-tune's changed experts: ``[E·out, in]`` per resident variant in the model dtype.
+In delta mode the runtime keeps the factors per expert (:func:`expert_factors`) and adds
+``scale · (x A_eᵀ) B_eᵀ`` for each routed pair (``DeltaExperts``): a resident adapter costs
+``E · r · (in + out)`` values per parameter in the model dtype. Swap mode merges the sum
+(:func:`delta_rows`, :func:`merged_param`).
 """
 
 from __future__ import annotations
@@ -41,13 +43,15 @@ class ExpertLora:
     transposed: bool  # stored [E, in, out]
     keys: tuple[str, str]  # (lora_A, lora_B)
     scale: float
+    rank: int
 
     @property
     def name(self) -> str:
         return f"{self.module}.{self.param}"
 
-    def delta_bytes(self, element_size: int) -> int:
-        return self.experts * self.out * self.inp * element_size
+    def factor_bytes(self, element_size: int) -> int:
+        """Bytes of its factors per resident adapter: ``A [E, r, in]`` and ``B [E, out, r]``."""
+        return self.experts * self.rank * (self.out + self.inp) * element_size
 
 
 class ExpertsModule(NamedTuple):
@@ -107,7 +111,7 @@ def expert_lora(path, module: str, param: str, table: dict[str, ExpertsModule], 
     if len(a) != 2 or len(b) != 2 or a[1] != inp or b[0] != out or a[0] != b[1] or a[0] % e:
         raise InputError(f"adapter {path}: {module}.{param} has lora_A {list(a)} and lora_B {list(b)}, the base "
                          f"parameter is {list(shape)}; the adapter belongs to another base model")
-    return ExpertLora(module, param, e, out, inp, transposed, keys, scale_of(f"{module}.{param}", a[0] // e))
+    return ExpertLora(module, param, e, out, inp, transposed, keys, scale_of(f"{module}.{param}", a[0] // e), a[0] // e)
 
 
 def take_expert_factors(path, cfg: dict, pairs: dict[str, dict[str, str]], entries: dict, table: dict[str, ExpertsModule],
@@ -133,16 +137,22 @@ def take_expert_factors(path, cfg: dict, pairs: dict[str, dict[str, str]], entri
     return out
 
 
-def delta_rows(x: ExpertLora, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``scale · B_e A_e`` of every expert as rows ``[E·out, in]`` (the ``[E, out, in]`` view), fp32.
+def expert_factors(x: ExpertLora, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's factors in the ``[E, out, in]`` view: ``A_e`` as ``[E, r, in]`` and ``B_e`` as
+    ``[E, out, r]`` (PEFT's interleaved columns gathered), in ``a``'s dtype.
 
     Args:
         a: ``lora_A [r·E, in]``.
         b: ``lora_B [out, r·E]``.
     """
     r = a.shape[0] // x.experts
-    a3 = a.float().reshape(x.experts, r, x.inp)
-    b3 = b.float().reshape(x.out, r, x.experts).permute(2, 0, 1)  # [E, out, r]
+    return a.reshape(x.experts, r, x.inp), b.reshape(x.out, r, x.experts).permute(2, 0, 1).contiguous()
+
+
+def delta_rows(x: ExpertLora, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``scale · B_e A_e`` of every expert as rows ``[E·out, in]`` (the ``[E, out, in]`` view), fp32
+    (``a``, ``b``: as :func:`expert_factors`)."""
+    a3, b3 = expert_factors(x, a.float(), b.float())
     return (x.scale * torch.bmm(b3, a3)).reshape(x.experts * x.out, x.inp)
 
 

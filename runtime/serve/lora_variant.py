@@ -45,10 +45,12 @@ from deltazip.formats import codecs
 from deltazip.formats.errors import InputError
 from deltazip.models.model_walk import Conv1D
 from deltazip.models.param_names import tied_names
+from deltazip.runtime.serve.delta_experts import ExpertLoraFactors
 from deltazip.runtime.serve.lora_experts import (
     ExpertLora,
     ExpertsModule,
     delta_rows,
+    expert_factors,
     expert_param_table,
     matches_target,
     take_expert_factors,
@@ -411,6 +413,19 @@ def dora_weight(weight: torch.Tensor, f: LoraFactors) -> torch.Tensor:
     to the adapter's magnitude, ``m / ‖V_row‖ · V`` (PEFT's merge; fp32, cast back to ``weight``'s dtype)."""
     v = weight.float() + f.scale * (f.B.float() @ f.A.float())
     return (v * (f.magnitude / v.norm(dim=1)).unsqueeze(1)).to(weight.dtype)
+
+
+def load_expert_factors(spec: LoraSpec, dtype: torch.dtype) -> dict[str, ExpertLoraFactors]:
+    """Every adapted experts parameter's factors per expert (:func:`~deltazip.runtime.serve.lora_experts.expert_factors`,
+    in ``dtype``, CPU), keyed ``module.param``."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(spec.path / ADAPTER_WEIGHTS), framework="pt") as f:
+        for name, x in spec.params.items():
+            a, b = expert_factors(x, f.get_tensor(x.keys[0]).to(dtype), f.get_tensor(x.keys[1]).to(dtype))
+            out[name] = ExpertLoraFactors(a, b, x.scale)
+    return out
 
 
 def load_expert_deltas(spec: LoraSpec) -> dict[str, torch.Tensor]:

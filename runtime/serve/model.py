@@ -56,9 +56,10 @@ from deltazip.runtime.serve.delta_embedding import can_decouple, decouple_embedd
 from deltazip.runtime.serve.delta_experts import (
     DeltaExperts,
     DeltaRouter,
+    ExpertLoraFactors,
     MoeLayout,
     is_own_forward_router,
-    piece_key,
+    lora_key,
     router_tensors,
 )
 from deltazip.runtime.serve.delta_linear import DeltaContext, DeltaLinear, is_linear
@@ -368,6 +369,8 @@ class HostDelta:
                     total += v.numel() * v.element_size()
                 elif isinstance(v, PackedDelta):
                     total += v.nbytes()
+                elif isinstance(v, ExpertLoraFactors):
+                    total += sum(t.numel() * t.element_size() for t in (v.a, v.b))
         return total
 
 
@@ -720,7 +723,7 @@ class DeltaModel:
             from deltazip.runtime.serve.lora_variant import (
                 ADAPTER_WEIGHTS,
                 dora_weight,
-                load_expert_deltas,
+                load_expert_factors,
                 load_lora_factors,
                 load_saved_tensors,
             )
@@ -740,10 +743,10 @@ class DeltaModel:
                 kw.update(lora_a=tally.share(_pin(f.A)), lora_b=tally.share(_pin(f.B)), lora_scale=f.scale)
             for mname, (ids, rows) in load_token_rows(spec.path / ADAPTER_WEIGHTS, spec.tokens).items():
                 self._put_token_rows(host.modules.setdefault(mname, {}), mname, ids, rows.to(self.dtype), tally)
-            for pname, rows in load_expert_deltas(spec).items():  # LoRA on experts: their dense delta
+            for pname, f in load_expert_factors(spec, self.dtype).items():  # LoRA on experts: per-expert factors
                 x = spec.params[pname]
-                self._put_expert_delta(host, x.module, piece_key(x.param, 0, rows.shape[0]),
-                                       tally.share(_pin(rows.to(self.dtype))))
+                self._put_expert_lora(host, x.module, x.param,
+                                      f._replace(a=tally.share(_pin(f.a)), b=tally.share(_pin(f.b))))
         elif v.kind == "full":
             for tname, t in load_checkpoint_tensors(v, list(self._targets[name]), self.dtype, tally).items():
                 self._put_dense(host, self._targets[name][tname], t)
@@ -774,9 +777,9 @@ class DeltaModel:
             else:
                 host.modules.setdefault(mname, {}).update(packed=delta, additive=additive)
 
-    def _put_expert_delta(self, host: HostDelta, mname: str, key: str, rows: torch.Tensor) -> None:
-        """A dense delta ``rows`` of piece ``key`` (rows of the ``[E * out, in]`` view) of experts module ``mname``."""
-        host.modules.setdefault(mname, {})[key] = rows
+    def _put_expert_lora(self, host: HostDelta, mname: str, param: str, f: ExpertLoraFactors) -> None:
+        """An adapter's factors ``f`` of experts parameter ``param`` of module ``mname``."""
+        host.modules.setdefault(mname, {})[lora_key(param)] = f
 
     def host_from_packed(self, name: str, deltas: dict[str, PackedDelta]) -> HostDelta:
         """A :class:`HostDelta` of variant ``name`` from packed deltas already in memory (``checkpoint
@@ -890,7 +893,7 @@ class DeltaModel:
             spec = self._lora[name]
             return (sum((b[0] * a[1] if m in spec.magnitudes else a[0] * a[1] + b[0] * b[1]) * esize
                         for m, (a, b) in spec.shapes.items())
-                    + sum(x.delta_bytes(esize) for x in spec.params.values())
+                    + sum(x.factor_bytes(esize) for x in spec.params.values())
                     + sum(math.prod(shape) * esize * len(spec.saved_targets[n]) for n, (_, shape) in spec.saved.items())
                     + sum(len(r.indices) * (sum(self._params[f"{m}.weight"].shape) + 8) * esize
                           for m, r in spec.tokens.items()))  # (token rows, ids or a linear's one-hot [out, n]: a bound)

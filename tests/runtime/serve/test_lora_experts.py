@@ -105,3 +105,41 @@ def test_an_experts_lora_served_over_http_answers_as_pefts_merged_model(tmp_path
             for name in ("lora", "base"):
                 r = client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0)
                 assert r.choices[0].text == want[name], name
+
+
+def test_experts_lora_slots_hold_factors_and_adapters_of_two_ranks_share_a_batch(tmp_path):
+    """Two adapters on Mixtral's experts alone, rank 2 then rank 6 (the factor tables grow when the
+    second is written), and a base row in one batch: each row gives its own PEFT model's logits. A slot
+    holds each adapted parameter's factors, ``E · r · (in + out)`` values, not a copy of the experts."""
+    from deltazip.runtime.serve.model import DeltaModel
+
+    with single_thread():
+        base = save_model(tiny_model("mixtral"), tmp_path / "base")
+        pms = {name: lora_adapter(load_causal_lm(base, torch.float32), tmp_path / "arts" / name, seed, r=r,
+                                  lora_alpha=2 * r, target_modules=None, target_parameters=EXPERTS)
+               for name, seed, r in (("low", 2, 2), ("high", 3, 6))}
+        variants = {v.name: v for v in discover_variants(tmp_path / "arts")}
+        ids = torch.randint(4, 51, (3, 20), generator=torch.Generator().manual_seed(1))
+        model = DeltaModel(Checkpoint(base), list(variants.values()), num_slots=3, device=torch.device("cpu"),
+                           dtype=torch.float32)
+        for slot, name in enumerate(("low", "high")):
+            model.write_slot(slot, name, model.load_host(name))
+        model.ctx.bind([0, 1, -1], "cpu")
+        try:
+            with torch.no_grad():
+                got = model.model(input_ids=ids).logits
+        finally:
+            model.ctx.unbind()
+        want = {name: peft_logits(pm, ids) for name, pm in pms.items()}
+    torch.testing.assert_close(got[0], want["low"][0][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], want["high"][0][1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[2], want["low"][1][2], rtol=1e-5, atol=1e-5)
+    assert (want["low"][0] - want["high"][0]).abs().max() > 0.05
+    experts = [m for m in model.modules.values() if type(m).__name__ == "DeltaExperts"]
+    for slot, r in ((0, 2), (1, 6)):
+        held = sum(m.resident_bytes(slot) for m in experts)
+        per = [r * (m.weight_of(p).shape[1] + m.weight_of(p).shape[2]) * m.num_experts * 4
+               for m in experts for p in ("gate_up_proj", "down_proj")]
+        dense = sum(m.weight_of(p).numel() * 4 for m in experts for p in ("gate_up_proj", "down_proj"))
+        assert held == sum(per) == model.slot_bytes(slot) <= model.resident_estimate(("low", "high")[slot])
+        assert held < dense / 4
