@@ -112,3 +112,36 @@ def render_error_curve(sens: dict) -> None:
     for p in sens["uniform"]:
         t.add_row(f"uniform {p['setting']}", f"{p['ratio']:.2f}x", human_bytes(p["bytes"]), f"{p['relative_error']:.4g}")
     c.print(t)
+
+
+def render_adapter(s: dict) -> None:
+    """A PEFT adapter's summary (``deltazip.runtime.serve.lora_summary.summarize_adapter``)."""
+    c, cfg = out_console, s["config"]
+    c.print(f"[bold]PEFT adapter {escape(s['path'])}[/bold] ({escape(str(cfg.get('peft_type', 'LORA')))})")
+    c.print(f"trained on: {cfg.get('base_model_name_or_path') or '(not named)'}", markup=False)
+    rank = ", ".join(str(r) for r in s["ranks_stored"]) or "-"
+    c.print(f"r: {cfg.get('r', '-')}  alpha: {cfg.get('lora_alpha', '-')}  ranks stored: {rank}"
+            f"{'  rsLoRA' if cfg.get('use_rslora') else ''}{'  DoRA' if s['dora_magnitudes'] else ''}"
+            f"{'  LoRA biases' if s['lora_biases'] else ''}", markup=False)
+    named = ", ".join(f"{n} x{k}" for n, k in s["adapted_by_name"].items()) or "none"
+    c.print(f"adapted modules: {s['adapted_modules']} ({named}); {s['factor_weights']:,} factor weights", markup=False)
+    if s["whole_tensors"]:
+        c.print(f"whole tensors (modules_to_save, trained biases): {len(s['whole_tensors'])}, e.g. "
+                f"{s['whole_tensors'][0]}", markup=False)
+    for m, n in s["token_rows"].items():
+        c.print(f"token rows: {m}: {n}", markup=False)
+    c.print(f"on disk: {human_bytes(s['bytes_on_disk'])}")
+    if s["refused"]:
+        c.print(f"[red]not served[/red]: {escape(s['refused'])}")
+    on = s.get("on_base")
+    if on is None:
+        return
+    if not on["serves"]:
+        c.print(f"on {escape(on['base'])}: [red]refused[/red]: {escape(on['why'])}")
+        return
+    parts = [f"{on['linears']} linears"] + ([f"{len(on['experts_params'])} experts parameters"]
+                                             if on["experts_params"] else [])
+    parts += [f"{len(on['saved'])} whole tensors"] if on["saved"] else []
+    parts += [f"token rows of {m} ({t['rows']}{'' if t['from'] == m else ', tied to ' + t['from']})"
+              for m, t in on["token_rows"].items()]
+    c.print(f"on {escape(on['base'])} ({on['architecture']}): [green]served[/green]: {escape(', '.join(parts))}")

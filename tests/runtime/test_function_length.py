@@ -76,6 +76,7 @@ OFF_PATH = {
     "serve/listen.py": "binds the port before start-up",
     "serve/kv_meter.py": "counts KV bytes copied for bench/step.py and the tests, never while serving",
     "serve/tune_ahead.py": "deltazip tune, a command run before any server starts",
+    "serve/lora_summary.py": "deltazip inspect of an adapter, never while serving",
     "share/dedup_loader.py": "loads whole models for start-up and eval, never per request",
     "share/weight_share.py": "the weight owner process and a worker's attach at start-up",
 }
