@@ -39,6 +39,7 @@ The artifact layout does not change: everything here runs when a model or a vari
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -518,9 +519,10 @@ class ShardedDeltaModel(DeltaModel):
 
             spec = read_lora_spec(v.path, self._full_linears, type(self.model).__name__,
                                   lambda names: module_names(self.model, names), self._full_base)
-            if spec.magnitudes:  # (its norm of each output row spans the input columns a row shard splits)
-                raise InputError(f"variant {v.name}: --tensor-parallel does not serve DoRA adapters; merge it with "
-                                 "peft (merge_and_unload) and serve the merged model, or use --tensor-parallel 1")
+            for mname in spec.magnitudes:  # (DoRA's norm of each output row spans every input column)
+                if self._kind(mname) is not None and f"{mname}.weight" not in self._checkpoint_names:
+                    raise InputError(f"variant {v.name}: DoRA on {mname} needs its whole base weight, which is no "
+                                     "tensor of the base checkpoint; serve it with --tensor-parallel 1")
             return self._plan_lora(v, spec, wanted)
         plan = self._plan_variant(v, self._full_params, wanted)
         if v.kind == "artifact":
@@ -568,6 +570,18 @@ class ShardedDeltaModel(DeltaModel):
                 continue
             for key, part in self._expert_parts(mname, attr, mod.piece_rows(attr, tensor)):
                 kw[key] = mod.rows_delta(key, part)
+
+    @functools.cached_property
+    def _checkpoint_names(self) -> dict[str, str]:
+        """Model parameter name -> the base checkpoint's tensor of it (transformers' renames)."""
+        return {p: n for n, p in module_names(self.model, list(self.base.names)).items()}
+
+    def _whole_weight(self, mname: str) -> torch.Tensor:
+        """The whole base weight of a linear this rank holds a shard of, read from the base checkpoint
+        (a DoRA adapter's row norms span every input column); an unsplit one's, as held."""
+        if self._kind(mname) is None:
+            return super()._whole_weight(mname)
+        return self.base.get(self._checkpoint_names[f"{mname}.weight"]).to(self.dtype)
 
     def _put_expert_lora(self, host: HostDelta, mname: str, param: str, f: ExpertLoraFactors) -> None:
         """The rank's share of an adapter's experts factors: ``B``'s rows that the rank keeps of each

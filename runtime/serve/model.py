@@ -737,7 +737,7 @@ class DeltaModel:
                     bias = kw.get("bias", self._params.get(f"{mname}.bias"))
                     kw["bias"] = tally.share(_pin((bias.detach().to("cpu").float() + f.scale * f.bias).to(self.dtype)))
                 if f.magnitude is not None:  # DoRA: its whole weight, a dense replacement
-                    w = dora_weight(self._params[f"{mname}.weight"].detach().to("cpu", self.dtype), f)
+                    w = dora_weight(self._whole_weight(mname), f)
                     kw["dense"] = tally.share(_pin(w))
                     continue
                 kw.update(lora_a=tally.share(_pin(f.A)), lora_b=tally.share(_pin(f.B)), lora_scale=f.scale)
@@ -793,6 +793,11 @@ class DeltaModel:
                 raise KeyError(f"variant {name}: no delta given for {tname}")
             self._put_packed(host, targets, deltas[tname], True)
         return host
+
+    def _whole_weight(self, mname: str) -> torch.Tensor:
+        """Linear ``mname``'s whole base weight ``[out, in]`` on the CPU in the model dtype (tensor
+        parallel reads the one a rank holds a shard of from the base checkpoint)."""
+        return self._params[f"{mname}.weight"].detach().to("cpu", self.dtype)
 
     def _put_token_rows(self, kw: dict[str, Any], mname: str, ids: torch.Tensor, rows: torch.Tensor,
                         tally: LoadTally) -> None:

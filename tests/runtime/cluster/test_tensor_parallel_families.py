@@ -112,6 +112,14 @@ def test_a_lora_adapter_that_trains_biases_is_cut_as_its_layers_are(tmp_path):
     _served_as_merged(tmp_path, "qwen2", lora=dict(target_modules=["q_proj", "v_proj"], bias="all", lora_bias=True))
 
 
+def test_a_dora_adapter_takes_each_rows_norm_over_the_whole_base_weight(tmp_path):
+    """DoRA (``use_dora``) on the column-parallel ``q_proj`` and the row-parallel ``down_proj``: each
+    output row of ``W + scale · B A`` is rescaled by its norm over every input column, which a
+    row-parallel shard does not hold; the rank reads the whole base weight from the checkpoint, merges,
+    then keeps its columns. Two ranks serve PEFT's merged model's text."""
+    _served_as_merged(tmp_path, "llama", lora=dict(target_modules=["q_proj", "down_proj"], use_dora=True))
+
+
 def test_a_lora_adapter_with_trained_token_rows_keeps_them_whole_on_every_rank(tmp_path):
     """A LoRA adapter on ``q_proj`` that trains the rows of the prompts' own tokens
     (``trainable_token_indices``) on a base with tied embeddings: the token table and ``lm_head`` are
