@@ -18,6 +18,9 @@ tensor moves, norms, biases, embeddings and positions included), then:
   which the automatic group does not promise; a model with a compressed input width 16 does not
   divide, Gemma 3n's 2-input AltUp coefficients, takes the automatic group), compared with its own
   merged model;
+- serve lora: a PEFT LoRA adapter on every linear of the base (``target_modules="all-linear"``, rank 4,
+  its factors random; for the Mamba families, whose ``out_proj`` PEFT refuses, every other linear), served in delta mode in one batch with base rows; every greedy output equals
+  the ``generate`` of PEFT's merged model (``merge_and_unload``);
 - eval: ``deltazip eval`` at its default ``--batch-size 8``: the artifact's perplexity equals the
   merged checkpoint's (relative difference below 1e-4), and on two lm-eval tasks (``deltazip_ticket``,
   multiple choice by loglikelihood; ``deltazip_copy``, generation; 8 examples each) it scores exactly
@@ -360,7 +363,7 @@ FAMILIES: dict[str, tuple[str, dict, torch.dtype]] = {
                                                       sliding_window=16, hidden_size_per_layer_input=16,
                                                       vocab_size_per_layer_input=128)), torch.float32),
 }
-CHECKS = ("compress", "merge", "serve_delta", "serve_swap", "serve_tp2", "eval")
+CHECKS = ("compress", "merge", "serve_delta", "serve_swap", "serve_tp2", "serve_lora", "eval")
 EVAL_TASKS = ("deltazip_ticket", "deltazip_copy")  # lm-eval: multiple choice (loglikelihood), generation
 TEXT = ("the quick brown fox jumps over the lazy dog. " * 12
         + "0123456789 abcdefghij klmnopqrst uvwxyz, pack my box with five dozen liquor jugs. " * 6)
@@ -505,6 +508,35 @@ class Family:
                              pad_token_id=2, eos_token_id=1)
         return self.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
+    def lora(self) -> Path:
+        """A PEFT LoRA adapter (rank 4, every linear but the output layer, random factors) on the base
+        under ``lora/arts/lora``, and PEFT's merged model beside it (``lora/merged``)."""
+        from peft import LoraConfig, get_peft_model
+
+        from deltazip.models.loader import load_causal_lm
+
+        def adapted(targets):
+            return get_peft_model(load_causal_lm(self.base_dir, torch.float32),
+                                  LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+
+        try:
+            pm = adapted("all-linear")
+        except ValueError as e:  # PEFT refuses LoRA on Mamba's out_proj (and conv1d): every other linear
+            if "incompatible with Mamba" not in str(e):
+                raise
+            model = load_causal_lm(self.base_dir, torch.float32)
+            pm = adapted(sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                                 if isinstance(m, torch.nn.Linear)} - {"out_proj", "lm_head"}))
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():  # (PEFT starts B at zero, which changes nothing)
+            for n, p in pm.named_parameters():
+                if "lora_" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        art = self.root / "lora" / "arts" / "lora"
+        pm.save_pretrained(art, safe_serialization=True)
+        pm.merge_and_unload().save_pretrained(self.root / "lora" / "merged", safe_serialization=True)
+        return art
+
     def serve(self, mode: str) -> None:
         from deltazip.models.checkpoint import Checkpoint
         from deltazip.runtime.cluster.tp_group import start_tensor_parallel
@@ -518,18 +550,19 @@ class Family:
         from deltazip.runtime.serve.model import DeltaModel, SwapModels
         from deltazip.runtime.serve.variant_sources import discover_variants
 
-        art = self.tp_artifact() if mode == "tp2" else self.art
+        art = self.tp_artifact() if mode == "tp2" else self.lora() if mode == "lora" else self.art
         variants = discover_variants(art.parent)
         ck = Checkpoint(self.base_dir)
-        if mode == "delta":
+        if mode in ("delta", "lora"):
             backend = DeltaModel(ck, variants, 2, torch.device("cpu"), torch.float32)
         elif mode == "tp2":
             backend = start_tensor_parallel(ck, variants, 2, torch.device("cpu"), torch.float32, 2)
         else:
             backend = SwapModels(ck, variants, 2, torch.device("cpu"), torch.float32, "base")
-        table = {"base": ServedVariant("base", self.tok, [1], None), "ft": ServedVariant("ft", self.tok, [1], "base")}
+        name = art.name  # the variant: "ft", or "lora"
+        table = {"base": ServedVariant("base", self.tok, [1], None), name: ServedVariant(name, self.tok, [1], "base")}
         eng = Engine(backend, table, "base", EngineConfig(max_deltas=2, max_cpu_deltas=2))
-        jobs = [(m, p) for p in self.prompts for m in ("ft", "base")]
+        jobs = [(m, p) for p in self.prompts for m in (name, "base")]
         got: dict[int, str] = {}
         done = threading.Semaphore(0)
 
@@ -552,7 +585,7 @@ class Family:
             if mode == "tp2":
                 backend.close()
         for i, (m, p) in enumerate(jobs):
-            want = self.reference(art.parent.parent / "merged" if m == "ft" else self.base_dir, p)
+            want = self.reference(art.parent.parent / "merged" if m == name else self.base_dir, p)
             if got[i] != want:
                 raise AssertionError(f"{m} greedy output differs from the merged model's generate ({got[i]!r} vs {want!r})")
 
@@ -585,7 +618,7 @@ def run_family(name: str, root: Path, quick: bool) -> dict:
         why = one_line(e).replace(f"{root.parent}/", "")
         return {**row, **dict.fromkeys(CHECKS, why), "seconds": round(time.perf_counter() - t0, 1)}
     needs = {"merge": "compress", "serve_delta": "merge", "serve_swap": "merge", "serve_tp2": "serve_delta",
-             "eval": "merge"}
+             "eval": "merge"}  # (serve_lora needs only the base)
     for check in CHECKS:
         if check in needs and row.get(needs[check]) != "ok":
             row[check] = f"not run ({needs[check]} did not pass)"
@@ -593,6 +626,7 @@ def run_family(name: str, root: Path, quick: bool) -> dict:
         try:
             {"compress": fam.compress, "merge": fam.merge, "serve_delta": lambda: fam.serve("delta"),
              "serve_swap": lambda: fam.serve("swap"), "serve_tp2": lambda: fam.serve("tp2"),
+             "serve_lora": lambda: fam.serve("lora"),
              "eval": fam.eval}[check]()
             row[check] = "ok"
         except Exception as e:  # one cell per failure: the matrix goes on

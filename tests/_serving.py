@@ -273,8 +273,8 @@ def adapter_rows(ck, v, ids: torch.Tensor) -> torch.Tensor:
     model.write_slot(1, v.name, model.load_host(v.name))
     model.ctx.bind([1, -1], "cpu")
     try:
-        with torch.no_grad():
-            return model.model(input_ids=ids).logits
+        with torch.no_grad():  # (no cache of the model's own: a recurrent mixer runs per group of rows)
+            return model.model(input_ids=ids, use_cache=False).logits
     finally:
         model.ctx.unbind()
 

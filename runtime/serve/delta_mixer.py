@@ -25,6 +25,7 @@ import textwrap
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
 from deltazip.models.loader import text_config
 from deltazip.runtime.serve.delta_experts import DeltaRouter
@@ -177,6 +178,10 @@ class DeltaMixer(DeltaRouter):
         rest = [i for i, s in enumerate(slots) if s not in changed]
         if rest:
             groups.append((rest, {}))
+        if len(groups) > 1 and any(isinstance(a, Cache) for a in (*args, *kwargs.values())):
+            # (each group would read and write the whole batch's states in the model's own cache)
+            raise RuntimeError("rows of several variants through a recurrent mixer need the server's per-row "
+                               "states; run the model with use_cache=False, or through the engine")
         b, out = len(slots), None
         for rows, table in groups:
             got = self._run(inner, rows, table, b, args, kwargs)

@@ -108,6 +108,8 @@ class LoraSpec:
     saved_targets: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # parameter -> [(module, attr)]
     # the served model applies it to (set when the model plans the adapter)
     tokens: dict[str, TokenRows] = field(default_factory=dict)  # module -> the token rows it replaces
+    read_by_mixer: dict[str, tuple[str, str]] = field(default_factory=dict)  # adapted linear -> (the recurrent
+    # mixer that reads its weight itself, its name there): merged and served as the mixer's (set when planned)
 
     @property
     def base_model(self) -> str | None:
@@ -287,10 +289,11 @@ def _add_linear(spec: LoraSpec, mname: str, named: str, ab: dict[str, str], line
     if not {"A", "B"} <= set(ab):
         raise InputError(f"adapter {path}: {mname} has only {', '.join(sorted(ab))} of lora_A and lora_B; the "
                          "adapter file is incomplete")
-    if mname not in linears:
+    shape = linears.get(mname) or base.params.get(f"{mname}.weight")  # (a router's [E, H] weight: PEFT wraps
+    if shape is None or len(shape) != 2:  # the module's parameter, as a linear's)
         raise InputError(f"adapter {path}: it adapts {mname}, which is not a linear layer of the served base "
                          f"({arch}); the adapter was trained on another architecture")
-    out_f, in_f = linears[mname]
+    out_f, in_f = shape
     a, b = tuple(entries[ab["A"]].shape), tuple(entries[ab["B"]].shape)
     if len(a) != 2 or len(b) != 2 or a[1] != in_f or b[0] != out_f or a[0] != b[1]:
         raise InputError(f"adapter {path}: {mname} has lora_A {list(a)} and lora_B {list(b)}, the base linear is "

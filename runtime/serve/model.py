@@ -508,14 +508,35 @@ class DeltaModel:
         return self._plan_variant(v, self._params, wanted)
 
     def _plan_lora(self, v: VariantInfo, spec, wanted: dict[str, str]):
-        """``wanted`` gets the kind of every module a checked adapter (``spec``) changes; returns ``spec``."""
+        """``wanted`` gets the kind of every module a checked adapter (``spec``) changes; returns ``spec``.
+
+        Raises:
+            UnsupportedVariant: factors on a module that is neither a linear nor a router.
+        """
+        recurrent = bool(recurrent_layer_types(self.config))
         for mname in spec.modules:
-            wanted[mname] = "linear"
+            mod = self.model.get_submodule(mname)
+            mixer = mixer_of(self.model, f"{mname}.weight") if recurrent else None
+            if mixer is not None:  # a recurrent mixer reads this weight itself (Mamba's dt_proj): merged, its
+                wanted[mixer[0]] = "mixer"  # rows run the mixer with it
+                spec.read_by_mixer[mname] = mixer
+            elif self._is_router(mname, mod):  # (its own forward; the merged weight replaces the base's per row)
+                wanted[mname] = "router"
+            elif is_linear(mod):
+                wanted[mname] = "linear"
+            else:
+                raise UnsupportedVariant(f"variant {v.name}: it adapts {mname} ({type(mod).__name__}), which the "
+                                         "decoupled runtime cannot apply per request; serve it with --mode swap")
         for x in spec.params.values():
             wanted[x.module] = "experts"
         spec.saved_targets = self._plan_saved(v, spec, wanted)
         self._plan_tokens(v, spec, wanted)
         return spec
+
+    def _is_router(self, mname: str, mod: nn.Module) -> bool:
+        """A MoE router (fused experts' router module, or an ``nn.Linear`` router with a forward of its own)."""
+        return (isinstance(mod, DeltaRouter) or mname in self._moe.routers
+                or is_own_forward_router(self.model, mname, mod))
 
     def _plan_tokens(self, v: VariantInfo, spec, wanted: dict[str, str]) -> None:
         """``wanted`` gets the kind of each module whose token rows the adapter replaces: an embedding's
@@ -726,19 +747,25 @@ class DeltaModel:
                 load_expert_factors,
                 load_lora_factors,
                 load_saved_tensors,
+                merged_weight,
             )
 
             spec = self._lora[name]
             for pname, t in load_saved_tensors(spec).items():  # modules_to_save: whole replacements
                 self._put_dense(host, spec.saved_targets[pname], tally.share(_pin(t.to(self.dtype))))
             for mname, f in load_lora_factors(spec, self.dtype).items():
+                if mname in spec.read_by_mixer:  # its merged weight (and bias), the mixer's tensors for its rows
+                    self._put_mixer_lora(host, spec.read_by_mixer[mname], self._whole_weight(mname), f, tally)
+                    continue
                 kw = host.modules.setdefault(mname, {})  # (a trained bias of it may be there)
                 if f.bias is not None:  # lora_bias: scale · b added to the linear's bias
                     bias = kw.get("bias", self._params.get(f"{mname}.bias"))
                     kw["bias"] = tally.share(_pin((bias.detach().to("cpu").float() + f.scale * f.bias).to(self.dtype)))
-                if f.magnitude is not None:  # DoRA: its whole weight, a dense replacement
-                    w = dora_weight(self._whole_weight(mname), f)
-                    kw["dense"] = tally.share(_pin(w))
+                router = isinstance(self.modules[mname], DeltaRouter)
+                if f.magnitude is not None or router:  # DoRA, or a router's: its whole weight, a dense replacement
+                    w = self._whole_weight(mname)
+                    w = dora_weight(w, f) if f.magnitude is not None else merged_weight(w, f)
+                    kw["weight" if router else "dense"] = tally.share(_pin(w))
                     continue
                 kw.update(lora_a=tally.share(_pin(f.A)), lora_b=tally.share(_pin(f.B)), lora_scale=f.scale)
             for mname, (ids, rows) in load_token_rows(spec.path / ADAPTER_WEIGHTS, spec.tokens).items():
@@ -793,6 +820,20 @@ class DeltaModel:
                 raise KeyError(f"variant {name}: no delta given for {tname}")
             self._put_packed(host, targets, deltas[tname], True)
         return host
+
+    def _put_mixer_lora(self, host: HostDelta, mixer: tuple[str, str], weight: torch.Tensor, f, tally: LoadTally
+                        ) -> None:
+        """An adapted linear that recurrent mixer ``mixer = (module, weight's name in it)`` reads itself:
+        its merged weight (PEFT's merge, DoRA's included) and, with ``lora_bias``, its bias, as whole
+        tensors of the mixer."""
+        from deltazip.runtime.serve.lora_variant import dora_weight, merged_weight
+
+        w = dora_weight(weight, f) if f.magnitude is not None else merged_weight(weight, f)
+        self._put_dense(host, [mixer], tally.share(_pin(w)))
+        if f.bias is not None:
+            name = mixer[1].rpartition(".")[0] + ".bias"
+            bias = self._params[f"{mixer[0]}.{name}"].detach().to("cpu").float() + f.scale * f.bias
+            self._put_dense(host, [(mixer[0], name)], tally.share(_pin(bias.to(self.dtype))))
 
     def _whole_weight(self, mname: str) -> torch.Tensor:
         """Linear ``mname``'s whole base weight ``[out, in]`` on the CPU in the model dtype (tensor
@@ -896,7 +937,9 @@ class DeltaModel:
         esize = torch.tensor([], dtype=self.dtype).element_size()
         if v.kind == "lora":
             spec = self._lora[name]
-            return (sum((b[0] * a[1] if m in spec.magnitudes else a[0] * a[1] + b[0] * b[1]) * esize
+            dense = set(spec.magnitudes) | set(spec.read_by_mixer) | {
+                m for m in spec.modules if isinstance(self.modules.get(m), DeltaRouter)}
+            return (sum((b[0] * a[1] if m in dense else a[0] * a[1] + b[0] * b[1]) * esize
                         for m, (a, b) in spec.shapes.items())
                     + sum(x.factor_bytes(esize) for x in spec.params.values())
                     + sum(math.prod(shape) * esize * len(spec.saved_targets[n]) for n, (_, shape) in spec.saved.items())
