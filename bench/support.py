@@ -501,7 +501,8 @@ class Family:
     def reference(self, model_dir: Path, prompt: list[int]) -> str:
         from deltazip.models.loader import load_causal_lm
 
-        m = load_causal_lm(model_dir, torch.float32)
+        lora = getattr(self, "lora_model", None)
+        m = lora if lora is not None and model_dir.parent.name == "lora" else load_causal_lm(model_dir, torch.float32)
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.tokens, do_sample=False,
@@ -510,7 +511,9 @@ class Family:
 
     def lora(self) -> Path:
         """A PEFT LoRA adapter (rank 4, every linear but the output layer, random factors) on the base
-        under ``lora/arts/lora``, and PEFT's merged model beside it (``lora/merged``)."""
+        under ``lora/arts/lora``, and PEFT's merged model beside it (``lora/merged``): the reference, but
+        where the base ties an adapted weight to another (Zamba2's shared blocks), whose merge would add
+        every tied module's term to the one tensor, PEFT's own model (``self.lora_model``) is."""
         from peft import LoraConfig, get_peft_model
 
         from deltazip.models.loader import load_causal_lm
@@ -534,7 +537,12 @@ class Family:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.3)
         art = self.root / "lora" / "arts" / "lora"
         pm.save_pretrained(art, safe_serialization=True)
-        pm.merge_and_unload().save_pretrained(self.root / "lora" / "merged", safe_serialization=True)
+        from deltazip.models.param_names import tied_names
+
+        tied = {n.replace(".base_layer", "") for group in tied_names(pm) for n in group if ".base_layer." in n}
+        self.lora_model = pm.eval() if tied else None
+        if not tied:
+            pm.merge_and_unload().save_pretrained(self.root / "lora" / "merged", safe_serialization=True)
         return art
 
     def serve(self, mode: str) -> None:

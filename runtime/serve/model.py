@@ -1052,6 +1052,11 @@ class SwapModels:
                 # weights tied to it the base's; a swapped-in model ties them again)
                 raise UnsupportedVariant(f"variant {v.name}: it saves {apart[0]} apart from the weights this base "
                                          "ties to it (modules_to_save); serve it with --mode delta")
+            tied = [m for m in spec.modules if self._lora_base.aliases.get(f"{m}.weight")]
+            if tied:  # (PEFT adds each module's term where that module runs; one merged tensor cannot hold both)
+                raise UnsupportedVariant(f"variant {v.name}: it adapts {tied[0]}, whose weight this base ties to "
+                                         f"{self._lora_base.aliases[f'{tied[0]}.weight'][0]}; a swapped-in model "
+                                         "would apply the adapter's term to both: serve it with --mode delta")
             apart = [m for m, r in spec.tokens.items() for a in self._lora_base.aliases.get(f"{m}.weight", [])
                      if spec.tokens.get(a.rsplit(".", 1)[0], r).indices != r.indices]
             if apart:  # (PEFT trained other rows for each of two tied weights, which a whole model cannot hold;
