@@ -21,11 +21,15 @@ for the adapter's rows.
 Trained biases (``bias="all"`` or ``"lora_only"``: the base linears' own, saved whole) replace the
 base's as saved modules do; ``lora_bias`` adds ``scale · b`` of ``lora_B``'s bias to the linear's.
 
+Trained token rows (``trainable_token_indices``, and ``TRAINABLE_TOKENS`` adapters) are read by
+:mod:`deltazip.runtime.serve.lora_tokens`. Factors on a module that is no ``nn.Linear`` but holds a 2-D
+weight (a MoE router PEFT wraps by its parameter) are read as a linear's; the served model plans
+routers, and linears a recurrent mixer reads itself, as their merged weights.
+
 What cannot be served this way is refused with a message naming the setting: DoRA on Conv1D layers
-or parameters, trainable tokens (rows of the embedding kept apart), a saved module whose shape is
-not the base's (a resized vocabulary), a LoRA bias on a linear without one, layer replication, LoRA
-on parameters other than fused experts weights or on non-linear modules, and adapter types other
-than LoRA.
+or parameters, a saved module whose shape is not the base's (a resized vocabulary), a LoRA bias on a
+linear without one, layer replication, LoRA on parameters other than fused experts weights or on
+modules without a 2-D weight, and adapter types other than LoRA and trainable tokens.
 """
 
 from __future__ import annotations

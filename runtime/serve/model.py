@@ -943,13 +943,20 @@ class DeltaModel:
                         for m, (a, b) in spec.shapes.items())
                     + sum(x.factor_bytes(esize) for x in spec.params.values())
                     + sum(math.prod(shape) * esize * len(spec.saved_targets[n]) for n, (_, shape) in spec.saved.items())
-                    + sum(len(r.indices) * (sum(self._params[f"{m}.weight"].shape) + 8) * esize
-                          for m, r in spec.tokens.items()))  # (token rows, ids or a linear's one-hot [out, n]: a bound)
+                    + sum(self._token_rows_bytes(m, len(r.indices), esize) for m, r in spec.tokens.items()))
         for tname, targets in self._targets[name].items():
             e = v.entries[tname]
             per = e.stored_bytes if e.kernel_ready and packed else e.numel * esize
             total += per * len(targets)
         return total
+
+    def _token_rows_bytes(self, mname: str, n: int, esize: int) -> int:
+        """Slot bytes of ``n`` token rows of module ``mname``: an embedding's rows ``[n, H]`` and its id
+        map (``[V]`` int32); a linear's LoRA form, ``A [n, in]`` and the one-hot ``B [out, n]``."""
+        rows, width = self._params[f"{mname}.weight"].shape
+        if isinstance(self.modules.get(mname), DeltaLinear):
+            return n * (rows + width) * esize
+        return rows * 4 + n * width * esize
 
     def base_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -1156,6 +1163,14 @@ class SwapModels:
     def host_estimate(self, name: str) -> int:
         """A merged state dict in the model dtype (the registry shares tensors equal across them)."""
         return self.resident_estimate(name)
+
+    def _token_rows_bytes(self, mname: str, n: int, esize: int) -> int:
+        """Slot bytes of ``n`` token rows of module ``mname``: an embedding's rows ``[n, H]`` and its id
+        map (``[V]`` int32); a linear's LoRA form, ``A [n, in]`` and the one-hot ``B [out, n]``."""
+        rows, width = self._params[f"{mname}.weight"].shape
+        if isinstance(self.modules.get(mname), DeltaLinear):
+            return n * (rows + width) * esize
+        return rows * 4 + n * width * esize
 
     def base_bytes(self) -> int:
         return 0
