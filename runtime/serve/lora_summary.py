@@ -12,7 +12,6 @@ and the one-line reason when the server would refuse it.
 from __future__ import annotations
 
 import collections
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from deltazip.runtime.serve.lora_variant import (
     check_lora_base,
     linear_shapes,
     lora_base,
+    read_adapter_config,
     read_lora_spec,
 )
 
@@ -52,12 +52,7 @@ def summarize_adapter(path: Path, base: str | None = None) -> dict[str, Any]:
     from deltazip.formats.safetensors_raw import read_table
 
     path = Path(path)
-    try:
-        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise InputError(f"adapter {path}: cannot read {ADAPTER_CONFIG} ({e})") from e
-    if not isinstance(cfg, dict):
-        raise InputError(f"adapter {path}: {ADAPTER_CONFIG} is not a JSON object")
+    cfg = read_adapter_config(path)
     weights = path / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise InputError(f"adapter {path}: {ADAPTER_WEIGHTS} is missing")

@@ -195,11 +195,11 @@ def lora_base(model: nn.Module) -> LoraBase:
         remove_duplicate=False)}, aliases)
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    """``adapter_config.json`` of a servable adapter.
+def read_adapter_config(path: Path) -> dict[str, Any]:
+    """``adapter_config.json`` of adapter directory ``path``, whatever it asks for.
 
     Raises:
-        InputError: unreadable, not an object, or a setting :func:`_refusal` names.
+        InputError: unreadable, or not a JSON object.
     """
     try:
         cfg = json.loads((path / ADAPTER_CONFIG).read_text())
@@ -207,6 +207,16 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise InputError(f"adapter {path}: cannot read {ADAPTER_CONFIG} ({e})") from e
     if not isinstance(cfg, dict):
         raise InputError(f"adapter {path}: {ADAPTER_CONFIG} is not a JSON object")
+    return cfg
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """``adapter_config.json`` of a servable adapter.
+
+    Raises:
+        InputError: unreadable, not an object, or a setting :func:`_refusal` names.
+    """
+    cfg = read_adapter_config(path)
     why = _refusal(path, cfg)
     if why:
         raise InputError(f"adapter {path} cannot be served: {why}")

@@ -1164,14 +1164,6 @@ class SwapModels:
         """A merged state dict in the model dtype (the registry shares tensors equal across them)."""
         return self.resident_estimate(name)
 
-    def _token_rows_bytes(self, mname: str, n: int, esize: int) -> int:
-        """Slot bytes of ``n`` token rows of module ``mname``: an embedding's rows ``[n, H]`` and its id
-        map (``[V]`` int32); a linear's LoRA form, ``A [n, in]`` and the one-hot ``B [out, n]``."""
-        rows, width = self._params[f"{mname}.weight"].shape
-        if isinstance(self.modules.get(mname), DeltaLinear):
-            return n * (rows + width) * esize
-        return rows * 4 + n * width * esize
-
     def base_bytes(self) -> int:
         return 0
 
