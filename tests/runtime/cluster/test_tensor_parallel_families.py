@@ -120,6 +120,15 @@ def test_a_dora_adapter_takes_each_rows_norm_over_the_whole_base_weight(tmp_path
     _served_as_merged(tmp_path, "llama", lora=dict(target_modules=["q_proj", "down_proj"], use_dora=True))
 
 
+@pytest.mark.parametrize("arch,targets", [("phimoe", "all-linear"), ("mamba", ["in_proj", "x_proj", "dt_proj"])],
+                         ids=["phimoe-router", "mamba-dt-proj"])
+def test_lora_on_a_router_or_a_mixer_read_linear_is_served_by_two_ranks(tmp_path, arch, targets):
+    """LoRA on Phi-3.5-MoE's own-forward router (its merged weight, whole on every rank, through the
+    router's forward) and on Mamba's ``dt_proj``, which the mixer reads itself (its merged weight cut
+    with the mixer's channels): two ranks serve PEFT's merged model's text."""
+    _served_as_merged(tmp_path, arch, lora=dict(target_modules=targets))
+
+
 def test_a_lora_adapter_with_trained_token_rows_keeps_them_whole_on_every_rank(tmp_path):
     """A LoRA adapter on ``q_proj`` that trains the rows of the prompts' own tokens
     (``trainable_token_indices``) on a base with tied embeddings: the token table and ``lm_head`` are
