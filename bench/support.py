@@ -19,8 +19,10 @@ tensor moves, norms, biases, embeddings and positions included), then:
   divide, Gemma 3n's 2-input AltUp coefficients, takes the automatic group), compared with its own
   merged model;
 - serve lora: a PEFT LoRA adapter on every linear of the base (``target_modules="all-linear"``, rank 4,
-  its factors random; for the Mamba families, whose ``out_proj`` PEFT refuses, every other linear), served in delta mode in one batch with base rows; every greedy output equals
-  the ``generate`` of PEFT's merged model (``merge_and_unload``);
+  its factors random; for the Mamba families, whose ``out_proj`` PEFT refuses, every other linear),
+  served in delta mode in one batch with base rows; every greedy output equals the ``generate`` of
+  PEFT's merged model (``merge_and_unload``), or of PEFT's own model where the base ties an adapted
+  weight to another (Zamba2's shared block: a merge would add every tied module's term to one tensor);
 - eval: ``deltazip eval`` at its default ``--batch-size 8``: the artifact's perplexity equals the
   merged checkpoint's (relative difference below 1e-4), and on two lm-eval tasks (``deltazip_ticket``,
   multiple choice by loglikelihood; ``deltazip_copy``, generation; 8 examples each) it scores exactly
@@ -498,11 +500,11 @@ class Family:
         merge_to_dir(Artifact(art), Checkpoint(self.base_dir), self.root / "tp" / "merged")
         return art
 
-    def reference(self, model_dir: Path, prompt: list[int]) -> str:
+    def reference(self, model, prompt: list[int]) -> str:
+        """Greedy text of ``model`` (a checkpoint directory, or a loaded model) after ``prompt``."""
         from deltazip.models.loader import load_causal_lm
 
-        lora = getattr(self, "lora_model", None)
-        m = lora if lora is not None and model_dir.parent.name == "lora" else load_causal_lm(model_dir, torch.float32)
+        m = load_causal_lm(model, torch.float32) if isinstance(model, Path) else model
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.tokens, do_sample=False,
@@ -511,9 +513,8 @@ class Family:
 
     def lora(self) -> Path:
         """A PEFT LoRA adapter (rank 4, every linear but the output layer, random factors) on the base
-        under ``lora/arts/lora``, and PEFT's merged model beside it (``lora/merged``): the reference, but
-        where the base ties an adapted weight to another (Zamba2's shared blocks), whose merge would add
-        every tied module's term to the one tensor, PEFT's own model (``self.lora_model``) is."""
+        under ``lora/arts/lora``, and its reference: PEFT's merged model (``lora/merged``), or where the base
+        ties an adapted weight to another, PEFT's own model (``self.lora_model``)."""
         from peft import LoraConfig, get_peft_model
 
         from deltazip.models.loader import load_causal_lm
@@ -539,7 +540,7 @@ class Family:
         pm.save_pretrained(art, safe_serialization=True)
         from deltazip.models.param_names import tied_names
 
-        tied = {n.replace(".base_layer", "") for group in tied_names(pm) for n in group if ".base_layer." in n}
+        tied = any(".base_layer." in n for group in tied_names(pm) for n in group)
         self.lora_model = pm.eval() if tied else None
         if not tied:
             pm.merge_and_unload().save_pretrained(self.root / "lora" / "merged", safe_serialization=True)
@@ -592,8 +593,9 @@ class Family:
             eng.shutdown()
             if mode == "tp2":
                 backend.close()
+        own = getattr(self, "lora_model", None) if mode == "lora" else None
         for i, (m, p) in enumerate(jobs):
-            want = self.reference(art.parent.parent / "merged" if m == name else self.base_dir, p)
+            want = self.reference((own or art.parent.parent / "merged") if m == name else self.base_dir, p)
             if got[i] != want:
                 raise AssertionError(f"{m} greedy output differs from the merged model's generate ({got[i]!r} vs {want!r})")
 

@@ -243,9 +243,12 @@ class ExpertLoraFactors(NamedTuple):
     scale: float
 
 
+_LORA = "lora:"
+
+
 def lora_key(param: str) -> str:
     """Host-entry key of an adapter's factors of expert parameter ``param``."""
-    return f"lora:{param}"
+    return f"{_LORA}{param}"
 
 
 def piece_key(param: str, row0: int, row1: int) -> str:
@@ -391,11 +394,10 @@ class DeltaExperts(nn.Module):
         by_expert: dict[tuple[str, int], list[tuple[int, object]]] = {}
         entries = set()
         for key, value in pieces.items():
-            if key.startswith("lora:"):  # an adapter's factors of every expert
-                param = key.removeprefix("lora:")
-                for e in range(self.num_experts):
-                    self._write_lora(param, slot * self.num_experts + e, value, e)
-                    entries.add((param, slot * self.num_experts + e))
+            if key.startswith(_LORA):  # an adapter's factors of every expert
+                param = key.removeprefix(_LORA)
+                self._write_lora(param, slot, value)
+                entries.update((param, slot * self.num_experts + e) for e in range(self.num_experts))
                 continue
             param, r0, r1 = parse_piece_key(key)
             if param in BIAS_OF:  # the variant's [E, out] bias
@@ -420,8 +422,9 @@ class DeltaExperts(nn.Module):
         e0 = slot * self.num_experts
         d.bias[e0:e0 + self.num_experts].copy_(value.to(device=base.device, dtype=base.dtype))
 
-    def _write_lora(self, param: str, entry: int, f: ExpertLoraFactors, e: int) -> None:
-        """Expert ``e``'s factors of ``f`` into ``entry``; the tables grow to a larger rank when one comes."""
+    def _write_lora(self, param: str, slot: int, f: ExpertLoraFactors) -> None:
+        """Every expert's factors of ``f`` into ``slot``'s entries; the tables grow to a larger rank when
+        one comes."""
         base = self.weight_of(param)
         _, out, in_f = base.shape
         r = f.a.shape[1]
@@ -439,12 +442,13 @@ class DeltaExperts(nn.Module):
             else:
                 d.lora_scale = torch.zeros(n, dtype=torch.float32, device=base.device)
             d.lora_a, d.lora_b = a, b
-        d.lora_a[entry].zero_()
-        d.lora_b[entry].zero_()
-        d.lora_a[entry, :r].copy_(f.a[e])
-        d.lora_b[entry, :, :r].copy_(f.b[e])
-        d.lora_scale[entry] = f.scale
-        d.lora_at[entry] = r
+        at = slice(slot * self.num_experts, (slot + 1) * self.num_experts)
+        d.lora_a[at].zero_()
+        d.lora_b[at].zero_()
+        d.lora_a[at, :r].copy_(f.a)
+        d.lora_b[at, :, :r].copy_(f.b)
+        d.lora_scale[at] = f.scale
+        d.lora_at.update(dict.fromkeys(range(at.start, at.stop), r))
 
     def _write(self, param: str, entry: int, parts: list[tuple[int, object]]) -> None:
         base = self.weight_of(param)
